@@ -1,0 +1,291 @@
+"""`DDPFixConfig`: every hf_ddpfix option once, with the environment variables that set it.
+
+Sources, highest first: an explicit argument > `HF_DDPFIX_<OPTION>` > an `UNSLOTH_*` compatibility
+variable > the default. `None` in a field means "unset: let the plan decide". Every resolved value
+remembers where it came from, so the plan log can say it.
+
+Guarantees: a value that is not one of the allowed spellings raises `ValueError` naming the variable,
+the bad value and the allowed values; two environment variables that contradict each other raise
+`ValueError` naming both (never silently resolved).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+CheckpointingMode = Literal["auto", "non_reentrant", "reentrant"]
+
+_TRUE = ("1", "true", "yes", "on")
+_FALSE = ("0", "false", "no", "off")
+_BOOL_ALLOWED = "1/true/yes/on or 0/false/no/off"
+_AUTO = ("", "auto")
+
+
+def parse_bool(name: str, value: str | bool | None, *, allow_auto: bool = False) -> bool | None:
+    """Parse a boolean setting. `None` (and "auto" when `allow_auto`) mean unset.
+
+    Raises:
+        ValueError: naming `name`, the value and the allowed spellings.
+    """
+    if value is None or isinstance(value, bool):
+        return value
+    v = str(value).strip().lower()
+    if allow_auto and v in _AUTO:
+        return None
+    if v in _TRUE:
+        return True
+    if v in _FALSE:
+        return False
+    allowed = _BOOL_ALLOWED + (" or auto" if allow_auto else "")
+    raise ValueError(f"{name}={value!r} is not a recognised value; allowed: {allowed}")
+
+
+def parse_choice(name: str, value: str | None, choices: tuple[str, ...]) -> str | None:
+    """Parse a choice setting (case-insensitive, `-` and `_` alike). `None` means unset."""
+    if value is None:
+        return None
+    v = str(value).strip().lower().replace("-", "_")
+    if v in choices:
+        return v
+    raise ValueError(f"{name}={value!r} is not a recognised value; allowed: {', '.join(choices)}")
+
+
+def parse_positive_int(name: str, value: str | int | None, *, allow_zero: bool = False) -> int | None:
+    """Parse a non-negative (or positive) integer setting. `None` means unset."""
+    if value is None:
+        return None
+    try:
+        n = int(str(value).strip()) if not isinstance(value, int) or isinstance(value, bool) else value
+    except ValueError:
+        n = None
+    if isinstance(value, bool) or n is None or n < (0 if allow_zero else 1):
+        low = 0 if allow_zero else 1
+        raise ValueError(f"{name}={value!r} is not a recognised value; allowed: an integer >= {low}")
+    return n
+
+
+def parse_str(name: str, value: str | None) -> str | None:
+    """A free-form setting validated later by the feature that owns it (e.g. tiling specs)."""
+    if value is None:
+        return None
+    v = str(value).strip()
+    return v or None
+
+
+@dataclass(frozen=True)
+class _Option:
+    """How one option is read: its env var, compatibility aliases and parser."""
+
+    parse: Callable[[str, Any], Any]
+    doc: str
+    # compatibility variables: name -> value they imply when set to a true value
+    compat: Mapping[str, Any] = field(default_factory=dict)
+
+
+def _bool(name: str, value: Any) -> bool | None:
+    return parse_bool(name, value, allow_auto=True)
+
+
+def _checkpointing(name: str, value: Any) -> str | None:
+    return parse_choice(name, value, ("auto", "non_reentrant", "reentrant"))
+
+
+def _int1(name: str, value: Any) -> int | None:
+    return parse_positive_int(name, value)
+
+
+def _int0(name: str, value: Any) -> int | None:
+    return parse_positive_int(name, value, allow_zero=True)
+
+
+def _tiling(name: str, value: Any) -> str | None:
+    v = parse_str(name, value)
+    if v is None:
+        return None
+    low = v.lower()
+    if low in _TRUE:
+        return "auto"
+    if low in _FALSE:
+        return "off"
+    if low in ("auto", "arctic", "target") or low.startswith("target:") or low.isdigit():
+        if low.startswith("target:"):
+            try:
+                if float(low.split(":", 1)[1]) <= 0:
+                    raise ValueError
+            except ValueError:
+                raise ValueError(
+                    f"{name}={value!r} is not a recognised value; allowed: off, auto, on, N (shards), "
+                    "arctic, target, target:GB (GB a positive number)"
+                ) from None
+        if low.isdigit() and int(low) < 1:
+            raise ValueError(f"{name}={value!r} is not a recognised value; shard count must be >= 1")
+        return low
+    raise ValueError(
+        f"{name}={value!r} is not a recognised value; allowed: off, auto, on, N (shards), arctic, target, target:GB"
+    )
+
+
+OPTIONS: dict[str, _Option] = {
+    "static_graph": _Option(
+        _bool,
+        "DDP `static_graph`: 1 forces it where safe, 0 never uses it, auto lets the plan decide.",
+        compat={"UNSLOTH_DISABLE_DDP_STATIC_GRAPH": False},
+    ),
+    "static_graph_with_checkpointing": _Option(
+        _bool,
+        "0 disables static graph whenever activation checkpointing is on.",
+        compat={"UNSLOTH_DISABLE_DDP_STATIC_GRAPH_FOR_GRAD_CHECKPOINT": False},
+    ),
+    "find_unused_parameters": _Option(
+        _bool, "DDP `find_unused_parameters`: 1/0 force it (a known-bad choice is still corrected), auto decides."
+    ),
+    "checkpointing": _Option(
+        _checkpointing,
+        "Checkpointing implementation when checkpointing is on: auto (non-reentrant under DDP/FSDP), "
+        "non_reentrant, reentrant.",
+    ),
+    "assume_checkpointing": _Option(
+        _bool,
+        "1: treat the run as checkpointed even when detection misses it (custom checkpointing).",
+        compat={"UNSLOTH_USE_GRADIENT_CHECKPOINTING": True},
+    ),
+    "strict": _Option(_bool, "1: raise before training instead of correcting a known-bad explicit setting."),
+    "offload_activations": _Option(
+        _bool, "1: asynchronous CPU offload of checkpointed layer inputs (no-op without an accelerator)."
+    ),
+    "vlm_stabilizer": _Option(
+        _bool, "VLM dummy-image stabiliser so every rank uses every vision parameter each step (auto: on)."
+    ),
+    "hang_guard": _Option(
+        _bool, "Detect ranks disagreeing on used parameter groups before backward and raise (auto: on)."
+    ),
+    "tiled_mlp": _Option(
+        _tiling,
+        "TiledMLP: off, auto, N shards, arctic, target, target:GB.",
+        compat={"UNSLOTH_TILED_MLP": None},  # value passed through (arctic / target / target:GB)
+    ),
+    "tiled_loss": _Option(_tiling, "Tiled lm_head + cross-entropy: off, auto, on, N chunks."),
+    "sync_check_steps": _Option(
+        _int0, "Compare a checksum of trainable params across ranks every N steps (0: never)."
+    ),
+    "log_plan": _Option(_bool, "Log the plan on rank 0 at the start of training (default on)."),
+}
+
+#: Compatibility variables whose *value* is passed through instead of implying a fixed value.
+_PASS_THROUGH = {"UNSLOTH_TILED_MLP"}
+
+
+def env_name(option: str) -> str:
+    """The `HF_DDPFIX_*` variable of an option, e.g. `static_graph` -> `HF_DDPFIX_STATIC_GRAPH`."""
+    return "HF_DDPFIX_" + option.upper()
+
+
+@dataclass(frozen=True)
+class DDPFixConfig:
+    """All hf_ddpfix options. `None` means unset (the plan decides). See `OPTIONS` for each one's meaning.
+
+    Build it with `DDPFixConfig.from_env(**explicit)` to apply the environment; the plain constructor
+    takes only explicit values. `sources` maps each set option to where its value came from.
+    """
+
+    static_graph: bool | None = None
+    static_graph_with_checkpointing: bool | None = None
+    find_unused_parameters: bool | None = None
+    checkpointing: CheckpointingMode | None = None
+    assume_checkpointing: bool | None = None
+    strict: bool | None = None
+    offload_activations: bool | None = None
+    vlm_stabilizer: bool | None = None
+    hang_guard: bool | None = None
+    tiled_mlp: str | None = None
+    tiled_loss: str | None = None
+    sync_check_steps: int | None = None
+    log_plan: bool | None = None
+    sources: Mapping[str, str] = field(default_factory=dict, compare=False, repr=False)
+
+    def __post_init__(self) -> None:
+        for f in dataclasses.fields(self):
+            if f.name == "sources":
+                continue
+            value = getattr(self, f.name)
+            if value is not None:
+                # validate explicit values with the same parser as the environment
+                parsed = OPTIONS[f.name].parse(f.name, value)
+                object.__setattr__(self, f.name, parsed)
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str] | None = None, **explicit: Any) -> DDPFixConfig:
+        """Resolve every option: explicit argument > `HF_DDPFIX_*` > `UNSLOTH_*` > unset.
+
+        Raises:
+            ValueError: an unknown option, an invalid value, or contradicting variables.
+        """
+        env = os.environ if env is None else env
+        unknown = set(explicit) - set(OPTIONS)
+        if unknown:
+            raise ValueError(f"unknown hf_ddpfix option(s) {sorted(unknown)}; allowed: {', '.join(OPTIONS)}")
+        values: dict[str, Any] = {}
+        sources: dict[str, str] = {}
+        for name, opt in OPTIONS.items():
+            env_value = opt.parse(env_name(name), env.get(env_name(name)))
+            compat_value, compat_var = None, None
+            for var, implied in opt.compat.items():
+                raw = env.get(var)
+                if raw is None or raw.strip() == "":
+                    continue
+                if var in _PASS_THROUGH:
+                    v = opt.parse(var, raw)
+                elif parse_bool(var, raw):
+                    v = implied
+                else:
+                    continue  # e.g. UNSLOTH_DISABLE_DDP_STATIC_GRAPH=0: asks for nothing
+                compat_value, compat_var = v, var
+            if env_value is not None and compat_value is not None and env_value != compat_value:
+                raise ValueError(
+                    f"{env_name(name)}={env[env_name(name)]!r} contradicts {compat_var}={env[compat_var]!r}; "
+                    f"unset one of them"
+                )
+            if explicit.get(name) is not None:
+                values[name] = opt.parse(name, explicit[name])
+                sources[name] = "argument"
+            elif env_value is not None:
+                values[name], sources[name] = env_value, env_name(name)
+            elif compat_value is not None:
+                values[name], sources[name] = compat_value, compat_var
+        _check_cross_conflicts(values, sources)
+        return cls(**values, sources=sources)
+
+    def source(self, option: str) -> str:
+        """Where `option`'s value came from: "argument", an env var name, or "default"."""
+        return self.sources.get(option, "default")
+
+    def describe(self) -> list[str]:
+        """One `option=value (source)` line per option that is set."""
+        return [
+            f"{f.name}={getattr(self, f.name)} ({self.source(f.name)})"
+            for f in dataclasses.fields(self)
+            if f.name != "sources" and getattr(self, f.name) is not None
+        ]
+
+
+def _check_cross_conflicts(values: Mapping[str, Any], sources: Mapping[str, str]) -> None:
+    """Report settings that cannot both hold (e.g. static graph forced on and forbidden with checkpointing)."""
+    if values.get("static_graph") is True and values.get("static_graph_with_checkpointing") is False:
+        if values.get("assume_checkpointing") is True:
+            raise ValueError(
+                f"static_graph=1 ({sources['static_graph']}) contradicts static_graph_with_checkpointing=0 "
+                f"({sources['static_graph_with_checkpointing']}) with checkpointing assumed on "
+                f"({sources['assume_checkpointing']}); unset one of them"
+            )
+
+
+def env_table() -> list[tuple[str, str, str]]:
+    """(variable, compatibility aliases, meaning) for every option: the README's table is generated from this."""
+    rows = []
+    for name, opt in OPTIONS.items():
+        rows.append((env_name(name), ", ".join(opt.compat), opt.doc))
+    return rows

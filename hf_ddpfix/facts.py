@@ -1,0 +1,114 @@
+"""Gather `RunFacts` from a live `Trainer` (and its model) for `resolve_plan`.
+
+Read-only: nothing here changes the trainer, the model or the environment.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from .checkpointing import detect_checkpointing, requested_checkpointing
+from .plan import ParallelMode, RunFacts
+
+_MOE_KEYS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts")
+
+
+def unwrap_model(model: nn.Module) -> nn.Module:
+    """Strip DDP / FSDP-1 / torch.compile wrappers (not peft): the module the user built."""
+    while True:
+        inner = getattr(model, "module", None) or getattr(model, "_orig_mod", None)
+        if isinstance(inner, nn.Module) and inner is not model:
+            model = inner
+            continue
+        return model
+
+
+def is_peft_model(model: nn.Module) -> bool:
+    try:
+        from peft import PeftModel
+    except ImportError:  # peft is a dependency, but stay importable without it
+        return False
+    return isinstance(model, PeftModel)
+
+
+def _configs(model: nn.Module) -> list[Any]:
+    cfg = getattr(model, "config", None)
+    if cfg is None:
+        return []
+    out = [cfg]
+    for key in ("text_config", "language_config"):
+        sub = getattr(cfg, key, None)
+        if sub is not None:
+            out.append(sub)
+    return out
+
+
+def is_vlm(model: nn.Module) -> bool:
+    """A model with a vision tower: its config has a `vision_config`."""
+    return any(getattr(c, "vision_config", None) is not None for c in _configs(model))
+
+
+def has_conditional_params(model: nn.Module) -> bool:
+    """Trainable parameters inside mixture-of-experts blocks (an expert may get no token in a step)."""
+    moe = any((getattr(c, k, None) or 0) > 1 for c in _configs(model) for k in _MOE_KEYS)
+    if not moe:
+        return False
+    return any(p.requires_grad and "expert" in n for n, p in model.named_parameters())
+
+
+def parallel_mode(trainer: Any) -> tuple[ParallelMode, int]:
+    """("single" | "ddp" | "fsdp" | "deepspeed", world size) as the Trainer's accelerator will run it."""
+    from transformers.training_args import ParallelMode as HFParallelMode
+
+    world = int(getattr(trainer.args, "world_size", 1) or 1)
+    if getattr(trainer, "is_deepspeed_enabled", False):
+        return "deepspeed", world
+    if getattr(trainer, "is_fsdp_enabled", False):
+        return "fsdp", world
+    if trainer.args.parallel_mode == HFParallelMode.DISTRIBUTED and world > 1:
+        return "ddp", world
+    return "single", world
+
+
+def _vlm() -> Any:
+    from . import vlm  # the VLM adapters decide what counts as the vision tower
+
+    return vlm
+
+
+def gather_facts(trainer: Any, model: nn.Module | None = None) -> RunFacts:
+    """Facts about `trainer`'s run: parallel mode, checkpointing, model kind, explicit DDP flags.
+
+    Checkpointing is read from `TrainingArguments.activation_checkpointing(_kwargs)` and, when those are
+    off, from the model itself (the user may have enabled it before building the Trainer).
+    """
+    args = trainer.args
+    model = unwrap_model(model if model is not None else trainer.model)
+    parallel, world = parallel_mode(trainer)
+    user_reentrant = None
+    offload = False
+    if getattr(args, "activation_checkpointing", False):
+        mode, user_reentrant, offload = requested_checkpointing(args.activation_checkpointing_kwargs)
+    else:
+        mode = detect_checkpointing(model)
+    vision = is_vlm(model)
+    adapter = _vlm().find_vision_adapter(model) if vision else None
+    return RunFacts(
+        parallel=parallel,
+        world_size=world,
+        checkpointing=mode,  # type: ignore[arg-type]
+        is_peft=is_peft_model(model),
+        is_vlm=vision,
+        vlm_adapter=adapter.name if adapter is not None else None,
+        trainable_vision_params=vision and _vlm().has_trainable_vision_params(model),
+        conditional_params=has_conditional_params(model),
+        grad_accum_steps=int(args.gradient_accumulation_steps or 1),
+        user_find_unused=args.ddp_find_unused_parameters,
+        user_static_graph=getattr(args, "ddp_static_graph", None),
+        user_reentrant=user_reentrant,
+        offload_requested=offload,
+        accelerator_available=torch.device(args.device).type not in ("cpu", "meta"),
+    )

@@ -1,0 +1,555 @@
+"""Asynchronous CPU offload of activation-checkpoint inputs (``ActivationOffload``).
+
+With non-reentrant checkpointing, a ``saved_tensors_hooks`` context around a ``checkpoint(...)`` call
+sees only the checkpoint's positional tensor inputs (a decoder layer's hidden states); the recompute
+runs under checkpoint's own hooks and keyword tensors are captured by closure, never packed (checked
+on torch 2.13 by ``tests/test_offload.py``). Those inputs are all that a checkpointed model keeps per
+layer, ``layers x batch x seq x hidden x bytes`` in total, so moving them to host memory during the
+forward and back during the backward frees that much device memory (REFERENCES.md §3).
+
+Usage::
+
+    offload = ActivationOffload(min_bytes=1 << 20, module=model)   # reusable across steps
+    ckpt = make_checkpoint_fn(offload)                             # what layers call to checkpoint
+    with offload.step():                                           # forward AND backward of a step
+        loss = model(**batch).loss
+        loss.backward()
+
+On a CUDA device: one side stream per device, non-blocking copies into a bounded pool of pinned host
+buffers, ordered against the compute stream with events and ``record_stream``; the last packed layer
+input stays on the device (backward needs it first); while tensor ``i`` is restored, tensor ``i-1``
+is prefetched. On CPU tensors nothing is copied (they already live on the host) but the bytes an
+accelerator run would move are counted in ``stats.would_offload_bytes``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import threading
+import weakref
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import torch
+from torch import nn
+from torch.multiprocessing.reductions import StorageWeakRef
+from torch.utils.checkpoint import checkpoint as _torch_checkpoint
+
+logger = logging.getLogger(__name__)
+
+__all__ = [
+    "DEFAULT_MIN_BYTES",
+    "ActivationOffload",
+    "OffloadStats",
+    "accelerator_available",
+    "make_checkpoint_fn",
+]
+
+# 1 MiB: below this a copy costs more in launch latency and bookkeeping than it frees
+# (DeepSpeed, axolotl and torchtune all skip tensors under ~1 MiB; REFERENCES.md §3).
+DEFAULT_MIN_BYTES = 1 << 20
+
+_OFFLOAD_DEVICE_TYPES = ("cuda",)  # ROCm builds report "cuda" too
+
+
+def accelerator_available() -> bool:
+    """True when a device the asynchronous offload path supports (CUDA or ROCm) is present.
+
+    Guarantees: never initializes a device context when there is no device; False on CPU-only builds.
+    """
+    return torch.cuda.is_available()
+
+
+@dataclass
+class OffloadStats:
+    """Counters for one ``step()`` (reset when the next step begins), plus pool state.
+
+    Bytes are storage bytes: what a copy moves. ``would_offload_bytes`` counts the bytes an accelerator
+    run moves to the host on every device type (on CUDA it equals ``offloaded_bytes``; on CPU nothing
+    is copied and ``offloaded_bytes`` stays 0).
+    """
+
+    steps: int = 0  # step() contexts completed since construction (cumulative)
+    packed_tensors: int = 0  # tensors the pack hook saw
+    packed_bytes: int = 0
+    offloaded_tensors: int = 0  # storages actually copied to host buffers
+    offloaded_bytes: int = 0
+    would_offload_bytes: int = 0  # storages that were (or on an accelerator would be) moved to the host
+    kept_tensors: int = 0  # offloadable storages left on the device because backward needs them first
+    kept_bytes: int = 0
+    deduped_tensors: int = 0  # packs that reused a storage already recorded this step
+    skipped_small: int = 0  # below min_bytes
+    skipped_params: int = 0  # parameters, buffers or views of them
+    skipped_views: int = 0  # views that do not cover their whole storage
+    skipped_other: int = 0  # subclasses, sparse/quantized/conj tensors, unsupported devices, pin failure
+    restored_tensors: int = 0  # host-to-device copies (prefetched or on demand)
+    prefetched_tensors: int = 0
+    pool_buffers: int = 0  # idle host buffers in the pool at step exit
+    pool_bytes: int = 0
+    pool_allocated: int = 0  # host buffers ever allocated (cumulative; flat once the pool is warm)
+    in_flight: int = 0  # host buffers still owned by a live saved tensor at step exit (0 after backward)
+
+    def as_dict(self) -> dict[str, int]:
+        return asdict(self)
+
+
+class _HostPool:
+    """Idle host buffers keyed by byte size (shape and dtype collapse to bytes, which widens reuse).
+
+    Guarantees: holds at most ``max_idle_bytes`` idle bytes when a cap is given; without one it never
+    holds more than the largest number of buffers in use at once, since buffers are reused before any
+    new one is allocated. Thread-safe (the backward runs hooks on autograd's device threads).
+    """
+
+    def __init__(self, pin: bool, max_idle_bytes: int | None) -> None:
+        self.pin = pin
+        self.max_idle_bytes = max_idle_bytes
+        self._free: dict[int, list[torch.Tensor]] = {}
+        self._idle_bytes = 0
+        self.allocated = 0
+        self._lock = threading.Lock()
+
+    def take(self, nbytes: int) -> torch.Tensor:
+        with self._lock:
+            bucket = self._free.get(nbytes)
+            if bucket:
+                self._idle_bytes -= nbytes
+                return bucket.pop()
+        buf = torch.empty(nbytes, dtype=torch.uint8, pin_memory=self.pin)
+        self.allocated += 1
+        return buf
+
+    def give(self, buf: torch.Tensor) -> None:
+        nbytes = buf.numel()
+        with self._lock:
+            if self.max_idle_bytes is not None and self._idle_bytes + nbytes > self.max_idle_bytes:
+                return  # dropped: freed by the allocator
+            self._free.setdefault(nbytes, []).append(buf)
+            self._idle_bytes += nbytes
+
+    def clear(self) -> None:
+        with self._lock:
+            self._free.clear()
+            self._idle_bytes = 0
+
+    @property
+    def idle_buffers(self) -> int:
+        return sum(len(b) for b in self._free.values())
+
+    @property
+    def idle_bytes(self) -> int:
+        return self._idle_bytes
+
+
+# States of a recorded storage.
+_ON_DEVICE = 0  # still on the device, original storage (pending or kept)
+_ON_HOST = 1  # copied out; only the host buffer holds the data
+_RESTORED = 2  # copied back to a new device storage
+
+
+class _Record:
+    """One storage packed during a step (views of the same storage share it: dedupe)."""
+
+    __slots__ = (
+        "__weakref__",
+        "index",
+        "nbytes",
+        "device",
+        "ref",
+        "state",
+        "dev",
+        "host",
+        "ready",
+        "restored_event",
+        "used",
+        "release",
+    )
+
+    def __init__(self, index: int, nbytes: int, device: torch.device, ref: StorageWeakRef) -> None:
+        self.index = index
+        self.nbytes = nbytes
+        self.device = device
+        self.ref = ref  # keeps the StorageImpl address from being reused while we key on it
+        self.state = _ON_DEVICE
+        self.dev: torch.Tensor | None = None  # uint8 tensor over the device storage
+        self.host: torch.Tensor | None = None  # uint8 host buffer
+        self.ready: Any = None  # event: the source is produced (compute stream, recorded at pack)
+        self.restored_event: Any = None  # event: the host-to-device copy finished (side stream)
+        self.used = False  # unpacked at least once
+        self.release: weakref.finalize | None = None  # returns ``host`` to the pool exactly once
+
+
+class _Handle:
+    """What autograd stores instead of the tensor: the record plus the view's geometry."""
+
+    __slots__ = ("record", "tensor", "dtype", "offset", "size", "stride")
+
+    def __init__(self, record: _Record, t: torch.Tensor, keep_tensor: bool) -> None:
+        self.record = record
+        self.tensor = t if keep_tensor else None  # CPU accounting mode keeps the tensor itself
+        self.dtype = t.dtype
+        self.offset = t.storage_offset()
+        self.size = t.size()
+        self.stride = t.stride()
+
+
+def _bytes_of(t: torch.Tensor) -> torch.Tensor:
+    """A flat uint8 tensor over ``t``'s whole storage (no copy)."""
+    return torch.empty(0, dtype=torch.uint8, device=t.device).set_(t.untyped_storage())
+
+
+def _covers_storage(t: torch.Tensor, storage_bytes: int) -> bool:
+    """True when ``t`` spans its storage from first to last byte (contiguous, transposed, reshaped)."""
+    if t.storage_offset() != 0:
+        return False
+    span = 1 + sum((n - 1) * s for n, s in zip(t.shape, t.stride(), strict=True))
+    return span * t.element_size() == storage_bytes
+
+
+class ActivationOffload:
+    """Saved-tensor hooks that move checkpoint inputs to host memory between forward and backward.
+
+    Args:
+        min_bytes: storages smaller than this stay where they are (default 1 MiB).
+        module: optional model whose parameters and buffers are never offloaded (their storages are
+            collected when each ``step()`` begins); ``nn.Parameter`` and views of one are always skipped.
+        keep_last: keep the last packed checkpoint's inputs on the device (default True: the backward
+            needs them first, so copying them out and back only costs time).
+        prefetch: while a restored tensor is used, copy the previous one back ahead of time (default True).
+        max_pool_bytes: cap on idle host-buffer bytes kept for reuse (default None: the pool never grows
+            past the most buffers one step had in use at once).
+        simulate: run the copying state machine on CPU tensors too (plain host buffers, no streams), so
+            tests exercise pool, dedupe, views, keep-last, prefetch and bit-identity without a GPU.
+
+    Guarantees:
+        - Outside an active ``step()`` the hooks are not installed: forward and backward are stock.
+        - Parameters, buffers, tensor subclasses, partial views and storages < ``min_bytes`` are never
+          copied; a storage packed twice in a step is copied once and every view is restored with its
+          exact dtype, offset, size and stride (restored values are bit-identical).
+        - On CPU tensors (``simulate=False``) nothing is copied or pinned; bytes are only counted.
+        - On exit from ``step()``: side streams are synchronized and each host buffer no longer needed
+          by a live saved tensor is back in the pool (``stats.in_flight`` counts those still needed,
+          0 after a normal backward).
+        - A failure to pin host memory leaves the tensor on the device (one warning), never raises.
+    """
+
+    def __init__(
+        self,
+        min_bytes: int = DEFAULT_MIN_BYTES,
+        *,
+        module: nn.Module | None = None,
+        keep_last: bool = True,
+        prefetch: bool = True,
+        max_pool_bytes: int | None = None,
+        simulate: bool = False,
+    ) -> None:
+        if min_bytes < 0:
+            raise ValueError(f"min_bytes must be >= 0, got {min_bytes}")
+        if max_pool_bytes is not None and max_pool_bytes < 0:
+            raise ValueError(f"max_pool_bytes must be >= 0 or None, got {max_pool_bytes}")
+        self.min_bytes = int(min_bytes)
+        self.keep_last = keep_last
+        self.prefetch = prefetch
+        self.simulate = simulate
+        self._module_ref = weakref.ref(module) if module is not None else None
+        self._pools = {
+            True: _HostPool(pin=True, max_idle_bytes=max_pool_bytes),
+            False: _HostPool(pin=False, max_idle_bytes=max_pool_bytes),
+        }
+        self._side_streams: dict[int, Any] = {}
+        self._lock = threading.RLock()
+        self._active = False
+        self._param_storages: set[int] = set()
+        self._records: weakref.WeakValueDictionary[int, _Record] = weakref.WeakValueDictionary()
+        self._order: list[weakref.ref[_Record]] = []
+        self._pending: list[_Record] = []
+        self._warned: set[str] = set()
+        self.stats = OffloadStats()
+
+    # ------------------------------------------------------------------ public contexts
+
+    @property
+    def active(self) -> bool:
+        """True inside ``step()``."""
+        return self._active
+
+    @contextlib.contextmanager
+    def step(self) -> Iterator[ActivationOffload]:
+        """Span one training step (forward and backward). Nested calls are no-ops.
+
+        Guarantees: on exit (also on an exception) streams are synchronized, pending state is cleared
+        and ``stats`` holds this step's counters.
+        """
+        if self._active:
+            yield self
+            return
+        self._begin()
+        try:
+            yield self
+        finally:
+            self._end()
+
+    @contextlib.contextmanager
+    def pack_scope(self) -> Iterator[None]:
+        """Install the pack/unpack hooks around one ``checkpoint(...)`` call.
+
+        Guarantees: a no-op when no ``step()`` is active; entering it starts moving the previous
+        scope's inputs to the host (the current scope's inputs stay until the next scope begins).
+        """
+        if not self._active:
+            yield
+            return
+        self._flush_pending()
+        with torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
+            yield
+
+    def clear_pool(self) -> None:
+        """Free every idle host buffer (e.g. before a phase that needs host memory)."""
+        for pool in self._pools.values():
+            pool.clear()
+
+    # ------------------------------------------------------------------ step bookkeeping
+
+    def _begin(self) -> None:
+        steps, allocated = self.stats.steps, self.stats.pool_allocated
+        self.stats = OffloadStats(steps=steps, pool_allocated=allocated)
+        self._param_storages = set()
+        module = self._module_ref() if self._module_ref is not None else None
+        if module is not None:
+            for t in (*module.parameters(), *module.buffers()):
+                if t.layout == torch.strided:
+                    self._param_storages.add(t.untyped_storage().data_ptr())
+        self._records = weakref.WeakValueDictionary()
+        self._order = []
+        self._pending = []
+        self._active = True
+
+    def _end(self) -> None:
+        with self._lock:
+            self._active = False
+            for rec in self._pending:
+                self._count_kept(rec)
+            self._pending = []
+            for stream in self._side_streams.values():
+                stream.synchronize()
+            in_flight = 0
+            for ref in self._order:
+                rec = ref()
+                if rec is not None and rec.host is not None:
+                    in_flight += 1
+            self._order = []
+            self._records = weakref.WeakValueDictionary()
+            st = self.stats
+            st.in_flight = in_flight
+            st.steps += 1
+            st.pool_buffers = sum(p.idle_buffers for p in self._pools.values())
+            st.pool_bytes = sum(p.idle_bytes for p in self._pools.values())
+            st.pool_allocated = sum(p.allocated for p in self._pools.values())
+
+    def _count_kept(self, rec: _Record) -> None:
+        self.stats.kept_tensors += 1
+        self.stats.kept_bytes += rec.nbytes
+
+    def _warn_once(self, key: str, msg: str) -> None:
+        if key not in self._warned:
+            self._warned.add(key)
+            logger.warning(msg)
+
+    def _copies(self, device: torch.device) -> bool:
+        """True when tensors on ``device`` are really copied (CUDA, or CPU under ``simulate``)."""
+        return device.type in _OFFLOAD_DEVICE_TYPES or (self.simulate and device.type == "cpu")
+
+    def _side_stream(self, device: torch.device) -> Any:
+        idx = device.index if device.index is not None else torch.cuda.current_device()
+        stream = self._side_streams.get(idx)
+        if stream is None:
+            stream = self._side_streams[idx] = torch.cuda.Stream(device=idx)
+        return stream
+
+    # ------------------------------------------------------------------ hooks
+
+    def _skip_reason(self, t: torch.Tensor) -> str | None:
+        if isinstance(t, nn.Parameter) or isinstance(t._base, nn.Parameter):
+            return "params"
+        if type(t) is not torch.Tensor or t.layout != torch.strided or t.is_quantized:
+            return "other"
+        if t.is_conj() or t.is_neg() or t.numel() == 0:
+            return "other"
+        if t.device.type != "cpu" and t.device.type not in _OFFLOAD_DEVICE_TYPES:
+            self._warn_once(t.device.type, f"ActivationOffload: {t.device.type} tensors are kept on device "
+                            "(the asynchronous path supports CUDA/ROCm only).")
+            return "other"
+        storage = t.untyped_storage()
+        if storage.data_ptr() in self._param_storages:
+            return "params"
+        if storage.nbytes() < self.min_bytes:
+            return "small"
+        if not _covers_storage(t, storage.nbytes()):
+            return "views"
+        return None
+
+    def _pack(self, t: torch.Tensor) -> Any:
+        if not self._active or not isinstance(t, torch.Tensor):
+            return t
+        with self._lock:
+            st = self.stats
+            st.packed_tensors += 1
+            st.packed_bytes += t.numel() * t.element_size()
+            reason = self._skip_reason(t)
+            if reason is not None:
+                setattr(st, f"skipped_{reason}", getattr(st, f"skipped_{reason}") + 1)
+                return t
+            copies = self._copies(t.device)
+            ref = StorageWeakRef(t.untyped_storage())
+            rec = self._records.get(ref.cdata)
+            if rec is not None and not rec.ref.expired() and rec.state == _ON_DEVICE:
+                st.deduped_tensors += 1
+            else:
+                rec = _Record(len(self._order), t.untyped_storage().nbytes(), t.device, ref)
+                if copies:
+                    rec.dev = _bytes_of(t)
+                    if t.device.type == "cuda":
+                        rec.ready = torch.cuda.Event()
+                        rec.ready.record(torch.cuda.current_stream(t.device))
+                self._records[ref.cdata] = rec
+                self._order.append(weakref.ref(rec))
+                self._pending.append(rec)
+            return _Handle(rec, t, keep_tensor=not copies)
+
+    def _flush_pending(self) -> None:
+        """Start moving the previous scope's storages to the host (or count them, on CPU)."""
+        with self._lock:
+            pending, self._pending = self._pending, []
+            for rec in pending:
+                if rec.used or rec.ref.expired():
+                    continue  # already consumed by a backward (gradient accumulation) or freed
+                self.stats.would_offload_bytes += rec.nbytes
+                if self._copies(rec.device):
+                    self._offload(rec)
+
+    def _offload(self, rec: _Record) -> None:
+        assert rec.dev is not None
+        is_cuda = rec.device.type == "cuda"
+        pool = self._pools[is_cuda]
+        try:
+            host = pool.take(rec.nbytes)
+        except RuntimeError as exc:  # pinned allocation can fail (host OOM, locked-memory limits)
+            self._warn_once("pin", f"ActivationOffload: could not allocate a host buffer ({exc}); "
+                            "keeping activations on the device.")
+            self.stats.skipped_other += 1
+            self.stats.would_offload_bytes -= rec.nbytes
+            return
+        if is_cuda:
+            side = self._side_stream(rec.device)
+            side.wait_event(rec.ready)
+            with torch.cuda.stream(side):
+                host.copy_(rec.dev, non_blocking=True)
+            rec.dev.record_stream(side)  # the allocator must not reuse the storage before the copy ends
+        else:
+            host.copy_(rec.dev)
+        rec.host = host
+        rec.release = weakref.finalize(rec, pool.give, host)  # also runs if the graph is dropped unused
+        rec.dev = None
+        rec.ready = None
+        rec.state = _ON_HOST
+        self.stats.offloaded_tensors += 1
+        self.stats.offloaded_bytes += rec.nbytes
+
+    def _restore(self, rec: _Record, prefetch: bool) -> None:
+        """Copy a host storage back to a new device storage (asynchronously on CUDA)."""
+        assert rec.host is not None
+        if rec.device.type == "cuda":
+            compute = torch.cuda.current_stream(rec.device)
+            side = self._side_stream(rec.device)
+            dev = torch.empty(rec.nbytes, dtype=torch.uint8, device=rec.device)  # allocated on compute
+            side.wait_stream(compute)  # the block may still be read by queued compute kernels
+            with torch.cuda.stream(side):
+                dev.copy_(rec.host, non_blocking=True)
+                rec.restored_event = torch.cuda.Event()
+                rec.restored_event.record(side)
+            dev.record_stream(side)
+        else:
+            dev = rec.host.clone()
+        rec.dev = dev
+        rec.host = None
+        rec.state = _RESTORED
+        # Later users of this buffer (another offload) run on the same side stream, after this copy.
+        if rec.release is not None:
+            rec.release()
+            rec.release = None
+        self.stats.restored_tensors += 1
+        if prefetch:
+            self.stats.prefetched_tensors += 1
+
+    def _prefetch_before(self, index: int) -> None:
+        for i in range(index - 1, -1, -1):
+            prev = self._order[i]()
+            if prev is None or prev.state == _RESTORED:
+                continue
+            if prev.state == _ON_HOST:
+                self._restore(prev, prefetch=True)
+            return
+
+    def _unpack(self, packed: Any) -> torch.Tensor:
+        if not isinstance(packed, _Handle):
+            return packed
+        rec = packed.record
+        with self._lock:
+            if not rec.used:
+                rec.used = True
+                if rec in self._pending:  # the backward reached the last scope: it stays on device
+                    self._pending.remove(rec)
+                    self._count_kept(rec)
+            if packed.tensor is not None:
+                return packed.tensor
+            if rec.state == _ON_HOST:
+                self._restore(rec, prefetch=False)
+            if rec.restored_event is not None:
+                torch.cuda.current_stream(rec.device).wait_event(rec.restored_event)
+            dev = rec.dev
+            assert dev is not None
+            if self.prefetch and self._active and rec.index < len(self._order) \
+                    and self._order[rec.index]() is rec:
+                self._prefetch_before(rec.index)
+        out = torch.empty(0, dtype=packed.dtype, device=dev.device)
+        return out.set_(dev.untyped_storage(), packed.offset, packed.size, packed.stride)
+
+
+def make_checkpoint_fn(offload: ActivationOffload | None = None, **checkpoint_kwargs: Any) -> Callable[..., Any]:
+    """Return ``checkpoint(function, *args, **kwargs)`` that is non-reentrant and offloads its inputs.
+
+    This is what transformers layers call as ``_gradient_checkpointing_func``. ``checkpoint_kwargs``
+    (e.g. ``preserve_rng_state``) are defaults that per-call keyword arguments override.
+
+    Raises:
+        ValueError: ``use_reentrant=True`` was asked for: the hooks see checkpoint inputs only with
+            non-reentrant checkpointing (patching the reentrant path silently stops working,
+            ArcticTraining #373).
+
+    Guarantees: ``use_reentrant`` is always False; the result has attributes ``use_reentrant`` (False),
+    ``offload`` and ``checkpoint_kwargs``; with ``offload=None`` or outside ``offload.step()`` it is
+    stock non-reentrant checkpointing.
+    """
+    if checkpoint_kwargs.get("use_reentrant", False) is not False:
+        raise ValueError(
+            "make_checkpoint_fn: use_reentrant=True is not supported; activation offload hooks only see "
+            "checkpoint inputs with use_reentrant=False. Drop the option or set it to False."
+        )
+    defaults = {**checkpoint_kwargs, "use_reentrant": False}
+
+    def checkpoint_fn(function: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        merged = {**defaults, **kwargs, "use_reentrant": False}
+        scope = offload.pack_scope() if offload is not None else contextlib.nullcontext()
+        with scope:
+            return _torch_checkpoint(function, *args, **merged)
+
+    checkpoint_fn.use_reentrant = False  # type: ignore[attr-defined]
+    checkpoint_fn.offload = offload  # type: ignore[attr-defined]
+    checkpoint_fn.checkpoint_kwargs = dict(defaults)  # type: ignore[attr-defined]
+    return checkpoint_fn
+
+
+def _storage_ptrs(tensors: Iterable[torch.Tensor]) -> set[int]:
+    return {t.untyped_storage().data_ptr() for t in tensors if t.layout == torch.strided}

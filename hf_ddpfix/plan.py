@@ -1,0 +1,346 @@
+"""`resolve_plan(facts, config) -> Plan`: the DDP / checkpointing decisions as a pure function.
+
+No torch.distributed, no model: facts in, decisions out, each with a one-line reason. The rules follow
+the failure table in REFERENCES.md §1 (stock torch 2.13 / transformers 5.23 / accelerate 1.15):
+
+| known failure                                              | how the plan avoids it                       |
+|------------------------------------------------------------|----------------------------------------------|
+| reentrant checkpointing + find_unused=True: "ready only once" | non-reentrant under DDP/FSDP (or fu=False) |
+| fu=False + params that can go unused: reduction error/hang  | fu=True, or the VLM stabiliser uses them all |
+| static_graph + a graph that changes step to step            | static graph only when the graph is fixed    |
+| static_graph + gradient accumulation (no_sync): INTERNAL ASSERT | static graph only with accumulation 1    |
+| transformers `offload=True` without an accelerator: crash   | offload off: nothing to offload to           |
+
+Guarantees: the returned plan never holds a combination from the table above; an explicit user setting
+that is known to fail is corrected (listed in `Plan.corrections`) or, with `strict`, raises
+`PlanError` before training.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from .config import DDPFixConfig
+
+ParallelMode = Literal["single", "ddp", "fsdp", "deepspeed"]
+CheckpointMode = Literal["off", "reentrant", "non_reentrant"]
+
+
+class PlanError(ValueError):
+    """Raised (strict mode, or no working combination) before training starts."""
+
+
+@dataclass(frozen=True)
+class RunFacts:
+    """What the plan needs to know about a run. Gathered by `hf_ddpfix.facts`, or built by hand in tests.
+
+    Attributes:
+        parallel: how gradients are synchronised: single process, DDP, FSDP or DeepSpeed.
+        world_size: number of processes.
+        checkpointing: the checkpointing the run asked for ("off", "reentrant", "non_reentrant").
+        is_peft: the model is a peft `PeftModel` (stock Trainer then always picks fu=True).
+        is_vlm: the model has a vision tower (`config.vision_config`).
+        vlm_adapter: name of the hf_ddpfix VLM adapter for this family, `None` if unsupported.
+        trainable_vision_params: trainable parameters live in the vision tower (LoRA on it, merger...).
+        conditional_params: other trainable parameters that may go unused in a step (MoE experts).
+        grad_accum_steps: gradient accumulation steps (>1 means DDP `no_sync` micro-steps).
+        user_find_unused / user_static_graph: the explicit `TrainingArguments` values, `None` if unset.
+        user_reentrant: explicit `use_reentrant` in the checkpointing kwargs, `None` if unset.
+        offload_requested: transformers' `activation_checkpointing_kwargs={"offload": True}`.
+        accelerator_available: a CUDA/XPU/... device is present (pinned memory, streams).
+    """
+
+    parallel: ParallelMode = "single"
+    world_size: int = 1
+    checkpointing: CheckpointMode = "off"
+    is_peft: bool = False
+    is_vlm: bool = False
+    vlm_adapter: str | None = None
+    trainable_vision_params: bool = False
+    conditional_params: bool = False
+    grad_accum_steps: int = 1
+    user_find_unused: bool | None = None
+    user_static_graph: bool | None = None
+    user_reentrant: bool | None = None
+    offload_requested: bool = False
+    accelerator_available: bool = False
+
+    def stock_find_unused(self) -> bool:
+        """What stock `Trainer._build_accelerator_args` picks (REFERENCES.md §1)."""
+        if self.user_find_unused is not None:
+            return self.user_find_unused
+        if self.is_peft:
+            return True  # a PeftModel is not a PreTrainedModel
+        return self.checkpointing == "off"
+
+
+@dataclass(frozen=True)
+class Decision:
+    """One decision: its value, why, and whether it differs from what the stock stack does."""
+
+    value: Any
+    reason: str
+    changed: bool = False
+
+
+@dataclass(frozen=True)
+class Plan:
+    """What hf_ddpfix does for a run. Applied by `hf_ddpfix.trainer`; printed by `report()`."""
+
+    parallel: ParallelMode
+    world_size: int
+    checkpointing: Decision
+    find_unused_parameters: Decision
+    static_graph: Decision
+    offload_activations: Decision
+    vlm_stabilizer: Decision
+    hang_guard: Decision
+    tiled_mlp: Decision
+    tiled_loss: Decision
+    corrections: tuple[str, ...] = ()
+    config_lines: tuple[str, ...] = field(default=())
+
+    def ddp_kwargs(self) -> dict[str, Any]:
+        """Keyword arguments for `DistributedDataParallel` (via accelerate's `DistributedDataParallelKwargs`)."""
+        if self.parallel != "ddp":
+            return {}
+        return {
+            "find_unused_parameters": bool(self.find_unused_parameters.value),
+            "static_graph": bool(self.static_graph.value),
+        }
+
+    def decisions(self) -> dict[str, Decision]:
+        return {
+            "checkpointing": self.checkpointing,
+            "find_unused_parameters": self.find_unused_parameters,
+            "static_graph": self.static_graph,
+            "offload_activations": self.offload_activations,
+            "vlm_stabilizer": self.vlm_stabilizer,
+            "hang_guard": self.hang_guard,
+            "tiled_mlp": self.tiled_mlp,
+            "tiled_loss": self.tiled_loss,
+        }
+
+    def report(self) -> str:
+        """Multi-line, human-readable plan: every decision, `*` marks what differs from stock."""
+        lines = [f"hf_ddpfix plan ({self.parallel}, world size {self.world_size}):"]
+        for name, d in self.decisions().items():
+            if d.value is None:
+                continue
+            mark = "*" if d.changed else " "
+            lines.append(f" {mark} {name:<23} = {_fmt(d.value):<14} {d.reason}")
+        for c in self.corrections:
+            lines.append(f"   corrected: {c}")
+        if self.config_lines:
+            lines.append("   settings: " + "; ".join(self.config_lines))
+        return "\n".join(lines)
+
+
+def _fmt(v: Any) -> str:
+    return str(v).lower() if isinstance(v, bool) else str(v)
+
+
+def resolve_plan(facts: RunFacts, config: DDPFixConfig | None = None) -> Plan:
+    """Map run facts and options to a `Plan`.
+
+    Args:
+        facts: what is known about the run (see `RunFacts`).
+        config: hf_ddpfix options (already resolved against the environment); default: all unset.
+
+    Returns:
+        A frozen `Plan`; `Plan.ddp_kwargs()` is what DDP must be built with.
+
+    Raises:
+        PlanError: with `strict`, when an explicit setting is known to fail; or when options force
+            a combination that cannot work (e.g. reentrant checkpointing with parameters that go unused).
+    """
+    c = config or DDPFixConfig()
+    strict = bool(c.strict)
+    corrections: list[str] = []
+
+    def correct(message: str) -> None:
+        if strict:
+            raise PlanError(f"{message} (strict mode: set HF_DDPFIX_STRICT=0 to let hf_ddpfix correct it)")
+        corrections.append(message)
+
+    distributed = facts.parallel in ("ddp", "fsdp")
+    ddp = facts.parallel == "ddp"
+
+    ckpt = _decide_checkpointing(facts, c, distributed, correct)
+    checkpointed = ckpt.value != "off" or bool(c.assume_checkpointing)
+    stabilizer = _decide_stabilizer(facts, c, distributed)
+    unused_reason = _unused_reason(facts, bool(stabilizer.value))
+    fu = _decide_find_unused(facts, c, ddp, str(ckpt.value), unused_reason, correct)
+    static = _decide_static_graph(facts, c, ddp, checkpointed, unused_reason, correct)
+    offload = _decide_offload(facts, c, str(ckpt.value))
+    guard = _decide_hang_guard(facts, c, ddp, bool(fu.value), bool(stabilizer.value))
+    return Plan(
+        parallel=facts.parallel,
+        world_size=facts.world_size,
+        checkpointing=ckpt,
+        find_unused_parameters=fu,
+        static_graph=static,
+        offload_activations=offload,
+        vlm_stabilizer=stabilizer,
+        hang_guard=guard,
+        tiled_mlp=_decide_tiling("tiled_mlp", c.tiled_mlp, c),
+        tiled_loss=_decide_tiling("tiled_loss", c.tiled_loss, c),
+        corrections=tuple(corrections),
+        config_lines=tuple(c.describe()),
+    )
+
+
+def _decide_checkpointing(facts: RunFacts, c: DDPFixConfig, distributed: bool, correct) -> Decision:
+    asked = facts.checkpointing
+    if asked == "off":
+        if c.assume_checkpointing:
+            return Decision("off", "not detected; assumed on (custom checkpointing) for the DDP decisions")
+        return Decision("off", "not requested")
+    if c.checkpointing == "reentrant":
+        return Decision("reentrant", f"forced ({c.source('checkpointing')})", changed=asked != "reentrant")
+    if c.checkpointing == "non_reentrant":
+        return Decision("non_reentrant", f"forced ({c.source('checkpointing')})", changed=asked != "non_reentrant")
+    if asked == "reentrant" and distributed:
+        if facts.user_reentrant and c.strict:
+            # strict: keep the explicit choice; the find_unused decision raises if it cannot work
+            return Decision("reentrant", "explicit use_reentrant=True kept (strict mode)")
+        if facts.user_reentrant:
+            correct(
+                "use_reentrant=True -> False: reentrant checkpointing re-runs the forward inside backward, "
+                "which DDP with find_unused_parameters=True sees as a second use ('ready only once')"
+            )
+        return Decision(
+            "non_reentrant",
+            "reentrant breaks DDP with find_unused/unused params; non-reentrant works in every DDP mode",
+            changed=True,
+        )
+    return Decision(asked, "as requested")
+
+
+def _decide_stabilizer(facts: RunFacts, c: DDPFixConfig, distributed: bool) -> Decision:
+    if not facts.is_vlm:
+        return Decision(None, "")
+    needs = distributed and (facts.trainable_vision_params or facts.parallel == "fsdp")
+    if not needs:
+        why = "no trainable vision parameters" if distributed else "single process"
+        return Decision(False, f"not needed: {why}")
+    if c.vlm_stabilizer is False:
+        return Decision(False, f"disabled ({c.source('vlm_stabilizer')})")
+    if facts.vlm_adapter is None:
+        return Decision(False, "no adapter for this VLM family: safe fallback (non-reentrant + find_unused)")
+    return Decision(
+        True,
+        f"{facts.vlm_adapter}: text-only steps run a dummy image (exactly-zero contribution) so every rank "
+        "uses every vision parameter",
+        changed=True,
+    )
+
+
+def _unused_reason(facts: RunFacts, stabilized: bool) -> str | None:
+    """Why some trainable parameters may go unused in a step (None: every one is used every step)."""
+    if facts.trainable_vision_params and not stabilized:
+        return "trainable vision parameters go unused on steps without images"
+    if facts.conditional_params:
+        return "conditionally used parameters (e.g. MoE experts)"
+    return None
+
+
+def _decide_find_unused(
+    facts: RunFacts, c: DDPFixConfig, ddp: bool, ckpt: str, unused: str | None, correct
+) -> Decision:
+    if not ddp:
+        return Decision(None, "")
+    stock = facts.stock_find_unused()
+    explicit = facts.user_find_unused if c.find_unused_parameters is None else c.find_unused_parameters
+    source = "ddp_find_unused_parameters" if c.find_unused_parameters is None else c.source("find_unused_parameters")
+    if ckpt == "reentrant":
+        # reentrant checkpointing fires a parameter's hook in the recompute too: only fu=False works
+        if unused is not None:
+            raise PlanError(
+                f"reentrant checkpointing cannot work under DDP here: {unused}. Use non-reentrant "
+                "checkpointing (HF_DDPFIX_CHECKPOINTING=non_reentrant) or enable the VLM stabiliser"
+            )
+        if explicit:
+            correct(f"find_unused_parameters=True ({source}) -> False: with reentrant checkpointing it fails "
+                    "with 'Expected to mark a variable ready only once'")
+        return Decision(False, "reentrant checkpointing: only find_unused=False works", changed=stock is not False)
+    if explicit is True:
+        return Decision(True, f"explicit ({source})", changed=stock is not True)
+    if explicit is False:
+        if unused is not None:
+            correct(f"find_unused_parameters=False ({source}) -> True: {unused}, which crashes or hangs DDP")
+            return Decision(True, unused, changed=stock is not True)
+        return Decision(False, f"explicit ({source})", changed=stock is not False)
+    if unused is not None:
+        return Decision(True, unused, changed=stock is not True)
+    why = "every trainable parameter is used every step"
+    if facts.is_peft and stock:
+        why += " (stock picks True for every PeftModel: an extra graph traversal per step)"
+    return Decision(False, why, changed=stock is not False)
+
+
+def _decide_static_graph(
+    facts: RunFacts, c: DDPFixConfig, ddp: bool, checkpointed: bool, unused: str | None, correct
+) -> Decision:
+    if not ddp:
+        return Decision(None, "")
+    stock = bool(facts.user_static_graph)
+    # a failure known from the stock table forbids it; an env override disables it
+    forbidden = None
+    if facts.grad_accum_steps > 1:
+        forbidden = (f"gradient_accumulation_steps={facts.grad_accum_steps} uses no_sync, which static graph "
+                     "breaks (expect_autograd_hooks_ INTERNAL ASSERT)")
+    elif unused is not None:
+        forbidden = f"the graph changes between steps ({unused})"
+    disabled = None
+    if c.static_graph is False:
+        disabled = f"disabled ({c.source('static_graph')})"
+    elif checkpointed and c.static_graph_with_checkpointing is False:
+        disabled = f"disabled with checkpointing ({c.source('static_graph_with_checkpointing')})"
+    wanted = c.static_graph if c.static_graph is not None else facts.user_static_graph
+    if forbidden:
+        if wanted:
+            src = "ddp_static_graph" if c.static_graph is None else c.source("static_graph")
+            correct(f"static_graph=True ({src}) -> False: {forbidden}")
+        return Decision(False, f"off: {forbidden}", changed=stock)
+    if disabled:
+        return Decision(False, disabled, changed=stock)
+    if wanted is False:
+        return Decision(False, "explicitly off", changed=stock)
+    reason = "graph is fixed (every trainable parameter used every step, no accumulation)"
+    return Decision(True, reason + ("" if wanted else ": DDP skips per-step graph search"), changed=not stock)
+
+
+def _decide_offload(facts: RunFacts, c: DDPFixConfig, ckpt: str) -> Decision:
+    requested = bool(facts.offload_requested) if c.offload_activations is None else bool(c.offload_activations)
+    source = "activation_checkpointing_kwargs" if c.offload_activations is None else c.source("offload_activations")
+    if not requested:
+        return Decision(False, "not requested")
+    if ckpt == "off":
+        return Decision(False, f"requested ({source}) but checkpointing is off: nothing is saved to offload",
+                        changed=bool(facts.offload_requested))
+    if ckpt == "reentrant":
+        return Decision(False, "requested but checkpointing is reentrant: the async offload hooks need non-reentrant",
+                        changed=bool(facts.offload_requested))
+    if not facts.accelerator_available:
+        return Decision(False, "no-op: no accelerator, activations already live in host memory (nothing to "
+                        "offload to; stock would crash in pin_memory)", changed=bool(facts.offload_requested))
+    return Decision(True, f"async pinned-memory offload of checkpointed layer inputs ({source})", changed=True)
+
+
+def _decide_hang_guard(facts: RunFacts, c: DDPFixConfig, ddp: bool, fu: bool, stabilized: bool) -> Decision:
+    if not (ddp and facts.is_vlm):
+        return Decision(None, "")
+    if fu or stabilized:
+        return Decision(False, "not needed: " + ("find_unused=True" if fu else "stabiliser uses every parameter"))
+    if c.hang_guard is False:
+        return Decision(False, f"disabled ({c.source('hang_guard')})")
+    return Decision(True, "VLM without stabiliser under find_unused=False: ranks must agree on image use", True)
+
+
+def _decide_tiling(name: str, value: str | None, c: DDPFixConfig) -> Decision:
+    if value is None or value == "off":
+        src = "" if value is None else f" ({c.source(name)})"
+        return Decision("off", "not requested" + src)
+    return Decision(value, f"requested ({c.source(name)})", changed=True)

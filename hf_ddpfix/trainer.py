@@ -1,0 +1,144 @@
+"""`DDPFixTrainer` and `patch_trainer()`: two entry points, one implementation (`run_with_plan`).
+
+The hook point is `Trainer._inner_training_loop`: it runs after `train()` has enabled checkpointing and
+loaded any checkpoint, and before `accelerator.prepare()` wraps the model in DDP/FSDP. There we gather
+facts, resolve the plan, set the DDP kwargs the wrapper will be built with, switch the checkpoint
+function, attach the per-step pieces (VLM stabiliser, offload, tiling, callbacks), run the stock loop,
+and detach everything afterwards.
+
+Guarantees: DDP kwargs are decided before the model is wrapped (no DDP internals touched mid-run);
+`patch_trainer()` is idempotent and `unpatch_trainer()` restores the stock method object.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections.abc import Callable
+from contextlib import ExitStack
+from typing import Any
+
+from transformers import Trainer
+
+from .config import DDPFixConfig
+from .facts import gather_facts, unwrap_model
+from .plan import Plan, resolve_plan
+from .runtime import attach_runtime
+
+logger = logging.getLogger("hf_ddpfix")
+
+_STOCK_INNER_LOOP = Trainer._inner_training_loop
+_patch_options: dict[str, Any] | None = None
+
+
+def _ensure_log_handler() -> None:
+    if not logger.handlers and not logging.getLogger().handlers:
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter("[hf_ddpfix] %(message)s"))
+        logger.addHandler(handler)
+    if logger.level == logging.NOTSET:
+        logger.setLevel(logging.INFO)
+
+
+def plan_for_trainer(trainer: Trainer, config: DDPFixConfig | None = None) -> Plan:
+    """The plan `trainer` would run with now (no side effects)."""
+    return resolve_plan(gather_facts(trainer), config or DDPFixConfig.from_env())
+
+
+def _set_ddp_kwargs(trainer: Trainer, plan: Plan) -> None:
+    """Point accelerate's DDP kwargs handler at the plan's values (it is read when `prepare` wraps)."""
+    if plan.parallel != "ddp":
+        return
+    from accelerate.utils import DistributedDataParallelKwargs
+
+    handler = trainer.accelerator.ddp_handler or DistributedDataParallelKwargs()
+    trainer.accelerator.ddp_handler = dataclasses.replace(handler, **plan.ddp_kwargs())
+    wrapped = trainer.model_wrapped
+    if wrapped is not trainer.model and hasattr(wrapped, "find_unused_parameters"):
+        current = {"find_unused_parameters": wrapped.find_unused_parameters, "static_graph": wrapped.static_graph}
+        if current != plan.ddp_kwargs():
+            logger.warning("model already wrapped in DDP with %s; the plan's %s applies from the next wrap",
+                           current, plan.ddp_kwargs())
+
+
+def run_with_plan(trainer: Trainer, inner_loop: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    """Run `inner_loop` (the stock `_inner_training_loop`) under the hf_ddpfix plan."""
+    if getattr(trainer, "_hf_ddpfix_active", False):  # DDPFixTrainer under patch_trainer(): apply once
+        return inner_loop(*args, **kwargs)
+    config = _trainer_config(trainer)
+    plan = plan_for_trainer(trainer, config)
+    trainer.hf_ddpfix_plan = plan
+    if config.log_plan is not False and trainer.is_world_process_zero():
+        _ensure_log_handler()
+        logger.info(plan.report())
+    _set_ddp_kwargs(trainer, plan)
+    trainer._hf_ddpfix_active = True
+    try:
+        with ExitStack() as stack:
+            attach_runtime(trainer, unwrap_model(trainer.model), plan, config, stack)
+            return inner_loop(*args, **kwargs)
+    finally:
+        trainer._hf_ddpfix_active = False
+
+
+def _trainer_config(trainer: Trainer) -> DDPFixConfig:
+    """Options: the trainer's own (`DDPFixTrainer(ddpfix_config=...)`) or `patch_trainer(**options)`'s,
+    resolved against the environment now (plan time)."""
+    own = getattr(trainer, "ddpfix_config", None)
+    if isinstance(own, DDPFixConfig):
+        explicit = {f.name: getattr(own, f.name) for f in dataclasses.fields(own) if f.name != "sources"}
+        return DDPFixConfig.from_env(**explicit)
+    return DDPFixConfig.from_env(**(_patch_options or {}))
+
+
+class DDPFixTrainer(Trainer):
+    """A `transformers.Trainer` that runs under the hf_ddpfix plan.
+
+    Args:
+        ddpfix_config: hf_ddpfix options (unset fields come from the environment at train time).
+        *args, **kwargs: as for `transformers.Trainer`.
+
+    Example:
+        >>> trainer = DDPFixTrainer(model=model, args=args, train_dataset=ds,
+        ...                         ddpfix_config=DDPFixConfig(offload_activations=True))
+    """
+
+    def __init__(self, *args: Any, ddpfix_config: DDPFixConfig | None = None, **kwargs: Any):
+        self.ddpfix_config = ddpfix_config
+        super().__init__(*args, **kwargs)
+
+    def _inner_training_loop(self, *args: Any, **kwargs: Any) -> Any:
+        return run_with_plan(self, super()._inner_training_loop, *args, **kwargs)
+
+
+def _patched_inner_training_loop(self: Trainer, *args: Any, **kwargs: Any) -> Any:
+    return run_with_plan(self, lambda *a, **k: _STOCK_INNER_LOOP(self, *a, **k), *args, **kwargs)
+
+
+def patch_trainer(**options: Any) -> None:
+    """Run every `transformers.Trainer` (and subclass: TRL's included) under the hf_ddpfix plan.
+
+    Args:
+        **options: `DDPFixConfig` fields, e.g. `patch_trainer(offload_activations=True, strict=True)`;
+            unset ones come from `HF_DDPFIX_*` / `UNSLOTH_*` variables when training starts.
+
+    Raises:
+        ValueError: an unknown option or an invalid value (checked now, not at train time).
+
+    Guarantees: idempotent (a second call only replaces the options); undone by `unpatch_trainer()`.
+    """
+    global _patch_options
+    DDPFixConfig.from_env(**options)  # validate now
+    _patch_options = dict(options)
+    Trainer._inner_training_loop = _patched_inner_training_loop  # type: ignore[method-assign]
+
+
+def unpatch_trainer() -> None:
+    """Restore the stock `Trainer._inner_training_loop`. Safe to call when not patched."""
+    global _patch_options
+    _patch_options = None
+    Trainer._inner_training_loop = _STOCK_INNER_LOOP  # type: ignore[method-assign]
+
+
+def is_patched() -> bool:
+    return Trainer._inner_training_loop is _patched_inner_training_loop
