@@ -141,7 +141,8 @@ OPTIONS: dict[str, _Option] = {
         compat={"UNSLOTH_DISABLE_DDP_STATIC_GRAPH_FOR_GRAD_CHECKPOINT": False},
     ),
     "find_unused_parameters": _Option(
-        _bool, "DDP `find_unused_parameters`: 1/0 force it (a known-bad choice is still corrected), auto decides."
+        _bool, "DDP `find_unused_parameters`: 1/0 force it, auto decides. Forcing 0 on a VLM whose vision "
+        "parameters can go unused is honoured with the hang guard on (fails fast instead of hanging)."
     ),
     "checkpointing": _Option(
         _checkpointing,

@@ -60,15 +60,20 @@ def has_conditional_params(model: nn.Module) -> bool:
 
 
 def parallel_mode(trainer: Any) -> tuple[ParallelMode, int]:
-    """("single" | "ddp" | "fsdp" | "deepspeed", world size) as the Trainer's accelerator will run it."""
-    from transformers.training_args import ParallelMode as HFParallelMode
+    """("single" | "ddp" | "fsdp" | "deepspeed", world size) as the Trainer's accelerator will wrap the model.
 
-    world = int(getattr(trainer.args, "world_size", 1) or 1)
+    Mirrors `Accelerator.prepare_model`: multi-device types wrap in DDP when more than one process runs,
+    and MULTI_CPU wraps in DDP even with one process (torchrun --nproc_per_node=1).
+    """
+    from accelerate.utils import DistributedType
+
+    accelerator = trainer.accelerator
+    world = int(accelerator.num_processes or 1)
     if getattr(trainer, "is_deepspeed_enabled", False):
         return "deepspeed", world
     if getattr(trainer, "is_fsdp_enabled", False):
         return "fsdp", world
-    if trainer.args.parallel_mode == HFParallelMode.DISTRIBUTED and world > 1:
+    if accelerator.distributed_type == DistributedType.MULTI_CPU or accelerator.multi_device:
         return "ddp", world
     return "single", world
 

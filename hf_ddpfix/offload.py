@@ -254,10 +254,8 @@ class ActivationOffload:
         self.prefetch = prefetch
         self.simulate = simulate
         self._module_ref = weakref.ref(module) if module is not None else None
-        self._pools = {
-            True: _HostPool(pin=True, max_idle_bytes=max_pool_bytes),
-            False: _HostPool(pin=False, max_idle_bytes=max_pool_bytes),
-        }
+        self._max_pool_bytes = max_pool_bytes
+        self._pools: dict[tuple[str, int], _HostPool] = {}  # per device: buffers follow one side stream
         self._side_streams: dict[int, Any] = {}
         self._lock = threading.RLock()
         self._active = False
@@ -307,8 +305,9 @@ class ActivationOffload:
 
     def clear_pool(self) -> None:
         """Free every idle host buffer (e.g. before a phase that needs host memory)."""
-        for pool in self._pools.values():
-            pool.clear()
+        with self._lock:
+            for pool in self._pools.values():
+                pool.clear()
 
     # ------------------------------------------------------------------ step bookkeeping
 
@@ -318,9 +317,7 @@ class ActivationOffload:
         self._param_storages = set()
         module = self._module_ref() if self._module_ref is not None else None
         if module is not None:
-            for t in (*module.parameters(), *module.buffers()):
-                if t.layout == torch.strided:
-                    self._param_storages.add(t.untyped_storage().data_ptr())
+            self._param_storages = _storage_ptrs((*module.parameters(), *module.buffers()))
         self._records = weakref.WeakValueDictionary()
         self._order = []
         self._pending = []
@@ -361,6 +358,16 @@ class ActivationOffload:
         """True when tensors on ``device`` are really copied (CUDA, or CPU under ``simulate``)."""
         return device.type in _OFFLOAD_DEVICE_TYPES or (self.simulate and device.type == "cpu")
 
+    def _pool(self, device: torch.device) -> _HostPool:
+        is_cuda = device.type == "cuda"
+        idx = (device.index if device.index is not None else torch.cuda.current_device()) if is_cuda else -1
+        pool = self._pools.get((device.type, idx))
+        if pool is None:
+            pool = self._pools[(device.type, idx)] = _HostPool(
+                pin=is_cuda, max_idle_bytes=self._max_pool_bytes
+            )
+        return pool
+
     def _side_stream(self, device: torch.device) -> Any:
         idx = device.index if device.index is not None else torch.cuda.current_device()
         stream = self._side_streams.get(idx)
@@ -378,8 +385,11 @@ class ActivationOffload:
         if t.is_conj() or t.is_neg() or t.numel() == 0:
             return "other"
         if t.device.type != "cpu" and t.device.type not in _OFFLOAD_DEVICE_TYPES:
-            self._warn_once(t.device.type, f"ActivationOffload: {t.device.type} tensors are kept on device "
-                            "(the asynchronous path supports CUDA/ROCm only).")
+            self._warn_once(
+                t.device.type,
+                f"ActivationOffload: {t.device.type} tensors are kept on device "
+                "(the asynchronous path supports CUDA/ROCm only).",
+            )
             return "other"
         storage = t.untyped_storage()
         if storage.data_ptr() in self._param_storages:
@@ -406,6 +416,8 @@ class ActivationOffload:
             rec = self._records.get(ref.cdata)
             if rec is not None and not rec.ref.expired() and rec.state == _ON_DEVICE:
                 st.deduped_tensors += 1
+                if rec.ready is not None:  # the copy must also follow this later producer
+                    rec.ready.record(torch.cuda.current_stream(t.device))
             else:
                 rec = _Record(len(self._order), t.untyped_storage().nbytes(), t.device, ref)
                 if copies:
@@ -432,12 +444,15 @@ class ActivationOffload:
     def _offload(self, rec: _Record) -> None:
         assert rec.dev is not None
         is_cuda = rec.device.type == "cuda"
-        pool = self._pools[is_cuda]
+        pool = self._pool(rec.device)
         try:
             host = pool.take(rec.nbytes)
         except RuntimeError as exc:  # pinned allocation can fail (host OOM, locked-memory limits)
-            self._warn_once("pin", f"ActivationOffload: could not allocate a host buffer ({exc}); "
-                            "keeping activations on the device.")
+            self._warn_once(
+                "pin",
+                f"ActivationOffload: could not allocate a host buffer ({exc}); "
+                "keeping activations on the device.",
+            )
             self.stats.skipped_other += 1
             self.stats.would_offload_bytes -= rec.nbytes
             return
@@ -451,6 +466,7 @@ class ActivationOffload:
             host.copy_(rec.dev)
         rec.host = host
         rec.release = weakref.finalize(rec, pool.give, host)  # also runs if the graph is dropped unused
+        rec.release.atexit = False
         rec.dev = None
         rec.ready = None
         rec.state = _ON_HOST
@@ -510,14 +526,20 @@ class ActivationOffload:
                 torch.cuda.current_stream(rec.device).wait_event(rec.restored_event)
             dev = rec.dev
             assert dev is not None
-            if self.prefetch and self._active and rec.index < len(self._order) \
-                    and self._order[rec.index]() is rec:
+            if (
+                self.prefetch
+                and self._active
+                and rec.index < len(self._order)
+                and self._order[rec.index]() is rec
+            ):
                 self._prefetch_before(rec.index)
         out = torch.empty(0, dtype=packed.dtype, device=dev.device)
         return out.set_(dev.untyped_storage(), packed.offset, packed.size, packed.stride)
 
 
-def make_checkpoint_fn(offload: ActivationOffload | None = None, **checkpoint_kwargs: Any) -> Callable[..., Any]:
+def make_checkpoint_fn(
+    offload: ActivationOffload | None = None, **checkpoint_kwargs: Any
+) -> Callable[..., Any]:
     """Return ``checkpoint(function, *args, **kwargs)`` that is non-reentrant and offloads its inputs.
 
     This is what transformers layers call as ``_gradient_checkpointing_func``. ``checkpoint_kwargs``
@@ -532,7 +554,7 @@ def make_checkpoint_fn(offload: ActivationOffload | None = None, **checkpoint_kw
     ``offload`` and ``checkpoint_kwargs``; with ``offload=None`` or outside ``offload.step()`` it is
     stock non-reentrant checkpointing.
     """
-    if checkpoint_kwargs.get("use_reentrant", False) is not False:
+    if checkpoint_kwargs.get("use_reentrant"):
         raise ValueError(
             "make_checkpoint_fn: use_reentrant=True is not supported; activation offload hooks only see "
             "checkpoint inputs with use_reentrant=False. Drop the option or set it to False."

@@ -267,6 +267,10 @@ def _decide_find_unused(
         return Decision(False, "reentrant checkpointing: only find_unused=False works", changed=stock is not False)
     if explicit is True:
         return Decision(True, f"explicit ({source})", changed=stock is not True)
+    if c.find_unused_parameters is False and unused is not None:
+        # a forced setting is a power-user choice (e.g. every batch has images): honoured, guarded
+        return Decision(False, f"forced ({source}) although {unused}; the hang guard raises if ranks disagree",
+                        changed=stock is not False)
     if explicit is False:
         if unused is not None:
             correct(f"find_unused_parameters=False ({source}) -> True: {unused}, which crashes or hangs DDP")
@@ -332,6 +336,8 @@ def _decide_offload(facts: RunFacts, c: DDPFixConfig, ckpt: str) -> Decision:
 def _decide_hang_guard(facts: RunFacts, c: DDPFixConfig, ddp: bool, fu: bool, stabilized: bool) -> Decision:
     if not (ddp and facts.is_vlm):
         return Decision(None, "")
+    if not facts.trainable_vision_params:
+        return Decision(False, "not needed: no trainable vision parameters")
     if fu or stabilized:
         return Decision(False, "not needed: " + ("find_unused=True" if fu else "stabiliser uses every parameter"))
     if c.hang_guard is False:

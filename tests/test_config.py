@@ -1,0 +1,98 @@
+"""DDPFixConfig: sources, precedence, validation, compatibility variables."""
+
+import pytest
+
+from hf_ddpfix.config import OPTIONS, DDPFixConfig, env_name, env_table
+
+
+def test_unset_environment_leaves_every_option_unset():
+    cfg = DDPFixConfig.from_env({})
+    assert all(getattr(cfg, name) is None for name in OPTIONS)
+    assert cfg.source("static_graph") == "default"
+
+
+@pytest.mark.parametrize("raw,expected", [("1", True), ("true", True), ("ON", True), ("0", False),
+                                          ("no", False), ("auto", None), ("", None)])
+def test_boolean_spellings(raw, expected):
+    assert DDPFixConfig.from_env({"HF_DDPFIX_STATIC_GRAPH": raw}).static_graph is expected
+
+
+@pytest.mark.parametrize("option", sorted(OPTIONS))
+def test_every_option_rejects_garbage_naming_the_variable(option):
+    var = env_name(option)
+    with pytest.raises(ValueError) as err:
+        DDPFixConfig.from_env({var: "maybe?"})
+    assert var in str(err.value) and "allowed" in str(err.value)
+
+
+def test_unsloth_disable_static_graph_maps_to_static_graph_off():
+    cfg = DDPFixConfig.from_env({"UNSLOTH_DISABLE_DDP_STATIC_GRAPH": "1"})
+    assert cfg.static_graph is False and cfg.source("static_graph") == "UNSLOTH_DISABLE_DDP_STATIC_GRAPH"
+    # "=0" asks for nothing
+    assert DDPFixConfig.from_env({"UNSLOTH_DISABLE_DDP_STATIC_GRAPH": "0"}).static_graph is None
+
+
+def test_unsloth_compat_variables():
+    cfg = DDPFixConfig.from_env({
+        "UNSLOTH_DISABLE_DDP_STATIC_GRAPH_FOR_GRAD_CHECKPOINT": "1",
+        "UNSLOTH_USE_GRADIENT_CHECKPOINTING": "1",
+        "UNSLOTH_TILED_MLP": "target:2.5",
+    })
+    assert cfg.static_graph_with_checkpointing is False
+    assert cfg.assume_checkpointing is True
+    assert cfg.tiled_mlp == "target:2.5"
+
+
+def test_bad_unsloth_value_names_the_unsloth_variable():
+    with pytest.raises(ValueError, match="UNSLOTH_DISABLE_DDP_STATIC_GRAPH"):
+        DDPFixConfig.from_env({"UNSLOTH_DISABLE_DDP_STATIC_GRAPH": "sometimes"})
+    with pytest.raises(ValueError, match="UNSLOTH_TILED_MLP"):
+        DDPFixConfig.from_env({"UNSLOTH_TILED_MLP": "target:-1"})
+
+
+def test_contradicting_variables_are_reported_not_resolved():
+    with pytest.raises(ValueError) as err:
+        DDPFixConfig.from_env({"HF_DDPFIX_STATIC_GRAPH": "1", "UNSLOTH_DISABLE_DDP_STATIC_GRAPH": "1"})
+    assert "HF_DDPFIX_STATIC_GRAPH" in str(err.value) and "UNSLOTH_DISABLE_DDP_STATIC_GRAPH" in str(err.value)
+
+
+def test_agreeing_variables_are_fine():
+    cfg = DDPFixConfig.from_env({"HF_DDPFIX_STATIC_GRAPH": "0", "UNSLOTH_DISABLE_DDP_STATIC_GRAPH": "1"})
+    assert cfg.static_graph is False
+
+
+def test_static_forced_on_while_forbidden_with_assumed_checkpointing_is_a_conflict():
+    with pytest.raises(ValueError, match="contradicts"):
+        DDPFixConfig.from_env({"HF_DDPFIX_STATIC_GRAPH": "1",
+                               "UNSLOTH_DISABLE_DDP_STATIC_GRAPH_FOR_GRAD_CHECKPOINT": "1",
+                               "UNSLOTH_USE_GRADIENT_CHECKPOINTING": "1"})
+
+
+def test_explicit_argument_beats_environment_and_records_source():
+    cfg = DDPFixConfig.from_env({"HF_DDPFIX_STATIC_GRAPH": "0"}, static_graph=True)
+    assert cfg.static_graph is True and cfg.source("static_graph") == "argument"
+    assert "static_graph=True (argument)" in cfg.describe()
+
+
+def test_unknown_option_and_bad_explicit_value():
+    with pytest.raises(ValueError, match="unknown hf_ddpfix option"):
+        DDPFixConfig.from_env({}, static_grahp=True)
+    with pytest.raises(ValueError, match="checkpointing"):
+        DDPFixConfig(checkpointing="sometimes")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="sync_check_steps"):
+        DDPFixConfig(sync_check_steps=-3)
+
+
+@pytest.mark.parametrize("raw,expected", [("on", "auto"), ("4", "4"), ("arctic", "arctic"), ("off", "off"),
+                                          ("Target", "target"), ("target:1.5", "target:1.5")])
+def test_tiling_spellings(raw, expected):
+    assert DDPFixConfig.from_env({"HF_DDPFIX_TILED_MLP": raw}).tiled_mlp == expected
+
+
+def test_checkpointing_choice_accepts_dash_spelling():
+    assert DDPFixConfig.from_env({"HF_DDPFIX_CHECKPOINTING": "non-reentrant"}).checkpointing == "non_reentrant"
+
+
+def test_env_table_covers_every_option():
+    names = [row[0] for row in env_table()]
+    assert names == [env_name(o) for o in OPTIONS]

@@ -1,0 +1,63 @@
+"""The DDP compatibility matrix (2 CPU processes, gloo) inside the test suite.
+
+Every cell of `../shared/acceptance/matrix.sh` runs with `patch_trainer()` and must train, stay in sync
+across ranks and reach the stock loss of its group; one stock cell per failure kind shows the failure
+is real (so these tests can fail).
+"""
+
+import json
+
+import pytest
+
+from launch import torchrun
+
+pytestmark = pytest.mark.multiprocess
+
+# stock losses of the deterministic harness (taken where stock works)
+STOCK_LOSS = {("text", 1): 5.54689, ("vlm", 1): 5.5429, ("text", 2): 5.54442, ("vlm", 2): 5.5342}
+
+
+def matrix_cells():
+    cells = []
+    for model in ("text", "vlm"):
+        for ckpt in ("off", "nonreentrant", "reentrant"):
+            for fu in ("auto", "1", "0"):
+                cells.append((model, "--ckpt", ckpt, "--find-unused", fu))
+            if ckpt != "off":
+                cells.append((model, "--ckpt", ckpt, "--static", "1"))
+        cells.append((model, "--ckpt", "nonreentrant", "--offload", "1"))
+        cells.append((model, "--ckpt", "reentrant", "--offload", "1"))
+        cells.append((model, "--ckpt", "nonreentrant", "--static", "1", "--ga", "2"))
+        cells.append((model, "--ckpt", "nonreentrant", "--ga", "2"))
+    return cells
+
+
+def run_cell(model, *args, fix, env=None):
+    out = torchrun("matrix_cell.py", "--fix", str(fix), "--model", model, *args, timeout=150, env=env,
+                   check=False).stdout
+    lines = [line for line in out.splitlines() if line.startswith("CELL ")]
+    assert lines, f"no CELL line (crash or hang):\n{out[-6000:]}"
+    return json.loads(lines[0][5:]), out
+
+
+@pytest.mark.parametrize("cell", matrix_cells(), ids=lambda c: "-".join(c).replace("--", ""))
+def test_cell_trains_in_sync_with_stock_loss(cell):
+    model, *args = cell
+    res, out = run_cell(model, *args, fix=1)
+    assert res["ok"], f"{res}\n{out[-4000:]}"
+    assert res["in_sync"] is True
+    assert res["loss"] == pytest.approx(STOCK_LOSS[(model, res["ga"])], abs=1e-4)
+
+
+STOCK_FAILURES = [
+    (("text", "--ckpt", "reentrant"), "Expected to mark a variable ready only once"),
+    (("vlm", "--ckpt", "nonreentrant", "--find-unused", "0"), "Expected to have finished reduction"),
+    (("text", "--ckpt", "nonreentrant", "--static", "1", "--ga", "2"), "expect_autograd_hooks_"),
+    (("text", "--ckpt", "nonreentrant", "--offload", "1"), "pin_memory"),
+]
+
+
+@pytest.mark.parametrize("cell,error", STOCK_FAILURES, ids=lambda x: x if isinstance(x, str) else "-".join(x))
+def test_stock_fails_where_the_fix_trains(cell, error):
+    res, out = run_cell(*cell, fix=0)
+    assert not res["ok"] and error in res["error"], res

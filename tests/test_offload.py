@@ -1,0 +1,317 @@
+"""ActivationOffload on CPU: hook coverage, bit-identical training, byte accounting, pool lifetime, DDP.
+
+``simulate=True`` runs the copying state machine (host buffers, dedupe, views, keep-last, prefetch) on
+CPU tensors, so everything except streams and pinning is exercised without a GPU.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import subprocess
+import sys
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from hf_ddpfix.offload import (
+    DEFAULT_MIN_BYTES,
+    ActivationOffload,
+    accelerator_available,
+    make_checkpoint_fn,
+)
+
+REPO = Path(__file__).resolve().parents[1]
+LAYERS, BATCH, SEQ, HIDDEN = 3, 2, 32, 64
+LAYER_INPUT_BYTES = BATCH * SEQ * HIDDEN * 4  # float32 hidden states entering one decoder layer
+
+
+def build_lora_llama(layers: int = LAYERS, seed: int = 0) -> nn.Module:
+    from peft import LoraConfig, get_peft_model
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(
+        vocab_size=256,
+        hidden_size=HIDDEN,
+        intermediate_size=128,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+    )
+    model = LlamaForCausalLM(cfg)
+    lora = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], lora_dropout=0.0)
+    return get_peft_model(model, lora)
+
+
+def install_checkpoint_fn(model: nn.Module, fn) -> int:
+    """Non-reentrant checkpointing with ``fn`` on every module that checkpoints."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)  # gradient_checkpointing_* are deprecated aliases
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    n = 0
+    for module in model.modules():
+        if hasattr(module, "gradient_checkpointing"):
+            module._gradient_checkpointing_func = fn
+            n += 1
+    return n
+
+
+def train(offload: ActivationOffload | None, steps: int = 3, accumulate: int = 1, layers: int = LAYERS):
+    """A few AdamW steps on the tiny LoRA Llama; returns (last grads, final weights, per-step stats)."""
+    model = build_lora_llama(layers)
+    model.train()
+    assert install_checkpoint_fn(model, make_checkpoint_fn(offload)) >= layers
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    gen = torch.Generator().manual_seed(1)
+    grads, stats = {}, []
+    for _ in range(steps):
+        with offload.step() if offload is not None else contextlib.nullcontext():
+            for _ in range(accumulate):
+                ids = torch.randint(0, 256, (BATCH, SEQ), generator=gen)
+                model(input_ids=ids, labels=ids).loss.backward()
+        if offload is not None:
+            stats.append(offload.stats.as_dict())
+        grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
+        opt.step()
+        opt.zero_grad()
+    weights = {n: p.detach().clone() for n, p in model.named_parameters()}
+    return grads, weights, stats
+
+
+def assert_same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
+    assert a.keys() == b.keys() and a
+    bad = [k for k in a if not torch.equal(a[k], b[k])]
+    assert not bad, f"differ: {bad[:5]}"
+
+
+def test_hooks_around_nonreentrant_checkpoint_see_only_positional_inputs():
+    lin = nn.Linear(8, 8)
+    x = torch.randn(3, 8, requires_grad=True) * 1
+    y, kw = torch.randn(3, 8), torch.randn(3, 8)
+    packed, unpacked = [], []
+
+    def pack(t):
+        packed.append(t)
+        return t
+
+    def unpack(t):
+        unpacked.append(t)
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
+        out = checkpoint(lambda a, b, k=None: (lin(a) * b + k).relu(), x, y, k=kw, use_reentrant=False)
+    assert [t is x for t in packed] == [True, False] and packed[1] is y  # no weights, no keyword tensor
+    out.sum().backward()
+    assert len(unpacked) == 2  # the recompute's own saved tensors never reach these hooks
+
+
+def test_gradients_and_weights_bit_identical_with_and_without_offload():
+    ref_grads, ref_weights, _ = train(None)
+    for simulate in (False, True):
+        grads, weights, stats = train(ActivationOffload(min_bytes=1024, simulate=simulate))
+        assert_same(ref_grads, grads)
+        assert_same(ref_weights, weights)
+        assert stats[-1]["offloaded_bytes"] == (stats[-1]["would_offload_bytes"] if simulate else 0)
+
+
+def test_gradient_accumulation_in_one_step_is_bit_identical_and_keeps_each_last_input():
+    ref_grads, ref_weights, _ = train(None, steps=2, accumulate=2)
+    grads, weights, stats = train(ActivationOffload(min_bytes=0, simulate=True), steps=2, accumulate=2)
+    assert_same(ref_grads, grads)
+    assert_same(ref_weights, weights)
+    assert stats[-1]["would_offload_bytes"] == 2 * (LAYERS - 1) * LAYER_INPUT_BYTES
+    assert stats[-1]["kept_tensors"] == 2 and stats[-1]["in_flight"] == 0
+
+
+def test_would_offload_bytes_equal_layer_input_formula_and_last_layer_is_kept():
+    _, _, stats = train(ActivationOffload(min_bytes=1024), steps=1)
+    s = stats[0]
+    assert s["would_offload_bytes"] == (LAYERS - 1) * BATCH * SEQ * HIDDEN * 4
+    assert s["kept_bytes"] == LAYER_INPUT_BYTES and s["kept_tensors"] == 1
+    assert s["packed_tensors"] == LAYERS and s["skipped_params"] == 0
+    assert s["offloaded_bytes"] == 0 and s["pool_allocated"] == 0  # CPU: counted, never copied or pinned
+
+
+def test_tensors_below_min_bytes_are_not_counted():
+    _, _, stats = train(ActivationOffload(min_bytes=LAYER_INPUT_BYTES + 1), steps=1)
+    assert stats[0]["would_offload_bytes"] == 0 and stats[0]["kept_bytes"] == 0
+    assert stats[0]["skipped_small"] == LAYERS
+    assert DEFAULT_MIN_BYTES == 1 << 20
+
+
+def test_parameters_and_buffers_are_never_offloaded():
+    lin = nn.Linear(512, 512)
+    lin.register_buffer("table", torch.randn(512, 512))
+    off = ActivationOffload(min_bytes=0, module=lin, simulate=True)
+    ckpt = make_checkpoint_fn(off)
+    x = torch.randn(4, 512, requires_grad=True)
+
+    def fn(a, w, table_view, bias):
+        return (a @ w.t() + bias) @ table_view
+
+    with off.step():
+        out = ckpt(fn, x * 1, lin.weight, lin.table.detach(), lin.bias)
+        out.sum().backward()
+    s = off.stats
+    assert s.skipped_params == 3  # a Parameter, a buffer (found by storage), another Parameter
+    assert s.offloaded_tensors == 0 and s.kept_tensors == 1  # only x*1, kept as the last input
+    assert lin.weight.grad is not None and x.grad is not None
+
+
+def test_same_storage_copied_once_and_views_restored_exactly():
+    w = torch.randn(64, 64, requires_grad=True)
+
+    def fn(a, a_t, a_flat, part):
+        return (a @ w).sum() + (a_t @ w).sum() + a_flat.square().sum() + part.sum()
+
+    def run(off):
+        w.grad = None
+        x = torch.randn(64, 64, generator=torch.Generator().manual_seed(0)).requires_grad_()
+        base = x * 2
+        ckpt = make_checkpoint_fn(off)
+        with off.step() if off is not None else contextlib.nullcontext():
+            out = ckpt(fn, base, base.t(), base.view(-1), base[:8])
+            out2 = ckpt(lambda a: (a @ w).sum(), base + 1)  # a later scope: moves the first one out
+            (out + out2).backward()
+        return x.grad.clone(), w.grad.clone()
+
+    ref = run(None)
+    off = ActivationOffload(min_bytes=0, simulate=True)
+    got = run(off)
+    assert torch.equal(ref[0], got[0]) and torch.equal(ref[1], got[1])
+    s = off.stats
+    assert s.deduped_tensors == 2 and s.skipped_views == 1  # .t() and .view() share; [:8] is partial
+    assert s.offloaded_tensors == 1 and s.offloaded_bytes == 64 * 64 * 4 and s.kept_tensors == 1
+
+
+def test_fifty_steps_keep_pool_bounded_and_nothing_in_flight():
+    layers = [nn.Linear(256, 256) for _ in range(4)]
+    off = ActivationOffload(min_bytes=0, simulate=True)
+    ckpt = make_checkpoint_fn(off)
+    x0 = torch.randn(8, 256)
+    allocated = []
+    for _ in range(50):
+        with off.step():
+            h = x0.requires_grad_(False) * 1
+            h.requires_grad_()
+            for layer in layers:
+                h = ckpt(lambda a, layer=layer: torch.tanh(layer(a)), h)
+            h.sum().backward()
+        s = off.stats
+        assert s.in_flight == 0 and s.offloaded_tensors == 3 and s.restored_tensors == 3
+        allocated.append(s.pool_allocated)
+    assert set(allocated) == {3}  # allocated once in step 1, then reused
+    assert off.stats.pool_buffers == 3 and off.stats.steps == 50
+
+
+def test_restored_inputs_are_freed_layer_by_layer_during_backward():
+    from hf_ddpfix.offload import _RESTORED
+
+    model = build_lora_llama(layers=6)
+    model.train()
+    off = ActivationOffload(min_bytes=0, simulate=True, module=model)
+    install_checkpoint_fn(model, make_checkpoint_fn(off))
+    live = []
+
+    def probe(*_):
+        records = [ref() for ref in off._order]
+        live.append(sum(1 for r in records if r is not None and r.state == _RESTORED))
+
+    for layer in model.base_model.model.model.layers:
+        layer.mlp.register_full_backward_hook(probe)
+    ids = torch.randint(0, 256, (BATCH, SEQ))
+    with off.step():
+        model(input_ids=ids, labels=ids).loss.backward()
+    assert len(live) == 6 and max(live) <= 2  # the one in use + the prefetched one, never all of them
+    assert off.stats.prefetched_tensors == 5 and off.stats.would_offload_bytes == 5 * LAYER_INPUT_BYTES
+
+
+def test_backward_after_step_exit_still_correct_and_reports_in_flight():
+    lin = nn.Linear(128, 128)
+    x = torch.randn(16, 128)
+
+    def run(off):
+        lin.zero_grad()
+        ckpt = make_checkpoint_fn(off)
+        with off.step() if off is not None else contextlib.nullcontext():
+            h = x.requires_grad_(False) * 1
+            h.requires_grad_()
+            for _ in range(3):
+                h = ckpt(lin, h)
+        if off is not None:
+            assert off.stats.in_flight == 2  # the graph still needs its host copies
+        h.sum().backward()
+        return lin.weight.grad.clone()
+
+    assert torch.equal(run(None), run(ActivationOffload(min_bytes=0, simulate=True)))
+
+
+def test_retain_graph_second_backward_unpacks_again():
+    lin = nn.Linear(128, 128)
+    x = torch.randn(16, 128, requires_grad=True)
+
+    def run(off):
+        x.grad = None
+        ckpt = make_checkpoint_fn(off)
+        with off.step() if off is not None else contextlib.nullcontext():
+            h = x * 1
+            for _ in range(3):
+                h = ckpt(lin, h)
+            h.sum().backward(retain_graph=True)
+            h.square().sum().backward()
+        return x.grad.clone()
+
+    assert torch.equal(run(None), run(ActivationOffload(min_bytes=0, simulate=True)))
+
+
+def test_outside_step_the_checkpoint_fn_is_stock_and_never_crashes():
+    off = ActivationOffload(min_bytes=0, simulate=True)
+    ckpt = make_checkpoint_fn(off)
+    lin = nn.Linear(32, 32)
+    x = torch.randn(4, 32, requires_grad=True)
+    ckpt(lin, x * 1).sum().backward()
+    with off.pack_scope():
+        pass
+    assert off.stats.packed_tensors == 0 and not off.active and x.grad is not None
+
+
+def test_make_checkpoint_fn_is_non_reentrant_and_inspectable():
+    off = ActivationOffload()
+    fn = make_checkpoint_fn(off, preserve_rng_state=False)
+    assert fn.use_reentrant is False and fn.offload is off
+    assert fn.checkpoint_kwargs == {"preserve_rng_state": False, "use_reentrant": False}
+    assert make_checkpoint_fn(None).offload is None
+    with pytest.raises(ValueError, match="use_reentrant"):
+        make_checkpoint_fn(off, use_reentrant=True)
+    with pytest.raises(ValueError, match="min_bytes"):
+        ActivationOffload(min_bytes=-1)
+    assert accelerator_available() == torch.cuda.is_available()
+
+
+@pytest.mark.multiprocess
+def test_two_process_ddp_weights_identical_with_offload_and_across_ranks(tmp_path):
+    out = tmp_path / "result.json"
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node=2",
+        str(REPO / "tests" / "scripts" / "offload_ddp.py"),
+        "--out",
+        str(out),
+    ]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=120, cwd=REPO)
+    assert proc.returncode == 0, f"stdout:\n{proc.stdout[-4000:]}\nstderr:\n{proc.stderr[-4000:]}"
+    result = json.loads(out.read_text())
+    assert result["offload_equals_stock"] == {"accounting": True, "simulate": True}
+    assert result["ranks_equal"] is True
+    assert result["would_offload_bytes"] > 0

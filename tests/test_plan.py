@@ -1,0 +1,214 @@
+"""resolve_plan: one test per row of the REFERENCES.md §1 failure table, plus overrides and strict mode."""
+
+import pytest
+
+from hf_ddpfix import DDPFixConfig, PlanError, RunFacts, resolve_plan
+
+
+def ddp(**kw):
+    base = dict(parallel="ddp", world_size=2, is_peft=True)
+    base.update(kw)
+    return RunFacts(**base)
+
+
+def cfg(**env):
+    return DDPFixConfig.from_env({k: str(v) for k, v in env.items()})
+
+
+def assert_not_known_bad(plan, facts):
+    """The combinations of the stock failure table never come out of the plan."""
+    kw = plan.ddp_kwargs()
+    if plan.parallel != "ddp":
+        return
+    unused = (facts.trainable_vision_params and not plan.vlm_stabilizer.value) or facts.conditional_params
+    assert not (plan.checkpointing.value == "reentrant" and kw["find_unused_parameters"])
+    assert not (unused and not kw["find_unused_parameters"] and not plan.hang_guard.value)
+    assert not (unused and kw["static_graph"])
+    assert not (facts.grad_accum_steps > 1 and kw["static_graph"])
+
+
+# --- row: no checkpointing, fu=True -> works; we still drop the useless fu=True for LoRA -------------
+def test_row_no_checkpointing_lora_gets_fu_false_and_static_graph():
+    f = ddp(checkpointing="off")
+    plan = resolve_plan(f)
+    assert plan.ddp_kwargs() == {"find_unused_parameters": False, "static_graph": True}
+    assert plan.find_unused_parameters.changed  # stock picks True for a PeftModel
+    assert_not_known_bad(plan, f)
+
+
+# --- row: fu=False + trainable vision params, ranks differ -> hang; all text -> reduction error ------
+def test_row_fu_false_with_trainable_vision_and_no_adapter_falls_back_to_fu_true():
+    f = ddp(checkpointing="non_reentrant", is_vlm=True, trainable_vision_params=True, user_find_unused=False)
+    plan = resolve_plan(f)
+    assert plan.ddp_kwargs() == {"find_unused_parameters": True, "static_graph": False}
+    assert "find_unused_parameters=False" in plan.corrections[0]
+    assert_not_known_bad(plan, f)
+
+
+def test_row_fu_false_with_trainable_vision_and_stabiliser_keeps_fu_false():
+    f = ddp(checkpointing="non_reentrant", is_vlm=True, trainable_vision_params=True, vlm_adapter="qwen2_5_vl",
+            user_find_unused=False)
+    plan = resolve_plan(f)
+    assert plan.vlm_stabilizer.value is True
+    assert plan.ddp_kwargs() == {"find_unused_parameters": False, "static_graph": True}
+    assert plan.corrections == ()
+
+
+# --- row: reentrant + fu=True -> "ready only once" ---------------------------------------------------
+@pytest.mark.parametrize("user_fu", [None, True])
+def test_row_reentrant_with_find_unused_switches_to_non_reentrant(user_fu):
+    f = ddp(checkpointing="reentrant", user_reentrant=True, user_find_unused=user_fu)
+    plan = resolve_plan(f)
+    assert plan.checkpointing.value == "non_reentrant"
+    assert any("use_reentrant=True" in c for c in plan.corrections)
+    assert_not_known_bad(plan, f)
+
+
+def test_row_reentrant_with_find_unused_raises_in_strict_mode():
+    with pytest.raises(PlanError, match="ready only once"):
+        resolve_plan(ddp(checkpointing="reentrant", user_reentrant=True, user_find_unused=True), cfg(HF_DDPFIX_STRICT=1))
+
+
+# --- row: reentrant + fu=False, text -> works (kept when forced) --------------------------------------
+def test_row_reentrant_fu_false_text_works_when_reentrant_is_forced():
+    plan = resolve_plan(ddp(checkpointing="reentrant"), cfg(HF_DDPFIX_CHECKPOINTING="reentrant"))
+    assert plan.checkpointing.value == "reentrant"
+    assert plan.ddp_kwargs()["find_unused_parameters"] is False
+
+
+def test_strict_keeps_explicit_reentrant_when_it_works():
+    plan = resolve_plan(ddp(checkpointing="reentrant", user_reentrant=True), cfg(HF_DDPFIX_STRICT=1))
+    assert plan.checkpointing.value == "reentrant" and plan.ddp_kwargs()["find_unused_parameters"] is False
+
+
+def test_forced_reentrant_with_unused_vision_params_cannot_work():
+    f = ddp(checkpointing="reentrant", is_vlm=True, trainable_vision_params=True)
+    with pytest.raises(PlanError, match="non_reentrant"):
+        resolve_plan(f, cfg(HF_DDPFIX_CHECKPOINTING="reentrant"))
+
+
+# --- row: non-reentrant + fu=True -> works for every data mix ----------------------------------------
+def test_row_non_reentrant_vlm_without_adapter_uses_the_safe_fallback():
+    f = ddp(checkpointing="non_reentrant", is_vlm=True, trainable_vision_params=True)
+    plan = resolve_plan(f)
+    assert plan.checkpointing.value == "non_reentrant"
+    assert plan.ddp_kwargs() == {"find_unused_parameters": True, "static_graph": False}
+    assert "no adapter" in plan.vlm_stabilizer.reason
+
+
+# --- rows: static graph ------------------------------------------------------------------------------
+def test_row_static_graph_with_changing_graph_is_corrected():
+    f = ddp(checkpointing="non_reentrant", is_vlm=True, trainable_vision_params=True, user_static_graph=True)
+    plan = resolve_plan(f)
+    assert plan.static_graph.value is False and "graph changes" in plan.static_graph.reason
+    assert any("static_graph=True" in c for c in plan.corrections)
+    with pytest.raises(PlanError):
+        resolve_plan(f, cfg(HF_DDPFIX_STRICT=1))
+
+
+def test_row_static_graph_with_gradient_accumulation_is_corrected():
+    f = ddp(checkpointing="non_reentrant", grad_accum_steps=2, user_static_graph=True)
+    plan = resolve_plan(f)
+    assert plan.static_graph.value is False and "expect_autograd_hooks_" in plan.static_graph.reason
+    assert_not_known_bad(plan, f)
+
+
+def test_row_static_graph_with_fixed_graph_is_kept():
+    plan = resolve_plan(ddp(checkpointing="reentrant", user_static_graph=True), cfg(HF_DDPFIX_STRICT=1))
+    assert plan.ddp_kwargs()["static_graph"] is True
+
+
+# --- row: offload without an accelerator -> crash ---------------------------------------------------
+def test_row_offload_without_accelerator_is_a_logged_no_op():
+    plan = resolve_plan(ddp(checkpointing="non_reentrant", offload_requested=True, accelerator_available=False))
+    assert plan.offload_activations.value is False and "no accelerator" in plan.offload_activations.reason
+
+
+def test_offload_with_accelerator_is_ours():
+    plan = resolve_plan(ddp(checkpointing="non_reentrant", offload_requested=True, accelerator_available=True))
+    assert plan.offload_activations.value is True
+
+
+def test_offload_needs_checkpointing():
+    plan = resolve_plan(ddp(checkpointing="off", accelerator_available=True), cfg(HF_DDPFIX_OFFLOAD_ACTIVATIONS=1))
+    assert plan.offload_activations.value is False and "checkpointing is off" in plan.offload_activations.reason
+
+
+# --- MoE: conditional params --------------------------------------------------------------------------
+def test_conditional_params_keep_find_unused_and_forbid_static_graph():
+    f = ddp(checkpointing="non_reentrant", conditional_params=True)
+    plan = resolve_plan(f)
+    assert plan.ddp_kwargs() == {"find_unused_parameters": True, "static_graph": False}
+
+
+# --- environment overrides ----------------------------------------------------------------------------
+def test_unsloth_disable_static_graph():
+    plan = resolve_plan(ddp(checkpointing="non_reentrant"), cfg(UNSLOTH_DISABLE_DDP_STATIC_GRAPH=1))
+    assert plan.static_graph.value is False and "UNSLOTH_DISABLE_DDP_STATIC_GRAPH" in plan.static_graph.reason
+
+
+def test_unsloth_disable_static_graph_for_checkpointing_only_applies_when_checkpointing():
+    c = cfg(UNSLOTH_DISABLE_DDP_STATIC_GRAPH_FOR_GRAD_CHECKPOINT=1)
+    assert resolve_plan(ddp(checkpointing="non_reentrant"), c).static_graph.value is False
+    assert resolve_plan(ddp(checkpointing="off"), c).static_graph.value is True
+
+
+def test_unsloth_use_gradient_checkpointing_counts_as_checkpointed():
+    c = cfg(UNSLOTH_USE_GRADIENT_CHECKPOINTING=1, UNSLOTH_DISABLE_DDP_STATIC_GRAPH_FOR_GRAD_CHECKPOINT=1)
+    plan = resolve_plan(ddp(checkpointing="off"), c)
+    assert plan.static_graph.value is False and "assumed on" in plan.checkpointing.reason
+
+
+def test_forced_find_unused_from_env():
+    plan = resolve_plan(ddp(checkpointing="off"), cfg(HF_DDPFIX_FIND_UNUSED_PARAMETERS=1))
+    assert plan.ddp_kwargs()["find_unused_parameters"] is True
+    assert "HF_DDPFIX_FIND_UNUSED_PARAMETERS" in plan.find_unused_parameters.reason
+
+
+def test_forced_non_reentrant_applies_to_single_process_too():
+    plan = resolve_plan(RunFacts(checkpointing="reentrant"), cfg(HF_DDPFIX_CHECKPOINTING="non_reentrant"))
+    assert plan.checkpointing.value == "non_reentrant" and plan.ddp_kwargs() == {}
+
+
+# --- non-DDP modes ----------------------------------------------------------------------------------------
+def test_single_process_changes_nothing():
+    plan = resolve_plan(RunFacts(checkpointing="reentrant", is_peft=True))
+    assert plan.ddp_kwargs() == {} and plan.checkpointing.value == "reentrant"
+    assert plan.find_unused_parameters.value is None
+
+
+def test_fsdp_vlm_needs_stabiliser_even_with_frozen_tower():
+    f = RunFacts(parallel="fsdp", world_size=2, checkpointing="reentrant", is_vlm=True, vlm_adapter="qwen2_vl")
+    plan = resolve_plan(f)
+    assert plan.vlm_stabilizer.value is True and plan.checkpointing.value == "non_reentrant"
+    assert plan.ddp_kwargs() == {}
+
+
+def test_forced_fu_false_without_stabiliser_is_honoured_with_the_hang_guard():
+    c = cfg(HF_DDPFIX_VLM_STABILIZER=0, HF_DDPFIX_FIND_UNUSED_PARAMETERS=0)
+    f = ddp(checkpointing="non_reentrant", is_vlm=True, vlm_adapter="qwen2_5_vl", trainable_vision_params=True)
+    plan = resolve_plan(f, c)
+    assert plan.ddp_kwargs() == {"find_unused_parameters": False, "static_graph": False}
+    assert plan.hang_guard.value is True and plan.corrections == ()
+    assert resolve_plan(f).hang_guard.value is False  # default: stabiliser on, nothing to guard
+    frozen = ddp(checkpointing="non_reentrant", is_vlm=True)
+    assert resolve_plan(frozen, c).hang_guard.value is False
+
+
+def test_report_marks_changes_and_lists_corrections():
+    plan = resolve_plan(ddp(checkpointing="reentrant", user_reentrant=True, user_find_unused=True))
+    text = plan.report()
+    assert text.startswith("hf_ddpfix plan (ddp, world size 2)")
+    assert " * checkpointing" in text and "corrected:" in text
+
+
+@pytest.mark.parametrize("ckpt", ["off", "reentrant", "non_reentrant"])
+@pytest.mark.parametrize("fu", [None, True, False])
+@pytest.mark.parametrize("static", [None, True, False])
+@pytest.mark.parametrize("vlm", [None, "qwen2_5_vl", "unknown"])
+@pytest.mark.parametrize("ga", [1, 2])
+def test_no_known_bad_combination_comes_out(ckpt, fu, static, vlm, ga):
+    f = ddp(checkpointing=ckpt, user_find_unused=fu, user_static_graph=static, grad_accum_steps=ga,
+            is_vlm=vlm is not None, trainable_vision_params=vlm is not None,
+            vlm_adapter=vlm if vlm != "unknown" else None, user_reentrant=True if ckpt == "reentrant" else None)
+    assert_not_known_bad(resolve_plan(f), f)

@@ -1,0 +1,74 @@
+"""patch_trainer() and DDPFixTrainer: same implementation, reversible patch, DDP == single-process weights."""
+
+import pytest
+import torch
+from transformers import Trainer
+
+import hf_ddpfix
+from hf_ddpfix import DDPFixConfig, DDPFixTrainer, patch_trainer, unpatch_trainer
+from hf_ddpfix.trainer import is_patched
+from launch import torchrun
+
+
+def test_patch_is_idempotent_and_reversible():
+    stock = Trainer._inner_training_loop
+    try:
+        patch_trainer()
+        patched = Trainer._inner_training_loop
+        patch_trainer(strict=True)
+        assert Trainer._inner_training_loop is patched and is_patched()
+    finally:
+        unpatch_trainer()
+    assert Trainer._inner_training_loop is stock and not is_patched()
+    unpatch_trainer()  # safe when not patched
+    assert Trainer._inner_training_loop is stock
+
+
+def test_patch_reaches_subclasses_defined_before_and_after_the_call():
+    from trl import SFTTrainer
+
+    class Mine(Trainer):
+        pass
+
+    try:
+        patch_trainer()
+        assert SFTTrainer._inner_training_loop is Trainer._inner_training_loop
+        assert Mine._inner_training_loop is Trainer._inner_training_loop
+    finally:
+        unpatch_trainer()
+
+
+def test_patch_rejects_bad_options_at_call_time():
+    with pytest.raises(ValueError, match="unknown hf_ddpfix option"):
+        patch_trainer(statik_graph=True)
+    with pytest.raises(ValueError, match="static_graph"):
+        patch_trainer(static_graph="sometimes")
+    assert not is_patched()
+
+
+def test_public_api():
+    for name in hf_ddpfix.__all__:
+        assert hasattr(hf_ddpfix, name)
+    assert issubclass(DDPFixTrainer, Trainer)
+    assert DDPFixConfig(strict=True).strict is True
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("entry", ["patch", "subclass"])
+def test_ddp_with_reentrant_checkpointing_matches_single_process(tmp_path, entry):
+    """Stock fails here ('ready only once'); both entry points train and match the 1-process reference."""
+    ref, ddp = tmp_path / "ref.pt", tmp_path / "ddp.pt"
+    torchrun("train_text.py", "--entry", entry, "--out", str(ref), nproc=1, timeout=120)
+    torchrun("train_text.py", "--entry", entry, "--out", str(ddp), nproc=2, timeout=120)
+    a, b = torch.load(ref, weights_only=False), torch.load(ddp, weights_only=False)
+    assert b["plan"].ddp_kwargs()["find_unused_parameters"] is False
+    assert b["plan"].checkpointing.value == "non_reentrant"
+    for name, w in a["weights"].items():
+        torch.testing.assert_close(b["weights"][name], w, rtol=0, atol=1e-6, msg=name)
+
+
+@pytest.mark.multiprocess
+def test_stock_ddp_with_reentrant_checkpointing_fails(tmp_path):
+    done = torchrun("train_text.py", "--entry", "stock", "--out", str(tmp_path / "x.pt"), nproc=2, timeout=120,
+                    check=False)
+    assert done.returncode != 0 and "Expected to mark a variable ready only once" in done.stdout
