@@ -41,11 +41,11 @@ import torch
 from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from hf_ddpfix.checkpointing import CheckpointFunction  # noqa: E402
 from hf_ddpfix.offload import (  # noqa: E402
     DEFAULT_MIN_BYTES,
     ActivationOffload,
     accelerator_available,
-    make_checkpoint_fn,
 )
 
 MODES = ("no_ckpt", "ckpt", "ckpt+hf_offload", "ckpt+hf_ddpfix")
@@ -95,7 +95,7 @@ def enable_mode(model: nn.Module, mode: str, spec: dict[str, Any]) -> Activation
     if mode != "ckpt+hf_ddpfix":
         return None
     offload = ActivationOffload(module=model)  # default min_bytes (1 MiB)
-    fn = make_checkpoint_fn(offload)
+    fn = CheckpointFunction(False, offload)
     for module in model.modules():
         if hasattr(module, "gradient_checkpointing"):
             module._gradient_checkpointing_func = fn

@@ -3,8 +3,10 @@
 The default run is fully offline: a tiny random-weight Qwen2.5-VL learns to caption PIL-drawn shapes
 ("a red circle") while also learning a text-only task ("count from three : four five six"), with LoRA
 on every linear layer (vision tower included) and reentrant activation checkpointing. Under stock
-DDP that combination fails (reentrant checkpointing + LoRA, and steps where no rank sees an image);
-`patch_trainer()` makes it run. Pass `--no-fix` to see the stock failure.
+DDP that combination fails: reentrant checkpointing + LoRA raises "Expected to mark a variable ready
+only once", and a step where no rank sees an image leaves the vision LoRA unused. `patch_trainer()`
+plans around both (its plan is printed at the start). Pass `--no-fix` to see the stock failure.
+The default run takes about a minute on 2 CPU cores and reaches ~0.9 caption accuracy (chance 0.29).
 
 Run it:
 
@@ -261,8 +263,9 @@ def main(argv=None) -> dict:
     preprocess, compute_metrics = make_metrics(groups)
 
     torch.manual_seed(args.seed)
-    model = get_peft_model(model, LoraConfig(r=args.lora_r, lora_alpha=2 * args.lora_r, lora_dropout=0.0,
-                                             target_modules=LORA_TARGETS))
+    lora = LoraConfig(r=args.lora_r, lora_alpha=2 * args.lora_r,  # alpha = 2r: the usual LoRA scale of 2
+                      lora_dropout=0.0, target_modules=LORA_TARGETS)  # no dropout: short runs, no overfitting
+    model = get_peft_model(model, lora)
     model.config.use_cache = False  # no KV cache in training (and checkpointing would turn it off anyway)
     if rank0():
         model.print_trainable_parameters()
@@ -287,9 +290,10 @@ def main(argv=None) -> dict:
         eval_steps=args.eval_steps or None,
         activation_checkpointing=ckpt,  # (the v5 name of gradient_checkpointing)
         activation_checkpointing_kwargs={"use_reentrant": args.checkpointing == "reentrant"} if ckpt else None,
-        # Text-only samples are shorter than image ones, so length grouping yields mostly single-modality
-        # batches (LLaVA's modality grouping): some DDP steps see no image on any rank.
-        train_sampling_strategy="group_by_length",
+        # Synthetic data: text-only samples are shorter than image ones, so length grouping yields mostly
+        # single-modality batches (as LLaVA's modality grouping does): some steps see no image on any rank.
+        # (--dataset: random order; group_by_length would encode every row once at start-up to measure it.)
+        train_sampling_strategy="random" if args.dataset else "group_by_length",
         remove_unused_columns=False,  # our collator builds the model inputs itself
         use_cpu=not on_accelerator,  # without it, CPU-only ranks would each think they train alone
         bf16=on_accelerator and torch.cuda.is_available() and torch.cuda.is_bf16_supported(),

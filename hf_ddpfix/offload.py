@@ -10,7 +10,7 @@ forward and back during the backward frees that much device memory (REFERENCES.m
 Usage::
 
     offload = ActivationOffload(min_bytes=1 << 20, module=model)   # reusable across steps
-    ckpt = make_checkpoint_fn(offload)                             # what layers call to checkpoint
+    ckpt = CheckpointFunction(False, offload)                         # what layers call to checkpoint
     with offload.step():                                           # forward AND backward of a step
         loss = model(**batch).loss
         loss.backward()
@@ -28,14 +28,13 @@ import contextlib
 import logging
 import threading
 import weakref
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import asdict, dataclass
 from typing import Any
 
 import torch
 from torch import nn
 from torch.multiprocessing.reductions import StorageWeakRef
-from torch.utils.checkpoint import checkpoint as _torch_checkpoint
 
 logger = logging.getLogger(__name__)
 
@@ -44,7 +43,6 @@ __all__ = [
     "ActivationOffload",
     "OffloadStats",
     "accelerator_available",
-    "make_checkpoint_fn",
 ]
 
 # 1 MiB: below this a copy costs more in launch latency and bookkeeping than it frees
@@ -535,42 +533,6 @@ class ActivationOffload:
                 self._prefetch_before(rec.index)
         out = torch.empty(0, dtype=packed.dtype, device=dev.device)
         return out.set_(dev.untyped_storage(), packed.offset, packed.size, packed.stride)
-
-
-def make_checkpoint_fn(
-    offload: ActivationOffload | None = None, **checkpoint_kwargs: Any
-) -> Callable[..., Any]:
-    """Return ``checkpoint(function, *args, **kwargs)`` that is non-reentrant and offloads its inputs.
-
-    This is what transformers layers call as ``_gradient_checkpointing_func``. ``checkpoint_kwargs``
-    (e.g. ``preserve_rng_state``) are defaults that per-call keyword arguments override.
-
-    Raises:
-        ValueError: ``use_reentrant=True`` was asked for: the hooks see checkpoint inputs only with
-            non-reentrant checkpointing (patching the reentrant path silently stops working,
-            ArcticTraining #373).
-
-    Guarantees: ``use_reentrant`` is always False; the result has attributes ``use_reentrant`` (False),
-    ``offload`` and ``checkpoint_kwargs``; with ``offload=None`` or outside ``offload.step()`` it is
-    stock non-reentrant checkpointing.
-    """
-    if checkpoint_kwargs.get("use_reentrant"):
-        raise ValueError(
-            "make_checkpoint_fn: use_reentrant=True is not supported; activation offload hooks only see "
-            "checkpoint inputs with use_reentrant=False. Drop the option or set it to False."
-        )
-    defaults = {**checkpoint_kwargs, "use_reentrant": False}
-
-    def checkpoint_fn(function: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-        merged = {**defaults, **kwargs, "use_reentrant": False}
-        scope = offload.pack_scope() if offload is not None else contextlib.nullcontext()
-        with scope:
-            return _torch_checkpoint(function, *args, **merged)
-
-    checkpoint_fn.use_reentrant = False  # type: ignore[attr-defined]
-    checkpoint_fn.offload = offload  # type: ignore[attr-defined]
-    checkpoint_fn.checkpoint_kwargs = dict(defaults)  # type: ignore[attr-defined]
-    return checkpoint_fn
 
 
 def _storage_ptrs(tensors: Iterable[torch.Tensor]) -> set[int]:

@@ -12,6 +12,16 @@ parameter gradients locally and returns them, so each parameter's ``AccumulateGr
 FSDP hook on it) fires exactly once per step. (A per-chunk ``.backward()`` fires the hooks once per
 chunk: "Expected to mark a variable ready only once", REFERENCES.md section 4.)
 
+Checkpointing: inside a non-reentrant checkpoint the layer forward runs again in backward only to
+regenerate saved tensors, and the tiled MLP would then run 3 times per step (forward, checkpoint
+recompute, tiled backward recompute). We skip the compute in the checkpoint recompute when it is
+provably unused: the checkpoint's early stop fires on this Function's own saved tensors (they are the
+last ones the recompute needs, true for Llama/Qwen/Mistral decoder layers and the Qwen-VL vision
+blocks where only a residual add follows the MLP), so the output is never read and a placeholder is
+returned. Otherwise (an op after the MLP saves its output, early stop disabled, torch internals changed)
+the recompute computes as usual. Result: 2 MLP forwards + 1 backward per step, like the untiled
+checkpointed layer. Reentrant checkpointing needs the recomputed output, so it keeps 3.
+
 Usage::
 
     handle = apply_tiled_mlp(model, shards="auto")   # before DDP/FSDP wrapping
@@ -53,19 +63,19 @@ __all__ = [
 ]
 
 # Below this many tokens per MLP call "auto" does not tile: the intermediate is small, and tiling
-# costs time at short sequences (+26% at 2K tokens, ms-swift #7090). benchmarks/tiled.py: at 8K tokens
-# the untiled MLP activation peak is already < 1/4 of what it is at 32K.
+# costs time at short sequences (+26% at 2K tokens, ms-swift #7090). benchmarks/tiled.py: below 8K
+# tokens the untiled Llama-8B MLP fwd+bwd peak is < 0.75 GiB (bf16), not worth a recompute.
 DEFAULT_MIN_TOKENS = 8192
 # "auto" target chunk length. 2K-token chunks keep the matmuls large (2048 x 4096 x 14336 on Llama-8B)
-# and give >= 4x lower MLP peak at 16K tokens (benchmarks/tiled.py); ceil(seq/hidden) (ALST) gives
-# only 4 shards there.
+# and give 4.5x lower MLP fwd+bwd peak at 16K tokens, 6.4x at 32K (benchmarks/tiled.py); ceil(seq/hidden)
+# (ALST) gives only 4 shards and 2.8x at 16K.
 DEFAULT_TOKENS_PER_SHARD = 2048
 # "target" without a number: the MLP intermediate of one chunk should fit in this many GiB.
 DEFAULT_TARGET_GB = 1.0
 # Live intermediate bytes per token of an untiled gated MLP fwd+bwd, in units of
 # intermediate_size x dtype bytes (gate, up, act(gate), product and their grads overlap in backward).
-# Measured with benchmarks/tiled.py (exact live-tensor bytes, fp32, Llama MLP): ~5.0 at every length.
-INTERMEDIATE_BYTES_PER_TOKEN_FACTOR = 5.0
+# benchmarks/tiled.py measures 5.43 (exact live-tensor bytes, Llama-8B MLP, bf16, every length).
+INTERMEDIATE_BYTES_PER_TOKEN_FACTOR = 5.5
 
 _STATE_ATTR = "_hf_ddpfix_tiled_mlp"
 _ALLOWED_SETTINGS = "off|0|false, on|1|true|auto, arctic, target, target:<GB>, <N shards >= 2>"

@@ -34,9 +34,10 @@ __all__ = [
     "unpatch_model_loss",
 ]
 
-# Chunk length rule: fp32 logits of one chunk take about this many bytes (128 MiB: >= 10x lower loss
-# head peak than untiled at 16K tokens x 32K vocab, benchmarks/tiled.py), at least 128 tokens.
-DEFAULT_CHUNK_LOGITS_BYTES = 128 * 2**20
+# Chunk length rule: fp32 logits of one chunk take about this many bytes (64 MiB = 512 tokens at a 32K
+# vocab, still a large GEMM on a GPU; benchmarks/tiled.py: loss head peak >= 10x lower at 16K tokens),
+# and at least 128 tokens.
+DEFAULT_CHUNK_LOGITS_BYTES = 64 * 2**20
 _MIN_CHUNK = 128
 
 
@@ -187,7 +188,7 @@ def tiled_causal_lm_loss(
         ignore_index: label value that carries no loss (default -100).
         num_items_in_batch: denominator (global label-token count, as the HF Trainer passes it); default
             the number of non-ignored shifted labels (HF's ``mean``).
-        chunk_tokens: label tokens per chunk (default: fp32 chunk logits ~128 MiB, >= 128 tokens).
+        chunk_tokens: label tokens per chunk (default: fp32 chunk logits ~64 MiB, >= 128 tokens).
         logit_scale / logit_softcapping: applied to the logits (in the matmul dtype) like Cohere / Gemma2
             before the fp32 upcast.
         grad_in_forward: compute the (unscaled) gradients chunk by chunk during the forward and only

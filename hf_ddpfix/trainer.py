@@ -75,7 +75,7 @@ def run_with_plan(trainer: Trainer, inner_loop: Callable[..., Any], *args: Any, 
     trainer._hf_ddpfix_active = True
     try:
         with ExitStack() as stack:
-            attach_runtime(trainer, unwrap_model(trainer.model), plan, config, stack)
+            trainer.hf_ddpfix_runtime = attach_runtime(trainer, unwrap_model(trainer.model), plan, config, stack)
             return inner_loop(*args, **kwargs)
     finally:
         trainer._hf_ddpfix_active = False

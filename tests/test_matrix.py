@@ -8,7 +8,6 @@ is real (so these tests can fail).
 import json
 
 import pytest
-
 from launch import torchrun
 
 pytestmark = pytest.mark.multiprocess

@@ -19,11 +19,11 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from hf_ddpfix.checkpointing import CheckpointFunction
 from hf_ddpfix.offload import (
     DEFAULT_MIN_BYTES,
     ActivationOffload,
     accelerator_available,
-    make_checkpoint_fn,
 )
 
 REPO = Path(__file__).resolve().parents[1]
@@ -67,7 +67,7 @@ def train(offload: ActivationOffload | None, steps: int = 3, accumulate: int = 1
     """A few AdamW steps on the tiny LoRA Llama; returns (last grads, final weights, per-step stats)."""
     model = build_lora_llama(layers)
     model.train()
-    assert install_checkpoint_fn(model, make_checkpoint_fn(offload)) >= layers
+    assert install_checkpoint_fn(model, CheckpointFunction(False, offload)) >= layers
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
     gen = torch.Generator().manual_seed(1)
     grads, stats = {}, []
@@ -150,7 +150,7 @@ def test_parameters_and_buffers_are_never_offloaded():
     lin = nn.Linear(512, 512)
     lin.register_buffer("table", torch.randn(512, 512))
     off = ActivationOffload(min_bytes=0, module=lin, simulate=True)
-    ckpt = make_checkpoint_fn(off)
+    ckpt = CheckpointFunction(False, off)
     x = torch.randn(4, 512, requires_grad=True)
 
     def fn(a, w, table_view, bias):
@@ -175,7 +175,7 @@ def test_same_storage_copied_once_and_views_restored_exactly():
         w.grad = None
         x = torch.randn(64, 64, generator=torch.Generator().manual_seed(0)).requires_grad_()
         base = x * 2
-        ckpt = make_checkpoint_fn(off)
+        ckpt = CheckpointFunction(False, off)
         with off.step() if off is not None else contextlib.nullcontext():
             out = ckpt(fn, base, base.t(), base.view(-1), base[:8])
             out2 = ckpt(lambda a: (a @ w).sum(), base + 1)  # a later scope: moves the first one out
@@ -194,7 +194,7 @@ def test_same_storage_copied_once_and_views_restored_exactly():
 def test_fifty_steps_keep_pool_bounded_and_nothing_in_flight():
     layers = [nn.Linear(256, 256) for _ in range(4)]
     off = ActivationOffload(min_bytes=0, simulate=True)
-    ckpt = make_checkpoint_fn(off)
+    ckpt = CheckpointFunction(False, off)
     x0 = torch.randn(8, 256)
     allocated = []
     for _ in range(50):
@@ -217,7 +217,7 @@ def test_restored_inputs_are_freed_layer_by_layer_during_backward():
     model = build_lora_llama(layers=6)
     model.train()
     off = ActivationOffload(min_bytes=0, simulate=True, module=model)
-    install_checkpoint_fn(model, make_checkpoint_fn(off))
+    install_checkpoint_fn(model, CheckpointFunction(False, off))
     live = []
 
     def probe(*_):
@@ -239,7 +239,7 @@ def test_backward_after_step_exit_still_correct_and_reports_in_flight():
 
     def run(off):
         lin.zero_grad()
-        ckpt = make_checkpoint_fn(off)
+        ckpt = CheckpointFunction(False, off)
         with off.step() if off is not None else contextlib.nullcontext():
             h = x.requires_grad_(False) * 1
             h.requires_grad_()
@@ -259,7 +259,7 @@ def test_retain_graph_second_backward_unpacks_again():
 
     def run(off):
         x.grad = None
-        ckpt = make_checkpoint_fn(off)
+        ckpt = CheckpointFunction(False, off)
         with off.step() if off is not None else contextlib.nullcontext():
             h = x * 1
             for _ in range(3):
@@ -273,7 +273,7 @@ def test_retain_graph_second_backward_unpacks_again():
 
 def test_outside_step_the_checkpoint_fn_is_stock_and_never_crashes():
     off = ActivationOffload(min_bytes=0, simulate=True)
-    ckpt = make_checkpoint_fn(off)
+    ckpt = CheckpointFunction(False, off)
     lin = nn.Linear(32, 32)
     x = torch.randn(4, 32, requires_grad=True)
     ckpt(lin, x * 1).sum().backward()
@@ -282,14 +282,13 @@ def test_outside_step_the_checkpoint_fn_is_stock_and_never_crashes():
     assert off.stats.packed_tensors == 0 and not off.active and x.grad is not None
 
 
-def test_make_checkpoint_fn_is_non_reentrant_and_inspectable():
+def test_checkpoint_function_with_offload_is_non_reentrant_and_inspectable():
     off = ActivationOffload()
-    fn = make_checkpoint_fn(off, preserve_rng_state=False)
+    fn = CheckpointFunction(False, off, preserve_rng_state=False)
     assert fn.use_reentrant is False and fn.offload is off
-    assert fn.checkpoint_kwargs == {"preserve_rng_state": False, "use_reentrant": False}
-    assert make_checkpoint_fn(None).offload is None
+    assert fn.checkpoint_kwargs == {"preserve_rng_state": False}
     with pytest.raises(ValueError, match="use_reentrant"):
-        make_checkpoint_fn(off, use_reentrant=True)
+        CheckpointFunction(True, off)
     with pytest.raises(ValueError, match="min_bytes"):
         ActivationOffload(min_bytes=-1)
     assert accelerator_available() == torch.cuda.is_available()

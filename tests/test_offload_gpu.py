@@ -9,7 +9,8 @@ import pytest
 import torch
 from torch import nn
 
-from hf_ddpfix.offload import ActivationOffload, make_checkpoint_fn
+from hf_ddpfix.checkpointing import CheckpointFunction
+from hf_ddpfix.offload import ActivationOffload
 
 pytestmark = [
     pytest.mark.gpu,
@@ -47,7 +48,7 @@ def install(model: nn.Module, offload: ActivationOffload | None) -> None:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", FutureWarning)
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    fn = make_checkpoint_fn(offload)
+    fn = CheckpointFunction(False, offload)
     for module in model.modules():
         if hasattr(module, "gradient_checkpointing"):
             module._gradient_checkpointing_func = fn
@@ -92,7 +93,7 @@ def test_cuda_step_exit_leaves_no_stream_work_in_flight():
 def test_cuda_parameters_never_offloaded_with_module_given():
     lin = nn.Linear(1024, 1024, device="cuda")
     offload = ActivationOffload(min_bytes=0, module=lin)
-    ckpt = make_checkpoint_fn(offload)
+    ckpt = CheckpointFunction(False, offload)
     x = torch.randn(64, 1024, device="cuda", requires_grad=True)
     with offload.step():
         ckpt(lambda a, w: a @ w.t(), x * 1, lin.weight.detach()).sum().backward()

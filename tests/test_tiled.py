@@ -336,7 +336,7 @@ def test_choose_shards_rules() -> None:
     assert choose_shards(16384, h, i, "arctic") == 4  # ceil(seq / hidden)
     assert choose_shards(100, h, i, 7) == 7 and choose_shards(5, h, i, 7) == 5
     assert choose_shards(16384, h, i, "off") == 1
-    # target: 16K tokens x 5 x 14336 x 2 bytes = 2.19 GiB -> 3 shards under 1 GiB, 5 under 0.5 GiB
+    # target: 16K tokens x 5.5 x 14336 x 2 bytes = 2.4 GiB -> 3 shards under 1 GiB, 5 under 0.5 GiB
     assert choose_shards(16384, h, i, "target") == 3
     assert choose_shards(16384, h, i, "target:0.5") == 5
     assert choose_shards(100, h, i, "target:1000") == 1

@@ -2,12 +2,12 @@
 
 import pytest
 import torch
+from launch import torchrun
 from transformers import Trainer
 
 import hf_ddpfix
 from hf_ddpfix import DDPFixConfig, DDPFixTrainer, patch_trainer, unpatch_trainer
 from hf_ddpfix.trainer import is_patched
-from launch import torchrun
 
 
 def test_patch_is_idempotent_and_reversible():

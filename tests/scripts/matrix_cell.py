@@ -1,8 +1,13 @@
 """One cell of the DDP compatibility matrix (a copy of ../shared/acceptance/cell.py, the acceptance
 harness): a tiny LoRA fine-tune under the stock HF Trainer, or with hf_ddpfix.patch_trainer() when
 --fix 1, launched by torchrun. Prints one line `CELL <json>` from rank 0."""
-import argparse, hashlib, json, os, sys, traceback
-import torch, torch.distributed as dist
+import argparse
+import hashlib
+import json
+import os
+
+import torch
+import torch.distributed as dist
 
 p = argparse.ArgumentParser()
 p.add_argument("--model", choices=["text", "vlm"], default="text")
@@ -20,9 +25,9 @@ if a.fix:
     from hf_ddpfix import patch_trainer
     patch_trainer()
 
-from transformers import Trainer, TrainingArguments
-from peft import LoraConfig, get_peft_model
 from datasets import Dataset
+from peft import LoraConfig, get_peft_model
+from transformers import Trainer, TrainingArguments
 
 torch.manual_seed(0)
 if a.model == "text":

@@ -18,7 +18,8 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from hf_ddpfix.offload import ActivationOffload, make_checkpoint_fn
+from hf_ddpfix.checkpointing import CheckpointFunction
+from hf_ddpfix.offload import ActivationOffload
 
 STEPS, BATCH, SEQ = 4, 2, 32
 
@@ -49,7 +50,7 @@ def train(offload: ActivationOffload | None) -> tuple[torch.Tensor, int]:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", FutureWarning)
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    fn = make_checkpoint_fn(offload)
+    fn = CheckpointFunction(False, offload)
     for module in model.modules():
         if hasattr(module, "gradient_checkpointing"):
             module._gradient_checkpointing_func = fn
