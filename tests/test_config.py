@@ -96,3 +96,13 @@ def test_checkpointing_choice_accepts_dash_spelling():
 def test_env_table_covers_every_option():
     names = [row[0] for row in env_table()]
     assert names == [env_name(o) for o in OPTIONS]
+
+
+def test_readme_documents_every_variable():
+    from pathlib import Path
+
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    for var, aliases, _ in env_table():
+        assert f"`{var}`" in readme, var
+        for alias in filter(None, aliases.split(", ")):
+            assert f"`{alias}`" in readme, alias
