@@ -16,7 +16,7 @@ from .plan import ParallelMode, RunFacts
 _MOE_KEYS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts")
 
 
-def unwrap_model(model: nn.Module) -> nn.Module:
+def unwrap_parallel(model: nn.Module) -> nn.Module:
     """Strip DDP / FSDP-1 / torch.compile wrappers (not peft): the module the user built."""
     while True:
         inner = getattr(model, "module", None) or getattr(model, "_orig_mod", None)
@@ -44,11 +44,6 @@ def _configs(model: nn.Module) -> list[Any]:
         if sub is not None:
             out.append(sub)
     return out
-
-
-def is_vlm(model: nn.Module) -> bool:
-    """A model with a vision tower: its config has a `vision_config`."""
-    return any(getattr(c, "vision_config", None) is not None for c in _configs(model))
 
 
 def has_conditional_params(model: nn.Module) -> bool:
@@ -91,7 +86,7 @@ def gather_facts(trainer: Any, model: nn.Module | None = None) -> RunFacts:
     off, from the model itself (the user may have enabled it before building the Trainer).
     """
     args = trainer.args
-    model = unwrap_model(model if model is not None else trainer.model)
+    model = unwrap_parallel(model if model is not None else trainer.model)
     parallel, world = parallel_mode(trainer)
     user_reentrant = None
     offload = False
@@ -99,7 +94,7 @@ def gather_facts(trainer: Any, model: nn.Module | None = None) -> RunFacts:
         mode, user_reentrant, offload = requested_checkpointing(args.activation_checkpointing_kwargs)
     else:
         mode = detect_checkpointing(model)
-    vision = is_vlm(model)
+    vision = _vlm().is_vision_language_model(model)
     adapter = _vlm().find_vision_adapter(model) if vision else None
     return RunFacts(
         parallel=parallel,
@@ -107,7 +102,7 @@ def gather_facts(trainer: Any, model: nn.Module | None = None) -> RunFacts:
         checkpointing=mode,  # type: ignore[arg-type]
         is_peft=is_peft_model(model),
         is_vlm=vision,
-        vlm_adapter=adapter.name if adapter is not None else None,
+        vlm_adapter=adapter.family.name if adapter is not None else None,
         trainable_vision_params=vision and _vlm().has_trainable_vision_params(model),
         conditional_params=has_conditional_params(model),
         grad_accum_steps=int(args.gradient_accumulation_steps or 1),

@@ -14,11 +14,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from torch import nn
+from transformers import TrainerCallback
 
 from .checkpointing import apply_checkpointing, checkpoint_kwargs_without_mode
 from .config import DDPFixConfig
 from .offload import ActivationOffload
 from .plan import Plan
+from .vlm import HangGuard, VisionStabilizer
 
 logger = logging.getLogger("hf_ddpfix")
 
@@ -29,6 +31,8 @@ class Runtime:
 
     plan: Plan
     offload: ActivationOffload | None = None
+    stabilizer: VisionStabilizer | None = None
+    hang_guard: HangGuard | None = None
     step_contexts: list[Callable[[], AbstractContextManager[Any]]] = field(default_factory=list)
 
 
@@ -40,9 +44,80 @@ def attach_runtime(trainer: Any, model: nn.Module, plan: Plan, config: DDPFixCon
         rt.step_contexts.append(rt.offload.step)
         stack.callback(rt.offload.clear_pool)
     _apply_checkpointing(trainer, model, plan, rt.offload)
+    if plan.vlm_stabilizer.value:
+        rt.stabilizer = _attach_stabilizer(trainer, model, plan, stack)
+    if plan.hang_guard.value:
+        rt.hang_guard = HangGuard(model).attach()
+        stack.callback(rt.hang_guard.remove)
+        _add_callback(trainer, _GuardWrappedModel(trainer, rt.hang_guard), stack)
     if rt.step_contexts:
-        _wrap_training_step(trainer, rt.step_contexts, stack)
+        _override(trainer, "training_step", lambda inner: _within(rt.step_contexts, inner), stack)
     return rt
+
+
+def _attach_stabilizer(trainer: Any, model: nn.Module, plan: Plan, stack: ExitStack) -> VisionStabilizer:
+    """Dummy image on text-only steps; before gradients are clipped or measured, vision gradients are
+    reset to `None` when no rank saw an image in the whole optimizer step (stock fu=True semantics).
+
+    The finalize runs before `_clip_grad_norm` / `_get_grad_norm` because a zero and a `None` gradient
+    give a different clipping norm in the last bit; `on_pre_optimizer_step` fires after clipping.
+    """
+    stab = VisionStabilizer(model, run_when_frozen=True if plan.parallel == "fsdp" else None).attach()
+    stack.callback(stab.remove)
+
+    def finalize_first(inner: Callable[..., Any]) -> Callable[..., Any]:
+        def method(*args: Any, **kwargs: Any) -> Any:
+            stab.finalize_vision_grads()
+            return inner(*args, **kwargs)
+
+        return method
+
+    _override(trainer, "_clip_grad_norm", finalize_first, stack)
+    _override(trainer, "_get_grad_norm", finalize_first, stack)
+    return stab
+
+
+class _GuardWrappedModel(TrainerCallback):
+    """Hands the DDP-wrapped model to the hang guard once accelerate has wrapped it (train begin), so
+    the guard can skip `no_sync` micro-batches."""
+
+    def __init__(self, trainer: Any, guard: HangGuard):
+        self.trainer, self.guard = trainer, guard
+
+    def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        self.guard.ddp_module = self.trainer.model_wrapped
+
+
+def _add_callback(trainer: Any, callback: TrainerCallback, stack: ExitStack) -> None:
+    trainer.add_callback(callback)
+    stack.callback(trainer.remove_callback, callback)
+
+
+def _within(contexts: list[Callable[[], AbstractContextManager[Any]]], inner: Callable[..., Any]) -> Callable:
+    """`inner` (one micro-batch's forward + backward) run inside every context of `contexts`."""
+
+    def training_step(*args: Any, **kwargs: Any) -> Any:
+        with ExitStack() as step_stack:
+            for make in contexts:
+                step_stack.enter_context(make())
+            return inner(*args, **kwargs)
+
+    return training_step
+
+
+def _override(obj: Any, name: str, wrap: Callable[[Callable[..., Any]], Callable[..., Any]], stack: ExitStack) -> None:
+    """Shadow `obj.name` with `wrap(obj.name)` on the instance; the undo goes on `stack`."""
+    had_own = name in vars(obj)
+    previous = vars(obj).get(name)
+    setattr(obj, name, wrap(getattr(obj, name)))
+
+    def restore() -> None:
+        if had_own:
+            setattr(obj, name, previous)
+        else:
+            delattr(obj, name)
+
+    stack.callback(restore)
 
 
 def _apply_checkpointing(trainer: Any, model: nn.Module, plan: Plan, offload: ActivationOffload | None) -> None:
@@ -53,28 +128,3 @@ def _apply_checkpointing(trainer: Any, model: nn.Module, plan: Plan, offload: Ac
     n = apply_checkpointing(model, use_reentrant=mode == "reentrant", offload=offload, **extra)
     if n == 0:
         logger.warning("checkpointing is %s in the plan but the model has no checkpointed layers", mode)
-
-
-def _wrap_training_step(
-    trainer: Any, contexts: list[Callable[[], AbstractContextManager[Any]]], stack: ExitStack
-) -> None:
-    """Run each `trainer.training_step` (one micro-batch's forward + backward) inside `contexts`."""
-    had_own = "training_step" in vars(trainer)
-    previous = vars(trainer).get("training_step")
-    inner = trainer.training_step
-
-    def training_step(*args: Any, **kwargs: Any) -> Any:
-        with ExitStack() as step_stack:
-            for make in contexts:
-                step_stack.enter_context(make())
-            return inner(*args, **kwargs)
-
-    trainer.training_step = training_step
-
-    def restore() -> None:
-        if had_own:
-            trainer.training_step = previous
-        else:
-            del trainer.training_step
-
-    stack.callback(restore)

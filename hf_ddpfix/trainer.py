@@ -21,7 +21,7 @@ from typing import Any
 from transformers import Trainer
 
 from .config import DDPFixConfig
-from .facts import gather_facts, unwrap_model
+from .facts import gather_facts, unwrap_parallel
 from .plan import Plan, resolve_plan
 from .runtime import attach_runtime
 
@@ -75,7 +75,7 @@ def run_with_plan(trainer: Trainer, inner_loop: Callable[..., Any], *args: Any, 
     trainer._hf_ddpfix_active = True
     try:
         with ExitStack() as stack:
-            trainer.hf_ddpfix_runtime = attach_runtime(trainer, unwrap_model(trainer.model), plan, config, stack)
+            trainer.hf_ddpfix_runtime = attach_runtime(trainer, unwrap_parallel(trainer.model), plan, config, stack)
             return inner_loop(*args, **kwargs)
     finally:
         trainer._hf_ddpfix_active = False

@@ -11,9 +11,14 @@ Fix, in three parts:
 1. :class:`VisionStabilizer` — a forward pre/post hook pair on the HF model (the module whose
    ``forward`` takes ``pixel_values``; it runs inside DDP's forward). In training mode with grad
    enabled, a batch without visual input runs a minimal dummy image through the tower *before* the
-   language model (so FSDP issues its collectives in the same order on every rank) and ties the tower
-   output to ``outputs.loss`` (else ``logits``) through an identity whose backward sends exact zeros
-   to the tower: the loss and every language-model gradient are bit-identical, vision grads are zeros.
+   language model and ties its outputs where real image features enter the language model (the input
+   embeddings; Qwen3-VL's deepstack features: decoder layer ``i``) through an identity whose backward
+   sends exact zeros to the tower. The loss and every language-model gradient are bit-identical, vision
+   grads are exact zeros, and the autograd graph has the same shape on image and text ranks, so FSDP2
+   issues its all-gathers / reduce-scatters in the same order everywhere (tying to the loss instead
+   hangs FSDP2: a text rank's ``inputs_embeds`` then needs no grad, which moves the first decoder
+   layer's reduce-scatter; measured). Fallback (``inputs_embeds`` passed in, reentrant checkpointing):
+   tie to ``outputs.loss``, else ``logits``; fine for DDP.
 2. :meth:`VisionStabilizer.finalize_vision_grads` — a zero gradient is not "no gradient" (AdamW with
    weight decay moves a parameter whose grad is zero). Once per optimizer step, before gradient
    clipping, one all-reduce(MAX) asks "did any rank see visual input in any micro-batch of this
@@ -24,11 +29,13 @@ Fix, in three parts:
    one tiny all-gather per forward detects ranks disagreeing on whether the tower ran (or no rank
    running it) and raises :class:`UnusedParametersError` on every rank instead of hanging.
 
-Where the Trainer must call ``finalize_vision_grads``: after the last backward of an optimizer step
-and **before** ``Trainer._clip_grad_norm`` / ``Trainer._get_grad_norm`` (clipping sees zeros vs
-``None`` differently in the last bit: measured, 57 of 200 random cases). ``on_pre_optimizer_step``
-fires after clipping, so use it only as a backstop: the call is a no-op when no forward ran since the
-previous finalize.
+Trainer wiring (transformers 5.23, ``Trainer._inner_training_loop``): attach the stabiliser to the model
+before ``Trainer.train`` (before or after wrapping). Call ``finalize_vision_grads()`` on every rank after
+the last backward of an optimizer step and **before** ``Trainer._clip_grad_norm`` /
+``Trainer._get_grad_norm`` (clip_grad_norm_'s total norm sees zero grads vs ``None`` grads differently
+in the last bit: measured, 57 of 200 random cases), e.g. by wrapping both methods.
+``TrainerCallback.on_pre_optimizer_step`` exists but fires *after* clipping, so use it only as a
+backstop: a second call in the same step is a no-op (no forward ran since the previous call).
 
 Supported families (registry keyed by ``vision_config.model_type`` and checked against the tower's
 structure): Qwen2-VL, Qwen2.5-VL, Qwen3-VL, Qwen3-VL-MoE. Other VLMs: :func:`find_vision_adapter`
@@ -861,8 +868,9 @@ def fsdp_wrap_plan(model: nn.Module) -> list[tuple[str, nn.Module]]:
     the tower before the language model in every training forward, so all ranks issue the same
     all-gathers / reduce-scatters in the same order. Without it, mixed image/text ranks hang.
 
-    Guarantees: fully_shard over this plan + the stabiliser trains a LoRA Qwen2.5-VL with mixed
-    image/text ranks to the same weights as DDP (1e-5; scripts/vlm_fsdp.py).
+    Guarantees: fully_shard over this plan + the stabiliser trains LoRA Qwen2.5-VL and Qwen3-VL with
+    mixed image/text ranks (and an imageless step) to the same weights as DDP (1e-5; measured 7.6e-7
+    and 1.1e-6; scripts/vlm_fsdp.py).
     """
     hf = unwrap_model(model)
     no_split = set(getattr(hf, "_no_split_modules", None) or [])

@@ -260,6 +260,31 @@ def test_gradient_accumulation_matches_stock_sum_and_none_when_no_image_in_step(
     assert all((p.grad is None) == (n in vis) for n, p in fixed.named_parameters() if p.requires_grad)
 
 
+@pytest.mark.parametrize("form", ["logits", "tuple", "inputs_embeds"])
+def test_dummy_reaches_every_vision_param_for_every_output_form(form: str) -> None:
+    stock, fixed = lora_model(), lora_model()
+    stab = VisionStabilizer(fixed).attach()
+    outs = []
+    for model in (stock, fixed):
+        b = make_batch(False, seed=11)
+        if form == "logits":  # no labels: no loss in the output
+            b.pop("labels")
+            out = model(**b).logits.float().pow(2).mean()
+        elif form == "tuple":
+            out = model(**b, return_dict=False)[0]
+        else:  # embeddings computed outside the forward: falls back to tying to the loss
+            ids = b.pop("input_ids")
+            out = model(inputs_embeds=model.get_input_embeddings()(ids), **b).loss
+        out.backward()
+        outs.append(out.detach())
+    assert torch.equal(*outs) and stab.dummy_runs == 1
+    for n in vision_param_names(fixed):
+        g = fixed.get_parameter(n).grad
+        assert g is not None and torch.count_nonzero(g) == 0, n
+    g_stock, g_fixed = grads(stock), grads(fixed)
+    assert all(torch.equal(g_stock[n], g_fixed[n]) for n in g_stock if g_stock[n] is not None)
+
+
 def test_finalize_is_a_noop_without_a_new_forward() -> None:
     model = lora_model()
     stab = VisionStabilizer(model).attach()

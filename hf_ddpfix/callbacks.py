@@ -1,0 +1,393 @@
+"""Trainer callbacks: the plan report, a replica-sync check, and memory / throughput metrics in the logs.
+
+- `PlanReportCallback(plan)`: logs `plan.report()` once, on rank 0, when training starts.
+- `ReplicaSyncCallback(every_n_steps)`: every N optimizer steps, a checksum of the trainable parameters
+  is compared across DDP ranks with one all-reduce; diverged replicas raise `ReplicaDivergenceError` on
+  every rank, naming the first diverged parameters.
+- `MemoryThroughputCallback()`: adds `hf_ddpfix/*` memory and tokens/s keys to every training log, so
+  they reach TensorBoard / W&B / the console like the Trainer's own keys.
+- `default_callbacks(plan, config)` and `install_callbacks(trainer, callbacks, stack)`: what runs by
+  default and how it is attached for one `train()` call.
+
+Checkpoint safety (used by the resume flow, see tests/test_resume.py):
+- `last_complete_checkpoint(output_dir)`: the newest `checkpoint-N` that was fully written.
+- `save_model_atomic(trainer, output_dir)`: the final model appears in `output_dir` complete or not at all.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import shutil
+import sys
+import time
+from contextlib import ExitStack
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from transformers import TrainerCallback
+
+from .config import DDPFixConfig
+from .errors import ReplicaDivergenceError
+from .plan import Plan
+
+logger = logging.getLogger("hf_ddpfix")
+
+#: Default `sync_check_steps`: one pass over the trainable weights + one all-reduce of 2 float64 per
+#: trainable tensor every 50 optimizer steps (LoRA on a 7B model: ~450 tensors, 7 KB; microseconds).
+DEFAULT_SYNC_CHECK_STEPS = 50
+
+__all__ = [
+    "DEFAULT_SYNC_CHECK_STEPS",
+    "MemoryThroughputCallback",
+    "PlanReportCallback",
+    "ReplicaSyncCallback",
+    "default_callbacks",
+    "install_callbacks",
+    "last_complete_checkpoint",
+    "param_checksums",
+    "save_model_atomic",
+]
+
+
+def _dist_world() -> int:
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+
+
+def _collective_device() -> torch.device:
+    """CPU for gloo, the current CUDA device for NCCL (NCCL only moves device tensors)."""
+    backend = str(dist.get_backend()).lower()
+    if "nccl" in backend and torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+class PlanReportCallback(TrainerCallback):
+    """Log `plan.report()` once at the start of training, on the world's process zero only.
+
+    Args:
+        plan: the `Plan` of this run.
+        log: where to write (default: the `hf_ddpfix` logger at INFO).
+    """
+
+    def __init__(self, plan: Plan, log: logging.Logger | None = None):
+        self.plan = plan
+        self.log = log or logger
+        self._done = False
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        if not self._done and state.is_world_process_zero:
+            self.log.info(self.plan.report())
+        self._done = True
+
+
+# ----------------------------------------------------------------------------------------------------
+# Replica sync check
+# ----------------------------------------------------------------------------------------------------
+
+
+def param_checksums(model: nn.Module) -> tuple[list[str], torch.Tensor]:
+    """Per trainable parameter: float64 (sum, sum of squares). Deterministic for identical tensors.
+
+    Returns:
+        (names, tensor of shape [2 * len(names)]) on the parameters' device (the first one's).
+    """
+    names, parts = [], []
+    for name, p in model.named_parameters():
+        if not p.requires_grad:
+            continue
+        t = p.detach()
+        local = getattr(t, "to_local", None)  # a DTensor (FSDP2): compare only what this rank holds
+        if local is not None:
+            t = local()
+        t = t.to(torch.float64)
+        names.append(name)
+        parts.append(torch.stack([t.sum(), (t * t).sum()]))
+    if not parts:
+        return [], torch.zeros(0, dtype=torch.float64)
+    device = parts[0].device
+    return names, torch.cat([x.to(device) for x in parts])
+
+
+class ReplicaSyncCallback(TrainerCallback):
+    """Every `every_n_steps` optimizer steps, check that all DDP replicas hold the same trainable weights.
+
+    One all-reduce (MAX over `[c, -c]`, `c` = per-parameter float64 sum and sum of squares) gives every
+    rank both the maximum and the minimum of each checksum; any difference means the replicas diverged
+    (a rank skipped an all-reduce, a non-DDP parameter update, a rank-specific seed in an in-place op...).
+    Also checked once when training ends. A no-op when torch.distributed is not initialised or the world
+    size is 1. Compare only under DDP: under FSDP every rank holds different shards.
+
+    Args:
+        every_n_steps: check period in optimizer steps; 0 turns the callback off.
+        max_names: how many diverged parameter names the error lists.
+
+    Raises:
+        ReplicaDivergenceError: on every rank at the same step (all ranks see the same reduced vector).
+
+    Guarantees: the check is exact (identical replicas give bit-identical checksums); it never raises
+    when the replicas are identical.
+    """
+
+    def __init__(self, every_n_steps: int = DEFAULT_SYNC_CHECK_STEPS, max_names: int = 5):
+        if every_n_steps < 0:
+            raise ValueError(f"every_n_steps={every_n_steps!r} must be >= 0 (0: never)")
+        self.every_n_steps = every_n_steps
+        self.max_names = max_names
+        self.last_checked_step: int | None = None
+        self.checks = 0
+
+    def check(self, model: nn.Module, step: int) -> None:
+        """Compare `model`'s trainable parameters across ranks now (collective: call on every rank)."""
+        if _dist_world() <= 1:
+            return
+        names, sums = param_checksums(model)
+        n = len(names)
+        both = torch.cat([sums, -sums]).to(_collective_device())
+        dist.all_reduce(both, op=dist.ReduceOp.MAX)
+        hi, lo = both[:n].cpu(), -both[n:].cpu()
+        self.last_checked_step = step
+        self.checks += 1
+        diff = (hi - lo).view(-1, 2) if n else hi.view(0, 2)
+        bad = [i for i in range(len(names)) if bool((diff[i] != 0).any())]
+        if not bad:
+            return
+        shown = [names[i] for i in bad[: self.max_names]]
+        spread = ", ".join(f"{names[i]} (sum {lo.view(-1, 2)[i, 0]:.6g}..{hi.view(-1, 2)[i, 0]:.6g})"
+                           for i in bad[: self.max_names])
+        more = f" and {len(bad) - len(shown)} more" if len(bad) > len(shown) else ""
+        raise ReplicaDivergenceError(
+            f"hf_ddpfix: DDP replicas diverged at step {step}: {len(bad)} of {n} trainable parameters differ "
+            f"between ranks, first: {spread}{more}. Gradients were not all-reduced for them (a parameter "
+            "updated outside DDP, a rank that skipped a step, or a model/optimizer change on one rank). "
+            "Rerun with TORCH_DISTRIBUTED_DEBUG=DETAIL; HF_DDPFIX_SYNC_CHECK_STEPS=1 finds the first bad step.",
+            names=[names[i] for i in bad], step=step,
+        )
+
+    def on_step_end(self, args, state, control, model=None, **kwargs):
+        if self.every_n_steps and model is not None and state.global_step % self.every_n_steps == 0:
+            self.check(model, state.global_step)
+
+    def on_train_end(self, args, state, control, model=None, **kwargs):
+        if self.every_n_steps and model is not None and self.last_checked_step != state.global_step:
+            self.check(model, state.global_step)
+
+
+# ----------------------------------------------------------------------------------------------------
+# Memory and throughput
+# ----------------------------------------------------------------------------------------------------
+
+
+def _peak_rss_bytes() -> int | None:
+    try:
+        import resource
+    except ImportError:  # Windows
+        return None
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return int(peak) if sys.platform == "darwin" else int(peak) * 1024  # macOS: bytes; Linux: KiB
+
+
+class MemoryThroughputCallback(TrainerCallback):
+    """Add peak memory and tokens/second to the Trainer's training logs (`on_log` mutates `logs`).
+
+    Keys (numbers only, so every reporter accepts them):
+        `hf_ddpfix/peak_mem_gb`: this rank's peak since training started. On CUDA:
+            `torch.cuda.max_memory_allocated` (tensors only; reset at train start). Without CUDA: the
+            process's peak resident set size (`resource.getrusage`, whole process and lifetime: an upper
+            bound, not tensor bytes).
+        `hf_ddpfix/peak_mem_gb_max`: the maximum over ranks (distributed runs).
+        `hf_ddpfix/tokens_per_sec`: tokens per second over the last logging interval, all ranks together.
+        `hf_ddpfix/tokens_per_sec_rank`: the same for this rank alone.
+    The log writers (TensorBoard, W&B) run on rank 0, so they record rank 0's `_rank` values.
+
+    Tokens: the non-padding tokens of each training forward (`attention_mask.sum()`, else
+    `input_ids.numel()`), counted by a forward pre-hook on the model (no trainer changes, eval forwards
+    skipped). The cross-rank numbers cost one all-gather of 3 floats per training log, only on the
+    Trainer's periodic training logs (those with a "loss" key, emitted by every rank at the same step).
+
+    Args:
+        cross_rank: gather the max/sum over ranks (default on).
+    """
+
+    def __init__(self, cross_rank: bool = True):
+        self.cross_rank = cross_rank
+        self._hook: Any = None
+        self._tokens = 0
+        self._last_tokens = 0
+        self._last_time = 0.0
+        self._cuda = False
+
+    # counting ------------------------------------------------------------------------------------
+    def _count(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
+        if not module.training:
+            return
+        mask = kwargs.get("attention_mask")
+        ids = kwargs.get("input_ids", args[0] if args and isinstance(args[0], torch.Tensor) else None)
+        if isinstance(mask, torch.Tensor) and mask.dim() == 2:
+            self._tokens += int(mask.sum())
+        elif isinstance(ids, torch.Tensor):
+            self._tokens += ids.numel()
+
+    def on_train_begin(self, args, state, control, model=None, **kwargs):
+        self._cuda = torch.cuda.is_available() and torch.device(args.device).type == "cuda"
+        if self._cuda:
+            torch.cuda.reset_peak_memory_stats(args.device)
+        if model is not None and self._hook is None:
+            self._hook = model.register_forward_pre_hook(self._count, with_kwargs=True)
+        self._tokens = self._last_tokens = 0
+        self._last_time = time.perf_counter()
+
+    def on_train_end(self, args, state, control, **kwargs):
+        if self._hook is not None:
+            self._hook.remove()
+            self._hook = None
+
+    def peak_memory_bytes(self, device: Any = None) -> int | None:
+        if self._cuda:
+            return int(torch.cuda.max_memory_allocated(device))
+        return _peak_rss_bytes()
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        if logs is None or self._hook is None:
+            return
+        now = time.perf_counter()
+        dt = max(now - self._last_time, 1e-9)
+        tokens = self._tokens - self._last_tokens
+        self._last_time, self._last_tokens = now, self._tokens
+        peak = self.peak_memory_bytes(args.device)
+        mem_gb = (peak or 0) / 2**30
+        rank_tps = tokens / dt
+        new: dict[str, float] = {"hf_ddpfix/peak_mem_gb": round(mem_gb, 4),
+                                 "hf_ddpfix/tokens_per_sec_rank": round(rank_tps, 2)}
+        total_tps, max_mem = rank_tps, mem_gb
+        if self.cross_rank and _dist_world() > 1 and "loss" in logs:
+            mine = torch.tensor([mem_gb, float(tokens), dt], dtype=torch.float64, device=_collective_device())
+            gathered = [torch.empty_like(mine) for _ in range(_dist_world())]
+            dist.all_gather(gathered, mine)
+            rows = torch.stack(gathered).cpu()
+            max_mem = float(rows[:, 0].max())
+            total_tps = float(rows[:, 1].sum()) / max(float(rows[:, 2].max()), 1e-9)
+            new["hf_ddpfix/peak_mem_gb_max"] = round(max_mem, 4)
+        new["hf_ddpfix/tokens_per_sec"] = round(total_tps, 2)
+        if peak is None:
+            new.pop("hf_ddpfix/peak_mem_gb")
+        logs.update(new)
+        # the Trainer copied `logs` into log_history before calling on_log: keep both in step
+        history = getattr(state, "log_history", None)
+        if history and history[-1].get("step") == state.global_step and "loss" in history[-1]:
+            history[-1].update(new)
+
+
+# ----------------------------------------------------------------------------------------------------
+# Defaults and attaching
+# ----------------------------------------------------------------------------------------------------
+
+
+def default_callbacks(plan: Plan, config: DDPFixConfig | None = None) -> list[TrainerCallback]:
+    """The callbacks hf_ddpfix runs by default ("on where cheap").
+
+    - `PlanReportCallback` unless `log_plan=0`.
+    - `ReplicaSyncCallback(sync_check_steps or DEFAULT_SYNC_CHECK_STEPS)` under multi-process DDP,
+      unless `sync_check_steps=0`.
+    - `MemoryThroughputCallback()` always (a forward pre-hook and, per log, one all-gather of 3 numbers).
+    """
+    c = config or DDPFixConfig()
+    out: list[TrainerCallback] = []
+    if c.log_plan is not False:
+        out.append(PlanReportCallback(plan))
+    steps = DEFAULT_SYNC_CHECK_STEPS if c.sync_check_steps is None else int(c.sync_check_steps)
+    if plan.parallel == "ddp" and plan.world_size > 1 and steps > 0:
+        out.append(ReplicaSyncCallback(steps))
+    out.append(MemoryThroughputCallback())
+    return out
+
+
+def install_callbacks(trainer: Any, callbacks: list[TrainerCallback], stack: ExitStack) -> None:
+    """Put `callbacks` first in `trainer`'s callback list for one `train()` call; removed via `stack`.
+
+    First, so the `logs` they add are already there when TensorBoard / W&B / the printer see them.
+    """
+    handler = trainer.callback_handler
+    for cb in reversed(callbacks):
+        handler.callbacks.insert(0, cb)
+
+    def remove() -> None:
+        for cb in callbacks:
+            if cb in handler.callbacks:
+                handler.callbacks.remove(cb)
+
+    stack.callback(remove)
+
+
+# ----------------------------------------------------------------------------------------------------
+# Checkpoint safety
+# ----------------------------------------------------------------------------------------------------
+
+_CHECKPOINT = re.compile(r"^checkpoint-(\d+)$")
+
+
+def last_complete_checkpoint(output_dir: str, world_size: int | None = None) -> str | None:
+    """The newest `checkpoint-N` under `output_dir` that was completely written, or `None`.
+
+    The Trainer writes checkpoints in place; a crash while saving leaves a partial folder that
+    `transformers.trainer_utils.get_last_checkpoint` would still pick. Complete means: the trainer state
+    (written last, by rank 0) exists and, for a multi-process run, every rank's RNG state file.
+
+    Args:
+        output_dir: `TrainingArguments.output_dir`.
+        world_size: processes of the run (default: `WORLD_SIZE` from the environment, else 1).
+    """
+    if not os.path.isdir(output_dir):
+        return None
+    world = int(world_size or os.environ.get("WORLD_SIZE", 1))
+    found = []
+    for name in os.listdir(output_dir):
+        m = _CHECKPOINT.match(name)
+        path = os.path.join(output_dir, name)
+        if m and os.path.isdir(path):
+            found.append((int(m.group(1)), path))
+    for _, path in sorted(found, reverse=True):
+        if not os.path.isfile(os.path.join(path, "trainer_state.json")):
+            continue
+        if world > 1 and not all(os.path.isfile(os.path.join(path, f"rng_state_{r}.pth")) for r in range(world)):
+            continue
+        return path
+    return None
+
+
+def save_model_atomic(trainer: Any, output_dir: str) -> bool:
+    """`trainer.save_model(output_dir)`, but the folder appears complete or not at all. Call on every rank.
+
+    Every rank saves into the same sibling temp folder (`<output_dir>.tmp-hf_ddpfix`; FSDP full state
+    dicts need all ranks), then the main process renames it into place: an old `output_dir` is first
+    moved aside and removed after. A crash leaves either the previous complete folder or none (plus the
+    temp folder, removed by the next call), never a half-written `output_dir`.
+
+    Returns:
+        True on the process that moved the folder into place (the world's process zero).
+    """
+    output_dir = os.path.abspath(output_dir.rstrip("/"))
+    tmp, old = output_dir + ".tmp-hf_ddpfix", output_dir + ".old-hf_ddpfix"
+    main = trainer.is_world_process_zero()
+    distributed = _dist_world() > 1
+
+    if main:
+        shutil.rmtree(tmp, ignore_errors=True)
+    if distributed:
+        dist.barrier()
+    trainer.save_model(tmp)
+    if distributed:
+        dist.barrier()
+    if main:
+        if os.path.isdir(old):
+            shutil.rmtree(old)
+        if os.path.exists(output_dir):
+            os.replace(output_dir, old)
+        os.replace(tmp, output_dir)
+        shutil.rmtree(old, ignore_errors=True)
+    if distributed:
+        dist.barrier()
+    return main
