@@ -148,15 +148,14 @@ class ReplicaSyncCallback(TrainerCallback):
         n = len(names)
         both = torch.cat([sums, -sums]).to(_collective_device())
         dist.all_reduce(both, op=dist.ReduceOp.MAX)
-        hi, lo = both[:n].cpu(), -both[n:].cpu()
+        hi, lo = both[: 2 * n].cpu().view(n, 2), -both[2 * n :].cpu().view(n, 2)
         self.last_checked_step = step
         self.checks += 1
-        diff = (hi - lo).view(-1, 2) if n else hi.view(0, 2)
-        bad = [i for i in range(len(names)) if bool((diff[i] != 0).any())]
+        bad = [i for i in range(n) if bool((hi[i] != lo[i]).any())]
         if not bad:
             return
         shown = [names[i] for i in bad[: self.max_names]]
-        spread = ", ".join(f"{names[i]} (sum {lo.view(-1, 2)[i, 0]:.6g}..{hi.view(-1, 2)[i, 0]:.6g})"
+        spread = ", ".join(f"{names[i]} (sum over ranks {lo[i, 0]:.6g}..{hi[i, 0]:.6g})"
                            for i in bad[: self.max_names])
         more = f" and {len(bad) - len(shown)} more" if len(bad) > len(shown) else ""
         raise ReplicaDivergenceError(
