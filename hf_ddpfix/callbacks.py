@@ -199,7 +199,8 @@ class MemoryThroughputCallback(TrainerCallback):
             bound, not tensor bytes).
         `hf_ddpfix/peak_mem_gb_max`: the maximum over ranks (distributed runs).
         `hf_ddpfix/tokens_per_sec`: tokens per second over the last logging interval, all ranks together.
-        `hf_ddpfix/tokens_per_sec_rank`: the same for this rank alone.
+        `hf_ddpfix/tokens_per_sec_rank`: the same for this rank alone (in the end-of-training summary:
+            this rank's whole-run average). Evaluation logs get the memory key only.
     The log writers (TensorBoard, W&B) run on rank 0, so they record rank 0's `_rank` values.
 
     Tokens: the non-padding tokens of each training forward (`attention_mask.sum()`, else
@@ -216,7 +217,7 @@ class MemoryThroughputCallback(TrainerCallback):
         self._hook: Any = None
         self._tokens = 0
         self._last_tokens = 0
-        self._last_time = 0.0
+        self._last_time = self._start_time = 0.0
         self._cuda = False
 
     # counting ------------------------------------------------------------------------------------
@@ -237,7 +238,7 @@ class MemoryThroughputCallback(TrainerCallback):
         if model is not None and self._hook is None:
             self._hook = model.register_forward_pre_hook(self._count, with_kwargs=True)
         self._tokens = self._last_tokens = 0
-        self._last_time = time.perf_counter()
+        self._last_time = self._start_time = time.perf_counter()
 
     def on_train_end(self, args, state, control, **kwargs):
         if self._hook is not None:
@@ -252,31 +253,36 @@ class MemoryThroughputCallback(TrainerCallback):
     def on_log(self, args, state, control, logs=None, **kwargs):
         if logs is None or self._hook is None:
             return
-        now = time.perf_counter()
-        dt = max(now - self._last_time, 1e-9)
-        tokens = self._tokens - self._last_tokens
-        self._last_time, self._last_tokens = now, self._tokens
         peak = self.peak_memory_bytes(args.device)
-        mem_gb = (peak or 0) / 2**30
-        rank_tps = tokens / dt
-        new: dict[str, float] = {"hf_ddpfix/peak_mem_gb": round(mem_gb, 4),
-                                 "hf_ddpfix/tokens_per_sec_rank": round(rank_tps, 2)}
-        total_tps, max_mem = rank_tps, mem_gb
-        if self.cross_rank and _dist_world() > 1 and "loss" in logs:
-            mine = torch.tensor([mem_gb, float(tokens), dt], dtype=torch.float64, device=_collective_device())
-            gathered = [torch.empty_like(mine) for _ in range(_dist_world())]
-            dist.all_gather(gathered, mine)
-            rows = torch.stack(gathered).cpu()
-            max_mem = float(rows[:, 0].max())
-            total_tps = float(rows[:, 1].sum()) / max(float(rows[:, 2].max()), 1e-9)
-            new["hf_ddpfix/peak_mem_gb_max"] = round(max_mem, 4)
-        new["hf_ddpfix/tokens_per_sec"] = round(total_tps, 2)
-        if peak is None:
-            new.pop("hf_ddpfix/peak_mem_gb")
+        new: dict[str, float] = {}
+        if peak is not None:
+            new["hf_ddpfix/peak_mem_gb"] = round(peak / 2**30, 4)
+        if "loss" in logs:  # the periodic training log: throughput over the interval since the last one
+            now = time.perf_counter()
+            dt = max(now - self._last_time, 1e-9)
+            tokens = self._tokens - self._last_tokens
+            self._last_time, self._last_tokens = now, self._tokens
+            new["hf_ddpfix/tokens_per_sec_rank"] = round(tokens / dt, 2)
+            total = tokens / dt
+            if self.cross_rank and _dist_world() > 1:
+                mine = torch.tensor([(peak or 0) / 2**30, float(tokens), dt], dtype=torch.float64,
+                                    device=_collective_device())
+                gathered = [torch.empty_like(mine) for _ in range(_dist_world())]
+                dist.all_gather(gathered, mine)
+                rows = torch.stack(gathered).cpu()
+                if peak is not None:
+                    new["hf_ddpfix/peak_mem_gb_max"] = round(float(rows[:, 0].max()), 4)
+                total = float(rows[:, 1].sum()) / max(float(rows[:, 2].max()), 1e-9)
+            new["hf_ddpfix/tokens_per_sec"] = round(total, 2)
+        elif "train_runtime" in logs:  # the end-of-training summary: this rank's whole-run average
+            elapsed = max(time.perf_counter() - self._start_time, 1e-9)
+            new["hf_ddpfix/tokens_per_sec_rank"] = round(self._tokens / elapsed, 2)
         logs.update(new)
         # the Trainer copied `logs` into log_history before calling on_log: keep both in step
         history = getattr(state, "log_history", None)
-        if history and history[-1].get("step") == state.global_step and "loss" in history[-1]:
+        if history and history[-1].get("step") == state.global_step and all(
+            history[-1].get(k) == v for k, v in logs.items() if k not in new
+        ):
             history[-1].update(new)
 
 

@@ -18,6 +18,7 @@ that is known to fail is corrected (listed in `Plan.corrections`) or, with `stri
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -171,7 +172,9 @@ def resolve_plan(facts: RunFacts, config: DDPFixConfig | None = None) -> Plan:
     checkpointed = ckpt.value != "off" or bool(c.assume_checkpointing)
     stabilizer = _decide_stabilizer(facts, c, distributed)
     unused_reason = _unused_reason(facts, bool(stabilizer.value))
-    fu = _decide_find_unused(facts, c, ddp, str(ckpt.value), unused_reason, correct)
+    fu = _decide_find_unused(
+        facts, c, ddp, str(ckpt.value), unused_reason, bool(stabilizer.value), correct, corrections
+    )
     static = _decide_static_graph(facts, c, ddp, checkpointed, unused_reason, correct)
     offload = _decide_offload(facts, c, str(ckpt.value))
     guard = _decide_hang_guard(facts, c, ddp, bool(fu.value), bool(stabilizer.value))
@@ -247,7 +250,14 @@ def _unused_reason(facts: RunFacts, stabilized: bool) -> str | None:
 
 
 def _decide_find_unused(
-    facts: RunFacts, c: DDPFixConfig, ddp: bool, ckpt: str, unused: str | None, correct
+    facts: RunFacts,
+    c: DDPFixConfig,
+    ddp: bool,
+    ckpt: str,
+    unused: str | None,
+    stabilized: bool,
+    correct: Callable[[str], None],
+    corrections: list[str],
 ) -> Decision:
     if not ddp:
         return Decision(None, "")
@@ -265,6 +275,13 @@ def _decide_find_unused(
             correct(f"find_unused_parameters=True ({source}) -> False: with reentrant checkpointing it fails "
                     "with 'Expected to mark a variable ready only once'")
         return Decision(False, "reentrant checkpointing: only find_unused=False works", changed=stock is not False)
+    if explicit is True and stabilized and c.find_unused_parameters is None and not c.strict:
+        corrections.append(
+            "find_unused_parameters=True (ddp_find_unused_parameters) -> False: the VLM stabiliser uses every "
+            "vision parameter every step, so the extra graph traversal buys nothing "
+            "(HF_DDPFIX_FIND_UNUSED_PARAMETERS=1 forces it)"
+        )
+        return Decision(False, "stabiliser: every parameter is used every step", changed=stock is not False)
     if explicit is True:
         return Decision(True, f"explicit ({source})", changed=stock is not True)
     if c.find_unused_parameters is False and unused is not None:

@@ -212,3 +212,16 @@ def test_no_known_bad_combination_comes_out(ckpt, fu, static, vlm, ga):
             is_vlm=vlm is not None, trainable_vision_params=vlm is not None,
             vlm_adapter=vlm if vlm != "unknown" else None, user_reentrant=True if ckpt == "reentrant" else None)
     assert_not_known_bad(resolve_plan(f), f)
+
+
+def test_explicit_find_unused_workaround_is_dropped_when_the_stabiliser_covers_it():
+    f = ddp(checkpointing="non_reentrant", is_vlm=True, trainable_vision_params=True, vlm_adapter="qwen2_5_vl",
+            user_find_unused=True)
+    plan = resolve_plan(f)
+    assert plan.ddp_kwargs() == {"find_unused_parameters": False, "static_graph": True}
+    assert any("stabiliser" in c for c in plan.corrections)
+    # strict mode never changes a working explicit setting; the env var forces it
+    assert resolve_plan(f, cfg(HF_DDPFIX_STRICT=1)).ddp_kwargs()["find_unused_parameters"] is True
+    assert resolve_plan(f, cfg(HF_DDPFIX_FIND_UNUSED_PARAMETERS=1)).ddp_kwargs()["find_unused_parameters"] is True
+    # text models keep an explicit True: nothing proves every parameter is used
+    assert resolve_plan(ddp(checkpointing="off", user_find_unused=True)).ddp_kwargs()["find_unused_parameters"]

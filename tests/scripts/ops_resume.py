@@ -25,6 +25,7 @@ p.add_argument("--final", required=True)
 p.add_argument("--weights", required=True)
 p.add_argument("--steps", type=int, default=8)
 p.add_argument("--crash-at", type=int, default=0)
+p.add_argument("--resume-from", default=None, help="resume from this checkpoint (default: last complete one)")
 a = p.parse_args()
 
 rank = int(os.environ.get("RANK", 0))
@@ -57,7 +58,7 @@ args = TrainingArguments(output_dir=a.run_dir, per_device_train_batch_size=2, ma
                          dataloader_num_workers=0)
 trainer = Trainer(model=model, args=args, train_dataset=ds, data_collator=collate,
                   callbacks=[CrashOnce(), ReplicaSyncCallback(every_n_steps=2)])
-resume = last_complete_checkpoint(a.run_dir)
+resume = a.resume_from or last_complete_checkpoint(a.run_dir)
 print(f"ATTEMPT rank={rank} attempt={attempt} resume={os.path.basename(resume) if resume else None}", flush=True)
 trainer.train(resume_from_checkpoint=resume)
 if save_model_atomic(trainer, a.final):

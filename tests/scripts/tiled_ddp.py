@@ -17,6 +17,7 @@ Rank 0 writes one JSON record per setting.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import warnings
 
@@ -133,6 +134,7 @@ def main() -> None:
         with open(args.out, "w") as f:
             json.dump(records, f, indent=1)
     dist.barrier()
+    gc.collect()  # free FSDP/DDP state before the process group goes ("terminate called" at exit otherwise)
     dist.destroy_process_group()
     if not all(r["ok"] for r in records):
         raise SystemExit(f"tiled DDP mismatch: {[r for r in records if not r['ok']]}")
