@@ -307,6 +307,13 @@ def markdown(r: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def _token_ticks(ax: Any, tokens: list[int]) -> None:
+    from matplotlib.ticker import NullLocator
+
+    ax.set_xticks(tokens, [f"{t // 1024}K" for t in tokens])
+    ax.xaxis.set_minor_locator(NullLocator())
+
+
 def chart(r: dict[str, Any], path: Path) -> None:
     import matplotlib
 
@@ -321,6 +328,7 @@ def chart(r: dict[str, Any], path: Path) -> None:
                        ("arctic_bytes", "arctic ceil(S/H)")):
         ax.plot(t, [row[key] / 2**30 for row in rows], marker="o", label=label)
     ax.set(xscale="log", yscale="log", xlabel="tokens", ylabel="GiB", title="MLP fwd+bwd peak (Llama-8B dims, bf16)")
+    _token_ticks(ax, t)
     ax.legend()
     rows = r["loss_peak"]["rows"]
     ax = axes[1]
@@ -328,6 +336,7 @@ def chart(r: dict[str, Any], path: Path) -> None:
     ax.plot(t, [row["untiled_bytes"] / 2**30 for row in rows], marker="o", label="HF loss (full logits)")
     ax.plot(t, [row["tiled_bytes"] / 2**30 for row in rows], marker="o", label="tiled loss head")
     ax.set(xscale="log", yscale="log", xlabel="tokens", ylabel="GiB", title="Loss head peak (vocab 32K)")
+    _token_ticks(ax, t)
     ax.legend()
     ax = axes[2]
     rows = r["step_time"]["rows"]

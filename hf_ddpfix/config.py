@@ -102,31 +102,34 @@ def _int0(name: str, value: Any) -> int | None:
     return parse_positive_int(name, value, allow_zero=True)
 
 
-def _tiling(name: str, value: Any) -> str | None:
+def _tiled_mlp(name: str, value: Any) -> str | None:
+    """A TiledMLP setting, normalised: off, auto, arctic, target, target:GB or N (fixed shard count)."""
+    from .tiled import parse_tiled_mlp_setting
+
+    v = parse_str(name, value)
+    if v is None:
+        return None
+    setting = parse_tiled_mlp_setting(v, name=name)
+    if setting.mode == "fixed":
+        return str(setting.shards)
+    if setting.mode == "target" and setting.target_gb is not None:
+        return f"target:{setting.target_gb:g}"
+    return setting.mode
+
+
+def _tiled_loss(name: str, value: Any) -> str | None:
+    """The tiled loss head: off, on (auto chunking) or N (label tokens per chunk)."""
     v = parse_str(name, value)
     if v is None:
         return None
     low = v.lower()
-    if low in _TRUE:
-        return "auto"
     if low in _FALSE:
         return "off"
-    if low in ("auto", "arctic", "target") or low.startswith("target:") or low.isdigit():
-        if low.startswith("target:"):
-            try:
-                if float(low.split(":", 1)[1]) <= 0:
-                    raise ValueError
-            except ValueError:
-                raise ValueError(
-                    f"{name}={value!r} is not a recognised value; allowed: off, auto, on, N (shards), "
-                    "arctic, target, target:GB (GB a positive number)"
-                ) from None
-        if low.isdigit() and int(low) < 1:
-            raise ValueError(f"{name}={value!r} is not a recognised value; shard count must be >= 1")
+    if low in _TRUE or low == "auto":
+        return "on"
+    if low.isdigit() and int(low) >= 1:
         return low
-    raise ValueError(
-        f"{name}={value!r} is not a recognised value; allowed: off, auto, on, N (shards), arctic, target, target:GB"
-    )
+    raise ValueError(f"{name}={value!r} is not a recognised value; allowed: off, on, auto, N (tokens per chunk)")
 
 
 OPTIONS: dict[str, _Option] = {
@@ -165,11 +168,14 @@ OPTIONS: dict[str, _Option] = {
         _bool, "Detect ranks disagreeing on used parameter groups before backward and raise (auto: on)."
     ),
     "tiled_mlp": _Option(
-        _tiling,
-        "TiledMLP: off, auto, N shards, arctic, target, target:GB.",
+        _tiled_mlp,
+        "TiledMLP: off, auto (no tiling below 8K tokens, then 2K tokens per shard), N shards, arctic "
+        "(ceil(tokens/hidden) shards), target, target:GB (one shard's MLP intermediate fits GB).",
         compat={"UNSLOTH_TILED_MLP": None},  # value passed through (arctic / target / target:GB)
     ),
-    "tiled_loss": _Option(_tiling, "Tiled lm_head + cross-entropy: off, auto, on, N chunks."),
+    "tiled_loss": _Option(
+        _tiled_loss, "Tiled lm_head + cross-entropy that never holds the full logits: off, on, N tokens per chunk."
+    ),
     "sync_check_steps": _Option(
         _int0, "Compare a checksum of trainable params across ranks every N steps (0: never)."
     ),

@@ -187,8 +187,8 @@ def resolve_plan(facts: RunFacts, config: DDPFixConfig | None = None) -> Plan:
         offload_activations=offload,
         vlm_stabilizer=stabilizer,
         hang_guard=guard,
-        tiled_mlp=_decide_tiling("tiled_mlp", c.tiled_mlp, c),
-        tiled_loss=_decide_tiling("tiled_loss", c.tiled_loss, c),
+        tiled_mlp=_decide_tiled_mlp(facts, c),
+        tiled_loss=_decide_tiled_loss(c),
         corrections=tuple(corrections),
         config_lines=tuple(c.describe()),
     )
@@ -362,8 +362,23 @@ def _decide_hang_guard(facts: RunFacts, c: DDPFixConfig, ddp: bool, fu: bool, st
     return Decision(True, "VLM without stabiliser under find_unused=False: ranks must agree on image use", True)
 
 
-def _decide_tiling(name: str, value: str | None, c: DDPFixConfig) -> Decision:
+def _decide_tiled_mlp(facts: RunFacts, c: DDPFixConfig) -> Decision:
+    value = c.tiled_mlp
     if value is None or value == "off":
-        src = "" if value is None else f" ({c.source(name)})"
-        return Decision("off", "not requested" + src)
-    return Decision(value, f"requested ({c.source(name)})", changed=True)
+        return Decision("off", "not requested" if value is None else f"off ({c.source('tiled_mlp')})")
+    rule = {
+        "auto": "no tiling below 8K tokens, then ceil(tokens/2048) shards",
+        "arctic": "ceil(tokens/hidden) shards",
+        "target": "shards so one shard's MLP intermediate fits the memory target",
+    }.get(value.split(":")[0], f"{value} shards per MLP call")
+    sync = "; shard count all-reduced (MAX) so FSDP ranks gather alike" if facts.parallel == "fsdp" else ""
+    return Decision(value, f"{rule}, one gradient hook per parameter ({c.source('tiled_mlp')}){sync}", True)
+
+
+def _decide_tiled_loss(c: DDPFixConfig) -> Decision:
+    value = c.tiled_loss
+    if value is None or value == "off":
+        return Decision("off", "not requested" if value is None else f"off ({c.source('tiled_loss')})")
+    chunk = "auto chunk" if value == "on" else f"{value} tokens per chunk"
+    return Decision(value, f"lm_head + cross-entropy in chunks, full logits never held, {chunk} "
+                    f"({c.source('tiled_loss')})", changed=True)

@@ -20,6 +20,8 @@ from .checkpointing import apply_checkpointing, checkpoint_kwargs_without_mode
 from .config import DDPFixConfig
 from .offload import ActivationOffload
 from .plan import Plan
+from .tiled import TiledMLPHandle, apply_tiled_mlp
+from .tiled_loss import TiledLossHandle, patch_model_loss
 from .vlm import HangGuard, VisionStabilizer
 
 logger = logging.getLogger("hf_ddpfix")
@@ -33,6 +35,8 @@ class Runtime:
     offload: ActivationOffload | None = None
     stabilizer: VisionStabilizer | None = None
     hang_guard: HangGuard | None = None
+    tiled_mlp: TiledMLPHandle | None = None
+    tiled_loss: TiledLossHandle | None = None
     step_contexts: list[Callable[[], AbstractContextManager[Any]]] = field(default_factory=list)
 
 
@@ -50,9 +54,40 @@ def attach_runtime(trainer: Any, model: nn.Module, plan: Plan, config: DDPFixCon
         rt.hang_guard = HangGuard(model).attach()
         stack.callback(rt.hang_guard.remove)
         _add_callback(trainer, _GuardWrappedModel(trainer, rt.hang_guard), stack)
+    if plan.tiled_mlp.value != "off":
+        rt.tiled_mlp = _apply_tiled_mlp(trainer, model, plan, stack)
+    if plan.tiled_loss.value != "off":
+        rt.tiled_loss = _apply_tiled_loss(trainer, model, plan, stack)
     if rt.step_contexts:
         _override(trainer, "training_step", lambda inner: _within(rt.step_contexts, inner), stack)
     return rt
+
+
+def _log_rank0(trainer: Any, message: str, *args: Any) -> None:
+    if trainer.is_world_process_zero():
+        logger.info(message, *args)
+
+
+def _apply_tiled_mlp(trainer: Any, model: nn.Module, plan: Plan, stack: ExitStack) -> TiledMLPHandle:
+    value = str(plan.tiled_mlp.value)
+    handle = apply_tiled_mlp(model, shards=int(value) if value.isdigit() else value, sync=plan.parallel == "fsdp")
+    stack.callback(handle.remove)
+    skipped = "; ".join(f"{e.name}: {e.reason}" for e in handle.skipped[:3])
+    _log_rank0(trainer, "tiled_mlp: %d MLP modules tiled (%s)%s", len(handle.patched), value,
+               f"; not tiled: {skipped}" if skipped else "")
+    return handle
+
+
+def _apply_tiled_loss(trainer: Any, model: nn.Module, plan: Plan, stack: ExitStack) -> TiledLossHandle | None:
+    value = str(plan.tiled_loss.value)
+    try:
+        handle = patch_model_loss(model, chunk_tokens=int(value) if value.isdigit() else None)
+    except ValueError as err:  # an unsupported head: the stock loss stays, and the log says why
+        _log_rank0(trainer, "tiled_loss: not applied: %s", err)
+        return None
+    stack.callback(handle.remove)
+    _log_rank0(trainer, "tiled_loss: %s computes its loss in chunks", type(handle.target).__name__)
+    return handle
 
 
 def _attach_stabilizer(trainer: Any, model: nn.Module, plan: Plan, stack: ExitStack) -> VisionStabilizer:

@@ -50,6 +50,21 @@ def test_cell_trains_in_sync_with_stock_loss(cell):
         assert res["find_unused"] is False
 
 
+TILED_CELLS = [c for c in matrix_cells() if "--ga" in c or c[1:] in (
+    ("--ckpt", "off", "--find-unused", "1"), ("--ckpt", "reentrant", "--find-unused", "auto"),
+    ("--ckpt", "nonreentrant", "--static", "1"), ("--ckpt", "nonreentrant", "--offload", "1"))]
+
+
+@pytest.mark.parametrize("cell", TILED_CELLS, ids=lambda c: "-".join(c).replace("--", ""))
+def test_cell_with_tiling_forced_keeps_the_stock_loss(cell):
+    """4 shards per MLP call (so the 32-token cells really tile) and the chunked loss head."""
+    model, *args = cell
+    res, out = run_cell(model, *args, fix=1, env={"HF_DDPFIX_TILED_MLP": "4", "HF_DDPFIX_TILED_LOSS": "on"})
+    assert res["ok"] and res["in_sync"], f"{res}\n{out[-4000:]}"
+    assert "MLP modules tiled (4)" in out and "computes its loss in chunks" in out
+    assert res["loss"] == pytest.approx(STOCK_LOSS[(model, res["ga"])], abs=1e-4)
+
+
 STOCK_FAILURES = [
     (("text", "--ckpt", "reentrant"), "Expected to mark a variable ready only once"),
     (("vlm", "--ckpt", "nonreentrant", "--find-unused", "0"), "Expected to have finished reduction"),
