@@ -3,7 +3,6 @@ ends with the same weights as the stock find_unused_parameters=True run, for fix
 
 import pytest
 import torch
-
 from launch import torchrun
 
 pytestmark = pytest.mark.multiprocess
