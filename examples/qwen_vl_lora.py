@@ -79,8 +79,12 @@ def parse_args(argv=None):
                    help="activation checkpointing; default reentrant: the combo stock DDP + LoRA breaks on")
     p.add_argument("--resume", action="store_true", help="continue from the last checkpoint in --output-dir")
     p.add_argument("--no-fix", action="store_true", help="stock Trainer (no patch_trainer): shows the failure")
-    # Reserved for hf_ddpfix's memory features (wired in by patch_trainer options):
-    #   --offload (activation offload to CPU), --tiled-mlp, --tiled-loss
+    # hf_ddpfix's memory features (each also settable by its HF_DDPFIX_* environment variable)
+    p.add_argument("--offload", action="store_true",
+                   help="async CPU offload of checkpointed layer inputs (a logged no-op without a GPU)")
+    p.add_argument("--tiled-mlp", default=None,
+                   help="TiledMLP: auto, N shards, arctic, target, target:GB (default: off)")
+    p.add_argument("--tiled-loss", default=None, help="chunked lm_head + loss: on, or N tokens per chunk")
     return p.parse_args(argv)
 
 
@@ -238,7 +242,8 @@ def main(argv=None) -> dict:
     if not args.no_fix:
         from hf_ddpfix import patch_trainer
 
-        patch_trainer()  # before the Trainer is built; options (e.g. offload_activations=True) go here
+        # before the Trainer is built; unset options come from HF_DDPFIX_* variables at train time
+        patch_trainer(offload_activations=args.offload or None, tiled_mlp=args.tiled_mlp, tiled_loss=args.tiled_loss)
 
     from peft import LoraConfig, get_peft_model
     from transformers import Trainer, TrainingArguments
