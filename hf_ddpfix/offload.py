@@ -536,4 +536,13 @@ class ActivationOffload:
 
 
 def _storage_ptrs(tensors: Iterable[torch.Tensor]) -> set[int]:
-    return {t.untyped_storage().data_ptr() for t in tensors if t.layout == torch.strided}
+    """Storage addresses of `tensors`; a DTensor (FSDP2 parameter) contributes its local shard's storage
+    (the python DTensor wrapper has no storage of its own)."""
+    from torch.distributed.tensor import DTensor
+
+    ptrs = set()
+    for t in tensors:
+        local = t.to_local() if isinstance(t, DTensor) else t
+        if local.layout == torch.strided:
+            ptrs.add(local.untyped_storage().data_ptr())
+    return ptrs
