@@ -8,18 +8,11 @@
   they reach TensorBoard / W&B / the console like the Trainer's own keys.
 - `default_callbacks(plan, config)` and `install_callbacks(trainer, callbacks, stack)`: what runs by
   default and how it is attached for one `train()` call.
-
-Checkpoint safety (used by the resume flow, see tests/test_resume.py):
-- `last_complete_checkpoint(output_dir)`: the newest `checkpoint-N` that was fully written.
-- `save_model_atomic(trainer, output_dir)`: the final model appears in `output_dir` complete or not at all.
 """
 
 from __future__ import annotations
 
 import logging
-import os
-import re
-import shutil
 import sys
 import time
 from contextlib import ExitStack
@@ -47,9 +40,7 @@ __all__ = [
     "ReplicaSyncCallback",
     "default_callbacks",
     "install_callbacks",
-    "last_complete_checkpoint",
     "param_checksums",
-    "save_model_atomic",
 ]
 
 
@@ -325,74 +316,3 @@ def install_callbacks(trainer: Any, callbacks: list[TrainerCallback], stack: Exi
                 handler.callbacks.remove(cb)
 
     stack.callback(remove)
-
-
-# ----------------------------------------------------------------------------------------------------
-# Checkpoint safety
-# ----------------------------------------------------------------------------------------------------
-
-_CHECKPOINT = re.compile(r"^checkpoint-(\d+)$")
-
-
-def last_complete_checkpoint(output_dir: str, world_size: int | None = None) -> str | None:
-    """The newest `checkpoint-N` under `output_dir` that was completely written, or `None`.
-
-    The Trainer writes checkpoints in place; a crash while saving leaves a partial folder that
-    `transformers.trainer_utils.get_last_checkpoint` would still pick. Complete means: the trainer state
-    (written last, by rank 0) exists and, for a multi-process run, every rank's RNG state file.
-
-    Args:
-        output_dir: `TrainingArguments.output_dir`.
-        world_size: processes of the run (default: `WORLD_SIZE` from the environment, else 1).
-    """
-    if not os.path.isdir(output_dir):
-        return None
-    world = int(world_size or os.environ.get("WORLD_SIZE", 1))
-    found = []
-    for name in os.listdir(output_dir):
-        m = _CHECKPOINT.match(name)
-        path = os.path.join(output_dir, name)
-        if m and os.path.isdir(path):
-            found.append((int(m.group(1)), path))
-    for _, path in sorted(found, reverse=True):
-        if not os.path.isfile(os.path.join(path, "trainer_state.json")):
-            continue
-        if world > 1 and not all(os.path.isfile(os.path.join(path, f"rng_state_{r}.pth")) for r in range(world)):
-            continue
-        return path
-    return None
-
-
-def save_model_atomic(trainer: Any, output_dir: str) -> bool:
-    """`trainer.save_model(output_dir)`, but the folder appears complete or not at all. Call on every rank.
-
-    Every rank saves into the same sibling temp folder (`<output_dir>.tmp-hf_ddpfix`; FSDP full state
-    dicts need all ranks), then the main process renames it into place: an old `output_dir` is first
-    moved aside and removed after. A crash leaves either the previous complete folder or none (plus the
-    temp folder, removed by the next call), never a half-written `output_dir`.
-
-    Returns:
-        True on the process that moved the folder into place (the world's process zero).
-    """
-    output_dir = os.path.abspath(output_dir.rstrip("/"))
-    tmp, old = output_dir + ".tmp-hf_ddpfix", output_dir + ".old-hf_ddpfix"
-    main = trainer.is_world_process_zero()
-    distributed = _dist_world() > 1
-
-    if main:
-        shutil.rmtree(tmp, ignore_errors=True)
-    if distributed:
-        dist.barrier()
-    trainer.save_model(tmp)
-    if distributed:
-        dist.barrier()
-    if main:
-        if os.path.isdir(old):
-            shutil.rmtree(old)
-        if os.path.exists(output_dir):
-            os.replace(output_dir, old)
-        os.replace(tmp, output_dir)
-        shutil.rmtree(old, ignore_errors=True)
-    if distributed:
-        dist.barrier()
-    return main

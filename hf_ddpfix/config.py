@@ -177,7 +177,7 @@ OPTIONS: dict[str, _Option] = {
         _tiled_loss, "Tiled lm_head + cross-entropy that never holds the full logits: off, on, N tokens per chunk."
     ),
     "sync_check_steps": _Option(
-        _int0, "Compare a checksum of trainable params across ranks every N steps (0: never)."
+        _int0, "Compare a checksum of trainable params across DDP ranks every N steps (default 50; 0: never)."
     ),
     "log_plan": _Option(_bool, "Log the plan on rank 0 at the start of training (default on)."),
 }

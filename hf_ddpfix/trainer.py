@@ -20,7 +20,9 @@ from typing import Any
 
 from transformers import Trainer
 
+from .callbacks import default_callbacks, install_callbacks
 from .config import DDPFixConfig
+from .errors import readable_ddp_errors
 from .facts import gather_facts, unwrap_parallel
 from .plan import Plan, resolve_plan
 from .runtime import attach_runtime
@@ -62,21 +64,28 @@ def _set_ddp_kwargs(trainer: Trainer, plan: Plan) -> None:
 
 
 def run_with_plan(trainer: Trainer, inner_loop: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-    """Run `inner_loop` (the stock `_inner_training_loop`) under the hf_ddpfix plan."""
+    """Run `inner_loop` (the stock `_inner_training_loop`) under the hf_ddpfix plan.
+
+    Raises:
+        PlanError: strict mode and a known-bad explicit setting (before anything is wrapped).
+        DDPFixError: a known DDP/FSDP failure escaped a step; it says the likely cause in this plan and
+            the option that fixes it (the original error is its `__cause__`).
+    """
     if getattr(trainer, "_hf_ddpfix_active", False):  # DDPFixTrainer under patch_trainer(): apply once
         return inner_loop(*args, **kwargs)
     config = _trainer_config(trainer)
-    plan = plan_for_trainer(trainer, config)
+    facts = gather_facts(trainer)
+    plan = resolve_plan(facts, config)
     trainer.hf_ddpfix_plan = plan
-    if config.log_plan is not False and trainer.is_world_process_zero():
-        _ensure_log_handler()
-        logger.info(plan.report())
+    _ensure_log_handler()
     _set_ddp_kwargs(trainer, plan)
     trainer._hf_ddpfix_active = True
     try:
         with ExitStack() as stack:
             trainer.hf_ddpfix_runtime = attach_runtime(trainer, unwrap_parallel(trainer.model), plan, config, stack)
-            return inner_loop(*args, **kwargs)
+            install_callbacks(trainer, default_callbacks(plan, config), stack)  # plan report, sync, metrics
+            with readable_ddp_errors(plan, facts=facts):
+                return inner_loop(*args, **kwargs)
     finally:
         trainer._hf_ddpfix_active = False
 

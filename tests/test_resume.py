@@ -11,7 +11,7 @@ import torch
 from launch import torchrun
 from safetensors.torch import load_file
 
-from hf_ddpfix.callbacks import last_complete_checkpoint, save_model_atomic
+from hf_ddpfix.checkpoints import last_complete_checkpoint, save_model_atomic
 
 
 def _checkpoint(root, step, *, state=True, ranks=(0, 1)):
@@ -65,8 +65,11 @@ def test_save_model_atomic_never_leaves_a_half_written_folder(tmp_path):
     # the previous complete model is untouched
     assert (final / "adapter_config.json").read_text() == "v1"
     assert (final / "adapter_model.safetensors").read_text() == "v1"
+    (final / "checkpoint-1").mkdir()  # the final model often goes into the training output_dir
+    (final / "checkpoint-1" / "trainer_state.json").write_text("{}")
     save_model_atomic(_FakeTrainer("v3"), str(final))
     assert (final / "adapter_model.safetensors").read_text() == "v3"
+    assert (final / "checkpoint-1" / "trainer_state.json").exists()  # nothing else is lost
     assert sorted(os.listdir(tmp_path)) == ["final"]  # temp / old folders gone
 
 

@@ -8,6 +8,7 @@ Rank 0 saves the final trainable weights to `--weights`; the final adapter goes 
 """
 
 import argparse
+import gc
 import os
 
 import torch
@@ -17,7 +18,8 @@ from peft import LoraConfig, get_peft_model
 from transformers import LlamaConfig, LlamaForCausalLM, Trainer, TrainerCallback, TrainingArguments
 
 from hf_ddpfix import patch_trainer
-from hf_ddpfix.callbacks import ReplicaSyncCallback, last_complete_checkpoint, save_model_atomic
+from hf_ddpfix.callbacks import ReplicaSyncCallback
+from hf_ddpfix.checkpoints import last_complete_checkpoint, save_model_atomic
 
 p = argparse.ArgumentParser()
 p.add_argument("--run-dir", required=True)
@@ -71,4 +73,6 @@ if rank == 0:
     torch.save(weights, a.weights)
     print("SAVED", a.weights, flush=True)
 dist.barrier()
+del trainer, model
+gc.collect()  # drop the DDP reducer before its process group goes
 dist.destroy_process_group()

@@ -1,0 +1,84 @@
+"""Checkpoint safety for resumable runs: find the last complete checkpoint, save the final model safely.
+
+- `last_complete_checkpoint(output_dir)`: the newest `checkpoint-N` that was fully written (a crash
+  while saving leaves a partial folder that `get_last_checkpoint` would still pick).
+- `save_model_atomic(trainer, output_dir)`: every file of the final model lands in `output_dir` by an
+  atomic rename, written once by the world's process zero; nothing else in `output_dir` is touched.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+from typing import Any
+
+import torch.distributed as dist
+
+_CHECKPOINT = re.compile(r"^checkpoint-(\d+)$")
+
+
+def last_complete_checkpoint(output_dir: str, world_size: int | None = None) -> str | None:
+    """The newest `checkpoint-N` under `output_dir` that was completely written, or `None`.
+
+    Complete means: the trainer state (written last, by rank 0) exists and, for a multi-process run,
+    every rank's RNG state file.
+
+    Args:
+        output_dir: `TrainingArguments.output_dir`.
+        world_size: processes of the run (default: `WORLD_SIZE` from the environment, else 1).
+    """
+    if not os.path.isdir(output_dir):
+        return None
+    world = int(world_size or os.environ.get("WORLD_SIZE", 1))
+    found = []
+    for name in os.listdir(output_dir):
+        m = _CHECKPOINT.match(name)
+        path = os.path.join(output_dir, name)
+        if m and os.path.isdir(path):
+            found.append((int(m.group(1)), path))
+    for _, path in sorted(found, reverse=True):
+        if not os.path.isfile(os.path.join(path, "trainer_state.json")):
+            continue
+        if world > 1 and not all(os.path.isfile(os.path.join(path, f"rng_state_{r}.pth")) for r in range(world)):
+            continue
+        return path
+    return None
+
+
+def _distributed() -> bool:
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+
+
+def save_model_atomic(trainer: Any, output_dir: str) -> bool:
+    """`trainer.save_model(output_dir)` where no file in `output_dir` is ever half-written. Call on every rank.
+
+    Every rank saves into a sibling temp folder (`<output_dir>.tmp-hf_ddpfix`; FSDP full state dicts
+    need all ranks), then the main process moves each saved file into `output_dir` with `os.replace`
+    (atomic per file) and removes the temp folder. Other content of `output_dir` (checkpoints, logs) is
+    kept: nothing is lost. A crash leaves each file either old and complete or new and complete.
+
+    Returns:
+        True on the process that moved the files into place (the world's process zero).
+    """
+    output_dir = os.path.abspath(output_dir.rstrip("/"))
+    tmp = output_dir + ".tmp-hf_ddpfix"
+    main = trainer.is_world_process_zero()
+    if main:
+        shutil.rmtree(tmp, ignore_errors=True)
+    if _distributed():
+        dist.barrier()
+    trainer.save_model(tmp)
+    if _distributed():
+        dist.barrier()
+    if main:
+        os.makedirs(output_dir, exist_ok=True)
+        for root, _dirs, files in os.walk(tmp):
+            dest_root = os.path.join(output_dir, os.path.relpath(root, tmp))
+            os.makedirs(dest_root, exist_ok=True)
+            for name in files:
+                os.replace(os.path.join(root, name), os.path.join(dest_root, name))
+        shutil.rmtree(tmp, ignore_errors=True)
+    if _distributed():
+        dist.barrier()
+    return main
