@@ -8,14 +8,12 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
-import subprocess
-import sys
 import warnings
 from pathlib import Path
 
 import pytest
 import torch
+from launch import torchrun
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
@@ -297,19 +295,7 @@ def test_checkpoint_function_with_offload_is_non_reentrant_and_inspectable():
 @pytest.mark.multiprocess
 def test_two_process_ddp_weights_identical_with_offload_and_across_ranks(tmp_path):
     out = tmp_path / "result.json"
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        "--nproc_per_node=2",
-        str(REPO / "tests" / "scripts" / "offload_ddp.py"),
-        "--out",
-        str(out),
-    ]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=120, cwd=REPO)
-    assert proc.returncode == 0, f"stdout:\n{proc.stdout[-4000:]}\nstderr:\n{proc.stderr[-4000:]}"
+    torchrun("offload_ddp.py", "--out", str(out), timeout=120)
     result = json.loads(out.read_text())
     assert result["offload_equals_stock"] == {"accounting": True, "simulate": True}
     assert result["ranks_equal"] is True

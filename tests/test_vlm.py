@@ -5,7 +5,6 @@ guard and the FSDP2 wrap plan. Single-process tests build tiny random-weight mod
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
 import time
 
@@ -17,6 +16,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 sys.path.insert(0, os.path.join(HERE, "scripts"))
 
+from launch import torchrun  # noqa: E402
 from vlm_ddp import BUILDERS, PATCH_DIM, add_lora, make_batch  # noqa: E402
 
 from hf_ddpfix.vlm import (  # noqa: E402
@@ -407,21 +407,9 @@ def test_fsdp_wrap_plan_orders_blocks_layers_tower_root() -> None:
 
 
 def run_two_ranks(script: str, *args: str, timeout: int = 180) -> tuple[int, str, float]:
-    env = dict(
-        os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")
-    )
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        "--nproc_per_node=2",
-        os.path.join(HERE, "scripts", script),
-        *args,
-    ]
     t0 = time.time()
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
-    return proc.returncode, proc.stdout + "\n" + proc.stderr, time.time() - t0
+    proc = torchrun(script, *args, timeout=timeout, check=False)
+    return proc.returncode, proc.stdout, time.time() - t0
 
 
 def _check_ok(script: str, marker: str) -> None:
