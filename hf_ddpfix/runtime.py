@@ -17,7 +17,6 @@ from torch import nn
 from transformers import TrainerCallback
 
 from .checkpointing import apply_checkpointing, checkpoint_kwargs_without_mode
-from .config import DDPFixConfig
 from .offload import ActivationOffload
 from .plan import Plan
 from .tiled import TiledMLPHandle, apply_tiled_mlp
@@ -40,7 +39,7 @@ class Runtime:
     step_contexts: list[Callable[[], AbstractContextManager[Any]]] = field(default_factory=list)
 
 
-def attach_runtime(trainer: Any, model: nn.Module, plan: Plan, config: DDPFixConfig, stack: ExitStack) -> Runtime:
+def attach_runtime(trainer: Any, model: nn.Module, plan: Plan, stack: ExitStack) -> Runtime:
     """Apply every per-run piece of `plan` to `trainer` / `model`; undo callbacks go on `stack`."""
     rt = Runtime(plan)
     if plan.offload_activations.value:

@@ -82,7 +82,7 @@ def run_with_plan(trainer: Trainer, inner_loop: Callable[..., Any], *args: Any, 
     trainer._hf_ddpfix_active = True
     try:
         with ExitStack() as stack:
-            trainer.hf_ddpfix_runtime = attach_runtime(trainer, unwrap_parallel(trainer.model), plan, config, stack)
+            trainer.hf_ddpfix_runtime = attach_runtime(trainer, unwrap_parallel(trainer.model), plan, stack)
             install_callbacks(trainer, default_callbacks(plan, config), stack)  # plan report, sync, metrics
             with readable_ddp_errors(plan, facts=facts):
                 return inner_loop(*args, **kwargs)

@@ -1,6 +1,8 @@
 """VLM under the HF Trainer, 2 gloo processes: hf_ddpfix (stabiliser, find_unused_parameters=False)
 ends with the same weights as the stock find_unused_parameters=True run, for fixed image layouts."""
 
+import time
+
 import pytest
 import torch
 from launch import torchrun
@@ -21,3 +23,17 @@ def test_stabilised_trainer_matches_stock_find_unused(tmp_path, layout):
     if layout == "late":
         # the vision LoRA weights moved only in the last 3 steps, as in stock (None grad before)
         assert any("visual" in k for k in a["weights"])
+
+
+def test_hang_guard_under_the_trainer_raises_on_both_ranks_fast(tmp_path):
+    """Stabiliser off and find_unused forced off: stock would hang or crash on the next step; the guard
+    raises the named error on every rank before backward."""
+    env = {"HF_DDPFIX_VLM_STABILIZER": "0", "HF_DDPFIX_FIND_UNUSED_PARAMETERS": "0"}
+    t0 = time.time()
+    done = torchrun("train_vlm.py", "--entry", "patch", "--layout", "mixed", "--out", str(tmp_path / "x.pt"),
+                    timeout=120, env=env, check=False)
+    assert done.returncode != 0
+    assert "hang_guard              = true" in done.stdout
+    assert done.stdout.count("UnusedParametersError") >= 2, done.stdout[-4000:]
+    assert "[rank0]" in done.stdout and "[rank1]" in done.stdout
+    assert time.time() - t0 < 100
