@@ -224,6 +224,8 @@ def _decide_checkpointing(facts: RunFacts, c: DDPFixConfig, distributed: bool, c
 def _decide_stabilizer(facts: RunFacts, c: DDPFixConfig, distributed: bool) -> Decision:
     if not facts.is_vlm:
         return Decision(None, "")
+    if facts.parallel == "deepspeed":
+        return Decision(False, "not applied under DeepSpeed (hf_ddpfix leaves the DeepSpeed engine alone)")
     needs = distributed and (facts.trainable_vision_params or facts.parallel == "fsdp")
     if not needs:
         why = "no trainable vision parameters" if distributed else "single process"

@@ -225,3 +225,11 @@ def test_explicit_find_unused_workaround_is_dropped_when_the_stabiliser_covers_i
     assert resolve_plan(f, cfg(HF_DDPFIX_FIND_UNUSED_PARAMETERS=1)).ddp_kwargs()["find_unused_parameters"] is True
     # text models keep an explicit True: nothing proves every parameter is used
     assert resolve_plan(ddp(checkpointing="off", user_find_unused=True)).ddp_kwargs()["find_unused_parameters"]
+
+
+def test_deepspeed_is_left_alone():
+    f = RunFacts(parallel="deepspeed", world_size=2, checkpointing="reentrant", is_vlm=True,
+                 trainable_vision_params=True, vlm_adapter="qwen2_5_vl")
+    plan = resolve_plan(f)
+    assert plan.ddp_kwargs() == {} and plan.vlm_stabilizer.value is False
+    assert "DeepSpeed" in plan.vlm_stabilizer.reason and plan.checkpointing.value == "reentrant"
