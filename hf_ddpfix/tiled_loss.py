@@ -69,6 +69,39 @@ def _chunk_loss(
     return F.cross_entropy(logits.float(), t, ignore_index=cfg.ignore_index, reduction="sum")
 
 
+def _chunk_with_grads(
+    cfg: _LossCfg,
+    hc: torch.Tensor,
+    w: torch.Tensor,
+    b: torch.Tensor | None,
+    tc: torch.Tensor,
+    ic: torch.Tensor,
+    needs: tuple[bool, bool, bool],
+    inv_denom: torch.Tensor,
+    acc: list[torch.Tensor | None],
+) -> torch.Tensor:
+    """One chunk's summed loss (detached); its gradients, scaled by `inv_denom`, go into `acc`.
+
+    `acc` is `[grad_h, grad_w, grad_b]`: the rows `ic` of `grad_h` are written, the weight and bias
+    gradients are summed over chunks in fp32 (one tensor each, handed to autograd once at the end).
+    """
+    need_h, need_w, need_b = needs
+    hc = hc.detach().requires_grad_(need_h)
+    wl = w.detach().requires_grad_(need_w)
+    bl = b.detach().requires_grad_(need_b) if b is not None else None
+    with torch.enable_grad():
+        lc = _chunk_loss(cfg, hc, wl, bl, tc)
+    ins = [t for t, need in ((hc, need_h), (wl, need_w), (bl, need_b)) if need]
+    grads = list(torch.autograd.grad(lc, ins, inv_denom.to(lc.dtype)))
+    if need_h:
+        acc[0].index_copy_(0, ic, grads.pop(0).to(acc[0].dtype))  # type: ignore[union-attr]
+    for slot, need in ((1, need_w), (2, need_b)):
+        if need:
+            g = grads.pop(0)
+            acc[slot] = g.float() if acc[slot] is None else acc[slot].add_(g)  # type: ignore[union-attr]
+    return lc.detach()
+
+
 class _TiledLoss(torch.autograd.Function):
     @staticmethod
     def forward(  # type: ignore[override]
@@ -95,31 +128,15 @@ class _TiledLoss(torch.autograd.Function):
         )
         grad_mode = cfg.grad_in_forward and (need_h or need_w or need_b)
         total = torch.zeros((), dtype=torch.float32, device=h.device)
-        gh = torch.zeros_like(h) if grad_mode and need_h else None
-        gw: torch.Tensor | None = None
-        gb: torch.Tensor | None = None
+        acc: list[torch.Tensor | None] = [torch.zeros_like(h) if grad_mode and need_h else None, None, None]
         for s in range(0, n, cfg.chunk):
             ic = idx[s : s + cfg.chunk]
             hc, tc = h.index_select(0, ic), targets.index_select(0, ic)
             if not grad_mode:
                 total += _chunk_loss(cfg, hc, w, b, tc)
                 continue
-            hc = hc.detach().requires_grad_(need_h)
-            wl = w.detach().requires_grad_(need_w)
-            bl = b.detach().requires_grad_(need_b) if b is not None else None
-            with torch.enable_grad():
-                lc = _chunk_loss(cfg, hc, wl, bl, tc)
-            ins = [t for t, need in ((hc, need_h), (wl, need_w), (bl, need_b)) if need]
-            grads = list(torch.autograd.grad(lc, ins, inv_denom.to(lc.dtype)))
-            total += lc.detach()
-            if need_h:
-                gh.index_copy_(0, ic, grads.pop(0).to(gh.dtype))  # type: ignore[union-attr]
-            if need_w:
-                g = grads.pop(0)
-                gw = g.float() if gw is None else gw.add_(g)
-            if need_b:
-                g = grads.pop(0)
-                gb = g.float() if gb is None else gb.add_(g)
+            total += _chunk_with_grads(cfg, hc, w, b, tc, ic, ctx.flags, inv_denom, acc)
+        gh, gw, gb = acc
         if grad_mode:
             ctx.save_for_backward(gh, gw, gb)
         else:
@@ -134,26 +151,14 @@ class _TiledLoss(torch.autograd.Function):
             gh, gw, gb = ctx.saved_tensors
         else:
             h, w, b, targets, idx, inv_denom = ctx.saved_tensors
-            gh = torch.zeros_like(h) if need_h else None
-            gw = gb = None
+            acc: list[torch.Tensor | None] = [torch.zeros_like(h) if need_h else None, None, None]
             device_type, ac_on, ac_dtype, ac_cache = ctx.autocast
-            for s in range(0, int(idx.numel()), cfg.chunk):
-                ic = idx[s : s + cfg.chunk]
-                hc = h.index_select(0, ic).detach().requires_grad_(need_h)
-                wl = w.detach().requires_grad_(need_w)
-                bl = b.detach().requires_grad_(need_b) if b is not None else None
-                with torch.enable_grad(), torch.autocast(device_type, dtype=ac_dtype, enabled=ac_on, cache_enabled=ac_cache):
-                    lc = _chunk_loss(cfg, hc, wl, bl, targets.index_select(0, ic))
-                ins = [t for t, need in ((hc, need_h), (wl, need_w), (bl, need_b)) if need]
-                grads = list(torch.autograd.grad(lc, ins, inv_denom.to(lc.dtype)))
-                if need_h:
-                    gh.index_copy_(0, ic, grads.pop(0).to(gh.dtype))  # type: ignore[union-attr]
-                if need_w:
-                    g = grads.pop(0)
-                    gw = g.float() if gw is None else gw.add_(g)
-                if need_b:
-                    g = grads.pop(0)
-                    gb = g.float() if gb is None else gb.add_(g)
+            with torch.autocast(device_type, dtype=ac_dtype, enabled=ac_on, cache_enabled=ac_cache):
+                for s in range(0, int(idx.numel()), cfg.chunk):
+                    ic = idx[s : s + cfg.chunk]
+                    _chunk_with_grads(cfg, h.index_select(0, ic), w, b, targets.index_select(0, ic), ic,
+                                      ctx.flags, inv_denom, acc)
+            gh, gw, gb = acc
         scale = grad_out.float()
         out_h = (gh * scale.to(gh.dtype)) if (need_h and gh is not None) else None
         out_w = (gw * scale).to(ctx.w_dtype) if (need_w and gw is not None) else None
