@@ -11,6 +11,7 @@ bit-identical across modes and across ranks. Rank 0 writes the verdict as JSON.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import warnings
 
@@ -99,6 +100,7 @@ def main() -> None:
                 json.dump(result, f, indent=2)
             print(json.dumps(result))
     finally:
+        gc.collect()  # free DDP/FSDP state before the process group goes
         dist.destroy_process_group()
 
 

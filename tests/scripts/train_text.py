@@ -5,6 +5,7 @@ Run with torchrun (any process count): the global batch is `--global-batch` spli
 """
 
 import argparse
+import gc
 import os
 
 import torch
@@ -59,4 +60,6 @@ if int(os.environ.get("RANK", 0)) == 0:
     print("SAVED", a.out, flush=True)
 if dist.is_initialized():
     dist.barrier()
+    del trainer, model
+    gc.collect()  # drop the DDP reducer before its process group goes (exit abort otherwise)
     dist.destroy_process_group()

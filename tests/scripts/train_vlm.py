@@ -8,6 +8,7 @@ find_unused_parameters=False). Rank 0 saves the trainable weights.
 """
 
 import argparse
+import gc
 import os
 import sys
 
@@ -78,4 +79,6 @@ if int(os.environ.get("RANK", 0)) == 0:
                 "static_graph": wrapped.static_graph}, a.out)
     print("SAVED", flush=True)
 dist.barrier()
+del trainer, model, wrapped
+gc.collect()  # drop the DDP reducer before its process group goes (exit abort otherwise)
 dist.destroy_process_group()

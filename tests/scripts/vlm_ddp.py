@@ -10,6 +10,7 @@ for tests/test_vlm.py and the other vlm_* scripts.
 from __future__ import annotations
 
 import contextlib
+import gc
 import hashlib
 import os
 import sys
@@ -330,6 +331,7 @@ def main() -> None:
 
     dist.barrier()
     log("VLM_DDP_OK")
+    gc.collect()  # free DDP/FSDP state before the process group goes
     dist.destroy_process_group()
 
 

@@ -12,6 +12,7 @@ within 1e-5. Without the stabiliser the first mixed step would hang (mismatched 
 
 from __future__ import annotations
 
+import gc
 import os
 import sys
 import time
@@ -89,6 +90,7 @@ def main() -> None:
         assert moved == len(init), f"{family}: only {moved}/{len(init)} trainable tensors moved"
     dist.barrier()
     print(f"[rank {rank} {time.time() - t0:5.1f}s] VLM_FSDP_OK", flush=True)
+    gc.collect()  # free DDP/FSDP state before the process group goes
     dist.destroy_process_group()
 
 

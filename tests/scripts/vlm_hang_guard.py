@@ -15,6 +15,7 @@ The error propagates, so the process exits non-zero within seconds instead of ha
 from __future__ import annotations
 
 import argparse
+import gc
 import os
 import sys
 
@@ -58,6 +59,7 @@ def main() -> None:
     opt.step()
     dist.barrier()
     print(f"[rank {rank}] VLM_GUARD_OK", flush=True)
+    gc.collect()  # free DDP/FSDP state before the process group goes
     dist.destroy_process_group()
 
 
