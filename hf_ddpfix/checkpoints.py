@@ -16,13 +16,15 @@ from typing import Any
 import torch.distributed as dist
 
 _CHECKPOINT = re.compile(r"^checkpoint-(\d+)$")
+_RANK_RNG = re.compile(r"^rng_state_(\d+)\.pth$")
 
 
 def last_complete_checkpoint(output_dir: str, world_size: int | None = None) -> str | None:
     """The newest `checkpoint-N` under `output_dir` that was completely written, or `None`.
 
-    Complete means: the trainer state (written last, by rank 0) exists and, for a multi-process run,
-    every rank's RNG state file.
+    Complete means: the trainer state (written last, by rank 0) exists and, when the checkpoint holds
+    per-rank RNG files (a multi-process run), every rank of the current world has one (each rank writes
+    its own, with no barrier before rank 0's trainer state).
 
     Args:
         output_dir: `TrainingArguments.output_dir`.
@@ -40,7 +42,8 @@ def last_complete_checkpoint(output_dir: str, world_size: int | None = None) -> 
     for _, path in sorted(found, reverse=True):
         if not os.path.isfile(os.path.join(path, "trainer_state.json")):
             continue
-        if world > 1 and not all(os.path.isfile(os.path.join(path, f"rng_state_{r}.pth")) for r in range(world)):
+        per_rank = {int(m.group(1)) for f in os.listdir(path) if (m := _RANK_RNG.match(f))}
+        if world > 1 and per_rank and not set(range(world)) <= per_rank:
             continue
         return path
     return None

@@ -1,10 +1,11 @@
 """`DDPFixTrainer` and `patch_trainer()`: two entry points, one implementation (`run_with_plan`).
 
-The hook point is `Trainer._inner_training_loop`: it runs after `train()` has enabled checkpointing and
-loaded any checkpoint, and before `accelerator.prepare()` wraps the model in DDP/FSDP. There we gather
-facts, resolve the plan, set the DDP kwargs the wrapper will be built with, switch the checkpoint
-function, attach the per-step pieces (VLM stabiliser, offload, tiling, callbacks), run the stock loop,
-and detach everything afterwards.
+The main hook point is `Trainer._inner_training_loop`: it runs after `train()` has enabled
+checkpointing and loaded any checkpoint, and before `accelerator.prepare()` wraps the model in
+DDP/FSDP. There we gather facts, resolve the plan, set the DDP kwargs the wrapper will be built with,
+switch the checkpoint function, attach the per-step pieces (VLM stabiliser, offload, tiling, callbacks),
+run the stock loop, and detach everything afterwards. `Trainer.train` is wrapped only to make
+`resume_from_checkpoint=True` pick the newest *complete* checkpoint (`resolve_resume`).
 
 Guarantees: DDP kwargs are decided before the model is wrapped (no DDP internals touched mid-run);
 `patch_trainer()` is idempotent and `unpatch_trainer()` restores the stock method object.
@@ -14,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 from collections.abc import Callable
 from contextlib import ExitStack
 from typing import Any
@@ -21,6 +23,7 @@ from typing import Any
 from transformers import Trainer
 
 from .callbacks import default_callbacks, install_callbacks
+from .checkpoints import last_complete_checkpoint
 from .config import DDPFixConfig
 from .errors import readable_ddp_errors
 from .facts import gather_facts, unwrap_parallel
@@ -30,6 +33,7 @@ from .runtime import attach_runtime
 logger = logging.getLogger("hf_ddpfix")
 
 _STOCK_INNER_LOOP = Trainer._inner_training_loop
+_STOCK_TRAIN = Trainer.train
 _patch_options: dict[str, Any] | None = None
 
 
@@ -90,6 +94,29 @@ def run_with_plan(trainer: Trainer, inner_loop: Callable[..., Any], *args: Any, 
         trainer._hf_ddpfix_active = False
 
 
+def resolve_resume(trainer: Trainer, resume_from_checkpoint: str | bool | None) -> str | bool | None:
+    """`resume_from_checkpoint=True` means the newest *complete* checkpoint (stock: the newest folder,
+    which a rank that died while saving leaves half-written). Other values pass through.
+
+    Raises:
+        ValueError: `True` and no complete checkpoint in `output_dir` (stock raises the same).
+    """
+    if resume_from_checkpoint is not True:
+        return resume_from_checkpoint
+    from transformers.trainer_utils import get_last_checkpoint
+
+    out = trainer.args.output_dir
+    path = last_complete_checkpoint(out, trainer.args.world_size)
+    if path is None:
+        raise ValueError(f"No valid checkpoint found in output directory ({out}): no checkpoint-N with a "
+                         "trainer_state.json and every rank's RNG state")
+    newest = get_last_checkpoint(out)
+    if newest is not None and os.path.abspath(newest) != os.path.abspath(path) and trainer.is_world_process_zero():
+        _ensure_log_handler()
+        logger.warning("resuming from %s: %s was not completely written (a rank died while saving?)", path, newest)
+    return path
+
+
 def _trainer_config(trainer: Trainer) -> DDPFixConfig:
     """Options: the trainer's own (`DDPFixTrainer(ddpfix_config=...)`) or `patch_trainer(**options)`'s,
     resolved against the environment now (plan time)."""
@@ -116,12 +143,19 @@ class DDPFixTrainer(Trainer):
         self.ddpfix_config = ddpfix_config
         super().__init__(*args, **kwargs)
 
+    def train(self, resume_from_checkpoint: str | bool | None = None, *args: Any, **kwargs: Any) -> Any:
+        return super().train(resolve_resume(self, resume_from_checkpoint), *args, **kwargs)
+
     def _inner_training_loop(self, *args: Any, **kwargs: Any) -> Any:
         return run_with_plan(self, super()._inner_training_loop, *args, **kwargs)
 
 
 def _patched_inner_training_loop(self: Trainer, *args: Any, **kwargs: Any) -> Any:
     return run_with_plan(self, lambda *a, **k: _STOCK_INNER_LOOP(self, *a, **k), *args, **kwargs)
+
+
+def _patched_train(self: Trainer, resume_from_checkpoint: str | bool | None = None, *args: Any, **kwargs: Any) -> Any:
+    return _STOCK_TRAIN(self, resolve_resume(self, resume_from_checkpoint), *args, **kwargs)
 
 
 def patch_trainer(**options: Any) -> None:
@@ -140,6 +174,7 @@ def patch_trainer(**options: Any) -> None:
     DDPFixConfig.from_env(**options)  # validate now
     _patch_options = dict(options)
     Trainer._inner_training_loop = _patched_inner_training_loop  # type: ignore[method-assign]
+    Trainer.train = _patched_train  # type: ignore[method-assign]
 
 
 def unpatch_trainer() -> None:
@@ -147,7 +182,8 @@ def unpatch_trainer() -> None:
     global _patch_options
     _patch_options = None
     Trainer._inner_training_loop = _STOCK_INNER_LOOP  # type: ignore[method-assign]
+    Trainer.train = _STOCK_TRAIN  # type: ignore[method-assign]
 
 
 def is_patched() -> bool:
-    return Trainer._inner_training_loop is _patched_inner_training_loop
+    return Trainer._inner_training_loop is _patched_inner_training_loop and Trainer.train is _patched_train

@@ -72,3 +72,44 @@ def test_stock_ddp_with_reentrant_checkpointing_fails(tmp_path):
     done = torchrun("train_text.py", "--entry", "stock", "--out", str(tmp_path / "x.pt"), nproc=2, timeout=120,
                     check=False)
     assert done.returncode != 0 and "Expected to mark a variable ready only once" in done.stdout
+
+
+def _tiny_trainer(out, steps, cls=Trainer):
+    from datasets import Dataset
+    from peft import LoraConfig, get_peft_model
+    from transformers import LlamaConfig, LlamaForCausalLM, TrainingArguments
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                      num_attention_heads=2, num_key_value_heads=1)
+    model = get_peft_model(LlamaForCausalLM(cfg), LoraConfig(r=2, target_modules=["q_proj"]))
+    ds = Dataset.from_list([{"input_ids": [(i + j) % 60 for j in range(8)]} for i in range(16)])
+
+    def collate(batch):
+        ids = torch.tensor([b["input_ids"] for b in batch])
+        return {"input_ids": ids, "labels": ids.clone()}
+
+    args = TrainingArguments(output_dir=str(out), per_device_train_batch_size=2, max_steps=steps, save_steps=2,
+                             save_strategy="steps", report_to=[], use_cpu=True, disable_tqdm=True)
+    return cls(model=model, args=args, train_dataset=ds, data_collator=collate)
+
+
+@pytest.mark.parametrize("entry", ["stock", "patch", "subclass"])
+def test_resume_true_skips_a_half_written_checkpoint(tmp_path, entry):
+    """A rank that died while saving checkpoint-4 left it without trainer state: stock resumes from it and
+    fails; hf_ddpfix resumes from checkpoint-2 and finishes."""
+    _tiny_trainer(tmp_path, 4).train()
+    (tmp_path / "checkpoint-4" / "trainer_state.json").unlink()
+    try:
+        if entry == "patch":
+            patch_trainer()
+        trainer = _tiny_trainer(tmp_path, 6, DDPFixTrainer if entry == "subclass" else Trainer)
+        if entry == "stock":
+            with pytest.raises(FileNotFoundError, match="trainer_state.json"):
+                trainer.train(resume_from_checkpoint=True)
+            return
+        trainer.train(resume_from_checkpoint=True)
+    finally:
+        unpatch_trainer()
+    assert trainer.state.global_step == 6
+    assert (tmp_path / "checkpoint-6" / "trainer_state.json").exists()
