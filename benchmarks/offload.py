@@ -41,7 +41,7 @@ import torch
 from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from hf_ddpfix.checkpointing import CheckpointFunction  # noqa: E402
+from hf_ddpfix.checkpointing import apply_checkpointing  # noqa: E402
 from hf_ddpfix.offload import (  # noqa: E402
     DEFAULT_MIN_BYTES,
     ActivationOffload,
@@ -95,10 +95,7 @@ def enable_mode(model: nn.Module, mode: str, spec: dict[str, Any]) -> Activation
     if mode != "ckpt+hf_ddpfix":
         return None
     offload = ActivationOffload(module=model)  # default min_bytes (1 MiB)
-    fn = CheckpointFunction(False, offload)
-    for module in model.modules():
-        if hasattr(module, "gradient_checkpointing"):
-            module._gradient_checkpointing_func = fn
+    apply_checkpointing(model, use_reentrant=False, offload=offload)
     return offload
 
 

@@ -17,7 +17,7 @@ from launch import torchrun
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from hf_ddpfix.checkpointing import CheckpointFunction
+from hf_ddpfix.checkpointing import CheckpointFunction, apply_checkpointing
 from hf_ddpfix.offload import (
     DEFAULT_MIN_BYTES,
     ActivationOffload,
@@ -48,24 +48,19 @@ def build_lora_llama(layers: int = LAYERS, seed: int = 0) -> nn.Module:
     return get_peft_model(model, lora)
 
 
-def install_checkpoint_fn(model: nn.Module, fn) -> int:
-    """Non-reentrant checkpointing with ``fn`` on every module that checkpoints."""
+def install_checkpointing(model: nn.Module, offload: ActivationOffload | None) -> int:
+    """Non-reentrant checkpointing through hf_ddpfix's checkpoint function, with ``offload``."""
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", FutureWarning)  # gradient_checkpointing_* are deprecated aliases
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    n = 0
-    for module in model.modules():
-        if hasattr(module, "gradient_checkpointing"):
-            module._gradient_checkpointing_func = fn
-            n += 1
-    return n
+    return apply_checkpointing(model, use_reentrant=False, offload=offload)
 
 
 def train(offload: ActivationOffload | None, steps: int = 3, accumulate: int = 1, layers: int = LAYERS):
     """A few AdamW steps on the tiny LoRA Llama; returns (last grads, final weights, per-step stats)."""
     model = build_lora_llama(layers)
     model.train()
-    assert install_checkpoint_fn(model, CheckpointFunction(False, offload)) >= layers
+    assert install_checkpointing(model, offload) >= layers
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
     gen = torch.Generator().manual_seed(1)
     grads, stats = {}, []
@@ -215,7 +210,7 @@ def test_restored_inputs_are_freed_layer_by_layer_during_backward():
     model = build_lora_llama(layers=6)
     model.train()
     off = ActivationOffload(min_bytes=0, simulate=True, module=model)
-    install_checkpoint_fn(model, CheckpointFunction(False, off))
+    install_checkpointing(model, off)
     live = []
 
     def probe(*_):

@@ -9,7 +9,7 @@ import pytest
 import torch
 from torch import nn
 
-from hf_ddpfix.checkpointing import CheckpointFunction
+from hf_ddpfix.checkpointing import CheckpointFunction, apply_checkpointing
 from hf_ddpfix.offload import ActivationOffload
 
 pytestmark = [
@@ -48,10 +48,7 @@ def install(model: nn.Module, offload: ActivationOffload | None) -> None:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", FutureWarning)
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    fn = CheckpointFunction(False, offload)
-    for module in model.modules():
-        if hasattr(module, "gradient_checkpointing"):
-            module._gradient_checkpointing_func = fn
+    apply_checkpointing(model, use_reentrant=False, offload=offload)
 
 
 def one_step(model: nn.Module, offload: ActivationOffload | None, ids: torch.Tensor) -> None:

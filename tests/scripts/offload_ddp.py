@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from hf_ddpfix.checkpointing import CheckpointFunction
+from hf_ddpfix.checkpointing import apply_checkpointing
 from hf_ddpfix.offload import ActivationOffload
 
 STEPS, BATCH, SEQ = 4, 2, 32
@@ -51,10 +51,7 @@ def train(offload: ActivationOffload | None) -> tuple[torch.Tensor, int]:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", FutureWarning)
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    fn = CheckpointFunction(False, offload)
-    for module in model.modules():
-        if hasattr(module, "gradient_checkpointing"):
-            module._gradient_checkpointing_func = fn
+    apply_checkpointing(model, use_reentrant=False, offload=offload)
     ddp = DDP(model)
     opt = torch.optim.AdamW([p for p in ddp.parameters() if p.requires_grad], lr=1e-2)
     gen = torch.Generator().manual_seed(100 + dist.get_rank())  # different data per rank
