@@ -41,8 +41,8 @@ import torch
 from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from hf_ddpfix.checkpointing import apply_checkpointing  # noqa: E402
-from hf_ddpfix.offload import (  # noqa: E402
+from hf_ddpfix.integrations.checkpointing import apply_checkpointing  # noqa: E402
+from hf_ddpfix.ops.offload import (  # noqa: E402
     DEFAULT_MIN_BYTES,
     ActivationOffload,
     accelerator_available,

@@ -42,15 +42,14 @@ from torch.utils.checkpoint import checkpoint
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from hf_ddpfix.tiled import (  # noqa: E402
+from hf_ddpfix.integrations.tiled_mlp import apply_tiled_mlp, remove_tiled_mlp  # noqa: E402
+from hf_ddpfix.ops.tiled import (  # noqa: E402
     DEFAULT_MIN_TOKENS,
     DEFAULT_TOKENS_PER_SHARD,
-    apply_tiled_mlp,
     choose_shards,
-    remove_tiled_mlp,
     tiled_call,
 )
-from hf_ddpfix.tiled_loss import _chunk_len, tiled_causal_lm_loss  # noqa: E402
+from hf_ddpfix.ops.tiled_loss import chunk_len, tiled_causal_lm_loss  # noqa: E402
 
 
 class LiveBytes(TorchDispatchMode):
@@ -225,7 +224,7 @@ def main() -> None:
         t_peak, t_loss, t_s = loss_head(t, hid, vocab, tiled=True)
         row = {"tokens": t, "untiled_bytes": u_peak, "tiled_bytes": t_peak, "reduction": u_peak / t_peak,
                "loss_untiled": u_loss, "loss_tiled": t_loss, "loss_rel_diff": abs(t_loss - u_loss) / abs(u_loss),
-               "chunk_tokens": _chunk_len(vocab, None), "untiled_s": u_s, "tiled_s": t_s}
+               "chunk_tokens": chunk_len(vocab, None), "untiled_s": u_s, "tiled_s": t_s}
         loss_rows.append(row)
         print("loss", json.dumps(row), flush=True)
 

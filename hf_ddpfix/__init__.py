@@ -7,18 +7,25 @@ Public API:
     resolve_plan / RunFacts / Plan: the pure decision function and its types.
     ActivationOffload, apply_tiled_mlp, patch_model_loss, VisionStabilizer: the appliers, usable alone.
     Callbacks, errors and checkpoint helpers for operating runs.
+
+Layout: ``hf_ddpfix.ops`` (pure torch), ``hf_ddpfix.integrations`` (HF / accelerate plumbing),
+``hf_ddpfix._compat`` (every private upstream access). Only the names in ``__all__`` are public API;
+module paths below this package may change between releases.
 """
 
 from .callbacks import MemoryThroughputCallback, PlanReportCallback, ReplicaSyncCallback, default_callbacks
 from .checkpoints import last_complete_checkpoint, save_model_atomic
 from .config import DDPFixConfig
 from .errors import DDPFixError, ReplicaDivergenceError, explain, readable_ddp_errors
-from .offload import ActivationOffload
+from .integrations.families import find_vision_adapter
+from .integrations.hang_guard import HangGuard, UnusedParametersError
+from .integrations.loss_patch import patch_model_loss, unpatch_model_loss
+from .integrations.stabilizer import VisionStabilizer
+from .integrations.tiled_mlp import apply_tiled_mlp, remove_tiled_mlp
+from .integrations.trainer_hooks import DDPFixTrainer, patch_trainer, plan_for_trainer, unpatch_trainer
+from .ops.offload import ActivationOffload
+from .ops.tiled_loss import tiled_causal_lm_loss
 from .plan import Decision, Plan, PlanError, RunFacts, resolve_plan
-from .tiled import apply_tiled_mlp, remove_tiled_mlp
-from .tiled_loss import patch_model_loss, tiled_causal_lm_loss, unpatch_model_loss
-from .trainer import DDPFixTrainer, patch_trainer, plan_for_trainer, unpatch_trainer
-from .vlm import HangGuard, UnusedParametersError, VisionStabilizer, find_vision_adapter
 
 __all__ = [
     "ActivationOffload",

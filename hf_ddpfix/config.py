@@ -104,7 +104,7 @@ def _int0(name: str, value: Any) -> int | None:
 
 def _tiled_mlp(name: str, value: Any) -> str | None:
     """A TiledMLP setting, normalised: off, auto, arctic, target, target:GB or N (fixed shard count)."""
-    from .tiled import parse_tiled_mlp_setting
+    from .ops.tiled import parse_tiled_mlp_setting
 
     v = parse_str(name, value)
     if v is None:

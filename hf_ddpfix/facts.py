@@ -10,20 +10,12 @@ from typing import Any
 import torch
 from torch import nn
 
-from .checkpointing import detect_checkpointing, requested_checkpointing
+from ._compat import unwrap_parallel
+from .integrations import families
+from .integrations.checkpointing import detect_checkpointing, requested_checkpointing
 from .plan import ParallelMode, RunFacts
 
-_MOE_KEYS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts")
-
-
-def unwrap_parallel(model: nn.Module) -> nn.Module:
-    """Strip DDP / FSDP-1 / torch.compile wrappers (not peft): the module the user built."""
-    while True:
-        inner = getattr(model, "module", None) or getattr(model, "_orig_mod", None)
-        if isinstance(inner, nn.Module) and inner is not model:
-            model = inner
-            continue
-        return model
+MOE_CONFIG_KEYS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts")
 
 
 def is_peft_model(model: nn.Module) -> bool:
@@ -48,7 +40,7 @@ def _configs(model: nn.Module) -> list[Any]:
 
 def has_conditional_params(model: nn.Module) -> bool:
     """Trainable parameters inside mixture-of-experts blocks (an expert may get no token in a step)."""
-    moe = any((getattr(c, k, None) or 0) > 1 for c in _configs(model) for k in _MOE_KEYS)
+    moe = any((getattr(c, k, None) or 0) > 1 for c in _configs(model) for k in MOE_CONFIG_KEYS)
     if not moe:
         return False
     return any(p.requires_grad and "expert" in n for n, p in model.named_parameters())
@@ -73,12 +65,6 @@ def parallel_mode(trainer: Any) -> tuple[ParallelMode, int]:
     return "single", world
 
 
-def _vlm() -> Any:
-    from . import vlm  # the VLM adapters decide what counts as the vision tower
-
-    return vlm
-
-
 def gather_facts(trainer: Any, model: nn.Module | None = None) -> RunFacts:
     """Facts about `trainer`'s run: parallel mode, checkpointing, model kind, explicit DDP flags.
 
@@ -94,8 +80,8 @@ def gather_facts(trainer: Any, model: nn.Module | None = None) -> RunFacts:
         mode, user_reentrant, offload = requested_checkpointing(args.activation_checkpointing_kwargs)
     else:
         mode = detect_checkpointing(model)
-    vision = _vlm().is_vision_language_model(model)
-    adapter = _vlm().find_vision_adapter(model) if vision else None
+    vision = families.is_vision_language_model(model)
+    adapter = families.find_vision_adapter(model) if vision else None
     return RunFacts(
         parallel=parallel,
         world_size=world,
@@ -103,7 +89,7 @@ def gather_facts(trainer: Any, model: nn.Module | None = None) -> RunFacts:
         is_peft=is_peft_model(model),
         is_vlm=vision,
         vlm_adapter=adapter.family.name if adapter is not None else None,
-        trainable_vision_params=vision and _vlm().has_trainable_vision_params(model),
+        trainable_vision_params=vision and families.has_trainable_vision_params(model),
         conditional_params=has_conditional_params(model),
         grad_accum_steps=int(args.gradient_accumulation_steps or 1),
         user_find_unused=args.ddp_find_unused_parameters,

@@ -10,7 +10,8 @@ import torch
 from launch import ROOT
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from hf_ddpfix.cli import GiB, check_env, main, recommend_launch
+from hf_ddpfix._advice import GiB, recommend_launch
+from hf_ddpfix.cli import check_env, main
 
 TINY = {"vocab_size": 128, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
         "num_attention_heads": 4, "num_key_value_heads": 2}

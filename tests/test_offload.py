@@ -17,8 +17,8 @@ from launch import torchrun
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from hf_ddpfix.checkpointing import CheckpointFunction, apply_checkpointing
-from hf_ddpfix.offload import (
+from hf_ddpfix.integrations.checkpointing import CheckpointFunction, apply_checkpointing
+from hf_ddpfix.ops.offload import (
     DEFAULT_MIN_BYTES,
     ActivationOffload,
     accelerator_available,
@@ -205,7 +205,7 @@ def test_fifty_steps_keep_pool_bounded_and_nothing_in_flight():
 
 
 def test_restored_inputs_are_freed_layer_by_layer_during_backward():
-    from hf_ddpfix.offload import _RESTORED
+    from hf_ddpfix.ops.offload import _RESTORED
 
     model = build_lora_llama(layers=6)
     model.train()

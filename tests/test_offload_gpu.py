@@ -9,8 +9,8 @@ import pytest
 import torch
 from torch import nn
 
-from hf_ddpfix.checkpointing import CheckpointFunction, apply_checkpointing
-from hf_ddpfix.offload import ActivationOffload
+from hf_ddpfix.integrations.checkpointing import CheckpointFunction, apply_checkpointing
+from hf_ddpfix.ops.offload import ActivationOffload
 
 pytestmark = [
     pytest.mark.gpu,

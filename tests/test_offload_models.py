@@ -24,8 +24,8 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "scr
 
 from vlm_ddp import add_lora, build_qwen2_5_vl, make_batch  # noqa: E402
 
-from hf_ddpfix.checkpointing import apply_checkpointing  # noqa: E402
-from hf_ddpfix.offload import ActivationOffload  # noqa: E402
+from hf_ddpfix.integrations.checkpointing import apply_checkpointing  # noqa: E402
+from hf_ddpfix.ops.offload import ActivationOffload  # noqa: E402
 
 STEPS = 2
 

@@ -12,15 +12,13 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from hf_ddpfix.tiled import (
+from hf_ddpfix.integrations.tiled_mlp import apply_tiled_mlp, remove_tiled_mlp
+from hf_ddpfix.integrations.token_wise import is_token_wise, register_token_wise
+from hf_ddpfix.ops.tiled import (
     DEFAULT_MIN_TOKENS,
     TiledMLPSetting,
-    apply_tiled_mlp,
     choose_shards,
-    is_token_wise,
     parse_tiled_mlp_setting,
-    register_token_wise,
-    remove_tiled_mlp,
     sync_shards,
     tiled_call,
 )
@@ -319,9 +317,9 @@ def test_modules_that_cannot_be_shown_token_wise_are_skipped_or_rejected_by_name
     try:
         assert apply_tiled_mlp(block, modules=[block.mlp]).patched == ["mlp"]
     finally:
-        from hf_ddpfix import tiled
+        from hf_ddpfix.integrations import token_wise
 
-        tiled._REGISTERED.pop(MixingMLP)
+        token_wise._REGISTERED.pop(MixingMLP)
         remove_tiled_mlp(block)
 
 

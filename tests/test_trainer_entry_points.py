@@ -7,7 +7,7 @@ from transformers import Trainer
 
 import hf_ddpfix
 from hf_ddpfix import DDPFixConfig, DDPFixTrainer, patch_trainer, unpatch_trainer
-from hf_ddpfix.trainer import is_patched
+from hf_ddpfix.integrations.trainer_hooks import is_patched
 
 
 def test_patch_is_idempotent_and_reversible():
@@ -22,6 +22,51 @@ def test_patch_is_idempotent_and_reversible():
     assert Trainer._inner_training_loop is stock and not is_patched()
     unpatch_trainer()  # safe when not patched
     assert Trainer._inner_training_loop is stock
+
+
+def _other_library_patch(calls: list[str], tag: str):
+    """Another library's patch of the same two Trainer methods (as Unsloth / Liger do): call-through wrappers."""
+    prev_inner, prev_train = Trainer._inner_training_loop, Trainer.train
+
+    def inner(self, *args, **kwargs):
+        calls.append(f"{tag}:inner")
+        return prev_inner(self, *args, **kwargs)
+
+    def train(self, *args, **kwargs):
+        calls.append(f"{tag}:train")
+        return prev_train(self, *args, **kwargs)
+
+    Trainer._inner_training_loop, Trainer.train = inner, train
+    return prev_inner, prev_train, inner, train
+
+
+def test_patch_chains_with_other_patches_applied_before_and_after(tmp_path):
+    """patch_trainer() wraps what is installed at call time; unpatch_trainer() removes only its own layer."""
+    stock_inner, stock_train = Trainer._inner_training_loop, Trainer.train
+    calls: list[str] = []
+    try:
+        _, _, before_inner, before_train = _other_library_patch(calls, "before")
+        patch_trainer()
+        _, _, after_inner, after_train = _other_library_patch(calls, "after")
+        trainer = _tiny_trainer(tmp_path, 1)
+        trainer.train()
+        assert calls == ["after:train", "before:train", "after:inner", "before:inner"], calls
+        assert trainer.hf_ddpfix_plan is not None  # our layer ran in between
+        unpatch_trainer()  # we are not on top: our layer turns into a pass-through, both others stay
+        assert Trainer._inner_training_loop is after_inner and Trainer.train is after_train
+        calls.clear()
+        trainer = _tiny_trainer(tmp_path / "again", 1)
+        trainer.train()
+        assert calls == ["after:train", "before:train", "after:inner", "before:inner"], calls
+        assert not hasattr(trainer, "hf_ddpfix_plan")
+        # on top again: unpatch restores exactly the method objects it found
+        Trainer._inner_training_loop, Trainer.train = before_inner, before_train
+        patch_trainer()
+        unpatch_trainer()
+        assert Trainer._inner_training_loop is before_inner and Trainer.train is before_train
+    finally:
+        unpatch_trainer()
+        Trainer._inner_training_loop, Trainer.train = stock_inner, stock_train
 
 
 def test_patch_reaches_subclasses_defined_before_and_after_the_call():

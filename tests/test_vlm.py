@@ -19,22 +19,24 @@ sys.path.insert(0, os.path.join(HERE, "scripts"))
 from launch import torchrun  # noqa: E402
 from vlm_ddp import BUILDERS, PATCH_DIM, add_lora, make_batch  # noqa: E402
 
-from hf_ddpfix.vlm import (  # noqa: E402
-    HangGuard,
-    UnusedParametersError,
+from hf_ddpfix._compat import unwrap_model  # noqa: E402
+from hf_ddpfix.integrations.families import (  # noqa: E402
     VisionFamily,
-    VisionStabilizer,
-    _usage_error,
-    _ZeroTie,
-    check_used_groups,
     describe_unsupported,
     find_vision_adapter,
-    fsdp_wrap_plan,
     has_trainable_vision_params,
     register_vision_family,
-    unwrap_model,
     vision_param_names,
 )
+from hf_ddpfix.integrations.fsdp_wrap import fsdp_wrap_plan  # noqa: E402
+from hf_ddpfix.integrations.hang_guard import (  # noqa: E402
+    HangGuard,
+    UnusedParametersError,
+    _usage_error,
+    check_used_groups,
+)
+from hf_ddpfix.integrations.stabilizer import VisionStabilizer  # noqa: E402
+from hf_ddpfix.ops.zero_tie import ZeroTie  # noqa: E402
 
 torch.set_num_threads(1)
 FAMILIES = [f for f in BUILDERS if BUILDERS[f](0) is not None]
@@ -176,18 +178,18 @@ def test_registry_accepts_a_new_family_matched_by_config_and_structure() -> None
         ad = find_vision_adapter(hf)
         assert ad is not None and ad.family.name == "my_qwen_like"
     finally:
-        from hf_ddpfix import vlm
+        from hf_ddpfix.integrations import families
 
-        vlm.VISION_FAMILIES[:] = [f for f in vlm.VISION_FAMILIES if f.name != "my_qwen_like"]
+        families.VISION_FAMILIES[:] = [f for f in families.VISION_FAMILIES if f.name != "my_qwen_like"]
     broken = VisionFamily("broken", ("my_qwen_like_vision",), required_children=("no_such_child",))
     register_vision_family(broken)
     try:
         assert find_vision_adapter(hf) is None
         assert "lacks ['no_such_child']" in describe_unsupported(hf)
     finally:
-        from hf_ddpfix import vlm
+        from hf_ddpfix.integrations import families
 
-        vlm.VISION_FAMILIES[:] = [f for f in vlm.VISION_FAMILIES if f.name != "broken"]
+        families.VISION_FAMILIES[:] = [f for f in families.VISION_FAMILIES if f.name != "broken"]
 
 
 # --- stabiliser -------------------------------------------------------------------------------------
@@ -350,7 +352,7 @@ def test_frozen_tower_runs_no_dummy_unless_asked() -> None:
 def test_zero_tie_is_exact_and_sends_zero_grads_even_for_inf_features() -> None:
     x = torch.randn(3, dtype=torch.bfloat16, requires_grad=True)
     feat = torch.tensor([float("inf"), -1.0, 2.0], requires_grad=True)
-    y = _ZeroTie.apply(x * 1, feat * 1)
+    y = ZeroTie.apply(x * 1, feat * 1)
     assert torch.equal(y, x) and y.dtype == torch.bfloat16
     y *= 2  # in place, as Trainer does with the loss
     y.sum().backward()

@@ -19,8 +19,8 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from hf_ddpfix.checkpointing import apply_checkpointing
-from hf_ddpfix.offload import ActivationOffload
+from hf_ddpfix.integrations.checkpointing import apply_checkpointing
+from hf_ddpfix.ops.offload import ActivationOffload
 
 STEPS, BATCH, SEQ = 4, 2, 32
 

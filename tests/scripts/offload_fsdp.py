@@ -26,8 +26,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.fsdp import fully_shard
 
-from hf_ddpfix.checkpointing import apply_checkpointing
-from hf_ddpfix.offload import ActivationOffload
+from hf_ddpfix.integrations.checkpointing import apply_checkpointing
+from hf_ddpfix.ops.offload import ActivationOffload
 
 STEPS, LAYERS, BATCH, SEQ, HIDDEN = 3, 3, 2, 24, 64
 LAYER_INPUT_BYTES = BATCH * SEQ * HIDDEN * 4  # float32 hidden states entering one decoder layer
@@ -141,7 +141,7 @@ def main() -> None:
             errors.append(f"{mode}: {len(differ)} tensors differ from stock, e.g. {differ[:3]}")
         errors += check_stats(mode, stats)
         result[f"{mode}_stats_last_step"] = stats[-1]
-    # module=model (what hf_ddpfix.runtime passes) with FSDP2 DTensor parameters: errors go to the JSON.
+    # module=model (what hf_ddpfix.integrations.runtime passes) with FSDP2 DTensor parameters: errors go to the JSON.
     try:
         weights, stats = train("simulate", rank, with_module=True)
         differ = [k for k in stock if not torch.equal(stock[k], weights[k])]

@@ -23,8 +23,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.fsdp import fully_shard
 
-from hf_ddpfix.tiled import apply_tiled_mlp
-from hf_ddpfix.tiled_loss import patch_model_loss
+from hf_ddpfix.integrations.loss_patch import patch_model_loss
+from hf_ddpfix.integrations.tiled_mlp import apply_tiled_mlp
 
 STEPS, ROWS_PER_RANK, LR = 3, 2, 0.5
 

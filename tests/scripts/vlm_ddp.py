@@ -23,7 +23,8 @@ from torch import nn
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
 
-from hf_ddpfix.vlm import VisionStabilizer, vision_param_names  # noqa: E402
+from hf_ddpfix.integrations.families import vision_param_names  # noqa: E402
+from hf_ddpfix.integrations.stabilizer import VisionStabilizer  # noqa: E402
 
 IMAGE, VIDEO, VSTART, VEND = 250, 251, 252, 253
 # cell.py's targets, plus Qwen3-VL's vision MLP / merger names (linear_fc1/2)

@@ -23,7 +23,9 @@ import torch.distributed as dist
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from vlm_ddp import BUILDERS, PATCH_DIM, add_lora, assert_equal, make_batch, train_ddp  # noqa: E402
 
-from hf_ddpfix.vlm import VisionStabilizer, fsdp_wrap_plan, vision_param_names  # noqa: E402
+from hf_ddpfix.integrations.families import vision_param_names  # noqa: E402
+from hf_ddpfix.integrations.fsdp_wrap import fsdp_wrap_plan  # noqa: E402
+from hf_ddpfix.integrations.stabilizer import VisionStabilizer  # noqa: E402
 
 STEPS = 5
 

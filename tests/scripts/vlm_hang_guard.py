@@ -26,7 +26,7 @@ from torch import nn
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from vlm_ddp import add_lora, build_qwen2_5_vl, make_batch  # noqa: E402
 
-from hf_ddpfix.vlm import HangGuard, UnusedParametersError  # noqa: E402
+from hf_ddpfix.integrations.hang_guard import HangGuard, UnusedParametersError  # noqa: E402
 
 
 def main() -> None:

@@ -16,12 +16,14 @@ from typing import Any
 from torch import nn
 from transformers import TrainerCallback
 
+from .._compat import TRAINER_STEP_HOOKS
+from ..ops.offload import ActivationOffload
+from ..plan import Plan
 from .checkpointing import apply_checkpointing, checkpoint_kwargs_without_mode
-from .offload import ActivationOffload
-from .plan import Plan
-from .tiled import TiledMLPHandle, apply_tiled_mlp
-from .tiled_loss import TiledLossHandle, patch_model_loss
-from .vlm import HangGuard, VisionStabilizer
+from .hang_guard import HangGuard
+from .loss_patch import TiledLossHandle, patch_model_loss
+from .stabilizer import VisionStabilizer
+from .tiled_mlp import TiledMLPHandle, apply_tiled_mlp
 
 logger = logging.getLogger("hf_ddpfix")
 
@@ -106,8 +108,8 @@ def _attach_stabilizer(trainer: Any, model: nn.Module, plan: Plan, stack: ExitSt
 
         return method
 
-    _override(trainer, "_clip_grad_norm", finalize_first, stack)
-    _override(trainer, "_get_grad_norm", finalize_first, stack)
+    for name in TRAINER_STEP_HOOKS:  # `_clip_grad_norm`, `_get_grad_norm`
+        _override(trainer, name, finalize_first, stack)
     return stab
 
 

@@ -8,7 +8,10 @@ run the stock loop, and detach everything afterwards. `Trainer.train` is wrapped
 `resume_from_checkpoint=True` pick the newest *complete* checkpoint (`resolve_resume`).
 
 Guarantees: DDP kwargs are decided before the model is wrapped (no DDP internals touched mid-run);
-`patch_trainer()` is idempotent and `unpatch_trainer()` restores the stock method object.
+`patch_trainer()` wraps whatever `Trainer` methods are installed when it is called (another library's
+patch included), is idempotent, and `unpatch_trainer()` removes only its own layer: the method objects
+it replaced come back when it is on top, and when another patch was applied on top of it since, its
+layer becomes a pass-through and the other patch stays (tests/integrations/test_trainer_hooks.py).
 """
 
 from __future__ import annotations
@@ -22,18 +25,17 @@ from typing import Any
 
 from transformers import Trainer
 
-from .callbacks import default_callbacks, install_callbacks
-from .checkpoints import last_complete_checkpoint
-from .config import DDPFixConfig
-from .errors import readable_ddp_errors
-from .facts import gather_facts, unwrap_parallel
-from .plan import Plan, resolve_plan
+from .._compat import TRAINER_INNER_LOOP, set_ddp_kwargs, unwrap_parallel
+from ..callbacks import default_callbacks, install_callbacks
+from ..checkpoints import last_complete_checkpoint
+from ..config import DDPFixConfig
+from ..errors import readable_ddp_errors
+from ..facts import gather_facts
+from ..plan import Plan, resolve_plan
 from .runtime import attach_runtime
 
 logger = logging.getLogger("hf_ddpfix")
 
-_STOCK_INNER_LOOP = Trainer._inner_training_loop
-_STOCK_TRAIN = Trainer.train
 _patch_options: dict[str, Any] | None = None
 
 
@@ -55,10 +57,7 @@ def _set_ddp_kwargs(trainer: Trainer, plan: Plan) -> None:
     """Point accelerate's DDP kwargs handler at the plan's values (it is read when `prepare` wraps)."""
     if plan.parallel != "ddp":
         return
-    from accelerate.utils import DistributedDataParallelKwargs
-
-    handler = trainer.accelerator.ddp_handler or DistributedDataParallelKwargs()
-    trainer.accelerator.ddp_handler = dataclasses.replace(handler, **plan.ddp_kwargs())
+    set_ddp_kwargs(trainer.accelerator, **plan.ddp_kwargs())
     wrapped = trainer.model_wrapped
     if wrapped is not trainer.model and hasattr(wrapped, "find_unused_parameters"):
         current = {"find_unused_parameters": wrapped.find_unused_parameters, "static_graph": wrapped.static_graph}
@@ -150,12 +149,52 @@ class DDPFixTrainer(Trainer):
         return run_with_plan(self, super()._inner_training_loop, *args, **kwargs)
 
 
-def _patched_inner_training_loop(self: Trainer, *args: Any, **kwargs: Any) -> Any:
-    return run_with_plan(self, lambda *a, **k: _STOCK_INNER_LOOP(self, *a, **k), *args, **kwargs)
+class _PatchLayer:
+    """One `patch_trainer()` layer: the `Trainer` methods it found installed, and its wrappers.
+
+    A layer calls the methods that were installed when it was created (stock or another library's
+    patch). `unpatch_trainer()` puts them back when this layer is still on top; otherwise (someone
+    patched over it) the layer turns into a pass-through, so the other patch keeps working.
+    """
+
+    def __init__(self) -> None:
+        self.enabled = True
+        self.prev_inner = getattr(Trainer, TRAINER_INNER_LOOP)
+        self.prev_train = Trainer.train
+        layer = self
+
+        def _inner_training_loop(trainer: Trainer, *args: Any, **kwargs: Any) -> Any:
+            def previous(*a: Any, **k: Any) -> Any:
+                return layer.prev_inner(trainer, *a, **k)
+
+            if not layer.enabled:
+                return previous(*args, **kwargs)
+            return run_with_plan(trainer, previous, *args, **kwargs)
+
+        def train(trainer: Trainer, resume_from_checkpoint: str | bool | None = None, *args: Any, **kwargs: Any) -> Any:
+            if layer.enabled:
+                resume_from_checkpoint = resolve_resume(trainer, resume_from_checkpoint)
+            return layer.prev_train(trainer, resume_from_checkpoint, *args, **kwargs)
+
+        self.inner_training_loop = _inner_training_loop
+        self.train = train
+
+    def installed(self) -> bool:
+        """True while both wrappers are the methods `Trainer` has now (this layer is on top)."""
+        return getattr(Trainer, TRAINER_INNER_LOOP) is self.inner_training_loop and Trainer.train is self.train
+
+    def install(self) -> None:
+        setattr(Trainer, TRAINER_INNER_LOOP, self.inner_training_loop)
+        Trainer.train = self.train  # type: ignore[method-assign]
+
+    def remove(self) -> None:
+        if self.installed():
+            setattr(Trainer, TRAINER_INNER_LOOP, self.prev_inner)
+            Trainer.train = self.prev_train  # type: ignore[method-assign]
+        self.enabled = False
 
 
-def _patched_train(self: Trainer, resume_from_checkpoint: str | bool | None = None, *args: Any, **kwargs: Any) -> Any:
-    return _STOCK_TRAIN(self, resolve_resume(self, resume_from_checkpoint), *args, **kwargs)
+_layer: _PatchLayer | None = None
 
 
 def patch_trainer(**options: Any) -> None:
@@ -168,22 +207,27 @@ def patch_trainer(**options: Any) -> None:
     Raises:
         ValueError: an unknown option or an invalid value (checked now, not at train time).
 
-    Guarantees: idempotent (a second call only replaces the options); undone by `unpatch_trainer()`.
+    Guarantees: wraps `Trainer._inner_training_loop` and `Trainer.train` as installed at call time (a
+    patch another library applied before is kept, called inside ours); idempotent (a second call only
+    replaces the options); undone by `unpatch_trainer()`.
     """
-    global _patch_options
+    global _patch_options, _layer
     DDPFixConfig.from_env(**options)  # validate now
     _patch_options = dict(options)
-    Trainer._inner_training_loop = _patched_inner_training_loop  # type: ignore[method-assign]
-    Trainer.train = _patched_train  # type: ignore[method-assign]
+    if _layer is None:
+        _layer = _PatchLayer()
+        _layer.install()
 
 
 def unpatch_trainer() -> None:
-    """Restore the stock `Trainer._inner_training_loop`. Safe to call when not patched."""
-    global _patch_options
+    """Remove hf_ddpfix's layer from `Trainer` (only ours: other patches stay). Safe when not patched."""
+    global _patch_options, _layer
     _patch_options = None
-    Trainer._inner_training_loop = _STOCK_INNER_LOOP  # type: ignore[method-assign]
-    Trainer.train = _STOCK_TRAIN  # type: ignore[method-assign]
+    if _layer is not None:
+        _layer.remove()
+        _layer = None
 
 
 def is_patched() -> bool:
-    return Trainer._inner_training_loop is _patched_inner_training_loop and Trainer.train is _patched_train
+    """True while `patch_trainer()` is in effect (our layer is installed and enabled)."""
+    return _layer is not None and _layer.enabled

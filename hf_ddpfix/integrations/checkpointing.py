@@ -9,11 +9,18 @@ transformers' checkpointed layers call `self._gradient_checkpointing_func(forwar
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any, Protocol
 
 from torch import nn
 from torch.utils.checkpoint import checkpoint
+
+from .._compat import (
+    checkpointable_layers,
+    is_checkpointing,
+    layer_checkpoint_func,
+    set_layer_checkpoint_func,
+)
 
 
 class _PackScope(Protocol):
@@ -50,12 +57,6 @@ class CheckpointFunction:
         return f"CheckpointFunction(use_reentrant={self.use_reentrant}, offload={self.offload is not None})"
 
 
-def _checkpointable(model: nn.Module) -> Iterator[nn.Module]:
-    for module in model.modules():
-        if hasattr(module, "gradient_checkpointing") and hasattr(module, "_gradient_checkpointing_func"):
-            yield module
-
-
 def _use_reentrant_of(func: Callable) -> bool:
     """The checkpoint variant a `_gradient_checkpointing_func` runs (torch's default when unset is reentrant)."""
     if isinstance(func, CheckpointFunction):
@@ -71,9 +72,9 @@ def _use_reentrant_of(func: Callable) -> bool:
 def detect_checkpointing(model: nn.Module) -> str:
     """The checkpointing a model has enabled now: "off", "reentrant" or "non_reentrant"."""
     modes = {
-        _use_reentrant_of(m._gradient_checkpointing_func)
-        for m in _checkpointable(model)
-        if getattr(m, "gradient_checkpointing", False)
+        _use_reentrant_of(layer_checkpoint_func(m))
+        for m in checkpointable_layers(model)
+        if is_checkpointing(m)
     }
     if not modes:
         return "off"
@@ -109,8 +110,8 @@ def apply_checkpointing(
     """
     func = CheckpointFunction(use_reentrant, offload, **checkpoint_kwargs)
     count = 0
-    for m in _checkpointable(model):
-        m._gradient_checkpointing_func = func
+    for m in checkpointable_layers(model):
+        set_layer_checkpoint_func(m, func)
         count += 1
     if count and use_reentrant and hasattr(model, "enable_input_require_grads"):
         model.enable_input_require_grads()

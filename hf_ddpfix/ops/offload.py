@@ -34,7 +34,8 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.multiprocessing.reductions import StorageWeakRef
+
+from .._compat import storage_weak_ref, view_base
 
 logger = logging.getLogger(__name__)
 
@@ -165,7 +166,7 @@ class _Record:
         "release",
     )
 
-    def __init__(self, index: int, nbytes: int, device: torch.device, ref: StorageWeakRef) -> None:
+    def __init__(self, index: int, nbytes: int, device: torch.device, ref: Any) -> None:
         self.index = index
         self.nbytes = nbytes
         self.device = device
@@ -376,7 +377,7 @@ class ActivationOffload:
     # ------------------------------------------------------------------ hooks
 
     def _skip_reason(self, t: torch.Tensor) -> str | None:
-        if isinstance(t, nn.Parameter) or isinstance(t._base, nn.Parameter):
+        if isinstance(t, nn.Parameter) or isinstance(view_base(t), nn.Parameter):
             return "params"
         if type(t) is not torch.Tensor or t.layout != torch.strided or t.is_quantized:
             return "other"
@@ -410,7 +411,7 @@ class ActivationOffload:
                 setattr(st, f"skipped_{reason}", getattr(st, f"skipped_{reason}") + 1)
                 return t
             copies = self._copies(t.device)
-            ref = StorageWeakRef(t.untyped_storage())
+            ref = storage_weak_ref(t)
             rec = self._records.get(ref.cdata)
             if rec is not None and not rec.ref.expired() and rec.state == _ON_DEVICE:
                 st.deduped_tensors += 1

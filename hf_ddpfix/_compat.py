@@ -1,0 +1,217 @@
+"""The contract layer: every private upstream access hf_ddpfix makes, in one place.
+
+hf_ddpfix needs a few things that torch, transformers and accelerate do not expose publicly (a hook
+point between ``Trainer.train`` and ``accelerator.prepare``, the per-layer checkpoint function, a
+storage identity, …). Each one is a small function here, with the private name it touches, so that:
+
+- a new upstream release that moves one of them breaks **one** function, and
+  ``tests/test_upstream_contracts.py`` says which, with the version it was checked against;
+- ``hf_ddpfix/ops`` (pure torch) and ``hf_ddpfix/integrations`` (HF plumbing) never spell a private
+  name themselves.
+
+This module imports only torch at module level; transformers / accelerate are imported inside the
+functions that need them, so ``hf_ddpfix.ops`` can use the torch contracts without pulling in HF.
+
+Checked against: :data:`CHECKED_AGAINST` (newest) and :data:`OLDEST_SUPPORTED` (the oldest stack CI runs).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+from torch import nn
+
+# The newest versions every contract below was read against (the pinned CI stack, constraints.txt).
+CHECKED_AGAINST = {"torch": "2.13.0", "transformers": "5.23.0", "accelerate": "1.15.0", "peft": "0.21.2"}
+# The oldest versions CI also runs the unit tests and 2-process cells on (constraints-oldest.txt).
+OLDEST_SUPPORTED = {"transformers": "5.0.0", "accelerate": "1.12.0", "peft": "0.18.0"}
+
+# --------------------------------------------------------------------------------------------------
+# transformers.Trainer private methods we hook (names are data so the contract test can check them)
+# --------------------------------------------------------------------------------------------------
+
+#: Runs after ``train()`` enabled checkpointing / loaded a checkpoint and before ``accelerator.prepare``
+#: wraps the model: the only point where DDP kwargs can still be decided (transformers 5.0-5.23).
+TRAINER_INNER_LOOP = "_inner_training_loop"
+#: Called once per optimizer step before ``optimizer.step()`` with the gradients final (5.0-5.23); the
+#: usage finalisation (grad -> None for unused parameters) must run before it.
+TRAINER_CLIP_GRAD_NORM = "_clip_grad_norm"
+#: Used instead of ``_clip_grad_norm`` when ``max_grad_norm`` is 0/None to log ``grad_norm`` (5.x).
+TRAINER_GET_GRAD_NORM = "_get_grad_norm"
+TRAINER_STEP_HOOKS = (TRAINER_CLIP_GRAD_NORM, TRAINER_GET_GRAD_NORM)
+
+
+def trainer_callbacks(trainer: Any) -> list[Any]:
+    """The live callback list of a ``Trainer`` (``trainer.callback_handler.callbacks``)."""
+    return trainer.callback_handler.callbacks
+
+
+def set_ddp_kwargs(accelerator: Any, **kwargs: Any) -> None:
+    """Make ``accelerator.prepare`` build DDP with ``kwargs`` (``find_unused_parameters``, ``static_graph``).
+
+    accelerate keeps the ``DistributedDataParallelKwargs`` it was given in ``Accelerator.ddp_handler``
+    and reads it only when ``prepare`` wraps the model (accelerate 1.0-1.15).
+    """
+    import dataclasses
+
+    from accelerate.utils import DistributedDataParallelKwargs
+
+    handler = accelerator.ddp_handler or DistributedDataParallelKwargs()
+    accelerator.ddp_handler = dataclasses.replace(handler, **kwargs)
+
+
+def ddp_syncs_grads(ddp_module: Any) -> bool:
+    """False inside ``DistributedDataParallel.no_sync()`` (``require_backward_grad_sync``); True for
+    anything that is not DDP."""
+    return bool(getattr(ddp_module, "require_backward_grad_sync", True))
+
+
+# --------------------------------------------------------------------------------------------------
+# Model wrappers
+# --------------------------------------------------------------------------------------------------
+
+
+def unwrap_model(model: nn.Module) -> nn.Module:
+    """Strip DDP / DataParallel / FSDP1 / ``torch.compile`` (``_orig_mod``) / PEFT wrappers.
+
+    The one unwrap helper of the package.
+
+    Guarantees: ``unwrap_model(DataParallel(get_peft_model(m, cfg))) is m`` (tests/test_families.py).
+    """
+    seen: set[int] = set()
+    cur = model
+    while id(cur) not in seen:
+        seen.add(id(cur))
+        inner = getattr(cur, "_orig_mod", None)  # torch.compile's OptimizedModule
+        if isinstance(inner, nn.Module):
+            cur = inner
+            continue
+        inner = getattr(cur, "module", None)  # DDP, DataParallel, FSDP1, accelerate wrappers
+        if isinstance(inner, nn.Module):
+            cur = inner
+            continue
+        get_base = getattr(cur, "get_base_model", None)  # peft.PeftModel
+        if callable(get_base):
+            inner = get_base()
+            if isinstance(inner, nn.Module) and inner is not cur:
+                cur = inner
+                continue
+        break
+    return cur
+
+
+def unwrap_parallel(model: nn.Module) -> nn.Module:
+    """Strip only DDP / DataParallel / ``torch.compile`` wrappers (a ``PeftModel`` stays)."""
+    seen: set[int] = set()
+    cur = model
+    while id(cur) not in seen:
+        seen.add(id(cur))
+        inner = getattr(cur, "_orig_mod", None)
+        if not isinstance(inner, nn.Module):
+            inner = getattr(cur, "module", None)
+        if not isinstance(inner, nn.Module):
+            break
+        cur = inner
+    return cur
+
+
+# --------------------------------------------------------------------------------------------------
+# transformers' per-layer checkpointing
+# --------------------------------------------------------------------------------------------------
+
+#: transformers' checkpointed layers (``GradientCheckpointingLayer``, 5.x) call
+#: ``self._gradient_checkpointing_func(forward, *args, **kwargs)`` when ``self.gradient_checkpointing``.
+CHECKPOINT_FUNC_ATTR = "_gradient_checkpointing_func"
+
+
+def checkpointable_layers(model: nn.Module) -> Iterator[nn.Module]:
+    """Every submodule transformers can checkpoint: it has a ``gradient_checkpointing`` flag and a
+    checkpoint function (whether the flag is on is :func:`is_checkpointing`)."""
+    for module in model.modules():
+        if hasattr(module, "gradient_checkpointing") and hasattr(module, CHECKPOINT_FUNC_ATTR):
+            yield module
+
+
+def is_checkpointing(layer: nn.Module) -> bool:
+    """True when ``layer`` checkpoints its forward in training (its ``gradient_checkpointing`` flag)."""
+    return bool(getattr(layer, "gradient_checkpointing", False))
+
+
+def layer_checkpoint_func(layer: nn.Module) -> Callable[..., Any] | None:
+    """The checkpoint function a checkpointed layer calls."""
+    return getattr(layer, CHECKPOINT_FUNC_ATTR, None)
+
+
+def set_layer_checkpoint_func(layer: nn.Module, func: Callable[..., Any]) -> None:
+    """Make a checkpointed layer call ``func`` instead of its checkpoint function."""
+    setattr(layer, CHECKPOINT_FUNC_ATTR, func)
+
+
+def causal_lm_loss_function() -> Callable[..., Any]:
+    """transformers' causal-LM loss (``transformers.loss.loss_utils.ForCausalLMLoss``, 5.x): a model whose
+    ``loss_function`` is this object computes the stock shifted cross-entropy."""
+    from transformers.loss.loss_utils import ForCausalLMLoss
+
+    return ForCausalLMLoss
+
+
+def forward_source(cls: type) -> str:
+    """Source text of ``cls.forward`` (the token-wise and loss-head detectors read its shape)."""
+    import inspect
+    import textwrap
+
+    return textwrap.dedent(inspect.getsource(cls.forward))
+
+
+# --------------------------------------------------------------------------------------------------
+# torch internals
+# --------------------------------------------------------------------------------------------------
+
+
+def storage_weak_ref(t: torch.Tensor) -> Any:
+    """A weak reference to ``t``'s storage that compares equal for every view of it
+    (``torch.multiprocessing.reductions.StorageWeakRef``, torch 2.0-2.13)."""
+    from torch.multiprocessing.reductions import StorageWeakRef
+
+    return StorageWeakRef(t.untyped_storage())
+
+
+def view_base(t: torch.Tensor) -> torch.Tensor | None:
+    """The tensor ``t`` is a view of (``Tensor._base``), or ``None``."""
+    return t._base
+
+
+def module_parameter_slots(module: nn.Module) -> dict[str, Any]:
+    """The dict that holds ``module``'s own parameters (``nn.Module._parameters``): writing a plain
+    tensor there makes ``module.<name>`` return it without registering a new parameter."""
+    return module._parameters
+
+
+def checkpoint_recompute_is_last(n_saved: int) -> bool:
+    """True inside a non-reentrant checkpoint recompute (early stop on) when the next ``n_saved`` saved
+    tensors are the last the recompute needs: it stops right after them, so the value of the current
+    op's output is never read.
+
+    Reads ``torch._C._autograd._top_saved_tensors_default_hooks`` and the closure of
+    ``torch.utils.checkpoint``'s ``_recomputation_hook`` (``target_frame_ref``, ``gid``, the frame's
+    ``early_stop``, ``recomp_counter``, ``weak_holders``): torch 2.4-2.13. Any surprise returns False,
+    which callers treat as "compute as usual" (always correct, just slower).
+    """
+    try:
+        hooks = torch._C._autograd._top_saved_tensors_default_hooks(False)
+        if not hooks:
+            return False
+        fn = hooks[0]
+        fn = getattr(fn, "__wrapped__", fn)
+        if "_recomputation_hook" not in getattr(fn, "__qualname__", ""):
+            return False
+        cells = dict(zip(fn.__code__.co_freevars, (c.cell_contents for c in fn.__closure__ or ()), strict=True))
+        frame = cells["target_frame_ref"]()
+        gid = cells["gid"]
+        if frame is None or not frame.early_stop:
+            return False
+        return int(frame.recomp_counter[gid]) + n_saved == len(frame.weak_holders)
+    except Exception:  # noqa: BLE001 - private internals changed: fall back to the always-correct path
+        return False

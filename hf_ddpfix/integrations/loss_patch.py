@@ -1,0 +1,219 @@
+"""Make a HF causal-LM forward compute its loss with :func:`hf_ddpfix.ops.tiled_loss.tiled_causal_lm_loss`.
+
+``patch_model_loss`` replaces the forward of a HF CausalLM / Qwen2-VL / Qwen2.5-VL model (instance
+level, undoable) so that, when ``labels`` are given in training, ``lm_head`` + cross-entropy run in
+chunks and the full ``[tokens, vocab]`` logits never exist. A model whose forward does anything else to
+the logits (soft-capping, scaling), whose head is not a plain ``nn.Linear`` or whose ``loss_function``
+is not transformers' ``ForCausalLMLoss`` is refused with the reason.
+
+Usage::
+
+    handle = patch_model_loss(model)        # PeftModel or PreTrainedModel; before DDP wrapping
+    out = model(input_ids=ids, labels=labels)   # out.loss as before, out.logits is None
+    handle.remove()
+"""
+
+from __future__ import annotations
+
+import ast
+import inspect
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from .._compat import causal_lm_loss_function, forward_source, unwrap_model
+from ..ops.tiled_loss import tiled_causal_lm_loss
+
+__all__ = ["TiledLossHandle", "patch_model_loss", "unpatch_model_loss"]
+
+
+
+
+def _check_forward_source(cls: type) -> str | None:
+    """None when ``cls.forward`` computes ``logits = self.lm_head(...)`` once, applies nothing else to
+    the logits, and passes them to ``self.loss_function``; else the reason."""
+    try:
+        tree = ast.parse(forward_source(cls))
+    except (OSError, TypeError, SyntaxError):
+        return f"{cls.__name__}.forward source is not available"
+    logits_assigns = []
+    calls_loss = calls_head = False
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.Assign, ast.AugAssign)):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            if any(isinstance(t, ast.Name) and t.id == "logits" for t in targets):
+                logits_assigns.append(node)
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute):
+            owner = node.func.value
+            if isinstance(owner, ast.Name) and owner.id == "self":
+                calls_loss |= node.func.attr == "loss_function"
+                calls_head |= node.func.attr == "lm_head"
+    if not (calls_loss and calls_head):
+        return f"{cls.__name__}.forward does not call self.lm_head(...) and self.loss_function(...)"
+    ok = (
+        len(logits_assigns) == 1
+        and isinstance(logits_assigns[0], ast.Assign)
+        and isinstance(logits_assigns[0].value, ast.Call)
+        and isinstance(logits_assigns[0].value.func, ast.Attribute)
+        and logits_assigns[0].value.func.attr == "lm_head"
+    )
+    if not ok:
+        return (
+            f"{cls.__name__}.forward transforms the logits after lm_head (e.g. soft-capping or scaling); "
+            "use tiled_causal_lm_loss(logit_softcapping=/logit_scale=) in your own forward"
+        )
+    return None
+
+
+def _check_model(m: nn.Module) -> None:
+    name = type(m).__name__
+    base, head = getattr(m, "model", None), getattr(m, "lm_head", None)
+    if not isinstance(base, nn.Module) or not isinstance(head, nn.Module):
+        raise ValueError(f"patch_model_loss: {name} has no .model/.lm_head; not a HF CausalLM-style model")
+    if type(head) is not nn.Linear:
+        raise ValueError(
+            f"patch_model_loss: {name}.lm_head is {type(head).__name__}, not a plain nn.Linear (an adapter "
+            "on lm_head, or FSDP wrapping it alone); the tiled loss needs its weight directly"
+        )
+    if getattr(m, "loss_function", None) is not causal_lm_loss_function():
+        raise ValueError(f"patch_model_loss: {name}.loss_function is not transformers' ForCausalLMLoss")
+    reason = _check_forward_source(type(m))
+    if reason:
+        raise ValueError(f"patch_model_loss: {reason}")
+    fsig = inspect.signature(type(m).forward)
+    bsig = inspect.signature(type(base).forward)
+    base_kw = any(p.kind is p.VAR_KEYWORD for p in bsig.parameters.values())
+    for pname, p in fsig.parameters.items():
+        if pname in ("self", "labels", "logits_to_keep") or p.kind in (p.VAR_KEYWORD, p.VAR_POSITIONAL):
+            continue
+        if pname not in bsig.parameters and not base_kw:
+            raise ValueError(f"patch_model_loss: {name}.forward argument {pname!r} is not accepted by {type(base).__name__}")
+
+
+class _TiledLossForward:
+    """Instance-level ``forward``: tiled loss when ``labels`` are given and grad is enabled."""
+
+    def __init__(self, model: nn.Module, prev: Any, chunk_tokens: int | None, in_eval: bool) -> None:
+        self.model = model
+        self.prev = prev
+        self.chunk_tokens = chunk_tokens
+        self.in_eval = in_eval
+        self.calls = 0
+
+    def _base(self) -> Any:
+        return self.prev if self.prev is not None else type(self.model).forward.__get__(self.model)
+
+    @property
+    def __signature__(self) -> inspect.Signature:
+        return inspect.signature(self._base())
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        from transformers.modeling_outputs import CausalLMOutputWithPast
+
+        base = self._base()
+        sig = inspect.signature(type(self.model).forward)
+        try:
+            bound = sig.bind(self.model, *args, **kwargs)
+        except TypeError:
+            return base(*args, **kwargs)
+        arguments = dict(bound.arguments)
+        arguments.pop("self", None)
+        extra: dict[str, Any] = {}
+        for pname, p in sig.parameters.items():
+            if p.kind is p.VAR_KEYWORD and pname in arguments:
+                extra = dict(arguments.pop(pname))
+        labels = arguments.get("labels")
+        keep = arguments.get("logits_to_keep", 0)
+        keep_all = (isinstance(keep, int) and keep == 0) or keep is None
+        if labels is None or not keep_all or not (torch.is_grad_enabled() or self.in_eval):
+            return base(*args, **kwargs)
+        arguments.pop("labels")
+        arguments.pop("logits_to_keep", None)
+        return_dict = extra.pop("return_dict", None)
+        outputs = self.model.model(**arguments, **extra)
+        hidden = outputs[0]
+        head = self.model.lm_head
+        shift = extra.get("shift_labels")
+        loss = tiled_causal_lm_loss(
+            hidden, head.weight, labels if shift is None else None,
+            ignore_index=extra.get("ignore_index", -100),
+            num_items_in_batch=extra.get("num_items_in_batch"),
+            shift_labels=shift,
+            chunk_tokens=self.chunk_tokens,
+            bias=head.bias,
+        )
+        self.calls += 1
+        out = CausalLMOutputWithPast(
+            loss=loss,
+            logits=None,
+            past_key_values=getattr(outputs, "past_key_values", None),
+            hidden_states=getattr(outputs, "hidden_states", None),
+            attentions=getattr(outputs, "attentions", None),
+        )
+        return out.to_tuple() if return_dict is False else out
+
+
+@dataclass
+class TiledLossHandle:
+    """Result of ``patch_model_loss``: the patched model (inner HF model for a PeftModel) and ``remove()``."""
+
+    model: nn.Module
+    target: nn.Module
+
+    @property
+    def calls(self) -> int:
+        """How many forwards used the tiled loss so far."""
+        fwd = self.target.__dict__.get("forward")
+        return fwd.calls if isinstance(fwd, _TiledLossForward) else 0
+
+    def remove(self) -> bool:
+        return unpatch_model_loss(self.model)
+
+
+def patch_model_loss(model: nn.Module, *, chunk_tokens: int | None = None, in_eval: bool = False) -> TiledLossHandle:
+    """Make ``model``'s forward compute its loss with ``tiled_causal_lm_loss`` when ``labels`` are given.
+
+    The patched forward calls the base model (``model.model(...)``, with every argument the original
+    forward would pass it), then the tiled loss on ``model.lm_head.weight`` with HF's
+    ``ForCausalLMLoss`` semantics (``num_items_in_batch``, ``ignore_index``, ``shift_labels`` from the
+    kwargs, as the Trainer passes them), and returns a ``CausalLMOutputWithPast`` with ``logits=None``.
+    Without labels, with ``logits_to_keep != 0``, or under ``no_grad`` (evaluation needs logits for
+    metrics; ``in_eval=True`` tiles there too) the original forward runs unchanged.
+
+    Args:
+        model: a HF CausalLM / ``Qwen2VLForConditionalGeneration`` / ``Qwen2_5_VLForConditionalGeneration``
+            or a ``PeftModel`` around one (the inner model is patched).
+        chunk_tokens: label tokens per chunk (default: by vocab size, see ``tiled_causal_lm_loss``).
+        in_eval: also tile when grad is disabled (returns no logits).
+
+    Raises:
+        ValueError: the model's forward is not the plain ``lm_head -> loss_function(ForCausalLMLoss)``
+            shape (soft-capped logits, custom loss, adapter on ``lm_head``), naming the model and reason.
+
+    Guarantees: same loss and gradients as the model's own loss (1e-5 relative, tests); idempotent;
+    reversible (``remove()`` restores the previous forward); the forward's signature is preserved (the
+    Trainer's column filtering and loss-kwargs detection see the original one).
+    """
+    target = unwrap_model(model)
+    existing = target.__dict__.get("forward")
+    if isinstance(existing, _TiledLossForward):
+        existing.chunk_tokens, existing.in_eval = chunk_tokens, in_eval
+        return TiledLossHandle(model, target)
+    _check_model(target)
+    target.forward = _TiledLossForward(target, existing, chunk_tokens, in_eval)  # type: ignore[method-assign]
+    return TiledLossHandle(model, target)
+
+
+def unpatch_model_loss(model: nn.Module) -> bool:
+    """Undo ``patch_model_loss``; returns True when a patch was removed."""
+    target = unwrap_model(model)
+    fwd = target.__dict__.get("forward")
+    if not isinstance(fwd, _TiledLossForward):
+        return False
+    if fwd.prev is None:
+        del target.__dict__["forward"]
+    else:
+        target.__dict__["forward"] = fwd.prev
+    return True

@@ -1,0 +1,57 @@
+"""An exactly-zero contribution that makes tensors "used" for autograd, DDP and FSDP.
+
+``ZeroTie.apply(x, *extras)`` returns a bitwise copy of ``x``; in backward ``x`` gets the incoming
+gradient unchanged and every ``extra`` gets an exact-zero gradient. Tying a tensor computed from some
+parameters into the loss this way makes those parameters take part in backward (their
+``AccumulateGrad`` and DDP hooks fire, FSDP reduce-scatters them) without changing the loss or any
+other gradient by a single bit, whatever the dtype or autocast state (no ``0 * inf`` NaN either).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+__all__ = ["ZeroTie", "tie_zero"]
+
+
+class ZeroTie(torch.autograd.Function):
+    """Identity on ``x``; the extra inputs get exact-zero gradients (so autograd, DDP and FSDP see
+    them used). The forward value is a bitwise copy of ``x`` whatever the dtype or autocast state,
+    and no ``0 * inf`` can turn the loss into NaN."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, *extras: torch.Tensor) -> torch.Tensor:
+        ctx.extra_meta = [(e.shape, e.dtype, e.device) for e in extras]
+        return x.clone()  # a clone, not a view: Trainer scales the loss in place (`loss *= ...`)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        zeros = [torch.zeros(s, dtype=d, device=dev) for s, d, dev in ctx.extra_meta]
+        return (grad, *zeros)
+
+
+def tie_zero(output: Any, extras: list[torch.Tensor]) -> Any:
+    """Attach ``extras`` to ``output.loss`` (else ``logits``, else the first tensor) via :class:`ZeroTie`."""
+    extras = [e for e in extras if e.requires_grad]
+    if not extras:
+        return output
+    if isinstance(output, dict):  # ModelOutput: setting a key updates the attribute too
+        for key in ("loss", "logits", "last_hidden_state"):
+            val = output.get(key)
+            if isinstance(val, torch.Tensor) and val.is_floating_point():
+                output[key] = ZeroTie.apply(val, *extras)
+                return output
+        for key, val in output.items():
+            if isinstance(val, torch.Tensor) and val.is_floating_point():
+                output[key] = ZeroTie.apply(val, *extras)
+                return output
+    elif isinstance(output, torch.Tensor) and output.is_floating_point():
+        return ZeroTie.apply(output, *extras)
+    elif isinstance(output, tuple):
+        for i, val in enumerate(output):
+            if isinstance(val, torch.Tensor) and val.is_floating_point():
+                return output[:i] + (ZeroTie.apply(val, *extras),) + output[i + 1 :]
+    raise TypeError(f"hf_ddpfix: cannot attach the dummy vision output to a {type(output).__name__}")
+
