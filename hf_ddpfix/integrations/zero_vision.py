@@ -1,0 +1,187 @@
+"""Mixed image/text batches under DeepSpeed ZeRO-2/3: the dummy image, run where the real one runs.
+
+Problem (REFERENCES.md §2, §10; reproduced on CPU with deepspeed 0.19.8, 2 gloo ranks, tiny Qwen2.5-VL
+with LoRA on every linear incl. the tower, rank 0 with an image, rank 1 text-only): ZeRO-3 fails at
+step 0 in ``fetch_sub_module`` (gloo "37632 vs 64": rank 0 all-gathers the tower's patch embedding,
+rank 1 has moved on to the language model; NCCL hangs there) and ZeRO-2 fails in backward (gloo
+"15072 vs 6400": the gradient all-reduce covers different parameter sets).
+
+The DDP stabiliser (:class:`~hf_ddpfix.integrations.stabilizer.VisionStabilizer`) runs its dummy image in
+the *root* forward pre-hook, i.e. before the input embedding. ZeRO-3 all-gathers every module's
+parameters when that module runs, so the text rank then gathers ``visual.patch_embed`` while the image
+rank gathers ``embed_tokens``: still a mismatch (measured: "37632 vs 16384"). And tying the dummy output
+to the embedding *output* makes that output require grad on the text rank only, so ZeRO-3 re-gathers
+the frozen embedding in backward on one rank only.
+
+Fix (:class:`ZeroVisionStabilizer`): on a training forward without visual input, run the minimal dummy
+image in a forward pre-hook of the *language model* module — after the input embedding, exactly where
+the model runs the real tower (``Qwen2_5_VLModel.forward``, transformers 5.23: embed → tower → masked
+scatter into ``inputs_embeds`` → ``language_model(inputs_embeds=...)``) — and tie its merged tokens into
+``inputs_embeds`` with :class:`~hf_ddpfix.ops.zero_tie.ZeroTie` (identity forward, exact-zero gradient).
+Qwen3-VL's deepstack features are tied to decoder layer ``i``'s output, where the real ones are added.
+Every rank then runs the same modules in the same order (ZeRO-3's all-gathers and its prefetch trace
+match), the same tensors require grad at every module boundary (ZeRO-3's backward re-gathers match),
+and every trainable parameter's gradient becomes ready in the same order (ZeRO-2's buckets and ZeRO-3's
+reduce-scatters hold the same parameters at the same offsets).
+
+Optimizer semantics: the loss and every language-model gradient are bit-identical to the stock
+forward; vision gradients on a text-only rank are exact zeros, which DeepSpeed averages with the image
+rank's — what stock DDP(find_unused_parameters=True) does. When *no* rank has an image in a step, the
+vision gradients are zeros on every rank; stock DeepSpeed (all ranks text-only, which it trains) also
+zero-fills the gradient of every parameter that got none (``get_flat_partition`` in ZeRO-1/2, the leaf
+and epilogue paths in ZeRO-3), so AdamW steps are the stock DeepSpeed ones. (Stock DDP leaves such a
+gradient ``None`` and skips the parameter; DeepSpeed's flat fp32 partitions cannot, so there is no
+``finalize`` here.)
+
+Guarantees: mixed batches train under ZeRO-2 and ZeRO-3 to the weights of stock DDP
+(find_unused_parameters=True) within 1e-5, and all-text steps to the weights of stock DeepSpeed
+(tests/test_deepspeed.py, scripts/deepspeed_train.py).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..ops.zero_tie import ZeroTie
+from .families import VisionAdapter, describe_unsupported, find_vision_adapter, get_submodule, output_tensors
+
+__all__ = ["LANGUAGE_MODEL_PATHS", "ZeroVisionStabilizer", "language_model_of"]
+
+# Where the language model (the module called with ``inputs_embeds``) lives, relative to the HF model
+# whose forward takes ``pixel_values`` (transformers 5.23 Qwen2-VL / 2.5-VL / 3-VL (MoE)).
+LANGUAGE_MODEL_PATHS = ("model.language_model", "language_model")
+
+
+def language_model_of(adapter: VisionAdapter) -> nn.Module | None:
+    """The module the model calls with ``inputs_embeds`` after merging image features, or ``None``."""
+    for path in LANGUAGE_MODEL_PATHS:
+        mod = get_submodule(adapter.root, path)
+        if isinstance(mod, nn.Module) and mod is not adapter.tower:
+            return mod
+    return None
+
+
+class ZeroVisionStabilizer:
+    """Dummy image for text-only micro-batches, placed so ZeRO-2/3 see the same collectives on every rank.
+
+    Args:
+        model: HF VLM, PeftModel, or a wrapper (hooks go on the unwrapped HF model).
+        adapter: the tower adapter; found with :func:`find_vision_adapter` when ``None``.
+
+    Raises:
+        ValueError: no adapter for this model, or no language-model module to place the dummy before.
+
+    Attach before ``deepspeed.initialize`` (the Trainer calls it inside ``train()``): our hooks must run
+    before DeepSpeed's own hooks on the same modules, so DeepSpeed sees the tied ``inputs_embeds``.
+
+    Guarantees: on a text-only training forward the loss is a bitwise copy of the stock one, every
+    trainable tower parameter gets an exact-zero gradient, and the tower runs between the input
+    embedding and the language model, as on an image rank. Batches with visual input, eval and
+    no-grad forwards are untouched.
+    """
+
+    def __init__(self, model: nn.Module, adapter: VisionAdapter | None = None) -> None:
+        adapter = adapter or find_vision_adapter(model)
+        if adapter is None:
+            raise ValueError(f"hf_ddpfix: no vision stabiliser for this model: {describe_unsupported(model)}")
+        lm = language_model_of(adapter)
+        if lm is None:
+            raise ValueError(
+                f"hf_ddpfix: {adapter.family.name}: no language model module at {LANGUAGE_MODEL_PATHS}; "
+                "the ZeRO dummy image needs it to run the tower where the real image runs"
+            )
+        self.adapter = adapter
+        self.language_model = lm
+        self._handles: list[Any] = []
+        self._text_only = False
+        self._deep: list[tuple[nn.Module, torch.Tensor]] = []
+        self.dummy_runs = 0  # number of dummy tower forwards so far (for logs and tests)
+
+    @property
+    def attached(self) -> bool:
+        """True while the hooks are registered."""
+        return bool(self._handles)
+
+    def attach(self) -> ZeroVisionStabilizer:
+        """Register the hooks (idempotent). Returns ``self``."""
+        if not self._handles:
+            self._handles = [
+                self.adapter.root.register_forward_pre_hook(self._root_pre_hook, with_kwargs=True),
+                self.language_model.register_forward_pre_hook(self._lm_pre_hook, with_kwargs=True),
+            ]
+            n_deep = len(getattr(self.adapter.vision_config, "deepstack_visual_indexes", None) or [])
+            for path in self.adapter.family.deepstack_layer_paths:
+                layers = get_submodule(self.adapter.root, path)
+                if isinstance(layers, nn.ModuleList):
+                    self._handles += [m.register_forward_hook(self._layer_hook) for m in list(layers)[:n_deep]]
+                    break
+        return self
+
+    def remove(self) -> None:
+        """Remove the hooks (idempotent)."""
+        for h in self._handles:
+            h.remove()
+        self._handles = []
+        self._text_only = False
+        self._deep = []
+
+    def _root_pre_hook(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        training = module.training and torch.is_grad_enabled()
+        self._text_only = training and not self.adapter.has_visual_input(args, kwargs)
+        self._deep = []
+
+    def _lm_pre_hook(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        if not self._text_only:
+            return None
+        self._text_only = False  # once per root forward
+        embeds = kwargs.get("inputs_embeds")
+        if not isinstance(embeds, torch.Tensor) or not embeds.is_floating_point():
+            raise RuntimeError(
+                f"hf_ddpfix: {type(module).__name__} was called without inputs_embeds; the ZeRO dummy image "
+                "cannot be tied where image features enter (transformers changed the VLM forward?)"
+            )
+        out = self.adapter.run_dummy()
+        self.dummy_runs += 1
+        pooled, deep = self._split(out)
+        if pooled is not None and pooled.requires_grad:
+            kwargs = dict(kwargs)
+            kwargs["inputs_embeds"] = ZeroTie.apply(embeds, pooled)
+        self._deep = deep
+        return args, kwargs
+
+    def _split(self, out: Any) -> tuple[torch.Tensor | None, list[tuple[nn.Module, torch.Tensor]]]:
+        ties = self.adapter.tie_points(out)
+        pooled = None
+        deep: list[tuple[nn.Module, torch.Tensor]] = []
+        for i, (mod, tensors) in enumerate(ties):
+            tensors = [t for t in tensors if t.requires_grad]
+            if i == 0:
+                if mod is None:  # the tower returned no pooler_output: tie everything to inputs_embeds
+                    tensors = [t for t in output_tensors(out) if t.requires_grad]
+                pooled = _sum_ready(tensors)
+            elif mod is not None and tensors:
+                deep.append((mod, _sum_ready(tensors)))
+        return pooled, deep
+
+    def _layer_hook(self, module: nn.Module, args: tuple[Any, ...], output: Any) -> Any:
+        for i, (mod, feat) in enumerate(self._deep):
+            if mod is module:
+                del self._deep[i]
+                if isinstance(output, torch.Tensor):
+                    return ZeroTie.apply(output, feat)
+                if isinstance(output, tuple) and output and isinstance(output[0], torch.Tensor):
+                    return (ZeroTie.apply(output[0], feat), *output[1:])
+                raise TypeError(f"hf_ddpfix: cannot tie a deepstack feature to a {type(output).__name__}")
+        return None
+
+
+def _sum_ready(tensors: list[torch.Tensor]) -> torch.Tensor | None:
+    """One tensor carrying all of ``tensors`` into a :class:`ZeroTie` (``None`` if empty)."""
+    if not tensors:
+        return None
+    if len(tensors) == 1:
+        return tensors[0]
+    return ZeroTie.apply(tensors[0], *tensors[1:])
