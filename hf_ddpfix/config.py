@@ -132,58 +132,24 @@ def _tiled_loss(name: str, value: Any) -> str | None:
     raise ValueError(f"{name}={value!r} is not a recognised value; allowed: off, on, auto, N (tokens per chunk)")
 
 
-OPTIONS: dict[str, _Option] = {
-    "static_graph": _Option(
-        _bool,
-        "DDP `static_graph`: 1 forces it where safe, 0 never uses it, auto lets the plan decide.",
-        compat={"UNSLOTH_DISABLE_DDP_STATIC_GRAPH": False},
-    ),
-    "static_graph_with_checkpointing": _Option(
-        _bool,
-        "0 disables static graph whenever activation checkpointing is on.",
-        compat={"UNSLOTH_DISABLE_DDP_STATIC_GRAPH_FOR_GRAD_CHECKPOINT": False},
-    ),
-    "find_unused_parameters": _Option(
-        _bool, "DDP `find_unused_parameters`: 1/0 force it, auto decides. Forcing 0 on a VLM whose vision "
-        "parameters can go unused is honoured with the hang guard on (fails fast instead of hanging)."
-    ),
-    "checkpointing": _Option(
-        _checkpointing,
-        "Checkpointing implementation when checkpointing is on: auto (non-reentrant under DDP/FSDP), "
-        "non_reentrant, reentrant.",
-    ),
-    "assume_checkpointing": _Option(
-        _bool,
-        "1: treat the run as checkpointed even when detection misses it (custom checkpointing).",
-        compat={"UNSLOTH_USE_GRADIENT_CHECKPOINTING": True},
-    ),
-    "strict": _Option(_bool, "1: raise before training instead of correcting a known-bad explicit setting."),
-    "offload_activations": _Option(
-        _bool, "1: asynchronous CPU offload of checkpointed layer inputs (no-op without an accelerator)."
-    ),
-    "vlm_stabilizer": _Option(
-        _bool, "VLM dummy-image stabiliser so every rank uses every vision parameter each step (auto: on)."
-    ),
-    "hang_guard": _Option(
-        _bool, "Detect ranks disagreeing on used parameter groups before backward and raise (auto: on)."
-    ),
-    "tiled_mlp": _Option(
-        _tiled_mlp,
-        "TiledMLP: off, auto (no tiling below 8K tokens, then 2K tokens per shard), N shards, arctic "
-        "(ceil(tokens/hidden) shards), target, target:GB (one shard's MLP intermediate fits GB).",
-        compat={"UNSLOTH_TILED_MLP": None},  # value passed through (arctic / target / target:GB)
-    ),
-    "tiled_loss": _Option(
-        _tiled_loss, "Tiled lm_head + cross-entropy that never holds the full logits: off, on, N tokens per chunk."
-    ),
-    "sync_check_steps": _Option(
-        _int0, "Compare a checksum of trainable params across DDP ranks every N steps (default 50; 0: never)."
-    ),
-    "log_plan": _Option(_bool, "Log the plan on rank 0 at the start of training (default on)."),
-}
-
 #: Compatibility variables whose *value* is passed through instead of implying a fixed value.
 _PASS_THROUGH = {"UNSLOTH_TILED_MLP"}
+
+
+_META_KEY = "hf_ddpfix"
+
+
+def option(parse: Callable[[str, Any], Any], doc: str, *, compat: Mapping[str, Any] | None = None) -> Any:
+    """A `DDPFixConfig` field: unset (`None`) by default, with how it is parsed and documented as metadata.
+
+    Args:
+        parse: `parse(variable_name, raw_value) -> typed value or None`; raises `ValueError` naming the
+            variable and the allowed values.
+        doc: one line for the README's table and `hf-ddpfix doctor`.
+        compat: compatibility variables -> the value they imply when set to a true value (`None`: the
+            variable's own value is parsed, e.g. `UNSLOTH_TILED_MLP=arctic`).
+    """
+    return field(default=None, metadata={_META_KEY: _Option(parse, doc, dict(compat or {}))})
 
 
 def env_name(option: str) -> str:
@@ -193,25 +159,61 @@ def env_name(option: str) -> str:
 
 @dataclass(frozen=True)
 class DDPFixConfig:
-    """All hf_ddpfix options. `None` means unset (the plan decides). See `OPTIONS` for each one's meaning.
+    """All hf_ddpfix options. `None` means unset (the plan decides). Each field's parser, documentation and
+    compatibility variables are its metadata (`option(...)`); `OPTIONS` and `env_table()` derive from them.
 
     Build it with `DDPFixConfig.from_env(**explicit)` to apply the environment; the plain constructor
     takes only explicit values. `sources` maps each set option to where its value came from.
     """
 
-    static_graph: bool | None = None
-    static_graph_with_checkpointing: bool | None = None
-    find_unused_parameters: bool | None = None
-    checkpointing: CheckpointingMode | None = None
-    assume_checkpointing: bool | None = None
-    strict: bool | None = None
-    offload_activations: bool | None = None
-    vlm_stabilizer: bool | None = None
-    hang_guard: bool | None = None
-    tiled_mlp: str | None = None
-    tiled_loss: str | None = None
-    sync_check_steps: int | None = None
-    log_plan: bool | None = None
+    static_graph: bool | None = option(
+        _bool,
+        "DDP `static_graph`: 1 forces it where safe, 0 never uses it, auto lets the plan decide.",
+        compat={"UNSLOTH_DISABLE_DDP_STATIC_GRAPH": False},
+    )
+    static_graph_with_checkpointing: bool | None = option(
+        _bool,
+        "0 disables static graph whenever activation checkpointing is on.",
+        compat={"UNSLOTH_DISABLE_DDP_STATIC_GRAPH_FOR_GRAD_CHECKPOINT": False},
+    )
+    find_unused_parameters: bool | None = option(
+        _bool,
+        "DDP `find_unused_parameters`: 1/0 force it, auto decides. Forcing 0 on a VLM whose vision "
+        "parameters can go unused is honoured with the hang guard on (fails fast instead of hanging).",
+    )
+    checkpointing: CheckpointingMode | None = option(
+        _checkpointing,
+        "Checkpointing implementation when checkpointing is on: auto (non-reentrant under DDP/FSDP), "
+        "non_reentrant, reentrant.",
+    )
+    assume_checkpointing: bool | None = option(
+        _bool,
+        "1: treat the run as checkpointed even when detection misses it (custom checkpointing).",
+        compat={"UNSLOTH_USE_GRADIENT_CHECKPOINTING": True},
+    )
+    strict: bool | None = option(_bool, "1: raise before training instead of correcting a known-bad explicit setting.")
+    offload_activations: bool | None = option(
+        _bool, "1: asynchronous CPU offload of checkpointed layer inputs (no-op without an accelerator)."
+    )
+    vlm_stabilizer: bool | None = option(
+        _bool, "VLM dummy-image stabiliser so every rank uses every vision parameter each step (auto: on)."
+    )
+    hang_guard: bool | None = option(
+        _bool, "Detect ranks disagreeing on used parameter groups before backward and raise (auto: on)."
+    )
+    tiled_mlp: str | None = option(
+        _tiled_mlp,
+        "TiledMLP: off, auto (no tiling below 8K tokens, then 2K tokens per shard), N shards, arctic "
+        "(ceil(tokens/hidden) shards), target, target:GB (one shard's MLP intermediate fits GB).",
+        compat={"UNSLOTH_TILED_MLP": None},  # value passed through (arctic / target / target:GB)
+    )
+    tiled_loss: str | None = option(
+        _tiled_loss, "Tiled lm_head + cross-entropy that never holds the full logits: off, on, N tokens per chunk."
+    )
+    sync_check_steps: int | None = option(
+        _int0, "Compare a checksum of trainable params across DDP ranks every N steps (default 50; 0: never)."
+    )
+    log_plan: bool | None = option(_bool, "Log the plan on rank 0 at the start of training (default on).")
     sources: Mapping[str, str] = field(default_factory=dict, compare=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -277,6 +279,12 @@ class DDPFixConfig:
             for f in dataclasses.fields(self)
             if f.name != "sources" and getattr(self, f.name) is not None
         ]
+
+
+#: option name -> how it is read; derived from the `DDPFixConfig` fields (the single declaration).
+OPTIONS: dict[str, _Option] = {
+    f.name: f.metadata[_META_KEY] for f in dataclasses.fields(DDPFixConfig) if _META_KEY in f.metadata
+}
 
 
 def _check_cross_conflicts(values: Mapping[str, Any], sources: Mapping[str, str]) -> None:
