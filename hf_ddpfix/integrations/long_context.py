@@ -1,0 +1,373 @@
+"""Long-context memory cuts for Llama-style decoder layers: ``apply_long_context`` / ``remove_long_context``.
+
+Three independent features, each exact against stock where it runs (tests/test_long_context.py):
+
+- ``rms_norm``: every Llama-style RMSNorm (forward source identical to ``LlamaRMSNorm.forward``)
+  runs :func:`hf_ddpfix.ops.rms_norm.rms_norm`: saves its bf16 input and an fp32 per-token scale,
+  never a full-length fp32 copy (-16 KiB/token per norm at hidden 4096). Bit-identical.
+- ``attention``: causal attention runs :func:`hf_ddpfix.ops.grouped_attention.grouped_flash_attention`
+  (one flash call per KV-head group: the kernel's backward workspace shrinks by the group count) and
+  the o projection reads the attention output in place (no ``.contiguous()`` copy).
+- ``tiled_layer``: the token-wise parts of the layer run in sequence tiles inside two
+  explicit-parameter autograd Functions (:func:`hf_ddpfix.ops.token_tiles.tiled_token_map`):
+  ``input_layernorm -> q/k/v (+LoRA) -> rotary`` and ``o_proj (+LoRA) -> residual ->
+  post_attention_layernorm -> MLP -> residual``. Per layer only the layer input, q/k/v, the attention
+  output and the log-sum-exp are kept for backward; gradients of the block's parameters reach
+  autograd once per step (DDP/FSDP safe), RNG and autocast are replayed.
+
+A layer is patched only when its class ``forward`` and its attention's ``forward`` are source-identical
+to transformers' ``LlamaDecoderLayer`` / ``LlamaAttention`` (checked against transformers 5.23);
+anything else is reported and left alone. At call time the patched forward runs stock whenever the
+call is not plain causal training attention: an attention mask (padding or packing), a KV cache,
+missing ``position_embeddings``, attention dropout in training, an attention implementation other
+than sdpa, or extra keyword arguments; ``handle.stats`` counts those calls by reason.
+
+Usage::
+
+    handle = apply_long_context(model)             # before DDP/FSDP wrapping; checkpointing on
+    print(handle.report)                           # what was patched, what was skipped and why
+    handle.remove()
+"""
+
+from __future__ import annotations
+
+import sys
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .._compat import forward_source
+from ..ops.grouped_attention import grouped_flash_attention, kv_groups_for
+from ..ops.rms_norm import DEFAULT_CHUNK_TOKENS, rms_norm
+from ..ops.tiled import sync_shards
+from ..ops.token_tiles import DEFAULT_TOKENS_PER_TILE, tiled_token_map, tiles_for
+
+__all__ = [
+    "LONG_CONTEXT_FEATURES",
+    "LongContextEntry",
+    "LongContextHandle",
+    "apply_long_context",
+    "parse_long_context_setting",
+    "remove_long_context",
+]
+
+LONG_CONTEXT_FEATURES = ("rms_norm", "attention", "tiled_layer")
+_ALLOWED = "off|0|false, on|1|true|all, or a comma list of " + ", ".join(LONG_CONTEXT_FEATURES)
+_LAYER_ATTR = "_hf_ddpfix_long_context"
+# Keyword arguments transformers 5.x Llama models pass to a decoder layer that do not change its math.
+_HARMLESS_KWARGS = frozenset({"cache_position", "position_ids", "use_cache"})
+
+
+def parse_long_context_setting(value: str | bool | None, name: str = "HF_DDPFIX_LONG_CONTEXT") -> tuple[str, ...]:
+    """Parse a long-context setting into the tuple of enabled features.
+
+    Args:
+        value: ``off|0|false|no|none`` (nothing), ``on|1|true|yes|all`` (every feature), or a comma
+            list of ``rms_norm``, ``attention``, ``tiled_layer`` (case-insensitive, ``-`` = ``_``).
+        name: the variable name used in error messages.
+
+    Raises:
+        ValueError: naming ``name``, the bad value and the allowed values.
+    """
+    if value is None or value is False:
+        return ()
+    if value is True:
+        return LONG_CONTEXT_FEATURES
+    v = str(value).strip().lower().replace("-", "_")
+    if v in ("", "0", "false", "off", "no", "none"):
+        return ()
+    if v in ("1", "true", "on", "yes", "all"):
+        return LONG_CONTEXT_FEATURES
+    parts = [p.strip() for p in v.split(",") if p.strip()]
+    bad = [p for p in parts if p not in LONG_CONTEXT_FEATURES]
+    if bad or not parts:
+        raise ValueError(f"{name}={value!r}: unknown feature(s) {bad or [value]}. Allowed: {_ALLOWED}")
+    return tuple(f for f in LONG_CONTEXT_FEATURES if f in parts)
+
+
+# --------------------------------------------------------------------------------------------------
+# Structure checks (observe, don't predict)
+# --------------------------------------------------------------------------------------------------
+
+
+def _llama_sources() -> tuple[str, str, str]:
+    from transformers.models.llama import modeling_llama as ml
+
+    return (forward_source(ml.LlamaRMSNorm), forward_source(ml.LlamaDecoderLayer), forward_source(ml.LlamaAttention))
+
+
+def _same_forward(cls: type, reference: str) -> bool:
+    try:
+        return forward_source(cls) == reference
+    except (OSError, TypeError):
+        return False
+
+
+def _is_llama_norm(m: nn.Module) -> bool:
+    return (
+        isinstance(getattr(m, "weight", None), torch.Tensor)
+        and hasattr(m, "variance_epsilon")
+        and _same_forward(type(m), _llama_sources()[0])
+    )
+
+
+def _layer_check(layer: nn.Module) -> tuple[bool, str]:
+    _, layer_src, attn_src = _llama_sources()
+    attn = getattr(layer, "self_attn", None)
+    missing = [n for n in ("input_layernorm", "self_attn", "post_attention_layernorm", "mlp") if not hasattr(layer, n)]
+    if missing:
+        return False, f"{type(layer).__name__}: no {missing}"
+    if not _same_forward(type(layer), layer_src):
+        return False, f"{type(layer).__name__}.forward differs from LlamaDecoderLayer.forward"
+    if not _same_forward(type(attn), attn_src):
+        return False, f"{type(attn).__name__}.forward differs from LlamaAttention.forward"
+    rope = getattr(sys.modules.get(type(attn).__module__), "apply_rotary_pos_emb", None)
+    if not callable(rope):
+        return False, f"{type(attn).__module__} has no apply_rotary_pos_emb"
+    return True, f"{type(layer).__name__}: Llama-style decoder layer"
+
+
+# --------------------------------------------------------------------------------------------------
+# Patched forwards
+# --------------------------------------------------------------------------------------------------
+
+
+class _NormForward:
+    """Instance-level forward of a Llama-style RMSNorm running :func:`rms_norm`."""
+
+    def __init__(self, module: nn.Module, prev: Any, chunk_tokens: int) -> None:
+        self.module = module
+        self.prev = prev
+        self.chunk_tokens = chunk_tokens
+
+    def __call__(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        m = self.module
+        return rms_norm(hidden_states, m.weight, m.variance_epsilon, chunk_tokens=self.chunk_tokens)
+
+
+@dataclass
+class _LayerOptions:
+    attention: bool
+    tiled: bool
+    tokens_per_tile: int
+    attention_groups: int | str
+    sync: bool
+    group: Any
+
+
+class _LayerForward:
+    """Instance-level forward of a Llama-style decoder layer (see the module docstring)."""
+
+    def __init__(self, layer: nn.Module, prev: Any, options: _LayerOptions, stats: Counter) -> None:
+        self.layer = layer
+        self.prev = prev
+        self.options = options
+        self.stats = stats
+        self.rope: Callable[..., Any] = sys.modules[type(layer.self_attn).__module__].apply_rotary_pos_emb
+
+    def _stock(self) -> Callable[..., Any]:
+        return self.prev if self.prev is not None else type(self.layer).forward.__get__(self.layer)
+
+    def _why_stock(self, hidden_states: Any, attention_mask: Any, past_key_values: Any,
+                   position_embeddings: Any, kwargs: dict[str, Any]) -> str | None:
+        attn = self.layer.self_attn
+        if not isinstance(hidden_states, torch.Tensor) or hidden_states.dim() != 3:
+            return "hidden_states not [batch, seq, hidden]"
+        if attention_mask is not None:
+            return "attention mask given (padding/packing)"
+        if past_key_values is not None:
+            return "KV cache"
+        if position_embeddings is None:
+            return "no position_embeddings"
+        if attn.training and float(getattr(attn, "attention_dropout", 0.0) or 0.0) > 0:
+            return "attention dropout in training"
+        impl = getattr(getattr(attn, "config", None), "_attn_implementation", None)
+        if impl != "sdpa":
+            return f"attention implementation {impl!r} (only sdpa is handled)"
+        extra = set(kwargs) - _HARMLESS_KWARGS
+        if extra or kwargs.get("use_cache"):
+            return f"keyword arguments {sorted(extra) or ['use_cache=True']}"
+        return None
+
+    # token-wise halves -------------------------------------------------------------------------
+    def _pre(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        layer = self.layer
+        attn = layer.self_attn
+        h = layer.input_layernorm(x)
+        shape = (x.shape[0], -1, attn.head_dim)
+        q = attn.q_proj(h).view(shape)
+        k = attn.k_proj(h).view(shape)
+        v = attn.v_proj(h).view(shape)
+        q, k = self.rope(q, k, cos, sin, unsqueeze_dim=1)
+        return q, k, v
+
+    def _post(self, a: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        layer = self.layer
+        h = x + layer.self_attn.o_proj(a)
+        return h + layer.mlp(layer.post_attention_layernorm(h))
+
+    def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        attn = self.layer.self_attn
+        if self.options.attention:
+            out = grouped_flash_attention(q, k, v, scale=attn.scaling, groups=self.options.attention_groups)
+            if out is not None:
+                return out
+            self.stats["attention: grouped path not applicable, sdpa used"] += 1
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=attn.scaling, enable_gqa=True)
+
+    def __call__(self, hidden_states: Any = None, attention_mask: Any = None, position_ids: Any = None,
+                 past_key_values: Any = None, use_cache: Any = False, position_embeddings: Any = None,
+                 **kwargs: Any) -> Any:
+        why = self._why_stock(hidden_states, attention_mask, past_key_values, position_embeddings,
+                              dict(kwargs, use_cache=use_cache) if use_cache else kwargs)
+        if why is not None:
+            self.stats[f"stock: {why}"] += 1
+            return self._stock()(hidden_states, attention_mask=attention_mask, position_ids=position_ids,
+                                 past_key_values=past_key_values, use_cache=use_cache,
+                                 position_embeddings=position_embeddings, **kwargs)
+        self.stats["patched calls"] += 1
+        b, s, hidden = hidden_states.shape
+        n = b * s
+        cos, sin = position_embeddings
+        cos = cos.expand(b, s, cos.shape[-1]).reshape(n, cos.shape[-1])
+        sin = sin.expand(b, s, sin.shape[-1]).reshape(n, sin.shape[-1])
+        x = hidden_states.reshape(n, hidden)
+        if self.options.tiled:
+            tiles = tiles_for(n, self.options.tokens_per_tile)
+            if self.options.sync:
+                tiles = sync_shards(tiles, self.options.group)
+            q, k, v = tiled_token_map(self._pre, (x, cos, sin), self.layer, tiles=tiles)
+        else:
+            q, k, v = self._pre(x, cos, sin)
+        hq, hk, d = q.shape[1], k.shape[1], q.shape[2]
+        q = q.view(b, s, hq, d).transpose(1, 2)
+        k = k.view(b, s, hk, d).transpose(1, 2)
+        v = v.view(b, s, hk, d).transpose(1, 2)
+        o = self._attend(q, k, v)
+        del q, k, v
+        a = o.transpose(1, 2).reshape(n, hq * d)  # a view for the flash layout
+        del o
+        if self.options.tiled:
+            (out,) = tiled_token_map(self._post, (a, x), self.layer, tiles=tiles, skip_in_recompute=True)
+        else:
+            out = self._post(a, x)
+        return out.view(b, s, hidden)
+
+
+# --------------------------------------------------------------------------------------------------
+# Patching
+# --------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class LongContextEntry:
+    """One candidate module: qualified name, class, what was patched (or why not)."""
+
+    name: str
+    cls: str
+    patched: tuple[str, ...]
+    reason: str
+
+
+@dataclass
+class LongContextHandle:
+    """Result of ``apply_long_context``: report, call counters (``stats``) and ``remove()``."""
+
+    model: nn.Module
+    features: tuple[str, ...]
+    report: list[LongContextEntry] = field(default_factory=list)
+    stats: Counter = field(default_factory=Counter)
+
+    @property
+    def patched(self) -> list[str]:
+        return [e.name for e in self.report if e.patched]
+
+    def remove(self) -> int:
+        """Restore every patched forward; returns how many modules were restored."""
+        return remove_long_context(self.model)
+
+
+def apply_long_context(
+    model: nn.Module,
+    features: str | bool | tuple[str, ...] | list[str] = "all",
+    *,
+    tokens_per_tile: int = DEFAULT_TOKENS_PER_TILE,
+    attention_groups: int | str = "auto",
+    norm_chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
+    sync: bool | Any = False,
+) -> LongContextHandle:
+    """Patch the Llama-style decoder layers and RMSNorms of ``model`` for long-context training.
+
+    Args:
+        model: an HF model or ``PeftModel``; patch before DDP/FSDP wrapping (parameters are untouched).
+        features: ``"all"`` (default), ``"off"``, a comma string or a sequence of ``rms_norm``,
+            ``attention``, ``tiled_layer``.
+        tokens_per_tile: tokens per tile of ``tiled_layer`` (default 2048).
+        attention_groups: KV-head groups of ``attention`` (``"auto"``: one per KV head).
+        norm_chunk_tokens: tokens per fp32 chunk of ``rms_norm`` (default 4096).
+        sync: ``True`` (default group) or a process group: all-reduce MAX of the tile count per call
+            (needed when FSDP/ZeRO-3 wraps the layer's Linear layers individually).
+
+    Returns:
+        ``LongContextHandle`` (``report`` lists every candidate, patched or skipped with the reason).
+
+    Raises:
+        ValueError: an unknown feature, ``tokens_per_tile < 1``, bad ``attention_groups`` or
+            ``norm_chunk_tokens < 1``, each naming the argument and the allowed values.
+
+    Guarantees: idempotent (a second call updates the settings, never stacks wrappers); reversible
+    (``remove()`` restores the exact previous forwards); parameters and state dict untouched.
+    """
+    if isinstance(features, (tuple, list)):
+        feats = parse_long_context_setting(",".join(features) if features else "off", name="features")
+    else:
+        feats = parse_long_context_setting(features, name="features")
+    tiles_for(1, tokens_per_tile)  # validates
+    kv_groups_for(8, attention_groups)  # validates
+    if int(norm_chunk_tokens) < 1:
+        raise ValueError(f"norm_chunk_tokens={norm_chunk_tokens!r}: must be an integer >= 1")
+    group = None if isinstance(sync, bool) else sync
+    do_sync = bool(sync) if isinstance(sync, bool) else True
+    remove_long_context(model)
+    handle = LongContextHandle(model, feats)
+    if not feats:
+        return handle
+    layer_feats = tuple(f for f in feats if f in ("attention", "tiled_layer"))
+    options = _LayerOptions("attention" in feats, "tiled_layer" in feats, int(tokens_per_tile),
+                            attention_groups, do_sync, group)
+    for name, m in model.named_modules():
+        if "rms_norm" in feats and _is_llama_norm(m):
+            m.__dict__[_LAYER_ATTR] = True
+            m.forward = _NormForward(m, m.__dict__.get("forward"), int(norm_chunk_tokens))  # type: ignore[method-assign]
+            handle.report.append(LongContextEntry(name, type(m).__name__, ("rms_norm",), "Llama-style RMSNorm"))
+            continue
+        if not layer_feats or not (hasattr(m, "self_attn") and hasattr(m, "mlp")):
+            continue
+        ok, reason = _layer_check(m)
+        if not ok:
+            handle.report.append(LongContextEntry(name, type(m).__name__, (), reason))
+            continue
+        m.__dict__[_LAYER_ATTR] = True
+        m.forward = _LayerForward(m, m.__dict__.get("forward"), options, handle.stats)  # type: ignore[method-assign]
+        handle.report.append(LongContextEntry(name, type(m).__name__, layer_feats, reason))
+    return handle
+
+
+def remove_long_context(model: nn.Module) -> int:
+    """Undo ``apply_long_context`` on every module of ``model``; returns how many were restored."""
+    count = 0
+    for m in model.modules():
+        fwd = m.__dict__.get("forward")
+        if isinstance(fwd, (_NormForward, _LayerForward)):
+            if fwd.prev is None:
+                del m.__dict__["forward"]
+            else:
+                m.__dict__["forward"] = fwd.prev
+            m.__dict__.pop(_LAYER_ATTR, None)
+            count += 1
+    return count
