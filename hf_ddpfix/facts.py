@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from ._compat import unwrap_parallel
-from .integrations import families
+from .integrations import families, quantized
 from .integrations.checkpointing import detect_checkpointing, requested_checkpointing
 from .plan import ParallelMode, RunFacts
 
@@ -82,6 +82,7 @@ def gather_facts(trainer: Any, model: nn.Module | None = None) -> RunFacts:
         mode = detect_checkpointing(model)
     vision = families.is_vision_language_model(model)
     adapter = families.find_vision_adapter(model) if vision else None
+    quant = quantized.quantization_facts(model)
     return RunFacts(
         parallel=parallel,
         world_size=world,
@@ -97,4 +98,8 @@ def gather_facts(trainer: Any, model: nn.Module | None = None) -> RunFacts:
         user_reentrant=user_reentrant,
         offload_requested=offload,
         accelerator_available=torch.device(args.device).type not in ("cpu", "meta"),
+        quant=quant,
+        placement=quantized.placement_devices(model, from_device_map=quant is not None),
+        rank_device=quantized.device_name(args.device),
+        **quantized.sharding_facts(trainer, parallel),
     )

@@ -20,9 +20,12 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from .config import DDPFixConfig
+
+if TYPE_CHECKING:  # the plan stays free of torch at run time; the facts type lives with its gatherer
+    from .integrations.quantized import QuantFacts
 
 ParallelMode = Literal["single", "ddp", "fsdp", "deepspeed"]
 CheckpointMode = Literal["off", "reentrant", "non_reentrant"]
@@ -30,6 +33,21 @@ CheckpointMode = Literal["off", "reentrant", "non_reentrant"]
 
 class PlanError(ValueError):
     """Raised (strict mode, or no working combination) before training starts."""
+
+
+class PlacementError(PlanError):
+    """DDP, but one rank's model is spread over several devices (or sits on another rank's device).
+
+    Raised before training; the message names the devices and the fix (`device_map={"": local_rank}`).
+    """
+
+
+class QuantStorageError(PlanError):
+    """FSDP / ZeRO-3 would value-cast (or cannot flatten) bitsandbytes 4-bit weights of this storage dtype.
+
+    Raised before training; the message names the storage dtype, the engine's dtype and the fix
+    (`bnb_4bit_quant_storage=...`).
+    """
 
 
 @dataclass(frozen=True)
@@ -50,6 +68,14 @@ class RunFacts:
         user_reentrant: explicit `use_reentrant` in the checkpointing kwargs, `None` if unset.
         offload_requested: transformers' `activation_checkpointing_kwargs={"offload": True}`.
         accelerator_available: a CUDA/XPU/... device is present (pinned memory, streams).
+        quant: bitsandbytes weights in the model (`hf_ddpfix.integrations.quantized.QuantFacts`), or `None`.
+        placement: the distinct devices this rank's model is placed on (`hf_device_map` for a quantized
+            model, else where its parameters are), e.g. ("cuda:0",); empty when unknown.
+        rank_device: the device this rank trains on (`TrainingArguments.device`), e.g. "cuda:1".
+        fsdp_version: 1 or 2 under FSDP, else `None`.
+        shard_cast_dtype: the dtype FSDP's mixed precision (`param_dtype`) or DeepSpeed's bf16/fp16 casts
+            floating parameters to, `None` when nothing is cast.
+        zero_stage: the DeepSpeed ZeRO stage, `None` without DeepSpeed.
     """
 
     parallel: ParallelMode = "single"
@@ -66,6 +92,12 @@ class RunFacts:
     user_reentrant: bool | None = None
     offload_requested: bool = False
     accelerator_available: bool = False
+    quant: QuantFacts | None = None
+    placement: tuple[str, ...] = ()
+    rank_device: str | None = None
+    fsdp_version: int | None = None
+    shard_cast_dtype: str | None = None
+    zero_stage: int | None = None
 
     def stock_find_unused(self) -> bool:
         """What stock `Trainer._build_accelerator_args` picks (REFERENCES.md §1)."""
@@ -99,6 +131,7 @@ class Plan:
     hang_guard: Decision
     tiled_mlp: Decision
     tiled_loss: Decision
+    quantization: Decision = Decision(None, "")
     corrections: tuple[str, ...] = ()
     config_lines: tuple[str, ...] = field(default=())
 
@@ -121,6 +154,7 @@ class Plan:
             "hang_guard": self.hang_guard,
             "tiled_mlp": self.tiled_mlp,
             "tiled_loss": self.tiled_loss,
+            "quantization": self.quantization,
         }
 
     def report(self) -> str:
@@ -155,6 +189,8 @@ def resolve_plan(facts: RunFacts, config: DDPFixConfig | None = None) -> Plan:
     Raises:
         PlanError: with `strict`, when an explicit setting is known to fail; or when options force
             a combination that cannot work (e.g. reentrant checkpointing with parameters that go unused).
+        PlacementError: DDP with this rank's model spread over several devices (see `_decide_quantization`).
+        QuantStorageError: FSDP / ZeRO-3 with 4-bit weights in a storage dtype the engine would break.
     """
     c = config or DDPFixConfig()
     strict = bool(c.strict)
@@ -168,6 +204,7 @@ def resolve_plan(facts: RunFacts, config: DDPFixConfig | None = None) -> Plan:
     distributed = facts.parallel in ("ddp", "fsdp")
     ddp = facts.parallel == "ddp"
 
+    quantization = _decide_quantization(facts)  # raises PlacementError / QuantStorageError: cannot work
     ckpt = _decide_checkpointing(facts, c, distributed, correct)
     checkpointed = ckpt.value != "off" or bool(c.assume_checkpointing)
     stabilizer = _decide_stabilizer(facts, c, distributed)
@@ -189,6 +226,7 @@ def resolve_plan(facts: RunFacts, config: DDPFixConfig | None = None) -> Plan:
         hang_guard=guard,
         tiled_mlp=_decide_tiled_mlp(facts, c),
         tiled_loss=_decide_tiled_loss(c),
+        quantization=quantization,
         corrections=tuple(corrections),
         config_lines=tuple(c.describe()),
     )
@@ -384,3 +422,136 @@ def _decide_tiled_loss(c: DDPFixConfig) -> Decision:
     chunk = "auto chunk" if value == "on" else f"{value} tokens per chunk"
     return Decision(value, f"lm_head + cross-entropy in chunks, full logits never held, {chunk} "
                     f"({c.source('tiled_loss')})", changed=True)
+
+
+# ----------------------------------------------------------------------------------------------------
+# Quantized (bitsandbytes) weights and placement. Measured on CPU, 2 gloo processes, bitsandbytes 0.50.2,
+# torch 2.13, transformers 5.23, accelerate 1.15, deepspeed 0.19.8 (2026-11-23; tests/test_quantized.py):
+#   FSDP2 fully_shard, storage float32 + MixedPrecisionPolicy(param_dtype=bfloat16): the all-gather
+#     value-casts the packed bytes -> "shape '[64, 64]' is invalid for input of size 2048" in the first
+#     forward; storage bfloat16 + param_dtype bfloat16 and storage uint8 (never cast) train.
+#   FSDP1 wrap of a uint8 weight: "Cannot flatten integer dtype tensors"; mixed float dtypes in one unit:
+#     "Must flatten tensors with uniform dtype" (torch/distributed/fsdp/_flat_param.py).
+#   ZeRO-3 + bf16 engine, storage float32: "shape '[64, 32]' is invalid for input of size 1024" at step 1;
+#     storage bfloat16 or uint8: trains, each rank keeps 1/world of the 4-bit bytes.
+#   DDP + 4-bit with hf_device_map over several devices: accelerate raises in prepare ("can't train a model
+#     that has been loaded in 8-bit or 4-bit precision on multiple devices"); a module on several devices
+#     fails DDP's constructor.
+# ----------------------------------------------------------------------------------------------------
+
+_PLACEMENT_FIX = (
+    'load each rank\'s model onto its own device: from_pretrained(..., device_map={"": local_rank}) with '
+    "local_rank = int(os.environ['LOCAL_RANK']) (or accelerate.PartialState().process_index); for model "
+    "parallelism over several GPUs launch ONE process (python train.py), not torchrun"
+)
+
+
+def _is_accelerator(device: str) -> bool:
+    return device.split(":")[0] not in ("cpu", "disk", "meta")
+
+
+def _check_placement(facts: RunFacts) -> None:
+    """DDP needs each rank's whole model on that rank's device (`device_ids=[local_rank]`)."""
+    if facts.parallel != "ddp" or not facts.placement:
+        return
+    devices = facts.placement
+    where = ", ".join(devices)
+    if len(devices) > 1:
+        raise PlacementError(
+            f"DDP needs each rank's whole model on one device, but this rank's model is placed on {where} "
+            f"(device_map='auto' or a multi-device device_map on every rank turns DDP into per-rank model "
+            f"parallelism, which DDP and accelerate refuse). Fix: {_PLACEMENT_FIX}."
+        )
+    rank = facts.rank_device
+    if facts.quant is not None and rank and _is_accelerator(rank) and _is_accelerator(devices[0]) and devices[0] != rank:
+        raise PlacementError(
+            f"this rank trains on {rank} but its {facts.quant.describe()} model was loaded on {devices[0]} "
+            f"(every rank loaded onto the same device; bitsandbytes weights cannot be moved afterwards). "
+            f"Fix: {_PLACEMENT_FIX}."
+        )
+
+
+def _decide_quantization(facts: RunFacts) -> Decision:
+    """Placement under DDP, and whether FSDP / ZeRO-3 can shard this run's bitsandbytes weights.
+
+    Fires only for a model with bitsandbytes layers (`facts.quant`) or, under DDP, a model placed on
+    several devices. Never changes a setting: it reports, or refuses a run that cannot work.
+
+    Raises:
+        PlacementError: DDP and this rank's model spans several devices, or a quantized model sits on
+            another accelerator than this rank's.
+        QuantStorageError: 4-bit weights under FSDP / ZeRO-3 whose storage dtype the engine casts or
+            cannot flatten (see the measurements above).
+    """
+    _check_placement(facts)
+    q = facts.quant
+    if q is None:
+        return Decision(None, "")
+    what = q.describe()
+    if facts.parallel == "single":
+        return Decision(what, "single process: the quantized base stays as loaded")
+    if facts.parallel == "ddp":
+        on = f" on {facts.placement[0]}" if facts.placement else ""
+        return Decision(what, f"DDP: every rank holds the whole quantized base{on}; only adapter gradients are "
+                        "all-reduced")
+    if q.method != "bnb_4bit":
+        return Decision(what, f"8-bit weights under {facts.parallel}: not checked by hf_ddpfix (stock behaviour)")
+    if facts.parallel == "fsdp":
+        return _quantized_fsdp(facts, q, what)
+    return _quantized_zero(facts, q, what)
+
+
+def _storage_fix(dtype: str) -> str:
+    return (f"load with BitsAndBytesConfig(..., bnb_4bit_quant_storage=torch.{dtype}) and "
+            f"torch_dtype=torch.{dtype}")
+
+
+def _quantized_fsdp(facts: RunFacts, q: QuantFacts, what: str) -> Decision:
+    version = facts.fsdp_version or 2
+    storage, cast = q.storage_dtype, facts.shard_cast_dtype
+    if q.float_storage and cast is not None and cast != storage:
+        raise QuantStorageError(
+            f"FSDP{version} mixed precision casts parameters to {cast}, which would convert the packed 4-bit "
+            f"bytes held in {storage} storage as numbers and garble every quantized weight (FSDP2 measured: "
+            f"'shape ... is invalid for input of size ...' in the first forward). Fix: {_storage_fix(cast)}, "
+            f"or turn mixed precision off (bf16=False, fp16=False)."
+        )
+    if version == 1:
+        want = cast or (q.other_dtype if q.other_dtype and "+" not in q.other_dtype else None) or "bfloat16"
+        if not q.float_storage:
+            raise QuantStorageError(
+                f"FSDP1 flattens each wrapped unit into one tensor and cannot flatten the {storage} 4-bit "
+                f"weights ('Cannot flatten integer dtype tensors'). Fix: {_storage_fix(want)}, or use FSDP2 "
+                f"(fsdp_config={{'version': 2}}, the transformers default)."
+            )
+        if q.other_dtype not in (None, storage):
+            raise QuantStorageError(
+                f"FSDP1 flattens each wrapped unit into one tensor of one dtype, but the 4-bit weights are "
+                f"stored in {storage} and the other parameters are {q.other_dtype} ('Must flatten tensors with "
+                f"uniform dtype'; prepare_model_for_kbit_training upcasts norms to float32). Fix: "
+                f"{_storage_fix(storage)} and keep the other parameters in {storage}, or use FSDP2."
+            )
+        return Decision(what, f"FSDP1: 4-bit weights sharded in {storage} storage, flattened with the "
+                        "other parameters without a cast")
+    if not q.float_storage:
+        return Decision(what, f"FSDP2: {storage} 4-bit weights are not a floating dtype, so accelerate keeps "
+                        f"them out of sharding (every rank holds all {q.quant_bytes} bytes); to shard them "
+                        f"{_storage_fix(cast or 'bfloat16')}")
+    return Decision(what, f"FSDP2: 4-bit weights sharded in {storage} storage (each rank holds 1/world of "
+                    f"{q.quant_bytes} bytes), all-gathered without a cast")
+
+
+def _quantized_zero(facts: RunFacts, q: QuantFacts, what: str) -> Decision:
+    stage = facts.zero_stage
+    if stage != 3:
+        return Decision(what, f"DeepSpeed ZeRO-{stage}: the quantized base is not partitioned (every rank "
+                        "holds all of it)")
+    storage, cast = q.storage_dtype, facts.shard_cast_dtype
+    if q.float_storage and cast is not None and cast != storage:
+        raise QuantStorageError(
+            f"DeepSpeed casts the model to {cast} (its bf16/fp16 setting), which would convert the packed 4-bit "
+            f"bytes held in {storage} storage as numbers (measured: 'shape ... is invalid for input of size "
+            f"...' at step 1). Fix: {_storage_fix(cast)}."
+        )
+    return Decision(what, f"ZeRO-3 partitions the 4-bit weights ({storage} storage, not cast; each rank holds "
+                    f"1/world of {q.quant_bytes} bytes)")
