@@ -1,0 +1,570 @@
+"""Every trainable parameter used on every rank every step, for any model, with stock semantics.
+
+Why: DDP with ``find_unused_parameters=False`` (fu=False) or ``static_graph=True`` needs every trainable
+parameter's gradient hook to fire exactly once per synchronising backward on every rank, and FSDP2 needs
+every rank to reduce-scatter the same set of gradients. Real models skip parameters: a text-only step
+skips a vision tower (Qwen-VL, LLaVA, Gemma 3, ...) or Mllama's cross-attention layers, LayerDrop skips
+random layers per rank, a router sends no token to an expert. Stock avoids the failure with fu=True (an
+extra graph traversal per step); hf_ddpfix gets fu=False and static graph *by construction* instead:
+
+1. **Observe.** After each training forward, :class:`ParameterUsage` walks the autograd graph from the
+   output (the loss, else the logits) and collects the trainable parameters whose ``AccumulateGrad``
+   node it reaches: exactly those that will receive a gradient. A module that ran but whose output
+   never reached the loss is therefore *not* counted as used (forward hooks alone would count it).
+   Reentrant checkpointing runs a layer's forward under ``no_grad``; the graph then holds only the
+   checkpoint node, so each reentrant checkpoint call runs under a ``TorchFunctionMode`` that records
+   which trainable parameters its ops read (recompute in backward is not observed: it is the same
+   layer). A region whose output does not require grad gives its parameters no gradient and counts
+   as "not used".
+2. **Tie.** Every trainable parameter not observed is tied into the output with
+   :class:`hf_ddpfix.ops.zero_tie.ZeroTie`: identity forward (the loss is a bitwise copy), exact-zero
+   gradient to the parameter. Its hook fires once, its gradient is ``0`` (``g + 0 == g`` bit for bit).
+   Under FSDP2 the tie is made per FSDP unit, in a forward hook that runs before FSDP reshards (the
+   unsharded parameter gets the zero; every rank reduce-scatters the same set).
+3. **Finalize** (:meth:`ParameterUsage.finalize`, once per optimizer step, after the last backward and
+   *before* gradient clipping): one all-reduce(MAX) of a one-byte-per-parameter "really used in some
+   micro-batch of this step" mask; where no rank used a parameter its ``.grad`` is set back to ``None``
+   — what stock DDP(fu=True) leaves (AdamW then skips it: no moment update, no weight decay). Where
+   some rank used it, the others contributed exact zeros, which is what stock's reducer averages too.
+
+Guard (``guard=True``, for runs where nothing is tied, e.g. fu=False forced with the mechanism off):
+before backward, ranks all-gather a one-byte-per-parameter "gets no gradient here" table; any
+non-zero entry raises :class:`UnusedParametersError` on every rank naming the parameters, their
+modules, the ranks and the fix — never a hang.
+
+Cost: one graph walk per training forward (Python, ~1 µs per autograd node), one zero tensor per tied
+parameter per forward, one all-reduce of ``n_trainable`` bytes per optimizer step; with ``guard`` one
+all-gather of ``n_trainable`` bytes per synchronising forward. Reentrant checkpointing adds a
+``TorchFunctionMode`` around each checkpointed layer's first forward.
+
+Trainer wiring (transformers 5.23): attach before ``Trainer.train`` wraps the model (or after; hooks go
+on the unwrapped module), call :meth:`~ParameterUsage.finalize` before ``Trainer._clip_grad_norm`` /
+``_get_grad_norm`` (see :mod:`hf_ddpfix.integrations.stabilizer` for why not ``on_pre_optimizer_step``).
+
+Guarantees: with fu=False (and static graph at accumulation 1) every zoo family trains to the weights
+of stock DDP(fu=True) (1e-6; bit-equal where the math is unchanged) with replicas in sync, under
+reentrant or non-reentrant checkpointing, accumulation 1 and 2 (tests/scripts/usage_zoo.py).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.overrides import TorchFunctionMode
+
+from .._compat import (
+    checkpointable_layers,
+    ddp_syncs_grads,
+    is_checkpointing,
+    layer_checkpoint_func,
+    set_layer_checkpoint_func,
+    unwrap_parallel,
+)
+from ..ops.dist import collective_device, dist_ready
+from ..ops.zero_tie import ZeroTie
+from .checkpointing import _use_reentrant_of
+from .hang_guard import UnusedParametersError
+
+__all__ = ["ParameterUsage", "UsageRecord", "reachable_leaf_ids", "UnusedParametersError"]
+
+_FIX = (
+    "Fix: let hf_ddpfix tie unused parameters in (HF_DDPFIX_PARAMETER_USAGE=1, the default under DDP/FSDP), "
+    "or set ddp_find_unused_parameters=True in TrainingArguments, or make the module's output reach the loss."
+)
+
+
+# --------------------------------------------------------------------------------------------------
+# Observation helpers (pure autograd)
+# --------------------------------------------------------------------------------------------------
+
+
+def _tensors(x: Any) -> Iterable[torch.Tensor]:
+    """Every tensor inside an output structure (ModelOutput / dict / list / tuple / tensor)."""
+    if isinstance(x, torch.Tensor):
+        yield x
+    elif isinstance(x, dict):
+        for v in x.values():
+            yield from _tensors(v)
+    elif isinstance(x, (list, tuple)):
+        for v in x:
+            yield from _tensors(v)
+
+
+def reachable_leaf_ids(roots: Iterable[torch.Tensor], stop: set[Any] | None = None) -> set[int]:
+    """``id`` of every leaf tensor whose ``AccumulateGrad`` node backward from ``roots`` reaches.
+
+    Args:
+        roots: tensors to start from (those without ``grad_fn`` are leaves themselves).
+        stop: autograd nodes not to walk past (a unit's inputs: what lies before it is not its own).
+
+    Returns:
+        The ids of the leaves that receive a gradient when ``roots`` are back-propagated.
+
+    Guarantees: a parameter whose module ran but whose output was discarded is not in the set
+    (tests/test_usage.py).
+    """
+    stop = stop or set()
+    ids: set[int] = set()
+    seen: set[Any] = set()
+    stack = []
+    for t in roots:
+        if t.grad_fn is not None:
+            stack.append(t.grad_fn)
+        elif t.requires_grad:
+            ids.add(id(t))
+    while stack:
+        node = stack.pop()
+        if node in seen or node in stop:
+            continue
+        seen.add(node)
+        var = getattr(node, "variable", None)
+        if var is not None:
+            ids.add(id(var))
+            continue
+        for nxt, _ in node.next_functions:
+            if nxt is not None and nxt not in seen:
+                stack.append(nxt)
+    return ids
+
+
+class _ParamReadMode(TorchFunctionMode):
+    """Records which watched tensors (by id) any torch function reads (args one level deep)."""
+
+    def __init__(self, watched: set[int]):
+        super().__init__()
+        self.watched = watched
+        self.seen: set[int] = set()
+
+    def __torch_function__(self, func: Callable, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        kwargs = kwargs or {}
+        for a in (*args, *kwargs.values()):
+            if isinstance(a, torch.Tensor):
+                if id(a) in self.watched:
+                    self.seen.add(id(a))
+            elif isinstance(a, (list, tuple)):
+                for b in a:
+                    if isinstance(b, torch.Tensor) and id(b) in self.watched:
+                        self.seen.add(id(b))
+        return func(*args, **kwargs)
+
+
+# --------------------------------------------------------------------------------------------------
+# Slots and records
+# --------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class _Slot:
+    """One trainable parameter, addressed by where it lives (FSDP2 swaps the tensor object in and out)."""
+
+    module: nn.Module
+    attr: str
+    name: str  # as ``model.named_parameters()`` spells it
+    module_name: str
+
+    def tensor(self) -> torch.Tensor | None:
+        return self.module._parameters.get(self.attr)
+
+
+@dataclass
+class UsageRecord:
+    """What one training forward did (for logs and tests).
+
+    Attributes:
+        used: names of trainable parameters that receive a gradient from the forward itself.
+        tied: names tied in with an exact-zero gradient (not used by the forward).
+        region_used: the subset of ``used`` observed only inside reentrant checkpointed layers.
+        seconds: time spent observing and tying.
+    """
+
+    used: list[str] = field(default_factory=list)
+    tied: list[str] = field(default_factory=list)
+    region_used: list[str] = field(default_factory=list)
+    seconds: float = 0.0
+
+
+class _Scope:
+    """A module whose forward output receives the ties for the slots it owns (the root, or one FSDP unit)."""
+
+    def __init__(self, module: nn.Module, slots: list[int]):
+        self.module = module
+        self.slots = slots
+        self.stop: set[Any] = set()
+
+
+# --------------------------------------------------------------------------------------------------
+# The mechanism
+# --------------------------------------------------------------------------------------------------
+
+
+class ParameterUsage:
+    """Observe, tie and finalize: every trainable parameter takes part in every backward.
+
+    Usage (plain PyTorch; the Trainer wiring is in the module docstring)::
+
+        usage = ParameterUsage(model).attach()        # before or after DDP wrapping
+        ddp = DDP(model, find_unused_parameters=False, static_graph=(ga == 1))
+        for step in ...:
+            for micro_batch in ...:                   # no_sync for all but the last
+                ddp(**micro_batch).loss.backward()
+            usage.finalize()                          # before clip_grad_norm_ and optimizer.step()
+
+    Args:
+        model: any ``nn.Module`` (HF model, PeftModel, DDP/compiled wrapper): hooks go on the module
+            without DDP / compile wrappers, whose forward output carries the loss (or the logits).
+        tie: tie unobserved parameters in (the mechanism). ``False``: observe only (with ``guard``).
+        guard: before each synchronising backward, all-gather "gets no gradient here" per parameter and
+            raise :class:`UnusedParametersError` on every rank when any rank has one. Default: on
+            exactly when ``tie`` is off.
+        units: FSDP2 units (modules passed to ``fully_shard``), any order; each unit ties the
+            parameters it owns in its own forward (before FSDP reshards). Default: one scope, the root.
+        ddp_module: the DDP wrapper; the guard skips its ``no_sync`` micro-batches.
+        process_group: group for finalize and guard collectives (default WORLD).
+        allow_region_reuse: a parameter read in two reentrant checkpointed layers fires its DDP hook
+            twice, which DDP accepts only with ``static_graph``; ``False`` raises a named error.
+
+    Guarantees: the loss and every gradient of a used parameter are bit-identical to the untouched
+    model's; tied parameters get exact zeros; after :meth:`finalize`, ``.grad is None`` exactly for the
+    parameters no rank used in any micro-batch of the step (tests/test_usage.py,
+    tests/scripts/usage_zoo.py).
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        *,
+        tie: bool = True,
+        guard: bool | None = None,
+        units: Iterable[nn.Module] | None = None,
+        ddp_module: nn.Module | None = None,
+        process_group: Any = None,
+        allow_region_reuse: bool = True,
+    ) -> None:
+        self.model = model
+        self.root = unwrap_parallel(model)
+        self.tie = tie
+        self.guard = (not tie) if guard is None else guard
+        self.ddp_module = ddp_module
+        self.process_group = process_group
+        self.allow_region_reuse = allow_region_reuse
+        self.slots = self._collect_slots()
+        self.scopes = self._build_scopes(list(units) if units is not None else [self.root])
+        self._handles: list[Any] = []
+        self._wrapped_layers: dict[int, tuple[nn.Module, Callable[..., Any]]] = {}
+        self._active = False
+        self._depth = 0
+        self._region_seen: list[set[int]] = []
+        self._forward_used = torch.zeros(len(self.slots), dtype=torch.bool)
+        self._step_used = torch.zeros(len(self.slots), dtype=torch.bool)
+        self._step_forwards = 0
+        self.last: UsageRecord | None = None
+        self.forwards = 0
+        self.ties = 0
+        self.seconds = 0.0
+
+    # -- set-up -------------------------------------------------------------------------------------
+    def _collect_slots(self) -> list[_Slot]:
+        names = {id(p): n for n, p in self.root.named_parameters()}
+        seen: set[int] = set()
+        slots = []
+        for mname, mod in self.root.named_modules():
+            for attr, p in mod._parameters.items():
+                if p is None or not p.requires_grad or id(p) in seen:
+                    continue
+                seen.add(id(p))
+                slots.append(_Slot(mod, attr, names.get(id(p), f"{mname}.{attr}".lstrip(".")), mname))
+        return slots
+
+    def _build_scopes(self, units: list[nn.Module]) -> list[_Scope]:
+        if not any(u is self.root for u in units):
+            units = [*units, self.root]
+        unit_ids = {id(u) for u in units}
+        owner: dict[int, nn.Module] = {}
+
+        def visit(mod: nn.Module, current: nn.Module) -> None:
+            current = mod if id(mod) in unit_ids else current
+            owner[id(mod)] = current
+            for child in mod.children():
+                visit(child, current)
+
+        visit(self.root, self.root)
+        scopes = {id(u): _Scope(u, []) for u in units}
+        for i, s in enumerate(self.slots):
+            scopes[id(owner[id(s.module)])].slots.append(i)
+        return [scopes[id(u)] for u in units]
+
+    @property
+    def attached(self) -> bool:
+        """True while the hooks are registered."""
+        return bool(self._handles)
+
+    def attach(self) -> ParameterUsage:
+        """Register the hooks (idempotent). Returns ``self``."""
+        if self._handles or not self.slots:
+            return self
+        root_scope = next(s for s in self.scopes if s.module is self.root)
+        self._handles.append(self.root.register_forward_pre_hook(self._root_pre_hook, prepend=True))
+        for scope in self.scopes:
+            if scope is not root_scope:
+                self._handles.append(scope.module.register_forward_pre_hook(self._scope_pre_hook(scope)))
+            # prepend: run before FSDP2's post-forward reshards the unit (the tie needs unsharded params)
+            self._handles.append(
+                scope.module.register_forward_hook(self._scope_post_hook(scope, scope is root_scope), prepend=True)
+            )
+        for layer in checkpointable_layers(self.root):
+            self._handles.append(layer.register_forward_pre_hook(self._layer_pre_hook))
+        return self
+
+    def remove(self) -> None:
+        """Remove the hooks and restore wrapped checkpoint functions (idempotent)."""
+        for h in self._handles:
+            h.remove()
+        self._handles = []
+        for layer, inner in self._wrapped_layers.values():
+            set_layer_checkpoint_func(layer, inner)
+        self._wrapped_layers = {}
+        self._active = False
+        self.reset_step()
+
+    # -- reentrant checkpointing --------------------------------------------------------------------
+    def _layer_pre_hook(self, layer: nn.Module, args: tuple[Any, ...]) -> None:
+        if not self._active or not is_checkpointing(layer):
+            return
+        func = layer_checkpoint_func(layer)
+        if func is None or getattr(func, "_hf_ddpfix_usage", None) is self:
+            return
+        set_layer_checkpoint_func(layer, self._observed_checkpoint(func))
+        self._wrapped_layers[id(layer)] = (layer, func)
+
+    def _observed_checkpoint(self, inner: Callable[..., Any]) -> Callable[..., Any]:
+        reentrant = _use_reentrant_of(inner)
+
+        def checkpoint_observed(function: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+            if not (self._active and reentrant):
+                return inner(function, *args, **kwargs)
+            watched = {id(t) for t in (s.tensor() for s in self.slots) if t is not None}
+            mode = _ParamReadMode(watched)
+            with mode:
+                out = inner(function, *args, **kwargs)
+            if any(t.requires_grad for t in _tensors(out)):
+                self._region_seen.append(mode.seen)
+            return out
+
+        checkpoint_observed._hf_ddpfix_usage = self  # type: ignore[attr-defined]
+        checkpoint_observed.use_reentrant = reentrant  # type: ignore[attr-defined]
+        return checkpoint_observed
+
+    # -- forward hooks ------------------------------------------------------------------------------
+    def _root_pre_hook(self, module: nn.Module, args: tuple[Any, ...]) -> None:
+        if self._active:  # a nested call of the root (rare): observe the outer call only
+            self._depth += 1
+            return
+        self._active = module.training and torch.is_grad_enabled()
+        self._depth = 0
+        self._region_seen = []
+        self._forward_used.zero_()
+        self._record = UsageRecord()
+        root_scope = next(s for s in self.scopes if s.module is self.root)
+        root_scope.stop = set()
+
+    def _scope_pre_hook(self, scope: _Scope) -> Callable[..., None]:
+        def hook(module: nn.Module, args: tuple[Any, ...]) -> None:
+            if self._active:
+                scope.stop = {t.grad_fn for t in _tensors(args) if t.grad_fn is not None}
+
+        return hook
+
+    def _scope_post_hook(self, scope: _Scope, is_root: bool) -> Callable[..., Any]:
+        def hook(module: nn.Module, args: tuple[Any, ...], output: Any) -> Any:
+            if not self._active:
+                return None
+            if is_root and self._depth:
+                self._depth -= 1
+                return None
+            t0 = time.perf_counter()
+            new_output = self._observe_and_tie(scope, output, is_root)
+            if is_root:
+                self._finish_forward(t0)
+            else:
+                self._record.seconds += time.perf_counter() - t0
+            return new_output
+
+        return hook
+
+    def _anchor(self, output: Any, is_root: bool) -> torch.Tensor | None:
+        """The output tensor that carries the loss: ``loss``, else ``logits``, else the first float tensor
+        that requires grad."""
+        if isinstance(output, dict):
+            for key in ("loss", "logits"):
+                val = output.get(key)
+                if isinstance(val, torch.Tensor) and val.requires_grad:
+                    return val
+        top = output.values() if isinstance(output, dict) else output if isinstance(output, (tuple, list)) else [output]
+        for t in top:
+            if isinstance(t, torch.Tensor) and t.is_floating_point() and t.requires_grad:
+                return t
+        return None
+
+    def _observe_and_tie(self, scope: _Scope, output: Any, is_root: bool) -> Any:
+        anchor = self._anchor(output, is_root)
+        roots = [anchor] if (is_root and anchor is not None) else [t for t in _tensors(output) if t.requires_grad]
+        reached = reachable_leaf_ids(roots, scope.stop)
+        region = set().union(*self._region_seen) if self._region_seen else set()
+        missing: list[int] = []
+        for i in scope.slots:
+            t = self.slots[i].tensor()
+            if t is None:
+                continue
+            if id(t) in reached:
+                self._forward_used[i] = True
+            elif id(t) in region:
+                self._forward_used[i] = True
+                self._record.region_used.append(self.slots[i].name)
+            else:
+                missing.append(i)
+        if not self.tie or not missing:
+            return None
+        if anchor is None:
+            raise UnusedParametersError(
+                f"hf_ddpfix: cannot tie {len(missing)} unused parameters (e.g. {self.slots[missing[0]].name}) "
+                f"into the output of {type(scope.module).__name__}: no output tensor requires grad. {_FIX}"
+            )
+        extras = [t for t in (self.slots[i].tensor() for i in missing) if t is not None]
+        tied = ZeroTie.apply(anchor, *extras)
+        self._record.tied += [self.slots[i].name for i in missing]
+        self.ties += len(extras)
+        return _replace(output, anchor, tied)
+
+    def _finish_forward(self, t0: float) -> None:
+        self._active = False
+        used = self._forward_used.clone()
+        self._step_used |= used
+        self._step_forwards += 1
+        self.forwards += 1
+        rec = self._record
+        rec.used = [s.name for i, s in enumerate(self.slots) if used[i]]
+        if self.guard:
+            missing = [] if self.tie else [i for i in range(len(self.slots)) if not used[i]]
+            self._check(missing)
+        self._check_reuse()
+        rec.seconds += time.perf_counter() - t0
+        self.seconds += rec.seconds
+        self.last = rec
+
+    def _check_reuse(self) -> None:
+        if self.allow_region_reuse or len(self._region_seen) < 2:
+            return
+        counts: dict[int, int] = {}
+        for seen in self._region_seen:
+            for pid in seen:
+                counts[pid] = counts.get(pid, 0) + 1
+        twice = [s.name for s in self.slots if (t := s.tensor()) is not None and counts.get(id(t), 0) > 1]
+        if twice:
+            raise UnusedParametersError(
+                f"hf_ddpfix: {twice[:3]} are read by more than one reentrant checkpointed layer; their DDP hook "
+                "fires once per layer, which DistributedDataParallel accepts only with static_graph=True. Fix: "
+                "non-reentrant checkpointing (HF_DDPFIX_CHECKPOINTING=non_reentrant) or static_graph=True."
+            )
+
+    # -- guard --------------------------------------------------------------------------------------
+    def _check(self, missing: list[int]) -> None:
+        """All-gather "gets no gradient here" per parameter; raise on every rank if any rank has one."""
+        if self.ddp_module is not None and not ddp_syncs_grads(self.ddp_module):
+            return
+        if not dist_ready(self.process_group):
+            table = [missing]
+        else:
+            local = torch.zeros(len(self.slots), dtype=torch.uint8, device=collective_device(self.process_group))
+            if missing:
+                local[torch.tensor(missing, dtype=torch.long, device=local.device)] = 1
+            gathered = [torch.empty_like(local) for _ in range(dist.get_world_size(self.process_group))]
+            dist.all_gather(gathered, local, group=self.process_group)
+            table = [t.nonzero().flatten().tolist() for t in gathered]
+        if not any(table):
+            return
+        bad = sorted(set().union(*map(set, table)))
+        lines = []
+        for i in bad[:5]:
+            ranks = [r for r, row in enumerate(table) if i in row]
+            lines.append(f"{self.slots[i].name} (module {self.slots[i].module_name or '<root>'}) on rank(s) {ranks}")
+        more = f" and {len(bad) - 5} more" if len(bad) > 5 else ""
+        world = len(table)
+        consequence = (
+            "stock DDP would hang in backward (the ranks that use it wait for the others)"
+            if any(len([r for r, row in enumerate(table) if i in row]) < world for i in bad)
+            else "stock DDP would fail at the next step ('Expected to have finished reduction')"
+        )
+        raise UnusedParametersError(
+            "hf_ddpfix: DistributedDataParallel(find_unused_parameters=False) cannot train this step: "
+            f"{len(bad)} trainable parameters get no gradient: " + "; ".join(lines) + more
+            + f". {consequence}. {_FIX}"
+        )
+
+    # -- per-optimizer-step semantics ---------------------------------------------------------------
+    def reset_step(self) -> None:
+        """Forget the micro-batches recorded since the last finalize."""
+        self._step_used.zero_()
+        self._step_forwards = 0
+
+    def finalize(self, process_group: Any = None) -> int | None:
+        """Give the optimizer what stock DDP(find_unused_parameters=True) would give it.
+
+        Call on every rank after the last backward of an optimizer step and before gradient clipping
+        and ``optimizer.step()``. One all-reduce(MAX) of the per-parameter "used in some micro-batch of
+        this step" bytes; every parameter no rank used gets ``.grad = None``.
+
+        Returns:
+            The number of parameters reset to ``None``; ``None`` (and no collective) when no training
+            forward ran since the previous call, so a second call in one step is a no-op.
+        """
+        if self._step_forwards == 0:
+            return None
+        group = self.process_group if process_group is None else process_group
+        used = self._step_used.clone()
+        self.reset_step()
+        if dist_ready(group):
+            flags = used.to(torch.uint8).to(collective_device(group))
+            dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=group)
+            used = flags.cpu().bool()
+        reset = 0
+        for i in (~used).nonzero().flatten().tolist():
+            t = self.slots[i].tensor()
+            if t is not None and t.grad is not None:
+                t.grad = None
+                reset += 1
+        return reset
+
+    # -- reporting ----------------------------------------------------------------------------------
+    def describe(self) -> str:
+        """One line: how many parameters are watched, how many were tied so far, the time spent."""
+        per = self.seconds / self.forwards * 1e3 if self.forwards else 0.0
+        return (
+            f"{len(self.slots)} trainable tensors watched in {len(self.scopes)} scope(s); {self.ties} ties over "
+            f"{self.forwards} forwards; {per:.2f} ms per forward"
+        )
+
+
+def _replace(output: Any, old: torch.Tensor, new: torch.Tensor) -> Any:
+    """``output`` with ``old`` (``output`` itself, or a top-level entry of a dict / tuple / list) replaced by ``new``."""
+    if output is old:
+        return new
+    if isinstance(output, dict):  # ModelOutput: setting a key updates the attribute too
+        for k, v in output.items():
+            if v is old:
+                output[k] = new
+                return output
+    if isinstance(output, (tuple, list)):
+        for i, v in enumerate(output):
+            if v is old:
+                items = list(output)
+                items[i] = new
+                if isinstance(output, list):
+                    return items
+                return type(output)(*items) if hasattr(output, "_fields") else tuple(items)
+    raise TypeError(f"hf_ddpfix: cannot tie into a {type(output).__name__} output")
