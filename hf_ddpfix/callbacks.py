@@ -21,8 +21,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
-from transformers import TrainerCallback
+from transformers import DefaultFlowCallback, TrainerCallback
 
+from ._compat import trainer_callbacks
 from .config import DDPFixConfig
 from .errors import ReplicaDivergenceError
 from .plan import Plan
@@ -181,7 +182,15 @@ def _peak_rss_bytes() -> int | None:
 
 
 class MemoryThroughputCallback(TrainerCallback):
-    """Add peak memory and tokens/second to the Trainer's training logs (`on_log` mutates `logs`).
+    """Peak memory and tokens/second for the log writers (TensorBoard, W&B, the printer), log-only.
+
+    What the Trainer stores and returns stays stock: the values are *not* written into
+    `state.log_history`, `trainer_state.json` or the metrics `train()` returns (they depend on wall time
+    and process-lifetime memory, so a resumed run would store different numbers than an uninterrupted
+    one). They reach the other callbacks' `on_log` as an extended copy of `logs`, through
+    :func:`install_callbacks` (which hf_ddpfix uses) or :meth:`deliver_to`. `in_history=True` restores
+    the old behaviour (values merged into `logs` and the last `log_history` entry) for users who want
+    them stored.
 
     Keys (numbers only, so every reporter accepts them):
         `hf_ddpfix/peak_mem_gb`: this rank's peak since training started. On CUDA:
@@ -201,10 +210,17 @@ class MemoryThroughputCallback(TrainerCallback):
 
     Args:
         cross_rank: gather the max/sum over ranks (default on).
+        in_history: also store the values in `logs` / `state.log_history` (default off: log-only).
+
+    Guarantees: with `in_history=False` an hf_ddpfix run stores the same `log_history`, checkpoint
+    `trainer_state.json` and `train()` metrics as without this callback (tests/test_callbacks.py).
     """
 
-    def __init__(self, cross_rank: bool = True):
+    def __init__(self, cross_rank: bool = True, in_history: bool = False):
         self.cross_rank = cross_rank
+        self.in_history = in_history
+        self.extras: dict[str, float] = {}  # the values computed for the latest `logs`
+        self._extras_for: int | None = None  # id() of that `logs` dict
         self._hook: Any = None
         self._tokens = 0
         self._last_tokens = 0
@@ -268,6 +284,9 @@ class MemoryThroughputCallback(TrainerCallback):
         elif "train_runtime" in logs:  # the end-of-training summary: this rank's whole-run average
             elapsed = max(time.perf_counter() - self._start_time, 1e-9)
             new["hf_ddpfix/tokens_per_sec_rank"] = round(self._tokens / elapsed, 2)
+        self.extras, self._extras_for = new, id(logs)
+        if not self.in_history:
+            return
         logs.update(new)
         # the Trainer copied `logs` into log_history before calling on_log: keep both in step
         history = getattr(state, "log_history", None)
@@ -275,6 +294,27 @@ class MemoryThroughputCallback(TrainerCallback):
             history[-1].get(k) == v for k, v in logs.items() if k not in new
         ):
             history[-1].update(new)
+
+    def extras_for(self, logs: Any) -> dict[str, float]:
+        """The values computed for this very `logs` dict (empty for any other)."""
+        return self.extras if logs is not None and id(logs) == self._extras_for else {}
+
+    def deliver_to(self, callbacks: list[Any], stack: ExitStack) -> None:
+        """Make each of `callbacks` (reporters running after this one) receive `{**logs, **extras}` in
+        `on_log`, as an instance-level wrapper undone through `stack`. `DefaultFlowCallback` and other
+        hf_ddpfix callbacks are skipped."""
+        for cb in callbacks:
+            if cb is self or isinstance(cb, (DefaultFlowCallback, MemoryThroughputCallback)) or "on_log" in vars(cb):
+                continue
+            cb.on_log = self._with_extras(cb.on_log)
+            stack.callback(vars(cb).pop, "on_log", None)
+
+    def _with_extras(self, on_log: Any) -> Any:
+        def wrapped(args: Any, state: Any, control: Any, logs: Any = None, **kwargs: Any) -> Any:
+            extra = self.extras_for(logs)
+            return on_log(args, state, control, logs={**logs, **extra} if extra else logs, **kwargs)
+
+        return wrapped
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -304,11 +344,16 @@ def default_callbacks(plan: Plan, config: DDPFixConfig | None = None) -> list[Tr
 def install_callbacks(trainer: Any, callbacks: list[TrainerCallback], stack: ExitStack) -> None:
     """Put `callbacks` first in `trainer`'s callback list for one `train()` call; removed via `stack`.
 
-    First, so the `logs` they add are already there when TensorBoard / W&B / the printer see them.
+    First, so the values a `MemoryThroughputCallback` computes are ready when TensorBoard / W&B / the
+    printer see `logs`: each of those receives an extended copy (log-only, see the callback's docstring).
     """
-    handler = trainer.callback_handler
+    handler_callbacks = trainer_callbacks(trainer)
     for cb in reversed(callbacks):
-        handler.callbacks.insert(0, cb)
+        handler_callbacks.insert(0, cb)
+    for cb in callbacks:
+        if isinstance(cb, MemoryThroughputCallback) and not cb.in_history:
+            cb.deliver_to(list(handler_callbacks), stack)
+    handler = trainer.callback_handler
 
     def remove() -> None:
         for cb in callbacks:

@@ -105,7 +105,9 @@ def test_memory_throughput_keys_reach_reporters_and_count_non_padding_tokens(tmp
     for logs in step_logs:  # a later callback (a reporter) sees our keys
         assert logs["hf_ddpfix/peak_mem_gb"] > 0 and logs["hf_ddpfix/tokens_per_sec"] > 0
         assert logs["hf_ddpfix/tokens_per_sec"] == logs["hf_ddpfix/tokens_per_sec_rank"]  # single process
-    assert all("hf_ddpfix/peak_mem_gb" in h for h in trainer.state.log_history if "loss" in h)
+    # ... but what the Trainer stores stays stock (log-only values)
+    assert not any(k.startswith("hf_ddpfix/") for h in trainer.state.log_history for k in h)
+    assert "on_log" not in vars(recorder)  # the reporter's wrapper was removed with the run
     summary = [s for s in recorder.seen if "train_runtime" in s][0]
     assert summary["hf_ddpfix/tokens_per_sec_rank"] > 0 and "hf_ddpfix/tokens_per_sec" not in summary
 
@@ -120,3 +122,49 @@ def test_replica_sync_and_cross_rank_metrics_under_ddp(tmp_path):
     diverged = re.findall(r"DIVERGED rank=(\d) step=(\d+) first=(\S+) n=1", out)
     assert sorted(diverged) == [("0", "4", nudged), ("1", "4", nudged)], out[-3000:]
     assert "NOT_DETECTED" not in out
+
+
+def _resume_trainer(out, steps, resume=None):
+    from peft import LoraConfig, get_peft_model
+    from transformers import LlamaConfig, LlamaForCausalLM, TrainingArguments
+
+    from hf_ddpfix import DDPFixTrainer
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                      num_attention_heads=2, num_key_value_heads=1)
+    model = get_peft_model(LlamaForCausalLM(cfg), LoraConfig(r=2, target_modules=["q_proj"]))
+    data = [{"input_ids": [(i * 7 + j) % 60 for j in range(6 + i % 3)]} for i in range(16)]
+
+    def collate(batch):
+        n = max(len(b["input_ids"]) for b in batch)
+        ids = torch.tensor([b["input_ids"] + [0] * (n - len(b["input_ids"])) for b in batch])
+        mask = torch.tensor([[1] * len(b["input_ids"]) + [0] * (n - len(b["input_ids"])) for b in batch])
+        return {"input_ids": ids, "attention_mask": mask, "labels": ids.masked_fill(mask == 0, -100)}
+
+    args = TrainingArguments(output_dir=str(out), per_device_train_batch_size=2, max_steps=steps, save_steps=2,
+                             use_cpu=True, report_to=[], logging_steps=1, disable_tqdm=True, seed=0,
+                             remove_unused_columns=False, learning_rate=1e-2, weight_decay=0.1)
+    trainer = DDPFixTrainer(model=model, args=args, train_dataset=data, data_collator=collate)
+    result = trainer.train(resume_from_checkpoint=resume)
+    return trainer, result
+
+
+def test_resumed_run_stores_what_an_uninterrupted_run_stores(tmp_path):
+    """transformers' resume tests (TrainerResumeTrainingTest) compare log_history of an uninterrupted and a
+    resumed run: with hf_ddpfix active nothing time- or memory-dependent may enter what the Trainer stores."""
+    import json
+
+    full, full_result = _resume_trainer(tmp_path / "run", 4)
+    resumed, resumed_result = _resume_trainer(tmp_path / "run", 4, resume=str(tmp_path / "run" / "checkpoint-2"))
+    timing = {"train_runtime", "train_samples_per_second", "train_steps_per_second", "total_flos", "train_loss"}
+
+    def stored(entries):
+        return [{k: v for k, v in e.items() if k not in timing} for e in entries]
+
+    assert stored(full.state.log_history) == stored(resumed.state.log_history)
+    for entries in (full.state.log_history, resumed.state.log_history):
+        assert not any(k.startswith("hf_ddpfix/") for e in entries for k in e)
+    state = json.loads((tmp_path / "run" / "checkpoint-4" / "trainer_state.json").read_text())
+    assert not any(k.startswith("hf_ddpfix/") for e in state["log_history"] for k in e)
+    assert not any(k.startswith("hf_ddpfix/") for k in (*full_result.metrics, *resumed_result.metrics))

@@ -53,7 +53,7 @@ def run(extra, sync):
                              use_cpu=True, save_strategy="no", learning_rate=1e-2, remove_unused_columns=False,
                              disable_tqdm=True, seed=0, logging_steps=1)
     trainer = Trainer(model=build(), args=args, train_dataset=ds, data_collator=collate)
-    for cb in reversed([MemoryThroughputCallback(), *extra, sync]):
+    for cb in reversed([MemoryThroughputCallback(in_history=True), *extra, sync]):
         trainer.callback_handler.callbacks.insert(0, cb)  # first: reporters see the added keys
     trainer.train()
     return trainer
