@@ -170,3 +170,25 @@ def test_every_recommended_launch_file_exists():
     for rec in cases:
         for path in re.findall(r"(?:accelerate_configs|examples)/[\w./-]+", rec.launch):
             assert (ROOT / path).is_file(), (path, rec.launch)
+
+
+def test_plan_reports_the_adapter_of_a_supported_vlm_family(capsys, tmp_path):
+    """A Qwen2.5-VL config.json is a supported family: the plan names its adapter, not the unsupported fallback."""
+    from transformers import Qwen2_5_VLConfig
+
+    cfg = Qwen2_5_VLConfig(
+        text_config={"vocab_size": 64, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1,
+                     "num_attention_heads": 2, "num_key_value_heads": 1, "rope_scaling": {"type": "mrope",
+                     "mrope_section": [2, 2, 4]}},
+        vision_config={"depth": 1, "hidden_size": 16, "intermediate_size": 32, "num_heads": 2, "out_hidden_size": 32,
+                       "patch_size": 2, "spatial_merge_size": 2, "temporal_patch_size": 1, "in_channels": 3,
+                       "window_size": 8, "fullatt_block_indexes": [0]},
+        image_token_id=60, video_token_id=61, vision_start_token_id=62,
+    )
+    path = tmp_path / "config.json"
+    path.write_text(cfg.to_json_string())
+    rc, out = _run(capsys, "plan", "--model", str(path), "--train-vision", "--world-size", "2", "--json")
+    plan = json.loads(out)
+    assert rc == 0 and plan["facts"]["is_vlm"] and plan["facts"]["vlm_adapter"] == "qwen2_5_vl", plan["facts"]
+    rc, out = _run(capsys, "plan", "--model", str(path), "--train-vision", "--world-size", "2")
+    assert "no adapter" not in out, out
