@@ -30,7 +30,7 @@ views share it; the same program on ``meta`` tensors gives the same numbers (tes
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -90,6 +90,10 @@ class MemoryLedger(TorchDispatchMode):
 
     Args:
         record_ops: keep an ``OpRecord`` per op call in ``ops`` (default True).
+        workspace: op name -> ``fn(*args, **kwargs) -> bytes`` of memory the kernel allocates
+            internally and frees before returning (invisible to a dispatch mode). It counts towards
+            ``peak`` at that op (on top of the op's outputs) as an entry labelled ``"<op> workspace
+            (modelled)"``; it is a model, reported separately in ``modelled_workspace_peak``.
 
     Attributes:
         phase: label for ops that follow (``"forward"`` or ``"backward"``; ops run inside a
@@ -101,8 +105,9 @@ class MemoryLedger(TorchDispatchMode):
         ops: the ``OpRecord`` list.
     """
 
-    def __init__(self, *, record_ops: bool = True) -> None:
+    def __init__(self, *, record_ops: bool = True, workspace: dict[str, Callable[..., int]] | None = None) -> None:
         super().__init__()
+        self.workspace = dict(workspace or {})
         self.phase = "forward"
         self.module = ""
         self.current = 0
@@ -115,6 +120,7 @@ class MemoryLedger(TorchDispatchMode):
         self._ignored: dict[Any, Any] = {}
         self._peak_entries: list[LedgerEntry] = []
         self._hooks: list[Any] = []
+        self.modelled_workspace_peak = 0
 
     # -- bookkeeping -----------------------------------------------------------------------------
     def _sweep(self) -> None:
@@ -206,6 +212,17 @@ class MemoryLedger(TorchDispatchMode):
             if isinstance(t, torch.Tensor):
                 new += self._add(t, phase, self.module, op, inputs)
         self._update_peak(op)
+        model = self.workspace.get(op)
+        if model is not None:
+            ws = int(model(*args, **(kwargs or {})))
+            if self.current + ws > self.peak:
+                self.peak = self.current + ws
+                self.peak_phase = phase
+                self.peak_op = f"{op} workspace (modelled)"
+                self._peak_entries = [v.entry for v in self._live.values()] + [
+                    LedgerEntry(phase, self.module, f"{op} workspace (modelled)", ws, (), "")
+                ]
+            self.modelled_workspace_peak = max(self.modelled_workspace_peak, ws)
         if self.record_ops:
             self.ops.append(OpRecord(phase, self.module, op, new, self.current))
         return out

@@ -1,0 +1,43 @@
+"""The CPU ledger of a Llama-8B-shaped decoder layer: hf_ddpfix's per-token working set vs stock.
+
+Fake tensors (no data): each measurement of the 4096-hidden layer takes seconds. The per-token figure
+is the slope between 8K and 16K tokens, so constant terms (LoRA grads, one tile) cancel.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("peft")
+
+from hf_ddpfix.integrations.layer_ledger import LayerShape, flash_bwd_workspace, ledger_slope  # noqa: E402
+
+# The issue's target (issue 14): <= 100 KiB/token for one Llama-8B layer with every feature on.
+TARGET_KIB_PER_TOKEN = 100
+
+
+def test_llama8b_layer_hf_ddpfix_is_at_most_100_kib_per_token_and_below_stock():
+    stock = ledger_slope("stock")
+    ours = ledger_slope("hf_ddpfix")
+    assert ours["kib_per_token"] <= TARGET_KIB_PER_TOKEN, ours["breakdown"][:8]
+    assert stock["kib_per_token"] > 3 * ours["kib_per_token"], (stock["kib_per_token"], ours["kib_per_token"])
+    # Both include the modelled FlashAttention-2 backward workspace; ours runs it per KV-head group.
+    assert 0 < ours["modelled_workspace_bytes"] < stock["modelled_workspace_bytes"]
+
+
+def test_each_feature_alone_never_costs_memory():
+    small = LayerShape(hidden=256, intermediate=896, heads=8, kv_heads=2, lora_r=4)
+    stock = ledger_slope("stock", seqs=(512, 1024), shape=small, tokens_per_tile=128)["bytes_per_token"]
+    for feature in ("rms_norm", "attention", "tiled_layer", "hf_ddpfix"):
+        got = ledger_slope(feature, seqs=(512, 1024), shape=small, tokens_per_tile=128)["bytes_per_token"]
+        assert got <= stock, feature
+
+
+def test_flash_workspace_model():
+    import torch
+
+    q = torch.empty(1, 32, 1024, 128, device="meta", dtype=torch.bfloat16)
+    k = torch.empty(1, 8, 1024, 128, device="meta", dtype=torch.bfloat16)
+    per_token = flash_bwd_workspace(q, q, k) / 1024
+    assert per_token == 32 * 128 * 4 + 32 * 4 + 2 * 32 * 128 * 2  # dq_accum fp32 + softmax_d + dk/dv expanded
+    assert flash_bwd_workspace(q, q, q) / 1024 == 32 * 128 * 4 + 32 * 4
