@@ -1,0 +1,59 @@
+"""plan_offload_budget: the last inputs stay on the device as far as the budget allows; short budgets fail early."""
+
+from __future__ import annotations
+
+import pytest
+
+from hf_ddpfix.ops.offload_budget import OffloadBudgetError, max_tokens, plan_offload_budget
+
+GIB = 1 << 30
+KIB = 1 << 10
+
+
+def _llama8b(tokens: int, **kw):
+    args = dict(layers=32, tokens=tokens, layer_bytes=tokens * 8 * KIB, fixed_device_bytes=int(16 * GIB),
+                working_bytes_per_token=80 * KIB, device_budget_bytes=int(76 * GIB), host_budget_bytes=int(100 * GIB))
+    args.update(kw)
+    return plan_offload_budget(**args)
+
+
+def test_keeps_as_many_inputs_as_the_device_budget_allows():
+    b = _llama8b(32768)  # 0.25 GiB per layer input; working set 16 + 2.5 GiB
+    assert b.keep_on_device == 32 and b.offloaded == 0 and b.host_bytes == 0
+    b = _llama8b(262144)  # 2 GiB per layer input; working 16 + 20 GiB -> 40 GiB spare -> 20 inputs
+    assert (b.keep_on_device, b.offloaded) == (20, 12)
+    assert b.device_bytes == int(16 * GIB) + 262144 * 80 * KIB + 20 * 2 * GIB <= b.device_budget
+    assert b.host_bytes == 32 * GIB  # 24 GiB rounded up to the pool's power-of-two slab
+
+
+def test_host_budget_short_fails_early_with_numbers_and_the_longest_fitting_sequence():
+    with pytest.raises(OffloadBudgetError) as err:
+        _llama8b(524288)
+    e = err.value
+    assert e.which == "host" and e.needed > e.budget == 100 * GIB
+    assert "host memory budget" in str(e) and "Longest sequence" in str(e)
+    assert 0 < e.max_tokens < 524288
+    _llama8b(e.max_tokens)  # fits
+    with pytest.raises(OffloadBudgetError):
+        _llama8b(e.max_tokens + 1)
+
+
+def test_device_budget_short_names_the_device():
+    with pytest.raises(OffloadBudgetError) as err:
+        _llama8b(1 << 20, host_budget_bytes=int(10_000 * GIB))
+    assert err.value.which == "device" and "device memory budget" in str(err.value)
+
+
+def test_max_tokens_matches_plan_and_without_slab_rounding_is_larger():
+    kw = dict(layers=32, bytes_per_token_per_layer=8 * KIB, device_budget_bytes=int(76 * GIB),
+              host_budget_bytes=int(100 * GIB), fixed_device_bytes=int(16 * GIB), working_bytes_per_token=80 * KIB)
+    t = max_tokens(**kw)
+    assert max_tokens(**kw, slab_rounding=False) >= t > 0
+    assert max_tokens(**{**kw, "device_budget_bytes": int(8 * GIB)}) == 0
+
+
+@pytest.mark.parametrize("bad", [{"tokens": -1}, {"host_budget_bytes": "lots"}, {"layers": True}])
+def test_bad_arguments_name_the_argument(bad):
+    with pytest.raises(ValueError, match=next(iter(bad))):
+        _llama8b(1024, **bad) if "tokens" not in bad else plan_offload_budget(
+            layers=2, tokens=-1, layer_bytes=1, device_budget_bytes=1, host_budget_bytes=1)
