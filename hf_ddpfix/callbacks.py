@@ -353,11 +353,10 @@ def install_callbacks(trainer: Any, callbacks: list[TrainerCallback], stack: Exi
     for cb in callbacks:
         if isinstance(cb, MemoryThroughputCallback) and not cb.in_history:
             cb.deliver_to(list(handler_callbacks), stack)
-    handler = trainer.callback_handler
 
     def remove() -> None:
         for cb in callbacks:
-            if cb in handler.callbacks:
-                handler.callbacks.remove(cb)
+            if cb in handler_callbacks:
+                handler_callbacks.remove(cb)
 
     stack.callback(remove)

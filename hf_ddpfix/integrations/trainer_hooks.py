@@ -146,7 +146,7 @@ class DDPFixTrainer(Trainer):
         return super().train(resolve_resume(self, resume_from_checkpoint), *args, **kwargs)
 
     def _inner_training_loop(self, *args: Any, **kwargs: Any) -> Any:
-        return run_with_plan(self, super()._inner_training_loop, *args, **kwargs)
+        return run_with_plan(self, getattr(super(), TRAINER_INNER_LOOP), *args, **kwargs)
 
 
 class _PatchLayer:

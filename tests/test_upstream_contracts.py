@@ -1,0 +1,236 @@
+"""Every private upstream access in hf_ddpfix/_compat.py still behaves as the contract says.
+
+When an upstream release moves one of them, the failing test names the contract and the version it was
+last checked against, so the fix goes into one function of `_compat.py`. Tests here are cheap (tiny
+models, one process) and run in CI on both the pinned and the oldest supported stack.
+"""
+
+from __future__ import annotations
+
+import ast
+import functools
+import inspect
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from hf_ddpfix import _compat
+
+PKG = Path(_compat.__file__).parent
+
+
+def _broken(what: str) -> str:
+    return (f"upstream contract changed: {what} (checked against {_compat.CHECKED_AGAINST}); "
+            "update hf_ddpfix/_compat.py")
+
+
+def _tiny_llama():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    return LlamaForCausalLM(LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
+                                        num_attention_heads=2, num_key_value_heads=1))
+
+
+# ------------------------------------------------------------------------------------------- layering
+
+
+def _imported_modules(path: Path) -> set[str]:
+    tree = ast.parse(path.read_text())
+    names: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            names |= {a.name.split(".")[0] for a in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            names.add(node.module.split(".")[0])
+    return names
+
+
+def test_ops_import_neither_transformers_nor_accelerate():
+    for path in sorted((PKG / "ops").glob("*.py")):
+        bad = _imported_modules(path) & {"transformers", "accelerate", "peft", "trl", "deepspeed"}
+        assert not bad, f"{path.name} imports {bad}: hf_ddpfix/ops is pure torch"
+
+
+def test_compat_imports_only_torch_at_module_level():
+    tree = ast.parse((PKG / "_compat.py").read_text())
+    top = set()
+    for node in tree.body:  # module level only: HF imports belong inside the functions
+        if isinstance(node, ast.Import):
+            top |= {a.name.split(".")[0] for a in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            top.add(node.module.split(".")[0])
+    assert top <= {"__future__", "collections", "typing", "torch"}, top
+
+
+_PRIVATE_ATTRIBUTES = {"_inner_training_loop", "_gradient_checkpointing_func", "_orig_mod", "require_backward_grad_sync",
+                       "_top_saved_tensors_default_hooks", "ddp_handler", "_parameters", "_clip_grad_norm",
+                       "_get_grad_norm", "callback_handler"}
+_PRIVATE_NAMES = {"StorageWeakRef", "ForCausalLMLoss"}
+
+
+def test_private_names_are_spelled_only_in_the_contract_layer():
+    """Code outside _compat.py never touches a private upstream attribute or class (docstrings may name them)."""
+    for path in sorted(PKG.rglob("*.py")):
+        if path.name == "_compat.py":
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            where = f"{path.relative_to(PKG.parent)}:{getattr(node, 'lineno', '?')}"
+            if isinstance(node, ast.Attribute) and node.attr in _PRIVATE_ATTRIBUTES:
+                pytest.fail(f"{where} uses .{node.attr}; go through hf_ddpfix/_compat.py")
+            if isinstance(node, (ast.Name, ast.alias)) and getattr(node, "id", getattr(node, "name", "")) in _PRIVATE_NAMES:
+                pytest.fail(f"{where} uses {getattr(node, 'id', getattr(node, 'name', ''))}; go through _compat")
+
+
+# ------------------------------------------------------------------------------------------- Trainer
+
+
+def _reachable_source(cls, name: str, depth: int = 3) -> str:
+    """Source of ``cls.name`` and of the ``self._helper(...)`` methods it calls, ``depth`` levels deep."""
+    import re
+
+    seen, todo, out = set(), [name], []
+    for _ in range(depth):
+        nxt = []
+        for n in todo:
+            if n in seen or not callable(getattr(cls, n, None)):
+                continue
+            seen.add(n)
+            src = inspect.getsource(getattr(cls, n))
+            out.append(src)
+            nxt += re.findall(r"self\.(_[A-Za-z_]+)\(", src)
+        todo = nxt
+    return "\n".join(out)
+
+
+def test_trainer_private_methods_exist_with_the_signatures_we_wrap():
+    from transformers import Trainer
+
+    for name in (_compat.TRAINER_INNER_LOOP, *_compat.TRAINER_STEP_HOOKS):
+        assert callable(getattr(Trainer, name, None)), _broken(f"Trainer.{name} is gone")
+    params = inspect.signature(getattr(Trainer, _compat.TRAINER_INNER_LOOP)).parameters
+    assert "resume_from_checkpoint" in params or any(p.kind is p.VAR_KEYWORD for p in params.values()), \
+        _broken("Trainer._inner_training_loop no longer takes resume_from_checkpoint")
+    train_params = list(inspect.signature(Trainer.train).parameters)
+    assert train_params[1] == "resume_from_checkpoint", _broken("Trainer.train's first argument moved")
+    # the inner loop must be where accelerate wraps the model (the plan's DDP kwargs are read there)
+    src = _reachable_source(Trainer, _compat.TRAINER_INNER_LOOP)
+    assert "accelerator.prepare" in src, _broken("Trainer._inner_training_loop no longer calls accelerator.prepare")
+    assert any(h in src for h in _compat.TRAINER_STEP_HOOKS), \
+        _broken("the inner loop no longer calls _clip_grad_norm/_get_grad_norm before the optimizer step")
+
+
+def test_trainer_callbacks_is_the_live_list(tmp_path):
+    from transformers import Trainer, TrainerCallback, TrainingArguments
+
+    trainer = Trainer(model=_tiny_llama(), args=TrainingArguments(str(tmp_path), use_cpu=True, report_to=[]))
+    callbacks = _compat.trainer_callbacks(trainer)
+    assert isinstance(callbacks, list)
+    cb = TrainerCallback()
+    callbacks.insert(0, cb)
+    assert trainer.callback_handler.callbacks[0] is cb, _broken("callback_handler.callbacks is not the live list")
+
+
+def test_set_ddp_kwargs_reaches_the_handler_accelerate_reads():
+    from accelerate import Accelerator
+    from accelerate.utils import DistributedDataParallelKwargs
+
+    acc = Accelerator(cpu=True)
+    _compat.set_ddp_kwargs(acc, find_unused_parameters=False, static_graph=True)
+    assert isinstance(acc.ddp_handler, DistributedDataParallelKwargs), _broken("Accelerator.ddp_handler")
+    assert acc.ddp_handler.to_kwargs() == {"static_graph": True}  # find_unused False is the default
+
+
+def test_ddp_no_sync_flag():
+    import torch.distributed as dist
+
+    from hf_ddpfix.ops.dist import world_size
+
+    assert world_size() == 1
+    src = inspect.getsource(torch.nn.parallel.DistributedDataParallel.no_sync)
+    assert "require_backward_grad_sync" in src, _broken("DDP.no_sync no longer sets require_backward_grad_sync")
+    assert _compat.ddp_syncs_grads(nn.Linear(1, 1)) is True
+    assert not dist.is_initialized()
+
+
+# ------------------------------------------------------------------------------------------- models
+
+
+def test_unwrap_model_strips_compile_ddp_style_and_peft_wrappers():
+    from peft import LoraConfig, get_peft_model
+
+    base = _tiny_llama()
+    peft = get_peft_model(base, LoraConfig(r=2, target_modules=["q_proj"]))
+    compiled = torch.compile(peft, backend="eager")
+    assert hasattr(compiled, "_orig_mod"), _broken("torch.compile wrapper has no _orig_mod")
+    assert _compat.unwrap_model(nn.DataParallel(compiled)) is base
+    assert _compat.unwrap_parallel(nn.DataParallel(compiled)) is peft
+
+
+def test_checkpointed_layers_call_the_function_we_set():
+    model = _tiny_llama()
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    layers = [m for m in _compat.checkpointable_layers(model) if type(m).__name__ == "LlamaDecoderLayer"]
+    assert len(layers) == 2 and all(_compat.is_checkpointing(m) for m in layers), \
+        _broken("decoder layers no longer carry gradient_checkpointing/_gradient_checkpointing_func")
+    assert isinstance(_compat.layer_checkpoint_func(layers[0]), functools.partial)
+    calls = []
+
+    def func(function, *args, **kwargs):
+        calls.append(1)
+        return checkpoint(function, *args, use_reentrant=False, **kwargs)
+
+    for m in layers:
+        _compat.set_layer_checkpoint_func(m, func)
+    model.train()
+    model(input_ids=torch.tensor([[1, 2, 3]]), labels=torch.tensor([[1, 2, 3]])).loss.backward()
+    assert len(calls) == 2, _broken("checkpointed layers no longer call _gradient_checkpointing_func")
+
+
+def test_causal_lm_loss_identity_and_forward_source():
+    model = _tiny_llama()
+    assert model.loss_function is _compat.causal_lm_loss_function(), \
+        _broken("LlamaForCausalLM.loss_function is not ForCausalLMLoss")
+    src = _compat.forward_source(type(model))
+    assert "self.lm_head(" in src and "self.loss_function(" in src, _broken("LlamaForCausalLM.forward shape")
+
+
+# ------------------------------------------------------------------------------------------- torch
+
+
+def test_storage_weak_ref_identifies_views_of_one_storage():
+    t = torch.zeros(8)
+    assert _compat.storage_weak_ref(t) == _compat.storage_weak_ref(t[2:])
+    assert _compat.storage_weak_ref(t) != _compat.storage_weak_ref(torch.zeros(8))
+    p = nn.Parameter(torch.zeros(4))
+    assert _compat.view_base(p[:2]) is p and _compat.view_base(t) is None
+
+
+def test_module_parameter_slots_swap_a_parameter_for_a_tensor():
+    lin = nn.Linear(2, 2)
+    slots = _compat.module_parameter_slots(lin)
+    old = slots["weight"]
+    slots["weight"] = torch.ones(2, 2)
+    try:
+        assert torch.equal(lin.weight, torch.ones(2, 2)) and "weight" in dict(lin.named_parameters())
+    finally:
+        slots["weight"] = old
+
+
+def test_checkpoint_recompute_probe_fires_only_at_the_last_saved_tensors():
+    """Inside a non-reentrant recompute the probe is True exactly when the next saved tensors are the last."""
+    seen: list[tuple[str, bool]] = []
+
+    def body(x):
+        y = x.sin()  # saves x
+        seen.append(("after_sin", _compat.checkpoint_recompute_is_last(1)))
+        return y.cos()  # saves y: the last saved tensor of the recompute
+
+    x = torch.randn(4, requires_grad=True)
+    assert _compat.checkpoint_recompute_is_last(1) is False  # outside any checkpoint
+    checkpoint(body, x, use_reentrant=False).sum().backward()
+    assert seen[0] == ("after_sin", False)  # the forward: not a recompute
+    assert seen[1] == ("after_sin", True), _broken(f"torch.utils.checkpoint recompute internals: {seen}")
