@@ -134,6 +134,7 @@ class Plan:
     quantization: Decision = Decision(None, "")
     corrections: tuple[str, ...] = ()
     config_lines: tuple[str, ...] = field(default=())
+    offload_min_layer_bytes: int = 0  # the offload policy's threshold (ActivationOffload(min_layer_bytes=))
 
     def ddp_kwargs(self) -> dict[str, Any]:
         """Keyword arguments for `DistributedDataParallel` (via accelerate's `DistributedDataParallelKwargs`)."""
@@ -229,6 +230,7 @@ def resolve_plan(facts: RunFacts, config: DDPFixConfig | None = None) -> Plan:
         quantization=quantization,
         corrections=tuple(corrections),
         config_lines=tuple(c.describe()),
+        offload_min_layer_bytes=offload_min_layer_bytes(c),
     )
 
 
@@ -387,7 +389,34 @@ def _decide_offload(facts: RunFacts, c: DDPFixConfig, ckpt: str) -> Decision:
     if not facts.accelerator_available:
         return Decision(False, "no-op: no accelerator, activations already live in host memory (nothing to "
                         "offload to; stock would crash in pin_memory)", changed=bool(facts.offload_requested))
-    return Decision(True, f"async pinned-memory offload of checkpointed layer inputs ({source})", changed=True)
+    device_type = (facts.rank_device or "cuda").split(":")[0]
+    if device_type not in ("cuda", "cpu", "meta"):  # ROCm reports "cuda" too; MPS, XPU, NPU, HPU do not
+        if facts.offload_requested and c.offload_activations is None:
+            return Decision("stock", f"on {device_type}: transformers' own offload kept (blocking save_on_cpu "
+                            "copies); hf_ddpfix's asynchronous offload supports CUDA/ROCm only")
+        return Decision(False, f"off on {device_type}: hf_ddpfix's asynchronous offload supports CUDA/ROCm only, "
+                        "activations stay on the device", changed=bool(facts.offload_requested))
+    mib = DEFAULT_OFFLOAD_MIN_LAYER_MIB if c.offload_min_layer_mib is None else int(c.offload_min_layer_mib)
+    if mib == 0:
+        policy = f"every step copies (offload_min_layer_mib=0, {c.source('offload_min_layer_mib')})"
+    else:
+        policy = (f"auto: a step copies checkpoint inputs >= {mib} MiB, or any when the device was >= 90% reserved; "
+                  f"smaller ones stay (H100, 1.1B Llama: 1.57x step time at 8 MiB per layer, 1.08x at 32 MiB, "
+                  f"0.99x at 64 MiB) ({c.source('offload_min_layer_mib')})")
+    return Decision(True, f"async pinned-memory offload of checkpointed layer inputs ({source}); {policy}",
+                    changed=True)
+
+
+#: Offload policy default (MiB per checkpoint input): the smallest layer input at which offloading cost
+#: nothing in the H100 measurement (2026-11-23, benchmarks/offload.py, BENCHMARKS.md): 1.57x step time at
+#: 8 MiB (2K tokens x 2048 hidden x bf16), 1.08x at 32 MiB (8K), 0.99x at 64 MiB (16K), 1.01x at 128 MiB.
+DEFAULT_OFFLOAD_MIN_LAYER_MIB = 64
+
+
+def offload_min_layer_bytes(config: DDPFixConfig | None) -> int:
+    """The offload policy's threshold in bytes for ``ActivationOffload(min_layer_bytes=...)``."""
+    mib = None if config is None else config.offload_min_layer_mib
+    return (DEFAULT_OFFLOAD_MIN_LAYER_MIB if mib is None else int(mib)) << 20
 
 
 def _decide_hang_guard(facts: RunFacts, c: DDPFixConfig, ddp: bool, fu: bool, stabilized: bool) -> Decision:

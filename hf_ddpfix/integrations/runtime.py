@@ -13,11 +13,12 @@ from contextlib import AbstractContextManager, ExitStack
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
 from torch import nn
 from transformers import TrainerCallback
 
 from .._compat import TRAINER_STEP_HOOKS
-from ..ops.offload import ActivationOffload
+from ..ops.offload import ActivationOffload, SaveOnCpuScope
 from ..plan import Plan
 from .checkpointing import apply_checkpointing, checkpoint_kwargs_without_mode
 from .hang_guard import HangGuard
@@ -44,11 +45,14 @@ class Runtime:
 def attach_runtime(trainer: Any, model: nn.Module, plan: Plan, stack: ExitStack) -> Runtime:
     """Apply every per-run piece of `plan` to `trainer` / `model`; undo callbacks go on `stack`."""
     rt = Runtime(plan)
-    if plan.offload_activations.value:
-        rt.offload = ActivationOffload(module=model)
+    offload: Any = None
+    if plan.offload_activations.value == "stock":  # non-CUDA accelerator: transformers' blocking offload kept
+        offload = SaveOnCpuScope(_device_type(trainer))
+    elif plan.offload_activations.value:
+        rt.offload = offload = ActivationOffload(module=model, min_layer_bytes=plan.offload_min_layer_bytes)
         rt.step_contexts.append(rt.offload.step)
         stack.callback(rt.offload.clear_pool)
-    _apply_checkpointing(trainer, model, plan, rt.offload)
+    _apply_checkpointing(trainer, model, plan, offload)
     if plan.vlm_stabilizer.value:
         rt.stabilizer = _attach_stabilizer(trainer, model, plan, stack)
     if plan.hang_guard.value:
@@ -156,7 +160,11 @@ def _override(obj: Any, name: str, wrap: Callable[[Callable[..., Any]], Callable
     stack.callback(restore)
 
 
-def _apply_checkpointing(trainer: Any, model: nn.Module, plan: Plan, offload: ActivationOffload | None) -> None:
+def _device_type(trainer: Any) -> str:
+    return torch.device(trainer.args.device).type
+
+
+def _apply_checkpointing(trainer: Any, model: nn.Module, plan: Plan, offload: Any) -> None:
     mode = plan.checkpointing.value
     if mode == "off":
         return

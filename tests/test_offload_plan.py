@@ -1,0 +1,45 @@
+"""The offload decision: on CUDA with the `auto` policy threshold and its reason; truthful on MPS/XPU."""
+
+from __future__ import annotations
+
+import torch
+
+from hf_ddpfix.config import DDPFixConfig
+from hf_ddpfix.ops.offload import SaveOnCpuScope
+from hf_ddpfix.plan import DEFAULT_OFFLOAD_MIN_LAYER_MIB, RunFacts, resolve_plan
+
+
+def facts(device: str = "cuda:0", requested: bool = True) -> RunFacts:
+    return RunFacts(parallel="ddp", world_size=2, checkpointing="non_reentrant", offload_requested=requested,
+                    accelerator_available=True, rank_device=device)
+
+
+def test_cuda_offload_is_on_with_the_measured_threshold_in_the_plan_log():
+    plan = resolve_plan(facts())
+    d = plan.offload_activations
+    assert d.value is True and d.changed
+    assert plan.offload_min_layer_bytes == DEFAULT_OFFLOAD_MIN_LAYER_MIB << 20 == 64 << 20
+    assert ">= 64 MiB" in d.reason and "1.57x" in d.reason and "0.99x" in d.reason
+    assert "(default)" in d.reason
+
+
+def test_min_layer_mib_zero_copies_every_step_and_a_value_sets_the_threshold():
+    always = resolve_plan(facts(), DDPFixConfig.from_env({"HF_DDPFIX_OFFLOAD_MIN_LAYER_MIB": "0"}))
+    assert always.offload_min_layer_bytes == 0 and "every step copies" in always.offload_activations.reason
+    custom = resolve_plan(facts(), DDPFixConfig.from_env({}, offload_min_layer_mib=16))
+    assert custom.offload_min_layer_bytes == 16 << 20 and ">= 16 MiB" in custom.offload_activations.reason
+
+
+def test_mps_and_xpu_keep_transformers_offload_and_never_claim_ours():
+    for device in ("mps", "xpu:0"):
+        stock = resolve_plan(facts(device))
+        assert stock.offload_activations.value == "stock", stock.offload_activations
+        assert "CUDA/ROCm only" in stock.offload_activations.reason
+        assert "transformers' own offload kept" in stock.offload_activations.reason
+        ours = resolve_plan(facts(device, requested=False), DDPFixConfig.from_env({}, offload_activations=True))
+        assert ours.offload_activations.value is False and "CUDA/ROCm only" in ours.offload_activations.reason
+
+
+def test_save_on_cpu_scope_is_stocks_hook():
+    scope = SaveOnCpuScope("cpu").pack_scope()
+    assert isinstance(scope, torch.autograd.graph.save_on_cpu)
