@@ -27,7 +27,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def launch(argv: list[str]) -> int:
     env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),
-           "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "tests" / "scripts")])}
+           "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "tests")])}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", __file__, *argv]
     return subprocess.call(cmd, env=env)
 
@@ -36,8 +36,8 @@ def worker(a: argparse.Namespace) -> None:
     import torch
     import torch.distributed as dist
     import transformers
+    from fixtures import add_lora, build_qwen2_5_vl, make_batch
     from torch import nn
-    from vlm_ddp import add_lora, build_qwen2_5_vl, make_batch
 
     from hf_ddpfix.integrations.stabilizer import VisionStabilizer
 

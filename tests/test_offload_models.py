@@ -22,7 +22,7 @@ from torch import nn
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "scripts"))
 
-from vlm_ddp import add_lora, build_qwen2_5_vl, make_batch  # noqa: E402
+from fixtures import add_lora, build_qwen2_5_vl, make_batch  # noqa: E402
 
 from hf_ddpfix.integrations.checkpointing import apply_checkpointing  # noqa: E402
 from hf_ddpfix.ops.offload import ActivationOffload  # noqa: E402

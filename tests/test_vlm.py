@@ -16,8 +16,8 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 sys.path.insert(0, os.path.join(HERE, "scripts"))
 
+from fixtures import BUILDERS, PATCH_DIM, add_lora, make_batch  # noqa: E402
 from launch import torchrun  # noqa: E402
-from vlm_ddp import BUILDERS, PATCH_DIM, add_lora, make_batch  # noqa: E402
 
 from hf_ddpfix._compat import unwrap_model  # noqa: E402
 from hf_ddpfix.integrations.families import (  # noqa: E402

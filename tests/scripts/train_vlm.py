@@ -19,7 +19,8 @@ from torch.utils.data import SequentialSampler
 from transformers import Trainer, TrainingArguments
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from vlm_ddp import add_lora, build_qwen2_5_vl, make_batch  # noqa: E402
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))  # tests/: fixtures
+from fixtures import add_lora, build_qwen2_5_vl, make_batch  # noqa: E402
 
 from hf_ddpfix import patch_trainer  # noqa: E402
 

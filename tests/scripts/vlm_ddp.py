@@ -22,178 +22,19 @@ import torch.distributed as dist
 from torch import nn
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))  # tests/: fixtures
+
+from fixtures import (  # noqa: E402,F401  (re-exported for the other vlm_* scripts)
+    BUILDERS,
+    PATCH_DIM,
+    SEQ,
+    add_lora,
+    build_qwen2_5_vl,
+    make_batch,
+)
 
 from hf_ddpfix.integrations.families import vision_param_names  # noqa: E402
 from hf_ddpfix.integrations.stabilizer import VisionStabilizer  # noqa: E402
-
-IMAGE, VIDEO, VSTART, VEND = 250, 251, 252, 253
-# cell.py's targets, plus Qwen3-VL's vision MLP / merger names (linear_fc1/2)
-LORA_TARGETS = [
-    "q_proj",
-    "v_proj",
-    "qkv",
-    "proj",
-    "gate_proj",
-    "up_proj",
-    "down_proj",
-    "linear_fc1",
-    "linear_fc2",
-]
-SEQ = 16
-
-_TEXT = dict(
-    vocab_size=256,
-    hidden_size=64,
-    intermediate_size=128,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    max_position_embeddings=512,
-    rope_scaling={"type": "mrope", "mrope_section": [2, 2, 4]},
-    eos_token_id=0,
-    bos_token_id=0,
-)
-_TOKENS = dict(
-    image_token_id=IMAGE, video_token_id=VIDEO, vision_start_token_id=VSTART, vision_end_token_id=VEND
-)
-
-
-def build_qwen2_5_vl(seed: int = 0) -> nn.Module:
-    """Tiny Qwen2.5-VL (cell.py's config): window attention with one full-attention block."""
-    from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
-
-    torch.manual_seed(seed)
-    cfg = Qwen2_5_VLConfig(
-        text_config=_TEXT,
-        vision_config=dict(
-            depth=2,
-            hidden_size=32,
-            intermediate_size=64,
-            num_heads=2,
-            out_hidden_size=64,
-            patch_size=14,
-            spatial_merge_size=2,
-            temporal_patch_size=2,
-            fullatt_block_indexes=[1],
-            window_size=56,
-        ),
-        **_TOKENS,
-    )
-    return Qwen2_5_VLForConditionalGeneration(cfg)
-
-
-def build_qwen2_vl(seed: int = 0) -> nn.Module:
-    from transformers import Qwen2VLConfig, Qwen2VLForConditionalGeneration
-
-    torch.manual_seed(seed)
-    cfg = Qwen2VLConfig(
-        text_config=_TEXT,
-        vision_config=dict(
-            depth=2,
-            embed_dim=32,
-            hidden_size=64,
-            num_heads=2,
-            mlp_ratio=2,
-            patch_size=14,
-            spatial_merge_size=2,
-            temporal_patch_size=2,
-        ),
-        **_TOKENS,
-    )
-    return Qwen2VLForConditionalGeneration(cfg)
-
-
-def _qwen3_text(moe: bool) -> dict:
-    t = dict(
-        vocab_size=256,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        max_position_embeddings=512,
-        eos_token_id=0,
-        bos_token_id=0,
-        rope_scaling={"rope_type": "default", "mrope_section": [2, 3, 3], "mrope_interleaved": True},
-    )
-    if moe:
-        t.update(moe_intermediate_size=32, num_experts=4, num_experts_per_tok=2)
-    return t
-
-
-_QWEN3_VISION = dict(
-    depth=2,
-    hidden_size=32,
-    intermediate_size=64,
-    num_heads=2,
-    out_hidden_size=64,
-    patch_size=16,
-    spatial_merge_size=2,
-    temporal_patch_size=2,
-    num_position_embeddings=16,
-    deepstack_visual_indexes=[0],
-)
-
-
-def build_qwen3_vl(seed: int = 0) -> nn.Module | None:
-    try:
-        from transformers import Qwen3VLConfig, Qwen3VLForConditionalGeneration
-    except ImportError:
-        return None
-    torch.manual_seed(seed)
-    return Qwen3VLForConditionalGeneration(
-        Qwen3VLConfig(text_config=_qwen3_text(False), vision_config=_QWEN3_VISION, **_TOKENS)
-    )
-
-
-def build_qwen3_vl_moe(seed: int = 0) -> nn.Module | None:
-    try:
-        from transformers import Qwen3VLMoeConfig, Qwen3VLMoeForConditionalGeneration
-    except ImportError:
-        return None
-    torch.manual_seed(seed)
-    return Qwen3VLMoeForConditionalGeneration(
-        Qwen3VLMoeConfig(text_config=_qwen3_text(True), vision_config=_QWEN3_VISION, **_TOKENS)
-    )
-
-
-BUILDERS: dict[str, Callable[[int], nn.Module | None]] = {
-    "qwen2_vl": build_qwen2_vl,
-    "qwen2_5_vl": build_qwen2_5_vl,
-    "qwen3_vl": build_qwen3_vl,
-    "qwen3_vl_moe": build_qwen3_vl_moe,
-}
-PATCH_DIM = {"qwen2_vl": 1176, "qwen2_5_vl": 1176, "qwen3_vl": 1536, "qwen3_vl_moe": 1536}  # C*tp*p*p
-
-
-def add_lora(model: nn.Module, dropout: float = 0.0) -> nn.Module:
-    """LoRA on every linear layer, vision tower included (what "all-linear" users do). Random A and B
-    (init_lora_weights=False) so every adapter gets a non-zero gradient from the first step."""
-    from peft import LoraConfig, get_peft_model
-
-    cfg = LoraConfig(
-        r=4, lora_alpha=8, lora_dropout=dropout, target_modules=LORA_TARGETS, init_lora_weights=False
-    )
-    return get_peft_model(model, cfg)
-
-
-def make_batch(has_image: bool, seed: int, patch_dim: int = 1176) -> dict[str, torch.Tensor]:
-    """One sample; with an image: a 4x4-patch image -> 4 merged image tokens."""
-    g = torch.Generator().manual_seed(seed)
-    ids = torch.randint(0, 240, (1, SEQ), generator=g)
-    batch: dict[str, torch.Tensor] = {}
-    if has_image:
-        ids[0, 3] = VSTART
-        ids[0, 4:8] = IMAGE
-        ids[0, 8] = VEND
-        batch["pixel_values"] = torch.randn(16, patch_dim, generator=g)
-        batch["image_grid_thw"] = torch.tensor([[1, 4, 4]])
-        batch["mm_token_type_ids"] = (ids == IMAGE).long()
-    batch["input_ids"] = ids
-    batch["labels"] = ids.clone()
-    return batch
-
 
 Pattern = Callable[[int, int, int], bool]  # (step, micro, rank) -> has image
 

@@ -21,7 +21,9 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from vlm_ddp import BUILDERS, PATCH_DIM, add_lora, assert_equal, make_batch, train_ddp  # noqa: E402
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))  # tests/: fixtures
+from fixtures import BUILDERS, PATCH_DIM, add_lora, make_batch  # noqa: E402
+from vlm_ddp import assert_equal, train_ddp  # noqa: E402
 
 from hf_ddpfix.integrations.families import vision_param_names  # noqa: E402
 from hf_ddpfix.integrations.fsdp_wrap import fsdp_wrap_plan  # noqa: E402

@@ -24,7 +24,8 @@ import torch.distributed as dist
 from torch import nn
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from vlm_ddp import add_lora, build_qwen2_5_vl, make_batch  # noqa: E402
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))  # tests/: fixtures
+from fixtures import add_lora, build_qwen2_5_vl, make_batch  # noqa: E402
 
 from hf_ddpfix.integrations.hang_guard import HangGuard, UnusedParametersError  # noqa: E402
 
