@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import ast
 import inspect
+import logging
 from dataclasses import dataclass
 from typing import Any
 
@@ -27,6 +28,20 @@ from .._compat import causal_lm_loss_function, forward_source, unwrap_model
 from ..ops.tiled_loss import tiled_causal_lm_loss
 
 __all__ = ["TiledLossHandle", "patch_model_loss", "unpatch_model_loss"]
+
+logger = logging.getLogger("hf_ddpfix")
+
+
+def _known_extra_keywords() -> frozenset[str]:
+    """Keywords a HF CausalLM forward takes through ``**kwargs`` and forwards to its base model or loss
+    (transformers 5.x ``TransformersKwargs`` plus the loss keywords the Trainer passes)."""
+    try:
+        from transformers.utils import TransformersKwargs
+
+        typed = set(getattr(TransformersKwargs, "__annotations__", {}))
+    except ImportError:  # pragma: no cover - transformers < 4.54
+        typed = set()
+    return frozenset(typed | {"return_dict", "ignore_index", "shift_labels", "num_items_in_batch"})
 
 
 
@@ -101,6 +116,16 @@ class _TiledLossForward:
         self.chunk_tokens = chunk_tokens
         self.in_eval = in_eval
         self.calls = 0
+        self.stood_down: dict[str, int] = {}  # reason -> calls left to the previous forward for it
+        self._known = _known_extra_keywords()
+
+    def _stand_down(self, reason: str, base: Any, args: tuple, kwargs: dict) -> Any:
+        """Leave this call to the forward we replaced (a trainer's own fused/chunked head, a wrapper's
+        keywords): never break the trainer. The first call for each reason is logged."""
+        if reason not in self.stood_down:
+            logger.info("tiled_loss: stands down (%s); the previous forward computes this call's loss", reason)
+        self.stood_down[reason] = self.stood_down.get(reason, 0) + 1
+        return base(*args, **kwargs)
 
     def _base(self) -> Any:
         return self.prev if self.prev is not None else type(self.model).forward.__get__(self.model)
@@ -124,6 +149,14 @@ class _TiledLossForward:
         for pname, p in sig.parameters.items():
             if p.kind is p.VAR_KEYWORD and pname in arguments:
                 extra = dict(arguments.pop(pname))
+        unknown = sorted(k for k in extra if k not in self._known)
+        if unknown:
+            if "fused_lm_head" in unknown and extra.get("fused_lm_head"):
+                why = ("fused_lm_head=True: the trainer brings its own chunked LM head and loss (TRL), which "
+                       "never holds the full logits either")
+            else:
+                why = f"keyword(s) {unknown} unknown to {type(self.model).__name__}.forward (a forward wrapper's)"
+            return self._stand_down(why, base, args, kwargs)
         labels = arguments.get("labels")
         keep = arguments.get("logits_to_keep", 0)
         keep_all = (isinstance(keep, int) and keep == 0) or keep is None
@@ -162,13 +195,24 @@ class TiledLossHandle:
     model: nn.Module
     target: nn.Module
 
+    def _forward(self) -> Any:
+        fwd = self.target.__dict__.get("forward")
+        return fwd if isinstance(fwd, _TiledLossForward) else self.__dict__.get("_last_forward")
+
     @property
     def calls(self) -> int:
-        """How many forwards used the tiled loss so far."""
-        fwd = self.target.__dict__.get("forward")
-        return fwd.calls if isinstance(fwd, _TiledLossForward) else 0
+        """How many forwards used the tiled loss so far (still readable after ``remove()``)."""
+        fwd = self._forward()
+        return fwd.calls if fwd is not None else 0
+
+    @property
+    def stood_down(self) -> dict[str, int]:
+        """Calls left to the previous forward, by reason (e.g. TRL's ``fused_lm_head=True``)."""
+        fwd = self._forward()
+        return dict(fwd.stood_down) if fwd is not None else {}
 
     def remove(self) -> bool:
+        self.__dict__["_last_forward"] = self._forward()
         return unpatch_model_loss(self.model)
 
 
@@ -180,7 +224,12 @@ def patch_model_loss(model: nn.Module, *, chunk_tokens: int | None = None, in_ev
     ``ForCausalLMLoss`` semantics (``num_items_in_batch``, ``ignore_index``, ``shift_labels`` from the
     kwargs, as the Trainer passes them), and returns a ``CausalLMOutputWithPast`` with ``logits=None``.
     Without labels, with ``logits_to_keep != 0``, or under ``no_grad`` (evaluation needs logits for
-    metrics; ``in_eval=True`` tiles there too) the original forward runs unchanged.
+    metrics; ``in_eval=True`` tiles there too) the original forward runs unchanged. A call with a
+    keyword the model's forward does not know (neither a named argument nor one of transformers'
+    ``TransformersKwargs`` / loss keywords) is left to the forward this patch replaced, with the reason
+    logged once and counted in ``handle.stood_down``: e.g. TRL 1.16's ``SFTTrainer`` (and GRPO, RLOO,
+    KTO) installs its own fused LM head and calls ``model(..., fused_lm_head=True)``, then reads
+    ``outputs.log_probs``; that call runs TRL's head unchanged.
 
     Args:
         model: a HF CausalLM / ``Qwen2VLForConditionalGeneration`` / ``Qwen2_5_VLForConditionalGeneration``
@@ -192,7 +241,8 @@ def patch_model_loss(model: nn.Module, *, chunk_tokens: int | None = None, in_ev
         ValueError: the model's forward is not the plain ``lm_head -> loss_function(ForCausalLMLoss)``
             shape (soft-capped logits, custom loss, adapter on ``lm_head``), naming the model and reason.
 
-    Guarantees: same loss and gradients as the model's own loss (1e-5 relative, tests); idempotent;
+    Guarantees: same loss and gradients as the model's own loss (1e-5 relative, tests); a call with
+    keywords it does not know runs the previous forward exactly (never breaks a trainer); idempotent;
     reversible (``remove()`` restores the previous forward); the forward's signature is preserved (the
     Trainer's column filtering and loss-kwargs detection see the original one).
     """
