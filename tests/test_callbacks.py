@@ -125,22 +125,14 @@ def test_replica_sync_and_cross_rank_metrics_under_ddp(tmp_path):
 
 
 def _resume_trainer(out, steps, resume=None):
-    from peft import LoraConfig, get_peft_model
-    from transformers import LlamaConfig, LlamaForCausalLM, TrainingArguments
+    from fixtures import lora, padded_collate, tiny_llama, variable_length_ids
+    from transformers import TrainingArguments
 
     from hf_ddpfix import DDPFixTrainer
 
-    torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                      num_attention_heads=2, num_key_value_heads=1)
-    model = get_peft_model(LlamaForCausalLM(cfg), LoraConfig(r=2, target_modules=["q_proj"]))
-    data = [{"input_ids": [(i * 7 + j) % 60 for j in range(6 + i % 3)]} for i in range(16)]
-
-    def collate(batch):
-        n = max(len(b["input_ids"]) for b in batch)
-        ids = torch.tensor([b["input_ids"] + [0] * (n - len(b["input_ids"])) for b in batch])
-        mask = torch.tensor([[1] * len(b["input_ids"]) + [0] * (n - len(b["input_ids"])) for b in batch])
-        return {"input_ids": ids, "attention_mask": mask, "labels": ids.masked_fill(mask == 0, -100)}
+    model = lora(tiny_llama(num_hidden_layers=1), targets=["q_proj"])
+    data = [{"input_ids": ids} for ids in variable_length_ids(16)]
+    collate = padded_collate
 
     args = TrainingArguments(output_dir=str(out), per_device_train_batch_size=2, max_steps=steps, save_steps=2,
                              use_cpu=True, report_to=[], logging_steps=1, disable_tqdm=True, seed=0,
