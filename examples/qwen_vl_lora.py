@@ -247,7 +247,8 @@ def main(argv=None) -> dict:
 
     from peft import LoraConfig, get_peft_model
     from transformers import Trainer, TrainingArguments
-    from transformers.trainer_utils import get_last_checkpoint
+
+    from hf_ddpfix import last_complete_checkpoint
 
     if args.model:
         model, tokenizer, image_processor = build_hub_model(args)
@@ -315,7 +316,7 @@ def main(argv=None) -> dict:
 
     resume_from = None
     if args.resume:
-        resume_from = get_last_checkpoint(args.output_dir) if os.path.isdir(args.output_dir) else None
+        resume_from = last_complete_checkpoint(args.output_dir) if os.path.isdir(args.output_dir) else None
         if resume_from is None and rank0():
             print(f"--resume: no checkpoint in {args.output_dir}, starting from step 0", flush=True)
         elif rank0():
