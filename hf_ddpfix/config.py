@@ -157,6 +157,17 @@ def env_name(option: str) -> str:
     return "HF_DDPFIX_" + option.upper()
 
 
+def env_setting(option: str, value: str) -> str:
+    """`VAR=value` for messages and logs, e.g. `env_setting("static_graph", "0")` -> `HF_DDPFIX_STATIC_GRAPH=0`.
+
+    Raises:
+        KeyError: `option` is not a `DDPFixConfig` option (a renamed option cannot leave a stale hint).
+    """
+    if option not in OPTIONS:
+        raise KeyError(f"no hf_ddpfix option {option!r}; options: {', '.join(OPTIONS)}")
+    return f"{env_name(option)}={value}"
+
+
 @dataclass(frozen=True)
 class DDPFixConfig:
     """All hf_ddpfix options. `None` means unset (the plan decides). Each field's parser, documentation and
@@ -205,6 +216,11 @@ class DDPFixConfig:
     )
     hang_guard: bool | None = option(
         _bool, "Detect ranks disagreeing on used parameter groups before backward and raise (auto: on)."
+    )
+    parameter_usage: bool | None = option(
+        _bool,
+        "Tie every trainable parameter a forward did not use into the loss with an exact-zero gradient (observed "
+        "each forward), so DDP runs with find_unused_parameters=False for any model (auto: on under DDP).",
     )
     tiled_mlp: str | None = option(
         _tiled_mlp,
