@@ -26,7 +26,10 @@ from torch import nn
 # The newest versions every contract below was read against (the pinned CI stack, constraints.txt).
 CHECKED_AGAINST = {"torch": "2.13.0", "transformers": "5.23.0", "accelerate": "1.15.0", "peft": "0.21.2"}
 # The oldest versions CI also runs the unit tests and 2-process cells on (constraints-oldest.txt).
-OLDEST_SUPPORTED = {"transformers": "5.0.0", "accelerate": "1.12.0", "peft": "0.18.0"}
+# transformers 5.0-5.2 (and 4.x) are out of reach: their Trainer enables checkpointing and rebuilds
+# `accelerator.ddp_handler` inside `_inner_training_loop` (after our hook point, undoing the plan) and
+# clips gradients inline (no `_clip_grad_norm` / `_get_grad_norm` to run the usage finalisation before).
+OLDEST_SUPPORTED = {"transformers": "5.3.0", "accelerate": "1.12.0", "peft": "0.18.0"}
 
 # --------------------------------------------------------------------------------------------------
 # transformers.Trainer private methods we hook (names are data so the contract test can check them)
@@ -66,6 +69,63 @@ def ddp_syncs_grads(ddp_module: Any) -> bool:
     """False inside ``DistributedDataParallel.no_sync()`` (``require_backward_grad_sync``); True for
     anything that is not DDP."""
     return bool(getattr(ddp_module, "require_backward_grad_sync", True))
+
+
+# --------------------------------------------------------------------------------------------------
+# The checkpointing switches (public, but renamed in transformers 5.23)
+# --------------------------------------------------------------------------------------------------
+
+#: TrainingArguments' checkpointing flag and kwargs, and the model method that enables it: transformers
+#: 5.23 renamed them to ``activation_checkpointing(_kwargs)`` / ``activation_checkpointing_enable`` (the
+#: ``gradient_checkpointing*`` names stay as deprecated aliases until v6, warning when set); 5.3-5.22
+#: have only the ``gradient_checkpointing*`` names. Both spell ``{}`` / ``None`` kwargs as
+#: ``{"use_reentrant": False}`` (the 5.x default).
+_NEW_CHECKPOINTING_ARGS = ("activation_checkpointing", "activation_checkpointing_kwargs")
+_OLD_CHECKPOINTING_ARGS = ("gradient_checkpointing", "gradient_checkpointing_kwargs")
+
+
+def checkpointing_arg_names() -> tuple[str, str]:
+    """The installed TrainingArguments' names for (checkpointing flag, its kwargs)."""
+    from transformers import TrainingArguments
+
+    if _NEW_CHECKPOINTING_ARGS[0] in TrainingArguments.__dataclass_fields__:
+        return _NEW_CHECKPOINTING_ARGS
+    return _OLD_CHECKPOINTING_ARGS
+
+
+def checkpointing_args(args: Any) -> tuple[bool, dict[str, Any] | None]:
+    """(checkpointing requested, its kwargs) as ``args`` (a TrainingArguments) states them, under
+    whichever names the installed transformers has (the 5.23 names win when both exist: 5.23 resolves
+    the deprecated aliases into them)."""
+    flag, kwargs = _NEW_CHECKPOINTING_ARGS if hasattr(args, _NEW_CHECKPOINTING_ARGS[0]) else _OLD_CHECKPOINTING_ARGS
+    return bool(getattr(args, flag, False)), getattr(args, kwargs, None)
+
+
+def checkpointing_training_args(enabled: bool = True, kwargs: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Keyword arguments for ``TrainingArguments(...)`` that request checkpointing with ``kwargs``, spelled
+    for the installed transformers (no deprecation warning on 5.23, no unknown argument on 5.3-5.22)."""
+    flag, kw_name = checkpointing_arg_names()
+    out: dict[str, Any] = {flag: enabled}
+    if kwargs is not None:
+        out[kw_name] = kwargs
+    return out
+
+
+def enable_model_checkpointing(model: nn.Module, kwargs: dict[str, Any] | None = None) -> None:
+    """``model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)`` (5.23), or
+    ``gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)`` where that is the only name."""
+    if hasattr(model, "activation_checkpointing_enable"):
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+
+
+def disable_model_checkpointing(model: nn.Module) -> None:
+    """``model.activation_checkpointing_disable()`` (5.23) or ``gradient_checkpointing_disable()``."""
+    if hasattr(model, "activation_checkpointing_disable"):
+        model.activation_checkpointing_disable()
+    else:
+        model.gradient_checkpointing_disable()
 
 
 # --------------------------------------------------------------------------------------------------

@@ -10,7 +10,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ._compat import unwrap_parallel
+from ._compat import checkpointing_args, unwrap_parallel
 from .integrations import families, quantized
 from .integrations.checkpointing import detect_checkpointing, requested_checkpointing
 from .plan import ParallelMode, RunFacts
@@ -68,16 +68,18 @@ def parallel_mode(trainer: Any) -> tuple[ParallelMode, int]:
 def gather_facts(trainer: Any, model: nn.Module | None = None) -> RunFacts:
     """Facts about `trainer`'s run: parallel mode, checkpointing, model kind, explicit DDP flags.
 
-    Checkpointing is read from `TrainingArguments.activation_checkpointing(_kwargs)` and, when those are
-    off, from the model itself (the user may have enabled it before building the Trainer).
+    Checkpointing is read from `TrainingArguments.activation_checkpointing(_kwargs)` (`gradient_checkpointing(_kwargs)`
+    before transformers 5.23: `_compat.checkpointing_args`) and, when those are off, from the model itself (the
+    user may have enabled it before building the Trainer).
     """
     args = trainer.args
     model = unwrap_parallel(model if model is not None else trainer.model)
     parallel, world = parallel_mode(trainer)
     user_reentrant = None
     offload = False
-    if getattr(args, "activation_checkpointing", False):
-        mode, user_reentrant, offload = requested_checkpointing(args.activation_checkpointing_kwargs)
+    ckpt_requested, ckpt_kwargs = checkpointing_args(args)
+    if ckpt_requested:
+        mode, user_reentrant, offload = requested_checkpointing(ckpt_kwargs)
     else:
         mode = detect_checkpointing(model)
     vision = families.is_vision_language_model(model)

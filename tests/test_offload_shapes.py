@@ -18,6 +18,7 @@ import pytest
 import torch
 from torch import nn
 
+from hf_ddpfix._compat import enable_model_checkpointing
 from hf_ddpfix.integrations.checkpointing import CheckpointFunction, apply_checkpointing
 from hf_ddpfix.ops.offload import ActivationOffload
 
@@ -83,7 +84,7 @@ def _train_seq2seq(kind: str, mode: str, steps: int = 2):
     model, enc_layers, dec_layers, encoder = BUILDERS[kind]()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", FutureWarning)
-        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+        enable_model_checkpointing(model, {"use_reentrant": False})
     model.train()
     off = ActivationOffload(min_bytes=0, module=model, simulate=True, max_pool_bytes=None) if mode == "offload" else None
     assert apply_checkpointing(model, use_reentrant=False, offload=off) >= len(enc_layers) + len(dec_layers)

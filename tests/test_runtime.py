@@ -10,6 +10,7 @@ from transformers import LlamaConfig, LlamaForCausalLM, TrainingArguments
 
 import hf_ddpfix.integrations.trainer_hooks as trainer_mod
 from hf_ddpfix import DDPFixTrainer
+from hf_ddpfix._compat import checkpointing_training_args
 from hf_ddpfix.integrations.checkpointing import CheckpointFunction, detect_checkpointing
 
 LAYERS, BATCH, SEQ, HIDDEN = 3, 2, 16, 64
@@ -28,7 +29,7 @@ def build(tmp_path, ckpt_kwargs):
 
     args = TrainingArguments(output_dir=str(tmp_path), per_device_train_batch_size=BATCH, max_steps=2,
                              report_to=[], use_cpu=True, save_strategy="no", disable_tqdm=True,
-                             activation_checkpointing=True, activation_checkpointing_kwargs=ckpt_kwargs)
+                             **checkpointing_training_args(True, ckpt_kwargs))
     return model, DDPFixTrainer(model=model, args=args, train_dataset=ds, data_collator=collate)
 
 

@@ -234,3 +234,64 @@ def test_checkpoint_recompute_probe_fires_only_at_the_last_saved_tensors():
     checkpoint(body, x, use_reentrant=False).sum().backward()
     assert seen[0] == ("after_sin", False)  # the forward: not a recompute
     assert seen[1] == ("after_sin", True), _broken(f"torch.utils.checkpoint recompute internals: {seen}")
+
+# ------------------------------------------------------------------------------------------- version reach
+
+
+def test_checkpointing_switch_names_match_the_installed_transformers(tmp_path):
+    """`checkpointing_training_args` / `checkpointing_args` / `enable_model_checkpointing` use the names the
+    installed transformers has (5.23: activation_*, 5.3-5.22: gradient_*) without a deprecation warning."""
+    import warnings
+
+    from transformers import TrainingArguments
+
+    flag, kwargs_name = _compat.checkpointing_arg_names()
+    assert {flag, kwargs_name} <= set(TrainingArguments.__dataclass_fields__), _broken(f"TrainingArguments.{flag}")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", FutureWarning)
+        args = TrainingArguments(str(tmp_path), use_cpu=True, report_to=[],
+                                 **_compat.checkpointing_training_args(True, {"use_reentrant": True}))
+        model = _tiny_llama()
+        _compat.enable_model_checkpointing(model, {"use_reentrant": True})
+    assert _compat.checkpointing_args(args) == (True, {"use_reentrant": True})
+    assert _compat.checkpointing_args(TrainingArguments(str(tmp_path), use_cpu=True, report_to=[]))[0] is False
+    layers = [m for m in _compat.checkpointable_layers(model) if type(m).__name__ == "LlamaDecoderLayer"]
+    assert len(layers) == 2 and all(_compat.is_checkpointing(m) for m in layers), _broken("model checkpointing switch")
+    assert all(_compat.layer_checkpoint_func(m).keywords == {"use_reentrant": True} for m in layers)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", FutureWarning)
+        _compat.disable_model_checkpointing(model)
+    assert not any(_compat.is_checkpointing(m) for m in _compat.checkpointable_layers(model))
+    if flag == "activation_checkpointing":  # 5.23: the deprecated alias resolves into the new name
+        with pytest.warns(FutureWarning):
+            old = TrainingArguments(str(tmp_path), use_cpu=True, report_to=[], gradient_checkpointing=True,
+                                    gradient_checkpointing_kwargs={"use_reentrant": True})
+        assert _compat.checkpointing_args(old) == (True, {"use_reentrant": True})
+
+
+def test_checkpointing_is_on_and_ddp_kwargs_are_final_when_the_inner_loop_starts(tmp_path):
+    """The hook point contract behind the oldest supported transformers (5.3): `train()` enables the
+    requested checkpointing before `_inner_training_loop`, and the inner loop never rebuilds
+    `accelerator.ddp_handler` (5.0-5.2 did both inside the inner loop, undoing the plan)."""
+    from transformers import Trainer, TrainingArguments
+
+    class Stop(Exception):
+        pass
+
+    seen = {}
+
+    def inner(*_args, **_kwargs):
+        layers = list(_compat.checkpointable_layers(trainer.model))
+        seen["on"] = bool(layers) and all(_compat.is_checkpointing(m) for m in layers)
+        raise Stop
+
+    args = TrainingArguments(str(tmp_path), use_cpu=True, report_to=[], max_steps=1,
+                             **_compat.checkpointing_training_args(True, {"use_reentrant": False}))
+    trainer = Trainer(model=_tiny_llama(), args=args, train_dataset=[{"input_ids": [1, 2], "labels": [1, 2]}])
+    setattr(trainer, _compat.TRAINER_INNER_LOOP, inner)
+    with pytest.raises(Stop):
+        trainer.train()
+    assert seen["on"], _broken("Trainer.train no longer enables checkpointing before _inner_training_loop")
+    src = _reachable_source(Trainer, _compat.TRAINER_INNER_LOOP)
+    assert "checkpointing_enable(" not in src, _broken("the inner loop (re)enables checkpointing")
+    assert "ddp_handler =" not in src, _broken("the inner loop rebuilds accelerator.ddp_handler")

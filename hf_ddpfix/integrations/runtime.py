@@ -17,7 +17,7 @@ import torch
 from torch import nn
 from transformers import TrainerCallback
 
-from .._compat import TRAINER_STEP_HOOKS
+from .._compat import TRAINER_STEP_HOOKS, checkpointing_args
 from ..ops.offload import ActivationOffload, SaveOnCpuScope
 from ..plan import Plan
 from .checkpointing import apply_checkpointing, checkpoint_kwargs_without_mode
@@ -168,7 +168,7 @@ def _apply_checkpointing(trainer: Any, model: nn.Module, plan: Plan, offload: An
     mode = plan.checkpointing.value
     if mode == "off":
         return
-    extra = checkpoint_kwargs_without_mode(getattr(trainer.args, "activation_checkpointing_kwargs", None))
+    extra = checkpoint_kwargs_without_mode(checkpointing_args(trainer.args)[1])
     n = apply_checkpointing(model, use_reentrant=mode == "reentrant", offload=offload, **extra)
     if n == 0:
         logger.warning("checkpointing is %s in the plan but the model has no checkpointed layers", mode)

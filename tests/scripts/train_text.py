@@ -15,6 +15,7 @@ from peft import LoraConfig, get_peft_model
 from transformers import LlamaConfig, LlamaForCausalLM, Trainer, TrainingArguments
 
 from hf_ddpfix import DDPFixTrainer, patch_trainer
+from hf_ddpfix._compat import checkpointing_training_args
 
 p = argparse.ArgumentParser()
 p.add_argument("--entry", choices=["patch", "subclass", "stock"], default="patch")
@@ -41,8 +42,7 @@ def collate(batch):
 
 kw = {}
 if a.ckpt != "off":
-    kw = {"activation_checkpointing": True,
-          "activation_checkpointing_kwargs": {"use_reentrant": a.ckpt == "reentrant"}}
+    kw = checkpointing_training_args(True, {"use_reentrant": a.ckpt == "reentrant"})
 args = TrainingArguments(output_dir=a.out + ".run", per_device_train_batch_size=a.global_batch // world,
                          max_steps=a.steps, report_to=[], use_cpu=True, save_strategy="no", learning_rate=1e-2,
                          remove_unused_columns=False, disable_tqdm=True, seed=0, logging_steps=1, **kw)
