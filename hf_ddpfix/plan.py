@@ -132,6 +132,7 @@ class Plan:
     tiled_mlp: Decision
     tiled_loss: Decision
     quantization: Decision = Decision(None, "")
+    parameter_usage: Decision = Decision(None, "")
     corrections: tuple[str, ...] = ()
     config_lines: tuple[str, ...] = field(default=())
     offload_min_layer_bytes: int = 0  # the offload policy's threshold (ActivationOffload(min_layer_bytes=))
@@ -148,6 +149,7 @@ class Plan:
     def decisions(self) -> dict[str, Decision]:
         return {
             "checkpointing": self.checkpointing,
+            "parameter_usage": self.parameter_usage,
             "find_unused_parameters": self.find_unused_parameters,
             "static_graph": self.static_graph,
             "offload_activations": self.offload_activations,
@@ -208,14 +210,15 @@ def resolve_plan(facts: RunFacts, config: DDPFixConfig | None = None) -> Plan:
     quantization = _decide_quantization(facts)  # raises PlacementError / QuantStorageError: cannot work
     ckpt = _decide_checkpointing(facts, c, distributed, correct)
     checkpointed = ckpt.value != "off" or bool(c.assume_checkpointing)
-    stabilizer = _decide_stabilizer(facts, c, distributed)
-    unused_reason = _unused_reason(facts, bool(stabilizer.value))
+    usage = _decide_parameter_usage(facts, c, str(ckpt.value))
+    stabilizer = _decide_stabilizer(facts, c, distributed, bool(usage.value))
+    unused_reason = _unused_reason(facts, bool(stabilizer.value), usage)
     fu = _decide_find_unused(
         facts, c, ddp, str(ckpt.value), unused_reason, bool(stabilizer.value), correct, corrections
     )
     static = _decide_static_graph(facts, c, ddp, checkpointed, unused_reason, correct)
     offload = _decide_offload(facts, c, str(ckpt.value))
-    guard = _decide_hang_guard(facts, c, ddp, bool(fu.value), bool(stabilizer.value))
+    guard = _decide_hang_guard(facts, c, ddp, bool(fu.value), bool(stabilizer.value), bool(usage.value))
     return Plan(
         parallel=facts.parallel,
         world_size=facts.world_size,
@@ -228,6 +231,7 @@ def resolve_plan(facts: RunFacts, config: DDPFixConfig | None = None) -> Plan:
         tiled_mlp=_decide_tiled_mlp(facts, c),
         tiled_loss=_decide_tiled_loss(c),
         quantization=quantization,
+        parameter_usage=usage,
         corrections=tuple(corrections),
         config_lines=tuple(c.describe()),
         offload_min_layer_bytes=offload_min_layer_bytes(c),
@@ -261,7 +265,27 @@ def _decide_checkpointing(facts: RunFacts, c: DDPFixConfig, distributed: bool, c
     return Decision(asked, "as requested")
 
 
-def _decide_stabilizer(facts: RunFacts, c: DDPFixConfig, distributed: bool) -> Decision:
+_USAGE_HOW = (
+    "every trainable parameter a forward leaves unused is tied into the loss with an exact-zero gradient "
+    "(observed each forward by an autograd-graph walk, reentrant checkpointed layers by the tensors they "
+    "read); grads no rank used in the step are reset to None before clipping (stock fu=True semantics)"
+)
+_USAGE_COST = "cost: one graph walk per forward, one all-reduce of 1 byte per trainable tensor per optimizer step"
+
+
+def _decide_parameter_usage(facts: RunFacts, c: DDPFixConfig, ckpt: str) -> Decision:
+    """The generic "every parameter used" mechanism (hf_ddpfix.integrations.usage) under DDP."""
+    if facts.parallel != "ddp":
+        return Decision(None, "")
+    if c.parameter_usage is False:
+        return Decision(False, f"disabled ({c.source('parameter_usage')}): stock find_unused_parameters kept")
+    explicit = facts.user_find_unused if c.find_unused_parameters is None else c.find_unused_parameters
+    if explicit is True and ckpt != "reentrant":  # reentrant: fu=True fails, the mechanism makes fu=False work
+        return Decision(False, "not needed: explicit find_unused_parameters=True lets DDP find unused parameters")
+    return Decision(True, f"{_USAGE_HOW}; {_USAGE_COST}", changed=True)
+
+
+def _decide_stabilizer(facts: RunFacts, c: DDPFixConfig, distributed: bool, usage: bool = False) -> Decision:
     if not facts.is_vlm:
         return Decision(None, "")
     if facts.parallel == "deepspeed":
@@ -270,6 +294,9 @@ def _decide_stabilizer(facts: RunFacts, c: DDPFixConfig, distributed: bool) -> D
     if not needs:
         why = "no trainable vision parameters" if distributed else "single process"
         return Decision(False, f"not needed: {why}")
+    if usage and facts.parallel == "ddp":
+        return Decision(False, "not needed under DDP: parameter_usage ties the unused vision parameters in "
+                        "(no dummy image forward)")
     if c.vlm_stabilizer is False:
         return Decision(False, f"disabled ({c.source('vlm_stabilizer')})")
     if facts.vlm_adapter is None:
@@ -282,12 +309,21 @@ def _decide_stabilizer(facts: RunFacts, c: DDPFixConfig, distributed: bool) -> D
     )
 
 
-def _unused_reason(facts: RunFacts, stabilized: bool) -> str | None:
-    """Why some trainable parameters may go unused in a step (None: every one is used every step)."""
+def _unused_reason(facts: RunFacts, stabilized: bool, usage: Decision | None = None) -> str | None:
+    """Why some trainable parameters may go unused in a step (None: every one is used every step).
+
+    With the parameter-usage mechanism on, none can (it ties them in). With it explicitly off, hf_ddpfix
+    cannot prove that no layer is skipped (a text-only step in Mllama, LayerDrop, a branch), so stock's
+    choice stays: that reason is returned whenever stock would pick find_unused_parameters=True.
+    """
+    if usage is not None and usage.value:
+        return None
     if facts.trainable_vision_params and not stabilized:
         return "trainable vision parameters go unused on steps without images"
     if facts.conditional_params:
         return "conditionally used parameters (e.g. MoE experts)"
+    if usage is not None and usage.value is False and facts.stock_find_unused():
+        return "parameter_usage is off, so nothing proves every trainable parameter is used every step"
     return None
 
 
@@ -317,7 +353,8 @@ def _decide_find_unused(
             correct(f"find_unused_parameters=True ({source}) -> False: with reentrant checkpointing it fails "
                     "with 'Expected to mark a variable ready only once'")
         return Decision(False, "reentrant checkpointing: only find_unused=False works", changed=stock is not False)
-    if explicit is True and stabilized and c.find_unused_parameters is None and not c.strict:
+    if (explicit is True and stabilized and not facts.conditional_params and unused is None
+            and c.find_unused_parameters is None and not c.strict):
         corrections.append(
             "find_unused_parameters=True (ddp_find_unused_parameters) -> False: the VLM stabiliser uses every "
             "vision parameter every step, so the extra graph traversal buys nothing "
@@ -419,13 +456,22 @@ def offload_min_layer_bytes(config: DDPFixConfig | None) -> int:
     return (DEFAULT_OFFLOAD_MIN_LAYER_MIB if mib is None else int(mib)) << 20
 
 
-def _decide_hang_guard(facts: RunFacts, c: DDPFixConfig, ddp: bool, fu: bool, stabilized: bool) -> Decision:
+def _decide_hang_guard(
+    facts: RunFacts, c: DDPFixConfig, ddp: bool, fu: bool, stabilized: bool, usage: bool = False
+) -> Decision:
+    if ddp and not fu and not usage and not facts.is_vlm and c.parameter_usage is False:
+        if c.hang_guard is False:
+            return Decision(False, f"disabled ({c.source('hang_guard')})")
+        return Decision(True, "find_unused=False without parameter_usage: before each backward ranks check that "
+                        "every trainable parameter gets a gradient (one all-gather of 1 byte per tensor)", True)
     if not (ddp and facts.is_vlm):
         return Decision(None, "")
     if not facts.trainable_vision_params:
         return Decision(False, "not needed: no trainable vision parameters")
-    if fu or stabilized:
-        return Decision(False, "not needed: " + ("find_unused=True" if fu else "stabiliser uses every parameter"))
+    if fu or stabilized or usage:
+        why = "find_unused=True" if fu else "stabiliser uses every parameter" if stabilized else (
+            "parameter_usage ties every parameter in")
+        return Decision(False, "not needed: " + why)
     if c.hang_guard is False:
         return Decision(False, f"disabled ({c.source('hang_guard')})")
     return Decision(True, "VLM without stabiliser under find_unused=False: ranks must agree on image use", True)

@@ -15,12 +15,16 @@ def cfg(**env):
     return DDPFixConfig.from_env({k: str(v) for k, v in env.items()})
 
 
+NO_USAGE = cfg(HF_DDPFIX_PARAMETER_USAGE=0)  # the plan without the parameter-usage mechanism
+
+
 def assert_not_known_bad(plan, facts):
     """The combinations of the stock failure table never come out of the plan."""
     kw = plan.ddp_kwargs()
     if plan.parallel != "ddp":
         return
     unused = (facts.trainable_vision_params and not plan.vlm_stabilizer.value) or facts.conditional_params
+    unused = unused and not plan.parameter_usage.value  # the mechanism ties every unused parameter in
     assert not (plan.checkpointing.value == "reentrant" and kw["find_unused_parameters"])
     assert not (unused and not kw["find_unused_parameters"] and not plan.hang_guard.value)
     assert not (unused and kw["static_graph"])
@@ -39,7 +43,7 @@ def test_row_no_checkpointing_lora_gets_fu_false_and_static_graph():
 # --- row: fu=False + trainable vision params, ranks differ -> hang; all text -> reduction error ------
 def test_row_fu_false_with_trainable_vision_and_no_adapter_falls_back_to_fu_true():
     f = ddp(checkpointing="non_reentrant", is_vlm=True, trainable_vision_params=True, user_find_unused=False)
-    plan = resolve_plan(f)
+    plan = resolve_plan(f, NO_USAGE)
     assert plan.ddp_kwargs() == {"find_unused_parameters": True, "static_graph": False}
     assert "find_unused_parameters=False" in plan.corrections[0]
     assert_not_known_bad(plan, f)
@@ -48,7 +52,7 @@ def test_row_fu_false_with_trainable_vision_and_no_adapter_falls_back_to_fu_true
 def test_row_fu_false_with_trainable_vision_and_stabiliser_keeps_fu_false():
     f = ddp(checkpointing="non_reentrant", is_vlm=True, trainable_vision_params=True, vlm_adapter="qwen2_5_vl",
             user_find_unused=False)
-    plan = resolve_plan(f)
+    plan = resolve_plan(f, NO_USAGE)
     assert plan.vlm_stabilizer.value is True
     assert plan.ddp_kwargs() == {"find_unused_parameters": False, "static_graph": True}
     assert plan.corrections == ()
@@ -84,13 +88,17 @@ def test_strict_keeps_explicit_reentrant_when_it_works():
 def test_forced_reentrant_with_unused_vision_params_cannot_work():
     f = ddp(checkpointing="reentrant", is_vlm=True, trainable_vision_params=True)
     with pytest.raises(PlanError, match="non_reentrant"):
-        resolve_plan(f, cfg(HF_DDPFIX_CHECKPOINTING="reentrant"))
+        resolve_plan(f, cfg(HF_DDPFIX_CHECKPOINTING="reentrant", HF_DDPFIX_PARAMETER_USAGE=0))
+    # with parameter_usage the unused vision parameters are tied in: reentrant + fu=False works
+    plan = resolve_plan(f, cfg(HF_DDPFIX_CHECKPOINTING="reentrant"))
+    assert plan.checkpointing.value == "reentrant" and plan.parameter_usage.value is True
+    assert plan.ddp_kwargs() == {"find_unused_parameters": False, "static_graph": True}
 
 
 # --- row: non-reentrant + fu=True -> works for every data mix ----------------------------------------
 def test_row_non_reentrant_vlm_without_adapter_uses_the_safe_fallback():
     f = ddp(checkpointing="non_reentrant", is_vlm=True, trainable_vision_params=True)
-    plan = resolve_plan(f)
+    plan = resolve_plan(f, NO_USAGE)
     assert plan.checkpointing.value == "non_reentrant"
     assert plan.ddp_kwargs() == {"find_unused_parameters": True, "static_graph": False}
     assert "no adapter" in plan.vlm_stabilizer.reason
@@ -99,11 +107,11 @@ def test_row_non_reentrant_vlm_without_adapter_uses_the_safe_fallback():
 # --- rows: static graph ------------------------------------------------------------------------------
 def test_row_static_graph_with_changing_graph_is_corrected():
     f = ddp(checkpointing="non_reentrant", is_vlm=True, trainable_vision_params=True, user_static_graph=True)
-    plan = resolve_plan(f)
+    plan = resolve_plan(f, NO_USAGE)
     assert plan.static_graph.value is False and "graph changes" in plan.static_graph.reason
     assert any("static_graph=True" in c for c in plan.corrections)
     with pytest.raises(PlanError):
-        resolve_plan(f, cfg(HF_DDPFIX_STRICT=1))
+        resolve_plan(f, cfg(HF_DDPFIX_STRICT=1, HF_DDPFIX_PARAMETER_USAGE=0))
 
 
 def test_row_static_graph_with_gradient_accumulation_is_corrected():
@@ -137,8 +145,10 @@ def test_offload_needs_checkpointing():
 # --- MoE: conditional params --------------------------------------------------------------------------
 def test_conditional_params_keep_find_unused_and_forbid_static_graph():
     f = ddp(checkpointing="non_reentrant", conditional_params=True)
-    plan = resolve_plan(f)
+    plan = resolve_plan(f, NO_USAGE)
     assert plan.ddp_kwargs() == {"find_unused_parameters": True, "static_graph": False}
+    # with parameter_usage (default) unused experts are tied in: fu=False and static graph are safe
+    assert resolve_plan(f).ddp_kwargs() == {"find_unused_parameters": False, "static_graph": True}
 
 
 # --- environment overrides ----------------------------------------------------------------------------
@@ -185,12 +195,12 @@ def test_fsdp_vlm_needs_stabiliser_even_with_frozen_tower():
 
 
 def test_forced_fu_false_without_stabiliser_is_honoured_with_the_hang_guard():
-    c = cfg(HF_DDPFIX_VLM_STABILIZER=0, HF_DDPFIX_FIND_UNUSED_PARAMETERS=0)
+    c = cfg(HF_DDPFIX_VLM_STABILIZER=0, HF_DDPFIX_FIND_UNUSED_PARAMETERS=0, HF_DDPFIX_PARAMETER_USAGE=0)
     f = ddp(checkpointing="non_reentrant", is_vlm=True, vlm_adapter="qwen2_5_vl", trainable_vision_params=True)
     plan = resolve_plan(f, c)
     assert plan.ddp_kwargs() == {"find_unused_parameters": False, "static_graph": False}
     assert plan.hang_guard.value is True and plan.corrections == ()
-    assert resolve_plan(f).hang_guard.value is False  # default: stabiliser on, nothing to guard
+    assert resolve_plan(f).hang_guard.value is False  # default: parameter usage ties them in, nothing to guard
     frozen = ddp(checkpointing="non_reentrant", is_vlm=True)
     assert resolve_plan(frozen, c).hang_guard.value is False
 
@@ -214,17 +224,35 @@ def test_no_known_bad_combination_comes_out(ckpt, fu, static, vlm, ga):
     assert_not_known_bad(resolve_plan(f), f)
 
 
-def test_explicit_find_unused_workaround_is_dropped_when_the_stabiliser_covers_it():
+def test_explicit_find_unused_is_kept_while_something_can_go_unused():
     f = ddp(checkpointing="non_reentrant", is_vlm=True, trainable_vision_params=True, vlm_adapter="qwen2_5_vl",
             user_find_unused=True)
-    plan = resolve_plan(f)
-    assert plan.ddp_kwargs() == {"find_unused_parameters": False, "static_graph": True}
-    assert any("stabiliser" in c for c in plan.corrections)
-    # strict mode never changes a working explicit setting; the env var forces it
+    # without parameter_usage the stabiliser covers the vision tower only: a skipped LM layer (Mllama's
+    # cross-attention, LayerDrop) could still go unused, so the explicit True stays
+    plan = resolve_plan(f, NO_USAGE)
+    assert plan.ddp_kwargs() == {"find_unused_parameters": True, "static_graph": False} and not plan.corrections
+    # with parameter_usage an explicit True is kept too (it works; the mechanism is then not attached)
+    kept = resolve_plan(f)
+    assert kept.ddp_kwargs()["find_unused_parameters"] is True and kept.parameter_usage.value is False
+    moe = ddp(checkpointing="non_reentrant", is_vlm=True, trainable_vision_params=True, vlm_adapter="qwen3_vl_moe",
+              user_find_unused=True, conditional_params=True)
+    assert resolve_plan(moe, NO_USAGE).ddp_kwargs()["find_unused_parameters"] is True
     assert resolve_plan(f, cfg(HF_DDPFIX_STRICT=1)).ddp_kwargs()["find_unused_parameters"] is True
-    assert resolve_plan(f, cfg(HF_DDPFIX_FIND_UNUSED_PARAMETERS=1)).ddp_kwargs()["find_unused_parameters"] is True
-    # text models keep an explicit True: nothing proves every parameter is used
+    # text models keep an explicit True as well
     assert resolve_plan(ddp(checkpointing="off", user_find_unused=True)).ddp_kwargs()["find_unused_parameters"]
+    # only reentrant checkpointing, where fu=True fails, turns it off (the mechanism makes fu=False work)
+    re = ddp(checkpointing="reentrant", user_reentrant=True, user_find_unused=True, is_vlm=True,
+             trainable_vision_params=True)
+    plan = resolve_plan(re, cfg(HF_DDPFIX_CHECKPOINTING="reentrant"))
+    assert plan.parameter_usage.value is True and plan.ddp_kwargs()["find_unused_parameters"] is False
+
+
+def test_plan_log_says_how_every_parameter_is_used_and_the_cost():
+    text = resolve_plan(ddp(checkpointing="non_reentrant")).report()
+    assert "parameter_usage" in text and "exact-zero" in text and "cost:" in text
+    off = resolve_plan(ddp(checkpointing="non_reentrant"), NO_USAGE)
+    assert off.ddp_kwargs()["find_unused_parameters"] is True  # stock's choice for a PeftModel is kept
+    assert "parameter_usage is off" in off.find_unused_parameters.reason
 
 
 def test_deepspeed_is_left_alone():

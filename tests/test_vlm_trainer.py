@@ -26,9 +26,10 @@ def test_stabilised_trainer_matches_stock_find_unused(tmp_path, layout):
 
 
 def test_hang_guard_under_the_trainer_raises_on_both_ranks_fast(tmp_path):
-    """Stabiliser off and find_unused forced off: stock would hang or crash on the next step; the guard
+    """Stabiliser and parameter usage off, find_unused forced off: stock would hang or crash on the next step; the guard
     raises the named error on every rank before backward."""
-    env = {"HF_DDPFIX_VLM_STABILIZER": "0", "HF_DDPFIX_FIND_UNUSED_PARAMETERS": "0"}
+    env = {"HF_DDPFIX_VLM_STABILIZER": "0", "HF_DDPFIX_FIND_UNUSED_PARAMETERS": "0",
+           "HF_DDPFIX_PARAMETER_USAGE": "0"}  # nothing ties the vision parameters in
     t0 = time.time()
     done = torchrun("train_vlm.py", "--entry", "patch", "--layout", "mixed", "--out", str(tmp_path / "x.pt"),
                     timeout=120, env=env, check=False)

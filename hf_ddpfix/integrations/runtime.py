@@ -21,10 +21,12 @@ from .._compat import TRAINER_STEP_HOOKS, checkpointing_args
 from ..ops.offload import ActivationOffload, SaveOnCpuScope
 from ..plan import Plan
 from .checkpointing import apply_checkpointing, checkpoint_kwargs_without_mode
+from .families import is_vision_language_model
 from .hang_guard import HangGuard
 from .loss_patch import TiledLossHandle, patch_model_loss
 from .stabilizer import VisionStabilizer
 from .tiled_mlp import TiledMLPHandle, apply_tiled_mlp
+from .usage import ParameterUsage
 
 logger = logging.getLogger("hf_ddpfix")
 
@@ -37,6 +39,7 @@ class Runtime:
     offload: ActivationOffload | None = None
     stabilizer: VisionStabilizer | None = None
     hang_guard: HangGuard | None = None
+    usage: ParameterUsage | None = None
     tiled_mlp: TiledMLPHandle | None = None
     tiled_loss: TiledLossHandle | None = None
     step_contexts: list[Callable[[], AbstractContextManager[Any]]] = field(default_factory=list)
@@ -55,10 +58,15 @@ def attach_runtime(trainer: Any, model: nn.Module, plan: Plan, stack: ExitStack)
     _apply_checkpointing(trainer, model, plan, offload)
     if plan.vlm_stabilizer.value:
         rt.stabilizer = _attach_stabilizer(trainer, model, plan, stack)
+    if plan.parameter_usage.value:
+        rt.usage = _attach_usage(trainer, model, ParameterUsage(model), stack)
     if plan.hang_guard.value:
-        rt.hang_guard = HangGuard(model).attach()
-        stack.callback(rt.hang_guard.remove)
-        _add_callback(trainer, _GuardWrappedModel(trainer, rt.hang_guard), stack)
+        if is_vision_language_model(model):
+            rt.hang_guard = HangGuard(model).attach()
+            stack.callback(rt.hang_guard.remove)
+            _add_callback(trainer, _GuardWrappedModel(trainer, rt.hang_guard), stack)
+        else:  # any model: every trainable parameter must get a gradient on every rank
+            rt.usage = _attach_usage(trainer, model, ParameterUsage(model, tie=False, guard=True), stack)
     if plan.tiled_mlp.value != "off":
         rt.tiled_mlp = _apply_tiled_mlp(trainer, model, plan, stack)
     if plan.tiled_loss.value != "off":
@@ -117,11 +125,32 @@ def _attach_stabilizer(trainer: Any, model: nn.Module, plan: Plan, stack: ExitSt
     return stab
 
 
+def _attach_usage(trainer: Any, model: nn.Module, usage: ParameterUsage, stack: ExitStack) -> ParameterUsage:
+    """Observe (and tie) every training forward; before gradients are clipped or measured, gradients no
+    rank used in the optimizer step are reset to `None` (stock fu=True semantics; see `_attach_stabilizer`
+    for why not `on_pre_optimizer_step`). Attached after the checkpointing switch, so reentrant layers
+    are observed with the function they will run."""
+    usage.attach()
+    stack.callback(usage.remove)
+
+    def finalize_first(inner: Callable[..., Any]) -> Callable[..., Any]:
+        def method(*args: Any, **kwargs: Any) -> Any:
+            usage.finalize()
+            return inner(*args, **kwargs)
+
+        return method
+
+    for name in TRAINER_STEP_HOOKS:  # `_clip_grad_norm`, `_get_grad_norm`
+        _override(trainer, name, finalize_first, stack)
+    _add_callback(trainer, _GuardWrappedModel(trainer, usage), stack)
+    return usage
+
+
 class _GuardWrappedModel(TrainerCallback):
     """Hands the DDP-wrapped model to the hang guard once accelerate has wrapped it (train begin), so
     the guard can skip `no_sync` micro-batches."""
 
-    def __init__(self, trainer: Any, guard: HangGuard):
+    def __init__(self, trainer: Any, guard: HangGuard | ParameterUsage):
         self.trainer, self.guard = trainer, guard
 
     def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
