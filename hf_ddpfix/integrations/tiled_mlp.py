@@ -85,6 +85,11 @@ class _TiledForward:
         x = args[0] if args else next(iter(kwargs.values()))
         if not isinstance(x, torch.Tensor) or x.dim() == 0 or x.numel() == 0:
             return base(*args, **kwargs)
+        if self.config.sync and not torch.is_grad_enabled():
+            # Not a training forward (evaluation, generation), which may run on one rank only: no
+            # collective here, or that rank would wait forever for the others' shard counts. Untiled:
+            # exactly stock's forward and stock's collectives.
+            return base(x)
         shards = self.shards_for(x)
         if shards <= 1:
             return base(x)
@@ -154,7 +159,9 @@ def apply_tiled_mlp(
         modules: restrict to these modules (qualified names or module objects); each must be shown
             token-wise, else ``ValueError`` naming it. Default: every module of the model that is.
         sync: ``True`` (default group) or a process group: all-reduce MAX of the shard count per call
-            so every rank uses the same count (ZeRO-3 / FSDP wrapping the MLP's Linears).
+            so every rank uses the same count (ZeRO-3 / FSDP wrapping the MLP's Linears). Only in
+            forwards with grad enabled (training): under ``no_grad`` (evaluation, generation, maybe
+            on one rank only) a synced module runs its stock forward, untiled, with no collective.
         skip_in_recompute: see ``tiled_call`` (default True: 2 MLP forwards per step under
             non-reentrant checkpointing instead of 3; falls back to computing when not provably safe).
 
