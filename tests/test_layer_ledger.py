@@ -23,6 +23,10 @@ def test_llama8b_layer_hf_ddpfix_is_at_most_100_kib_per_token_and_below_stock():
     assert stock["kib_per_token"] > 3 * ours["kib_per_token"], (stock["kib_per_token"], ours["kib_per_token"])
     # Both include the modelled FlashAttention-2 backward workspace; ours runs it per KV-head group.
     assert 0 < ours["modelled_workspace_bytes"] < stock["modelled_workspace_bytes"]
+    # Checkpointing still holds with the patched layer: nothing per token survives from the forward
+    # to the backward but the layer input (a bypassed checkpoint would keep q/k/v/out: 28 KiB/token).
+    assert stock["retained_bytes_per_token"] == 0
+    assert ours["retained_bytes_per_token"] == 0
 
 
 def test_each_feature_alone_never_costs_memory():
@@ -31,6 +35,14 @@ def test_each_feature_alone_never_costs_memory():
     for feature in ("rms_norm", "attention", "tiled_layer", "hf_ddpfix"):
         got = ledger_slope(feature, seqs=(512, 1024), shape=small, tokens_per_tile=128)["bytes_per_token"]
         assert got <= stock, feature
+
+
+def test_retained_bytes_detect_a_layer_that_is_not_checkpointed():
+    small = LayerShape(hidden=256, intermediate=896, heads=8, kv_heads=2, lora_r=4)
+    kw = dict(seqs=(512, 1024), shape=small, tokens_per_tile=128)
+    assert ledger_slope("hf_ddpfix", **kw)["retained_bytes_per_token"] == 0
+    # Without checkpointing the layer keeps x's norm input, q, k, v and the attention output: > 0.
+    assert ledger_slope("hf_ddpfix", checkpointing=False, **kw)["retained_bytes_per_token"] >= 2 * 256 * 2
 
 
 def test_flash_workspace_model():

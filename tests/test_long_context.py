@@ -94,6 +94,22 @@ def test_lora_dropout_replayed_in_tiles():
     assert torch.equal(la, lb) and all(torch.equal(ga[n], gb[n]) for n in ga)
 
 
+def test_checkpointing_still_recomputes_the_patched_layer():
+    """transformers 5.2x checkpoints inside the class forward: the patch must keep that (forward + recompute)."""
+    model = _model(torch.bfloat16)
+    handle = apply_long_context(model, "all", tokens_per_tile=4)
+    _grads(model, torch.randint(0, 97, (1, 13)))
+    assert handle.stats["patched calls"] == 2 * 2  # 2 layers x (forward + checkpoint recompute)
+    model.gradient_checkpointing_disable()
+    handle.stats.clear()
+    _grads(model, torch.randint(0, 97, (1, 13)))  # use_cache on without checkpointing: a cache is built
+    assert handle.stats["stock: KV cache"] == 2 and handle.stats["patched calls"] == 0
+    model.config.use_cache = False
+    handle.stats.clear()
+    _grads(model, torch.randint(0, 97, (1, 13)))
+    assert handle.stats["patched calls"] == 2, dict(handle.stats)
+
+
 def test_each_parameter_gets_one_gradient_hook_call():
     model = _model(torch.float32)
     apply_long_context(model, "all", tokens_per_tile=3)
@@ -146,6 +162,22 @@ def test_unsupported_layers_are_reported_not_patched():
     assert skipped or patched_layers  # every candidate is reported either way
     for e in skipped:
         assert "differs" in e.reason or "no " in e.reason
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(240)
+def test_two_process_ddp_equals_single_process_stock_reference(tmp_path):
+    """DDP (fu False/True, static graph) + every feature, AdamW with weight decay, clipping, lengths
+    varying per rank and step: weights equal a one-process stock run (tests/scripts/long_context_ddp.py)."""
+    import json
+
+    from launch import torchrun
+
+    out = tmp_path / "result.json"
+    proc = torchrun("long_context_ddp.py", "--out", str(out), timeout=200)
+    assert "ready only once" not in proc.stdout and "marked ready twice" not in proc.stdout
+    records = json.loads(out.read_text())
+    assert len(records) == 3 and all(r["ok"] for r in records), records
 
 
 @pytest.mark.parametrize("bad", ["tiled", "rms_norm,bogus", "maybe"])

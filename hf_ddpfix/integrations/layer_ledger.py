@@ -108,7 +108,7 @@ def _flash_sdpa() -> Iterator[None]:
         F.scaled_dot_product_attention = orig
 
 
-def _build(shape: LayerShape, fake_mode: Any | None, seed: int) -> torch.nn.Module:
+def _build(shape: LayerShape, fake_mode: Any | None, seed: int, checkpointing: bool = True) -> torch.nn.Module:
     from peft import LoraConfig, get_peft_model
     from transformers import LlamaConfig, LlamaModel
 
@@ -137,7 +137,8 @@ def _build(shape: LayerShape, fake_mode: Any | None, seed: int) -> torch.nn.Modu
             for n, b in list(mod._buffers.items()):
                 if b is not None:
                     mod._buffers[n] = conv.from_meta_and_device(fake_mode, b, cpu)
-    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model.train()
     return model
 
@@ -163,6 +164,7 @@ class LayerLedger:
     peak_phase: str
     peak_op: str
     modelled_workspace_bytes: int
+    retained_after_forward_bytes: int  # kept from forward to backward besides the layer input
     breakdown: list[LedgerEntry] = field(default_factory=list)
     by_op: dict[tuple[str, str, str], int] = field(default_factory=dict)
     ops: list[Any] = field(default_factory=list)
@@ -178,6 +180,7 @@ def measure_layer(
     flash_workspace: bool = True,
     tokens_per_tile: int = 2048,
     seed: int = 0,
+    checkpointing: bool = True,
 ) -> LayerLedger:
     """Peak live activation bytes of one decoder layer's checkpointed forward + recompute + backward.
 
@@ -189,6 +192,7 @@ def measure_layer(
         fake: fake tensors (no data, any size) or real CPU tensors (small shapes only).
         flash_workspace: add the modelled FlashAttention-2 backward workspace.
         tokens_per_tile: tile length of ``tiled_layer``.
+        checkpointing: non-reentrant checkpointing of the layer (default True).
 
     Returns:
         ``LayerLedger``.
@@ -197,7 +201,7 @@ def measure_layer(
 
     feats = LEDGER_FEATURES[features] if isinstance(features, str) else tuple(features)
     fake_mode = FakeTensorMode() if fake else None
-    model = _build(shape, fake_mode, seed)
+    model = _build(shape, fake_mode, seed, checkpointing)
     _apply(model, feats, tokens_per_tile)
     base = model.base_model.model
     layer = base.layers[0]
@@ -214,11 +218,14 @@ def measure_layer(
             with torch.autocast("cpu", dtype=torch.bfloat16):
                 out = layer(x, attention_mask=None, position_ids=pos, position_embeddings=(cos, sin))
             ledger.ignore([out])
+            # What the layer keeps from its forward until its backward (beyond its input): ~0 when
+            # checkpointing works; with 32 layers this is what would pile up per layer.
+            retained = ledger.live_bytes() - sum(t.untyped_storage().nbytes() for t in (x, cos, sin))
             ledger.phase = "backward"
             ledger.track(grad, "incoming gradient")
             out.backward(grad)
     return LayerLedger(feats, seq, ledger.peak, ledger.peak_phase, ledger.peak_op, ledger.modelled_workspace_peak,
-                       ledger.peak_breakdown(), ledger.by_op(), ledger.ops)
+                       retained, ledger.peak_breakdown(), ledger.by_op(), ledger.ops)
 
 
 def ledger_slope(
@@ -230,7 +237,9 @@ def ledger_slope(
 
     Returns:
         ``{"features", "seqs", "peaks", "bytes_per_token", "kib_per_token", "constant_bytes",
-        "peak_phase", "peak_op", "breakdown"}`` (breakdown at the longer length: phase, module, op,
+        "peak_phase", "peak_op", "modelled_workspace_bytes", "retained_bytes_per_token", "breakdown"}``
+        (``retained_bytes_per_token``: what the layer keeps from forward to backward besides its
+        input, the per-layer cost that multiplies by the layer count; ~0 under checkpointing) (breakdown at the longer length: phase, module, op,
         bytes, shape, dtype of each live tensor at the peak).
     """
     s1, s2 = seqs
@@ -247,6 +256,7 @@ def ledger_slope(
         "peak_phase": b.peak_phase,
         "peak_op": b.peak_op,
         "modelled_workspace_bytes": b.modelled_workspace_bytes,
+        "retained_bytes_per_token": (b.retained_after_forward_bytes - a.retained_after_forward_bytes) / (s2 - s1),
         "breakdown": [
             {"phase": e.phase, "module": e.module, "op": e.op, "bytes": e.nbytes, "shape": list(e.shape), "dtype": e.dtype}
             for e in b.breakdown

@@ -31,6 +31,7 @@ Usage::
 
 from __future__ import annotations
 
+import functools
 import sys
 from collections import Counter
 from collections.abc import Callable
@@ -59,8 +60,11 @@ __all__ = [
 LONG_CONTEXT_FEATURES = ("rms_norm", "attention", "tiled_layer")
 _ALLOWED = "off|0|false, on|1|true|all, or a comma list of " + ", ".join(LONG_CONTEXT_FEATURES)
 _LAYER_ATTR = "_hf_ddpfix_long_context"
-# Keyword arguments transformers 5.x Llama models pass to a decoder layer that do not change its math.
-_HARMLESS_KWARGS = frozenset({"cache_position", "position_ids", "use_cache"})
+# Keyword arguments transformers 5.x Llama models pass down to a decoder layer that do not change its
+# math (``num_items_in_batch`` comes from the Trainer's loss normalisation through ``**kwargs``). Any
+# other keyword (packing ``cu_seq_lens_*``/``max_length_*``, ``output_attentions``, ...) runs stock.
+_HARMLESS_KWARGS = frozenset({"cache_position", "position_ids", "use_cache", "num_items_in_batch",
+                              "output_hidden_states", "return_dict"})
 
 
 def parse_long_context_setting(value: str | bool | None, name: str = "HF_DDPFIX_LONG_CONTEXT") -> tuple[str, ...]:
@@ -137,6 +141,15 @@ def _layer_check(layer: nn.Module) -> tuple[bool, str]:
 # --------------------------------------------------------------------------------------------------
 
 
+def _checkpoint_wrapped(cls_forward: Any) -> Callable[..., Any] | None:
+    """The forward inside transformers' class-level checkpoint wrapper (``forward_with_checkpointing``,
+    transformers 5.2x ``modeling_layers.GradientCheckpointingLayer``), or None when not wrapped."""
+    code = getattr(cls_forward, "__code__", None)
+    if code is None or code.co_name != "forward_with_checkpointing":
+        return None
+    return getattr(cls_forward, "__wrapped__", None)
+
+
 class _NormForward:
     """Instance-level forward of a Llama-style RMSNorm running :func:`rms_norm`."""
 
@@ -171,7 +184,11 @@ class _LayerForward:
         self.rope: Callable[..., Any] = sys.modules[type(layer.self_attn).__module__].apply_rotary_pos_emb
 
     def _stock(self) -> Callable[..., Any]:
-        return self.prev if self.prev is not None else type(self.layer).forward.__get__(self.layer)
+        if self.prev is not None:
+            return self.prev
+        cls_forward = type(self.layer).forward
+        inner = _checkpoint_wrapped(cls_forward)
+        return (inner if inner is not None else cls_forward).__get__(self.layer)
 
     def _why_stock(self, hidden_states: Any, attention_mask: Any, past_key_values: Any,
                    position_embeddings: Any, kwargs: dict[str, Any]) -> str | None:
@@ -220,9 +237,32 @@ class _LayerForward:
             self.stats["attention: grouped path not applicable, sdpa used"] += 1
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=attn.scaling, enable_gqa=True)
 
-    def __call__(self, hidden_states: Any = None, attention_mask: Any = None, position_ids: Any = None,
-                 past_key_values: Any = None, use_cache: Any = False, position_embeddings: Any = None,
-                 **kwargs: Any) -> Any:
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        """Checkpoint as the class forward would, with our forward inside the checkpoint.
+
+        transformers >= 5.2x checkpoints in a wrapper around the *class* ``forward``
+        (``GradientCheckpointingLayer.__init_subclass__``), which an instance-level forward bypasses;
+        so when the class forward is that wrapper and the layer checkpoints, we call the layer's
+        checkpoint function ourselves, exactly as the wrapper does. Older versions checkpoint in
+        ``__call__``, outside any forward: then we just run.
+        """
+        layer = self.layer
+        if (
+            self.prev is None
+            and _checkpoint_wrapped(type(layer).forward) is not None
+            and getattr(layer, "gradient_checkpointing", False)
+            and layer.training
+        ):
+            if kwargs.get("use_cache"):
+                kwargs["use_cache"] = False
+            if kwargs.get("past_key_values") is not None:
+                kwargs["past_key_values"] = None
+            return layer._gradient_checkpointing_func(functools.partial(self._run, **kwargs), *args)
+        return self._run(*args, **kwargs)
+
+    def _run(self, hidden_states: Any = None, attention_mask: Any = None, position_ids: Any = None,
+             past_key_values: Any = None, use_cache: Any = False, position_embeddings: Any = None,
+             **kwargs: Any) -> Any:
         why = self._why_stock(hidden_states, attention_mask, past_key_values, position_embeddings,
                               dict(kwargs, use_cache=use_cache) if use_cache else kwargs)
         if why is not None:

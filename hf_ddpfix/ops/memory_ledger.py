@@ -186,6 +186,11 @@ class MemoryLedger(TorchDispatchMode):
             self._hooks.append(m.register_forward_pre_hook(pre))
             self._hooks.append(m.register_forward_hook(post))
 
+    def live_bytes(self) -> int:
+        """Live bytes now (drops storages freed since the last op first)."""
+        self._sweep()
+        return self.current
+
     def peak_breakdown(self) -> list[LedgerEntry]:
         """The storages live at the peak, largest first."""
         return sorted(self._peak_entries, key=lambda e: -e.nbytes)
