@@ -10,8 +10,19 @@ Run on a GPU (a ~1B Llama-shaped model, bf16, sequence 2K upward until every mod
     python benchmarks/offload.py --out benchmarks/results/offload_gpu.json --png benchmarks/results/offload_gpu.png
 
 Modes: ``no_ckpt`` (no checkpointing), ``ckpt`` (non-reentrant checkpointing), ``ckpt+hf_offload``
-(transformers' ``activation_checkpointing_kwargs={"offload": True}``: ``save_on_cpu(pin_memory=True)``,
-blocking copies) and ``ckpt+hf_ddpfix`` (``ActivationOffload``: async copies, last input kept, prefetch).
+(transformers' offload, switched on the way users do it: a ``Trainer`` with
+``TrainingArguments(activation_checkpointing=True, activation_checkpointing_kwargs={"offload": True})``,
+one real ``trainer.train()`` step; transformers 5.23 pops ``offload`` there and calls
+``model.activation_checkpointing_enable(..., offload=True)``, which wraps every checkpoint in
+``save_on_cpu(pin_memory=True)``, blocking copies; the benchmark then checks that wrapper is installed)
+and ``ckpt+hf_ddpfix`` (``ActivationOffload``: async copies, last input kept, prefetch; every step copies,
+``min_layer_bytes=0``, so the row shows the raw cost; ``auto copies`` says whether the default policy,
+copying only checkpoint inputs >= 64 MiB, would copy at that length). Before 2026-11-23 this script put
+``offload`` inside the checkpoint kwargs handed to the model, where transformers never looks: the
+``ckpt+hf_offload`` rows of earlier runs were plain checkpointing.
+
+``--profile DIR`` (GPU) also writes a torch.profiler Chrome trace of one ``ckpt`` and one
+``ckpt+hf_ddpfix`` step per length (``DIR/<mode>_<seq>.json``): where the short-length overhead goes.
 
 Measured: step time (median over timed steps, forward + backward + AdamW on the LoRA weights; ratio vs
 ``ckpt`` from the same run), peak memory (GPU: ``torch.cuda.max_memory_allocated``; CPU: exact live
@@ -47,6 +58,7 @@ from hf_ddpfix.ops.offload import (  # noqa: E402
     ActivationOffload,
     accelerator_available,
 )
+from hf_ddpfix.plan import offload_min_layer_bytes  # noqa: E402
 
 MODES = ("no_ckpt", "ckpt", "ckpt+hf_offload", "ckpt+hf_ddpfix")
 MIB = 1 << 20
@@ -80,12 +92,56 @@ def build_model(spec: dict[str, Any], device: torch.device) -> nn.Module:
     return model
 
 
-def enable_mode(model: nn.Module, mode: str, spec: dict[str, Any]) -> ActivationOffload | None:
+def enable_like_trainer(model: nn.Module, device: torch.device, seq: int, vocab: int) -> None:
+    """Switch on transformers' own offload exactly as a user does: a ``Trainer`` with
+    ``activation_checkpointing_kwargs={"offload": True}`` and one ``train()`` step.
+
+    Raises:
+        RuntimeError: stock's offload is not installed afterwards (its wrapper not found on the layers),
+            or the Trainer step failed (e.g. on a machine without an accelerator, where transformers'
+            ``save_on_cpu(pin_memory=True)`` cannot pin memory), with the reason.
+    """
+    import tempfile
+
+    from transformers import Trainer, TrainingArguments
+
+    ids = torch.randint(0, vocab, (seq,))
+    data = [{"input_ids": ids, "labels": ids}]
+    with tempfile.TemporaryDirectory() as tmp, warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        args = TrainingArguments(
+            output_dir=tmp, max_steps=1, per_device_train_batch_size=1, report_to=[], save_strategy="no",
+            activation_checkpointing=True, activation_checkpointing_kwargs={"use_reentrant": False, "offload": True},
+            use_cpu=device.type == "cpu", disable_tqdm=True, dataloader_num_workers=0, logging_strategy="no",
+        )
+        try:
+            Trainer(model=model, args=args, train_dataset=data).train()
+        except Exception as exc:  # noqa: BLE001 - report why the stock path cannot run here
+            raise RuntimeError(f"transformers' offload through the Trainer failed: {exc}") from exc
+    if not hf_offload_installed(model):
+        raise RuntimeError("the Trainer step ran but transformers' offload wrapper is not on the checkpointed layers")
+
+
+def hf_offload_installed(model: nn.Module) -> bool:
+    """True when the checkpointed layers run transformers' ``save_on_cpu`` wrapper (5.23:
+    ``functools.partial(checkpoint_func, ...)`` with ``checkpoint_func`` local to
+    ``_activation_checkpointing_enable``)."""
+    import functools
+
+    funcs = [getattr(m, "_gradient_checkpointing_func", None) for m in model.modules()
+             if getattr(m, "gradient_checkpointing", False)]
+    names = {getattr(f.func if isinstance(f, functools.partial) else f, "__qualname__", "") for f in funcs if f}
+    return bool(funcs) and all("checkpoint_func" in n for n in names)
+
+
+def enable_mode(model: nn.Module, mode: str, spec: dict[str, Any], device: torch.device,
+                seq: int = 256) -> ActivationOffload | None:
     if mode == "no_ckpt":
         return None
-    kwargs: dict[str, Any] = {"use_reentrant": False}
     if mode == "ckpt+hf_offload":
-        kwargs["offload"] = True
+        enable_like_trainer(model, device, seq, spec["vocab"])
+        return None
+    kwargs: dict[str, Any] = {"use_reentrant": False}
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", FutureWarning)
         if hasattr(model, "activation_checkpointing_enable"):
@@ -94,7 +150,7 @@ def enable_mode(model: nn.Module, mode: str, spec: dict[str, Any]) -> Activation
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
     if mode != "ckpt+hf_ddpfix":
         return None
-    offload = ActivationOffload(module=model)  # default min_bytes (1 MiB)
+    offload = ActivationOffload(module=model, min_layer_bytes=0)  # default min_bytes (1 MiB); always copies
     apply_checkpointing(model, use_reentrant=False, offload=offload)
     return offload
 
@@ -135,7 +191,8 @@ class Case:
         self.mode = mode
         self.device = device
         self.model = build_model(spec, device)
-        self.offload = enable_mode(self.model, mode, spec)
+        self.offload = enable_mode(self.model, mode, spec, device)
+        self.model.train()
         self.opt = torch.optim.AdamW([q for q in self.model.parameters() if q.requires_grad], lr=1e-4)
 
     def step(self, ids: torch.Tensor) -> tuple[float, float]:
@@ -172,6 +229,18 @@ class Case:
             "pool_mib": s.pool_bytes / MIB,
             "in_flight": s.in_flight,
         }
+
+
+def profile_steps(cases: list[Case], seq: int, batch: int, vocab: int, out: Path) -> None:
+    """One profiled step per case (CUDA + CPU activity, stacks off), as Chrome traces."""
+    from torch.profiler import ProfilerActivity, profile
+
+    out.mkdir(parents=True, exist_ok=True)
+    ids = torch.randint(0, vocab, (batch, seq), device=cases[0].device)
+    for case in cases:
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            case.step(ids)
+        prof.export_chrome_trace(str(out / f"{case.mode.replace('+', '_')}_{seq}.json"))
 
 
 def run_seq(cases: list[Case], seq: int, batch: int, vocab: int, steps: int) -> dict[str, dict[str, Any]]:
@@ -214,6 +283,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seqs", type=int, nargs="*", default=None)
     p.add_argument("--steps", type=int, default=3, help="timed steps per mode and length (median reported)")
     p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--profile", default=None, help="GPU: write a Chrome trace per mode and length into this dir")
     args = p.parse_args(argv)
 
     on_gpu = accelerator_available()
@@ -227,15 +297,26 @@ def main(argv: list[str] | None = None) -> int:
         seqs = [512, 1024, 2048] if args.quick else [512, 1024, 2048, 4096]
     elem = torch.finfo(getattr(torch, spec["dtype"])).bits // 8
     skipped: dict[str, str] = {}
-    cases = [Case(mode, spec, device) for mode in MODES]
+    cases = []
+    for mode in MODES:
+        try:
+            cases.append(Case(mode, spec, device))
+        except RuntimeError as exc:  # e.g. stock offload cannot pin memory without an accelerator
+            skipped[mode] = str(exc).splitlines()[0][:300]
+            print(f"{mode}: skipped: {skipped[mode]}", flush=True)
     rows: list[dict[str, Any]] = []
     for seq in seqs:
         live = [c for c in cases if not any(r["mode"] == c.mode and r.get("oom") for r in rows)]
         per_mode = run_seq(live, seq, args.batch, spec["vocab"], args.steps) if live else {}
+        if args.profile and on_gpu:
+            profile_steps([c for c in live if c.mode in ("ckpt", "ckpt+hf_ddpfix")], seq, args.batch,
+                          spec["vocab"], Path(args.profile))
         for case in cases:
             row = per_mode.get(case.mode, {"oom": True})
             row.update(mode=case.mode, seq=seq)
             row["theory_mib"] = (spec["layers"] - 1) * args.batch * seq * spec["hidden"] * elem / MIB
+            layer_bytes = args.batch * seq * spec["hidden"] * elem
+            row["auto_copies"] = layer_bytes >= offload_min_layer_bytes(None)  # the plan's default policy
             rows.append(row)
             if "step_s" in row:
                 print(
@@ -302,12 +383,12 @@ def markdown_table(result: dict[str, Any]) -> str:
     lines = [
         head,
         "| seq | mode | step wall (s) | step CPU (s) | time vs ckpt | step peak (MiB) | offload moves (MiB) | theory (MiB) "
-        "| host pool (MiB) |",
-        "|---:|---|---:|---:|---:|---:|---:|---:|---:|",
+        "| host pool (MiB) | auto copies |",
+        "|---:|---|---:|---:|---:|---:|---:|---:|---:|---|",
     ]
     for r in sorted(result["rows"], key=lambda r: (r["seq"], MODES.index(r["mode"]))):
         if r.get("oom"):
-            lines.append(f"| {r['seq']} | {r['mode']} | OOM | | | | | | |")
+            lines.append(f"| {r['seq']} | {r['mode']} | OOM | | | | | | | |")
             continue
         moved = f"{r['moved_mib']:.1f}" if "moved_mib" in r else ""
         pool = f"{r['pool_mib']:.1f}" if "pool_mib" in r else ""
@@ -316,7 +397,8 @@ def markdown_table(result: dict[str, Any]) -> str:
         lines.append(
             f"| {r['seq']} | {r['mode']} | {r['step_s']:.3f} | {r.get('cpu_s', float('nan')):.3f} "
             f"| {r.get('time_vs_ckpt', float('nan')):.2f}x "
-            f"| {peak} | {moved} | {theory} | {pool} |"
+            f"| {peak} | {moved} | {theory} | {pool} "
+            f"| {('yes' if r.get('auto_copies') else 'no') if r['mode'] == 'ckpt+hf_ddpfix' else ''} |"
         )
     for mode, why in result["skipped"].items():
         lines.append(f"\n{mode} skipped: {why}")
