@@ -24,6 +24,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "scr
 
 from fixtures import add_lora, build_qwen2_5_vl, make_batch  # noqa: E402
 
+from hf_ddpfix._compat import enable_model_checkpointing  # noqa: E402
 from hf_ddpfix.integrations.checkpointing import apply_checkpointing  # noqa: E402
 from hf_ddpfix.ops.offload import ActivationOffload  # noqa: E402
 
@@ -41,7 +42,7 @@ def _vlm(mode: str):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", FutureWarning)  # peft reads the deprecated is_gradient_checkpointing
         model = add_lora(build_qwen2_5_vl(0))
-        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+        enable_model_checkpointing(model, {"use_reentrant": False})
     model.train()
     vision, decoder = _blocks(model)
     on = [m for m in model.modules() if getattr(m, "gradient_checkpointing", False)]
@@ -61,7 +62,7 @@ def _train(mode: str):
     vision, decoder = _blocks(model)
     inputs: list[tuple[str, int]] = []  # (kind, bytes) of each checkpointed layer's input, in call order
     for kind, mods in (("vision", vision), ("decoder", decoder)):
-        for m in mods:  # module hooks run outside the checkpoint: once per forward, not on recompute
+        for m in mods:  # 5.23: hooks run outside the checkpoint; < 5.23 also on recompute (cut below)
             m.register_forward_pre_hook(
                 lambda _m, args, kind=kind: inputs.append((kind, args[0].untyped_storage().nbytes()))
             )
@@ -72,7 +73,9 @@ def _train(mode: str):
         batch = make_batch(True, seed=10 + step)
         with off.step() if off is not None else contextlib.nullcontext():
             loss = model(**batch).loss
+            n_forward = len(inputs)
             loss.backward()
+        del inputs[n_forward:]
         grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
         steps.append((loss.detach(), grads, off.stats.as_dict() if off else None, list(inputs), batch))
         opt.step()
