@@ -5,6 +5,7 @@ Read-only: nothing here changes the trainer, the model or the environment.
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 import torch
@@ -38,12 +39,21 @@ def _configs(model: nn.Module) -> list[Any]:
     return out
 
 
+_PER_EXPERT = re.compile(r"(^|\.)experts?\.\d+\.")  # "...mlp.experts.3.up_proj...": one module per expert
+
+
 def has_conditional_params(model: nn.Module) -> bool:
-    """Trainable parameters inside mixture-of-experts blocks (an expert may get no token in a step)."""
+    """Trainable parameters of per-expert modules (an expert may get no token in a step).
+
+    Fused expert tensors (transformers 5.x ``experts.gate_up_proj`` of shape ``[E, 2I, H]``, and peft's
+    ``target_parameters`` LoRA on them) are indexed by the experts that got tokens, so the tensor gets a
+    gradient whenever any expert does: observed on the zoo (tests/test_usage.py, Qwen3-MoE leaves nothing
+    unused), hence not conditional. Per-expert modules (``experts.<i>.<proj>``) can go unused.
+    """
     moe = any((getattr(c, k, None) or 0) > 1 for c in _configs(model) for k in MOE_CONFIG_KEYS)
     if not moe:
         return False
-    return any(p.requires_grad and "expert" in n for n, p in model.named_parameters())
+    return any(p.requires_grad and _PER_EXPERT.search(n) for n, p in model.named_parameters())
 
 
 def parallel_mode(trainer: Any) -> tuple[ParallelMode, int]:

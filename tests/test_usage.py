@@ -1,0 +1,166 @@
+"""Tests for hf_ddpfix.integrations.usage (ParameterUsage): observation, exact-zero ties, finalize, the
+guard, and the plan oracle from the model zoo. Single-process tests build tiny random-weight models
+(tests/zoo.py); the multi-process tests run tests/scripts/usage_*.py as 2 gloo processes on CPU, one
+launch per mode looping over every family."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import sys
+
+import pytest
+import torch
+from torch import nn
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+sys.path.insert(0, os.path.join(HERE, "scripts"))
+
+from launch import torchrun  # noqa: E402
+from zoo import ZOO  # noqa: E402
+
+from hf_ddpfix import DDPFixConfig, RunFacts, resolve_plan  # noqa: E402
+from hf_ddpfix.facts import has_conditional_params  # noqa: E402
+from hf_ddpfix.integrations.checkpointing import apply_checkpointing  # noqa: E402
+from hf_ddpfix.integrations.usage import ParameterUsage, UnusedParametersError, reachable_leaf_ids  # noqa: E402
+
+torch.set_num_threads(1)
+
+
+def grads(model: nn.Module) -> dict[str, torch.Tensor | None]:
+    return {n: None if p.grad is None else p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
+
+
+# --- observation ------------------------------------------------------------------------------------
+
+
+def test_graph_walk_skips_a_module_whose_output_is_discarded() -> None:
+    used, discarded = nn.Linear(3, 3), nn.Linear(3, 3)
+    x = torch.randn(2, 3)
+    discarded(x)  # ran, output thrown away
+    loss = used(x).sum()
+    ids = reachable_leaf_ids([loss])
+    assert {id(used.weight), id(used.bias)} <= ids
+    assert id(discarded.weight) not in ids and id(discarded.bias) not in ids
+
+
+def test_gemma3_text_step_ties_the_tower_and_the_unused_siglip_head_bit_exactly() -> None:
+    """Gemma 3 runs SigLIP's pooling head but never uses its output: forward hooks would call it used;
+    the graph walk ties it in. Loss and every used gradient are bit-identical to the untouched model."""
+    entry = ZOO["gemma3"]
+    for has_image in (True, False):
+        batch = entry.batch(has_image, 3, 16)
+        ref = entry.model(0)
+        ref_loss = ref(**batch).loss
+        ref_loss.backward()
+        model = entry.model(0)
+        usage = ParameterUsage(model).attach()
+        loss = model(**batch).loss
+        loss.backward()
+        assert torch.equal(loss, ref_loss)
+        g, g_ref = grads(model), grads(ref)
+        tied = set(usage.last.tied)
+        assert any(".head." in n for n in tied)  # SigLIP's head: ran, never reached the loss
+        assert has_image or any("vision_tower.encoder" in n for n in tied)
+        for n, v in g.items():
+            if n in tied:
+                assert g_ref[n] is None and v is not None and not v.any(), n  # exact zeros
+            else:
+                assert torch.equal(v, g_ref[n]), n
+        assert usage.finalize() == len(tied)  # single process: no rank used them -> None again
+        assert all(p.grad is None for n, p in model.named_parameters() if n in tied)
+        usage.remove()
+
+
+def test_reentrant_layers_are_observed_without_ties_or_double_use() -> None:
+    entry = ZOO["qwen3_moe"]  # LoRA on q/v and on the fused expert tensors (peft target_parameters)
+    model = entry.model(0)
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": True})
+    apply_checkpointing(model, use_reentrant=True)
+    usage = ParameterUsage(model, allow_region_reuse=False).attach()
+    model(**entry.batch(False, 1, 16)).loss.backward()
+    assert usage.last.tied == [] and usage.last.region_used, usage.last
+    assert all(p.grad is not None for p in model.parameters() if p.requires_grad)
+
+
+def test_eval_and_no_grad_forwards_are_not_observed() -> None:
+    entry = ZOO["llava"]
+    model = entry.model(0)
+    usage = ParameterUsage(model).attach()
+    with torch.no_grad():
+        model(**entry.batch(False, 1, 12))
+    model.eval()
+    model(**entry.batch(False, 1, 12))
+    assert usage.forwards == 0 and usage.finalize() is None
+    usage.remove()
+    assert not usage.attached
+
+
+def test_guard_without_a_process_group_raises_naming_the_module() -> None:
+    entry = ZOO["llava"]
+    model = entry.model(0)
+    ParameterUsage(model, tie=False, guard=True).attach()
+    with pytest.raises(UnusedParametersError, match=r"vision_tower.*ddp_find_unused_parameters=True"):
+        model(**entry.batch(False, 1, 12))
+
+
+# --- the zoo as the plan's oracle -------------------------------------------------------------------
+
+
+def observed_unused(name: str) -> set[str]:
+    entry = ZOO[name]
+    model = entry.model(0)
+    usage = ParameterUsage(model, tie=False, guard=False).attach()
+    model(**entry.batch(False, 7, 16))
+    return {n for n, p in model.named_parameters() if p.requires_grad} - set(usage.last.used)
+
+
+@pytest.mark.parametrize("name", list(ZOO))
+def test_plan_is_safe_for_what_the_zoo_leaves_unused(name: str) -> None:
+    """Oracle: the parameters a text-only forward leaves without a gradient, observed. Where any go
+    unused, the default DDP plan must tie them in (parameter_usage) and the plan without the mechanism
+    must keep stock's find_unused_parameters=True; fused MoE experts are never reported conditional."""
+    unused = observed_unused(name)
+    model = ZOO[name].model(0)
+    facts = RunFacts(parallel="ddp", world_size=2, is_peft=True, checkpointing="non_reentrant",
+                     conditional_params=has_conditional_params(model))
+    plan = resolve_plan(facts)
+    assert plan.parameter_usage.value is True and plan.ddp_kwargs()["find_unused_parameters"] is False
+    off = resolve_plan(facts, DDPFixConfig.from_env({"HF_DDPFIX_PARAMETER_USAGE": "0"}))
+    assert off.ddp_kwargs() == {"find_unused_parameters": True, "static_graph": False}
+    if name == "qwen3_moe":
+        assert not unused and not facts.conditional_params  # fused expert tensors: always a gradient
+    expected_unused = ZOO[name].vlm or name == "bart_layerdrop"
+    assert bool(unused) == expected_unused, (name, sorted(unused)[:4])
+
+
+# --- multi-process ----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("ga", [1, 2])
+def test_zoo_trains_like_stock_find_unused_under_reentrant_checkpointing(ga: int, tmp_path) -> None:
+    report = tmp_path / "zoo.json"
+    done = torchrun("usage_zoo.py", "--ga", str(ga), "--report", str(report), timeout=420)
+    assert done.stdout.count("USAGE_ZOO_OK") == 2, done.stdout[-3000:]
+    data = json.loads(report.read_text())
+    assert set(data) == set(ZOO)
+    for name, row in data.items():
+        assert row["max_diff"] <= 1e-6 and row["moved"] >= row["n"] - 6, (name, row)
+        assert bool(row["text_step_unused"]) == (ZOO[name].vlm or name == "bart_layerdrop"), name
+
+
+def test_a_disconnected_module_raises_on_both_ranks_within_30s() -> None:
+    done = torchrun("usage_guard.py", "--case", "guard", timeout=120, check=False)
+    assert done.returncode != 0
+    for rank in (0, 1):
+        found = re.search(rf"\[rank {rank}\] UnusedParametersError after ([0-9.]+)s", done.stdout)
+        assert found, done.stdout[-3000:]
+        assert float(found.group(1)) < 30  # from the model's build to the error, every rank
+    assert "probe" in done.stdout and "ddp_find_unused_parameters=True" in done.stdout
+
+
+def test_a_disconnected_module_is_tied_in_and_trains_like_stock() -> None:
+    done = torchrun("usage_guard.py", "--case", "tie", timeout=180)
+    assert done.stdout.count("USAGE_TIE_OK") == 2
