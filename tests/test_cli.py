@@ -1,6 +1,8 @@
 """cli.py: `hf-ddpfix doctor` / `plan` and the pure `recommend_launch`."""
 
+import importlib.metadata
 import json
+import platform
 import re
 import subprocess
 import sys
@@ -53,8 +55,11 @@ def test_doctor_json_reports_versions_devices_backends_and_recommendation(capsys
     rc, out = _run(capsys, "doctor", "--json", "--params", "7e9", "--devices", "8", "--device-mem-gb", "80")
     report = json.loads(out)
     assert rc == 0 and report["ok"]
-    assert report["versions"]["torch"] == torch.__version__.split("+")[0] or report["versions"]["torch"]
-    assert {"transformers", "accelerate", "peft", "trl"} <= set(report["versions"])
+    versions = report["versions"]
+    assert versions["torch"] == torch.__version__  # the running torch, local build tag included
+    for pkg in ("torch", "transformers", "accelerate", "peft", "trl"):
+        assert versions[pkg] == importlib.metadata.version(pkg), pkg  # the installed version, not just "some"
+    assert versions["python"] == platform.python_version()
     assert report["distributed"]["gloo"] is True and "nccl" in report["distributed"]
     assert report["recommendation"]["mode"] == "ddp" and report["recommendation"]["world_size"] == 8
 
