@@ -306,3 +306,37 @@ def describe_model(spec: str, config_kwargs: Mapping[str, Any] | None = None) ->
         is_moe=any((getattr(c, k, None) or 0) > 1 for c in (config, text) for k in MOE_CONFIG_KEYS),
         vlm_adapter=adapter,
     )
+
+
+def qlora_advice(bitsandbytes_version: str | None, num_devices: int = 1) -> list[str]:
+    """What `hf-ddpfix doctor` says about QLoRA (bitsandbytes 4-bit base + adapters) on this machine.
+
+    Pure. Each line is a rule the plan enforces or a setting that decides memory, with the reason
+    (measured with bitsandbytes 0.50.2 on 2 gloo processes; see `hf_ddpfix.plan._decide_quantization`).
+
+    Args:
+        bitsandbytes_version: the installed version, `None` when not installed.
+        num_devices: devices per node the run will use (the DDP / sharding lines only matter above 1).
+
+    Returns:
+        Lines without a leading bullet; the first says whether QLoRA is available.
+    """
+    if bitsandbytes_version is None:
+        return ["bitsandbytes not installed: QLoRA (BitsAndBytesConfig(load_in_4bit=True)) unavailable "
+                "(pip install bitsandbytes)"]
+    lines = [f"bitsandbytes {bitsandbytes_version}: QLoRA available (load_in_4bit / load_in_8bit)"]
+    if num_devices <= 1:
+        lines.append("one device: load with device_map={'': 0}; nothing to shard")
+        return lines
+    lines += [
+        "DDP: load each rank's model on its own device, device_map={'': int(os.environ['LOCAL_RANK'])}; "
+        "device_map='auto' under torchrun spreads every rank over all GPUs (hf_ddpfix raises PlacementError)",
+        "DDP: prepare_model_for_kbit_training's default reentrant checkpointing fails stock DDP ('ready only "
+        "once'); under hf_ddpfix the plan switches it to non-reentrant (same weights)",
+        "FSDP2 / ZeRO-3 with bf16: bnb_4bit_quant_storage=torch.bfloat16 (and torch_dtype=torch.bfloat16) so the "
+        "4-bit weights are sharded and never value-cast; a float storage that differs from the mixed-precision "
+        "dtype is refused (QuantStorageError)",
+        "FSDP2 with the default uint8 storage trains but accelerate keeps the 4-bit weights unsharded (no memory "
+        "saving); ZeRO-3 partitions uint8 storage; FSDP1 needs float storage equal to every other parameter's dtype",
+    ]
+    return lines

@@ -27,9 +27,9 @@ from collections.abc import Mapping, Sequence
 from importlib import metadata
 from typing import Any
 
-from ._advice import GiB, ModelInfo, describe_model, recommend_launch
+from ._advice import GiB, ModelInfo, describe_model, qlora_advice, recommend_launch
 
-_PACKAGES = ("torch", "transformers", "accelerate", "peft", "trl", "datasets", "hf-ddpfix")
+_PACKAGES = ("torch", "transformers", "accelerate", "peft", "trl", "datasets", "bitsandbytes", "hf-ddpfix")
 #: HF_DDPFIX_* variables that are not `DDPFixConfig` options.
 _EXTRA_VARS = {"HF_DDPFIX_DISABLE": "patches/sitecustomize.py: 1 turns the zero-code patch off"}
 _RELATED_VARS = ("TORCH_DISTRIBUTED_DEBUG", "NCCL_DEBUG", "TORCH_NCCL_ASYNC_ERROR_HANDLING",
@@ -179,6 +179,7 @@ def _doctor(args: argparse.Namespace) -> int:
                                hidden_size=info.hidden_size, num_layers=info.num_layers, vocab_size=info.vocab_size,
                                accelerator=accelerator, target_global_batch=args.global_batch)
         report["recommendation"] = rec.as_dict()
+    report["qlora"] = qlora_advice(report["versions"].get("bitsandbytes"), n)
     problems = [s for s in report["env"]["settings"] if not s["ok"]] + report["env"]["unknown"]
     if report["env"]["config_error"] and not problems:
         problems.append({"var": "(combination)", "error": report["env"]["config_error"]})
@@ -237,6 +238,11 @@ def _print_doctor(r: dict[str, Any], torch: Any) -> None:
         p(f"    launch: {rec['launch']}")
     elif not m:
         p("  recommendation: pass --model (config.json, folder, config class, hub id) or --params 7e9")
+    qlora = r.get("qlora") or []
+    if qlora:
+        p(f"  qlora: {qlora[0]}")
+        for line in qlora[1:]:
+            p(f"    - {line}")
 
 
 def _tri(value: str | None) -> bool | None:

@@ -219,6 +219,40 @@ def test_quantized_facts_change_no_other_decision():
 
 
 # ---------------------------------------------------------------------------------------------------
+# hf-ddpfix doctor
+# ---------------------------------------------------------------------------------------------------
+
+
+def test_qlora_advice_names_the_fixes_the_plan_enforces():
+    from hf_ddpfix._advice import qlora_advice
+
+    assert qlora_advice(None)[0].startswith("bitsandbytes not installed")
+    assert len(qlora_advice("0.50.2", 1)) == 2
+    text = " ".join(qlora_advice("0.50.2", 8))
+    for needle in ("device_map={'': int(os.environ['LOCAL_RANK'])}", "PlacementError", "non-reentrant",
+                   "bnb_4bit_quant_storage=torch.bfloat16", "QuantStorageError", "unsharded"):
+        assert needle in text, needle
+
+
+def test_doctor_reports_bitsandbytes_and_qlora_advice(capsys):
+    import json
+    from importlib import metadata
+
+    from hf_ddpfix.cli import main
+
+    main(["doctor", "--json", "--devices", "2"])
+    report = json.loads(capsys.readouterr().out)
+    try:
+        version = metadata.version("bitsandbytes")
+    except metadata.PackageNotFoundError:
+        version = None
+    assert report["versions"]["bitsandbytes"] == version
+    assert report["qlora"][0].startswith(f"bitsandbytes {version}" if version else "bitsandbytes not installed")
+    main(["doctor", "--devices", "2"])
+    assert "  qlora: " in capsys.readouterr().out
+
+
+# ---------------------------------------------------------------------------------------------------
 # Multi-process (2 gloo processes, hard timeouts)
 # ---------------------------------------------------------------------------------------------------
 
