@@ -57,3 +57,18 @@ def test_bad_arguments_name_the_argument(bad):
     with pytest.raises(ValueError, match=next(iter(bad))):
         _llama8b(1024, **bad) if "tokens" not in bad else plan_offload_budget(
             layers=2, tokens=-1, layer_bytes=1, device_budget_bytes=1, host_budget_bytes=1)
+
+
+def test_max_tokens_is_the_largest_fitting_length_even_where_fitting_is_not_monotonic():
+    """A larger host budget never lowers the answer, and nothing above the answer fits (checked by scan)."""
+    kw = dict(layers=8, bytes_per_token_per_layer=1000, device_budget_bytes=10_000_000, fixed_device_bytes=1_000_000,
+              working_bytes_per_token=3000.0)
+    prev = 0
+    for host in (1_000_000, 3_000_000, 5_000_000, 20_000_000):
+        t = max_tokens(host_budget_bytes=host, **kw)
+        assert t >= prev
+        prev = t
+        for above in range(t + 1, t + 3000, 7):
+            with pytest.raises(OffloadBudgetError):
+                plan_offload_budget(layers=8, tokens=above, layer_bytes=above * 1000, device_budget_bytes=10_000_000,
+                                    host_budget_bytes=host, fixed_device_bytes=1_000_000, working_bytes_per_token=3000.0)

@@ -112,17 +112,23 @@ def max_tokens(
         except OffloadBudgetError:
             return False
 
-    if not fits(1):
-        return 0
-    lo, hi = 1, 2
-    while fits(hi):
-        lo, hi = hi, hi * 2
-        if hi > 1 << 40:
-            return lo
-    while hi - lo > 1:
-        mid = (lo + hi) // 2
-        lo, hi = (mid, hi) if fits(mid) else (lo, mid)
-    return lo
+    # Feasibility is not monotonic in tokens (the power-of-two slab, the integer count of kept inputs),
+    # so solve per kept count k: the device allows T <= (D - fixed) / (w + k x b); the host allows
+    # (layers - k) x b x T <= H (H rounded down to a power of two with slab rounding). The plan keeps
+    # the most inputs the device allows, which needs the least host memory, so the answer is the
+    # largest min(device bound, host bound) over k; then nudge down until the plan agrees.
+    b = int(bytes_per_token_per_layer)
+    host_cap = (1 << (int(host_budget_bytes).bit_length() - 1)) if slab_rounding and host_budget_bytes >= 1 else host_budget_bytes
+    best = 0
+    for k in range(min(int(min_keep), int(layers)), int(layers) + 1):
+        denom = working_bytes_per_token + k * b
+        t_dev = int((device_budget_bytes - fixed_device_bytes) // denom) if denom > 0 else 1 << 40
+        t_host = int(host_cap // ((int(layers) - k) * b)) if k < layers and b > 0 else 1 << 40
+        best = max(best, min(t_dev, t_host, 1 << 40))
+    t = best
+    while t > 0 and not fits(t):
+        t -= 1
+    return t
 
 
 def plan_offload_budget(
