@@ -138,18 +138,32 @@ def test_lora_dropout_masks_are_replayed_in_the_recompute(shards: int) -> None:
     assert_close_all(grads(mlp, x), got, rtol=0, atol=0)
 
 
-def test_autocast_state_is_reentered_in_the_recompute() -> None:
+@pytest.mark.parametrize("seed", range(10))
+def test_autocast_state_is_reentered_in_the_recompute(seed: int) -> None:
+    """The backward recompute runs under the forward's autocast: every recomputed projection is bf16
+    (a recompute without autocast would run fp32 matmuls, caught here on every seed, not by a tolerance)
+    and the gradients match the untiled autocast reference."""
     mlp = llama_mlp()
+    torch.manual_seed(seed)
     x = torch.randn(2, 13, 64, requires_grad=True)
     g = torch.randn(2, 13, 64)
     with torch.autocast("cpu", dtype=torch.bfloat16):
         ref_out = mlp(x)
     ref_out.float().backward(g)
     ref = grads(mlp, x)
+    calls: list[tuple[bool, torch.dtype]] = []  # (grad enabled = the backward's recompute, output dtype)
+    hooks = [m.register_forward_hook(lambda _m, _i, out: calls.append((torch.is_grad_enabled(), out.dtype)))
+             for m in (mlp.gate_proj, mlp.up_proj, mlp.down_proj)]
     with torch.autocast("cpu", dtype=torch.bfloat16):
         out = tiled_call(mlp, x, 4)
     out.float().backward(g)
+    for h in hooks:
+        h.remove()
     got = grads(mlp, x)
+    recomputed = [dtype for grad_on, dtype in calls if grad_on]
+    assert len(recomputed) == 3 * 4, calls  # three projections per chunk, four chunks
+    assert set(recomputed) == {torch.bfloat16}, f"recompute left autocast: {recomputed}"
+    assert {dtype for _, dtype in calls} == {torch.bfloat16}
     assert out.dtype == ref_out.dtype == torch.bfloat16
     torch.testing.assert_close(out, ref_out)
     for a, b in zip(got, ref, strict=True):
