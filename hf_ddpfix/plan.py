@@ -486,7 +486,9 @@ def _decide_tiled_mlp(facts: RunFacts, c: DDPFixConfig) -> Decision:
         "arctic": "ceil(tokens/hidden) shards",
         "target": "shards so one shard's MLP intermediate fits the memory target",
     }.get(value.split(":")[0], f"{value} shards per MLP call")
-    sync = "; shard count all-reduced (MAX) so FSDP ranks gather alike" if facts.parallel == "fsdp" else ""
+    sync = ("; shard count all-reduced (MAX) so FSDP ranks gather alike, in training forwards only (under "
+            "no_grad, e.g. a rank-0-only evaluation, the MLP runs untiled with no collective)"
+            if facts.parallel == "fsdp" else "")
     return Decision(value, f"{rule}, one gradient hook per parameter ({c.source('tiled_mlp')}){sync}", True)
 
 
