@@ -18,8 +18,10 @@ def test_stabilised_trainer_matches_stock_find_unused(tmp_path, layout):
     a, b = torch.load(stock, weights_only=False), torch.load(fixed, weights_only=False)
     assert a["find_unused"] is True and b["find_unused"] is False
     assert a["weights"].keys() == b["weights"].keys()
-    for name, w in a["weights"].items():
-        torch.testing.assert_close(b["weights"][name], w, rtol=0, atol=1e-6, msg=name)
+    # the stabiliser's dummy image adds an exact zero and unused vision grads are reset to None before
+    # clipping, so the math is stock's: bit-identical (the README's claim), not merely close
+    differ = [name for name, w in a["weights"].items() if not torch.equal(b["weights"][name], w)]
+    assert not differ, f"{len(differ)} weights differ from stock, e.g. {differ[:3]}"
     if layout == "late":
         # the vision LoRA weights moved only in the last 3 steps, as in stock (None grad before)
         assert any("visual" in k for k in a["weights"])
