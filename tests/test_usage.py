@@ -164,3 +164,12 @@ def test_a_disconnected_module_raises_on_both_ranks_within_30s() -> None:
 def test_a_disconnected_module_is_tied_in_and_trains_like_stock() -> None:
     done = torchrun("usage_guard.py", "--case", "tie", timeout=180)
     assert done.stdout.count("USAGE_TIE_OK") == 2
+
+
+def test_fsdp2_mixed_batches_finish_with_the_ddp_weights_for_every_vlm() -> None:
+    """fully_shard on gloo, no dummy image: folded skippable subtrees + per-unit ties; 1e-5 vs DDP."""
+    done = torchrun("usage_fsdp.py", timeout=420)
+    assert done.stdout.count("USAGE_FSDP_OK") == 2, done.stdout[-3000:]
+    for name, entry in ZOO.items():
+        if entry.vlm:
+            assert f"] {name}: FSDP2" in done.stdout, name

@@ -71,6 +71,8 @@ from ..ops.zero_tie import ZeroTie
 from .checkpointing import _use_reentrant_of
 from .hang_guard import UnusedParametersError
 
+_HIDDEN_INPUTS = ("hidden_states", "inputs_embeds", "x")
+
 __all__ = ["ParameterUsage", "UsageRecord", "reachable_leaf_ids", "UnusedParametersError"]
 
 _FIX = (
@@ -311,8 +313,9 @@ class ParameterUsage:
         root_scope = next(s for s in self.scopes if s.module is self.root)
         self._handles.append(self.root.register_forward_pre_hook(self._root_pre_hook, prepend=True))
         for scope in self.scopes:
-            if scope is not root_scope:
-                self._handles.append(scope.module.register_forward_pre_hook(self._scope_pre_hook(scope)))
+            if scope is not root_scope:  # prepend: before FSDP2's pre-forward registers its backward hooks
+                self._handles.append(scope.module.register_forward_pre_hook(
+                    self._scope_pre_hook(scope), prepend=True, with_kwargs=True))
             # prepend: run before FSDP2's post-forward reshards the unit (the tie needs unsharded params)
             self._handles.append(
                 scope.module.register_forward_hook(self._scope_post_hook(scope, scope is root_scope), prepend=True)
@@ -373,10 +376,31 @@ class ParameterUsage:
         root_scope = next(s for s in self.scopes if s.module is self.root)
         root_scope.stop = set()
 
-    def _scope_pre_hook(self, scope: _Scope) -> Callable[..., None]:
-        def hook(module: nn.Module, args: tuple[Any, ...]) -> None:
-            if self._active:
-                scope.stop = {t.grad_fn for t in _tensors(args) if t.grad_fn is not None}
+    def _scope_pre_hook(self, scope: _Scope) -> Callable[..., Any]:
+        """A unit's inputs: where its own graph starts (the walk stops there). Under FSDP2 a floating
+        input that needs no grad on one rank (text-only: ``inputs_embeds`` of a frozen embedding) but
+        does on another (image features scattered in) would move the unit's post-backward reduce-
+        scatter to the end of backward on that rank only: a collective-order mismatch. Such an input is
+        made a leaf that requires grad on every rank (its gradient is computed and dropped; parameter
+        gradients are unchanged)."""
+
+        def hook(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+            if not self._active:
+                return None
+            changed = False
+
+            def align(x: Any) -> Any:
+                nonlocal changed
+                if isinstance(x, torch.Tensor) and x.is_floating_point() and not x.requires_grad:
+                    changed = True
+                    return x.detach().requires_grad_()
+                return x
+
+            if len(self.scopes) > 1:
+                args = tuple(align(a) for a in args)
+                kwargs = {k: align(v) if k in _HIDDEN_INPUTS else v for k, v in kwargs.items()}
+            scope.stop = {t.grad_fn for t in (*_tensors(args), *_tensors(kwargs)) if t.grad_fn is not None}
+            return (args, kwargs) if changed else None
 
         return hook
 
