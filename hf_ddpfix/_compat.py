@@ -275,3 +275,26 @@ def checkpoint_recompute_is_last(n_saved: int) -> bool:
         return int(frame.recomp_counter[gid]) + n_saved == len(frame.weak_holders)
     except Exception:  # noqa: BLE001 - private internals changed: fall back to the always-correct path
         return False
+
+# --------------------------------------------------------------------------------------------------
+# deepspeed (checked against 0.19.8; imported lazily, never required)
+# --------------------------------------------------------------------------------------------------
+
+
+def z3_leaf_marked(module: nn.Module) -> bool:
+    """True when ``module`` is flagged as a ZeRO-3 leaf module: ``deepspeed.utils.set_z3_leaf_modules``
+    sets the private attribute ``module._z3_leaf`` (deepspeed 0.14-0.19.8), read at engine init."""
+    return bool(getattr(module, "_z3_leaf", False))
+
+
+def deepspeed_default_leaf_classes() -> frozenset[str]:
+    """Qualified class names deepspeed marks as ZeRO-3 leaf modules by itself (the defaults of the
+    ``zero_optimization.leaf_module`` config: ``deepspeed.runtime.zero.leaf_module_config.
+    DEFAULT_LEAF_MODULE_CLASSES``, deepspeed >= 0.18; Mixtral / Qwen2-MoE / Qwen3-MoE sparse blocks in 0.19.8).
+    Empty when deepspeed is missing or older."""
+    try:
+        from deepspeed.runtime.zero.leaf_module_config import DEFAULT_LEAF_MODULE_CLASSES
+    except Exception:  # noqa: BLE001 - not installed, older, or its accelerator probe failed
+        return frozenset()
+    return frozenset(str(c) for c in DEFAULT_LEAF_MODULE_CLASSES)
+

@@ -14,6 +14,7 @@ from torch import nn
 from ._compat import checkpointing_args, unwrap_parallel
 from .integrations import families, quantized
 from .integrations.checkpointing import detect_checkpointing, requested_checkpointing
+from .integrations.deepspeed import gather_deepspeed_facts
 from .plan import ParallelMode, RunFacts
 
 MOE_CONFIG_KEYS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts")
@@ -114,4 +115,5 @@ def gather_facts(trainer: Any, model: nn.Module | None = None) -> RunFacts:
         placement=quantized.placement_devices(model, from_device_map=quant is not None),
         rank_device=quantized.device_name(args.device),
         **quantized.sharding_facts(trainer, parallel),
+        deepspeed=gather_deepspeed_facts(trainer, model) if parallel == "deepspeed" else None,
     )

@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any, Literal
 from .config import DDPFixConfig
 
 if TYPE_CHECKING:  # the plan stays free of torch at run time; the facts type lives with its gatherer
+    from .integrations.deepspeed import DeepSpeedFacts
     from .integrations.quantized import QuantFacts
 
 ParallelMode = Literal["single", "ddp", "fsdp", "deepspeed"]
@@ -76,6 +77,8 @@ class RunFacts:
         shard_cast_dtype: the dtype FSDP's mixed precision (`param_dtype`) or DeepSpeed's bf16/fp16 casts
             floating parameters to, `None` when nothing is cast.
         zero_stage: the DeepSpeed ZeRO stage, `None` without DeepSpeed.
+        deepspeed: version, offload, MoE blocks, dtypes of a DeepSpeed run
+            (`hf_ddpfix.integrations.deepspeed.DeepSpeedFacts`), `None` without DeepSpeed.
     """
 
     parallel: ParallelMode = "single"
@@ -98,6 +101,7 @@ class RunFacts:
     fsdp_version: int | None = None
     shard_cast_dtype: str | None = None
     zero_stage: int | None = None
+    deepspeed: DeepSpeedFacts | None = None
 
     def stock_find_unused(self) -> bool:
         """What stock `Trainer._build_accelerator_args` picks (REFERENCES.md §1)."""
@@ -133,6 +137,8 @@ class Plan:
     tiled_loss: Decision
     quantization: Decision = Decision(None, "")
     parameter_usage: Decision = Decision(None, "")
+    deepspeed: Decision = Decision(None, "")
+    zero3_leaf_modules: Decision = Decision(None, "")
     corrections: tuple[str, ...] = ()
     config_lines: tuple[str, ...] = field(default=())
     offload_min_layer_bytes: int = 0  # the offload policy's threshold (ActivationOffload(min_layer_bytes=))
@@ -158,6 +164,8 @@ class Plan:
             "tiled_mlp": self.tiled_mlp,
             "tiled_loss": self.tiled_loss,
             "quantization": self.quantization,
+            "deepspeed": self.deepspeed,
+            "zero3_leaf_modules": self.zero3_leaf_modules,
         }
 
     def report(self) -> str:
@@ -228,10 +236,12 @@ def resolve_plan(facts: RunFacts, config: DDPFixConfig | None = None) -> Plan:
         offload_activations=offload,
         vlm_stabilizer=stabilizer,
         hang_guard=guard,
-        tiled_mlp=_decide_tiled_mlp(facts, c),
-        tiled_loss=_decide_tiled_loss(c),
+        tiled_mlp=_unverified_under_zero3(facts, _decide_tiled_mlp(facts, c)),
+        tiled_loss=_unverified_under_zero3(facts, _decide_tiled_loss(c)),
         quantization=quantization,
         parameter_usage=usage,
+        deepspeed=_decide_deepspeed(facts),
+        zero3_leaf_modules=_decide_leaf_modules(facts),
         corrections=tuple(corrections),
         config_lines=tuple(c.describe()),
         offload_min_layer_bytes=offload_min_layer_bytes(c),
@@ -240,6 +250,8 @@ def resolve_plan(facts: RunFacts, config: DDPFixConfig | None = None) -> Plan:
 
 def _decide_checkpointing(facts: RunFacts, c: DDPFixConfig, distributed: bool, correct) -> Decision:
     asked = facts.checkpointing
+    if facts.parallel == "deepspeed" and facts.deepspeed is not None:
+        return _decide_deepspeed_checkpointing(facts, c, correct)
     if asked == "off":
         if c.assume_checkpointing:
             return Decision("off", "not detected; assumed on (custom checkpointing) for the DDP decisions")
@@ -289,7 +301,7 @@ def _decide_stabilizer(facts: RunFacts, c: DDPFixConfig, distributed: bool, usag
     if not facts.is_vlm:
         return Decision(None, "")
     if facts.parallel == "deepspeed":
-        return Decision(False, "not applied under DeepSpeed (hf_ddpfix leaves the DeepSpeed engine alone)")
+        return _decide_deepspeed_stabilizer(facts, c)
     needs = distributed and (facts.trainable_vision_params or facts.parallel == "fsdp")
     if not needs:
         why = "no trainable vision parameters" if distributed else "single process"
@@ -632,3 +644,64 @@ def _quantized_zero(facts: RunFacts, q: QuantFacts, what: str) -> Decision:
         )
     return Decision(what, f"ZeRO-3 partitions the 4-bit weights ({storage} storage, not cast; each rank holds "
                     f"1/world of {q.quant_bytes} bytes)")
+
+
+# ---- DeepSpeed (rules and measurements: hf_ddpfix/integrations/deepspeed.py, deepspeed_plan.py) ----
+
+
+def _decide_deepspeed(facts: RunFacts) -> Decision:
+    if facts.parallel != "deepspeed":
+        return Decision(None, "")
+    ds = facts.deepspeed
+    if ds is None:
+        return Decision("unknown", "no DeepSpeed config readable: stock behaviour kept")
+    from .integrations.deepspeed_plan import adapter_dtype_note
+
+    note = adapter_dtype_note(ds)
+    return Decision(f"ZeRO-{ds.stage}", ds.describe() + (f" (from {ds.source})" if ds.source else "")
+                    + (f"; {note}" if note else ""))
+
+
+def _decide_deepspeed_checkpointing(facts: RunFacts, c: DDPFixConfig, correct: Callable[[str], None]) -> Decision:
+    from .integrations.deepspeed_plan import checkpointing_decision
+
+    assert facts.deepspeed is not None
+    forced = c.checkpointing if c.checkpointing in ("reentrant", "non_reentrant") else None
+    mode, reason, changed, correction = checkpointing_decision(
+        facts.checkpointing, ds=facts.deepspeed, is_peft=facts.is_peft, user_reentrant=facts.user_reentrant,
+        forced=forced)
+    if correction:
+        correct(correction)
+    if forced:
+        reason = reason.replace("HF_DDPFIX_CHECKPOINTING", c.source("checkpointing"))
+    return Decision(mode, reason, changed=changed)
+
+
+def _decide_deepspeed_stabilizer(facts: RunFacts, c: DDPFixConfig) -> Decision:
+    from .integrations.deepspeed import DeepSpeedFacts
+    from .integrations.deepspeed_plan import vision_decision
+
+    ds = facts.deepspeed or DeepSpeedFacts(stage=facts.zero_stage)
+    disabled = c.source("vlm_stabilizer") if c.vlm_stabilizer is False else None
+    value, reason, changed = vision_decision(ds=ds, is_vlm=facts.is_vlm, adapter=facts.vlm_adapter,
+                                             trainable_vision=facts.trainable_vision_params, disabled=disabled)
+    return Decision(value, reason, changed=changed)
+
+
+def _decide_leaf_modules(facts: RunFacts) -> Decision:
+    if facts.parallel != "deepspeed" or facts.deepspeed is None:
+        return Decision(None, "")
+    from .integrations.deepspeed_plan import leaf_modules_decision
+
+    value, reason, changed = leaf_modules_decision(facts.deepspeed)
+    if value is None:
+        return Decision(None, "")
+    return Decision(",".join(v.rsplit(".", 1)[-1] for v in value) or "none", reason, changed=changed)
+
+
+def _unverified_under_zero3(facts: RunFacts, decision: Decision) -> Decision:
+    """Tiling reads partitioned (empty) weights under ZeRO-3: not verified there, so stock is kept."""
+    if facts.parallel != "deepspeed" or facts.zero_stage != 3 or decision.value in (None, "off"):
+        return decision
+    return Decision("off", f"requested ({decision.value}) but not verified under ZeRO-3 (weights are partitioned "
+                    "outside their module's forward): stock computation kept")

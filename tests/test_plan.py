@@ -255,9 +255,12 @@ def test_plan_log_says_how_every_parameter_is_used_and_the_cost():
     assert "parameter_usage is off" in off.find_unused_parameters.reason
 
 
-def test_deepspeed_is_left_alone():
+def test_deepspeed_without_readable_config_keeps_stock():
+    """No DeepSpeed facts (config unreadable): nothing DeepSpeed-specific is applied. The ZeRO rules
+    themselves are tested in tests/test_deepspeed.py."""
     f = RunFacts(parallel="deepspeed", world_size=2, checkpointing="reentrant", is_vlm=True,
                  trainable_vision_params=True, vlm_adapter="qwen2_5_vl")
     plan = resolve_plan(f)
     assert plan.ddp_kwargs() == {} and plan.vlm_stabilizer.value is False
-    assert "DeepSpeed" in plan.vlm_stabilizer.reason and plan.checkpointing.value == "reentrant"
+    assert "stock" in plan.vlm_stabilizer.reason and plan.checkpointing.value == "reentrant"
+    assert plan.deepspeed.value == "unknown" and plan.zero3_leaf_modules.value is None

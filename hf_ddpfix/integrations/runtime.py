@@ -21,6 +21,7 @@ from .._compat import TRAINER_STEP_HOOKS, checkpointing_args
 from ..ops.offload import ActivationOffload, SaveOnCpuScope
 from ..plan import Plan
 from .checkpointing import apply_checkpointing, checkpoint_kwargs_without_mode
+from .deepspeed import attach_deepspeed
 from .families import is_vision_language_model
 from .hang_guard import HangGuard
 from .loss_patch import TiledLossHandle, patch_model_loss
@@ -40,6 +41,7 @@ class Runtime:
     stabilizer: VisionStabilizer | None = None
     hang_guard: HangGuard | None = None
     usage: ParameterUsage | None = None
+    zero_vision: Any = None  # ZeroVisionStabilizer under DeepSpeed ZeRO-2/3
     tiled_mlp: TiledMLPHandle | None = None
     tiled_loss: TiledLossHandle | None = None
     step_contexts: list[Callable[[], AbstractContextManager[Any]]] = field(default_factory=list)
@@ -56,7 +58,12 @@ def attach_runtime(trainer: Any, model: nn.Module, plan: Plan, stack: ExitStack)
         rt.step_contexts.append(rt.offload.step)
         stack.callback(rt.offload.clear_pool)
     _apply_checkpointing(trainer, model, plan, offload)
-    if plan.vlm_stabilizer.value:
+    if plan.parallel == "deepspeed":  # before deepspeed.initialize (inside the stock loop): see deepspeed.py
+        leaf = str(plan.zero3_leaf_modules.value or "none")
+        rt.zero_vision = attach_deepspeed(model, stabilize=bool(plan.vlm_stabilizer.value), stack=stack,
+                                          leaf_classes=() if leaf == "none" else tuple(leaf.split(",")),
+                                          log=lambda line: _log_rank0(trainer, "%s", line))
+    elif plan.vlm_stabilizer.value:
         rt.stabilizer = _attach_stabilizer(trainer, model, plan, stack)
     if plan.parameter_usage.value:
         rt.usage = _attach_usage(trainer, model, ParameterUsage(model), stack)

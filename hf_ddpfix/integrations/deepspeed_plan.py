@@ -1,0 +1,156 @@
+"""DeepSpeed decisions for the plan, and the doctor's advice: pure functions of :class:`DeepSpeedFacts`.
+
+The facts, the measurements behind each rule and the appliers are in :mod:`hf_ddpfix.integrations.deepspeed`.
+Nothing here imports deepspeed or touches a process group.
+"""
+
+from __future__ import annotations
+
+from .deepspeed import LEAF_MODULES_SINCE, NON_REENTRANT_FIXED_IN, DeepSpeedFacts, parse_version
+
+__all__ = [
+    "adapter_dtype_note",
+    "checkpointing_decision",
+    "deepspeed_advice",
+    "leaf_modules_decision",
+    "vision_decision",
+]
+
+
+# -------------------------------------------------------------------------------------------------
+
+
+def checkpointing_decision(
+    asked: str, *, ds: DeepSpeedFacts, is_peft: bool, user_reentrant: bool | None, forced: str | None = None
+) -> tuple[str, str, bool, str | None]:
+    """The checkpoint variant under DeepSpeed.
+
+    Args:
+        asked: what the run asked for ("off", "reentrant", "non_reentrant").
+        ds: the run's DeepSpeed facts (stage, version).
+        is_peft: the model is a peft ``PeftModel``.
+        user_reentrant: the explicit ``use_reentrant`` of the run, ``None`` if unset.
+        forced: ``HF_DDPFIX_CHECKPOINTING`` (honoured, with the known failure in the reason).
+
+    Returns:
+        ``(mode, reason, changed_from_stock, correction or None)``; a correction is set when an explicit
+        user setting is overridden.
+    """
+    if asked == "off":
+        return "off", "not requested", False, None
+    broken = ds.stage == 3 and is_peft and _older(ds.version_tuple, NON_REENTRANT_FIXED_IN)
+    known = (f"PEFT + ZeRO-3 + non-reentrant checkpointing fails on deepspeed {ds.version or '(unknown)'} "
+             "<= 0.19.2 ('CheckpointError ... recomputed metadata shape [0]'; fixed in 0.19.3, DeepSpeed "
+             "PR #8148)")
+    if forced in ("reentrant", "non_reentrant"):
+        note = f"; warning: {known}" if forced == "non_reentrant" and broken else ""
+        return forced, f"forced (HF_DDPFIX_CHECKPOINTING){note}", forced != asked, None
+    if asked == "reentrant":
+        return "reentrant", "as requested (reentrant works under DeepSpeed: no DDP reducer)", False, None
+    if broken:
+        correction = None
+        if user_reentrant is False:
+            correction = f"use_reentrant=False -> True: {known}"
+        return "reentrant", f"{known}: reentrant works there", True, correction
+    why = "as requested"
+    if ds.stage == 3 and is_peft:
+        why += f" (deepspeed {ds.version} >= 0.19.3 handles PEFT + ZeRO-3 non-reentrant)"
+    return "non_reentrant", why, False, None
+
+
+def _older(v: tuple[int, int, int] | None, than: tuple[int, int, int]) -> bool:
+    """True when ``v`` is older than ``than``; an unknown version counts as old (the safe choice)."""
+    return v is None or v < than
+
+
+def vision_decision(
+    *, ds: DeepSpeedFacts, is_vlm: bool, adapter: str | None, trainable_vision: bool, disabled: str | None
+) -> tuple[bool | None, str, bool]:
+    """Whether to run :class:`~hf_ddpfix.integrations.zero_vision.ZeroVisionStabilizer`.
+
+    Needed under ZeRO-2 when tower parameters are trainable (gradient all-reduce sizes) and under ZeRO-3
+    for any VLM (a frozen tower is sharded and all-gathered too). ZeRO-0/1 reduce the whole gradient
+    buffer (stage 1 zero-fills missing grads): not needed.
+
+    Returns:
+        ``(value or None when not a VLM, reason, changed_from_stock)``.
+    """
+    if not is_vlm:
+        return None, "", False
+    stage = ds.stage
+    if stage is None:
+        return False, "ZeRO stage unknown: stock behaviour kept", False
+    if stage < 2:
+        return False, f"not needed under ZeRO-{stage} (gradients reduced as one flat buffer)", False
+    if stage == 2 and not trainable_vision:
+        return False, "not needed: no trainable vision parameters (ZeRO-2 keeps parameters whole)", False
+    if disabled:
+        return False, f"disabled ({disabled}); mixed image/text batches fail in stock ZeRO-{stage}", False
+    if adapter is None:
+        return False, (f"no adapter for this VLM family: batches mixing images and text fail under ZeRO-{stage} "
+                       "as in stock (give every micro-batch an image, or use DDP)"), False
+    what = "all-gathers" if stage == 3 else "gradient all-reduces"
+    return True, (f"{adapter}: text-only micro-batches run a dummy image between the embedding and the "
+                  f"language model (exactly-zero contribution), so every rank issues the same ZeRO-{stage} "
+                  f"{what}"), True
+
+
+def leaf_modules_decision(ds: DeepSpeedFacts, disabled: str | None = None) -> tuple[tuple[str, ...] | None, str, bool]:
+    """Which MoE block classes to mark as ZeRO-3 leaf modules.
+
+    Returns:
+        ``(class names, or None when not ZeRO-3, reason, changed_from_stock)``.
+    """
+    if ds.stage != 3:
+        return None, "", False
+    if not ds.moe_blocks:
+        return (), "no MoE block with per-expert submodules (fused experts always run)", False
+    names = ", ".join(n.rsplit(".", 1)[-1] for n in ds.moe_blocks)
+    if disabled:
+        return (), f"disabled ({disabled}); {names} left as in stock", False
+    if ds.leaf_config:
+        return (), f"the DeepSpeed config sets zero_optimization.leaf_module: left to it ({names} not added)", False
+    if _older(ds.version_tuple, LEAF_MODULES_SINCE):
+        return (), f"deepspeed {ds.version} < 0.14 has no set_z3_leaf_modules: {names} left as in stock", False
+    return tuple(ds.moe_blocks), (f"{names}: ranks routing tokens to different experts would all-gather "
+                                  "different experts (hang / ~10x slower); gathered as one leaf, unused "
+                                  "experts get zero gradients"), True
+
+
+def adapter_dtype_note(ds: DeepSpeedFacts) -> str | None:
+    """The plan log line for a frozen base and trainable adapters in different dtypes, or ``None``."""
+    if not (ds.base_dtype and ds.adapter_dtype):
+        return None
+    if ds.cast_dtype:
+        return (f"{ds.base_dtype} base + {ds.adapter_dtype} trainable parameters: DeepSpeed casts the whole "
+                f"module to {ds.cast_dtype} and keeps fp32 master weights in the optimizer (trains on "
+                "deepspeed 0.19.8; the TypeError reported with older versions: pass "
+                "autocast_adapter_dtype=False to get_peft_model)")
+    return (f"{ds.base_dtype} base + {ds.adapter_dtype} trainable parameters with DeepSpeed bf16/fp16 off: "
+            "DeepSpeed keeps the dtypes as they are")
+
+
+def deepspeed_advice(version: str | None) -> list[str]:
+    """What ``hf-ddpfix doctor`` says about the installed deepspeed (pure).
+
+    Args:
+        version: ``deepspeed_version()``, ``None`` when not installed.
+    """
+    if version is None:
+        return ["deepspeed: not installed (only needed for ZeRO runs: DS_BUILD_OPS=0 pip install deepspeed)"]
+    v = parse_version(version)
+    lines = [f"deepspeed {version}"]
+    if v is None:
+        return lines + ["  version not readable: hf_ddpfix assumes the oldest behaviour (reentrant "
+                        "checkpointing for PEFT + ZeRO-3)"]
+    if v < NON_REENTRANT_FIXED_IN:
+        lines.append("  PEFT + ZeRO-3 + non-reentrant checkpointing fails on this version (fixed in 0.19.3): "
+                     "hf_ddpfix switches such runs to reentrant; upgrade with `pip install -U deepspeed`")
+    else:
+        lines.append("  PEFT + ZeRO-3 works with non-reentrant checkpointing on this version")
+    if v < LEAF_MODULES_SINCE:
+        lines.append("  no ZeRO-3 leaf modules (< 0.14): MoE models with per-expert modules may hang under "
+                     "ZeRO-3; upgrade")
+    lines.append("  mixed image/text batches (Qwen-VL families): hf_ddpfix runs a dummy image on text-only "
+                 "ranks under ZeRO-2/3; other VLMs: give every micro-batch an image under ZeRO")
+    return lines
