@@ -272,7 +272,9 @@ def test_qlora_fsdp2_trains_sharded_with_float_storage_and_refuses_a_casting_pol
     pytest.importorskip("bitsandbytes")
     out = torchrun("qlora_fsdp.py", "--model-dir", tiny_dir, timeout=240)
     assert out.stdout.count("QLORA_FSDP_OK") == 2, out.stdout[-3000:]
-    assert "4-bit bytes per rank 36864 -> 18432" in out.stdout
+    assert "float32 storage: 4-bit bytes per rank 36864 -> 18432" in out.stdout
+    assert "torch.uint8 storage: 4-bit bytes per rank 36864 -> 36864" in out.stdout  # accelerate: replicated
+    assert "torch.bfloat16 storage: 4-bit bytes per rank 36864 -> 18432" in out.stdout  # accelerate: sharded
 
 
 @pytest.mark.multiprocess

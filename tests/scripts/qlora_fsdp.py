@@ -15,6 +15,10 @@ storage dtype of each case, adds LoRA (q/v/down, dropout 0) and shards every dec
 3. storage float32 + MixedPrecisionPolicy(param_dtype=bfloat16): the plan raises `QuantStorageError`
    naming `bnb_4bit_quant_storage=torch.bfloat16`; run anyway, the first forward fails ("invalid for
    input of size"): the all-gather value-casts the packed bytes.
+4. accelerate's own FSDP2 preparation (`fsdp2_prepare_model`, what the Trainer runs on GPUs; accelerate
+   1.15) with bf16 mixed precision: uint8 storage stays replicated (every rank holds all 36864 4-bit bytes)
+   and bfloat16 storage is sharded (18432 per rank), both run forward + backward with a finite loss; the
+   plan's reasons say the same.
 
 Prints ``QLORA_FSDP_OK``.
 """
@@ -24,6 +28,7 @@ from __future__ import annotations
 import argparse
 import gc
 import time
+import warnings
 
 import torch
 import torch.distributed as dist
@@ -73,6 +78,28 @@ def shard(model, mp_dtype: torch.dtype | None):
         fully_shard(layer, mesh=mesh, mp_policy=mp)
     fully_shard(model, mesh=mesh, mp_policy=mp)
     return model
+
+
+def accelerate_fsdp2(model):
+    """accelerate 1.15's `fsdp2_prepare_model` with bf16 mixed precision and decoder-layer wrapping.
+
+    The Trainer cannot run FSDP on a CPU-only machine (it falls back to DDP), so the accelerator is a
+    stand-in with the attributes that function reads.
+    """
+    from types import SimpleNamespace
+
+    from accelerate.utils import FullyShardedDataParallelPlugin
+    from accelerate.utils.fsdp_utils import fsdp2_prepare_model
+
+    plugin = FullyShardedDataParallelPlugin(fsdp_version=2, auto_wrap_policy="transformer_based_wrap",
+                                            transformer_cls_names_to_wrap=["LlamaDecoderLayer"])
+    plugin.set_mixed_precision("bf16")
+    accelerator = SimpleNamespace(state=SimpleNamespace(fsdp_plugin=plugin), mixed_precision="bf16",
+                                  is_main_process=dist.get_rank() == 0, torch_device_mesh=None,
+                                  parallelism_config=None, device=torch.device("cpu"))
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*Params4bit.*")
+        return fsdp2_prepare_model(accelerator, model)
 
 
 def train(model, *, ddp_reference: bool) -> tuple[dict[str, torch.Tensor], list[float]]:
@@ -163,6 +190,22 @@ def main() -> None:
         raise AssertionError("expected the value-cast 4-bit weights to fail (the refusal would be unfounded)")
     del model
     gc.collect()
+
+    # 4. accelerate's FSDP2 preparation, as the Trainer runs it
+    for storage, expect_sharded in ((torch.uint8, False), (torch.bfloat16, True)):
+        model = load(a.model_dir, storage)
+        reason = plan_for(model, "bfloat16").quantization.reason
+        assert ("out of sharding" in reason) is not expect_sharded, reason
+        before = quantization_facts(model).quant_bytes
+        model = accelerate_fsdp2(model)
+        after = quantization_facts(model).quant_bytes
+        assert after == (before // dist.get_world_size() if expect_sharded else before), (storage, before, after)
+        loss = model(**batch(0, rank)).loss
+        loss.backward()
+        assert torch.isfinite(loss), loss
+        log(f"accelerate fsdp2_prepare_model, {storage} storage: 4-bit bytes per rank {before} -> {after}")
+        del model
+        gc.collect()
     dist.barrier()
     log("QLORA_FSDP_OK")
     dist.destroy_process_group()
