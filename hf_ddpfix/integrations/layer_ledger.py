@@ -32,6 +32,14 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from .._compat import (
+    FLASH_CPU_BACKWARD_OP,
+    fake_from_meta,
+    fake_tensor_mode,
+    flash_attention_forward,
+    module_buffer_slots,
+    module_parameter_slots,
+)
 from ..ops.memory_ledger import LedgerEntry, MemoryLedger
 
 __all__ = [
@@ -99,7 +107,9 @@ def _flash_sdpa() -> Iterator[None]:
         if attn_mask is not None:
             return orig(q, k, v, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale,
                         enable_gqa=enable_gqa)
-        return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, dropout_p, is_causal, scale=scale)[0]
+        if dropout_p or not is_causal:
+            return orig(q, k, v, dropout_p=dropout_p, is_causal=is_causal, scale=scale, enable_gqa=enable_gqa)
+        return flash_attention_forward(q, k, v, scale if scale is not None else q.shape[-1] ** -0.5)[0]
 
     F.scaled_dot_product_attention = sdpa
     try:
@@ -127,16 +137,15 @@ def _build(shape: LayerShape, fake_mode: Any | None, seed: int, checkpointing: b
     model = get_peft_model(model, LoraConfig(r=shape.lora_r, lora_alpha=2 * shape.lora_r, target_modules="all-linear",
                                              init_lora_weights=False))
     if fake_mode is not None:
-        conv = fake_mode.fake_tensor_converter
         cpu = torch.device("cpu")
         for mod in model.modules():
-            for n, p in list(mod._parameters.items()):
+            params, buffers = module_parameter_slots(mod), module_buffer_slots(mod)
+            for n, p in list(params.items()):
                 if p is not None:
-                    mod._parameters[n] = torch.nn.Parameter(conv.from_meta_and_device(fake_mode, p, cpu),
-                                                            requires_grad=p.requires_grad)
-            for n, b in list(mod._buffers.items()):
+                    params[n] = torch.nn.Parameter(fake_from_meta(fake_mode, p, cpu), requires_grad=p.requires_grad)
+            for n, b in list(buffers.items()):
                 if b is not None:
-                    mod._buffers[n] = conv.from_meta_and_device(fake_mode, b, cpu)
+                    buffers[n] = fake_from_meta(fake_mode, b, cpu)
     if checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model.train()
@@ -197,15 +206,13 @@ def measure_layer(
     Returns:
         ``LayerLedger``.
     """
-    from torch._subclasses.fake_tensor import FakeTensorMode
-
     feats = LEDGER_FEATURES[features] if isinstance(features, str) else tuple(features)
-    fake_mode = FakeTensorMode() if fake else None
+    fake_mode = fake_tensor_mode() if fake else None
     model = _build(shape, fake_mode, seed, checkpointing)
     _apply(model, feats, tokens_per_tile)
     base = model.base_model.model
     layer = base.layers[0]
-    workspace = {"_scaled_dot_product_flash_attention_for_cpu_backward": flash_bwd_workspace} if flash_workspace else {}
+    workspace = {FLASH_CPU_BACKWARD_OP: flash_bwd_workspace} if flash_workspace else {}
     with fake_mode if fake_mode is not None else contextlib.nullcontext():
         gen = torch.Generator().manual_seed(seed + 1)
         x = torch.randn(batch, seq, shape.hidden, generator=gen).to(torch.bfloat16).requires_grad_()

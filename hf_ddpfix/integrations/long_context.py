@@ -42,7 +42,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .._compat import forward_source
+from .._compat import class_checkpoint_inner_forward, forward_source, is_checkpointing, layer_checkpoint_func
 from ..ops.grouped_attention import grouped_flash_attention, kv_groups_for
 from ..ops.rms_norm import DEFAULT_CHUNK_TOKENS, rms_norm
 from ..ops.tiled import sync_shards
@@ -94,9 +94,7 @@ def parse_long_context_setting(value: str | bool | None, name: str = "HF_DDPFIX_
     return tuple(f for f in LONG_CONTEXT_FEATURES if f in parts)
 
 
-# --------------------------------------------------------------------------------------------------
 # Structure checks (observe, don't predict)
-# --------------------------------------------------------------------------------------------------
 
 
 def _llama_sources() -> tuple[str, str, str]:
@@ -141,15 +139,6 @@ def _layer_check(layer: nn.Module) -> tuple[bool, str]:
 # --------------------------------------------------------------------------------------------------
 
 
-def _checkpoint_wrapped(cls_forward: Any) -> Callable[..., Any] | None:
-    """The forward inside transformers' class-level checkpoint wrapper (``forward_with_checkpointing``,
-    transformers 5.2x ``modeling_layers.GradientCheckpointingLayer``), or None when not wrapped."""
-    code = getattr(cls_forward, "__code__", None)
-    if code is None or code.co_name != "forward_with_checkpointing":
-        return None
-    return getattr(cls_forward, "__wrapped__", None)
-
-
 class _NormForward:
     """Instance-level forward of a Llama-style RMSNorm running :func:`rms_norm`."""
 
@@ -187,7 +176,7 @@ class _LayerForward:
         if self.prev is not None:
             return self.prev
         cls_forward = type(self.layer).forward
-        inner = _checkpoint_wrapped(cls_forward)
+        inner = class_checkpoint_inner_forward(cls_forward)
         return (inner if inner is not None else cls_forward).__get__(self.layer)
 
     def _why_stock(self, hidden_states: Any, attention_mask: Any, past_key_values: Any,
@@ -238,26 +227,22 @@ class _LayerForward:
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=attn.scaling, enable_gqa=True)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        """Checkpoint as the class forward would, with our forward inside the checkpoint.
-
-        transformers >= 5.2x checkpoints in a wrapper around the *class* ``forward``
-        (``GradientCheckpointingLayer.__init_subclass__``), which an instance-level forward bypasses;
-        so when the class forward is that wrapper and the layer checkpoints, we call the layer's
-        checkpoint function ourselves, exactly as the wrapper does. Older versions checkpoint in
-        ``__call__``, outside any forward: then we just run.
-        """
+        """Checkpoint as the class forward would (transformers 5.2x checkpoints in a wrapper around the
+        class ``forward``, which an instance forward bypasses), with our forward inside the checkpoint."""
         layer = self.layer
         if (
             self.prev is None
-            and _checkpoint_wrapped(type(layer).forward) is not None
-            and getattr(layer, "gradient_checkpointing", False)
+            and class_checkpoint_inner_forward(type(layer).forward) is not None
+            and is_checkpointing(layer)
             and layer.training
         ):
             if kwargs.get("use_cache"):
                 kwargs["use_cache"] = False
             if kwargs.get("past_key_values") is not None:
                 kwargs["past_key_values"] = None
-            return layer._gradient_checkpointing_func(functools.partial(self._run, **kwargs), *args)
+            func = layer_checkpoint_func(layer)
+            if func is not None:
+                return func(functools.partial(self._run, **kwargs), *args)
         return self._run(*args, **kwargs)
 
     def _run(self, hidden_states: Any = None, attention_mask: Any = None, position_ids: Any = None,

@@ -26,6 +26,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from .._compat import flash_attention_backward, flash_attention_forward
+
 __all__ = ["grouped_flash_attention", "kv_groups_for"]
 
 _CUDA_OK: dict[tuple[Any, ...], bool] = {}
@@ -47,25 +49,6 @@ def kv_groups_for(kv_heads: int, groups: int | str = "auto") -> int:
     return g
 
 
-def _fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> tuple[Any, ...]:
-    if q.device.type == "cuda":
-        out = torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.0, True, False, scale=scale)
-        o, lse, cq, ck, mq, mk, seed, offset, _ = out
-        return o, lse, (cq, ck, mq, mk, seed, offset)
-    o, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, True, scale=scale)
-    return o, lse, None
-
-
-def _bwd(g: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor,
-         lse: torch.Tensor, extra: Any, scale: float) -> tuple[torch.Tensor, ...]:
-    if q.device.type == "cuda":
-        cq, ck, mq, mk, seed, offset = extra
-        return torch.ops.aten._scaled_dot_product_flash_attention_backward(
-            g, q, k, v, o, lse, cq, ck, mq, mk, 0.0, True, seed, offset, scale=scale
-        )
-    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(g, q, k, v, o, lse, 0.0, True, scale=scale)
-
-
 class _GroupedFlash(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, groups: int) -> torch.Tensor:  # type: ignore[override]
@@ -79,7 +62,7 @@ class _GroupedFlash(torch.autograd.Function):
         extras = []
         for j in range(groups):
             qs, ks = slice(j * qg, (j + 1) * qg), slice(j * kg, (j + 1) * kg)
-            o, l_, extra = _fwd(q[:, qs], k[:, ks], v[:, ks], scale)
+            o, l_, extra = flash_attention_forward(q[:, qs], k[:, ks], v[:, ks], scale)
             out[:, qs] = o
             if lse is None:
                 lse = l_.new_empty((b, hq, l_.shape[-1]))
@@ -103,7 +86,7 @@ class _GroupedFlash(torch.autograd.Function):
         gv = torch.empty_like(v)
         for j in range(groups):
             qs, ks = slice(j * qg, (j + 1) * qg), slice(j * kg, (j + 1) * kg)
-            dq, dk, dv = _bwd(grad_out[:, qs], q[:, qs], k[:, ks], v[:, ks], out[:, qs], lse[:, qs].contiguous(),
+            dq, dk, dv = flash_attention_backward(grad_out[:, qs], q[:, qs], k[:, ks], v[:, ks], out[:, qs], lse[:, qs].contiguous(),
                               ctx.extras[j], ctx.scale)
             gq[:, qs] = dq
             gk[:, ks] = dk

@@ -38,12 +38,10 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from .._compat import storage_weak_ref
+from .._compat import in_checkpoint_recompute, storage_weak_ref
 
 __all__ = ["LedgerEntry", "MemoryLedger", "OpRecord"]
 
-# Ops that never allocate: their outputs are views of an input (or the input itself).
-_PHASES = ("forward", "recompute", "backward")
 
 
 @dataclass(frozen=True)
@@ -75,14 +73,6 @@ class _Live:
     def __init__(self, ref: Any, entry: LedgerEntry) -> None:
         self.ref = ref
         self.entry = entry
-
-
-def _in_checkpoint_recompute() -> bool:
-    hooks = torch._C._autograd._top_saved_tensors_default_hooks(False)
-    if not hooks:
-        return False
-    fn = getattr(hooks[0], "__wrapped__", hooks[0])
-    return "_recomputation_hook" in getattr(fn, "__qualname__", "")
 
 
 class MemoryLedger(TorchDispatchMode):
@@ -149,7 +139,7 @@ class MemoryLedger(TorchDispatchMode):
             self._peak_entries = [v.entry for v in self._live.values()]
 
     def _phase_now(self) -> str:
-        return "recompute" if self.phase != "forward" and _in_checkpoint_recompute() else self.phase
+        return "recompute" if self.phase != "forward" and in_checkpoint_recompute() else self.phase
 
     # -- public API ------------------------------------------------------------------------------
     def track(self, tensors: torch.Tensor | Iterable[torch.Tensor], label: str) -> None:
