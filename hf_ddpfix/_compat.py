@@ -298,3 +298,77 @@ def deepspeed_default_leaf_classes() -> frozenset[str]:
         return frozenset()
     return frozenset(str(c) for c in DEFAULT_LEAF_MODULE_CLASSES)
 
+
+# --------------------------------------------------------------------------------------------------
+# long context (issue 14): checkpoint wrapper, flash kernels, fake tensors, buffers
+# --------------------------------------------------------------------------------------------------
+
+
+def in_checkpoint_recompute() -> bool:
+    """True inside a non-reentrant checkpoint recompute (the top saved-tensor hook is
+    ``torch.utils.checkpoint``'s ``_recomputation_hook``; torch 2.4-2.13)."""
+    try:
+        hooks = torch._C._autograd._top_saved_tensors_default_hooks(False)
+    except Exception:  # noqa: BLE001 - moved: labels only
+        return False
+    if not hooks:
+        return False
+    fn = getattr(hooks[0], "__wrapped__", hooks[0])
+    return "_recomputation_hook" in getattr(fn, "__qualname__", "")
+
+
+def class_checkpoint_inner_forward(cls_forward: Any) -> Callable[..., Any] | None:
+    """The forward inside transformers' class-level checkpoint wrapper, or ``None`` when ``cls_forward``
+    is not that wrapper. transformers 5.2x wraps ``cls.forward`` in ``forward_with_checkpointing``
+    (``modeling_layers.GradientCheckpointingLayer.__init_subclass__``, ``functools.wraps``), which calls
+    ``self._gradient_checkpointing_func(partial(forward, self, **kwargs), *args)`` when the layer
+    checkpoints in training; an instance-level forward replaces that wrapper and so bypasses it."""
+    code = getattr(cls_forward, "__code__", None)
+    if code is None or code.co_name != "forward_with_checkpointing":
+        return None
+    return getattr(cls_forward, "__wrapped__", None)
+
+
+def flash_attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> tuple[Any, Any, Any]:
+    """Causal, dropout-free fused flash attention: ``(out, logsumexp, state_for_backward)``.
+
+    CUDA: ``aten._scaled_dot_product_flash_attention`` (returns cum-seq/max-len/philox state, kept
+    for the backward); CPU and meta: ``aten._scaled_dot_product_flash_attention_for_cpu``. These are the
+    kernels ``F.scaled_dot_product_attention`` dispatches to (torch 2.5-2.13); K/V may have fewer heads.
+    """
+    if q.device.type == "cuda":
+        o, lse, cq, ck, mq, mk, seed, offset, _ = torch.ops.aten._scaled_dot_product_flash_attention(
+            q, k, v, 0.0, True, False, scale=scale)
+        return o, lse, (cq, ck, mq, mk, seed, offset)
+    o, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, True, scale=scale)
+    return o, lse, None
+
+
+def flash_attention_backward(g: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor,
+                             lse: torch.Tensor, state: Any, scale: float) -> tuple[torch.Tensor, ...]:
+    """``(dq, dk, dv)`` of :func:`flash_attention_forward` (its ``state`` on CUDA)."""
+    if q.device.type == "cuda":
+        cq, ck, mq, mk, seed, offset = state
+        return torch.ops.aten._scaled_dot_product_flash_attention_backward(
+            g, q, k, v, o, lse, cq, ck, mq, mk, 0.0, True, seed, offset, scale=scale)
+    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(g, q, k, v, o, lse, 0.0, True, scale=scale)
+
+
+FLASH_CPU_BACKWARD_OP = "_scaled_dot_product_flash_attention_for_cpu_backward"
+
+
+def fake_tensor_mode() -> Any:
+    """A new ``torch._subclasses.fake_tensor.FakeTensorMode`` (tensors with shapes, no data)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    return FakeTensorMode()
+
+
+def fake_from_meta(fake_mode: Any, t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A fake tensor on ``device`` with ``t``'s (meta) metadata (``FakeTensorConverter.from_meta_and_device``)."""
+    return fake_mode.fake_tensor_converter.from_meta_and_device(fake_mode, t, device)
+
+
+def module_buffer_slots(module: nn.Module) -> dict[str, Any]:
+    """The dict that holds ``module``'s own buffers (``nn.Module._buffers``), persistence unchanged."""
+    return module._buffers

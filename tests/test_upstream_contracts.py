@@ -295,3 +295,43 @@ def test_checkpointing_is_on_and_ddp_kwargs_are_final_when_the_inner_loop_starts
     src = _reachable_source(Trainer, _compat.TRAINER_INNER_LOOP)
     assert "checkpointing_enable(" not in src, _broken("the inner loop (re)enables checkpointing")
     assert "ddp_handler =" not in src, _broken("the inner loop rebuilds accelerator.ddp_handler")
+
+
+# ------------------------------------------------------------------------------------ long context
+
+
+def test_transformers_checkpoints_llama_layers_in_a_class_level_forward_wrapper():
+    """integrations/long_context.py re-enters this wrapper's checkpoint call from its instance forward."""
+    from transformers.models.llama.modeling_llama import LlamaDecoderLayer
+
+    inner = _compat.class_checkpoint_inner_forward(LlamaDecoderLayer.forward)
+    assert inner is not None and inner.__name__ == "forward", _broken(
+        "LlamaDecoderLayer.forward is no longer transformers' forward_with_checkpointing wrapper")
+    assert _compat.class_checkpoint_inner_forward(torch.nn.Linear.forward) is None
+
+
+def test_flash_attention_kernels_exist_with_the_signatures_we_call():
+    import torch.nn.functional as F
+
+    q = torch.randn(1, 4, 9, 8, requires_grad=True)
+    k = torch.randn(1, 2, 9, 8, requires_grad=True)
+    v = torch.randn(1, 2, 9, 8, requires_grad=True)
+    o, lse, state = _compat.flash_attention_forward(q, k, v, 8**-0.5)
+    ref = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=8**-0.5, enable_gqa=True)
+    assert torch.equal(o, ref) and lse.shape == (1, 4, 9)
+    g = torch.randn_like(o)
+    dq, dk, dv = _compat.flash_attention_backward(g, q, k, v, o, lse, state, 8**-0.5)
+    for a, b in zip((dq, dk, dv), torch.autograd.grad(ref, (q, k, v), g), strict=True):
+        assert torch.equal(a, b)
+    assert ref.grad_fn.name().startswith("ScaledDotProductFlashAttentionForCpu"), _broken(
+        "sdpa no longer dispatches to the CPU flash kernel the ledger models")
+    assert hasattr(torch.ops.aten, _compat.FLASH_CPU_BACKWARD_OP)
+
+
+def test_fake_tensors_from_meta_and_saved_tensor_hook_probe():
+    mode = _compat.fake_tensor_mode()
+    t = _compat.fake_from_meta(mode, torch.empty(3, 4, device="meta", dtype=torch.bfloat16), torch.device("cpu"))
+    assert t.device.type == "cpu" and t.shape == (3, 4) and t.dtype == torch.bfloat16
+    assert _compat.in_checkpoint_recompute() is False
+    m = torch.nn.BatchNorm1d(2)
+    assert set(_compat.module_buffer_slots(m)) >= {"running_mean", "running_var"}
