@@ -325,7 +325,9 @@ ZOO: dict[str, ZooEntry] = {
         ZooEntry("mllama", "Llama 3.2 Vision (Mllama), LoRA on the language model", _mllama,
                  dict(target_modules=r".*language_model.*\.(q_proj|v_proj)"), _mllama_batch, vlm=True,
                  can_go_unused="cross-attention layers on a text-only step", setup=_mllama_setup),
-        ZooEntry("gemma3", "Gemma 3", _gemma3, _VLM_LORA, _gemma3_batch, vlm=True, can_go_unused=_VISION_UNUSED),
+        ZooEntry("gemma3", "Gemma 3", _gemma3, _VLM_LORA, _gemma3_batch, vlm=True,
+                 can_go_unused=_VISION_UNUSED + "; SigLIP's pooling head on every step (it runs, its output "
+                 "never reaches the loss)"),
         ZooEntry("llava", "LLaVA", _llava, _VLM_LORA, _pixel_batch(4, 28), vlm=True, can_go_unused=_VISION_UNUSED),
         ZooEntry("internvl", "InternVL", _internvl, _VLM_LORA, _pixel_batch(4, 28), vlm=True,
                  can_go_unused=_VISION_UNUSED),
