@@ -23,6 +23,7 @@ from .integrations.loss_patch import patch_model_loss, unpatch_model_loss
 from .integrations.stabilizer import VisionStabilizer
 from .integrations.tiled_mlp import apply_tiled_mlp, remove_tiled_mlp
 from .integrations.trainer_hooks import DDPFixTrainer, patch_trainer, plan_for_trainer, unpatch_trainer
+from .integrations.usage import ParameterUsage
 from .ops.offload import ActivationOffload
 from .ops.tiled_loss import tiled_causal_lm_loss
 from .plan import Decision, Plan, PlanError, RunFacts, resolve_plan
@@ -35,6 +36,7 @@ __all__ = [
     "Decision",
     "HangGuard",
     "MemoryThroughputCallback",
+    "ParameterUsage",
     "Plan",
     "PlanError",
     "PlanReportCallback",
