@@ -128,6 +128,20 @@ def test_sharding_facts_read_fsdp_mixed_precision_and_deepspeed_dtype():
     assert sharding_facts(_trainer(None), "ddp") == {"fsdp_version": None, "shard_cast_dtype": None, "zero_stage": None}
 
 
+def test_sharding_facts_read_the_real_accelerate_plugins():
+    """Contract with accelerate 1.15: the attributes `sharding_facts` reads on its FSDP / DeepSpeed plugins."""
+    from accelerate.utils import DeepSpeedPlugin, FullyShardedDataParallelPlugin
+
+    fsdp = FullyShardedDataParallelPlugin(fsdp_version=2)
+    fsdp.set_mixed_precision("bf16")
+    assert sharding_facts(_trainer(SimpleNamespace(fsdp_plugin=fsdp), mp="bf16"), "fsdp")[
+        "shard_cast_dtype"] == "bfloat16"
+    ds = DeepSpeedPlugin(hf_ds_config={"zero_optimization": {"stage": 3}, "bf16": {"enabled": True},
+                                       "train_micro_batch_size_per_gpu": 1})
+    assert sharding_facts(_trainer(SimpleNamespace(deepspeed_plugin=ds)), "deepspeed") == {
+        "fsdp_version": None, "shard_cast_dtype": "bfloat16", "zero_stage": 3}
+
+
 # ---------------------------------------------------------------------------------------------------
 # Plan guardrails (pure): each raises on the bad set-up and stays silent on the good one
 # ---------------------------------------------------------------------------------------------------
