@@ -24,6 +24,7 @@ from .checkpointing import apply_checkpointing, checkpoint_kwargs_without_mode
 from .deepspeed import attach_deepspeed
 from .families import is_vision_language_model
 from .hang_guard import HangGuard
+from .long_context import LongContextHandle, apply_long_context
 from .loss_patch import TiledLossHandle, patch_model_loss
 from .stabilizer import VisionStabilizer
 from .tiled_mlp import TiledMLPHandle, apply_tiled_mlp
@@ -44,6 +45,7 @@ class Runtime:
     zero_vision: Any = None  # ZeroVisionStabilizer under DeepSpeed ZeRO-2/3
     tiled_mlp: TiledMLPHandle | None = None
     tiled_loss: TiledLossHandle | None = None
+    long_context: LongContextHandle | None = None
     step_contexts: list[Callable[[], AbstractContextManager[Any]]] = field(default_factory=list)
 
 
@@ -66,7 +68,9 @@ def attach_runtime(trainer: Any, model: nn.Module, plan: Plan, stack: ExitStack)
     elif plan.vlm_stabilizer.value:
         rt.stabilizer = _attach_stabilizer(trainer, model, plan, stack)
     if plan.parameter_usage.value:
-        rt.usage = _attach_usage(trainer, model, ParameterUsage(model), stack)
+        # a parameter read by two reentrant layers fires its DDP hook twice: fine only with static graph
+        usage = ParameterUsage(model, allow_region_reuse=bool(plan.static_graph.value))
+        rt.usage = _attach_usage(trainer, model, usage, stack)
     if plan.hang_guard.value:
         if is_vision_language_model(model):
             rt.hang_guard = HangGuard(model).attach()
@@ -76,6 +80,8 @@ def attach_runtime(trainer: Any, model: nn.Module, plan: Plan, stack: ExitStack)
             rt.usage = _attach_usage(trainer, model, ParameterUsage(model, tie=False, guard=True), stack)
     if plan.tiled_mlp.value != "off":
         rt.tiled_mlp = _apply_tiled_mlp(trainer, model, plan, stack)
+    if plan.long_context.value not in (None, "off"):
+        rt.long_context = _apply_long_context(trainer, model, plan, stack)
     if plan.tiled_loss.value != "off":
         rt.tiled_loss = _apply_tiled_loss(trainer, model, plan, stack)
     if rt.step_contexts:
@@ -107,6 +113,15 @@ def _apply_tiled_loss(trainer: Any, model: nn.Module, plan: Plan, stack: ExitSta
         return None
     stack.callback(handle.remove)
     _log_rank0(trainer, "tiled_loss: %s computes its loss in chunks", type(handle.target).__name__)
+    return handle
+
+
+def _apply_long_context(trainer: Any, model: nn.Module, plan: Plan, stack: ExitStack) -> LongContextHandle:
+    handle = apply_long_context(model, str(plan.long_context.value), sync=plan.parallel == "fsdp")
+    stack.callback(handle.remove)
+    skipped = "; ".join([f"{e.name}: {e.reason}" for e in handle.report if not e.patched][:3])
+    _log_rank0(trainer, "long_context: %d modules patched (%s)%s", len(handle.patched), plan.long_context.value,
+               f"; not patched: {skipped}" if skipped else "")
     return handle
 
 
