@@ -371,6 +371,7 @@ class ParameterUsage:
         self._active = module.training and torch.is_grad_enabled()
         self._depth = 0
         self._region_seen = []
+        self._twice: set[int] = set()
         self._forward_used.zero_()
         self._record = UsageRecord()
         root_scope = next(s for s in self.scopes if s.module is self.root)
@@ -447,6 +448,8 @@ class ParameterUsage:
                 continue
             if id(t) in reached:
                 self._forward_used[i] = True
+                if id(t) in region:  # read in a reentrant layer and outside: its hook fires twice
+                    self._twice.add(i)
             elif id(t) in region:
                 self._forward_used[i] = True
                 self._record.region_used.append(self.slots[i].name)
@@ -482,16 +485,18 @@ class ParameterUsage:
         self.last = rec
 
     def _check_reuse(self) -> None:
-        if self.allow_region_reuse or len(self._region_seen) < 2:
+        if self.allow_region_reuse or not self._region_seen:
             return
         counts: dict[int, int] = {}
         for seen in self._region_seen:
             for pid in seen:
                 counts[pid] = counts.get(pid, 0) + 1
-        twice = [s.name for s in self.slots if (t := s.tensor()) is not None and counts.get(id(t), 0) > 1]
+        twice = [s.name for i, s in enumerate(self.slots)
+                 if i in self._twice or ((t := s.tensor()) is not None and counts.get(id(t), 0) > 1)]
         if twice:
             raise UnusedParametersError(
-                f"hf_ddpfix: {twice[:3]} are read by more than one reentrant checkpointed layer; their DDP hook "
+                f"hf_ddpfix: {twice[:3]} are read by more than one reentrant checkpointed layer (or by one and "
+                "outside it); their DDP hook "
                 "fires once per layer, which DistributedDataParallel accepts only with static_graph=True. Fix: "
                 "non-reentrant checkpointing (HF_DDPFIX_CHECKPOINTING=non_reentrant) or static_graph=True."
             )
