@@ -139,6 +139,7 @@ class Plan:
     parameter_usage: Decision = Decision(None, "")
     deepspeed: Decision = Decision(None, "")
     zero3_leaf_modules: Decision = Decision(None, "")
+    long_context: Decision = Decision(None, "")
     corrections: tuple[str, ...] = ()
     config_lines: tuple[str, ...] = field(default=())
     offload_min_layer_bytes: int = 0  # the offload policy's threshold (ActivationOffload(min_layer_bytes=))
@@ -163,6 +164,7 @@ class Plan:
             "hang_guard": self.hang_guard,
             "tiled_mlp": self.tiled_mlp,
             "tiled_loss": self.tiled_loss,
+            "long_context": self.long_context,
             "quantization": self.quantization,
             "deepspeed": self.deepspeed,
             "zero3_leaf_modules": self.zero3_leaf_modules,
@@ -238,6 +240,7 @@ def resolve_plan(facts: RunFacts, config: DDPFixConfig | None = None) -> Plan:
         hang_guard=guard,
         tiled_mlp=_unverified_under_zero3(facts, _decide_tiled_mlp(facts, c)),
         tiled_loss=_unverified_under_zero3(facts, _decide_tiled_loss(c)),
+        long_context=_unverified_under_zero3(facts, _decide_long_context(facts, c, str(ckpt.value))),
         quantization=quantization,
         parameter_usage=usage,
         deepspeed=_decide_deepspeed(facts),
@@ -502,6 +505,23 @@ def _decide_tiled_mlp(facts: RunFacts, c: DDPFixConfig) -> Decision:
             "no_grad, e.g. a rank-0-only evaluation, the MLP runs untiled with no collective)"
             if facts.parallel == "fsdp" else "")
     return Decision(value, f"{rule}, one gradient hook per parameter ({c.source('tiled_mlp')}){sync}", True)
+
+
+def _decide_long_context(facts: RunFacts, c: DDPFixConfig, ckpt: str) -> Decision:
+    """Patched Llama-style layers (integrations/long_context.py): gradients equal stock (tests), every
+    non-plain call (mask, cache, packing kwargs) runs stock at call time, other layer classes are left alone."""
+    value = c.long_context
+    if value is None or value == "off":
+        return Decision("off", "not requested" if value is None else f"off ({c.source('long_context')})")
+    notes = []
+    if ckpt == "off":
+        notes.append("checkpointing is off: each layer keeps q/k/v and the attention output (28 KiB/token on "
+                     "Llama-8B) instead of only its input")
+    if facts.parallel == "fsdp" and "tiled_layer" in value:
+        notes.append("tile count all-reduced (MAX) so FSDP ranks gather alike")
+    extra = ("; " + "; ".join(notes)) if notes else ""
+    return Decision(value, f"Llama-style layers patched where source-identical to LlamaDecoderLayer, masked/cached "
+                    f"calls run stock ({c.source('long_context')}){extra}", changed=True)
 
 
 def _decide_tiled_loss(c: DDPFixConfig) -> Decision:
