@@ -43,3 +43,32 @@ def test_mps_and_xpu_keep_transformers_offload_and_never_claim_ours():
 def test_save_on_cpu_scope_is_stocks_hook():
     scope = SaveOnCpuScope("cpu").pack_scope()
     assert isinstance(scope, torch.autograd.graph.save_on_cpu)
+
+
+def test_runtime_logs_when_the_policy_switches_between_keeping_and_copying(caplog):
+    import logging
+
+    from torch import nn
+
+    from hf_ddpfix.integrations.checkpointing import CheckpointFunction
+    from hf_ddpfix.integrations.runtime import _logged_offload_steps
+    from hf_ddpfix.ops.offload import ActivationOffload
+
+    class _Rank0:
+        def is_world_process_zero(self) -> bool:
+            return True
+
+    off = ActivationOffload(min_bytes=0, simulate=True, min_layer_bytes=100 * 16 * 4)
+    step = _logged_offload_steps(_Rank0(), off)
+    ckpt = CheckpointFunction(False, off)
+    lin = nn.Linear(16, 16)
+    with caplog.at_level(logging.INFO, logger="hf_ddpfix"):
+        for rows in (10, 10, 200, 200, 10):
+            with step():
+                h = torch.randn(rows, 16) * 1
+                h.requires_grad_()
+                for _ in range(3):
+                    h = ckpt(lin, h)
+                h.sum().backward()
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("offload: ")]
+    assert [line.split(":")[1].strip() for line in lines] == ["keep", "copy", "keep"], lines

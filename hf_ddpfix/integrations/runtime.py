@@ -8,8 +8,8 @@ checkpointing; we only chose its implementation).
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
-from contextlib import AbstractContextManager, ExitStack
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager, ExitStack, contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -57,7 +57,7 @@ def attach_runtime(trainer: Any, model: nn.Module, plan: Plan, stack: ExitStack)
         offload = SaveOnCpuScope(_device_type(trainer))
     elif plan.offload_activations.value:
         rt.offload = offload = ActivationOffload(module=model, min_layer_bytes=plan.offload_min_layer_bytes)
-        rt.step_contexts.append(rt.offload.step)
+        rt.step_contexts.append(_logged_offload_steps(trainer, rt.offload))
         stack.callback(rt.offload.clear_pool)
     _apply_checkpointing(trainer, model, plan, offload)
     if plan.parallel == "deepspeed":  # before deepspeed.initialize (inside the stock loop): see deepspeed.py
@@ -209,6 +209,23 @@ def _override(obj: Any, name: str, wrap: Callable[[Callable[..., Any]], Callable
             delattr(obj, name)
 
     stack.callback(restore)
+
+
+def _logged_offload_steps(trainer: Any, offload: ActivationOffload) -> Callable[[], AbstractContextManager[Any]]:
+    """``offload.step`` for each micro-batch; logs (rank 0) whenever the policy switches between copying
+    and keeping, with its reason (e.g. a long batch after short ones)."""
+    last: list[str] = [""]
+
+    @contextmanager
+    def step() -> Iterator[Any]:
+        with offload.step() as off:
+            yield off
+        kind = offload.stats.policy.split(":")[0]
+        if kind and kind != last[0]:
+            last[0] = kind
+            _log_rank0(trainer, "offload: %s", offload.stats.policy)
+
+    return step
 
 
 def _device_type(trainer: Any) -> str:
