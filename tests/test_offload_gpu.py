@@ -131,13 +131,16 @@ def test_cuda_encoder_output_copied_once_per_step_and_gradients_bit_identical():
         assert ref.keys() == got.keys() and all(torch.equal(ref[k], got[k]) for k in ref)
 
 
-def test_cuda_step_exit_leaves_no_stream_work_in_flight():
+def test_cuda_step_exit_orders_compute_after_every_copy_without_blocking_the_host():
+    """The step exit makes the compute stream wait for the copy streams (GPU-side, no host sync): once
+    the compute stream is done, so is every copy."""
     model = build_llama(layers=3, hidden=256)
     offload = ActivationOffload(min_bytes=0)
     install(model, offload)
     one_step(model, offload, torch.randint(0, 1024, (2, 512), device="cuda"))
+    torch.cuda.current_stream().synchronize()  # only the compute stream
     assert offload._side_streams and all(s.query() for s in offload._side_streams.values())
-    assert offload.stats.in_flight == 0
+    assert offload.stats.in_flight == 0 and offload.stats.restored_tensors == 2
 
 
 def test_cuda_parameters_never_offloaded_with_module_given():
