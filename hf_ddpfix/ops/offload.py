@@ -279,8 +279,9 @@ class ActivationOffload:
     def step(self) -> Iterator[ActivationOffload]:
         """Span one training step (forward and backward). Nested calls are no-ops.
 
-        Guarantees: on exit (also on an exception) streams are synchronized, pending state is cleared
-        and ``stats`` holds this step's counters.
+        Guarantees: on exit (also on an exception) the compute stream waits for every copy (GPU-side),
+        pending state is cleared, the host pools close the step (``HostPool.end_step``) and ``stats``
+        holds this step's counters.
         """
         if self._active:
             yield self
