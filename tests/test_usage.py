@@ -173,3 +173,11 @@ def test_fsdp2_mixed_batches_finish_with_the_ddp_weights_for_every_vlm() -> None
     for name, entry in ZOO.items():
         if entry.vlm:
             assert f"] {name}: FSDP2" in done.stdout, name
+
+
+def test_trainer_runs_mllama_and_layerdrop_with_fu_false_like_stock(tmp_path) -> None:
+    """The issue's headline: stock's old plan picked fu=False + static graph for LoRA Mllama (text-only
+    steps skip the cross-attention layers) and LayerDrop models, which DDP cannot train; under
+    patch_trainer they train with fu=False to the stock Trainer's weights."""
+    done = torchrun("usage_trainer.py", "--families", "mllama,bart_layerdrop", "--out", str(tmp_path), timeout=300)
+    assert done.stdout.count("USAGE_TRAINER_OK") == 2, done.stdout[-3000:]
