@@ -29,7 +29,8 @@ from typing import Any
 
 from ._advice import GiB, ModelInfo, describe_model, qlora_advice, recommend_launch
 
-_PACKAGES = ("torch", "transformers", "accelerate", "peft", "trl", "datasets", "bitsandbytes", "hf-ddpfix")
+_PACKAGES = ("torch", "transformers", "accelerate", "peft", "trl", "datasets", "bitsandbytes", "deepspeed",
+             "hf-ddpfix")
 #: HF_DDPFIX_* variables that are not `DDPFixConfig` options.
 _EXTRA_VARS = {"HF_DDPFIX_DISABLE": "patches/sitecustomize.py: 1 turns the zero-code patch off"}
 _RELATED_VARS = ("TORCH_DISTRIBUTED_DEBUG", "NCCL_DEBUG", "TORCH_NCCL_ASYNC_ERROR_HANDLING",
@@ -180,6 +181,9 @@ def _doctor(args: argparse.Namespace) -> int:
                                accelerator=accelerator, target_global_batch=args.global_batch)
         report["recommendation"] = rec.as_dict()
     report["qlora"] = qlora_advice(report["versions"].get("bitsandbytes"), n)
+    from .integrations.deepspeed_plan import deepspeed_advice
+
+    report["deepspeed"] = deepspeed_advice(report["versions"].get("deepspeed"))
     problems = [s for s in report["env"]["settings"] if not s["ok"]] + report["env"]["unknown"]
     if report["env"]["config_error"] and not problems:
         problems.append({"var": "(combination)", "error": report["env"]["config_error"]})
@@ -243,6 +247,8 @@ def _print_doctor(r: dict[str, Any], torch: Any) -> None:
         p(f"  qlora: {qlora[0]}")
         for line in qlora[1:]:
             p(f"    - {line}")
+    for line in r.get("deepspeed") or []:
+        p(f"  {line}")
 
 
 def _tri(value: str | None) -> bool | None:
