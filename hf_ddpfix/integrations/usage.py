@@ -330,7 +330,8 @@ class ParameterUsage:
             h.remove()
         self._handles = []
         for layer, inner in self._wrapped_layers.values():
-            set_layer_checkpoint_func(layer, inner)
+            if getattr(layer_checkpoint_func(layer), "_hf_ddpfix_usage", None) is self:  # not replaced since
+                set_layer_checkpoint_func(layer, inner)
         self._wrapped_layers = {}
         self._active = False
         self.reset_step()
