@@ -146,3 +146,22 @@ def test_default_cap_is_a_quarter_of_memory_per_local_process():
     four = default_max_bytes(env={"LOCAL_WORLD_SIZE": "4"})
     assert one is not None and one > 0 and four == one // 4
     assert HostPool(pin=False).max_bytes == default_max_bytes()
+
+
+def test_host_pressure_refuses_a_slab_that_would_leave_too_little_memory(monkeypatch):
+    import hf_ddpfix.ops.host_pool as hp
+
+    total = 1 << 30
+    available = {"bytes": 200 << 20}
+    monkeypatch.setattr(hp, "_physical_bytes", lambda: total)
+    monkeypatch.setattr(hp, "host_available_bytes", lambda: available["bytes"])
+    pool = HostPool(pin=False, max_bytes=None, min_slab_bytes=0, min_free_fraction=0.1)  # keep 102.4 MiB free
+    small = pool.take(64 << 20)  # 200 - 64 = 136 MiB left: fine
+    assert small is not None
+    available["bytes"] -= 64 << 20
+    assert pool.take(64 << 20) is None and pool.stats.refused == 1  # 136 - 64 = 72 MiB < 102.4 MiB
+    pool.give(small)
+    assert pool.stats.held_bytes == 64 << 20  # the idle slab stays while nothing needs its memory
+    assert HostPool(pin=False, max_bytes=None, min_free_fraction=0).take(64 << 20) is not None  # check off
+    with pytest.raises(ValueError, match="min_free_fraction"):
+        HostPool(pin=False, min_free_fraction=1.0)

@@ -37,6 +37,10 @@ Guarantees (``tests/test_host_pool.py``):
       every idle slab is released returns ``None`` (the caller keeps its tensor where it is).
     - A failed pinned allocation (host out of memory, locked-memory limit) releases idle slabs and
       torch's cached pinned blocks, retries once with the smallest slab that fits, else returns ``None``.
+    - Host pressure (pinned pools by default): a new slab that would leave less than ``min_free_fraction``
+      of physical memory
+      available (``MemAvailable``, Linux) is not allocated; idle slabs are released first, then the
+      request is refused (``None``) rather than pushing the host into swap or the OOM killer.
     - Buffers handed out never overlap; ``give`` of a buffer not from this pool raises ``ValueError``.
     - Thread-safe (autograd runs unpack hooks on its device threads).
 """
@@ -56,6 +60,7 @@ __all__ = [
     "HostPool",
     "HostPoolStats",
     "default_max_bytes",
+    "host_available_bytes",
     "pow2ceil",
 ]
 
@@ -90,6 +95,25 @@ def default_max_bytes(fraction: float = DEFAULT_HOST_FRACTION, env: dict[str, st
     except ValueError:
         local = 1
     return int(total * fraction) // local
+
+
+def host_available_bytes() -> int | None:
+    """``MemAvailable`` from ``/proc/meminfo`` in bytes (None where it cannot be read)."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
+
+
+def _physical_bytes() -> int | None:
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (AttributeError, ValueError, OSError):
+        return None
 
 
 def _release_torch_host_cache() -> None:
@@ -176,18 +200,27 @@ class HostPool:
         max_bytes: cap on ``held_bytes`` (default: ``default_max_bytes()``, a quarter of physical
             memory per local process; ``None`` when that cannot be read means no cap).
         min_slab_bytes: smallest slab allocated (default 1 MiB, the offload's smallest tensor).
+        min_free_fraction: never allocate a slab that leaves less than this fraction of physical memory
+            available (default: 0.1 for pinned memory, which cannot be swapped out; 0 for plain memory;
+            0 turns the check off).
 
     Raises:
         ValueError: ``max_bytes`` or ``min_slab_bytes`` negative.
     """
 
-    def __init__(self, *, pin: bool, max_bytes: int | None | str = "default", min_slab_bytes: int = 1 << 20):
+    def __init__(self, *, pin: bool, max_bytes: int | None | str = "default", min_slab_bytes: int = 1 << 20,
+                 min_free_fraction: float | None = None):
         if max_bytes == "default":
             max_bytes = default_max_bytes()
         if max_bytes is not None and int(max_bytes) < 0:
             raise ValueError(f"max_bytes must be >= 0 or None, got {max_bytes}")
         if min_slab_bytes < 0:
             raise ValueError(f"min_slab_bytes must be >= 0, got {min_slab_bytes}")
+        if min_free_fraction is None:
+            min_free_fraction = 0.1 if pin else 0.0
+        if not 0 <= min_free_fraction < 1:
+            raise ValueError(f"min_free_fraction must be in [0, 1), got {min_free_fraction}")
+        self.min_free_fraction = float(min_free_fraction)
         self.pin = pin
         self.max_bytes = None if max_bytes is None else int(max_bytes)
         self.min_slab_bytes = int(min_slab_bytes)
@@ -325,7 +358,19 @@ class HostPool:
         if self.pin:
             _release_torch_host_cache()
 
+    def _leaves_too_little(self, size: int) -> bool:
+        if not self.min_free_fraction:
+            return False
+        available, total = host_available_bytes(), _physical_bytes()
+        if available is None or total is None:
+            return False
+        return available - size < self.min_free_fraction * total
+
     def _allocate(self, size: int) -> torch.Tensor | None:
+        if self._leaves_too_little(size):  # host pressure: give back what is idle, then look again
+            self._drop_idle()
+            if self._leaves_too_little(size):
+                return None
         try:
             return torch.empty(size, dtype=torch.uint8, pin_memory=self.pin)
         except RuntimeError:  # pinned allocation failed: release what we can and retry once
