@@ -112,7 +112,7 @@ def gather_facts(trainer: Any, model: nn.Module | None = None) -> RunFacts:
         offload_requested=offload,
         accelerator_available=torch.device(args.device).type not in ("cpu", "meta"),
         quant=quant,
-        placement=quantized.placement_devices(model, from_device_map=quant is not None),
+        placement=quantized.placement_devices(model),
         rank_device=quantized.device_name(args.device),
         **quantized.sharding_facts(trainer, parallel),
         deepspeed=gather_deepspeed_facts(trainer, model) if parallel == "deepspeed" else None,

@@ -70,8 +70,8 @@ class RunFacts:
         offload_requested: transformers' `activation_checkpointing_kwargs={"offload": True}`.
         accelerator_available: a CUDA/XPU/... device is present (pinned memory, streams).
         quant: bitsandbytes weights in the model (`hf_ddpfix.integrations.quantized.QuantFacts`), or `None`.
-        placement: the distinct devices this rank's model is placed on (`hf_device_map` for a quantized
-            model, else where its parameters are), e.g. ("cuda:0",); empty when unknown.
+        placement: the distinct devices `hf_device_map` places this rank's model on, e.g. ("cuda:0",);
+            empty without a device map (accelerate then moves the model onto the rank's device).
         rank_device: the device this rank trains on (`TrainingArguments.device`), e.g. "cuda:1".
         fsdp_version: 1 or 2 under FSDP, else `None`.
         shard_cast_dtype: the dtype FSDP's mixed precision (`param_dtype`) or DeepSpeed's bf16/fp16 casts
@@ -543,9 +543,10 @@ def _decide_tiled_loss(c: DDPFixConfig) -> Decision:
 #     "Must flatten tensors with uniform dtype" (torch/distributed/fsdp/_flat_param.py).
 #   ZeRO-3 + bf16 engine, storage float32: "shape '[64, 32]' is invalid for input of size 1024" at step 1;
 #     storage bfloat16 or uint8: trains, each rank keeps 1/world of the 4-bit bytes.
-#   DDP + 4-bit with hf_device_map over several devices: accelerate raises in prepare ("can't train a model
-#     that has been loaded in 8-bit or 4-bit precision on multiple devices"); a module on several devices
-#     fails DDP's constructor.
+#   DDP with an hf_device_map of several entries: accelerate's prepare raises "You can't train a model that
+#     has been loaded with `device_map='auto'` in any distributed mode" (4-bit/8-bit: "... on multiple
+#     devices"; on another rank's GPU: "... on a different device than the one you're training on"),
+#     without the per-rank fix; a model without a device map is moved onto the rank's device.
 # ----------------------------------------------------------------------------------------------------
 
 _PLACEMENT_FIX = (
@@ -600,7 +601,8 @@ def _decide_quantization(facts: RunFacts) -> Decision:
     if facts.parallel == "single":
         return Decision(what, "single process: the quantized base stays as loaded")
     if facts.parallel == "ddp":
-        on = f" on {facts.placement[0]}" if facts.placement else ""
+        device = facts.placement[0] if facts.placement else facts.rank_device
+        on = f" on {device}" if device else ""
         return Decision(what, f"DDP: every rank holds the whole quantized base{on}; only adapter gradients are "
                         "all-reduced")
     if q.method != "bnb_4bit":

@@ -199,31 +199,24 @@ def device_name(value: Any) -> str:
     return text
 
 
-def placement_devices(model: nn.Module, *, from_device_map: bool = True) -> tuple[str, ...]:
-    """The distinct devices one process's `model` is placed on, sorted.
+def placement_devices(model: nn.Module) -> tuple[str, ...]:
+    """The distinct devices `from_pretrained(device_map=...)` placed one process's `model` on, sorted.
 
-    Reads every `hf_device_map` in the model (a PeftModel keeps it on the base model) and the devices
-    the parameters actually live on ("meta" parameters, i.e. offloaded behind hooks, are left out: the
-    device map names where they go).
-
-    Args:
-        model: the model the user built.
-        from_device_map: include the `hf_device_map` entries (accelerate trusts them for quantized
-            models); `False`: only where parameters are.
+    Reads every `hf_device_map` in the model (a PeftModel keeps it on the base model), as accelerate
+    does in `prepare`: a model *with* a device map is never moved there (a multi-entry map under a
+    distributed launch is refused; a quantized model must already sit on the rank's device), while a
+    model without one is moved onto the rank's device whatever its parameters' devices were. So where
+    the parameters happen to be is deliberately not read.
 
     Returns:
-        e.g. ("cpu",), ("cuda:0",), ("cuda:0", "cuda:1") — more than one entry means the model is
-        spread over several devices (pipeline / offload placement).
+        e.g. () (no device map), ("cuda:0",), ("cpu", "cuda:0", "cuda:1"); more than one entry means
+        the model is spread over several devices (pipeline / offload placement).
     """
     devices: set[str] = set()
-    if from_device_map:
-        for m in model.modules():
-            device_map = getattr(m, "hf_device_map", None)
-            if isinstance(device_map, dict):
-                devices.update(device_name(v) for v in device_map.values())
-    for p in model.parameters():
-        if p.device.type != "meta":
-            devices.add(device_name(p.device))
+    for m in model.modules():
+        device_map = getattr(m, "hf_device_map", None)
+        if isinstance(device_map, dict):
+            devices.update(device_name(v) for v in device_map.values())
     return tuple(sorted(devices))
 
 
