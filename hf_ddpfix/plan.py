@@ -636,12 +636,12 @@ def _quantized_fsdp(facts: RunFacts, q: QuantFacts, what: str) -> Decision:
                 f"(fsdp_config={{'version': 2}}, the transformers default)."
             )
         if q.other_dtype not in (None, storage):
-            raise QuantStorageError(
-                f"FSDP1 flattens each wrapped unit into one tensor of one dtype, but the 4-bit weights are "
-                f"stored in {storage} and the other parameters are {q.other_dtype} ('Must flatten tensors with "
-                f"uniform dtype'; prepare_model_for_kbit_training upcasts norms to float32). Fix: "
-                f"{_storage_fix(storage)} and keep the other parameters in {storage}, or use FSDP2."
-            )
+            # not refused: which parameters share a unit is decided at wrap time (a unit without 4-bit
+            # weights may hold another dtype); FSDP1 itself raises at wrap if one mixes them
+            return Decision(what, f"FSDP1: 4-bit weights in {storage} storage but other parameters in "
+                            f"{q.other_dtype}; FSDP1 raises 'Must flatten tensors with uniform dtype' at wrap if "
+                            f"one unit mixes them (prepare_model_for_kbit_training upcasts norms to float32): keep "
+                            f"every parameter in {storage}, or use FSDP2")
         return Decision(what, f"FSDP1: 4-bit weights sharded in {storage} storage, flattened with the "
                         "other parameters without a cast")
     if not q.float_storage:
