@@ -32,7 +32,8 @@ before backward, ranks all-gather a one-byte-per-parameter "gets no gradient her
 non-zero entry raises :class:`UnusedParametersError` on every rank naming the parameters, their
 modules, the ranks and the fix — never a hang.
 
-Cost: one graph walk per training forward (Python, ~1 µs per autograd node), one zero tensor per tied
+Cost: one graph walk per training forward (Python, ~4 µs per autograd node measured on a shared 2-core
+CPU, 2026-11-23: 18 ms for the 4.7k-node graph of a 32-layer LoRA Llama), one zero tensor per tied
 parameter per forward, one all-reduce of ``n_trainable`` bytes per optimizer step; with ``guard`` one
 all-gather of ``n_trainable`` bytes per synchronising forward. Reentrant checkpointing adds a
 ``TorchFunctionMode`` around each checkpointed layer's first forward.
