@@ -24,8 +24,7 @@ than sdpa, or extra keyword arguments; ``handle.stats`` counts those calls by re
 
 Usage::
 
-    handle = apply_long_context(model)             # before DDP/FSDP wrapping; checkpointing on
-    print(handle.report)                           # what was patched, what was skipped and why
+    handle = apply_long_context(model)   # before DDP/FSDP wrapping; handle.report: what and why
     handle.remove()
 """
 
@@ -262,7 +261,10 @@ class _LayerForward:
         cos = cos.expand(b, s, cos.shape[-1]).reshape(n, cos.shape[-1])
         sin = sin.expand(b, s, sin.shape[-1]).reshape(n, sin.shape[-1])
         x = hidden_states.reshape(n, hidden)
-        if self.options.tiled:
+        # Tiles only where a backward follows (they cut what backward keeps); under no_grad (evaluation,
+        # generation) the layer runs untiled, so no tile-count collective can wait on an idle rank.
+        tiled = self.options.tiled and torch.is_grad_enabled()
+        if tiled:
             tiles = tiles_for(n, self.options.tokens_per_tile)
             if self.options.sync:
                 tiles = sync_shards(tiles, self.options.group)
@@ -277,7 +279,7 @@ class _LayerForward:
         del q, k, v
         a = o.transpose(1, 2).reshape(n, hq * d)  # a view for the flash layout
         del o
-        if self.options.tiled:
+        if tiled:
             (out,) = tiled_token_map(self._post, (a, x), self.layer, tiles=tiles, skip_in_recompute=True)
         else:
             out = self._post(a, x)

@@ -3,7 +3,7 @@
 Run:  OMP_NUM_THREADS=1 python -m torch.distributed.run --standalone --nproc_per_node=2 \
           tests/scripts/long_context_ddp.py --out /tmp/long_context_ddp.json
 
-For each DDP setting (find_unused_parameters False / True, static_graph=True; all with non-reentrant
+For each DDP setting (find_unused_parameters=False, static_graph=True; both with non-reentrant
 checkpointing) every rank trains a tiny fp64 Llama with LoRA on every linear layer for 3 AdamW steps
 (weight_decay 0.1, gradients clipped to norm 0.5) on its own rows of a global batch whose sequence
 length differs per rank and per step, with the decoder layers patched (rms_norm, grouped attention,
@@ -28,9 +28,10 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from hf_ddpfix.integrations.long_context import apply_long_context
 
 STEPS, ROWS, LR, CLIP = 3, 2, 0.05, 0.5
+# find_unused_parameters=False (every hook must fire exactly once) and static graph (the hook order of
+# step 1 is replayed); fu=True is stock's own setting for PEFT models and is covered by the single-process tests.
 SETTINGS = [
     ("fu_false_ckpt", {"find_unused_parameters": False}),
-    ("fu_true_ckpt", {"find_unused_parameters": True}),
     ("static_graph_ckpt", {"static_graph": True}),
 ]
 
