@@ -8,12 +8,28 @@ is real (so these tests can fail).
 import json
 
 import pytest
+import transformers
 from launch import torchrun
 
 pytestmark = pytest.mark.multiprocess
 
-# stock losses of the deterministic harness (taken where stock works)
+# stock losses of the deterministic harness (taken where stock works) with transformers 5.23; other releases
+# initialise the tiny models differently, so there the reference is a stock run of the same group
 STOCK_LOSS = {("text", 1): 5.54689, ("vlm", 1): 5.5429, ("text", 2): 5.54442, ("vlm", 2): 5.5342}
+STOCK_LOSS_TRANSFORMERS = (5, 23)
+_stock_runs: dict[tuple[str, int], float] = {}
+
+
+def stock_loss(model: str, ga: int) -> float:
+    """The stock loss of `model`'s group (no checkpointing, stock find_unused, `ga` accumulation steps)."""
+    if tuple(int(x) for x in transformers.__version__.split(".")[:2]) == STOCK_LOSS_TRANSFORMERS:
+        return STOCK_LOSS[(model, ga)]
+    if (model, ga) not in _stock_runs:
+        res, out = run_cell(model, "--ckpt", "off", "--find-unused", "auto", *(("--ga", str(ga)) if ga > 1 else ()),
+                            fix=0)
+        assert res["ok"] and res["in_sync"], f"stock reference cell failed: {res}\n{out[-4000:]}"
+        _stock_runs[(model, ga)] = res["loss"]
+    return _stock_runs[(model, ga)]
 
 
 def matrix_cells():
@@ -45,7 +61,7 @@ def test_cell_trains_in_sync_with_stock_loss(cell):
     res, out = run_cell(model, *args, fix=1)
     assert res["ok"], f"{res}\n{out[-4000:]}"
     assert res["in_sync"] is True
-    assert res["loss"] == pytest.approx(STOCK_LOSS[(model, res["ga"])], abs=1e-4)
+    assert res["loss"] == pytest.approx(stock_loss(model, res["ga"]), abs=1e-4)
     if model == "vlm":  # the stabiliser makes every vision parameter used: no unused-parameter search
         assert res["find_unused"] is False
 
@@ -62,7 +78,7 @@ def test_cell_with_tiling_forced_keeps_the_stock_loss(cell):
     res, out = run_cell(model, *args, fix=1, env={"HF_DDPFIX_TILED_MLP": "4", "HF_DDPFIX_TILED_LOSS": "on"})
     assert res["ok"] and res["in_sync"], f"{res}\n{out[-4000:]}"
     assert "MLP modules tiled (4)" in out and "computes its loss in chunks" in out
-    assert res["loss"] == pytest.approx(STOCK_LOSS[(model, res["ga"])], abs=1e-4)
+    assert res["loss"] == pytest.approx(stock_loss(model, res["ga"]), abs=1e-4)
 
 
 STOCK_FAILURES = [
