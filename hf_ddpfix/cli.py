@@ -274,8 +274,29 @@ def build_facts(args: argparse.Namespace, info: ModelInfo | None) -> Any:
         conditional_params=bool(info and info.is_moe and (args.full or args.train_experts)),
         grad_accum_steps=args.ga, user_find_unused=_tri(args.find_unused), user_static_graph=_tri(args.static_graph),
         user_reentrant={"reentrant": True, "non_reentrant": False}.get(ckpt), offload_requested=args.offload,
-        accelerator_available=not args.cpu,
+        accelerator_available=not args.cpu, **_quant_facts(args, info, parallel),
     )
+
+
+def _quant_facts(args: argparse.Namespace, info: ModelInfo | None, parallel: str) -> dict[str, Any]:
+    """The QLoRA / placement part of `RunFacts` from `--quant`, `--quant-storage`, `--mixed-precision`,
+    `--fsdp-version`, `--zero-stage` and `--placement` (4-bit bytes estimated as half the parameters)."""
+    from .integrations.quantized import QuantFacts, device_name, dtype_name
+
+    out: dict[str, Any] = {"placement": tuple(sorted({device_name(d.strip()) for d in args.placement.split(",")}))
+                           if args.placement else ()}
+    if args.quant != "none":
+        four = args.quant == "4bit"
+        storage = dtype_name(args.quant_storage) if four else "int8"
+        params = int(info.num_params) if info else 0
+        out["quant"] = QuantFacts("bnb_4bit" if four else "bnb_8bit", 0, params // 2 if four else params,
+                                  storage, None, "nf4" if four else None, None)
+    cast = None if args.mixed_precision == "no" else dtype_name(args.mixed_precision)
+    if parallel == "fsdp":
+        out.update(fsdp_version=args.fsdp_version, shard_cast_dtype=cast)
+    elif parallel == "deepspeed":
+        out.update(zero_stage=args.zero_stage, shard_cast_dtype=cast)
+    return out
 
 
 def _plan(args: argparse.Namespace) -> int:
@@ -347,6 +368,16 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--train-experts", action="store_true", help="MoE experts are trainable (LoRA on them)")
     p.add_argument("--offload", action="store_true", help="activation_checkpointing_kwargs={'offload': True}")
     p.add_argument("--cpu", action="store_true", help="no accelerator (CPU / gloo run)")
+    p.add_argument("--quant", choices=["none", "4bit", "8bit"], default="none",
+                   help="bitsandbytes base weights (BitsAndBytesConfig load_in_4bit / load_in_8bit)")
+    p.add_argument("--quant-storage", default="uint8", choices=["uint8", "bfloat16", "float16", "float32"],
+                   help="bnb_4bit_quant_storage (default uint8)")
+    p.add_argument("--mixed-precision", choices=["no", "bf16", "fp16"], default="no",
+                   help="TrainingArguments bf16/fp16: the dtype FSDP / DeepSpeed cast parameters to")
+    p.add_argument("--fsdp-version", type=int, choices=[1, 2], default=2)
+    p.add_argument("--zero-stage", type=int, choices=[0, 1, 2, 3], default=3)
+    p.add_argument("--placement", help="devices one rank's hf_device_map names, e.g. 'cuda:0,cuda:1' "
+                   "(device_map='auto' on a 2-GPU node)")
     p.add_argument("--set", action="append", metavar="OPTION=VALUE",
                    help="an hf_ddpfix option as if passed to patch_trainer(), e.g. --set static_graph=0")
     p.set_defaults(func=_plan)

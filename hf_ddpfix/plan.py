@@ -612,6 +612,10 @@ def _decide_quantization(facts: RunFacts) -> Decision:
     return _quantized_zero(facts, q, what)
 
 
+def _nbytes(q: QuantFacts) -> str:
+    return f"{q.quant_bytes} bytes" if q.quant_bytes else "the 4-bit bytes"
+
+
 def _storage_fix(dtype: str) -> str:
     return (f"load with BitsAndBytesConfig(..., bnb_4bit_quant_storage=torch.{dtype}) and "
             f"torch_dtype=torch.{dtype}")
@@ -646,10 +650,10 @@ def _quantized_fsdp(facts: RunFacts, q: QuantFacts, what: str) -> Decision:
                         "other parameters without a cast")
     if not q.float_storage:
         return Decision(what, f"FSDP2: {storage} 4-bit weights are not a floating dtype, so accelerate keeps "
-                        f"them out of sharding (every rank holds all {q.quant_bytes} bytes); to shard them "
+                        f"them out of sharding (every rank holds all {_nbytes(q)}); to shard them "
                         f"{_storage_fix(cast or 'bfloat16')}")
     return Decision(what, f"FSDP2: 4-bit weights sharded in {storage} storage (each rank holds 1/world of "
-                    f"{q.quant_bytes} bytes), all-gathered without a cast")
+                    f"{_nbytes(q)}), all-gathered without a cast")
 
 
 def _quantized_zero(facts: RunFacts, q: QuantFacts, what: str) -> Decision:
@@ -665,7 +669,7 @@ def _quantized_zero(facts: RunFacts, q: QuantFacts, what: str) -> Decision:
             f"...' at step 1). Fix: {_storage_fix(cast)}."
         )
     return Decision(what, f"ZeRO-3 partitions the 4-bit weights ({storage} storage, not cast; each rank holds "
-                    f"1/world of {q.quant_bytes} bytes)")
+                    f"1/world of {_nbytes(q)})")
 
 
 # ---- DeepSpeed (rules and measurements: hf_ddpfix/integrations/deepspeed.py, deepspeed_plan.py) ----

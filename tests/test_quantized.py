@@ -267,6 +267,20 @@ def test_doctor_reports_bitsandbytes_and_qlora_advice(capsys):
     assert "  qlora: " in capsys.readouterr().out
 
 
+def test_plan_command_dry_runs_the_qlora_guardrails(capsys):
+    from hf_ddpfix.cli import main
+
+    assert main(["plan", "--parallel", "fsdp", "--quant", "4bit", "--quant-storage", "float32",
+                 "--mixed-precision", "bf16"]) == 2
+    assert "bnb_4bit_quant_storage=torch.bfloat16" in capsys.readouterr().err
+    assert main(["plan", "--quant", "4bit", "--placement", "0,1"]) == 2
+    assert "cuda:0, cuda:1" in capsys.readouterr().err
+    assert main(["plan", "--parallel", "fsdp", "--quant", "4bit", "--quant-storage", "bfloat16",
+                 "--mixed-precision", "bf16"]) == 0
+    out = capsys.readouterr().out
+    assert "quantization" in out and "sharded in bfloat16 storage" in out and "the 4-bit bytes" in out
+
+
 # ---------------------------------------------------------------------------------------------------
 # Multi-process (2 gloo processes, hard timeouts)
 # ---------------------------------------------------------------------------------------------------

@@ -69,7 +69,8 @@ class QuantFacts:
         kind = "bnb 4-bit" if self.method == "bnb_4bit" else "bnb 8-bit"
         qt = f" {self.quant_type}" if self.quant_type else ""
         compute = f", compute {self.compute_dtype}" if self.compute_dtype else ""
-        return f"{kind}{qt} ({self.num_modules} modules, storage {self.storage_dtype}{compute})"
+        count = f"{self.num_modules} modules, " if self.num_modules else ""
+        return f"{kind}{qt} ({count}storage {self.storage_dtype}{compute})"
 
 
 _FLOAT_NAMES = {"float32", "float16", "bfloat16", "float64"}
