@@ -335,3 +335,28 @@ def test_fake_tensors_from_meta_and_saved_tensor_hook_probe():
     assert _compat.in_checkpoint_recompute() is False
     m = torch.nn.BatchNorm1d(2)
     assert set(_compat.module_buffer_slots(m)) >= {"running_mean", "running_var"}
+
+
+# ------------------------------------------------------------------------------------------- deepspeed
+
+
+def test_deepspeed_leaf_flag_and_default_leaf_classes():
+    """set_z3_leaf_modules flags a module through the attribute z3_leaf_marked reads; the default leaf
+    classes (zero_optimization.leaf_module) name real transformers MoE blocks (deepspeed 0.19.8)."""
+    ds = pytest.importorskip("deepspeed.utils", reason="test extra: deepspeed")
+
+    class Block(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(2, 2)
+
+    model = nn.Sequential(Block(), nn.Linear(2, 2))
+    assert not _compat.z3_leaf_marked(model[0])
+    ds.set_z3_leaf_modules(model, [Block])
+    assert _compat.z3_leaf_marked(model[0]), _broken("set_z3_leaf_modules no longer sets module._z3_leaf")
+    assert not _compat.z3_leaf_marked(model[1])
+    ds.unset_z3_leaf_modules(model, [Block])
+    assert not _compat.z3_leaf_marked(model[0])
+    defaults = _compat.deepspeed_default_leaf_classes()
+    assert "transformers.models.qwen3_moe.modeling_qwen3_moe.Qwen3MoeSparseMoeBlock" in defaults, _broken(
+        "deepspeed's DEFAULT_LEAF_MODULE_CLASSES moved or changed")
