@@ -180,7 +180,7 @@ def test_unsupported_layers_are_reported_not_patched():
 @pytest.mark.multiprocess
 @pytest.mark.timeout(240)
 def test_two_process_ddp_equals_single_process_stock_reference(tmp_path):
-    """DDP (fu=False, static graph) + every feature, AdamW with weight decay, clipping, lengths
+    """DDP (fu=False, static graph) and FSDP2 + every feature, AdamW with weight decay, clipping, lengths
     varying per rank and step: weights equal a one-process stock run (tests/scripts/long_context_ddp.py)."""
     import json
 
@@ -190,7 +190,7 @@ def test_two_process_ddp_equals_single_process_stock_reference(tmp_path):
     proc = torchrun("long_context_ddp.py", "--out", str(out), timeout=200)
     assert "ready only once" not in proc.stdout and "marked ready twice" not in proc.stdout
     records = json.loads(out.read_text())
-    assert len(records) == 2 and all(r["ok"] for r in records), records
+    assert len(records) == 3 and all(r["ok"] for r in records), records
 
 
 @pytest.mark.parametrize("bad", ["tiled", "rms_norm,bogus", "maybe"])

@@ -1,11 +1,12 @@
-"""Two gloo processes: DDP + apply_long_context("all") equals a single-process stock reference.
+"""Two gloo processes: DDP or FSDP2 + apply_long_context("all") equals a single-process stock reference.
 
 Run:  OMP_NUM_THREADS=1 python -m torch.distributed.run --standalone --nproc_per_node=2 \
           tests/scripts/long_context_ddp.py --out /tmp/long_context_ddp.json
 
-For each DDP setting (find_unused_parameters=False, static_graph=True; both with non-reentrant
-checkpointing) every rank trains a tiny fp64 Llama with LoRA on every linear layer for 3 AdamW steps
-(weight_decay 0.1, gradients clipped to norm 0.5) on its own rows of a global batch whose sequence
+For DDP (find_unused_parameters=False, static_graph=True) and FSDP2 (``fully_shard`` per decoder layer
+and the root, tile count all-reduced), all with non-reentrant checkpointing, every rank trains a tiny
+fp64 Llama with LoRA on every linear layer for 3 AdamW steps (weight_decay 0.1, gradients clipped to
+norm 0.5) on its own rows of a global batch whose sequence
 length differs per rank and per step, with the decoder layers patched (rms_norm, grouped attention,
 tiled layer with 5-token tiles, so every call runs several tiles). The loss uses ``num_items_in_batch`` =
 global label-token count x world size, so DDP's average equals the gradient of the global loss. Each
@@ -33,6 +34,7 @@ STEPS, ROWS, LR, CLIP = 3, 2, 0.05, 0.5
 SETTINGS = [
     ("fu_false_ckpt", {"find_unused_parameters": False}),
     ("static_graph_ckpt", {"static_graph": True}),
+    ("fsdp2_ckpt", None),  # fully_shard per decoder layer + root; tile count synchronised across ranks
 ]
 
 
@@ -90,10 +92,27 @@ def reference(world: int) -> torch.Tensor:
     return trainable(model)
 
 
-def run(ddp_kwargs: dict, rank: int, world: int) -> tuple[torch.Tensor, dict]:
+def full_trainable(model) -> torch.Tensor:
+    out = []
+    for _, p in sorted(model.named_parameters()):
+        if p.requires_grad:
+            t = p.detach()
+            out.append((t.full_tensor() if hasattr(t, "full_tensor") else t).flatten())
+    return torch.cat(out)
+
+
+def run(ddp_kwargs: dict | None, rank: int, world: int) -> tuple[torch.Tensor, dict]:
     model = build(True)
-    handle = apply_long_context(model, "all", tokens_per_tile=5, norm_chunk_tokens=7)
-    ddp = DDP(model, **ddp_kwargs)
+    fsdp = ddp_kwargs is None
+    handle = apply_long_context(model, "all", tokens_per_tile=5, norm_chunk_tokens=7, sync=fsdp)
+    if fsdp:
+        from torch.distributed.fsdp import fully_shard
+
+        for layer in model.get_base_model().model.layers:
+            fully_shard(layer)
+        ddp = fully_shard(model)
+    else:
+        ddp = DDP(model, **ddp_kwargs)
     params = [p for p in ddp.parameters() if p.requires_grad]
     opt = optimizer(params)
     for parts, count in batches(world):
@@ -103,7 +122,7 @@ def run(ddp_kwargs: dict, rank: int, world: int) -> tuple[torch.Tensor, dict]:
         torch.nn.utils.clip_grad_norm_(params, CLIP)
         opt.step()
         opt.zero_grad(set_to_none=True)
-    return trainable(model), {"patched": len(handle.patched), **{k: int(v) for k, v in handle.stats.items()}}
+    return full_trainable(model), {"patched": len(handle.patched), **{k: int(v) for k, v in handle.stats.items()}}
 
 
 def main() -> None:
