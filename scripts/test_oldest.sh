@@ -1,0 +1,39 @@
+#!/usr/bin/env bash
+# CI, second stack: the unit tests (not multiprocess) and a few 2-process cells on the OLDEST supported
+# stack (constraints-oldest.txt, = pyproject.toml's lower bounds), in a venv of its own.
+#
+# The venv is cached under ~/.cache/hf_ddpfix/ keyed by the constraints file, so a machine that ran CI
+# before only reinstalls hf_ddpfix itself (editable, no deps). A venv is used only when its install
+# finished (.complete marker). Override the place with HF_DDPFIX_OLDEST_VENV.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+key=$(sha256sum constraints-oldest.txt | cut -c1-12)
+venv=${HF_DDPFIX_OLDEST_VENV:-$HOME/.cache/hf_ddpfix/venv-oldest-$key}
+pip_q=(--quiet --disable-pip-version-check)
+if [[ ! -f "$venv/.complete" ]]; then
+  rm -rf "$venv"
+  python -m venv "$venv"  # a plain venv: it must not see the pinned stack of the main environment
+  # torch first and exactly (a bare `torch` requirement would pull a multi-GB CUDA build)
+  "$venv/bin/python" -m pip install "${pip_q[@]}" "torch==2.13.0"
+  "$venv/bin/python" -m pip install "${pip_q[@]}" -c constraints-oldest.txt \
+    transformers accelerate peft trl datasets evaluate pillow pytest pytest-timeout
+  touch "$venv/.complete"
+fi
+# hf_ddpfix with its declared lower bounds: pip checks pyproject.toml's requirements against this stack
+"$venv/bin/python" -m pip install "${pip_q[@]}" -c constraints-oldest.txt -e .
+"$venv/bin/python" -m pip check >/dev/null
+"$venv/bin/python" -c "import torch, transformers, accelerate, peft, trl, hf_ddpfix; print('oldest stack: torch', \
+torch.__version__, 'transformers', transformers.__version__, 'accelerate', accelerate.__version__, 'peft', \
+peft.__version__, 'trl', trl.__version__)"
+
+export OMP_NUM_THREADS=1
+py=("$venv/bin/python" -m pytest -q -p no:cacheprovider)
+"${py[@]}" tests -m "not multiprocess"
+# 2-process cells (gloo): the reentrant-checkpointing fix vs a single-process reference (exact), stock's
+# failure on this stack, and matrix cells for text / VLM with gradient accumulation.
+"${py[@]}" \
+  "tests/test_trainer_entry_points.py::test_ddp_with_reentrant_checkpointing_matches_single_process[patch]" \
+  "tests/test_trainer_entry_points.py::test_stock_ddp_with_reentrant_checkpointing_fails" \
+  "tests/test_matrix.py::test_cell_trains_in_sync_with_stock_loss[text-ckpt-reentrant-find-unused-auto]" \
+  "tests/test_matrix.py::test_cell_trains_in_sync_with_stock_loss[vlm-ckpt-nonreentrant-ga-2]"
