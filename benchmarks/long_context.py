@@ -34,6 +34,7 @@ the first failure: out of memory, a failed budget check, or ``--trial-timeout`` 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime as dt
 import json
 import os
@@ -172,8 +173,11 @@ def write_ledger(res: dict[str, Any], stem: Path) -> None:
 # ------------------------------------------------------------------------------------------------ GPU
 
 
-def _trial(mode: str, seq: int, steps: int, host_gib: float) -> dict[str, Any]:
-    """One trial in this process: build, patch for ``mode``, train ``steps`` steps at ``seq`` tokens."""
+def _trial(mode: str, seq: int, steps: int, host_gib: float, tiny: bool = False) -> dict[str, Any]:
+    """One trial in this process: build, patch for ``mode``, train ``steps`` steps at ``seq`` tokens.
+
+    ``tiny``: a 2-layer toy shape on the CPU (a smoke test of this code path; no timing meaning).
+    """
     from peft import LoraConfig, get_peft_model
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -184,8 +188,10 @@ def _trial(mode: str, seq: int, steps: int, host_gib: float) -> dict[str, Any]:
     from hf_ddpfix.ops.offload import ActivationOffload
     from hf_ddpfix.ops.offload_budget import plan_offload_budget
 
-    dev = torch.device("cuda")
-    m = LLAMA_8B
+    cuda = torch.cuda.is_available() and not tiny
+    dev = torch.device("cuda" if cuda else "cpu")
+    m = dict(LLAMA_8B) if not tiny else dict(hidden=64, intermediate=160, heads=8, kv_heads=2, layers=2, vocab=256,
+                                               lora_r=4)
     cfg = LlamaConfig(hidden_size=m["hidden"], intermediate_size=m["intermediate"], num_attention_heads=m["heads"],
                       num_key_value_heads=m["kv_heads"], num_hidden_layers=m["layers"], vocab_size=m["vocab"],
                       max_position_embeddings=max(seq, 8192), attn_implementation="sdpa", use_cache=False)
@@ -203,11 +209,11 @@ def _trial(mode: str, seq: int, steps: int, host_gib: float) -> dict[str, Any]:
     offload = None
     info: dict[str, Any] = {"mode": mode, "seq": seq}
     if mode != "stock":
-        total = torch.cuda.get_device_properties(dev).total_memory
+        total = torch.cuda.get_device_properties(dev).total_memory if cuda else 64 * GIB
+        used = torch.cuda.memory_allocated(dev) if cuda else sum(p.numel() * p.element_size() for p in model.parameters())
         budget = plan_offload_budget(layers=m["layers"], tokens=seq, layer_bytes=seq * m["hidden"] * 2,
                                      device_budget_bytes=int(0.97 * total), host_budget_bytes=int(host_gib * GIB),
-                                     fixed_device_bytes=torch.cuda.memory_allocated(dev),
-                                     working_bytes_per_token=64 * KIB, min_keep=1)
+                                     fixed_device_bytes=used, working_bytes_per_token=(53 + 32) * KIB * m["hidden"] // 4096)
         info["budget"] = budget.describe()
         offload = ActivationOffload(module=model, min_layer_bytes=0, max_pool_bytes=int(host_gib * GIB))
         apply_checkpointing(model, use_reentrant=False, offload=offload)
@@ -216,29 +222,36 @@ def _trial(mode: str, seq: int, steps: int, host_gib: float) -> dict[str, Any]:
         feats = {"+rms_norm": "rms_norm", "+attention": "attention", "+tiled_layer": "tiled_layer",
                  "hf_ddpfix": "all"}.get(mode)
         if feats:
-            info["long_context"] = apply_long_context(model, feats).patched[:3]
+            handle = apply_long_context(model, feats)
+            info["long_context_patched"] = len(handle.patched)
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=1e-5, weight_decay=0.01)
     gen = torch.Generator(device=dev).manual_seed(0)
     ids = torch.randint(0, m["vocab"], (1, seq), device=dev, generator=gen)
     times = []
-    torch.cuda.reset_peak_memory_stats(dev)
+    if cuda:
+        torch.cuda.reset_peak_memory_stats(dev)
     for _ in range(steps):
-        torch.cuda.synchronize(dev)
+        if cuda:
+            torch.cuda.synchronize(dev)
         t0 = time.perf_counter()
-        ctx = offload.step() if offload is not None else torch.enable_grad()
-        with ctx, torch.autocast("cuda", dtype=torch.bfloat16):
+        ctx = offload.step() if offload is not None else contextlib.nullcontext()
+        with ctx, torch.autocast(dev.type, dtype=torch.bfloat16):
             loss = model(input_ids=ids, labels=ids).loss
             loss.backward()
         torch.nn.utils.clip_grad_norm_(params, 1.0)
         opt.step()
         opt.zero_grad(set_to_none=True)
-        torch.cuda.synchronize(dev)
+        if cuda:
+            torch.cuda.synchronize(dev)
         times.append(time.perf_counter() - t0)
-    info.update(ok=True, step_s=sorted(times[1:])[len(times[1:]) // 2] if len(times) > 1 else times[0],
-                peak_gib=round(torch.cuda.max_memory_allocated(dev) / GIB, 2), loss=float(loss))
+    timed = sorted(times[1:] or times)
+    info.update(ok=True, step_s=round(timed[len(timed) // 2], 3), loss=float(loss),
+                peak_gib=round(torch.cuda.max_memory_allocated(dev) / GIB, 2) if cuda else None)
     if offload is not None:
         info["offload"] = {k: v for k, v in offload.stats.as_dict().items() if k in ("offloaded_bytes", "kept_bytes")}
+    if "long_context_patched" in info:
+        info["long_context_calls"] = int(handle.stats["patched calls"])
     return info
 
 
@@ -327,6 +340,7 @@ def main() -> None:
     ap.add_argument("--ledger", action="store_true", help="CPU ledger (fake tensors)")
     ap.add_argument("--gpu", action="store_true", help="longest sequence + 32K step ratio, one process per trial")
     ap.add_argument("--trial", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--tiny-trial", action="store_true", help="smoke-test one GPU trial's code path on CPU, toy shape")
     ap.add_argument("--mode", default="stock", help=argparse.SUPPRESS)
     ap.add_argument("--seq", type=int, default=32768, help=argparse.SUPPRESS)
     ap.add_argument("--seq1", type=int, default=8192)
@@ -344,8 +358,9 @@ def main() -> None:
     ap.add_argument("--out", default=None)
     ap.add_argument("--png", default=None)
     args = ap.parse_args()
-    if args.trial:
-        print("TRIAL " + json.dumps(_trial(args.mode, args.seq, args.steps, args.host_gib)), flush=True)
+    if args.trial or args.tiny_trial:
+        print("TRIAL " + json.dumps(_trial(args.mode, args.seq, args.steps, args.host_gib, tiny=args.tiny_trial)),
+              flush=True)
         return
     if args.gpu:
         res = run_gpu(args)
