@@ -5,7 +5,8 @@ Public API:
     DDPFixTrainer: the same as a `Trainer` subclass.
     DDPFixConfig: every option once, with its environment variables.
     resolve_plan / RunFacts / Plan: the pure decision function and its types.
-    ActivationOffload, apply_tiled_mlp, patch_model_loss, VisionStabilizer: the appliers, usable alone.
+    ActivationOffload, apply_tiled_mlp, patch_model_loss, VisionStabilizer, apply_long_context: the
+        appliers, usable alone; plan_offload_budget / OffloadBudgetError: the pre-flight memory check.
     Callbacks, errors and checkpoint helpers for operating runs.
 
 Layout: ``hf_ddpfix.ops`` (pure torch), ``hf_ddpfix.integrations`` (HF / accelerate plumbing),
@@ -19,12 +20,14 @@ from .config import DDPFixConfig
 from .errors import DDPFixError, ReplicaDivergenceError, explain, readable_ddp_errors
 from .integrations.families import find_vision_adapter
 from .integrations.hang_guard import HangGuard, UnusedParametersError
+from .integrations.long_context import apply_long_context, remove_long_context
 from .integrations.loss_patch import patch_model_loss, unpatch_model_loss
 from .integrations.stabilizer import VisionStabilizer
 from .integrations.tiled_mlp import apply_tiled_mlp, remove_tiled_mlp
 from .integrations.trainer_hooks import DDPFixTrainer, patch_trainer, plan_for_trainer, unpatch_trainer
 from .integrations.usage import ParameterUsage
 from .ops.offload import ActivationOffload
+from .ops.offload_budget import OffloadBudgetError, plan_offload_budget
 from .ops.tiled_loss import tiled_causal_lm_loss
 from .plan import Decision, Plan, PlanError, RunFacts, resolve_plan
 
@@ -36,6 +39,7 @@ __all__ = [
     "Decision",
     "HangGuard",
     "MemoryThroughputCallback",
+    "OffloadBudgetError",
     "ParameterUsage",
     "Plan",
     "PlanError",
@@ -45,6 +49,7 @@ __all__ = [
     "RunFacts",
     "UnusedParametersError",
     "VisionStabilizer",
+    "apply_long_context",
     "apply_tiled_mlp",
     "default_callbacks",
     "explain",
@@ -53,7 +58,9 @@ __all__ = [
     "patch_model_loss",
     "patch_trainer",
     "plan_for_trainer",
+    "plan_offload_budget",
     "readable_ddp_errors",
+    "remove_long_context",
     "remove_tiled_mlp",
     "resolve_plan",
     "save_model_atomic",
