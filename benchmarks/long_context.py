@@ -132,7 +132,7 @@ def _llama_weight_bytes(m: dict[str, int]) -> int:
 
 def write_ledger(res: dict[str, Any], stem: Path) -> None:
     stem.parent.mkdir(parents=True, exist_ok=True)
-    slim = {**res, "rows": {k: {kk: vv for kk, vv in v.items() if kk != "breakdown"} | {"breakdown": v["breakdown"][:12]}
+    slim = {**res, "rows": {k: {kk: vv for kk, vv in v.items() if kk != "breakdown"} | {"breakdown": v["breakdown"][:16]}
                             for k, v in res["rows"].items()}}
     stem.with_suffix(".json").write_text(json.dumps(slim, indent=1))
     env = res["env"]
@@ -141,6 +141,12 @@ def write_ledger(res: dict[str, Any], stem: Path) -> None:
              "", "| set-up | KiB/token | constant MiB | peak at |", "|---|---|---|---|"]
     for k, v in res["rows"].items():
         lines.append(f"| {k} | {v['kib_per_token']:.1f} | {v['constant_bytes'] / 2**20:.0f} | {v['peak_phase']} / {v['peak_op']} |")
+    for k in ("stock", "hf_ddpfix"):
+        lines += ["", f"Live at the peak, {k} ({res['seqs'][1]} tokens; bytes per token):", "",
+                  "| phase | module | op | shape | dtype | B/token |", "|---|---|---|---|---|---|"]
+        for e in res["rows"][k]["breakdown"][:12]:
+            lines.append(f"| {e['phase']} | {e['module']} | {e['op']} | {e['shape']} | {e['dtype']} | "
+                         f"{e['bytes'] / res['seqs'][1]:.0f} |")
     lines += ["", "Whole-model projection (assumptions: " + json.dumps(res["projection_assumptions"]) + "):", ""]
     for k, v in res["projection"].items():
         meas = v.get("measured_h100_bytes_per_token")

@@ -244,7 +244,8 @@ def ledger_slope(
 
     Returns:
         ``{"features", "seqs", "peaks", "bytes_per_token", "kib_per_token", "constant_bytes",
-        "peak_phase", "peak_op", "modelled_workspace_bytes", "retained_bytes_per_token", "breakdown"}``
+        "peak_phase", "peak_op", "modelled_workspace_bytes", "retained_bytes_per_token", "breakdown",
+        "allocated_per_token_by_op"}``
         (``retained_bytes_per_token``: what the layer keeps from forward to backward besides its
         input, the per-layer cost that multiplies by the layer count; ~0 under checkpointing) (breakdown at the longer length: phase, module, op,
         bytes, shape, dtype of each live tensor at the peak).
@@ -267,5 +268,10 @@ def ledger_slope(
         "breakdown": [
             {"phase": e.phase, "module": e.module, "op": e.op, "bytes": e.nbytes, "shape": list(e.shape), "dtype": e.dtype}
             for e in b.breakdown
+        ],
+        # Bytes each (phase, module, op) allocated over the step, per token of the longer run, largest first.
+        "allocated_per_token_by_op": [
+            {"phase": k[0], "module": k[1], "op": k[2], "bytes_per_token": round(v / s2, 1)}
+            for k, v in sorted(b.by_op.items(), key=lambda kv: -kv[1])[:25]
         ],
     }
