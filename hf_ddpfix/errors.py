@@ -18,6 +18,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
+from ._compat import checkpointing_arg_names
 from .plan import Plan, RunFacts
 
 __all__ = ["DDPFixError", "ReplicaDivergenceError", "explain", "readable_ddp_errors"]
@@ -85,17 +86,18 @@ def _ready_twice(plan: Plan | None, facts: RunFacts | None) -> tuple[str, str, s
             "('Expected to mark a variable ready only once').")
     ckpt, fu = _v(plan, "checkpointing"), _v(plan, "find_unused_parameters")
     tiled = _v(plan, "tiled_mlp")
+    flag, kwargs = checkpointing_arg_names()  # activation_checkpointing* (5.23) or gradient_checkpointing*
     if plan is None:
         cause = ("reentrant activation checkpointing together with find_unused_parameters=True (stock Trainer "
                  "picks that for every peft model), or a module that calls backward() per chunk (TiledMLP-style).")
         fix = ("Run the Trainer under hf_ddpfix (hf_ddpfix.patch_trainer(), or PYTHONPATH=patches), or set "
-               "activation_checkpointing_kwargs={'use_reentrant': False}.")
+               f"{kwargs}={{'use_reentrant': False}}.")
     elif ckpt == "reentrant":
         cause = (f"this run uses reentrant checkpointing (plan: {plan.checkpointing.reason}) with "
                  f"find_unused_parameters={fu}; reentrant checkpointing re-runs each layer inside backward, "
                  "which DDP counts as a second use.")
         fix = ("HF_DDPFIX_CHECKPOINTING=non_reentrant (or unset HF_DDPFIX_CHECKPOINTING so the plan picks it), "
-               "or activation_checkpointing_kwargs={'use_reentrant': False}.")
+               f"or {kwargs}={{'use_reentrant': False}}.")
     else:
         cause = (f"the plan's checkpointing is {ckpt} and find_unused_parameters={fu}, so the extra hook comes "
                  "from code outside the plan: a module that calls backward()/autograd per chunk "
@@ -103,7 +105,7 @@ def _ready_twice(plan: Plan | None, facts: RunFacts | None) -> tuple[str, str, s
                  "enabled directly on some layers, or a parameter used in two checkpointed regions.")
         fix = ("Use hf_ddpfix's DDP-safe tiling instead of per-chunk backward (HF_DDPFIX_TILED_MLP=auto and "
                "unset UNSLOTH_TILED_MLP in the other library), and enable checkpointing only through "
-               "TrainingArguments(activation_checkpointing=True).")
+               f"TrainingArguments({flag}=True).")
     return what, cause, fix
 
 
