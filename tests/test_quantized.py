@@ -128,14 +128,21 @@ def test_sharding_facts_read_fsdp_mixed_precision_and_deepspeed_dtype():
     assert sharding_facts(_trainer(None), "ddp") == {"fsdp_version": None, "shard_cast_dtype": None, "zero_stage": None}
 
 
-def test_sharding_facts_read_the_real_accelerate_plugins():
-    """Contract with accelerate 1.15: the attributes `sharding_facts` reads on its FSDP / DeepSpeed plugins."""
-    from accelerate.utils import DeepSpeedPlugin, FullyShardedDataParallelPlugin
+def test_sharding_facts_read_the_real_accelerate_fsdp_plugin():
+    """Contract with accelerate 1.15: the attributes `sharding_facts` reads on its FSDP plugin."""
+    from accelerate.utils import FullyShardedDataParallelPlugin
 
     fsdp = FullyShardedDataParallelPlugin(fsdp_version=2)
     fsdp.set_mixed_precision("bf16")
-    assert sharding_facts(_trainer(SimpleNamespace(fsdp_plugin=fsdp), mp="bf16"), "fsdp")[
-        "shard_cast_dtype"] == "bfloat16"
+    assert sharding_facts(_trainer(SimpleNamespace(fsdp_plugin=fsdp), mp="bf16"), "fsdp") == {
+        "fsdp_version": 2, "shard_cast_dtype": "bfloat16", "zero_stage": None}
+
+
+def test_sharding_facts_read_the_real_accelerate_deepspeed_plugin():
+    """Contract with accelerate 1.15: the attributes `sharding_facts` reads on its DeepSpeed plugin."""
+    pytest.importorskip("deepspeed")
+    from accelerate.utils import DeepSpeedPlugin
+
     ds = DeepSpeedPlugin(hf_ds_config={"zero_optimization": {"stage": 3}, "bf16": {"enabled": True},
                                        "train_micro_batch_size_per_gpu": 1})
     assert sharding_facts(_trainer(SimpleNamespace(deepspeed_plugin=ds)), "deepspeed") == {
