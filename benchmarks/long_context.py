@@ -252,7 +252,7 @@ def _trial(mode: str, seq: int, steps: int, host_gib: float, tiny: bool = False)
             torch.cuda.synchronize(dev)
         times.append(time.perf_counter() - t0)
     timed = sorted(times[1:] or times)
-    info.update(ok=True, step_s=round(timed[len(timed) // 2], 3), loss=float(loss),
+    info.update(ok=True, step_s=round(timed[len(timed) // 2], 3), loss=float(loss.detach()),
                 peak_gib=round(torch.cuda.max_memory_allocated(dev) / GIB, 2) if cuda else None)
     if offload is not None:
         info["offload"] = {k: v for k, v in offload.stats.as_dict().items() if k in ("offloaded_bytes", "kept_bytes")}
