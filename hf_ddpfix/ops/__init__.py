@@ -6,6 +6,11 @@
 - :mod:`.host_pool`: the bounded (pinned) host pool the offload copies into.
 - :mod:`.zero_tie`: an exactly-zero contribution that makes tensors "used" for autograd/DDP/FSDP.
 - :mod:`.dist`: the two torch.distributed helpers every op shares.
+- :mod:`.rms_norm`: RMSNorm saving its input and an fp32 per-token rstd only (long context).
+- :mod:`.token_tiles`: several-input/output token-wise block in sequence tiles (the decoder-layer halves).
+- :mod:`.grouped_attention`: causal flash attention run per KV-head group (smaller backward workspace).
+- :mod:`.memory_ledger`: exact live-storage bytes per op (real, meta or fake tensors).
+- :mod:`.offload_budget`: pre-flight device/host budget for stored layer inputs.
 
 Private upstream torch accesses go through :mod:`hf_ddpfix._compat` (imports torch only).
 """
