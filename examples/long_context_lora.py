@@ -11,15 +11,18 @@ What it turns on (all through ``DDPFixConfig``, the same options as the ``HF_DDP
 
 Before training, :func:`hf_ddpfix.ops.offload_budget.plan_offload_budget` checks the device and host
 budgets for the requested length and stops with ``OffloadBudgetError`` (which budget, how many GiB,
-the longest sequence that fits) instead of failing an hour in.
+the longest sequence that fits) instead of failing an hour in. It models the offload as the Trainer
+runs it: every layer input but the last goes to the host pool, whose cap is a quarter of physical
+memory per local rank (``hf_ddpfix.ops.host_pool.default_max_bytes``).
 
 Run (CPU, tiny random model, a few seconds)::
 
     python examples/long_context_lora.py --tiny --seq 512 --max-steps 2
 
-On one 80 GB GPU, Llama-8B shape with random bf16 weights (no download), 256K tokens::
+On one 80 GB GPU, Llama-8B shape with random bf16 weights (no download), 128K tokens (256K needs 62 GiB
+of pinned host memory, more than the pool's default cap on a 125 GiB host: the pre-flight says so)::
 
-    PYTORCH_ALLOC_CONF=expandable_segments:True python examples/long_context_lora.py --seq 262144 --host-gib 100
+    PYTORCH_ALLOC_CONF=expandable_segments:True python examples/long_context_lora.py --seq 131072
 
 Use ``--model-path`` for real weights (``AutoModelForCausalLM.from_pretrained``).
 """
@@ -35,6 +38,7 @@ from peft import LoraConfig, get_peft_model
 from transformers import LlamaConfig, LlamaForCausalLM, TrainingArguments
 
 from hf_ddpfix import DDPFixConfig, DDPFixTrainer
+from hf_ddpfix.ops.host_pool import default_max_bytes
 from hf_ddpfix.ops.offload_budget import plan_offload_budget
 
 GIB = 1 << 30
@@ -77,10 +81,12 @@ def preflight(model: torch.nn.Module, args: argparse.Namespace) -> None:
         device_budget = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
         fixed = sum(p.numel() * p.element_size() for p in model.parameters())
     layer_bytes = args.seq * cfg.hidden_size * 2
+    host_cap = default_max_bytes() or 0  # the offload pool's cap (issue 11's default)
     budget = plan_offload_budget(
         layers=cfg.num_hidden_layers, tokens=args.seq, layer_bytes=layer_bytes, device_budget_bytes=device_budget,
-        host_budget_bytes=int(args.host_gib * GIB), fixed_device_bytes=fixed,
+        host_budget_bytes=host_cap if torch.cuda.is_available() else device_budget, fixed_device_bytes=fixed,
         working_bytes_per_token=WORKING_BYTES_PER_HIDDEN_UNIT * cfg.hidden_size,
+        max_keep=1 if torch.cuda.is_available() else None,  # ActivationOffload keeps the last input only
     )
     print("pre-flight:", budget.describe())
 
@@ -91,7 +97,6 @@ def main() -> None:
     ap.add_argument("--model-path", default=None)
     ap.add_argument("--seq", type=int, default=32768)
     ap.add_argument("--max-steps", type=int, default=3)
-    ap.add_argument("--host-gib", type=float, default=64.0, help="pinned host memory the offload may use")
     ap.add_argument("--output-dir", default="/tmp/long_context_lora")
     args = ap.parse_args()
 

@@ -72,3 +72,16 @@ def test_max_tokens_is_the_largest_fitting_length_even_where_fitting_is_not_mono
             with pytest.raises(OffloadBudgetError):
                 plan_offload_budget(layers=8, tokens=above, layer_bytes=above * 1000, device_budget_bytes=10_000_000,
                                     host_budget_bytes=host, fixed_device_bytes=1_000_000, working_bytes_per_token=3000.0)
+
+
+def test_max_keep_models_an_offload_that_keeps_only_the_last_input():
+    b = _llama8b(262144, max_keep=1, host_budget_bytes=int(1000 * GIB))
+    assert (b.keep_on_device, b.offloaded) == (1, 31) and b.host_bytes == 64 * GIB  # 62 GiB -> 64 GiB slab
+    with pytest.raises(OffloadBudgetError) as err:
+        _llama8b(262144, max_keep=1)  # 64 GiB of pinned host needed, 100 GiB allowed: fits ...
+        _llama8b(262144, max_keep=1, host_budget_bytes=int(31 * GIB))  # ... a quarter of 125 GiB does not
+    assert err.value.which == "host"
+    t = err.value.max_tokens
+    kw = dict(layers=32, bytes_per_token_per_layer=8 * KIB, device_budget_bytes=int(76 * GIB),
+              host_budget_bytes=int(31 * GIB), fixed_device_bytes=int(16 * GIB), working_bytes_per_token=80 * KIB)
+    assert t == max_tokens(**kw, max_keep=1) < max_tokens(**kw)

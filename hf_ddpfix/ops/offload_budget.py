@@ -95,6 +95,7 @@ def max_tokens(
     fixed_device_bytes: int = 0,
     working_bytes_per_token: float = 0,
     min_keep: int = 1,
+    max_keep: int | None = None,
     slab_rounding: bool = True,
 ) -> int:
     """The largest token count ``plan_offload_budget`` accepts with these budgets (0 if none).
@@ -107,7 +108,7 @@ def max_tokens(
             plan_offload_budget(layers=layers, tokens=t, layer_bytes=t * bytes_per_token_per_layer,
                                 device_budget_bytes=device_budget_bytes, host_budget_bytes=host_budget_bytes,
                                 fixed_device_bytes=fixed_device_bytes, working_bytes_per_token=working_bytes_per_token,
-                                min_keep=min_keep, slab_rounding=slab_rounding, _search=False)
+                                min_keep=min_keep, max_keep=max_keep, slab_rounding=slab_rounding, _search=False)
             return True
         except OffloadBudgetError:
             return False
@@ -120,7 +121,8 @@ def max_tokens(
     b = int(bytes_per_token_per_layer)
     host_cap = (1 << (int(host_budget_bytes).bit_length() - 1)) if slab_rounding and host_budget_bytes >= 1 else host_budget_bytes
     best = 0
-    for k in range(min(int(min_keep), int(layers)), int(layers) + 1):
+    top = int(layers) if max_keep is None else max(min(int(max_keep), int(layers)), min(int(min_keep), int(layers)))
+    for k in range(min(int(min_keep), int(layers)), top + 1):
         denom = working_bytes_per_token + k * b
         t_dev = int((device_budget_bytes - fixed_device_bytes) // denom) if denom > 0 else 1 << 40
         t_host = int(host_cap // ((int(layers) - k) * b)) if k < layers and b > 0 else 1 << 40
@@ -141,6 +143,7 @@ def plan_offload_budget(
     fixed_device_bytes: int = 0,
     working_bytes_per_token: float = 0,
     min_keep: int = 1,
+    max_keep: int | None = None,
     slab_rounding: bool = True,
     _search: bool = True,
 ) -> OffloadBudget:
@@ -155,11 +158,13 @@ def plan_offload_budget(
         fixed_device_bytes: device bytes that do not grow with tokens (weights, optimizer, slack).
         working_bytes_per_token: per-token device working set besides the stored layer inputs.
         min_keep: layer inputs that stay on the device whatever the budget (default 1: the last).
+        max_keep: at most this many stay on the device (``None``: as many as fit). ``ActivationOffload``
+            today keeps exactly the last one, so pass ``max_keep=1`` to model what it will do.
         slab_rounding: count host bytes as the pool's power-of-two slab (``HostPool``), default True.
 
     Returns:
-        ``OffloadBudget``: the most layer inputs the device budget allows stay on the device (fewest
-        copies), the rest are offloaded.
+        ``OffloadBudget``: the most layer inputs the device budget (and ``max_keep``) allows stay on the
+        device (fewest copies), the rest are offloaded.
 
     Raises:
         OffloadBudgetError: the device cannot hold the working set plus ``min_keep`` inputs, or the
@@ -182,7 +187,7 @@ def plan_offload_budget(
         return max_tokens(layers=layers, bytes_per_token_per_layer=per_tok_layer,
                           device_budget_bytes=device_budget_bytes, host_budget_bytes=host_budget_bytes,
                           fixed_device_bytes=fixed_device_bytes, working_bytes_per_token=working_bytes_per_token,
-                          min_keep=min_keep, slab_rounding=slab_rounding)
+                          min_keep=min_keep, max_keep=max_keep, slab_rounding=slab_rounding)
 
     need_dev = working + min_keep * layer_bytes
     if need_dev > device_budget_bytes:
@@ -197,6 +202,8 @@ def plan_offload_budget(
         )
     spare = device_budget_bytes - working
     keep = int(min(layers, spare // layer_bytes)) if layer_bytes else int(layers)
+    if max_keep is not None:
+        keep = min(keep, int(max_keep))
     keep = max(keep, min_keep)
     offloaded = int(layers) - keep
     host = _host(offloaded, layer_bytes, slab_rounding)
