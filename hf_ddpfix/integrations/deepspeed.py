@@ -318,9 +318,13 @@ def attach_deepspeed(model: nn.Module, *, stabilize: bool, leaf_classes: tuple[s
     if stabilize:
         from .zero_vision import ZeroVisionStabilizer
 
-        stab = ZeroVisionStabilizer(model).attach()
-        stack.callback(stab.remove)
-        log(f"deepspeed: dummy image before {type(stab.language_model).__name__} on text-only micro-batches")
+        try:
+            stab = ZeroVisionStabilizer(model).attach()
+        except ValueError as err:  # no language-model module found: stock behaviour, with the reason
+            log(f"deepspeed: no ZeRO dummy image: {err}")
+        else:
+            stack.callback(stab.remove)
+            log(f"deepspeed: dummy image before {type(stab.language_model).__name__} on text-only micro-batches")
     if leaf_classes:
         marked = apply_z3_leaf_modules(model, leaf_classes)
         if marked:

@@ -40,6 +40,7 @@ Guarantees: mixed batches train under ZeRO-2 and ZeRO-3 to the weights of stock 
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import torch
@@ -49,6 +50,8 @@ from ..ops.zero_tie import ZeroTie
 from .families import VisionAdapter, describe_unsupported, find_vision_adapter, get_submodule, output_tensors
 
 __all__ = ["LANGUAGE_MODEL_PATHS", "ZeroVisionStabilizer", "language_model_of"]
+
+logger = logging.getLogger("hf_ddpfix")
 
 # Where the language model (the module called with ``inputs_embeds``) lives, relative to the HF model
 # whose forward takes ``pixel_values`` (transformers 5.23 Qwen2-VL / 2.5-VL / 3-VL (MoE)).
@@ -99,6 +102,7 @@ class ZeroVisionStabilizer:
         self._text_only = False
         self._deep: list[tuple[nn.Module, torch.Tensor]] = []
         self.dummy_runs = 0  # number of dummy tower forwards so far (for logs and tests)
+        self.skipped = 0  # text-only forwards left stock (no inputs_embeds to tie into)
 
     @property
     def attached(self) -> bool:
@@ -139,10 +143,11 @@ class ZeroVisionStabilizer:
         self._text_only = False  # once per root forward
         embeds = kwargs.get("inputs_embeds")
         if not isinstance(embeds, torch.Tensor) or not embeds.is_floating_point():
-            raise RuntimeError(
-                f"hf_ddpfix: {type(module).__name__} was called without inputs_embeds; the ZeRO dummy image "
-                "cannot be tied where image features enter (transformers changed the VLM forward?)"
-            )
+            if not self.skipped:  # never fail a forward stock runs: stock behaviour, said once
+                logger.warning("hf_ddpfix: %s was called without inputs_embeds: no ZeRO dummy image (stock "
+                               "behaviour; transformers changed the VLM forward?)", type(module).__name__)
+            self.skipped += 1
+            return None
         out = self.adapter.run_dummy()
         self.dummy_runs += 1
         pooled, deep = self._split(out)
@@ -174,7 +179,8 @@ class ZeroVisionStabilizer:
                     return ZeroTie.apply(output, feat)
                 if isinstance(output, tuple) and output and isinstance(output[0], torch.Tensor):
                     return (ZeroTie.apply(output[0], feat), *output[1:])
-                raise TypeError(f"hf_ddpfix: cannot tie a deepstack feature to a {type(output).__name__}")
+                logger.warning("hf_ddpfix: cannot tie a deepstack feature to a %s: left untied (stock)",
+                               type(output).__name__)
         return None
 
 
