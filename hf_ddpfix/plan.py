@@ -205,6 +205,8 @@ def resolve_plan(facts: RunFacts, config: DDPFixConfig | None = None) -> Plan:
         PlacementError: DDP with this rank's model spread over several devices (see `_decide_quantization`).
         QuantStorageError: FSDP / ZeRO-3 with 4-bit weights in a storage dtype the engine would break.
     """
+    from .integrations import deepspeed_plan as ds_decisions  # DeepSpeed rules; lazy: it imports this module
+
     c = config or DDPFixConfig()
     strict = bool(c.strict)
     corrections: list[str] = []
@@ -243,8 +245,8 @@ def resolve_plan(facts: RunFacts, config: DDPFixConfig | None = None) -> Plan:
         long_context=_unverified_under_zero3(facts, _decide_long_context(facts, c, str(ckpt.value))),
         quantization=quantization,
         parameter_usage=usage,
-        deepspeed=_decide_deepspeed(facts),
-        zero3_leaf_modules=_decide_leaf_modules(facts),
+        deepspeed=ds_decisions.engine(facts),
+        zero3_leaf_modules=ds_decisions.leaf_modules(facts),
         corrections=tuple(corrections),
         config_lines=tuple(c.describe()),
         offload_min_layer_bytes=offload_min_layer_bytes(c),
@@ -254,7 +256,9 @@ def resolve_plan(facts: RunFacts, config: DDPFixConfig | None = None) -> Plan:
 def _decide_checkpointing(facts: RunFacts, c: DDPFixConfig, distributed: bool, correct) -> Decision:
     asked = facts.checkpointing
     if facts.parallel == "deepspeed" and facts.deepspeed is not None:
-        return _decide_deepspeed_checkpointing(facts, c, correct)
+        from .integrations import deepspeed_plan
+
+        return deepspeed_plan.checkpointing(facts, c, correct)
     if asked == "off":
         if c.assume_checkpointing:
             return Decision("off", "not detected; assumed on (custom checkpointing) for the DDP decisions")
@@ -304,7 +308,9 @@ def _decide_stabilizer(facts: RunFacts, c: DDPFixConfig, distributed: bool, usag
     if not facts.is_vlm:
         return Decision(None, "")
     if facts.parallel == "deepspeed":
-        return _decide_deepspeed_stabilizer(facts, c)
+        from .integrations import deepspeed_plan
+
+        return deepspeed_plan.stabilizer(facts, c)
     needs = distributed and (facts.trainable_vision_params or facts.parallel == "fsdp")
     if not needs:
         why = "no trainable vision parameters" if distributed else "single process"
@@ -672,62 +678,8 @@ def _quantized_zero(facts: RunFacts, q: QuantFacts, what: str) -> Decision:
                     f"1/world of {_nbytes(q)})")
 
 
-# ---- DeepSpeed (rules and measurements: hf_ddpfix/integrations/deepspeed.py, deepspeed_plan.py) ----
-
-
-def _decide_deepspeed(facts: RunFacts) -> Decision:
-    if facts.parallel != "deepspeed":
-        return Decision(None, "")
-    ds = facts.deepspeed
-    if ds is None:
-        return Decision("unknown", "no DeepSpeed config readable: stock behaviour kept")
-    from .integrations.deepspeed_plan import adapter_dtype_note
-
-    note = adapter_dtype_note(ds)
-    return Decision(f"ZeRO-{ds.stage}", ds.describe() + (f" (from {ds.source})" if ds.source else "")
-                    + (f"; {note}" if note else ""))
-
-
-def _decide_deepspeed_checkpointing(facts: RunFacts, c: DDPFixConfig, correct: Callable[[str], None]) -> Decision:
-    from .integrations.deepspeed_plan import checkpointing_decision
-
-    assert facts.deepspeed is not None
-    forced = c.checkpointing if c.checkpointing in ("reentrant", "non_reentrant") else None
-    mode, reason, changed, correction = checkpointing_decision(
-        facts.checkpointing, ds=facts.deepspeed, is_peft=facts.is_peft, user_reentrant=facts.user_reentrant,
-        forced=forced)
-    if correction:
-        correct(correction)
-    if forced:
-        reason = reason.replace("HF_DDPFIX_CHECKPOINTING", c.source("checkpointing"))
-    return Decision(mode, reason, changed=changed)
-
-
-def _decide_deepspeed_stabilizer(facts: RunFacts, c: DDPFixConfig) -> Decision:
-    from .integrations.deepspeed import DeepSpeedFacts
-    from .integrations.deepspeed_plan import vision_decision
-
-    ds = facts.deepspeed or DeepSpeedFacts(stage=facts.zero_stage)
-    disabled = c.source("vlm_stabilizer") if c.vlm_stabilizer is False else None
-    value, reason, changed = vision_decision(ds=ds, is_vlm=facts.is_vlm, adapter=facts.vlm_adapter,
-                                             trainable_vision=facts.trainable_vision_params, disabled=disabled)
-    return Decision(value, reason, changed=changed)
-
-
-def _decide_leaf_modules(facts: RunFacts) -> Decision:
-    if facts.parallel != "deepspeed" or facts.deepspeed is None:
-        return Decision(None, "")
-    from .integrations.deepspeed_plan import leaf_modules_decision
-
-    value, reason, changed = leaf_modules_decision(facts.deepspeed)
-    if value is None:
-        return Decision(None, "")
-    return Decision(",".join(v.rsplit(".", 1)[-1] for v in value) or "none", reason, changed=changed)
-
-
 def _unverified_under_zero3(facts: RunFacts, decision: Decision) -> Decision:
-    """Tiling reads partitioned (empty) weights under ZeRO-3: not verified there, so stock is kept."""
-    if facts.parallel != "deepspeed" or facts.zero_stage != 3 or decision.value in (None, "off"):
-        return decision
-    return Decision("off", f"requested ({decision.value}) but not verified under ZeRO-3 (weights are partitioned "
-                    "outside their module's forward): stock computation kept")
+    """Stock computation for opt-in features not verified under ZeRO-3 (see deepspeed_plan.zero3_unverified)."""
+    from .integrations.deepspeed_plan import zero3_unverified
+
+    return zero3_unverified(facts, decision)

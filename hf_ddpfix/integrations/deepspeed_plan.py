@@ -1,15 +1,31 @@
 """DeepSpeed decisions for the plan, and the doctor's advice: pure functions of :class:`DeepSpeedFacts`.
 
+``resolve_plan`` calls :func:`engine`, :func:`checkpointing`, :func:`stabilizer`, :func:`leaf_modules` and
+:func:`zero3_unverified` (each returns a plan ``Decision``); they wrap the rule functions below.
+
 The facts, the measurements behind each rule and the appliers are in :mod:`hf_ddpfix.integrations.deepspeed`.
 Nothing here imports deepspeed or touches a process group.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+from ..plan import Decision
 from .deepspeed import LEAF_MODULES_SINCE, NON_REENTRANT_FIXED_IN, DeepSpeedFacts, parse_version
+
+if TYPE_CHECKING:
+    from ..config import DDPFixConfig
+    from ..plan import RunFacts
 
 __all__ = [
     "adapter_dtype_note",
+    "checkpointing",
+    "engine",
+    "leaf_modules",
+    "stabilizer",
+    "zero3_unverified",
     "checkpointing_decision",
     "deepspeed_advice",
     "leaf_modules_decision",
@@ -154,3 +170,59 @@ def deepspeed_advice(version: str | None) -> list[str]:
     lines.append("  mixed image/text batches (Qwen-VL families): hf_ddpfix runs a dummy image on text-only "
                  "ranks under ZeRO-2/3; other VLMs: give every micro-batch an image under ZeRO")
     return lines
+
+
+# ---- the plan's DeepSpeed decisions (called by hf_ddpfix.plan.resolve_plan) ----
+
+
+def engine(facts: RunFacts) -> Decision:
+    """The plan's ``deepspeed`` line: stage, version, offload, config source, dtype note."""
+    if facts.parallel != "deepspeed":
+        return Decision(None, "")
+    ds = facts.deepspeed
+    if ds is None:
+        return Decision("unknown", "no DeepSpeed config readable: stock behaviour kept")
+    note = adapter_dtype_note(ds)
+    return Decision(f"ZeRO-{ds.stage}", ds.describe() + (f" (from {ds.source})" if ds.source else "")
+                    + (f"; {note}" if note else ""))
+
+
+def checkpointing(facts: RunFacts, c: DDPFixConfig, correct: Callable[[str], None]) -> Decision:
+    """The plan's checkpointing decision under DeepSpeed (:func:`checkpointing_decision`)."""
+    assert facts.deepspeed is not None
+    forced = c.checkpointing if c.checkpointing in ("reentrant", "non_reentrant") else None
+    mode, reason, changed, correction = checkpointing_decision(
+        facts.checkpointing, ds=facts.deepspeed, is_peft=facts.is_peft, user_reentrant=facts.user_reentrant,
+        forced=forced)
+    if correction:
+        correct(correction)
+    if forced:
+        reason = reason.replace("HF_DDPFIX_CHECKPOINTING", c.source("checkpointing"))
+    return Decision(mode, reason, changed=changed)
+
+
+def stabilizer(facts: RunFacts, c: DDPFixConfig) -> Decision:
+    """The plan's ``vlm_stabilizer`` decision under DeepSpeed (:func:`vision_decision`)."""
+    ds = facts.deepspeed or DeepSpeedFacts(stage=facts.zero_stage)
+    disabled = c.source("vlm_stabilizer") if c.vlm_stabilizer is False else None
+    value, reason, changed = vision_decision(ds=ds, is_vlm=facts.is_vlm, adapter=facts.vlm_adapter,
+                                             trainable_vision=facts.trainable_vision_params, disabled=disabled)
+    return Decision(value, reason, changed=changed)
+
+
+def leaf_modules(facts: RunFacts) -> Decision:
+    """The plan's ``zero3_leaf_modules`` decision: short class names joined by ",", or "none"."""
+    if facts.parallel != "deepspeed" or facts.deepspeed is None:
+        return Decision(None, "")
+    value, reason, changed = leaf_modules_decision(facts.deepspeed)
+    if value is None:
+        return Decision(None, "")
+    return Decision(",".join(v.rsplit(".", 1)[-1] for v in value) or "none", reason, changed=changed)
+
+
+def zero3_unverified(facts: RunFacts, decision: Decision) -> Decision:
+    """Tiling reads partitioned (empty) weights under ZeRO-3: not verified there, so stock is kept."""
+    if facts.parallel != "deepspeed" or facts.zero_stage != 3 or decision.value in (None, "off"):
+        return decision
+    return Decision("off", f"requested ({decision.value}) but not verified under ZeRO-3 (weights are partitioned "
+                    "outside their module's forward): stock computation kept")
