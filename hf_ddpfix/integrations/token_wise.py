@@ -149,7 +149,7 @@ def is_token_wise(module: nn.Module) -> tuple[bool, str]:
             return False, f"{cls.__name__}.{name} is {type(child).__name__}, not a Linear (or peft-wrapped Linear)"
         if role == "act" and not _is_elementwise(child):
             return False, f"{cls.__name__}.{name} is {type(child).__name__}, not a known element-wise activation"
-    if any(True for _ in module._parameters.values()) or any(True for _ in module._buffers.values()):
+    if any(True for _ in module.parameters(recurse=False)) or any(True for _ in module.buffers(recurse=False)):
         return False, f"{cls.__name__} owns parameters/buffers outside its projections"
     form = _forward_form(cls)
     if form is None or form not in _TEMPLATES[key]:
