@@ -295,7 +295,11 @@ def _quant_facts(args: argparse.Namespace, info: ModelInfo | None, parallel: str
     if parallel == "fsdp":
         out.update(fsdp_version=args.fsdp_version, shard_cast_dtype=cast)
     elif parallel == "deepspeed":
-        out.update(zero_stage=args.zero_stage, shard_cast_dtype=cast)
+        from .integrations.deepspeed import DeepSpeedFacts, deepspeed_version
+
+        out.update(zero_stage=args.zero_stage, shard_cast_dtype=cast,
+                   deepspeed=DeepSpeedFacts(stage=args.zero_stage, version=deepspeed_version(), source="command line",
+                                            cast_dtype=cast))
     return out
 
 

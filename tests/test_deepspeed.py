@@ -297,3 +297,14 @@ def test_accelerate_zero_configs_load_and_point_at_their_deepspeed_json():
         config = json.loads(json_path.read_text())
         assert config["zero_optimization"]["stage"] == stage
         assert config["gradient_clipping"] == "auto"  # TrainingArguments.max_grad_norm fills it in
+
+
+def test_cli_plan_and_doctor_speak_deepspeed(capsys):
+    from hf_ddpfix.cli import main
+
+    assert main(["plan", "--parallel", "deepspeed", "--zero-stage", "3", "--checkpointing", "non_reentrant"]) == 0
+    out = capsys.readouterr().out
+    assert "deepspeed               = ZeRO-3" in out and "deepspeed " in out
+    main(["doctor"])
+    out = capsys.readouterr().out
+    assert "deepspeed" in out and ("not installed" in out or "PEFT + ZeRO-3" in out)
