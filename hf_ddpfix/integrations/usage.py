@@ -323,6 +323,8 @@ class ParameterUsage:
             )
         for layer in checkpointable_layers(self.root):
             self._handles.append(layer.register_forward_pre_hook(self._layer_pre_hook))
+            if is_checkpointing(layer):  # now too: transformers < 5.23 runs the hooks inside the checkpoint call
+                self._wrap_layer(layer)
         return self
 
     def remove(self) -> None:
@@ -339,8 +341,10 @@ class ParameterUsage:
 
     # -- reentrant checkpointing --------------------------------------------------------------------
     def _layer_pre_hook(self, layer: nn.Module, args: tuple[Any, ...]) -> None:
-        if not self._active or not is_checkpointing(layer):
-            return
+        if self._active and is_checkpointing(layer):
+            self._wrap_layer(layer)  # picks up a checkpoint function replaced since `attach`
+
+    def _wrap_layer(self, layer: nn.Module) -> None:
         func = layer_checkpoint_func(layer)
         if func is None or getattr(func, "_hf_ddpfix_usage", None) is self:
             return

@@ -28,6 +28,7 @@ sys.path.insert(0, os.path.dirname(HERE))
 from zoo import SEQ, ZOO  # noqa: E402
 
 from hf_ddpfix import patch_trainer, unpatch_trainer  # noqa: E402
+from hf_ddpfix._compat import checkpointing_training_args  # noqa: E402
 
 STEPS = 4
 
@@ -60,8 +61,8 @@ def run(name: str, patched: bool, out: str) -> tuple[dict[str, torch.Tensor], bo
     args = TrainingArguments(
         output_dir=out, per_device_train_batch_size=1, max_steps=STEPS, report_to=[], use_cpu=True,
         save_strategy="no", learning_rate=1e-3, weight_decay=0.1, max_grad_norm=1.0, remove_unused_columns=False,
-        disable_tqdm=True, seed=0, logging_steps=1, activation_checkpointing=True,
-        activation_checkpointing_kwargs={"use_reentrant": True} if patched else {"use_reentrant": False},
+        disable_tqdm=True, seed=0, logging_steps=1,
+        **checkpointing_training_args(True, {"use_reentrant": patched}),
     )
     trainer = InOrder(model=model, args=args, train_dataset=Indices(), data_collator=collate)
     trainer.train()
