@@ -45,6 +45,7 @@ from torch.utils.data import SequentialSampler  # noqa: E402
 from transformers import Trainer, TrainingArguments  # noqa: E402
 
 from hf_ddpfix import DDPFixTrainer  # noqa: E402
+from hf_ddpfix._compat import checkpointing_training_args  # noqa: E402
 
 TOL = 1e-5
 STEPS = 3
@@ -180,7 +181,7 @@ def run(name: str, model: nn.Module, rows: list[dict], collate, *, stage: int | 
     if stage is not None:
         kw["deepspeed"] = ds_config(stage)
     if ckpt != "off":
-        kw.update(activation_checkpointing=True, activation_checkpointing_kwargs={"use_reentrant": ckpt == "reentrant"})
+        kw.update(checkpointing_training_args(True, {"use_reentrant": ckpt == "reentrant"}))
     args = TrainingArguments(output_dir=f"/tmp/hf_ddpfix_ds_{name}", per_device_train_batch_size=1, max_steps=STEPS,
                              gradient_accumulation_steps=ACCUM,
                              report_to=[], use_cpu=True, save_strategy="no", learning_rate=1e-2, weight_decay=0.1,

@@ -23,6 +23,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 from fixtures import add_lora, build_qwen2_5_vl, make_batch  # noqa: E402
 
 from hf_ddpfix import patch_trainer  # noqa: E402
+from hf_ddpfix._compat import checkpointing_training_args  # noqa: E402
 
 p = argparse.ArgumentParser()
 p.add_argument("--entry", choices=["patch", "stock"], required=True)
@@ -63,7 +64,7 @@ class InOrder(Trainer):
 model = add_lora(build_qwen2_5_vl(0))
 kw = {}
 if a.ckpt != "off":
-    kw = {"activation_checkpointing": True, "activation_checkpointing_kwargs": {"use_reentrant": False}}
+    kw = checkpointing_training_args(True, {"use_reentrant": False})
 args = TrainingArguments(output_dir=a.out + ".run", per_device_train_batch_size=1, max_steps=a.steps,
                          report_to=[], use_cpu=True, save_strategy="no", learning_rate=1e-2, weight_decay=0.1,
                          max_grad_norm=1.0, remove_unused_columns=False, disable_tqdm=True, seed=0,
