@@ -6,7 +6,8 @@ import torch
 
 from hf_ddpfix.config import DDPFixConfig
 from hf_ddpfix.ops.offload import SaveOnCpuScope
-from hf_ddpfix.plan import DEFAULT_OFFLOAD_MIN_LAYER_MIB, RunFacts, resolve_plan
+from hf_ddpfix.plan import RunFacts, resolve_plan
+from hf_ddpfix.plan_memory import DEFAULT_OFFLOAD_MIN_LAYER_MIB
 
 
 def facts(device: str = "cuda:0", requested: bool = True) -> RunFacts:

@@ -1,0 +1,94 @@
+"""The plan's memory decisions: activation offload, TiledMLP, long-context layers, tiled loss head.
+
+Pure rules (facts + options -> `Decision` with its reason), called by :func:`hf_ddpfix.plan.resolve_plan`.
+"""
+
+from __future__ import annotations
+
+from .config import DDPFixConfig
+from .plan import Decision, RunFacts
+
+
+def decide_offload(facts: RunFacts, c: DDPFixConfig, ckpt: str) -> Decision:
+    requested = bool(facts.offload_requested) if c.offload_activations is None else bool(c.offload_activations)
+    source = "activation_checkpointing_kwargs" if c.offload_activations is None else c.source("offload_activations")
+    if not requested:
+        return Decision(False, "not requested")
+    if ckpt == "off":
+        return Decision(False, f"requested ({source}) but checkpointing is off: nothing is saved to offload",
+                        changed=bool(facts.offload_requested))
+    if ckpt == "reentrant":
+        return Decision(False, "requested but checkpointing is reentrant: the async offload hooks need non-reentrant",
+                        changed=bool(facts.offload_requested))
+    if not facts.accelerator_available:
+        return Decision(False, "no-op: no accelerator, activations already live in host memory (nothing to "
+                        "offload to; stock would crash in pin_memory)", changed=bool(facts.offload_requested))
+    device_type = (facts.rank_device or "cuda").split(":")[0]
+    if device_type not in ("cuda", "cpu", "meta"):  # ROCm reports "cuda" too; MPS, XPU, NPU, HPU do not
+        if facts.offload_requested and c.offload_activations is None:
+            return Decision("stock", f"on {device_type}: transformers' own offload kept (blocking save_on_cpu "
+                            "copies); hf_ddpfix's asynchronous offload supports CUDA/ROCm only")
+        return Decision(False, f"off on {device_type}: hf_ddpfix's asynchronous offload supports CUDA/ROCm only, "
+                        "activations stay on the device", changed=bool(facts.offload_requested))
+    mib = DEFAULT_OFFLOAD_MIN_LAYER_MIB if c.offload_min_layer_mib is None else int(c.offload_min_layer_mib)
+    if mib == 0:
+        policy = f"every step copies (offload_min_layer_mib=0, {c.source('offload_min_layer_mib')})"
+    else:
+        policy = (f"auto: a step copies checkpoint inputs >= {mib} MiB, or any when the device was >= 90% reserved; "
+                  f"smaller ones stay (H100, 1.1B Llama: 1.57x step time at 8 MiB per layer, 1.08x at 32 MiB, "
+                  f"0.99x at 64 MiB) ({c.source('offload_min_layer_mib')})")
+    return Decision(True, f"async pinned-memory offload of checkpointed layer inputs ({source}); {policy}",
+                    changed=True)
+
+
+#: Offload policy default (MiB per checkpoint input): the smallest layer input at which offloading cost
+#: nothing in the H100 measurement (2026-11-23, benchmarks/offload.py, BENCHMARKS.md): 1.57x step time at
+#: 8 MiB (2K tokens x 2048 hidden x bf16), 1.08x at 32 MiB (8K), 0.99x at 64 MiB (16K), 1.01x at 128 MiB.
+DEFAULT_OFFLOAD_MIN_LAYER_MIB = 64
+
+
+def offload_min_layer_bytes(config: DDPFixConfig | None) -> int:
+    """The offload policy's threshold in bytes for ``ActivationOffload(min_layer_bytes=...)``."""
+    mib = None if config is None else config.offload_min_layer_mib
+    return (DEFAULT_OFFLOAD_MIN_LAYER_MIB if mib is None else int(mib)) << 20
+
+
+def decide_tiled_mlp(facts: RunFacts, c: DDPFixConfig) -> Decision:
+    value = c.tiled_mlp
+    if value is None or value == "off":
+        return Decision("off", "not requested" if value is None else f"off ({c.source('tiled_mlp')})")
+    rule = {
+        "auto": "no tiling below 8K tokens, then ceil(tokens/2048) shards",
+        "arctic": "ceil(tokens/hidden) shards",
+        "target": "shards so one shard's MLP intermediate fits the memory target",
+    }.get(value.split(":")[0], f"{value} shards per MLP call")
+    sync = ("; shard count all-reduced (MAX) so FSDP ranks gather alike, in training forwards only (under "
+            "no_grad, e.g. a rank-0-only evaluation, the MLP runs untiled with no collective)"
+            if facts.parallel == "fsdp" else "")
+    return Decision(value, f"{rule}, one gradient hook per parameter ({c.source('tiled_mlp')}){sync}", True)
+
+
+def decide_long_context(facts: RunFacts, c: DDPFixConfig, ckpt: str) -> Decision:
+    """Patched Llama-style layers (integrations/long_context.py): gradients equal stock (tests), every
+    non-plain call (mask, cache, packing kwargs) runs stock at call time, other layer classes are left alone."""
+    value = c.long_context
+    if value is None or value == "off":
+        return Decision("off", "not requested" if value is None else f"off ({c.source('long_context')})")
+    notes = []
+    if ckpt == "off":
+        notes.append("checkpointing is off: each layer keeps q/k/v and the attention output (28 KiB/token on "
+                     "Llama-8B) instead of only its input")
+    if facts.parallel == "fsdp" and "tiled_layer" in value:
+        notes.append("tile count all-reduced (MAX) so FSDP ranks gather alike")
+    extra = ("; " + "; ".join(notes)) if notes else ""
+    return Decision(value, f"Llama-style layers patched where source-identical to LlamaDecoderLayer, masked/cached "
+                    f"calls run stock ({c.source('long_context')}){extra}", changed=True)
+
+
+def decide_tiled_loss(c: DDPFixConfig) -> Decision:
+    value = c.tiled_loss
+    if value is None or value == "off":
+        return Decision("off", "not requested" if value is None else f"off ({c.source('tiled_loss')})")
+    chunk = "auto chunk" if value == "on" else f"{value} tokens per chunk"
+    return Decision(value, f"lm_head + cross-entropy in chunks, full logits never held, {chunk} "
+                    f"({c.source('tiled_loss')})", changed=True)
