@@ -59,7 +59,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
-from .._compat import (
+from .._compat import (, module_parameter_slots
     checkpointable_layers,
     ddp_syncs_grads,
     is_checkpointing,
@@ -172,7 +172,7 @@ class _Slot:
     module_name: str
 
     def tensor(self) -> torch.Tensor | None:
-        return self.module._parameters.get(self.attr)
+        return module_parameter_slots(self.module).get(self.attr)
 
 
 @dataclass
