@@ -59,11 +59,12 @@ import torch.distributed as dist
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
-from .._compat import (, module_parameter_slots
+from .._compat import (
     checkpointable_layers,
     ddp_syncs_grads,
     is_checkpointing,
     layer_checkpoint_func,
+    module_parameter_slots,
     set_layer_checkpoint_func,
     unwrap_parallel,
 )
