@@ -278,7 +278,7 @@ class ParameterUsage:
         seen: set[int] = set()
         slots = []
         for mname, mod in self.root.named_modules():
-            for attr, p in mod._parameters.items():
+            for attr, p in module_parameter_slots(mod).items():
                 if p is None or not p.requires_grad or id(p) in seen:
                     continue
                 seen.add(id(p))
