@@ -2,14 +2,15 @@
 # CI, second stack: the unit tests (not multiprocess) and a few 2-process cells on the OLDEST supported
 # stack (constraints-oldest.txt, = pyproject.toml's lower bounds), in a venv of its own.
 #
-# The venv is cached under ~/.cache/hf_ddpfix/ keyed by the constraints file, so a machine that ran CI
-# before only reinstalls hf_ddpfix itself (editable, no deps). A venv is used only when its install
-# finished (.complete marker). Override the place with HF_DDPFIX_OLDEST_VENV.
+# The venv is cached under ~/.cache/hf_ddpfix/ (or $XDG_CACHE_HOME), keyed by this script and the
+# constraints file, so a machine that ran CI before only reinstalls hf_ddpfix itself (editable; its
+# requirements are already met). A venv is used only when its install finished (.complete marker).
+# Override the place with HF_DDPFIX_OLDEST_VENV.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-key=$(sha256sum constraints-oldest.txt | cut -c1-12)
-venv=${HF_DDPFIX_OLDEST_VENV:-$HOME/.cache/hf_ddpfix/venv-oldest-$key}
+key=$(cat constraints-oldest.txt scripts/test_oldest.sh | sha256sum | cut -c1-12)
+venv=${HF_DDPFIX_OLDEST_VENV:-${XDG_CACHE_HOME:-${HOME:-/tmp}/.cache}/hf_ddpfix/venv-oldest-$key}
 pip_q=(--quiet --disable-pip-version-check)
 if [[ ! -f "$venv/.complete" ]]; then
   rm -rf "$venv"
