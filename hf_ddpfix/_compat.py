@@ -36,12 +36,12 @@ OLDEST_SUPPORTED = {"transformers": "5.3.0", "accelerate": "1.12.0", "peft": "0.
 # --------------------------------------------------------------------------------------------------
 
 #: Runs after ``train()`` enabled checkpointing / loaded a checkpoint and before ``accelerator.prepare``
-#: wraps the model: the only point where DDP kwargs can still be decided (transformers 5.0-5.23).
+#: wraps the model: the only point where DDP kwargs can still be decided (transformers 5.3-5.23).
 TRAINER_INNER_LOOP = "_inner_training_loop"
-#: Called once per optimizer step before ``optimizer.step()`` with the gradients final (5.0-5.23); the
+#: Called once per optimizer step before ``optimizer.step()`` with the gradients final (5.3-5.23); the
 #: usage finalisation (grad -> None for unused parameters) must run before it.
 TRAINER_CLIP_GRAD_NORM = "_clip_grad_norm"
-#: Used instead of ``_clip_grad_norm`` when ``max_grad_norm`` is 0/None to log ``grad_norm`` (5.x).
+#: Used instead of ``_clip_grad_norm`` when ``max_grad_norm`` is 0/None to log ``grad_norm`` (5.3-5.23).
 TRAINER_GET_GRAD_NORM = "_get_grad_norm"
 TRAINER_STEP_HOOKS = (TRAINER_CLIP_GRAD_NORM, TRAINER_GET_GRAD_NORM)
 
@@ -276,6 +276,7 @@ def checkpoint_recompute_is_last(n_saved: int) -> bool:
     except Exception:  # noqa: BLE001 - private internals changed: fall back to the always-correct path
         return False
 
+
 # --------------------------------------------------------------------------------------------------
 # deepspeed (checked against 0.19.8; imported lazily, never required)
 # --------------------------------------------------------------------------------------------------
@@ -319,7 +320,9 @@ def in_checkpoint_recompute() -> bool:
 
 def class_checkpoint_inner_forward(cls_forward: Any) -> Callable[..., Any] | None:
     """The forward inside transformers' class-level checkpoint wrapper, or ``None`` when ``cls_forward``
-    is not that wrapper. transformers 5.2x wraps ``cls.forward`` in ``forward_with_checkpointing``
+    is not that wrapper (always, before 5.23: 5.3-5.22 checkpoint the whole call in
+    ``GradientCheckpointingLayer.__call__``, module hooks included, so an instance-level forward already
+    runs inside the checkpoint). transformers 5.23 wraps ``cls.forward`` in ``forward_with_checkpointing``
     (``modeling_layers.GradientCheckpointingLayer.__init_subclass__``, ``functools.wraps``), which calls
     ``self._gradient_checkpointing_func(partial(forward, self, **kwargs), *args)`` when the layer
     checkpoints in training; an instance-level forward replaces that wrapper and so bypasses it."""
