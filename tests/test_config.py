@@ -106,3 +106,17 @@ def test_readme_documents_every_variable():
         assert f"`{var}`" in readme, var
         for alias in filter(None, aliases.split(", ")):
             assert f"`{alias}`" in readme, alias
+
+
+def test_every_variable_named_in_the_package_is_an_option():
+    """Messages and docstrings may spell `HF_DDPFIX_<OPTION>=value`; a renamed option must not leave a stale hint."""
+    import re
+    from pathlib import Path
+
+    import hf_ddpfix
+
+    known = {env_name(o) for o in OPTIONS} | {"HF_DDPFIX_DISABLE", "HF_DDPFIX_OLDEST_VENV"}
+    root = Path(hf_ddpfix.__file__).parent
+    for path in sorted(root.rglob("*.py")):
+        for var in re.findall(r"HF_DDPFIX_[A-Z0-9_]*[A-Z0-9]", path.read_text()):
+            assert var in known, f"{path.name} names {var}, which is not an option (known: {sorted(known)})"
