@@ -57,7 +57,6 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.overrides import TorchFunctionMode
 
 from .._compat import (
     checkpointable_layers,
@@ -68,6 +67,7 @@ from .._compat import (
     set_layer_checkpoint_func,
     unwrap_parallel,
 )
+from ..ops.autograd_reach import ParamReadMode, output_tensors, reachable_leaf_ids
 from ..ops.dist import collective_device, dist_ready
 from ..ops.zero_tie import ZeroTie
 from .checkpointing import _use_reentrant_of
@@ -81,81 +81,6 @@ _FIX = (
     "Fix: let hf_ddpfix tie unused parameters in (HF_DDPFIX_PARAMETER_USAGE=1, the default under DDP/FSDP), "
     "or set ddp_find_unused_parameters=True in TrainingArguments, or make the module's output reach the loss."
 )
-
-
-# --------------------------------------------------------------------------------------------------
-# Observation helpers (pure autograd)
-# --------------------------------------------------------------------------------------------------
-
-
-def _tensors(x: Any) -> Iterable[torch.Tensor]:
-    """Every tensor inside an output structure (ModelOutput / dict / list / tuple / tensor)."""
-    if isinstance(x, torch.Tensor):
-        yield x
-    elif isinstance(x, dict):
-        for v in x.values():
-            yield from _tensors(v)
-    elif isinstance(x, (list, tuple)):
-        for v in x:
-            yield from _tensors(v)
-
-
-def reachable_leaf_ids(roots: Iterable[torch.Tensor], stop: set[Any] | None = None) -> set[int]:
-    """``id`` of every leaf tensor whose ``AccumulateGrad`` node backward from ``roots`` reaches.
-
-    Args:
-        roots: tensors to start from (those without ``grad_fn`` are leaves themselves).
-        stop: autograd nodes not to walk past (a unit's inputs: what lies before it is not its own).
-
-    Returns:
-        The ids of the leaves that receive a gradient when ``roots`` are back-propagated.
-
-    Guarantees: a parameter whose module ran but whose output was discarded is not in the set
-    (tests/test_usage.py).
-    """
-    stop = stop or set()
-    ids: set[int] = set()
-    seen: set[Any] = set()
-    stack = []
-    for t in roots:
-        if t.grad_fn is not None:
-            stack.append(t.grad_fn)
-        elif t.requires_grad:
-            ids.add(id(t))
-    while stack:
-        node = stack.pop()
-        if node in seen or node in stop:
-            continue
-        seen.add(node)
-        var = getattr(node, "variable", None)
-        if var is not None:
-            ids.add(id(var))
-            continue
-        for nxt, _ in node.next_functions:
-            if nxt is not None and nxt not in seen:
-                stack.append(nxt)
-    return ids
-
-
-class _ParamReadMode(TorchFunctionMode):
-    """Records which watched tensors (by id) any torch function reads (args one level deep)."""
-
-    def __init__(self, watched: set[int]):
-        super().__init__()
-        self.watched = watched
-        self.seen: set[int] = set()
-
-    def __torch_function__(self, func: Callable, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
-        kwargs = kwargs or {}
-        for a in (*args, *kwargs.values()):
-            if isinstance(a, torch.Tensor):
-                if id(a) in self.watched:
-                    self.seen.add(id(a))
-            elif isinstance(a, (list, tuple)):
-                for b in a:
-                    if isinstance(b, torch.Tensor) and id(b) in self.watched:
-                        self.seen.add(id(b))
-        return func(*args, **kwargs)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -359,10 +284,10 @@ class ParameterUsage:
             if not (self._active and reentrant):
                 return inner(function, *args, **kwargs)
             watched = {id(t) for t in (s.tensor() for s in self.slots) if t is not None}
-            mode = _ParamReadMode(watched)
+            mode = ParamReadMode(watched)
             with mode:
                 out = inner(function, *args, **kwargs)
-            if any(t.requires_grad for t in _tensors(out)):
+            if any(t.requires_grad for t in output_tensors(out)):
                 self._region_seen.append(mode.seen)
             return out
 
@@ -407,7 +332,7 @@ class ParameterUsage:
             if len(self.scopes) > 1:
                 args = tuple(align(a) for a in args)
                 kwargs = {k: align(v) if k in _HIDDEN_INPUTS else v for k, v in kwargs.items()}
-            scope.stop = {t.grad_fn for t in (*_tensors(args), *_tensors(kwargs)) if t.grad_fn is not None}
+            scope.stop = {t.grad_fn for t in (*output_tensors(args), *output_tensors(kwargs)) if t.grad_fn is not None}
             return (args, kwargs) if changed else None
 
         return hook
@@ -445,7 +370,7 @@ class ParameterUsage:
 
     def _observe_and_tie(self, scope: _Scope, output: Any, is_root: bool) -> Any:
         anchor = self._anchor(output, is_root)
-        roots = [anchor] if (is_root and anchor is not None) else [t for t in _tensors(output) if t.requires_grad]
+        roots = [anchor] if (is_root and anchor is not None) else [t for t in output_tensors(output) if t.requires_grad]
         reached = reachable_leaf_ids(roots, scope.stop)
         region = set().union(*self._region_seen) if self._region_seen else set()
         missing: list[int] = []

@@ -1,0 +1,92 @@
+"""Which leaf tensors a backward will reach, and which tensors a region of code reads: pure autograd.
+
+- :func:`reachable_leaf_ids`: walk the autograd graph from some outputs to the ``AccumulateGrad`` nodes
+  (the parameters that will receive a gradient), optionally stopping at given nodes.
+- :class:`ParamReadMode`: a ``TorchFunctionMode`` recording which watched tensors any torch function
+  reads (used inside reentrant checkpoints, whose forward builds no graph).
+- :func:`output_tensors`: every tensor in a nested output structure.
+
+Used by :class:`hf_ddpfix.integrations.usage.ParameterUsage`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+__all__ = ["ParamReadMode", "output_tensors", "reachable_leaf_ids"]
+
+
+
+
+def output_tensors(x: Any) -> Iterable[torch.Tensor]:
+    """Every tensor inside an output structure (ModelOutput / dict / list / tuple / tensor)."""
+    if isinstance(x, torch.Tensor):
+        yield x
+    elif isinstance(x, dict):
+        for v in x.values():
+            yield from output_tensors(v)
+    elif isinstance(x, (list, tuple)):
+        for v in x:
+            yield from output_tensors(v)
+
+
+def reachable_leaf_ids(roots: Iterable[torch.Tensor], stop: set[Any] | None = None) -> set[int]:
+    """``id`` of every leaf tensor whose ``AccumulateGrad`` node backward from ``roots`` reaches.
+
+    Args:
+        roots: tensors to start from (those without ``grad_fn`` are leaves themselves).
+        stop: autograd nodes not to walk past (a unit's inputs: what lies before it is not its own).
+
+    Returns:
+        The ids of the leaves that receive a gradient when ``roots`` are back-propagated.
+
+    Guarantees: a parameter whose module ran but whose output was discarded is not in the set
+    (tests/test_usage.py).
+    """
+    stop = stop or set()
+    ids: set[int] = set()
+    seen: set[Any] = set()
+    stack = []
+    for t in roots:
+        if t.grad_fn is not None:
+            stack.append(t.grad_fn)
+        elif t.requires_grad:
+            ids.add(id(t))
+    while stack:
+        node = stack.pop()
+        if node in seen or node in stop:
+            continue
+        seen.add(node)
+        var = getattr(node, "variable", None)
+        if var is not None:
+            ids.add(id(var))
+            continue
+        for nxt, _ in node.next_functions:
+            if nxt is not None and nxt not in seen:
+                stack.append(nxt)
+    return ids
+
+
+class ParamReadMode(TorchFunctionMode):
+    """Records which watched tensors (by id) any torch function reads (args one level deep)."""
+
+    def __init__(self, watched: set[int]):
+        super().__init__()
+        self.watched = watched
+        self.seen: set[int] = set()
+
+    def __torch_function__(self, func: Callable, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        kwargs = kwargs or {}
+        for a in (*args, *kwargs.values()):
+            if isinstance(a, torch.Tensor):
+                if id(a) in self.watched:
+                    self.seen.add(id(a))
+            elif isinstance(a, (list, tuple)):
+                for b in a:
+                    if isinstance(b, torch.Tensor) and id(b) in self.watched:
+                        self.seen.add(id(b))
+        return func(*args, **kwargs)
