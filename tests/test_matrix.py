@@ -62,8 +62,11 @@ def test_cell_trains_in_sync_with_stock_loss(cell):
     assert res["ok"], f"{res}\n{out[-4000:]}"
     assert res["in_sync"] is True
     assert res["loss"] == pytest.approx(stock_loss(model, res["ga"]), abs=1e-4)
-    if model == "vlm":  # the stabiliser makes every vision parameter used: no unused-parameter search
-        assert res["find_unused"] is False
+    if model == "vlm":  # every trainable parameter is used by construction: no unused-parameter search ...
+        opts = dict(zip(args[::2], args[1::2], strict=True))
+        # ... except that an explicit ddp_find_unused_parameters=True is kept: it works once the plan has
+        # made checkpointing non-reentrant, and hf_ddpfix never overrides a working explicit setting
+        assert res["find_unused"] is (opts.get("--find-unused") == "1"), res
 
 
 TILED_CELLS = [c for c in matrix_cells() if "--ga" in c or c[1:] in (
