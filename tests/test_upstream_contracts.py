@@ -28,11 +28,9 @@ def _broken(what: str) -> str:
 
 
 def _tiny_llama():
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from fixtures import tiny_llama
 
-    torch.manual_seed(0)
-    return LlamaForCausalLM(LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
-                                        num_attention_heads=2, num_key_value_heads=1))
+    return tiny_llama()
 
 
 # ------------------------------------------------------------------------------------------- layering
@@ -234,6 +232,7 @@ def test_checkpoint_recompute_probe_fires_only_at_the_last_saved_tensors():
     checkpoint(body, x, use_reentrant=False).sum().backward()
     assert seen[0] == ("after_sin", False)  # the forward: not a recompute
     assert seen[1] == ("after_sin", True), _broken(f"torch.utils.checkpoint recompute internals: {seen}")
+
 
 # ------------------------------------------------------------------------------------------- version reach
 
