@@ -139,6 +139,7 @@ def test_plan_is_safe_for_what_the_zoo_leaves_unused(name: str) -> None:
 # --- multi-process ----------------------------------------------------------------------------------
 
 
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("ga", [1, 2])
 def test_zoo_trains_like_stock_find_unused_under_reentrant_checkpointing(ga: int, tmp_path) -> None:
     report = tmp_path / "zoo.json"
@@ -151,6 +152,7 @@ def test_zoo_trains_like_stock_find_unused_under_reentrant_checkpointing(ga: int
         assert bool(row["text_step_unused"]) == (ZOO[name].vlm or name == "bart_layerdrop"), name
 
 
+@pytest.mark.multiprocess
 def test_a_disconnected_module_raises_on_both_ranks_within_30s() -> None:
     done = torchrun("usage_guard.py", "--case", "guard", timeout=120, check=False)
     assert done.returncode != 0
@@ -161,11 +163,13 @@ def test_a_disconnected_module_raises_on_both_ranks_within_30s() -> None:
     assert "probe" in done.stdout and "ddp_find_unused_parameters=True" in done.stdout
 
 
+@pytest.mark.multiprocess
 def test_a_disconnected_module_is_tied_in_and_trains_like_stock() -> None:
     done = torchrun("usage_guard.py", "--case", "tie", timeout=180)
     assert done.stdout.count("USAGE_TIE_OK") == 2
 
 
+@pytest.mark.multiprocess
 def test_fsdp2_mixed_batches_finish_with_the_ddp_weights_for_every_vlm() -> None:
     """fully_shard on gloo, no dummy image: folded skippable subtrees + per-unit ties; 1e-5 vs DDP."""
     done = torchrun("usage_fsdp.py", timeout=420)
@@ -175,6 +179,7 @@ def test_fsdp2_mixed_batches_finish_with_the_ddp_weights_for_every_vlm() -> None
             assert f"] {name}: FSDP2" in done.stdout, name
 
 
+@pytest.mark.multiprocess
 def test_trainer_runs_mllama_and_layerdrop_with_fu_false_like_stock(tmp_path) -> None:
     """The issue's headline: stock's old plan picked fu=False + static graph for LoRA Mllama (text-only
     steps skip the cross-attention layers) and LayerDrop models, which DDP cannot train; under
