@@ -58,7 +58,7 @@ from hf_ddpfix.ops.offload import (  # noqa: E402
     ActivationOffload,
     accelerator_available,
 )
-from hf_ddpfix.plan_memory import offload_min_layer_bytes  # noqa: E402
+from hf_ddpfix.plan.memory import offload_min_layer_bytes  # noqa: E402
 
 MODES = ("no_ckpt", "ckpt", "ckpt+hf_offload", "ckpt+hf_ddpfix")
 MIB = 1 << 20

@@ -9,9 +9,10 @@ Public API:
         appliers, usable alone; plan_offload_budget / OffloadBudgetError: the pre-flight memory check.
     Callbacks, errors and checkpoint helpers for operating runs.
 
-Layout: ``hf_ddpfix.ops`` (pure torch), ``hf_ddpfix.integrations`` (HF / accelerate plumbing),
-``hf_ddpfix._compat`` (every private upstream access). Only the names in ``__all__`` are public API;
-module paths below this package may change between releases.
+Layout, bottom up: ``hf_ddpfix._compat`` (every private upstream access), ``hf_ddpfix.ops`` (pure torch),
+``hf_ddpfix.integrations`` (HF / accelerate plumbing), then ``config``, ``facts``, ``plan`` (the pure
+decisions), ``runtime`` (applies a plan), ``trainer`` (the entry points), ``cli``. Only the names in
+``__all__`` are public API; module paths below this package may change between releases.
 """
 
 from .callbacks import MemoryThroughputCallback, PlanReportCallback, ReplicaSyncCallback, default_callbacks
@@ -24,12 +25,13 @@ from .integrations.long_context import apply_long_context, remove_long_context
 from .integrations.loss_patch import patch_model_loss, unpatch_model_loss
 from .integrations.stabilizer import VisionStabilizer
 from .integrations.tiled_mlp import apply_tiled_mlp, remove_tiled_mlp
-from .integrations.trainer_hooks import DDPFixTrainer, patch_trainer, plan_for_trainer, unpatch_trainer
 from .integrations.usage import ParameterUsage
 from .ops.offload import ActivationOffload
 from .ops.offload_budget import OffloadBudgetError, plan_offload_budget
 from .ops.tiled_loss import tiled_causal_lm_loss
-from .plan import Decision, Plan, PlanError, RunFacts, resolve_plan
+from .plan.resolve import resolve_plan
+from .plan.types import Decision, Plan, PlanError, RunFacts
+from .trainer import DDPFixTrainer, patch_trainer, plan_for_trainer, unpatch_trainer
 
 __all__ = [
     "ActivationOffload",

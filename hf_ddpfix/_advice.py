@@ -312,7 +312,7 @@ def qlora_advice(bitsandbytes_version: str | None, num_devices: int = 1) -> list
     """What `hf-ddpfix doctor` says about QLoRA (bitsandbytes 4-bit base + adapters) on this machine.
 
     Pure. Each line is a rule the plan enforces or a setting that decides memory, with the reason
-    (measured with bitsandbytes 0.50.2 on 2 gloo processes; see `hf_ddpfix.plan_quantized.decide_quantization`).
+    (measured with bitsandbytes 0.50.2 on 2 gloo processes; see `hf_ddpfix.plan.quantized.decide_quantization`).
 
     Args:
         bitsandbytes_version: the installed version, `None` when not installed.

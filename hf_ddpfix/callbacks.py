@@ -26,7 +26,7 @@ from transformers import DefaultFlowCallback, TrainerCallback
 from ._compat import trainer_callbacks
 from .config import DDPFixConfig
 from .errors import ReplicaDivergenceError
-from .plan import Plan
+from .plan.types import Plan
 
 logger = logging.getLogger("hf_ddpfix")
 

@@ -181,7 +181,7 @@ def _doctor(args: argparse.Namespace) -> int:
                                accelerator=accelerator, target_global_batch=args.global_batch)
         report["recommendation"] = rec.as_dict()
     report["qlora"] = qlora_advice(report["versions"].get("bitsandbytes"), n)
-    from .integrations.deepspeed_plan import deepspeed_advice
+    from .plan.deepspeed import deepspeed_advice
 
     report["deepspeed"] = deepspeed_advice(report["versions"].get("deepspeed"))
     problems = [s for s in report["env"]["settings"] if not s["ok"]] + report["env"]["unknown"]
@@ -261,7 +261,7 @@ def _tri(value: str | None) -> bool | None:
 
 def build_facts(args: argparse.Namespace, info: ModelInfo | None) -> Any:
     """`RunFacts` for `hf-ddpfix plan` from the command line and the model description."""
-    from .plan import RunFacts
+    from .plan.types import RunFacts
 
     world = args.world_size
     parallel = args.parallel or ("single" if world == 1 else "ddp")
@@ -305,7 +305,8 @@ def _quant_facts(args: argparse.Namespace, info: ModelInfo | None, parallel: str
 
 def _plan(args: argparse.Namespace) -> int:
     from .config import DDPFixConfig
-    from .plan import PlanError, resolve_plan
+    from .plan.resolve import resolve_plan
+    from .plan.types import PlanError
 
     info, model_error = _model_info(args)
     if model_error:

@@ -19,7 +19,7 @@ from contextlib import contextmanager
 from typing import Any
 
 from ._compat import checkpointing_arg_names
-from .plan import Plan, RunFacts
+from .plan.types import Plan, RunFacts
 
 __all__ = ["DDPFixError", "ReplicaDivergenceError", "explain", "readable_ddp_errors"]
 

@@ -24,14 +24,14 @@ from hf_ddpfix.integrations.deepspeed import (
     parse_version,
     read_deepspeed_config,
 )
-from hf_ddpfix.integrations.deepspeed_plan import (
+from hf_ddpfix.plan import PlanError, RunFacts, resolve_plan
+from hf_ddpfix.plan.deepspeed import (
     adapter_dtype_note,
     checkpointing_decision,
     deepspeed_advice,
     leaf_modules_decision,
     vision_decision,
 )
-from hf_ddpfix.plan import PlanError, RunFacts, resolve_plan
 
 DS_ENV = {"DS_ACCELERATOR": "cpu"}
 

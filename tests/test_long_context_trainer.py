@@ -18,7 +18,7 @@ from fixtures import lora, tiny_llama, variable_length_ids  # noqa: E402
 from transformers import Trainer, TrainerCallback, TrainingArguments  # noqa: E402
 
 from hf_ddpfix.config import DDPFixConfig  # noqa: E402
-from hf_ddpfix.integrations.trainer_hooks import DDPFixTrainer  # noqa: E402
+from hf_ddpfix.trainer import DDPFixTrainer  # noqa: E402
 
 
 class _SeenPatched(TrainerCallback):

@@ -7,7 +7,7 @@ import torch
 from hf_ddpfix.config import DDPFixConfig
 from hf_ddpfix.ops.offload import SaveOnCpuScope
 from hf_ddpfix.plan import RunFacts, resolve_plan
-from hf_ddpfix.plan_memory import DEFAULT_OFFLOAD_MIN_LAYER_MIB
+from hf_ddpfix.plan.memory import DEFAULT_OFFLOAD_MIN_LAYER_MIB
 
 
 def facts(device: str = "cuda:0", requested: bool = True) -> RunFacts:
@@ -52,8 +52,8 @@ def test_runtime_logs_when_the_policy_switches_between_keeping_and_copying(caplo
     from torch import nn
 
     from hf_ddpfix.integrations.checkpointing import CheckpointFunction
-    from hf_ddpfix.integrations.runtime import _logged_offload_steps
     from hf_ddpfix.ops.offload import ActivationOffload
+    from hf_ddpfix.runtime import _logged_offload_steps
 
     class _Rank0:
         def is_world_process_zero(self) -> bool:

@@ -16,7 +16,7 @@ _PROBE = """
 import sys
 print("AT_START", "transformers" in sys.modules, "hf_ddpfix" in sys.modules, "torch" in sys.modules)
 from transformers import Trainer
-import hf_ddpfix.integrations.trainer_hooks as t
+import hf_ddpfix.trainer as t
 print("PATCHED", t.is_patched(), t._layer is not None and Trainer._inner_training_loop is t._layer.inner_training_loop)
 """
 

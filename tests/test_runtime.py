@@ -8,7 +8,7 @@ from datasets import Dataset
 from peft import LoraConfig, get_peft_model
 from transformers import LlamaConfig, LlamaForCausalLM, TrainingArguments
 
-import hf_ddpfix.integrations.trainer_hooks as trainer_mod
+import hf_ddpfix.trainer as trainer_mod
 from hf_ddpfix import DDPFixTrainer
 from hf_ddpfix._compat import checkpointing_training_args
 from hf_ddpfix.integrations.checkpointing import CheckpointFunction, detect_checkpointing

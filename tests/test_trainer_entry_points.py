@@ -7,7 +7,7 @@ from transformers import Trainer
 
 import hf_ddpfix
 from hf_ddpfix import DDPFixConfig, DDPFixTrainer, patch_trainer, unpatch_trainer
-from hf_ddpfix.integrations.trainer_hooks import is_patched
+from hf_ddpfix.trainer import is_patched
 
 
 def test_patch_is_idempotent_and_reversible():

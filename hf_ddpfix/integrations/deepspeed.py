@@ -29,7 +29,7 @@ deepspeed 0.19.8 and 0.19.2, 2026-11-23; REFERENCES.md §10):
 
 Here: the facts (:class:`DeepSpeedFacts`, :func:`gather_deepspeed_facts`) and the appliers
 (:func:`attach_deepspeed`). The decisions and the doctor's advice are pure functions in
-:mod:`hf_ddpfix.integrations.deepspeed_plan`.
+:mod:`hf_ddpfix.plan.deepspeed`.
 """
 
 from __future__ import annotations

@@ -1,163 +1,49 @@
-"""`DDPFixTrainer` and `patch_trainer()`: two entry points, one implementation (`run_with_plan`).
+"""A reversible layer over `transformers.Trainer`'s two hook points that chains with other libraries' patches.
 
-The main hook point is `Trainer._inner_training_loop`: it runs after `train()` has enabled
-checkpointing and loaded any checkpoint, and before `accelerator.prepare()` wraps the model in
-DDP/FSDP. There we gather facts, resolve the plan, set the DDP kwargs the wrapper will be built with,
-switch the checkpoint function, attach the per-step pieces (VLM stabiliser, offload, tiling, callbacks),
-run the stock loop, and detach everything afterwards. `Trainer.train` is wrapped only to make
-`resume_from_checkpoint=True` pick the newest *complete* checkpoint (`resolve_resume`).
+`TrainerPatchLayer(run_inner_loop, resolve_resume)` wraps `Trainer._inner_training_loop` (which runs after
+`train()` has enabled checkpointing and loaded any checkpoint, and before `accelerator.prepare()` wraps
+the model) and `Trainer.train`, as they are installed when the layer is created. It knows nothing of what
+runs inside: the caller gives it the two callables (`hf_ddpfix.trainer` passes the plan's).
 
-Guarantees: DDP kwargs are decided before the model is wrapped (no DDP internals touched mid-run);
-`patch_trainer()` wraps whatever `Trainer` methods are installed when it is called (another library's
-patch included), is idempotent, and `unpatch_trainer()` removes only its own layer: the method objects
-it replaced come back when it is on top, and when another patch was applied on top of it since, its
-layer becomes a pass-through and the other patch stays (tests/integrations/test_trainer_hooks.py).
+Guarantees: the layer calls the methods that were installed when it was created (stock, or a patch another
+library applied before, which keeps working inside ours); `remove()` puts them back when the layer is
+still on top, and otherwise (someone patched over it) turns the layer into a pass-through, so the other
+patch stays and keeps working (tests/test_trainer_entry_points.py).
 """
 
 from __future__ import annotations
 
-import dataclasses
-import logging
-import os
 from collections.abc import Callable
-from contextlib import ExitStack
 from typing import Any
 
 from transformers import Trainer
 
-from .._compat import TRAINER_INNER_LOOP, set_ddp_kwargs, unwrap_parallel
-from ..callbacks import default_callbacks, install_callbacks
-from ..checkpoints import last_complete_checkpoint
-from ..config import DDPFixConfig
-from ..errors import readable_ddp_errors
-from ..facts import gather_facts
-from ..plan import Plan, resolve_plan
-from .runtime import attach_runtime
+from .._compat import TRAINER_INNER_LOOP
 
-logger = logging.getLogger("hf_ddpfix")
+__all__ = ["InnerLoopRunner", "ResumeResolver", "TrainerPatchLayer"]
 
-_patch_options: dict[str, Any] | None = None
+#: `run_inner_loop(trainer, previous, *args, **kwargs)`: runs `previous(*args, **kwargs)` (the inner loop
+#: installed below this layer, already bound to `trainer`) in whatever context it sets up.
+InnerLoopRunner = Callable[..., Any]
+#: `resolve_resume(trainer, resume_from_checkpoint) -> resume_from_checkpoint` as `Trainer.train` gets it.
+ResumeResolver = Callable[[Trainer, Any], Any]
 
 
-def _ensure_log_handler() -> None:
-    if not logger.handlers and not logging.getLogger().handlers:
-        handler = logging.StreamHandler()
-        handler.setFormatter(logging.Formatter("[hf_ddpfix] %(message)s"))
-        logger.addHandler(handler)
-    if logger.level == logging.NOTSET:
-        logger.setLevel(logging.INFO)
-
-
-def plan_for_trainer(trainer: Trainer, config: DDPFixConfig | None = None) -> Plan:
-    """The plan `trainer` would run with now (no side effects)."""
-    return resolve_plan(gather_facts(trainer), config or DDPFixConfig.from_env())
-
-
-def _set_ddp_kwargs(trainer: Trainer, plan: Plan) -> None:
-    """Point accelerate's DDP kwargs handler at the plan's values (it is read when `prepare` wraps)."""
-    if plan.parallel != "ddp":
-        return
-    set_ddp_kwargs(trainer.accelerator, **plan.ddp_kwargs())
-    wrapped = trainer.model_wrapped
-    if wrapped is not trainer.model and hasattr(wrapped, "find_unused_parameters"):
-        current = {"find_unused_parameters": wrapped.find_unused_parameters, "static_graph": wrapped.static_graph}
-        if current != plan.ddp_kwargs():
-            logger.warning("model already wrapped in DDP with %s; the plan's %s applies from the next wrap",
-                           current, plan.ddp_kwargs())
-
-
-def run_with_plan(trainer: Trainer, inner_loop: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-    """Run `inner_loop` (the stock `_inner_training_loop`) under the hf_ddpfix plan.
-
-    Raises:
-        PlanError: strict mode and a known-bad explicit setting (before anything is wrapped).
-        DDPFixError: a known DDP/FSDP failure escaped a step; it says the likely cause in this plan and
-            the option that fixes it (the original error is its `__cause__`).
-    """
-    if getattr(trainer, "_hf_ddpfix_active", False):  # DDPFixTrainer under patch_trainer(): apply once
-        return inner_loop(*args, **kwargs)
-    config = _trainer_config(trainer)
-    facts = gather_facts(trainer)
-    plan = resolve_plan(facts, config)
-    trainer.hf_ddpfix_plan = plan
-    _ensure_log_handler()
-    _set_ddp_kwargs(trainer, plan)
-    trainer._hf_ddpfix_active = True
-    try:
-        with ExitStack() as stack:
-            trainer.hf_ddpfix_runtime = attach_runtime(trainer, unwrap_parallel(trainer.model), plan, stack)
-            install_callbacks(trainer, default_callbacks(plan, config), stack)  # plan report, sync, metrics
-            with readable_ddp_errors(plan, facts=facts):
-                return inner_loop(*args, **kwargs)
-    finally:
-        trainer._hf_ddpfix_active = False
-
-
-def resolve_resume(trainer: Trainer, resume_from_checkpoint: str | bool | None) -> str | bool | None:
-    """`resume_from_checkpoint=True` means the newest *complete* checkpoint (stock: the newest folder,
-    which a rank that died while saving leaves half-written). Other values pass through.
-
-    Raises:
-        ValueError: `True` and no complete checkpoint in `output_dir` (stock raises the same).
-    """
-    if resume_from_checkpoint is not True:
-        return resume_from_checkpoint
-    from transformers.trainer_utils import get_last_checkpoint
-
-    out = trainer.args.output_dir
-    path = last_complete_checkpoint(out, trainer.args.world_size)
-    if path is None:
-        raise ValueError(f"No valid checkpoint found in output directory ({out}): no checkpoint-N with a "
-                         "trainer_state.json and every rank's RNG state")
-    newest = get_last_checkpoint(out)
-    if newest is not None and os.path.abspath(newest) != os.path.abspath(path) and trainer.is_world_process_zero():
-        _ensure_log_handler()
-        logger.warning("resuming from %s: %s was not completely written (a rank died while saving?)", path, newest)
-    return path
-
-
-def _trainer_config(trainer: Trainer) -> DDPFixConfig:
-    """Options: the trainer's own (`DDPFixTrainer(ddpfix_config=...)`) or `patch_trainer(**options)`'s,
-    resolved against the environment now (plan time)."""
-    own = getattr(trainer, "ddpfix_config", None)
-    if isinstance(own, DDPFixConfig):
-        explicit = {f.name: getattr(own, f.name) for f in dataclasses.fields(own) if f.name != "sources"}
-        return DDPFixConfig.from_env(**explicit)
-    return DDPFixConfig.from_env(**(_patch_options or {}))
-
-
-class DDPFixTrainer(Trainer):
-    """A `transformers.Trainer` that runs under the hf_ddpfix plan.
+class TrainerPatchLayer:
+    """One layer over `Trainer._inner_training_loop` and `Trainer.train`.
 
     Args:
-        ddpfix_config: hf_ddpfix options (unset fields come from the environment at train time).
-        *args, **kwargs: as for `transformers.Trainer`.
+        run_inner_loop: called instead of the installed inner loop while the layer is enabled.
+        resolve_resume: maps `train()`'s `resume_from_checkpoint` while the layer is enabled.
 
-    Example:
-        >>> trainer = DDPFixTrainer(model=model, args=args, train_dataset=ds,
-        ...                         ddpfix_config=DDPFixConfig(offload_activations=True))
+    Attributes:
+        inner_training_loop, train: the wrappers this layer installs (compare with `Trainer`'s to see
+            whether the layer is on top).
+        prev_inner, prev_train: the methods installed when the layer was created.
+        enabled: False after `remove()`; a disabled layer only passes calls through.
     """
 
-    def __init__(self, *args: Any, ddpfix_config: DDPFixConfig | None = None, **kwargs: Any):
-        self.ddpfix_config = ddpfix_config
-        super().__init__(*args, **kwargs)
-
-    def train(self, resume_from_checkpoint: str | bool | None = None, *args: Any, **kwargs: Any) -> Any:
-        return super().train(resolve_resume(self, resume_from_checkpoint), *args, **kwargs)
-
-    def _inner_training_loop(self, *args: Any, **kwargs: Any) -> Any:
-        return run_with_plan(self, getattr(super(), TRAINER_INNER_LOOP), *args, **kwargs)
-
-
-class _PatchLayer:
-    """One `patch_trainer()` layer: the `Trainer` methods it found installed, and its wrappers.
-
-    A layer calls the methods that were installed when it was created (stock or another library's
-    patch). `unpatch_trainer()` puts them back when this layer is still on top; otherwise (someone
-    patched over it) the layer turns into a pass-through, so the other patch keeps working.
-    """
-
-    def __init__(self) -> None:
+    def __init__(self, run_inner_loop: InnerLoopRunner, resolve_resume: ResumeResolver) -> None:
         self.enabled = True
         self.prev_inner = getattr(Trainer, TRAINER_INNER_LOOP)
         self.prev_train = Trainer.train
@@ -169,7 +55,7 @@ class _PatchLayer:
 
             if not layer.enabled:
                 return previous(*args, **kwargs)
-            return run_with_plan(trainer, previous, *args, **kwargs)
+            return run_inner_loop(trainer, previous, *args, **kwargs)
 
         def train(trainer: Trainer, resume_from_checkpoint: str | bool | None = None, *args: Any, **kwargs: Any) -> Any:
             if layer.enabled:
@@ -184,50 +70,13 @@ class _PatchLayer:
         return getattr(Trainer, TRAINER_INNER_LOOP) is self.inner_training_loop and Trainer.train is self.train
 
     def install(self) -> None:
+        """Put this layer's wrappers on `Trainer` (on top of whatever is installed)."""
         setattr(Trainer, TRAINER_INNER_LOOP, self.inner_training_loop)
         Trainer.train = self.train  # type: ignore[method-assign]
 
     def remove(self) -> None:
+        """Take the layer off: restore the previous methods when on top, else become a pass-through."""
         if self.installed():
             setattr(Trainer, TRAINER_INNER_LOOP, self.prev_inner)
             Trainer.train = self.prev_train  # type: ignore[method-assign]
         self.enabled = False
-
-
-_layer: _PatchLayer | None = None
-
-
-def patch_trainer(**options: Any) -> None:
-    """Run every `transformers.Trainer` (and subclass: TRL's included) under the hf_ddpfix plan.
-
-    Args:
-        **options: `DDPFixConfig` fields, e.g. `patch_trainer(offload_activations=True, strict=True)`;
-            unset ones come from `HF_DDPFIX_*` / `UNSLOTH_*` variables when training starts.
-
-    Raises:
-        ValueError: an unknown option or an invalid value (checked now, not at train time).
-
-    Guarantees: wraps `Trainer._inner_training_loop` and `Trainer.train` as installed at call time (a
-    patch another library applied before is kept, called inside ours); idempotent (a second call only
-    replaces the options); undone by `unpatch_trainer()`.
-    """
-    global _patch_options, _layer
-    DDPFixConfig.from_env(**options)  # validate now
-    _patch_options = dict(options)
-    if _layer is None:
-        _layer = _PatchLayer()
-        _layer.install()
-
-
-def unpatch_trainer() -> None:
-    """Remove hf_ddpfix's layer from `Trainer` (only ours: other patches stay). Safe when not patched."""
-    global _patch_options, _layer
-    _patch_options = None
-    if _layer is not None:
-        _layer.remove()
-        _layer = None
-
-
-def is_patched() -> bool:
-    """True while `patch_trainer()` is in effect (our layer is installed and enabled)."""
-    return _layer is not None and _layer.enabled

@@ -1,6 +1,6 @@
 """The plan's rules for quantized (bitsandbytes) weights and model placement.
 
-Pure rules called by :func:`hf_ddpfix.plan.resolve_plan`; they raise `PlacementError` /
+Pure rules called by :func:`hf_ddpfix.plan.resolve.resolve_plan`; they raise `PlacementError` /
 `QuantStorageError` before training for set-ups that cannot work, with the fix.
 """
 
@@ -8,10 +8,10 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from .plan import Decision, PlacementError, QuantStorageError, RunFacts
+from .types import Decision, PlacementError, QuantStorageError, RunFacts
 
 if TYPE_CHECKING:
-    from .integrations.quantized import QuantFacts
+    from ..integrations.quantized import QuantFacts
 
 # ----------------------------------------------------------------------------------------------------
 # Quantized (bitsandbytes) weights and placement. Measured on CPU, 2 gloo processes, bitsandbytes 0.50.2,

@@ -1,8 +1,11 @@
-"""Appliers: turn a `Plan` into changes on the model and the trainer for one `train()` call.
+"""`attach_runtime(trainer, model, plan, stack) -> Runtime`: apply a `Plan` for one `train()` call.
 
-Each applier registers its undo on the `ExitStack` it is given, so everything per-run is detached when
-the training loop ends (normally or by an exception). Checkpointing stays switched (the user asked for
-checkpointing; we only chose its implementation).
+Reads the plan's decisions and calls the appliers of `hf_ddpfix.integrations` and `hf_ddpfix.ops`
+(checkpoint function, offload, DeepSpeed / VLM stabiliser, parameter usage, hang guard, tiling, long
+context, tiled loss) on the model and the trainer. Each applier registers its undo on the `ExitStack` it
+is given, so everything per-run is detached when the training loop ends (normally or by an exception).
+Checkpointing stays switched (the user asked for checkpointing; we only chose its implementation).
+Called by `hf_ddpfix.trainer.run_with_plan`.
 """
 
 from __future__ import annotations
@@ -17,18 +20,18 @@ import torch
 from torch import nn
 from transformers import TrainerCallback
 
-from .._compat import TRAINER_STEP_HOOKS, checkpointing_args
-from ..ops.offload import ActivationOffload, SaveOnCpuScope
-from ..plan import Plan
-from .checkpointing import apply_checkpointing, checkpoint_kwargs_without_mode
-from .deepspeed import attach_deepspeed
-from .families import is_vision_language_model
-from .hang_guard import HangGuard
-from .long_context import LongContextHandle, apply_long_context
-from .loss_patch import TiledLossHandle, patch_model_loss
-from .stabilizer import VisionStabilizer
-from .tiled_mlp import TiledMLPHandle, apply_tiled_mlp
-from .usage import ParameterUsage
+from ._compat import TRAINER_STEP_HOOKS, checkpointing_args
+from .integrations.checkpointing import apply_checkpointing, checkpoint_kwargs_without_mode
+from .integrations.deepspeed import attach_deepspeed
+from .integrations.families import is_vision_language_model
+from .integrations.hang_guard import HangGuard
+from .integrations.long_context import LongContextHandle, apply_long_context
+from .integrations.loss_patch import TiledLossHandle, patch_model_loss
+from .integrations.stabilizer import VisionStabilizer
+from .integrations.tiled_mlp import TiledMLPHandle, apply_tiled_mlp
+from .integrations.usage import ParameterUsage
+from .ops.offload import ActivationOffload, SaveOnCpuScope
+from .plan.types import Plan
 
 logger = logging.getLogger("hf_ddpfix")
 

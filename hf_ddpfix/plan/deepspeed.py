@@ -9,15 +9,13 @@ Nothing here imports deepspeed or touches a process group.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from ..plan import Decision
-from .deepspeed import LEAF_MODULES_SINCE, NON_REENTRANT_FIXED_IN, DeepSpeedFacts, parse_version
+from ..integrations.deepspeed import LEAF_MODULES_SINCE, NON_REENTRANT_FIXED_IN, DeepSpeedFacts, parse_version
+from .types import Correct, Decision, RunFacts
 
 if TYPE_CHECKING:
     from ..config import DDPFixConfig
-    from ..plan import RunFacts
 
 __all__ = [
     "adapter_dtype_note",
@@ -172,7 +170,7 @@ def deepspeed_advice(version: str | None) -> list[str]:
     return lines
 
 
-# ---- the plan's DeepSpeed decisions (called by hf_ddpfix.plan.resolve_plan) ----
+# ---- the plan's DeepSpeed decisions (called by hf_ddpfix.plan.resolve.resolve_plan) ----
 
 
 def engine(facts: RunFacts) -> Decision:
@@ -187,7 +185,7 @@ def engine(facts: RunFacts) -> Decision:
                     + (f"; {note}" if note else ""))
 
 
-def checkpointing(facts: RunFacts, c: DDPFixConfig, correct: Callable[[str], None]) -> Decision:
+def checkpointing(facts: RunFacts, c: DDPFixConfig, correct: Correct) -> Decision:
     """The plan's checkpointing decision under DeepSpeed (:func:`checkpointing_decision`)."""
     assert facts.deepspeed is not None
     forced = c.checkpointing if c.checkpointing in ("reentrant", "non_reentrant") else None

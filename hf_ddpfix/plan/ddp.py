@@ -2,23 +2,20 @@
 `static_graph` and the hang guard.
 
 Pure rules (facts + options -> `Decision` with its reason), called in this order by
-:func:`hf_ddpfix.plan.resolve_plan`; the failure table they avoid is in that module's docstring.
+:func:`hf_ddpfix.plan.resolve.resolve_plan`; the failure table they avoid is in that module's docstring.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from ..config import DDPFixConfig
+from . import deepspeed as ds_rules
+from .types import Correct, Decision, PlanError, RunFacts
 
-from .config import DDPFixConfig
-from .plan import Decision, PlanError, RunFacts
 
-
-def decide_checkpointing(facts: RunFacts, c: DDPFixConfig, distributed: bool, correct) -> Decision:
+def decide_checkpointing(facts: RunFacts, c: DDPFixConfig, distributed: bool, correct: Correct) -> Decision:
     asked = facts.checkpointing
     if facts.parallel == "deepspeed" and facts.deepspeed is not None:
-        from .integrations import deepspeed_plan
-
-        return deepspeed_plan.checkpointing(facts, c, correct)
+        return ds_rules.checkpointing(facts, c, correct)
     if asked == "off":
         if c.assume_checkpointing:
             return Decision("off", "not detected; assumed on (custom checkpointing) for the DDP decisions")
@@ -68,9 +65,7 @@ def decide_stabilizer(facts: RunFacts, c: DDPFixConfig, distributed: bool, usage
     if not facts.is_vlm:
         return Decision(None, "")
     if facts.parallel == "deepspeed":
-        from .integrations import deepspeed_plan
-
-        return deepspeed_plan.stabilizer(facts, c)
+        return ds_rules.stabilizer(facts, c)
     needs = distributed and (facts.trainable_vision_params or facts.parallel == "fsdp")
     if not needs:
         why = "no trainable vision parameters" if distributed else "single process"
@@ -115,8 +110,7 @@ def decide_find_unused(
     ckpt: str,
     unused: str | None,
     stabilized: bool,
-    correct: Callable[[str], None],
-    corrections: list[str],
+    correct: Correct,
 ) -> Decision:
     if not ddp:
         return Decision(None, "")
@@ -136,7 +130,7 @@ def decide_find_unused(
         return Decision(False, "reentrant checkpointing: only find_unused=False works", changed=stock is not False)
     if (explicit is True and stabilized and not facts.conditional_params and unused is None
             and c.find_unused_parameters is None and not c.strict):
-        corrections.append(
+        correct(  # not strict here, so this only lists the correction
             "find_unused_parameters=True (ddp_find_unused_parameters) -> False: the VLM stabiliser uses every "
             "vision parameter every step, so the extra graph traversal buys nothing "
             "(HF_DDPFIX_FIND_UNUSED_PARAMETERS=1 forces it)"
@@ -162,7 +156,7 @@ def decide_find_unused(
 
 
 def decide_static_graph(
-    facts: RunFacts, c: DDPFixConfig, ddp: bool, checkpointed: bool, unused: str | None, correct
+    facts: RunFacts, c: DDPFixConfig, ddp: bool, checkpointed: bool, unused: str | None, correct: Correct
 ) -> Decision:
     if not ddp:
         return Decision(None, "")

@@ -1,12 +1,12 @@
 """The plan's memory decisions: activation offload, TiledMLP, long-context layers, tiled loss head.
 
-Pure rules (facts + options -> `Decision` with its reason), called by :func:`hf_ddpfix.plan.resolve_plan`.
+Pure rules (facts + options -> `Decision` with its reason), called by :func:`hf_ddpfix.plan.resolve.resolve_plan`.
 """
 
 from __future__ import annotations
 
-from .config import DDPFixConfig
-from .plan import Decision, RunFacts
+from ..config import DDPFixConfig
+from .types import Decision, RunFacts
 
 
 def decide_offload(facts: RunFacts, c: DDPFixConfig, ckpt: str) -> Decision:

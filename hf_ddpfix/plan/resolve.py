@@ -1,0 +1,94 @@
+"""`resolve_plan(facts, config) -> Plan`: every decision for a run, as a pure function.
+
+No torch.distributed, no model: facts in, decisions out, each with a one-line reason. The rules follow
+the failure table in REFERENCES.md §1 (stock torch 2.13 / transformers 5.23 / accelerate 1.15):
+
+| known failure                                              | how the plan avoids it                       |
+|------------------------------------------------------------|----------------------------------------------|
+| reentrant checkpointing + find_unused=True: "ready only once" | non-reentrant under DDP/FSDP (or fu=False) |
+| fu=False + params that can go unused: reduction error/hang  | fu=True, or the VLM stabiliser uses them all |
+| static_graph + a graph that changes step to step            | static graph only when the graph is fixed    |
+| static_graph + gradient accumulation (no_sync): INTERNAL ASSERT | static graph only with accumulation 1    |
+| transformers `offload=True` without an accelerator: crash   | offload off: nothing to offload to           |
+
+Guarantees: the returned plan never holds a combination from the table above; an explicit user setting
+that is known to fail is corrected (listed in `Plan.corrections`) or, with `strict`, raises
+`PlanError` before training.
+"""
+
+from __future__ import annotations
+
+from ..config import DDPFixConfig
+from . import ddp as ddp_rules
+from . import deepspeed as ds_rules
+from . import memory, quantized
+from .types import Decision, Plan, PlanError, RunFacts
+
+__all__ = ["resolve_plan"]
+
+
+def resolve_plan(facts: RunFacts, config: DDPFixConfig | None = None) -> Plan:
+    """Map run facts and options to a `Plan`.
+
+    Args:
+        facts: what is known about the run (see `RunFacts`).
+        config: hf_ddpfix options (already resolved against the environment); default: all unset.
+
+    Returns:
+        A frozen `Plan`; `Plan.ddp_kwargs()` is what DDP must be built with.
+
+    Raises:
+        PlanError: with `strict`, when an explicit setting is known to fail; or when options force
+            a combination that cannot work (e.g. reentrant checkpointing with parameters that go unused).
+        PlacementError: DDP with this rank's model spread over several devices (see `quantized.decide_quantization`).
+        QuantStorageError: FSDP / ZeRO-3 with 4-bit weights in a storage dtype the engine would break.
+    """
+    c = config or DDPFixConfig()
+    strict = bool(c.strict)
+    corrections: list[str] = []
+
+    def correct(message: str) -> None:  # a `Correct`
+        if strict:
+            raise PlanError(f"{message} (strict mode: set HF_DDPFIX_STRICT=0 to let hf_ddpfix correct it)")
+        corrections.append(message)
+
+    distributed = facts.parallel in ("ddp", "fsdp")
+    ddp = facts.parallel == "ddp"
+
+    quantization = quantized.decide_quantization(facts)  # raises PlacementError / QuantStorageError: cannot work
+    ckpt = ddp_rules.decide_checkpointing(facts, c, distributed, correct)
+    checkpointed = ckpt.value != "off" or bool(c.assume_checkpointing)
+    usage = ddp_rules.decide_parameter_usage(facts, c, str(ckpt.value))
+    stabilizer = ddp_rules.decide_stabilizer(facts, c, distributed, bool(usage.value))
+    unused_reason = ddp_rules.unused_reason(facts, bool(stabilizer.value), usage)
+    fu = ddp_rules.decide_find_unused(
+        facts, c, ddp, str(ckpt.value), unused_reason, bool(stabilizer.value), correct
+    )
+    static = ddp_rules.decide_static_graph(facts, c, ddp, checkpointed, unused_reason, correct)
+    offload = memory.decide_offload(facts, c, str(ckpt.value))
+    guard = ddp_rules.decide_hang_guard(facts, c, ddp, bool(fu.value), bool(stabilizer.value), bool(usage.value))
+    return Plan(
+        parallel=facts.parallel,
+        world_size=facts.world_size,
+        checkpointing=ckpt,
+        find_unused_parameters=fu,
+        static_graph=static,
+        offload_activations=offload,
+        vlm_stabilizer=stabilizer,
+        hang_guard=guard,
+        tiled_mlp=_unverified_under_zero3(facts, memory.decide_tiled_mlp(facts, c)),
+        tiled_loss=_unverified_under_zero3(facts, memory.decide_tiled_loss(c)),
+        long_context=_unverified_under_zero3(facts, memory.decide_long_context(facts, c, str(ckpt.value))),
+        quantization=quantization,
+        parameter_usage=usage,
+        deepspeed=ds_rules.engine(facts),
+        zero3_leaf_modules=ds_rules.leaf_modules(facts),
+        corrections=tuple(corrections),
+        config_lines=tuple(c.describe()),
+        offload_min_layer_bytes=memory.offload_min_layer_bytes(c),
+    )
+
+
+def _unverified_under_zero3(facts: RunFacts, decision: Decision) -> Decision:
+    """Stock computation for opt-in features not verified under ZeRO-3 (see `deepspeed.zero3_unverified`)."""
+    return ds_rules.zero3_unverified(facts, decision)
