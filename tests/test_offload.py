@@ -232,7 +232,7 @@ def test_fifty_steps_keep_pool_bounded_and_nothing_in_flight():
 
 
 def test_restored_inputs_are_freed_layer_by_layer_during_backward():
-    from hf_ddpfix.ops.offload import _RESTORED
+    from hf_ddpfix.ops.offload_transfer import RESTORED
 
     model = build_lora_llama(layers=6)
     model.train()
@@ -242,7 +242,7 @@ def test_restored_inputs_are_freed_layer_by_layer_during_backward():
 
     def probe(*_):
         records = [ref() for ref in off._order]
-        live.append(sum(1 for r in records if r is not None and r.state == _RESTORED))
+        live.append(sum(1 for r in records if r is not None and r.state == RESTORED))
 
     for layer in model.base_model.model.model.layers:
         layer.mlp.register_full_backward_hook(probe)

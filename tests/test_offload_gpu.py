@@ -82,7 +82,7 @@ def test_cuda_variable_lengths_bit_identical_and_pinned_pool_bounded():
             assert s.in_flight == 0 and s.restored_tensors == 3 and s.pool_buffers == 0, (step, s)
             assert s.pool_need_bytes == largest and s.pool_bytes <= 2 * largest, (step, s)
             assert s.pool_peak_bytes <= 2 * largest, (step, s)
-            slabs = [slab for pool in mode._pools.values() for slab in pool._slabs]
+            slabs = [slab for pool in mode._transfers.pools.values() for slab in pool._slabs]
             assert slabs and all(slab.tensor.is_pinned() for slab in slabs)
         per_mode.append(steps)
     for step, (ref, got) in enumerate(zip(*per_mode, strict=True)):
@@ -139,7 +139,7 @@ def test_cuda_step_exit_orders_compute_after_every_copy_without_blocking_the_hos
     install(model, offload)
     one_step(model, offload, torch.randint(0, 1024, (2, 512), device="cuda"))
     torch.cuda.current_stream().synchronize()  # only the compute stream
-    assert offload._side_streams and all(s.query() for s in offload._side_streams.values())
+    assert offload._transfers.side_streams and all(s.query() for s in offload._transfers.side_streams.values())
     assert offload.stats.in_flight == 0 and offload.stats.restored_tensors == 2
 
 
