@@ -149,12 +149,12 @@ def test_default_cap_is_a_quarter_of_memory_per_local_process():
 
 
 def test_host_pressure_refuses_a_slab_that_would_leave_too_little_memory(monkeypatch):
-    import hf_ddpfix.ops.host_pool as hp
+    import hf_ddpfix.ops.host_memory as hm
 
     total = 1 << 30
     available = {"bytes": 200 << 20}
-    monkeypatch.setattr(hp, "_physical_bytes", lambda: total)
-    monkeypatch.setattr(hp, "host_available_bytes", lambda: available["bytes"])
+    monkeypatch.setattr(hm, "physical_bytes", lambda: total)
+    monkeypatch.setattr(hm, "host_available_bytes", lambda: available["bytes"])
     pool = HostPool(pin=False, max_bytes=None, min_slab_bytes=0, min_free_fraction=0.1)  # keep 102.4 MiB free
     small = pool.take(64 << 20)  # 200 - 64 = 136 MiB left: fine
     assert small is not None

@@ -38,9 +38,9 @@ Guarantees (``tests/test_host_pool.py``):
     - A failed pinned allocation (host out of memory, locked-memory limit) releases idle slabs and
       torch's cached pinned blocks, retries once with the smallest slab that fits, else returns ``None``.
     - Host pressure (pinned pools by default): a new slab that would leave less than ``min_free_fraction``
-      of physical memory
-      available (``MemAvailable``, Linux) is not allocated; idle slabs are released first, then the
-      request is refused (``None``) rather than pushing the host into swap or the OOM killer.
+      of physical memory available (``MemAvailable``, Linux; read by ``ops/host_memory.py``) is not
+      allocated; idle slabs are released first, then the request is refused (``None``) rather than
+      pushing the host into swap or the OOM killer.
     - Buffers handed out never overlap; ``give`` of a buffer not from this pool raises ``ValueError``.
     - Thread-safe (autograd runs unpack hooks on its device threads).
 """
@@ -48,11 +48,18 @@ Guarantees (``tests/test_host_pool.py``):
 from __future__ import annotations
 
 import bisect
-import os
 import threading
 from dataclasses import asdict, dataclass
 
 import torch
+
+from .host_memory import (
+    DEFAULT_HOST_FRACTION,
+    default_max_bytes,
+    host_available_bytes,
+    leaves_too_little,
+    release_torch_host_cache,
+)
 
 __all__ = [
     "ALIGNMENT",
@@ -68,11 +75,6 @@ __all__ = [
 # 256-byte alignment; 512 keeps the waste per buffer below 0.05% for the >= 1 MiB tensors offloaded.
 ALIGNMENT = 512
 
-# Default cap: a quarter of the machine's physical memory, split among the processes on the node
-# (LOCAL_WORLD_SIZE, as torchrun sets it). Pinned pages cannot be swapped; the data loader, the
-# optimizer's host state and the OS need the rest. Llama-8B at 32K tokens offloads 8 GiB per rank.
-DEFAULT_HOST_FRACTION = 0.25
-
 
 def pow2ceil(n: int) -> int:
     """The smallest power of two ``>= n`` (1 for ``n <= 1``)."""
@@ -81,49 +83,6 @@ def pow2ceil(n: int) -> int:
 
 def _align(n: int) -> int:
     return -(-int(n) // ALIGNMENT) * ALIGNMENT
-
-
-def default_max_bytes(fraction: float = DEFAULT_HOST_FRACTION, env: dict[str, str] | None = None) -> int | None:
-    """``fraction`` of physical host memory divided by ``LOCAL_WORLD_SIZE`` (None when unknown)."""
-    env = os.environ if env is None else env
-    try:
-        total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    except (AttributeError, ValueError, OSError):
-        return None
-    try:
-        local = max(1, int(env.get("LOCAL_WORLD_SIZE", "1")))
-    except ValueError:
-        local = 1
-    return int(total * fraction) // local
-
-
-def host_available_bytes() -> int | None:
-    """``MemAvailable`` from ``/proc/meminfo`` in bytes (None where it cannot be read)."""
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        return None
-    return None
-
-
-def _physical_bytes() -> int | None:
-    try:
-        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    except (AttributeError, ValueError, OSError):
-        return None
-
-
-def _release_torch_host_cache() -> None:
-    """Return torch's cached pinned blocks to the driver (the slabs we dropped sit there otherwise)."""
-    empty = getattr(getattr(torch, "accelerator", None), "empty_host_cache", None)
-    if empty is not None:
-        try:
-            empty()
-        except RuntimeError:  # no accelerator runtime: nothing cached
-            pass
 
 
 @dataclass
@@ -356,26 +315,18 @@ class HostPool:
         self.stats.slabs = len(kept)
         self.stats.held_bytes = sum(s.size for s in kept)
         if self.pin:
-            _release_torch_host_cache()
-
-    def _leaves_too_little(self, size: int) -> bool:
-        if not self.min_free_fraction:
-            return False
-        available, total = host_available_bytes(), _physical_bytes()
-        if available is None or total is None:
-            return False
-        return available - size < self.min_free_fraction * total
+            release_torch_host_cache()
 
     def _allocate(self, size: int) -> torch.Tensor | None:
-        if self._leaves_too_little(size):  # host pressure: give back what is idle, then look again
+        if leaves_too_little(size, self.min_free_fraction):  # host pressure: give back what is idle, then look again
             self._drop_idle()
-            if self._leaves_too_little(size):
+            if leaves_too_little(size, self.min_free_fraction):
                 return None
         try:
             return torch.empty(size, dtype=torch.uint8, pin_memory=self.pin)
         except RuntimeError:  # pinned allocation failed: release what we can and retry once
             self._drop_idle()
-            _release_torch_host_cache()
+            release_torch_host_cache()
             try:
                 return torch.empty(size, dtype=torch.uint8, pin_memory=self.pin)
             except RuntimeError:
