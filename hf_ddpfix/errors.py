@@ -85,7 +85,6 @@ def _ready_twice(plan: Plan | None, facts: RunFacts | None) -> tuple[str, str, s
     what = ("DDP saw a parameter's gradient hook fire twice in one backward pass "
             "('Expected to mark a variable ready only once').")
     ckpt, fu = _v(plan, "checkpointing"), _v(plan, "find_unused_parameters")
-    tiled = _v(plan, "tiled_mlp")
     flag, kwargs = checkpointing_arg_names()  # activation_checkpointing* (5.23) or gradient_checkpointing*
     if plan is None:
         cause = ("reentrant activation checkpointing together with find_unused_parameters=True (stock Trainer "
@@ -99,10 +98,10 @@ def _ready_twice(plan: Plan | None, facts: RunFacts | None) -> tuple[str, str, s
         fix = ("HF_DDPFIX_CHECKPOINTING=non_reentrant (or unset HF_DDPFIX_CHECKPOINTING so the plan picks it), "
                f"or {kwargs}={{'use_reentrant': False}}.")
     else:
-        cause = (f"the plan's checkpointing is {ckpt} and find_unused_parameters={fu}, so the extra hook comes "
-                 "from code outside the plan: a module that calls backward()/autograd per chunk "
-                 f"(e.g. another library's TiledMLP; hf_ddpfix tiling is {tiled}), reentrant checkpointing "
-                 "enabled directly on some layers, or a parameter used in two checkpointed regions.")
+        cause = (f"the plan's checkpointing is {plan.checkpointing.text} and find_unused_parameters={fu}, so the "
+                 "extra hook comes from code outside the plan: a module that calls backward()/autograd per chunk "
+                 f"(e.g. another library's TiledMLP; hf_ddpfix tiling is {plan.tiled_mlp.text}), reentrant "
+                 "checkpointing enabled directly on some layers, or a parameter used in two checkpointed regions.")
         fix = ("Use hf_ddpfix's DDP-safe tiling instead of per-chunk backward (HF_DDPFIX_TILED_MLP=auto and "
                "unset UNSLOTH_TILED_MLP in the other library), and enable checkpointing only through "
                f"TrainingArguments({flag}=True).")

@@ -64,9 +64,9 @@ def attach_runtime(trainer: Any, model: nn.Module, plan: Plan, stack: ExitStack)
         stack.callback(rt.offload.clear_pool)
     _apply_checkpointing(trainer, model, plan, offload)
     if plan.parallel == "deepspeed":  # before deepspeed.initialize (inside the stock loop): see deepspeed.py
-        leaf = str(plan.zero3_leaf_modules.value or "none")
+        leaf = plan.zero3_leaf_modules.value  # "A,B" or False / None
         rt.zero_vision = attach_deepspeed(model, stabilize=bool(plan.vlm_stabilizer.value), stack=stack,
-                                          leaf_classes=() if leaf == "none" else tuple(leaf.split(",")),
+                                          leaf_classes=tuple(leaf.split(",")) if leaf else (),
                                           log=lambda line: _log_rank0(trainer, "%s", line))
     elif plan.vlm_stabilizer.value:
         rt.stabilizer = _attach_stabilizer(trainer, model, plan, stack)
@@ -81,11 +81,11 @@ def attach_runtime(trainer: Any, model: nn.Module, plan: Plan, stack: ExitStack)
             _add_callback(trainer, _GuardWrappedModel(trainer, rt.hang_guard), stack)
         else:  # any model: every trainable parameter must get a gradient on every rank
             rt.usage = _attach_usage(trainer, model, ParameterUsage(model, tie=False, guard=True), stack)
-    if plan.tiled_mlp.value != "off":
+    if plan.tiled_mlp.value:
         rt.tiled_mlp = _apply_tiled_mlp(trainer, model, plan, stack)
-    if plan.long_context.value not in (None, "off"):
+    if plan.long_context.value:
         rt.long_context = _apply_long_context(trainer, model, plan, stack)
-    if plan.tiled_loss.value != "off":
+    if plan.tiled_loss.value:
         rt.tiled_loss = _apply_tiled_loss(trainer, model, plan, stack)
     if rt.step_contexts:
         _override(trainer, "training_step", lambda inner: _within(rt.step_contexts, inner), stack)
@@ -237,7 +237,7 @@ def _device_type(trainer: Any) -> str:
 
 def _apply_checkpointing(trainer: Any, model: nn.Module, plan: Plan, offload: Any) -> None:
     mode = plan.checkpointing.value
-    if mode == "off":
+    if not mode:
         return
     extra = checkpoint_kwargs_without_mode(checkpointing_args(trainer.args)[1])
     n = apply_checkpointing(model, use_reentrant=mode == "reentrant", offload=offload, **extra)

@@ -99,7 +99,7 @@ def test_plan_command_prints_the_plan_without_training(capsys, tmp_path):
     assert plan["decisions"]["checkpointing"]["value"] == "non_reentrant"
     assert plan["ddp_kwargs"]["find_unused_parameters"] is False
     rc, out = _run(capsys, "plan", "--params", "1e9", "--ga", "4", "--static-graph", "true", "--world-size", "4")
-    assert rc == 0 and "static_graph            = false" in out and "corrected" in out
+    assert rc == 0 and "static_graph            = off" in out and "corrected" in out
     rc, out = _run(capsys, "plan", "--params", "1e9", "--ga", "4", "--static-graph", "true", "--set", "strict=1")
     assert rc == 2
 

@@ -136,7 +136,7 @@ def test_tiling_requests_fall_back_to_stock_under_zero3_only():
 
     c = DDPFixConfig(tiled_mlp="auto", tiled_loss="on")
     z3 = resolve_plan(RunFacts(parallel="deepspeed", world_size=2, zero_stage=3, deepspeed=_ds(3)), c)
-    assert z3.tiled_mlp.value == "off" and "ZeRO-3" in z3.tiled_mlp.reason and z3.tiled_loss.value == "off"
+    assert z3.tiled_mlp.value is False and "ZeRO-3" in z3.tiled_mlp.reason and z3.tiled_loss.value is False
     z2 = resolve_plan(RunFacts(parallel="deepspeed", world_size=2, zero_stage=2, deepspeed=_ds(2)), c)
     assert z2.tiled_mlp.value == "auto" and z2.tiled_loss.value == "on"
 

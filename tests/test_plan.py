@@ -264,3 +264,74 @@ def test_deepspeed_without_readable_config_keeps_stock():
     assert plan.ddp_kwargs() == {} and plan.vlm_stabilizer.value is False
     assert "stock" in plan.vlm_stabilizer.reason and plan.checkpointing.value == "reentrant"
     assert plan.deepspeed.value == "unknown" and plan.zero3_leaf_modules.value is None
+
+
+# --- one spelling of "off" (the Plan docstring's convention) ------------------------------------------
+
+_OFF_WORDS = {"", "off", "none", "false", "no", "0", "disabled"}
+
+
+def _every_kind_of_run():
+    from hf_ddpfix.integrations.deepspeed import DeepSpeedFacts
+    from hf_ddpfix.integrations.quantized import QuantFacts
+
+    nf4 = QuantFacts("bnb_4bit", 14, 36864, "bfloat16", "bfloat16", "nf4", "bfloat16")
+    zero = {s: DeepSpeedFacts(stage=s, version="0.19.8", moe_blocks=("my.Block",)) for s in (2, 3)}
+    zero[3.1] = DeepSpeedFacts(stage=3, version="0.19.8")  # ZeRO-3 without MoE: no leaf modules
+    runs = []
+    for ckpt in ("off", "reentrant", "non_reentrant"):
+        for vlm in (False, True):
+            common = dict(checkpointing=ckpt, is_peft=True, is_vlm=vlm, trainable_vision_params=vlm,
+                          vlm_adapter="qwen2_5_vl" if vlm else None)
+            runs += [RunFacts(parallel="single", **common), RunFacts(parallel="ddp", world_size=2, **common),
+                     RunFacts(parallel="ddp", world_size=2, grad_accum_steps=2, conditional_params=True,
+                              accelerator_available=True, offload_requested=True, rank_device="cuda:0", **common),
+                     RunFacts(parallel="fsdp", world_size=2, fsdp_version=2, quant=nf4,
+                              shard_cast_dtype="bfloat16", **common),
+                     RunFacts(parallel="deepspeed", world_size=2, **common)]
+            runs += [RunFacts(parallel="deepspeed", world_size=2, zero_stage=int(s), deepspeed=ds, **common)
+                     for s, ds in zero.items()]
+    return runs
+
+
+_CONFIGS = [
+    {}, {"HF_DDPFIX_PARAMETER_USAGE": 0},
+    {"HF_DDPFIX_TILED_MLP": "auto", "HF_DDPFIX_TILED_LOSS": "on", "HF_DDPFIX_LONG_CONTEXT": "on"},
+    {"HF_DDPFIX_TILED_MLP": "off", "HF_DDPFIX_TILED_LOSS": "off", "HF_DDPFIX_LONG_CONTEXT": "off",
+     "HF_DDPFIX_VLM_STABILIZER": 0, "HF_DDPFIX_HANG_GUARD": 0, "HF_DDPFIX_STATIC_GRAPH": 0,
+     "HF_DDPFIX_OFFLOAD_ACTIVATIONS": 0, "HF_DDPFIX_FIND_UNUSED_PARAMETERS": 0},
+    {"HF_DDPFIX_OFFLOAD_ACTIVATIONS": 1, "HF_DDPFIX_CHECKPOINTING": "non_reentrant"},
+    {"HF_DDPFIX_PARAMETER_USAGE": 0, "HF_DDPFIX_VLM_STABILIZER": 0, "HF_DDPFIX_FIND_UNUSED_PARAMETERS": 0},
+]
+
+
+def test_every_decision_spells_off_one_way():
+    """Every field of every resolved plan: `None` (does not arise, no reason, not in the report), `False`
+    (off, with a reason), or `True` / a string naming how it is on - never "off", "none" or ""."""
+    import dataclasses
+
+    from hf_ddpfix.plan import Decision, Plan
+
+    fields = {f.name for f in dataclasses.fields(Plan) if f.type in (Decision, "Decision")}
+    seen: dict[str, set[str]] = {name: set() for name in fields}
+    for env in _CONFIGS:
+        for facts in _every_kind_of_run():
+            plan = resolve_plan(facts, cfg(**env))
+            assert set(plan.decisions()) == fields  # the report and this check cover every decision field
+            report = plan.report()
+            for name, d in plan.decisions().items():
+                where = f"{name} of {facts.parallel} run ({facts.checkpointing}, vlm={facts.is_vlm}, {env}): {d}"
+                if d.value is None:
+                    assert d.reason == "" and f" {name} " not in report, where
+                    seen[name].add("None")
+                    continue
+                assert d.reason, where
+                assert isinstance(d.value, (bool, str)), where
+                if isinstance(d.value, str):
+                    assert d.value.strip().lower() not in _OFF_WORDS, where
+                seen[name].add(repr(d.value) if isinstance(d.value, bool) else "str")
+                assert bool(d.value) == (d.text != "off"), where
+                assert f" {name:<23} = {d.text} " in report, where
+    # the sweep reaches the off state of every decision that can be off, and an "on" state of each
+    for name in fields - {"quantization", "deepspeed"}:
+        assert "False" in seen[name] and ({"True", "str"} & seen[name]), (name, seen[name])

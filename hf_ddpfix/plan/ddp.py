@@ -18,8 +18,8 @@ def decide_checkpointing(facts: RunFacts, c: DDPFixConfig, distributed: bool, co
         return ds_rules.checkpointing(facts, c, correct)
     if asked == "off":
         if c.assume_checkpointing:
-            return Decision("off", "not detected; assumed on (custom checkpointing) for the DDP decisions")
-        return Decision("off", "not requested")
+            return Decision(False, "not detected; assumed on (custom checkpointing) for the DDP decisions")
+        return Decision(False, "not requested")
     if c.checkpointing == "reentrant":
         return Decision("reentrant", f"forced ({c.source('checkpointing')})", changed=asked != "reentrant")
     if c.checkpointing == "non_reentrant":

@@ -196,7 +196,7 @@ def checkpointing(facts: RunFacts, c: DDPFixConfig, correct: Correct) -> Decisio
         correct(correction)
     if forced:
         reason = reason.replace("HF_DDPFIX_CHECKPOINTING", c.source("checkpointing"))
-    return Decision(mode, reason, changed=changed)
+    return Decision(False if mode == "off" else mode, reason, changed=changed)
 
 
 def stabilizer(facts: RunFacts, c: DDPFixConfig) -> Decision:
@@ -209,18 +209,18 @@ def stabilizer(facts: RunFacts, c: DDPFixConfig) -> Decision:
 
 
 def leaf_modules(facts: RunFacts) -> Decision:
-    """The plan's ``zero3_leaf_modules`` decision: short class names joined by ",", or "none"."""
+    """The plan's ``zero3_leaf_modules`` decision: short class names joined by ",", or ``False``."""
     if facts.parallel != "deepspeed" or facts.deepspeed is None:
         return Decision(None, "")
     value, reason, changed = leaf_modules_decision(facts.deepspeed)
     if value is None:
         return Decision(None, "")
-    return Decision(",".join(v.rsplit(".", 1)[-1] for v in value) or "none", reason, changed=changed)
+    return Decision(",".join(v.rsplit(".", 1)[-1] for v in value) or False, reason, changed=changed)
 
 
 def zero3_unverified(facts: RunFacts, decision: Decision) -> Decision:
     """Tiling reads partitioned (empty) weights under ZeRO-3: not verified there, so stock is kept."""
-    if facts.parallel != "deepspeed" or facts.zero_stage != 3 or decision.value in (None, "off"):
+    if facts.parallel != "deepspeed" or facts.zero_stage != 3 or not decision.value:
         return decision
-    return Decision("off", f"requested ({decision.value}) but not verified under ZeRO-3 (weights are partitioned "
+    return Decision(False, f"requested ({decision.value}) but not verified under ZeRO-3 (weights are partitioned "
                     "outside their module's forward): stock computation kept")

@@ -56,7 +56,7 @@ def offload_min_layer_bytes(config: DDPFixConfig | None) -> int:
 def decide_tiled_mlp(facts: RunFacts, c: DDPFixConfig) -> Decision:
     value = c.tiled_mlp
     if value is None or value == "off":
-        return Decision("off", "not requested" if value is None else f"off ({c.source('tiled_mlp')})")
+        return Decision(False, "not requested" if value is None else f"off ({c.source('tiled_mlp')})")
     rule = {
         "auto": "no tiling below 8K tokens, then ceil(tokens/2048) shards",
         "arctic": "ceil(tokens/hidden) shards",
@@ -73,7 +73,7 @@ def decide_long_context(facts: RunFacts, c: DDPFixConfig, ckpt: str) -> Decision
     non-plain call (mask, cache, packing kwargs) runs stock at call time, other layer classes are left alone."""
     value = c.long_context
     if value is None or value == "off":
-        return Decision("off", "not requested" if value is None else f"off ({c.source('long_context')})")
+        return Decision(False, "not requested" if value is None else f"off ({c.source('long_context')})")
     notes = []
     if ckpt == "off":
         notes.append("checkpointing is off: each layer keeps q/k/v and the attention output (28 KiB/token on "
@@ -88,7 +88,7 @@ def decide_long_context(facts: RunFacts, c: DDPFixConfig, ckpt: str) -> Decision
 def decide_tiled_loss(c: DDPFixConfig) -> Decision:
     value = c.tiled_loss
     if value is None or value == "off":
-        return Decision("off", "not requested" if value is None else f"off ({c.source('tiled_loss')})")
+        return Decision(False, "not requested" if value is None else f"off ({c.source('tiled_loss')})")
     chunk = "auto chunk" if value == "on" else f"{value} tokens per chunk"
     return Decision(value, f"lm_head + cross-entropy in chunks, full logits never held, {chunk} "
                     f"({c.source('tiled_loss')})", changed=True)

@@ -22,7 +22,7 @@ from ..config import DDPFixConfig
 from . import ddp as ddp_rules
 from . import deepspeed as ds_rules
 from . import memory, quantized
-from .types import Decision, Plan, PlanError, RunFacts
+from .types import CheckpointMode, Decision, Plan, PlanError, RunFacts
 
 __all__ = ["resolve_plan"]
 
@@ -57,15 +57,16 @@ def resolve_plan(facts: RunFacts, config: DDPFixConfig | None = None) -> Plan:
 
     quantization = quantized.decide_quantization(facts)  # raises PlacementError / QuantStorageError: cannot work
     ckpt = ddp_rules.decide_checkpointing(facts, c, distributed, correct)
-    checkpointed = ckpt.value != "off" or bool(c.assume_checkpointing)
-    usage = ddp_rules.decide_parameter_usage(facts, c, str(ckpt.value))
+    mode: CheckpointMode = ckpt.value or "off"  # the rules below read the variant as a mode string
+    checkpointed = bool(ckpt.value) or bool(c.assume_checkpointing)
+    usage = ddp_rules.decide_parameter_usage(facts, c, mode)
     stabilizer = ddp_rules.decide_stabilizer(facts, c, distributed, bool(usage.value))
     unused_reason = ddp_rules.unused_reason(facts, bool(stabilizer.value), usage)
     fu = ddp_rules.decide_find_unused(
-        facts, c, ddp, str(ckpt.value), unused_reason, bool(stabilizer.value), correct
+        facts, c, ddp, mode, unused_reason, bool(stabilizer.value), correct
     )
     static = ddp_rules.decide_static_graph(facts, c, ddp, checkpointed, unused_reason, correct)
-    offload = memory.decide_offload(facts, c, str(ckpt.value))
+    offload = memory.decide_offload(facts, c, mode)
     guard = ddp_rules.decide_hang_guard(facts, c, ddp, bool(fu.value), bool(stabilizer.value), bool(usage.value))
     return Plan(
         parallel=facts.parallel,
@@ -78,7 +79,7 @@ def resolve_plan(facts: RunFacts, config: DDPFixConfig | None = None) -> Plan:
         hang_guard=guard,
         tiled_mlp=_unverified_under_zero3(facts, memory.decide_tiled_mlp(facts, c)),
         tiled_loss=_unverified_under_zero3(facts, memory.decide_tiled_loss(c)),
-        long_context=_unverified_under_zero3(facts, memory.decide_long_context(facts, c, str(ckpt.value))),
+        long_context=_unverified_under_zero3(facts, memory.decide_long_context(facts, c, mode)),
         quantization=quantization,
         parameter_usage=usage,
         deepspeed=ds_rules.engine(facts),

@@ -106,16 +106,40 @@ class RunFacts:
 
 @dataclass(frozen=True)
 class Decision:
-    """One decision: its value, why, and whether it differs from what the stock stack does."""
+    """One decision: its value, why, and whether it differs from what the stock stack does.
+
+    Attributes:
+        value: `None` (the decision does not arise for this run), `False` (off), or `True` / a string
+            naming how it is on; see `Plan` for the convention.
+        reason: one line saying why; "" exactly when `value` is `None`.
+        changed: the value differs from what the stock stack does.
+    """
 
     value: Any
     reason: str
     changed: bool = False
 
+    @property
+    def text(self) -> str:
+        """The value as the plan log prints it: "off" for `False`, "on" for `True`, else the value."""
+        if isinstance(self.value, bool):
+            return "on" if self.value else "off"
+        return str(self.value)
+
 
 @dataclass(frozen=True)
 class Plan:
-    """What hf_ddpfix does for a run. Applied by `hf_ddpfix.trainer`; printed by `report()`."""
+    """What hf_ddpfix does for a run. Applied by `hf_ddpfix.runtime`; printed by `report()`.
+
+    One spelling of "off". Every decision field holds a `Decision` whose `value` is
+      - `None`: the decision does not arise for this run (DDP flags outside DDP, the VLM stabiliser for a
+        text model, the quantization line without quantized weights); its reason is "" and `report()`
+        leaves it out;
+      - `False`: off (the feature is not applied, the DDP flag is False), always with its reason;
+      - `True`, or a non-empty string naming how it is on ("non_reentrant", "auto", "ZeRO-3", "stock", ...).
+    So `if plan.<field>.value:` reads "on" for every field; no field spells off as "off", "none" or "".
+    `report()` prints `False` as "off" and `True` as "on" (`Decision.text`).
+    """
 
     parallel: ParallelMode
     world_size: int
@@ -169,15 +193,9 @@ class Plan:
             if d.value is None:
                 continue
             mark = "*" if d.changed else " "
-            lines.append(f" {mark} {name:<23} = {_fmt(d.value):<14} {d.reason}")
+            lines.append(f" {mark} {name:<23} = {d.text:<14} {d.reason}")
         for c in self.corrections:
             lines.append(f"   corrected: {c}")
         if self.config_lines:
             lines.append("   settings: " + "; ".join(self.config_lines))
         return "\n".join(lines)
-
-
-def _fmt(v: Any) -> str:
-    return str(v).lower() if isinstance(v, bool) else str(v)
-
-
