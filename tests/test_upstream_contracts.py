@@ -53,6 +53,50 @@ def test_ops_import_neither_transformers_nor_accelerate():
         assert not bad, f"{path.name} imports {bad}: hf_ddpfix/ops is pure torch"
 
 
+def _package_imports(path: Path) -> set[str]:
+    """The hf_ddpfix parts `path` imports (anywhere in the file, TYPE_CHECKING blocks included), each
+    named by its first component below the package: "_compat", "ops", "integrations", "plan", "config", ..."""
+    here = path.relative_to(PKG.parent).with_suffix("").parts  # ("hf_ddpfix", "integrations", "usage")
+    found: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.level > 0:
+            base = list(here[: len(here) - node.level])
+            names = [base + node.module.split(".")] if node.module else [base + [a.name] for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            names = [node.module.split(".")]
+        elif isinstance(node, ast.Import):
+            names = [a.name.split(".") for a in node.names]
+        else:
+            continue
+        found |= {parts[1] for parts in names if parts[0] == "hf_ddpfix" and len(parts) > 1}
+    return found
+
+
+# Each layer may import only the layers below it (the README's "How it works"): ops/ is pure torch and
+# integrations/ knows HF internals; neither knows the plan, the options, the facts or the Trainer entry
+# points above them. plan/ is pure decisions: it reads options and the facts types of integrations/.
+_MAY_IMPORT = {
+    "ops": {"_compat", "ops"},
+    "integrations": {"_compat", "ops", "integrations"},
+    "plan": {"_compat", "ops", "integrations", "config", "plan"},
+}
+
+
+@pytest.mark.parametrize("layer", sorted(_MAY_IMPORT))
+def test_lower_layers_import_nothing_above_them(layer):
+    for path in sorted((PKG / layer).glob("*.py")):
+        above = _package_imports(path) - _MAY_IMPORT[layer]
+        assert not above, (f"hf_ddpfix/{layer}/{path.name} imports hf_ddpfix.{sorted(above)}, a layer above "
+                           f"{layer}/ (allowed: {sorted(_MAY_IMPORT[layer])}); pass what it needs in instead")
+
+
+def test_plan_types_import_no_rule():
+    """The rules import the plan's types and `resolve` imports the rules, never the other way round."""
+    tree = ast.parse((PKG / "plan" / "types.py").read_text())
+    relative = {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.level == 1}
+    assert not relative, f"hf_ddpfix/plan/types.py imports {relative} from its own package"
+
+
 def test_compat_imports_only_torch_at_module_level():
     tree = ast.parse((PKG / "_compat.py").read_text())
     top = set()
