@@ -42,6 +42,10 @@ Trainer wiring (transformers 5.23): attach before ``Trainer.train`` wraps the mo
 on the unwrapped module), call :meth:`~ParameterUsage.finalize` before ``Trainer._clip_grad_norm`` /
 ``_get_grad_norm`` (see :mod:`hf_ddpfix.integrations.stabilizer` for why not ``on_pre_optimizer_step``).
 
+Layout: slots and scopes (FSDP2 units) in ``usage_scopes.py``, the reentrant-checkpoint observation in
+``usage_regions.py``, the cross-rank guard table and finalize mask in ``usage_agreement.py``; this
+module is the per-forward observe-and-tie and the per-step bookkeeping.
+
 Guarantees: with fu=False (and static graph at accumulation 1) every zoo family trains to the weights
 of stock DDP(fu=True) (1e-6; bit-equal where the math is unchanged) with replicas in sync, under
 reentrant or non-reentrant checkpointing, accumulation 1 and 2 (tests/scripts/usage_zoo.py).
@@ -50,55 +54,22 @@ reentrant or non-reentrant checkpointing, accumulation 1 and 2 (tests/scripts/us
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
-from .._compat import (
-    checkpointable_layers,
-    ddp_syncs_grads,
-    is_checkpointing,
-    layer_checkpoint_func,
-    module_parameter_slots,
-    set_layer_checkpoint_func,
-    unwrap_parallel,
-)
-from ..ops.autograd_reach import ParamReadMode, output_tensors, reachable_leaf_ids
-from ..ops.dist import collective_device, dist_ready
+from .._compat import ddp_syncs_grads, unwrap_parallel
+from ..ops.autograd_reach import output_tensors, reachable_leaf_ids
 from ..ops.zero_tie import ZeroTie
-from .checkpointing import _use_reentrant_of
 from .hang_guard import UnusedParametersError
-
-_HIDDEN_INPUTS = ("hidden_states", "inputs_embeds", "x")
+from .usage_agreement import UNUSED_FIX, agree_used, gather_missing, raise_if_missing
+from .usage_regions import ReentrantRegions
+from .usage_scopes import Scope, build_scopes, collect_slots, unit_pre_hook
 
 __all__ = ["ParameterUsage", "UsageRecord", "reachable_leaf_ids", "UnusedParametersError"]
-
-_FIX = (
-    "Fix: let hf_ddpfix tie unused parameters in (HF_DDPFIX_PARAMETER_USAGE=1, the default under DDP/FSDP), "
-    "or set ddp_find_unused_parameters=True in TrainingArguments, or make the module's output reach the loss."
-)
-
-
-# --------------------------------------------------------------------------------------------------
-# Slots and records
-# --------------------------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class _Slot:
-    """One trainable parameter, addressed by where it lives (FSDP2 swaps the tensor object in and out)."""
-
-    module: nn.Module
-    attr: str
-    name: str  # as ``model.named_parameters()`` spells it
-    module_name: str
-
-    def tensor(self) -> torch.Tensor | None:
-        return module_parameter_slots(self.module).get(self.attr)
 
 
 @dataclass
@@ -116,20 +87,6 @@ class UsageRecord:
     tied: list[str] = field(default_factory=list)
     region_used: list[str] = field(default_factory=list)
     seconds: float = 0.0
-
-
-class _Scope:
-    """A module whose forward output receives the ties for the slots it owns (the root, or one FSDP unit)."""
-
-    def __init__(self, module: nn.Module, slots: list[int]):
-        self.module = module
-        self.slots = slots
-        self.stop: set[Any] = set()
-
-
-# --------------------------------------------------------------------------------------------------
-# The mechanism
-# --------------------------------------------------------------------------------------------------
 
 
 class ParameterUsage:
@@ -182,13 +139,12 @@ class ParameterUsage:
         self.ddp_module = ddp_module
         self.process_group = process_group
         self.allow_region_reuse = allow_region_reuse
-        self.slots = self._collect_slots()
-        self.scopes = self._build_scopes(list(units) if units is not None else [self.root])
+        self.slots = collect_slots(self.root)
+        self.scopes = build_scopes(self.root, self.slots, list(units) if units is not None else [self.root])
         self._handles: list[Any] = []
-        self._wrapped_layers: dict[int, tuple[nn.Module, Callable[..., Any]]] = {}
+        self._regions = ReentrantRegions(active=lambda: self._active, watched=self._watched_ids)
         self._active = False
         self._depth = 0
-        self._region_seen: list[set[int]] = []
         self._forward_used = torch.zeros(len(self.slots), dtype=torch.bool)
         self._step_used = torch.zeros(len(self.slots), dtype=torch.bool)
         self._step_forwards = 0
@@ -198,36 +154,6 @@ class ParameterUsage:
         self.seconds = 0.0
 
     # -- set-up -------------------------------------------------------------------------------------
-    def _collect_slots(self) -> list[_Slot]:
-        names = {id(p): n for n, p in self.root.named_parameters()}
-        seen: set[int] = set()
-        slots = []
-        for mname, mod in self.root.named_modules():
-            for attr, p in module_parameter_slots(mod).items():
-                if p is None or not p.requires_grad or id(p) in seen:
-                    continue
-                seen.add(id(p))
-                slots.append(_Slot(mod, attr, names.get(id(p), f"{mname}.{attr}".lstrip(".")), mname))
-        return slots
-
-    def _build_scopes(self, units: list[nn.Module]) -> list[_Scope]:
-        if not any(u is self.root for u in units):
-            units = [*units, self.root]
-        unit_ids = {id(u) for u in units}
-        owner: dict[int, nn.Module] = {}
-
-        def visit(mod: nn.Module, current: nn.Module) -> None:
-            current = mod if id(mod) in unit_ids else current
-            owner[id(mod)] = current
-            for child in mod.children():
-                visit(child, current)
-
-        visit(self.root, self.root)
-        scopes = {id(u): _Scope(u, []) for u in units}
-        for i, s in enumerate(self.slots):
-            scopes[id(owner[id(s.module)])].slots.append(i)
-        return [scopes[id(u)] for u in units]
-
     @property
     def attached(self) -> bool:
         """True while the hooks are registered."""
@@ -237,20 +163,17 @@ class ParameterUsage:
         """Register the hooks (idempotent). Returns ``self``."""
         if self._handles or not self.slots:
             return self
-        root_scope = next(s for s in self.scopes if s.module is self.root)
+        root_scope = self._root_scope()
         self._handles.append(self.root.register_forward_pre_hook(self._root_pre_hook, prepend=True))
         for scope in self.scopes:
             if scope is not root_scope:  # prepend: before FSDP2's pre-forward registers its backward hooks
-                self._handles.append(scope.module.register_forward_pre_hook(
-                    self._scope_pre_hook(scope), prepend=True, with_kwargs=True))
+                hook = unit_pre_hook(scope, lambda: self._active, several_units=len(self.scopes) > 1)
+                self._handles.append(scope.module.register_forward_pre_hook(hook, prepend=True, with_kwargs=True))
             # prepend: run before FSDP2's post-forward reshards the unit (the tie needs unsharded params)
             self._handles.append(
                 scope.module.register_forward_hook(self._scope_post_hook(scope, scope is root_scope), prepend=True)
             )
-        for layer in checkpointable_layers(self.root):
-            self._handles.append(layer.register_forward_pre_hook(self._layer_pre_hook))
-            if is_checkpointing(layer):  # now too: transformers < 5.23 runs the hooks inside the checkpoint call
-                self._wrap_layer(layer)
+        self._handles += self._regions.attach(self.root)
         return self
 
     def remove(self) -> None:
@@ -258,42 +181,15 @@ class ParameterUsage:
         for h in self._handles:
             h.remove()
         self._handles = []
-        for layer, inner in self._wrapped_layers.values():
-            if getattr(layer_checkpoint_func(layer), "_hf_ddpfix_usage", None) is self:  # not replaced since
-                set_layer_checkpoint_func(layer, inner)
-        self._wrapped_layers = {}
+        self._regions.remove()
         self._active = False
         self.reset_step()
 
-    # -- reentrant checkpointing --------------------------------------------------------------------
-    def _layer_pre_hook(self, layer: nn.Module, args: tuple[Any, ...]) -> None:
-        if self._active and is_checkpointing(layer):
-            self._wrap_layer(layer)  # picks up a checkpoint function replaced since `attach`
+    def _root_scope(self) -> Scope:
+        return next(s for s in self.scopes if s.module is self.root)
 
-    def _wrap_layer(self, layer: nn.Module) -> None:
-        func = layer_checkpoint_func(layer)
-        if func is None or getattr(func, "_hf_ddpfix_usage", None) is self:
-            return
-        set_layer_checkpoint_func(layer, self._observed_checkpoint(func))
-        self._wrapped_layers[id(layer)] = (layer, func)
-
-    def _observed_checkpoint(self, inner: Callable[..., Any]) -> Callable[..., Any]:
-        reentrant = _use_reentrant_of(inner)
-
-        def checkpoint_observed(function: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-            if not (self._active and reentrant):
-                return inner(function, *args, **kwargs)
-            watched = {id(t) for t in (s.tensor() for s in self.slots) if t is not None}
-            mode = ParamReadMode(watched)
-            with mode:
-                out = inner(function, *args, **kwargs)
-            if any(t.requires_grad for t in output_tensors(out)):
-                self._region_seen.append(mode.seen)
-            return out
-
-        checkpoint_observed._hf_ddpfix_usage = self  # type: ignore[attr-defined]
-        checkpoint_observed.use_reentrant = reentrant  # type: ignore[attr-defined]
-        return checkpoint_observed
+    def _watched_ids(self) -> set[int]:
+        return {id(t) for t in (s.tensor() for s in self.slots) if t is not None}
 
     # -- forward hooks ------------------------------------------------------------------------------
     def _root_pre_hook(self, module: nn.Module, args: tuple[Any, ...]) -> None:
@@ -302,42 +198,13 @@ class ParameterUsage:
             return
         self._active = module.training and torch.is_grad_enabled()
         self._depth = 0
-        self._region_seen = []
+        self._regions.new_forward()
         self._twice: set[int] = set()
         self._forward_used.zero_()
         self._record = UsageRecord()
-        root_scope = next(s for s in self.scopes if s.module is self.root)
-        root_scope.stop = set()
+        self._root_scope().stop = set()
 
-    def _scope_pre_hook(self, scope: _Scope) -> Callable[..., Any]:
-        """A unit's inputs: where its own graph starts (the walk stops there). Under FSDP2 a floating
-        input that needs no grad on one rank (text-only: ``inputs_embeds`` of a frozen embedding) but
-        does on another (image features scattered in) would move the unit's post-backward reduce-
-        scatter to the end of backward on that rank only: a collective-order mismatch. Such an input is
-        made a leaf that requires grad on every rank (its gradient is computed and dropped; parameter
-        gradients are unchanged)."""
-
-        def hook(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-            if not self._active:
-                return None
-            changed = False
-
-            def align(x: Any) -> Any:
-                nonlocal changed
-                if isinstance(x, torch.Tensor) and x.is_floating_point() and not x.requires_grad:
-                    changed = True
-                    return x.detach().requires_grad_()
-                return x
-
-            if len(self.scopes) > 1:
-                args = tuple(align(a) for a in args)
-                kwargs = {k: align(v) if k in _HIDDEN_INPUTS else v for k, v in kwargs.items()}
-            scope.stop = {t.grad_fn for t in (*output_tensors(args), *output_tensors(kwargs)) if t.grad_fn is not None}
-            return (args, kwargs) if changed else None
-
-        return hook
-
-    def _scope_post_hook(self, scope: _Scope, is_root: bool) -> Callable[..., Any]:
+    def _scope_post_hook(self, scope: Scope, is_root: bool) -> Any:
         def hook(module: nn.Module, args: tuple[Any, ...], output: Any) -> Any:
             if not self._active:
                 return None
@@ -354,25 +221,11 @@ class ParameterUsage:
 
         return hook
 
-    def _anchor(self, output: Any, is_root: bool) -> torch.Tensor | None:
-        """The output tensor that carries the loss: ``loss``, else ``logits``, else the first float tensor
-        that requires grad."""
-        if isinstance(output, dict):
-            for key in ("loss", "logits"):
-                val = output.get(key)
-                if isinstance(val, torch.Tensor) and val.requires_grad:
-                    return val
-        top = output.values() if isinstance(output, dict) else output if isinstance(output, (tuple, list)) else [output]
-        for t in top:
-            if isinstance(t, torch.Tensor) and t.is_floating_point() and t.requires_grad:
-                return t
-        return None
-
-    def _observe_and_tie(self, scope: _Scope, output: Any, is_root: bool) -> Any:
-        anchor = self._anchor(output, is_root)
+    def _observe_and_tie(self, scope: Scope, output: Any, is_root: bool) -> Any:
+        anchor = _anchor(output)
         roots = [anchor] if (is_root and anchor is not None) else [t for t in output_tensors(output) if t.requires_grad]
         reached = reachable_leaf_ids(roots, scope.stop)
-        region = set().union(*self._region_seen) if self._region_seen else set()
+        region = self._regions.read_ids()
         missing: list[int] = []
         for i in scope.slots:
             t = self.slots[i].tensor()
@@ -392,7 +245,7 @@ class ParameterUsage:
         if anchor is None:
             raise UnusedParametersError(
                 f"hf_ddpfix: cannot tie {len(missing)} unused parameters (e.g. {self.slots[missing[0]].name}) "
-                f"into the output of {type(scope.module).__name__}: no output tensor requires grad. {_FIX}"
+                f"into the output of {type(scope.module).__name__}: no output tensor requires grad. {UNUSED_FIX}"
             )
         extras = [t for t in (self.slots[i].tensor() for i in missing) if t is not None]
         tied = ZeroTie.apply(anchor, *extras)
@@ -411,61 +264,18 @@ class ParameterUsage:
         if self.guard:
             missing = [] if self.tie else [i for i in range(len(self.slots)) if not used[i]]
             self._check(missing)
-        self._check_reuse()
+        if not self.allow_region_reuse:
+            self._regions.check_reuse(self.slots, self._twice)
         rec.seconds += time.perf_counter() - t0
         self.seconds += rec.seconds
         self.last = rec
-
-    def _check_reuse(self) -> None:
-        if self.allow_region_reuse or not self._region_seen:
-            return
-        counts: dict[int, int] = {}
-        for seen in self._region_seen:
-            for pid in seen:
-                counts[pid] = counts.get(pid, 0) + 1
-        twice = [s.name for i, s in enumerate(self.slots)
-                 if i in self._twice or ((t := s.tensor()) is not None and counts.get(id(t), 0) > 1)]
-        if twice:
-            raise UnusedParametersError(
-                f"hf_ddpfix: {twice[:3]} are read by more than one reentrant checkpointed layer (or by one and "
-                "outside it); their DDP hook "
-                "fires once per layer, which DistributedDataParallel accepts only with static_graph=True. Fix: "
-                "non-reentrant checkpointing (HF_DDPFIX_CHECKPOINTING=non_reentrant) or static_graph=True."
-            )
 
     # -- guard --------------------------------------------------------------------------------------
     def _check(self, missing: list[int]) -> None:
         """All-gather "gets no gradient here" per parameter; raise on every rank if any rank has one."""
         if self.ddp_module is not None and not ddp_syncs_grads(self.ddp_module):
             return
-        if not dist_ready(self.process_group):
-            table = [missing]
-        else:
-            local = torch.zeros(len(self.slots), dtype=torch.uint8, device=collective_device(self.process_group))
-            if missing:
-                local[torch.tensor(missing, dtype=torch.long, device=local.device)] = 1
-            gathered = [torch.empty_like(local) for _ in range(dist.get_world_size(self.process_group))]
-            dist.all_gather(gathered, local, group=self.process_group)
-            table = [t.nonzero().flatten().tolist() for t in gathered]
-        if not any(table):
-            return
-        bad = sorted(set().union(*map(set, table)))
-        lines = []
-        for i in bad[:5]:
-            ranks = [r for r, row in enumerate(table) if i in row]
-            lines.append(f"{self.slots[i].name} (module {self.slots[i].module_name or '<root>'}) on rank(s) {ranks}")
-        more = f" and {len(bad) - 5} more" if len(bad) > 5 else ""
-        world = len(table)
-        consequence = (
-            "stock DDP would hang in backward (the ranks that use it wait for the others)"
-            if any(len([r for r, row in enumerate(table) if i in row]) < world for i in bad)
-            else "stock DDP would fail at the next step ('Expected to have finished reduction')"
-        )
-        raise UnusedParametersError(
-            "hf_ddpfix: DistributedDataParallel(find_unused_parameters=False) cannot train this step: "
-            f"{len(bad)} trainable parameters get no gradient: " + "; ".join(lines) + more
-            + f". {consequence}. {_FIX}"
-        )
+        raise_if_missing(gather_missing(missing, len(self.slots), self.process_group), self.slots)
 
     # -- per-optimizer-step semantics ---------------------------------------------------------------
     def reset_step(self) -> None:
@@ -489,10 +299,7 @@ class ParameterUsage:
         group = self.process_group if process_group is None else process_group
         used = self._step_used.clone()
         self.reset_step()
-        if dist_ready(group):
-            flags = used.to(torch.uint8).to(collective_device(group))
-            dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=group)
-            used = flags.cpu().bool()
+        used = agree_used(used, group)
         reset = 0
         for i in (~used).nonzero().flatten().tolist():
             t = self.slots[i].tensor()
@@ -509,6 +316,21 @@ class ParameterUsage:
             f"{len(self.slots)} trainable tensors watched in {len(self.scopes)} scope(s); {self.ties} ties over "
             f"{self.forwards} forwards; {per:.2f} ms per forward"
         )
+
+
+def _anchor(output: Any) -> torch.Tensor | None:
+    """The output tensor that carries the loss: ``loss``, else ``logits``, else the first float tensor
+    that requires grad."""
+    if isinstance(output, dict):
+        for key in ("loss", "logits"):
+            val = output.get(key)
+            if isinstance(val, torch.Tensor) and val.requires_grad:
+                return val
+    top = output.values() if isinstance(output, dict) else output if isinstance(output, (tuple, list)) else [output]
+    for t in top:
+        if isinstance(t, torch.Tensor) and t.is_floating_point() and t.requires_grad:
+            return t
+    return None
 
 
 def _replace(output: Any, old: torch.Tensor, new: torch.Tensor) -> Any:

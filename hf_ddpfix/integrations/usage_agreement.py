@@ -1,0 +1,85 @@
+"""What the ranks agree on about parameter usage: the guard's table and the step's "used" mask.
+
+Two collectives of one byte per trainable parameter, used by ``ParameterUsage``
+(``integrations/usage.py``):
+
+- :func:`gather_missing` + :func:`raise_if_missing` (the guard, before a synchronising backward):
+  all-gather "gets no gradient here" per parameter; if any rank has one, every rank raises the same
+  :class:`UnusedParametersError` naming the parameters, their modules, the ranks, what stock DDP would
+  do (hang, or fail a step later) and the fix, never a hang.
+- :func:`agree_used` (finalize, once per optimizer step): all-reduce(MAX) of "used in some
+  micro-batch of this step", so every rank resets the same ``.grad`` to ``None``.
+
+Contract: without an initialised process group (or in a one-process group) each function answers
+from the local data alone and runs no collective; with one, every rank must call it in the same
+order (``ParameterUsage`` calls them at points every rank reaches).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from ..ops.dist import collective_device, dist_ready
+from .hang_guard import UnusedParametersError
+from .usage_scopes import ParamSlot
+
+__all__ = ["UNUSED_FIX", "agree_used", "gather_missing", "raise_if_missing"]
+
+UNUSED_FIX = (
+    "Fix: let hf_ddpfix tie unused parameters in (HF_DDPFIX_PARAMETER_USAGE=1, the default under DDP/FSDP), "
+    "or set ddp_find_unused_parameters=True in TrainingArguments, or make the module's output reach the loss."
+)
+
+
+def gather_missing(missing: list[int], n_slots: int, group: Any) -> list[list[int]]:
+    """Every rank's list of slot indices that get no gradient (one row per rank; ``[missing]`` alone
+    without a process group)."""
+    if not dist_ready(group):
+        return [missing]
+    local = torch.zeros(n_slots, dtype=torch.uint8, device=collective_device(group))
+    if missing:
+        local[torch.tensor(missing, dtype=torch.long, device=local.device)] = 1
+    gathered = [torch.empty_like(local) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(gathered, local, group=group)
+    return [t.nonzero().flatten().tolist() for t in gathered]
+
+
+def raise_if_missing(table: list[list[int]], slots: Sequence[ParamSlot]) -> None:
+    """Raise :class:`UnusedParametersError` when any rank's row of ``table`` is non-empty.
+
+    Raises:
+        UnusedParametersError: naming up to five parameters with their modules and ranks, the
+            consequence under stock DDP and the fix.
+    """
+    if not any(table):
+        return
+    bad = sorted(set().union(*map(set, table)))
+    lines = []
+    for i in bad[:5]:
+        ranks = [r for r, row in enumerate(table) if i in row]
+        lines.append(f"{slots[i].name} (module {slots[i].module_name or '<root>'}) on rank(s) {ranks}")
+    more = f" and {len(bad) - 5} more" if len(bad) > 5 else ""
+    world = len(table)
+    consequence = (
+        "stock DDP would hang in backward (the ranks that use it wait for the others)"
+        if any(len([r for r, row in enumerate(table) if i in row]) < world for i in bad)
+        else "stock DDP would fail at the next step ('Expected to have finished reduction')"
+    )
+    raise UnusedParametersError(
+        "hf_ddpfix: DistributedDataParallel(find_unused_parameters=False) cannot train this step: "
+        f"{len(bad)} trainable parameters get no gradient: " + "; ".join(lines) + more
+        + f". {consequence}. {UNUSED_FIX}"
+    )
+
+
+def agree_used(used: torch.Tensor, group: Any) -> torch.Tensor:
+    """``used`` (bool, one per slot) OR-ed over the ranks of ``group`` (unchanged without one)."""
+    if not dist_ready(group):
+        return used
+    flags = used.to(torch.uint8).to(collective_device(group))
+    dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=group)
+    return flags.cpu().bool()
