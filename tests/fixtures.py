@@ -5,16 +5,23 @@ Import it as ``from fixtures import ...``: pytest puts ``tests/`` on ``sys.path`
 scripts under ``tests/scripts`` insert it themselves (``sys.path.insert(0, <tests dir>)``).
 
 - Text: :func:`tiny_llama_config`, :func:`tiny_llama`, :func:`lora`, :func:`padded_collate`,
-  :func:`variable_length_ids`.
+  :func:`variable_length_ids`; the multi-process scripts' LoRA Llama :func:`lora_llama` (shape
+  :data:`SMALL_TEXT`, shared with the VLM text towers and ``tests/zoo.py``) and :func:`masked_labels`.
 - VLMs (Qwen family, the stabiliser's adapters): :data:`BUILDERS`, :data:`PATCH_DIM`, :func:`add_lora`,
-  :func:`make_batch`. The wider model zoo of the usage tests is ``tests/zoo.py``.
-- Processes: :func:`init_gloo`, :func:`teardown`.
+  :func:`make_batch`, :func:`image_collate`; the Qwen-VL configs once, :func:`qwen_vl` (``tests/zoo.py``
+  builds its Qwen entries with it). The wider model zoo of the usage tests is ``tests/zoo.py``.
+- Processes: :func:`init_gloo`, :func:`teardown`; comparing ranks and references:
+  :func:`trainable_weights`, :func:`flat_trainable`, :func:`weights_digest`, :func:`max_diff_across_ranks`;
+  FSDP2 and tiling: :func:`shard_decoder`, :func:`tiled_stats`; a script's verdict: :func:`finish`.
 """
 
 from __future__ import annotations
 
 import gc
+import hashlib
+import json
 import os
+import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -48,6 +55,58 @@ def lora(model: nn.Module, targets: Sequence[str] = ("q_proj", "v_proj"), r: int
     from peft import LoraConfig, get_peft_model
 
     return get_peft_model(model, LoraConfig(r=r, lora_alpha=2 * r, target_modules=list(targets), **kwargs))
+
+
+# The shape every small text config shares: the multi-process scripts' Llama, the VLM text towers below
+# and tests/zoo.py's text configs (hidden 64, 2 layers, GQA 4:2).
+SMALL_TEXT = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2)
+DECODER_TARGETS = ("q_proj", "v_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def lora_llama(*, targets: Sequence[str] | str = DECODER_TARGETS, random_lora: bool = True, dtype: Any = None,
+               checkpointing: str | None = None, seed: int = 0, **config: Any) -> nn.Module:
+    """The multi-process scripts' LoRA Llama, in train mode.
+
+    Args:
+        targets: LoRA ``target_modules`` (r=4, alpha 8, no dropout); a string such as ``"all-linear"`` too.
+        random_lora: random A and B (``init_lora_weights=False``) so every adapter trains from step 1;
+            False: peft's default init (B = 0).
+        dtype: e.g. ``torch.float64`` (float summation order, which DDP changes, stays far below 1e-6).
+        checkpointing: ``"non_reentrant"`` / ``"reentrant"`` through HF's ``gradient_checkpointing_enable``
+            (reentrant also ``enable_input_require_grads``); None: off.
+        seed: weights and adapters drawn after ``torch.manual_seed(seed)``.
+        config: ``LlamaConfig`` overrides of :data:`SMALL_TEXT` with ``max_position_embeddings=128``.
+    """
+    from peft import LoraConfig, get_peft_model
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(**{**SMALL_TEXT, "max_position_embeddings": 128, **config})
+    target_modules = targets if isinstance(targets, str) else list(targets)
+    adapters = LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=target_modules,
+                          **({"init_lora_weights": False} if random_lora else {}))
+    model = get_peft_model(LlamaForCausalLM(cfg), adapters)
+    if dtype is not None:
+        model = model.to(dtype)
+    if checkpointing is not None:
+        if checkpointing not in ("non_reentrant", "reentrant"):
+            raise ValueError(f"checkpointing must be 'non_reentrant', 'reentrant' or None, got {checkpointing!r}")
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", FutureWarning)
+            model.gradient_checkpointing_enable(
+                gradient_checkpointing_kwargs={"use_reentrant": checkpointing == "reentrant"})
+        if checkpointing == "reentrant":
+            model.enable_input_require_grads()
+    model.train()
+    return model
+
+
+def masked_labels(ids: torch.Tensor, gen: torch.Generator, fraction: float = 0.3) -> torch.Tensor:
+    """``ids`` as labels with about ``fraction`` of the positions set to -100 (drawn from ``gen``)."""
+    labels = ids.clone()
+    labels[torch.rand(ids.shape, generator=gen) < fraction] = -100
+    return labels
 
 
 def variable_length_ids(n: int, vocab: int = 60, lengths: Sequence[int] = (6, 9, 12, 7), seed: int = 0) -> list[list[int]]:
@@ -88,6 +147,68 @@ def teardown(*objects: Any) -> None:
         dist.destroy_process_group()
 
 
+def finish(records: list[dict[str, Any]], out: str | None, tag: str) -> None:
+    """End a script that judged its runs: rank 0 writes ``records`` to ``out`` as JSON, the process group
+    goes (:func:`teardown`), and every rank exits non-zero naming the records whose ``"ok"`` is False."""
+    if dist.get_rank() == 0 and out:
+        with open(out, "w") as f:
+            json.dump(records, f, indent=1)
+    teardown()
+    bad = [r for r in records if not r["ok"]]
+    if bad:
+        raise SystemExit(f"{tag} mismatch: {bad}")
+
+
+def _full(t: torch.Tensor) -> torch.Tensor:
+    t = t.detach()
+    return t.full_tensor() if hasattr(t, "full_tensor") else t  # an FSDP2 DTensor: gathered (a collective)
+
+
+def trainable_weights(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Name -> a copy of every trainable parameter (FSDP2 shards gathered: call it on every rank)."""
+    return {n: _full(p).clone() for n, p in model.named_parameters() if p.requires_grad}
+
+
+def flat_trainable(model: nn.Module) -> torch.Tensor:
+    """Every trainable parameter, sorted by name, flattened into one tensor (FSDP2 shards gathered)."""
+    return torch.cat([_full(p).flatten() for _, p in sorted(model.named_parameters()) if p.requires_grad])
+
+
+def weights_digest(weights: dict[str, torch.Tensor]) -> str:
+    """16 hex digits of the SHA-256 over names and float32 bytes, in name order (equal iff bitwise equal)."""
+    h = hashlib.sha256()
+    for n in sorted(weights):
+        h.update(n.encode())
+        h.update(weights[n].float().numpy().tobytes())
+    return h.hexdigest()[:16]
+
+
+def max_diff_across_ranks(flat: torch.Tensor) -> float:
+    """The largest ``|x_rank - x_rank0|`` over the ranks (a collective)."""
+    gathered = [torch.empty_like(flat) for _ in range(dist.get_world_size())]
+    dist.all_gather(gathered, flat)
+    return float(max((g - gathered[0]).abs().max() for g in gathered))
+
+
+def shard_decoder(model: nn.Module) -> nn.Module:
+    """``fully_shard`` each decoder layer of a PEFT-wrapped Llama, then the root (FSDP2)."""
+    from torch.distributed.fsdp import fully_shard
+
+    for layer in model.get_base_model().model.layers:
+        fully_shard(layer)
+    return fully_shard(model)
+
+
+def tiled_stats(model: nn.Module) -> dict[str, int]:
+    """One dict that every tiled MLP forward under ``model`` counts into (chunks, tokens)."""
+    stats: dict[str, int] = {}
+    for m in model.modules():
+        fwd = m.__dict__.get("forward")
+        if fwd is not None and hasattr(fwd, "stats"):
+            fwd.stats = stats
+    return stats
+
+
 # --------------------------------------------------------------------------------------------- VLMs
 
 IMAGE, VIDEO, VSTART, VEND = 250, 251, 252, 253
@@ -105,121 +226,92 @@ LORA_TARGETS = [
 ]
 SEQ = 16
 
-_TEXT = dict(
-    vocab_size=256,
-    hidden_size=64,
-    intermediate_size=128,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    max_position_embeddings=512,
-    rope_scaling={"type": "mrope", "mrope_section": [2, 2, 4]},
-    eos_token_id=0,
-    bos_token_id=0,
-)
+_TEXT = dict(SMALL_TEXT, max_position_embeddings=512, eos_token_id=0, bos_token_id=0)
 _TOKENS = dict(
     image_token_id=IMAGE, video_token_id=VIDEO, vision_start_token_id=VSTART, vision_end_token_id=VEND
 )
 
-
-def build_qwen2_5_vl(seed: int = 0) -> nn.Module:
-    """Tiny Qwen2.5-VL (cell.py's config): window attention with one full-attention block."""
-    from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
-
-    torch.manual_seed(seed)
-    cfg = Qwen2_5_VLConfig(
-        text_config=_TEXT,
-        vision_config=dict(
-            depth=2,
-            hidden_size=32,
-            intermediate_size=64,
-            num_heads=2,
-            out_hidden_size=64,
-            patch_size=14,
-            spatial_merge_size=2,
-            temporal_patch_size=2,
-            fullatt_block_indexes=[1],
-            window_size=56,
-        ),
-        **_TOKENS,
-    )
-    return Qwen2_5_VLForConditionalGeneration(cfg)
+_QWEN3_VISION = dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64, patch_size=16,
+                     spatial_merge_size=2, temporal_patch_size=2, num_position_embeddings=16,
+                     deepstack_visual_indexes=[0])
+# The tiny vision towers of the Qwen-VL families (cell.py's Qwen2.5-VL: window attention, one full block).
+QWEN_VISION: dict[str, dict[str, Any]] = {
+    "qwen2_vl": dict(depth=2, embed_dim=32, hidden_size=64, num_heads=2, mlp_ratio=2, patch_size=14,
+                     spatial_merge_size=2, temporal_patch_size=2),
+    "qwen2_5_vl": dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64,
+                       patch_size=14, spatial_merge_size=2, temporal_patch_size=2, fullatt_block_indexes=[1],
+                       window_size=56),
+    "qwen3_vl": _QWEN3_VISION,
+    "qwen3_vl_moe": _QWEN3_VISION,
+}
+_QWEN_CLASSES = {
+    "qwen2_vl": ("Qwen2VLConfig", "Qwen2VLForConditionalGeneration"),
+    "qwen2_5_vl": ("Qwen2_5_VLConfig", "Qwen2_5_VLForConditionalGeneration"),
+    "qwen3_vl": ("Qwen3VLConfig", "Qwen3VLForConditionalGeneration"),
+    "qwen3_vl_moe": ("Qwen3VLMoeConfig", "Qwen3VLMoeForConditionalGeneration"),
+}
 
 
-def build_qwen2_vl(seed: int = 0) -> nn.Module:
-    from transformers import Qwen2VLConfig, Qwen2VLForConditionalGeneration
-
-    torch.manual_seed(seed)
-    cfg = Qwen2VLConfig(
-        text_config=_TEXT,
-        vision_config=dict(
-            depth=2,
-            embed_dim=32,
-            hidden_size=64,
-            num_heads=2,
-            mlp_ratio=2,
-            patch_size=14,
-            spatial_merge_size=2,
-            temporal_patch_size=2,
-        ),
-        **_TOKENS,
-    )
-    return Qwen2VLForConditionalGeneration(cfg)
-
-
-def _qwen3_text(moe: bool) -> dict:
-    t = dict(
-        vocab_size=256,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        max_position_embeddings=512,
-        eos_token_id=0,
-        bos_token_id=0,
-        rope_scaling={"rope_type": "default", "mrope_section": [2, 3, 3], "mrope_interleaved": True},
-    )
-    if moe:
+def qwen_text(name: str, base: dict[str, Any]) -> dict[str, Any]:
+    """The text config of Qwen-VL family ``name`` over ``base``: M-RoPE sections to fit head_dim 16, and
+    Qwen3's interleaved M-RoPE / MoE experts."""
+    if name in ("qwen2_vl", "qwen2_5_vl"):
+        return dict(base, rope_scaling={"type": "mrope", "mrope_section": [2, 2, 4]})
+    t = dict(base, head_dim=16,
+             rope_scaling={"rope_type": "default", "mrope_section": [2, 3, 3], "mrope_interleaved": True})
+    if name == "qwen3_vl_moe":
         t.update(moe_intermediate_size=32, num_experts=4, num_experts_per_tok=2)
     return t
 
 
-_QWEN3_VISION = dict(
-    depth=2,
-    hidden_size=32,
-    intermediate_size=64,
-    num_heads=2,
-    out_hidden_size=64,
-    patch_size=16,
-    spatial_merge_size=2,
-    temporal_patch_size=2,
-    num_position_embeddings=16,
-    deepstack_visual_indexes=[0],
-)
+def qwen_vl(name: str, seed: int = 0, *, text: dict[str, Any] | None = None,
+            tokens: dict[str, int] | None = None) -> nn.Module:
+    """A tiny Qwen-VL family model (``name`` a key of :data:`QWEN_VISION`), weights drawn after
+    ``torch.manual_seed(seed)``.
+
+    Args:
+        text: the text config before :func:`qwen_text` (default: :data:`SMALL_TEXT`, 512 positions,
+            eos/bos 0).
+        tokens: image / video / vision-start / vision-end token ids (default 250..253).
+
+    Raises:
+        ImportError: the installed transformers has no such family.
+    """
+    import transformers
+
+    try:
+        config_cls, model_cls = (getattr(transformers, n) for n in _QWEN_CLASSES[name])
+    except AttributeError as exc:
+        raise ImportError(f"transformers {transformers.__version__} has no {name}") from exc
+    torch.manual_seed(seed)
+    cfg = config_cls(text_config=qwen_text(name, _TEXT if text is None else text), vision_config=QWEN_VISION[name],
+                     **(_TOKENS if tokens is None else tokens))
+    return model_cls(cfg)
+
+
+def build_qwen2_5_vl(seed: int = 0) -> nn.Module:
+    """Tiny Qwen2.5-VL (cell.py's config): window attention with one full-attention block."""
+    return qwen_vl("qwen2_5_vl", seed)
+
+
+def build_qwen2_vl(seed: int = 0) -> nn.Module:
+    return qwen_vl("qwen2_vl", seed)
 
 
 def build_qwen3_vl(seed: int = 0) -> nn.Module | None:
+    """None where the installed transformers has no Qwen3-VL."""
     try:
-        from transformers import Qwen3VLConfig, Qwen3VLForConditionalGeneration
+        return qwen_vl("qwen3_vl", seed)
     except ImportError:
         return None
-    torch.manual_seed(seed)
-    return Qwen3VLForConditionalGeneration(
-        Qwen3VLConfig(text_config=_qwen3_text(False), vision_config=_QWEN3_VISION, **_TOKENS)
-    )
 
 
 def build_qwen3_vl_moe(seed: int = 0) -> nn.Module | None:
+    """None where the installed transformers has no Qwen3-VL-MoE."""
     try:
-        from transformers import Qwen3VLMoeConfig, Qwen3VLMoeForConditionalGeneration
+        return qwen_vl("qwen3_vl_moe", seed)
     except ImportError:
         return None
-    torch.manual_seed(seed)
-    return Qwen3VLMoeForConditionalGeneration(
-        Qwen3VLMoeConfig(text_config=_qwen3_text(True), vision_config=_QWEN3_VISION, **_TOKENS)
-    )
 
 
 BUILDERS: dict[str, Callable[[int], nn.Module | None]] = {
@@ -257,3 +349,16 @@ def make_batch(has_image: bool, seed: int, patch_dim: int = 1176) -> dict[str, t
     batch["input_ids"] = ids
     batch["labels"] = ids.clone()
     return batch
+
+
+def image_collate(batch: Sequence[dict[str, Any]]) -> dict[str, torch.Tensor]:
+    """Stack equal-length Qwen-VL rows (``input_ids``, optional ``pixel_values`` / ``image_grid_thw`` as
+    lists, None on text rows); ``labels`` are the ids. Image tensors are concatenated over the rows that
+    have one."""
+    out = {"input_ids": torch.tensor([b["input_ids"] for b in batch])}
+    out["labels"] = out["input_ids"].clone()
+    imgs = [b for b in batch if b.get("pixel_values") is not None]
+    if imgs:
+        out["pixel_values"] = torch.cat([torch.tensor(b["pixel_values"]) for b in imgs])
+        out["image_grid_thw"] = torch.cat([torch.tensor(b["image_grid_thw"]) for b in imgs])
+    return out

@@ -14,27 +14,18 @@ What can go unused in a step, per family (the oracle the plan tests use; observe
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
+from fixtures import SMALL_TEXT, qwen_vl
 from torch import nn
 
 SEQ = (12, 16)  # sequence lengths alternate between these (variable lengths across steps and ranks)
 IMG = 200  # image placeholder token id in every VLM config below (text tokens are drawn below 190)
 
-_LLAMA_TEXT = dict(
-    vocab_size=256,
-    hidden_size=64,
-    intermediate_size=128,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    max_position_embeddings=512,
-    eos_token_id=0,
-    bos_token_id=0,
-    pad_token_id=0,
-)
+_LLAMA_TEXT = dict(SMALL_TEXT, max_position_embeddings=512, eos_token_id=0, bos_token_id=0, pad_token_id=0)
 _ATTN_MLP = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
 
@@ -241,50 +232,11 @@ def _mllama_batch(has_image: bool, seed: int, seq: int) -> dict[str, torch.Tenso
 # --- Qwen VLMs (grid-based towers) ------------------------------------------------------------------
 
 _QTOK = dict(image_token_id=IMG, video_token_id=201, vision_start_token_id=202, vision_end_token_id=203)
-_QTEXT = dict(_LLAMA_TEXT, rope_scaling={"type": "mrope", "mrope_section": [2, 2, 4]})
 
 
-def _qwen2_vl(seed: int) -> nn.Module:
-    from transformers import Qwen2VLConfig, Qwen2VLForConditionalGeneration
-
-    vision = dict(depth=2, embed_dim=32, hidden_size=64, num_heads=2, mlp_ratio=2, patch_size=14,
-                  spatial_merge_size=2, temporal_patch_size=2)
-    return Qwen2VLForConditionalGeneration(Qwen2VLConfig(text_config=_QTEXT, vision_config=vision, **_QTOK))
-
-
-def _qwen2_5_vl(seed: int) -> nn.Module:
-    from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
-
-    vision = dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64, patch_size=14,
-                  spatial_merge_size=2, temporal_patch_size=2, fullatt_block_indexes=[1], window_size=56)
-    return Qwen2_5_VLForConditionalGeneration(Qwen2_5_VLConfig(text_config=_QTEXT, vision_config=vision, **_QTOK))
-
-
-def _qwen3_text(moe: bool) -> dict:
-    t = dict(_LLAMA_TEXT, head_dim=16,
-             rope_scaling={"rope_type": "default", "mrope_section": [2, 3, 3], "mrope_interleaved": True})
-    if moe:
-        t.update(moe_intermediate_size=32, num_experts=4, num_experts_per_tok=2)
-    return t
-
-
-_Q3_VISION = dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64, patch_size=16,
-                  spatial_merge_size=2, temporal_patch_size=2, num_position_embeddings=16,
-                  deepstack_visual_indexes=[0])
-
-
-def _qwen3_vl(seed: int) -> nn.Module:
-    from transformers import Qwen3VLConfig, Qwen3VLForConditionalGeneration
-
-    return Qwen3VLForConditionalGeneration(
-        Qwen3VLConfig(text_config=_qwen3_text(False), vision_config=_Q3_VISION, **_QTOK))
-
-
-def _qwen3_vl_moe(seed: int) -> nn.Module:
-    from transformers import Qwen3VLMoeConfig, Qwen3VLMoeForConditionalGeneration
-
-    return Qwen3VLMoeForConditionalGeneration(
-        Qwen3VLMoeConfig(text_config=_qwen3_text(True), vision_config=_Q3_VISION, **_QTOK))
+def _qwen_vl(name: str) -> Callable[[int], nn.Module]:
+    """fixtures' Qwen-VL config for ``name`` with this zoo's text config and token ids."""
+    return functools.partial(qwen_vl, name, text=_LLAMA_TEXT, tokens=_QTOK)
 
 
 def _qwen_batch(patch_dim: int):
@@ -334,13 +286,13 @@ ZOO: dict[str, ZooEntry] = {
         ZooEntry("mistral3", "Mistral 3 (Pixtral tower)", _mistral3, _VLM_LORA,
                  _pixel_batch(4, 28, lambda g: {"image_sizes": torch.tensor([[28, 28]])}), vlm=True,
                  can_go_unused=_VISION_UNUSED),
-        ZooEntry("qwen2_vl", "Qwen2-VL", _qwen2_vl, _VLM_LORA, _qwen_batch(1176), vlm=True,
+        ZooEntry("qwen2_vl", "Qwen2-VL", _qwen_vl("qwen2_vl"), _VLM_LORA, _qwen_batch(1176), vlm=True,
                  can_go_unused=_VISION_UNUSED),
-        ZooEntry("qwen2_5_vl", "Qwen2.5-VL", _qwen2_5_vl, _VLM_LORA, _qwen_batch(1176), vlm=True,
+        ZooEntry("qwen2_5_vl", "Qwen2.5-VL", _qwen_vl("qwen2_5_vl"), _VLM_LORA, _qwen_batch(1176), vlm=True,
                  can_go_unused=_VISION_UNUSED),
-        ZooEntry("qwen3_vl", "Qwen3-VL", _qwen3_vl, _VLM_LORA, _qwen_batch(1536), vlm=True,
+        ZooEntry("qwen3_vl", "Qwen3-VL", _qwen_vl("qwen3_vl"), _VLM_LORA, _qwen_batch(1536), vlm=True,
                  can_go_unused=_VISION_UNUSED),
-        ZooEntry("qwen3_vl_moe", "Qwen3-VL-MoE", _qwen3_vl_moe, _VLM_LORA, _qwen_batch(1536), vlm=True,
+        ZooEntry("qwen3_vl_moe", "Qwen3-VL-MoE", _qwen_vl("qwen3_vl_moe"), _VLM_LORA, _qwen_batch(1536), vlm=True,
                  can_go_unused=_VISION_UNUSED),
     ]
 }
