@@ -17,16 +17,26 @@ Rank 0 writes one JSON record per setting.
 from __future__ import annotations
 
 import argparse
-import gc
 import json
-import warnings
+import os
+import sys
 
 import torch
-import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from hf_ddpfix.integrations.loss_patch import patch_model_loss
-from hf_ddpfix.integrations.tiled_mlp import apply_tiled_mlp
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))  # tests/: fixtures
+from fixtures import (  # noqa: E402
+    finish,
+    flat_trainable,
+    init_gloo,
+    lora_llama,
+    masked_labels,
+    max_diff_across_ranks,
+    tiled_stats,
+)
+
+from hf_ddpfix.integrations.loss_patch import patch_model_loss  # noqa: E402
+from hf_ddpfix.integrations.tiled_mlp import apply_tiled_mlp  # noqa: E402
 
 STEPS, ROWS_PER_RANK, SEQ, LR = 3, 2, 24, 0.5
 SETTINGS = [
@@ -39,37 +49,16 @@ SETTINGS = [
 
 
 def build(ckpt: str | None):
-    from peft import LoraConfig, get_peft_model
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)
-    lora = LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, init_lora_weights=False,
-                      target_modules=["q_proj", "v_proj", "gate_proj", "up_proj", "down_proj"])
-    model = get_peft_model(LlamaForCausalLM(cfg), lora).double()  # fp64: summation order noise << 1e-6
-    if ckpt:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", FutureWarning)
-            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": ckpt == "reentrant"})
-        if ckpt == "reentrant":
-            model.enable_input_require_grads()
-    model.train()
-    return model
+    return lora_llama(dtype=torch.float64, checkpointing=ckpt)  # fp64: summation order noise << 1e-6
 
 
 def batches(world: int):
     gen = torch.Generator().manual_seed(1234)
     for _ in range(STEPS):
         ids = torch.randint(0, 256, (ROWS_PER_RANK * world, SEQ), generator=gen)
-        labels = ids.clone()
-        labels[torch.rand(ids.shape, generator=gen) < 0.3] = -100
+        labels = masked_labels(ids, gen)
         count = (labels[:, 1:] != -100).sum()
         yield ids, labels, count
-
-
-def trainable(model) -> torch.Tensor:
-    return torch.cat([p.detach().flatten() for _, p in sorted(model.named_parameters()) if p.requires_grad])
 
 
 def reference(world: int) -> torch.Tensor:
@@ -79,18 +68,14 @@ def reference(world: int) -> torch.Tensor:
         model(input_ids=ids, labels=labels, num_items_in_batch=count).loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
-    return trainable(model)
+    return flat_trainable(model)
 
 
 def run(ddp_kwargs: dict, ckpt: str | None, rank: int, world: int) -> tuple[torch.Tensor, dict]:
     model = build(ckpt)
     handle = apply_tiled_mlp(model, shards=4)
     loss_handle = patch_model_loss(model, chunk_tokens=7)
-    stats: dict[str, int] = {}
-    for m in model.modules():
-        fwd = m.__dict__.get("forward")
-        if fwd is not None and hasattr(fwd, "stats"):
-            fwd.stats = stats
+    stats = tiled_stats(model)
     ddp = DDP(model, **ddp_kwargs)
     opt = torch.optim.SGD([p for p in ddp.parameters() if p.requires_grad], lr=LR)
     lo, hi = rank * ROWS_PER_RANK, (rank + 1) * ROWS_PER_RANK
@@ -101,26 +86,23 @@ def run(ddp_kwargs: dict, ckpt: str | None, rank: int, world: int) -> tuple[torc
         opt.step()
         opt.zero_grad(set_to_none=True)
     info = {"tiled_modules": len(handle.patched), "loss_calls": loss_handle.calls, **stats}
-    return trainable(model), info
+    return flat_trainable(model), info
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
-    dist.init_process_group("gloo")
-    rank, world = dist.get_rank(), dist.get_world_size()
+    rank, world = init_gloo()
     ref = reference(world)
     records = []
     for name, kwargs, ckpt in SETTINGS:
         w, info = run(kwargs, ckpt, rank, world)
-        gathered = [torch.empty_like(w) for _ in range(world)]
-        dist.all_gather(gathered, w)
         rec = {
             "setting": name, "ddp_kwargs": kwargs, "checkpointing": ckpt,
             "max_diff_vs_reference": float((w - ref).abs().max()),
-            "max_diff_across_ranks": float(max((g - gathered[0]).abs().max() for g in gathered)),
-            "weights_moved": float((w - trainable(build(None))).abs().max()),
+            "max_diff_across_ranks": max_diff_across_ranks(w),
+            "weights_moved": float((w - flat_trainable(build(None))).abs().max()),
             **info,
         }
         ok = (rec["max_diff_vs_reference"] < 1e-6 and rec["max_diff_across_ranks"] == 0.0
@@ -130,14 +112,7 @@ def main() -> None:
         records.append(rec)
         if rank == 0:
             print("TILED_DDP", json.dumps(rec), flush=True)
-    if rank == 0 and args.out:
-        with open(args.out, "w") as f:
-            json.dump(records, f, indent=1)
-    dist.barrier()
-    gc.collect()  # free FSDP/DDP state before the process group goes ("terminate called" at exit otherwise)
-    dist.destroy_process_group()
-    if not all(r["ok"] for r in records):
-        raise SystemExit(f"tiled DDP mismatch: {[r for r in records if not r['ok']]}")
+    finish(records, args.out, "tiled DDP")
 
 
 if __name__ == "__main__":

@@ -15,16 +15,18 @@ every rank ran the same number of chunks.
 from __future__ import annotations
 
 import argparse
-import gc
 import json
-import warnings
+import os
+import sys
 
 import torch
 import torch.distributed as dist
-from torch.distributed.fsdp import fully_shard
 
-from hf_ddpfix.integrations.loss_patch import patch_model_loss
-from hf_ddpfix.integrations.tiled_mlp import apply_tiled_mlp
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))  # tests/: fixtures
+from fixtures import finish, flat_trainable, init_gloo, lora_llama, masked_labels, shard_decoder, tiled_stats  # noqa: E402
+
+from hf_ddpfix.integrations.loss_patch import patch_model_loss  # noqa: E402
+from hf_ddpfix.integrations.tiled_mlp import apply_tiled_mlp  # noqa: E402
 
 STEPS, ROWS_PER_RANK, LR = 3, 2, 0.5
 
@@ -34,21 +36,7 @@ def seq_len(rank: int) -> int:
 
 
 def build(ckpt: bool):
-    from peft import LoraConfig, get_peft_model
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)
-    lora = LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, init_lora_weights=False,
-                      target_modules=["q_proj", "v_proj", "gate_proj", "up_proj", "down_proj"])
-    model = get_peft_model(LlamaForCausalLM(cfg), lora).double()
-    if ckpt:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", FutureWarning)
-            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    model.train()
-    return model
+    return lora_llama(dtype=torch.float64, checkpointing="non_reentrant" if ckpt else None)
 
 
 def batches(world: int):
@@ -58,19 +46,8 @@ def batches(world: int):
         parts = []
         for r in range(world):
             ids = torch.randint(0, 256, (ROWS_PER_RANK, seq_len(r)), generator=gen)
-            labels = ids.clone()
-            labels[torch.rand(ids.shape, generator=gen) < 0.3] = -100
-            parts.append((ids, labels))
+            parts.append((ids, masked_labels(ids, gen)))
         yield parts, sum(int((lab[:, 1:] != -100).sum()) for _, lab in parts)
-
-
-def full_trainable(model) -> torch.Tensor:
-    out = []
-    for _, p in sorted(model.named_parameters()):
-        if p.requires_grad:
-            t = p.full_tensor() if hasattr(p, "full_tensor") else p
-            out.append(t.detach().flatten())
-    return torch.cat(out)
 
 
 def reference(world: int) -> torch.Tensor:
@@ -81,21 +58,15 @@ def reference(world: int) -> torch.Tensor:
             model(input_ids=ids, labels=labels, num_items_in_batch=count).loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
-    return full_trainable(model)
+    return flat_trainable(model)
 
 
 def run(ckpt: bool, rank: int, world: int) -> tuple[torch.Tensor, dict]:
     model = build(ckpt)
     handle = apply_tiled_mlp(model, shards="auto", min_tokens=0, tokens_per_shard=10, sync=True)
     loss_handle = patch_model_loss(model, chunk_tokens=7)
-    stats: dict[str, int] = {}
-    for m in model.modules():
-        fwd = m.__dict__.get("forward")
-        if fwd is not None and hasattr(fwd, "stats"):
-            fwd.stats = stats
-    for layer in model.get_base_model().model.layers:
-        fully_shard(layer)
-    fully_shard(model)
+    stats = tiled_stats(model)
+    shard_decoder(model)
     opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=LR)
     for parts, count in batches(world):
         ids, labels = parts[rank]
@@ -104,15 +75,14 @@ def run(ckpt: bool, rank: int, world: int) -> tuple[torch.Tensor, dict]:
         (out.loss * world).backward()  # FSDP averages gradients over ranks
         opt.step()
         opt.zero_grad(set_to_none=True)
-    return full_trainable(model), {"tiled_modules": len(handle.patched), "loss_calls": loss_handle.calls, **stats}
+    return flat_trainable(model), {"tiled_modules": len(handle.patched), "loss_calls": loss_handle.calls, **stats}
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
-    dist.init_process_group("gloo")
-    rank, world = dist.get_rank(), dist.get_world_size()
+    rank, world = init_gloo()
     ref = reference(world)
     records = []
     for ckpt in (False, True):
@@ -129,14 +99,7 @@ def main() -> None:
         records.append(rec)
         if rank == 0:
             print("TILED_FSDP", json.dumps(rec), flush=True)
-    if rank == 0 and args.out:
-        with open(args.out, "w") as f:
-            json.dump(records, f, indent=1)
-    dist.barrier()
-    gc.collect()  # free FSDP/DDP state before the process group goes ("terminate called" at exit otherwise)
-    dist.destroy_process_group()
-    if not all(r["ok"] for r in records):
-        raise SystemExit(f"tiled FSDP mismatch: {[r for r in records if not r['ok']]}")
+    finish(records, args.out, "tiled FSDP")
 
 
 if __name__ == "__main__":
