@@ -18,15 +18,25 @@ the patched forward ran (``patched calls`` > 0), and weights moved. Rank 0 write
 from __future__ import annotations
 
 import argparse
-import gc
 import json
-import warnings
+import os
+import sys
 
 import torch
-import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from hf_ddpfix.integrations.long_context import apply_long_context
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))  # tests/: fixtures
+from fixtures import (  # noqa: E402
+    finish,
+    flat_trainable,
+    init_gloo,
+    lora_llama,
+    masked_labels,
+    max_diff_across_ranks,
+    shard_decoder,
+)
+
+from hf_ddpfix.integrations.long_context import apply_long_context  # noqa: E402
 
 STEPS, ROWS, LR, CLIP = 3, 2, 0.05, 0.5
 # find_unused_parameters=False (every hook must fire exactly once) and static graph (the hook order of
@@ -39,21 +49,8 @@ SETTINGS = [
 
 
 def build(ckpt: bool):
-    from peft import LoraConfig, get_peft_model
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=101, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                      num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=128,
-                      attn_implementation="sdpa")
-    lora = LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, init_lora_weights=False, target_modules="all-linear")
-    model = get_peft_model(LlamaForCausalLM(cfg), lora).double()
-    if ckpt:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", FutureWarning)
-            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    model.train()
-    return model
+    return lora_llama(targets="all-linear", dtype=torch.float64, checkpointing="non_reentrant" if ckpt else None,
+                      vocab_size=101, num_attention_heads=8, attn_implementation="sdpa")
 
 
 def batches(world: int):
@@ -64,15 +61,9 @@ def batches(world: int):
         for r in range(world):
             seq = 9 + 4 * step + 3 * r
             ids = torch.randint(0, 101, (ROWS, seq), generator=gen)
-            labels = ids.clone()
-            labels[torch.rand(ids.shape, generator=gen) < 0.3] = -100
-            parts.append((ids, labels))
+            parts.append((ids, masked_labels(ids, gen)))
         count = sum(int((lab[:, 1:] != -100).sum()) for _, lab in parts)
         yield parts, torch.tensor(count)
-
-
-def trainable(model) -> torch.Tensor:
-    return torch.cat([p.detach().flatten() for _, p in sorted(model.named_parameters()) if p.requires_grad])
 
 
 def optimizer(params):
@@ -89,16 +80,7 @@ def reference(world: int) -> torch.Tensor:
         torch.nn.utils.clip_grad_norm_(params, CLIP)
         opt.step()
         opt.zero_grad(set_to_none=True)
-    return trainable(model)
-
-
-def full_trainable(model) -> torch.Tensor:
-    out = []
-    for _, p in sorted(model.named_parameters()):
-        if p.requires_grad:
-            t = p.detach()
-            out.append((t.full_tensor() if hasattr(t, "full_tensor") else t).flatten())
-    return torch.cat(out)
+    return flat_trainable(model)
 
 
 def run(ddp_kwargs: dict | None, rank: int, world: int) -> tuple[torch.Tensor, dict]:
@@ -106,11 +88,7 @@ def run(ddp_kwargs: dict | None, rank: int, world: int) -> tuple[torch.Tensor, d
     fsdp = ddp_kwargs is None
     handle = apply_long_context(model, "all", tokens_per_tile=5, norm_chunk_tokens=7, sync=fsdp)
     if fsdp:
-        from torch.distributed.fsdp import fully_shard
-
-        for layer in model.get_base_model().model.layers:
-            fully_shard(layer)
-        ddp = fully_shard(model)
+        ddp = shard_decoder(model)
     else:
         ddp = DDP(model, **ddp_kwargs)
     params = [p for p in ddp.parameters() if p.requires_grad]
@@ -122,26 +100,23 @@ def run(ddp_kwargs: dict | None, rank: int, world: int) -> tuple[torch.Tensor, d
         torch.nn.utils.clip_grad_norm_(params, CLIP)
         opt.step()
         opt.zero_grad(set_to_none=True)
-    return full_trainable(model), {"patched": len(handle.patched), **{k: int(v) for k, v in handle.stats.items()}}
+    return flat_trainable(model), {"patched": len(handle.patched), **{k: int(v) for k, v in handle.stats.items()}}
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
-    dist.init_process_group("gloo")
-    rank, world = dist.get_rank(), dist.get_world_size()
+    rank, world = init_gloo()
     ref = reference(world)
-    start = trainable(build(False))
+    start = flat_trainable(build(False))
     records = []
     for name, kwargs in SETTINGS:
         w, info = run(kwargs, rank, world)
-        gathered = [torch.empty_like(w) for _ in range(world)]
-        dist.all_gather(gathered, w)
         rec = {
             "setting": name, "ddp_kwargs": kwargs,
             "max_diff_vs_reference": float((w - ref).abs().max()),
-            "max_diff_across_ranks": float(max((g - gathered[0]).abs().max() for g in gathered)),
+            "max_diff_across_ranks": max_diff_across_ranks(w),
             "weights_moved": float((w - start).abs().max()),
             **info,
         }
@@ -151,14 +126,7 @@ def main() -> None:
         records.append(rec)
         if rank == 0:
             print("LONG_CONTEXT_DDP", json.dumps(rec), flush=True)
-    if rank == 0 and args.out:
-        with open(args.out, "w") as f:
-            json.dump(records, f, indent=1)
-    dist.barrier()
-    gc.collect()
-    dist.destroy_process_group()
-    if not all(r["ok"] for r in records):
-        raise SystemExit(f"long-context DDP mismatch: {[r for r in records if not r['ok']]}")
+    finish(records, args.out, "long-context DDP")
 
 
 if __name__ == "__main__":

@@ -18,53 +18,39 @@ from __future__ import annotations
 
 import argparse
 import faulthandler
-import gc
 import json
 import os
+import sys
 import threading
 import time
 
 import torch
 import torch.distributed as dist
-from torch.distributed.fsdp import FSDPModule, fully_shard
+from torch.distributed.fsdp import FSDPModule
 
-from hf_ddpfix.integrations.tiled_mlp import apply_tiled_mlp
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))  # tests/: fixtures
+from fixtures import init_gloo, lora_llama, shard_decoder, teardown, tiled_stats  # noqa: E402
+
+from hf_ddpfix.integrations.tiled_mlp import apply_tiled_mlp  # noqa: E402
 
 STEPS = 2
 
 
 def build():
-    from peft import LoraConfig, get_peft_model
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
-                      attn_implementation="eager")
-    lora = LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, init_lora_weights=False,
-                      target_modules=["q_proj", "v_proj", "gate_proj", "up_proj", "down_proj"])
-    return get_peft_model(LlamaForCausalLM(cfg), lora)
+    return lora_llama(vocab_size=128, attn_implementation="eager")
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
     a = ap.parse_args()
-    dist.init_process_group("gloo")
-    rank, world = dist.get_rank(), dist.get_world_size()
+    rank, world = init_gloo()
     flag = a.out + ".rank0_done"
 
     model = build()
-    model.train()
     handle = apply_tiled_mlp(model, shards="auto", min_tokens=0, tokens_per_shard=8, sync=True)
-    stats: dict[str, int] = {}
-    for m in model.modules():
-        fwd = m.__dict__.get("forward")
-        if fwd is not None and hasattr(fwd, "stats"):
-            fwd.stats = stats
-    for layer in model.get_base_model().model.layers:
-        fully_shard(layer)
-    fully_shard(model)
+    stats = tiled_stats(model)
+    shard_decoder(model)
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2, weight_decay=0.1)
     gen = torch.Generator().manual_seed(5 + rank)
     for step in range(STEPS):
@@ -128,9 +114,7 @@ def main() -> None:
         deadline = time.time() + 90
         while not os.path.exists(flag) and time.time() < deadline:  # no collective while rank 0 works
             time.sleep(0.2)
-    dist.barrier()
-    gc.collect()
-    dist.destroy_process_group()
+    teardown()
 
 
 if __name__ == "__main__":
