@@ -22,7 +22,7 @@ from ..config import DDPFixConfig
 from . import ddp as ddp_rules
 from . import deepspeed as ds_rules
 from . import memory, quantized
-from .types import CheckpointMode, Decision, Plan, PlanError, RunFacts
+from .types import CheckpointMode, Plan, PlanError, RunFacts
 
 __all__ = ["resolve_plan"]
 
@@ -62,9 +62,7 @@ def resolve_plan(facts: RunFacts, config: DDPFixConfig | None = None) -> Plan:
     usage = ddp_rules.decide_parameter_usage(facts, c, mode)
     stabilizer = ddp_rules.decide_stabilizer(facts, c, distributed, bool(usage.value))
     unused_reason = ddp_rules.unused_reason(facts, bool(stabilizer.value), usage)
-    fu = ddp_rules.decide_find_unused(
-        facts, c, ddp, mode, unused_reason, bool(stabilizer.value), correct
-    )
+    fu = ddp_rules.decide_find_unused(facts, c, ddp, mode, unused_reason, bool(stabilizer.value), correct)
     static = ddp_rules.decide_static_graph(facts, c, ddp, checkpointed, unused_reason, correct)
     offload = memory.decide_offload(facts, c, mode)
     guard = ddp_rules.decide_hang_guard(facts, c, ddp, bool(fu.value), bool(stabilizer.value), bool(usage.value))
@@ -77,9 +75,10 @@ def resolve_plan(facts: RunFacts, config: DDPFixConfig | None = None) -> Plan:
         offload_activations=offload,
         vlm_stabilizer=stabilizer,
         hang_guard=guard,
-        tiled_mlp=_unverified_under_zero3(facts, memory.decide_tiled_mlp(facts, c)),
-        tiled_loss=_unverified_under_zero3(facts, memory.decide_tiled_loss(c)),
-        long_context=_unverified_under_zero3(facts, memory.decide_long_context(facts, c, mode)),
+        # opt-in tiling reads partitioned (empty) weights under ZeRO-3: not verified there, stock kept
+        tiled_mlp=ds_rules.zero3_unverified(facts, memory.decide_tiled_mlp(facts, c)),
+        tiled_loss=ds_rules.zero3_unverified(facts, memory.decide_tiled_loss(c)),
+        long_context=ds_rules.zero3_unverified(facts, memory.decide_long_context(facts, c, mode)),
         quantization=quantization,
         parameter_usage=usage,
         deepspeed=ds_rules.engine(facts),
@@ -88,8 +87,3 @@ def resolve_plan(facts: RunFacts, config: DDPFixConfig | None = None) -> Plan:
         config_lines=tuple(c.describe()),
         offload_min_layer_bytes=memory.offload_min_layer_bytes(c),
     )
-
-
-def _unverified_under_zero3(facts: RunFacts, decision: Decision) -> Decision:
-    """Stock computation for opt-in features not verified under ZeRO-3 (see `deepspeed.zero3_unverified`)."""
-    return ds_rules.zero3_unverified(facts, decision)

@@ -170,6 +170,7 @@ class Plan:
         }
 
     def decisions(self) -> dict[str, Decision]:
+        """Every decision field by name, in the order the report lists them."""
         return {
             "checkpointing": self.checkpointing,
             "parameter_usage": self.parameter_usage,
