@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from fixtures import lora_llama
 from launch import torchrun
 from torch import nn
 from torch.utils.checkpoint import checkpoint
@@ -30,22 +31,8 @@ LAYER_INPUT_BYTES = BATCH * SEQ * HIDDEN * 4  # float32 hidden states entering o
 
 
 def build_lora_llama(layers: int = LAYERS, seed: int = 0) -> nn.Module:
-    from peft import LoraConfig, get_peft_model
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(seed)
-    cfg = LlamaConfig(
-        vocab_size=256,
-        hidden_size=HIDDEN,
-        intermediate_size=128,
-        num_hidden_layers=layers,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=256,
-    )
-    model = LlamaForCausalLM(cfg)
-    lora = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], lora_dropout=0.0)
-    return get_peft_model(model, lora)
+    return lora_llama(targets=("q_proj", "v_proj"), random_lora=False, seed=seed, num_hidden_layers=layers,
+                      hidden_size=HIDDEN, max_position_embeddings=256)
 
 
 def install_checkpointing(model: nn.Module, offload: ActivationOffload | None) -> int:

@@ -15,16 +15,19 @@ the copying mode, which also restores each of them. Rank 0 writes the verdict as
 from __future__ import annotations
 
 import argparse
-import gc
 import json
-import warnings
+import os
+import sys
 
 import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from hf_ddpfix.integrations.checkpointing import apply_checkpointing
-from hf_ddpfix.ops.offload import ActivationOffload
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))  # tests/: fixtures
+from fixtures import init_gloo, lora_llama, teardown  # noqa: E402
+
+from hf_ddpfix.integrations.checkpointing import apply_checkpointing  # noqa: E402
+from hf_ddpfix.ops.offload import ActivationOffload  # noqa: E402
 
 STEPS, BATCH, HIDDEN, LAYERS = 4, 2, 64, 2
 
@@ -33,32 +36,9 @@ def seq_len(step: int, rank: int) -> int:
     return 32 - 3 * step + 5 * rank
 
 
-def build():
-    from peft import LoraConfig, get_peft_model
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
-    cfg = LlamaConfig(
-        vocab_size=256,
-        hidden_size=HIDDEN,
-        intermediate_size=128,
-        num_hidden_layers=LAYERS,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=128,
-    )
-    model = get_peft_model(
-        LlamaForCausalLM(cfg), LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"])
-    )
-    model.train()
-    return model
-
-
 def train(offload: ActivationOffload | None) -> tuple[torch.Tensor, list[str]]:
-    model = build()
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", FutureWarning)
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model = lora_llama(targets=("q_proj", "v_proj"), random_lora=False, checkpointing="non_reentrant",
+                       num_hidden_layers=LAYERS, hidden_size=HIDDEN)
     apply_checkpointing(model, use_reentrant=False, offload=offload)
     ddp = DDP(model)
     opt = torch.optim.AdamW([p for p in ddp.parameters() if p.requires_grad], lr=1e-2, weight_decay=0.1)
@@ -105,7 +85,7 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
-    dist.init_process_group("gloo")
+    init_gloo()
     try:
         stock, _ = train(None)
         simulate, sim_errors = train(ActivationOffload(min_bytes=0, simulate=True))
@@ -135,8 +115,7 @@ def main() -> None:
                 json.dump(result, f, indent=2)
             print(json.dumps(result))
     finally:
-        gc.collect()  # free DDP/FSDP state before the process group goes
-        dist.destroy_process_group()
+        teardown()
 
 
 if __name__ == "__main__":

@@ -17,17 +17,18 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import gc
-import hashlib
 import json
-import warnings
+import os
+import sys
 
 import torch
 import torch.distributed as dist
-from torch.distributed.fsdp import fully_shard
 
-from hf_ddpfix.integrations.checkpointing import apply_checkpointing
-from hf_ddpfix.ops.offload import ActivationOffload
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))  # tests/: fixtures
+from fixtures import init_gloo, lora_llama, shard_decoder, teardown, trainable_weights, weights_digest  # noqa: E402
+
+from hf_ddpfix.integrations.checkpointing import apply_checkpointing  # noqa: E402
+from hf_ddpfix.ops.offload import ActivationOffload  # noqa: E402
 
 STEPS, LAYERS, BATCH, SEQ, HIDDEN = 3, 3, 2, 24, 64
 LAYER_INPUT_BYTES = BATCH * SEQ * HIDDEN * 4  # float32 hidden states entering one decoder layer
@@ -35,36 +36,7 @@ TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down
 
 
 def build():
-    from peft import LoraConfig, get_peft_model
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=256, hidden_size=HIDDEN, intermediate_size=128, num_hidden_layers=LAYERS,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)
-    lora = LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, init_lora_weights=False, target_modules=TARGETS)
-    model = get_peft_model(LlamaForCausalLM(cfg), lora)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", FutureWarning)
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    model.train()
-    return model
-
-
-def full_trainable(model) -> dict[str, torch.Tensor]:
-    out = {}
-    for name, p in model.named_parameters():
-        if p.requires_grad:
-            t = p.full_tensor() if hasattr(p, "full_tensor") else p
-            out[name] = t.detach().clone()
-    return out
-
-
-def digest(weights: dict[str, torch.Tensor]) -> str:
-    h = hashlib.sha256()
-    for name in sorted(weights):
-        h.update(name.encode())
-        h.update(weights[name].numpy().tobytes())
-    return h.hexdigest()[:16]
+    return lora_llama(targets=TARGETS, checkpointing="non_reentrant", num_hidden_layers=LAYERS, hidden_size=HIDDEN)
 
 
 def train(mode: str, rank: int, with_module: bool = False) -> tuple[dict[str, torch.Tensor], list[dict[str, int]]]:
@@ -79,9 +51,7 @@ def train(mode: str, rank: int, with_module: bool = False) -> tuple[dict[str, to
     assert replaced >= LAYERS, replaced
     layers = model.get_base_model().model.layers
     assert sum(bool(layer.gradient_checkpointing) for layer in layers) == LAYERS
-    for layer in layers:
-        fully_shard(layer)
-    fully_shard(model)
+    shard_decoder(model)
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
     gen = torch.Generator().manual_seed(100 + rank)  # different data per rank
     stats = []
@@ -93,7 +63,7 @@ def train(mode: str, rank: int, with_module: bool = False) -> tuple[dict[str, to
             stats.append(offload.stats.as_dict())
         opt.step()
         opt.zero_grad(set_to_none=True)
-    return full_trainable(model), stats
+    return trainable_weights(model), stats
 
 
 def check_stats(mode: str, stats: list[dict[str, int]]) -> list[str]:
@@ -129,10 +99,9 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
-    dist.init_process_group("gloo")
-    rank, world = dist.get_rank(), dist.get_world_size()
+    rank, world = init_gloo()
     stock, _ = train("stock", rank)
-    init = full_trainable(build())
+    init = trainable_weights(build())
     result: dict = {"world_size": world, "trainable_tensors": len(stock),
                     "trained": sum(not torch.equal(stock[k], init[k]) for k in stock)}
     errors = []
@@ -155,7 +124,7 @@ def main() -> None:
     dist.all_gather_object(module_errors, module_error)
     result["module_arg_errors"] = [e for e in module_errors if e]
     digests: list[str | None] = [None] * world
-    dist.all_gather_object(digests, digest(stock))
+    dist.all_gather_object(digests, weights_digest(stock))
     all_errors: list[list[str] | None] = [None] * world
     dist.all_gather_object(all_errors, errors)
     result["digests"] = digests
@@ -167,9 +136,7 @@ def main() -> None:
         if args.out:
             with open(args.out, "w") as f:
                 json.dump(result, f, indent=1)
-    dist.barrier()
-    gc.collect()  # free FSDP state before the process group goes ("terminate called" at exit otherwise)
-    dist.destroy_process_group()
+    teardown()
     if not result["ok"]:
         raise SystemExit(f"offload FSDP mismatch: {result['errors']} ranks_equal={result['ranks_equal']}")
 
