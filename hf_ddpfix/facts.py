@@ -94,7 +94,8 @@ def gather_facts(trainer: Any, model: nn.Module | None = None) -> RunFacts:
     else:
         mode = detect_checkpointing(model)
     vision = families.is_vision_language_model(model)
-    adapter = families.find_vision_adapter(model) if vision else None
+    # LLaVA / Gemma 3: a dummy image under ZeRO only; DDP / FSDP keep parameter_usage (families docstring)
+    adapter = families.find_vision_adapter(model, zero=parallel == "deepspeed") if vision else None
     quant = quantized.quantization_facts(model)
     return RunFacts(
         parallel=parallel,

@@ -137,17 +137,65 @@ def test_vision_param_names_for_lora_full_and_frozen_towers() -> None:
     assert len(vision_param_names(full, trainable_only=False)) == len(list(full.model.visual.parameters()))
 
 
-def test_unknown_vlm_gets_no_adapter_and_a_logged_reason() -> None:
+def test_llava_gets_a_zero_only_adapter_and_no_ddp_stabiliser() -> None:
+    """LLaVA (and Gemma 3) are driven under DeepSpeed ZeRO only: the DDP / FSDP view (the default, what the
+    plan's DDP / FSDP decisions and VisionStabilizer use) keeps stock + parameter_usage, with the reason."""
     llava = build_llava()
     assert find_vision_adapter(llava) is None
     reason = describe_unsupported(llava)
-    assert "LlavaForConditionalGeneration" in reason and "clip_vision_model" in reason
-    assert "no hf_ddpfix vision adapter" in reason and "ddp_find_unused_parameters=True" in reason
-    names = vision_param_names(llava)  # planning still sees its vision parameters, by module name
+    assert "LlavaForConditionalGeneration" in reason and "DeepSpeed ZeRO-2/3 only" in reason
+    assert "parameter_usage" in reason and "ddp_find_unused_parameters=True" in reason
+    with pytest.raises(ValueError, match="DeepSpeed ZeRO-2/3 only"):
+        VisionStabilizer(llava)
+    ad = find_vision_adapter(llava, zero=True)
+    assert ad is not None and ad.family.name == "llava" and ad.kind == "image" and describe_unsupported(
+        llava, zero=True) == ""
+    assert ad.tower is llava.model.vision_tower and ad.projector is llava.model.multi_modal_projector
+    with pytest.raises(ValueError, match="DeepSpeed ZeRO-2/3 only"):
+        VisionStabilizer(llava, ad)  # an explicit ZeRO adapter is refused too
+    pv, grid = ad.dummy_inputs()  # one native-size image: [1, C, image_size, image_size]
+    assert pv.shape == (1, 3, 28, 28) and grid is None
+    out = ad.run_dummy()  # tower + projector (get_image_features): 2x2 patches + CLS -> 4 projected tokens
+    (pooled,) = ad.tie_points(out)[0][1]
+    assert ad.tie_points(out)[0][0] is llava.get_input_embeddings() and pooled.shape == (4, 64)
+    names = vision_param_names(llava)  # the vision group: tower and projector (the same as by module name)
     assert any(n.startswith("model.vision_tower.") for n in names)
     assert any(n.startswith("model.multi_modal_projector.") for n in names)
+
+
+def test_gemma3_adapter_matches_by_model_type_and_a_changed_structure_is_refused() -> None:
+    from zoo import ZOO
+
+    gemma = ZOO["gemma3"].build(0)
+    ad = find_vision_adapter(gemma, zero=True)
+    assert ad is not None and ad.family.name == "gemma3" and find_vision_adapter(gemma) is None
+    assert ad.dummy_inputs()[0].shape == (1, 3, 28, 28)
+    assert ad.tie_points(ad.run_dummy())[0][1][0].shape == (1, 4, 64)  # mm_tokens_per_image=4
+    gemma.config.vision_config.image_size = [28, 28, 3]  # a size this adapter cannot build: reported, not driven
+    assert find_vision_adapter(gemma, zero=True) is None
+    assert "image_size as an int" in describe_unsupported(gemma, zero=True)
+    gemma.config.vision_config.image_size = 28
+    gemma.get_image_features = lambda images: images  # a changed upstream signature
+    assert "get_image_features(pixel_values=...)" in describe_unsupported(gemma, zero=True)
+    del gemma.get_image_features
+    assert find_vision_adapter(gemma, zero=True) is not None
+    del gemma.model.multi_modal_projector
+    assert find_vision_adapter(gemma, zero=True) is None
+    assert "a projector at" in describe_unsupported(gemma, zero=True)
+
+
+def test_unknown_vlm_gets_no_adapter_and_a_logged_reason() -> None:
+    from zoo import ZOO
+
+    mistral3 = ZOO["mistral3"].model(0)
+    assert find_vision_adapter(mistral3) is None and find_vision_adapter(mistral3, zero=True) is None
+    reason = describe_unsupported(mistral3, zero=True)
+    assert "Mistral3ForConditionalGeneration" in reason and "pixtral" in reason
+    assert "no hf_ddpfix vision adapter" in reason and "ddp_find_unused_parameters=True" in reason
+    names = vision_param_names(mistral3)  # planning still sees its vision parameters, by module name
+    assert any(".vision_tower." in n for n in names) and any(".multi_modal_projector." in n for n in names)
     with pytest.raises(ValueError, match="no hf_ddpfix vision adapter"):
-        VisionStabilizer(llava)
+        VisionStabilizer(mistral3)
 
 
 def test_text_model_is_not_a_vlm() -> None:

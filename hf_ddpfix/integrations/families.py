@@ -1,28 +1,40 @@
 """VLM families: which towers hf_ddpfix can drive with a dummy image, found by config and structure.
 
-A :class:`VisionFamily` is data: the ``vision_config.model_type`` values it covers, where the tower
+A :class:`VisionFamily` is data: the ``model_type`` values it covers, where the tower (and projector)
 lives, which config attributes and child modules it must have. :func:`find_vision_adapter` matches a
 model against the registry (:data:`VISION_FAMILIES`, extended with :func:`register_vision_family`) and
 checks the structure, so a renamed or restructured tower is reported unsupported rather than driven
-blindly. A :class:`VisionAdapter` knows how to build the smallest image the tower accepts, run it, and
-where the tower's outputs enter the language model (the tie points for
-:class:`~hf_ddpfix.integrations.stabilizer.VisionStabilizer`).
+blindly. The :class:`~hf_ddpfix.integrations.vision_adapter.VisionAdapter` it returns builds the smallest
+image the tower accepts, runs it, and says where the outputs enter the language model.
 
-Supported families: Qwen2-VL, Qwen2.5-VL, Qwen3-VL, Qwen3-VL-MoE. For other VLMs,
-:func:`vision_param_names` / :func:`vision_groups` find vision parts by module name (planning and the
-hang guard only) and :func:`describe_unsupported` says why there is no adapter.
+Supported families, two kinds:
+
+- ``"grid"`` — Qwen2-VL, Qwen2.5-VL, Qwen3-VL, Qwen3-VL-MoE (``tower(pixel_values, grid_thw=...)``):
+  driven under DDP / FSDP2 (:class:`~hf_ddpfix.integrations.stabilizer.VisionStabilizer`) and DeepSpeed
+  ZeRO-2/3 (:class:`~hf_ddpfix.integrations.zero_vision.ZeroVisionStabilizer`).
+- ``"image"`` — LLaVA, Gemma 3 (``root.get_image_features(pixel_values=...)`` on one native-size image:
+  tower and projector): driven under DeepSpeed ZeRO-2/3 only (``zero_only``). Under DDP / FSDP the plan
+  keeps the generic mechanism measured on them (``parameter_usage``; FSDP2 ``fold_skippable``): the DDP
+  stabiliser's "every vision parameter is used every step" does not hold for them (Gemma 3's SigLIP
+  pooling head runs but never reaches the loss), so it would let the plan drop ``find_unused_parameters``
+  wrongly. Under ZeRO that does not matter: a parameter no rank gives a gradient is zero-filled on
+  every rank alike. ``find_vision_adapter(model)`` is the DDP / FSDP view and skips these families;
+  ``find_vision_adapter(model, zero=True)`` returns them.
+
+For other VLMs, :func:`vision_param_names` / :func:`vision_groups` find vision parts by module name
+(planning and the hang guard only) and :func:`describe_unsupported` says why there is no adapter.
 """
 
 from __future__ import annotations
 
 import inspect
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
-import torch
 from torch import nn
 
 from .._compat import unwrap_model
+from .vision_adapter import VisionAdapter, get_submodule, image_size_hw, output_tensors
 
 __all__ = [
     "VISION_FAMILIES",
@@ -38,10 +50,6 @@ __all__ = [
     "vision_groups",
     "vision_param_names",
 ]
-
-# Input names that make Qwen-style VLMs run their vision tower (modeling_qwen2_5_vl.py, 5.23:
-# `if pixel_values is not None` / `if pixel_values_videos is not None`).
-_VISUAL_INPUT_NAMES = ("pixel_values", "pixel_values_videos")
 
 # Module names that hold vision parameters in VLMs we have no adapter for (planning / guard only).
 _GENERIC_VISION_NAMES = frozenset(
@@ -60,6 +68,7 @@ _GENERIC_VISION_NAMES = frozenset(
     }
 )
 
+KINDS = ("grid", "image")
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -80,6 +89,13 @@ class VisionFamily:
             restructured tower is reported unsupported rather than driven blindly).
         deepstack_layer_paths: where the decoder layers live when the tower also returns
             ``deepstack_features`` (Qwen3-VL adds feature ``i`` to the output of decoder layer ``i``).
+        kind: ``"grid"`` (``tower(pixel_values, grid_thw=...)``) or ``"image"``
+            (``root.get_image_features(pixel_values=...)`` on a ``[1, num_channels, *image_size]`` image).
+        model_types: ``config.model_type`` values of this family (for towers shared by several VLMs,
+            e.g. SigLIP in Gemma 3 and PaliGemma, whose ``vision_model_types`` cannot tell them apart).
+        projector_paths: where the module ``get_image_features`` runs after the tower lives (``"image"``
+            kind; part of the vision group and of what the dummy runs).
+        zero_only: the dummy is verified under DeepSpeed ZeRO-2/3 only (see the module docstring).
     """
 
     name: str
@@ -93,6 +109,23 @@ class VisionFamily:
     )
     required_children: tuple[str, ...] = ("patch_embed", "blocks", "merger")
     deepstack_layer_paths: tuple[str, ...] = ()
+    kind: str = "grid"
+    model_types: tuple[str, ...] = ()
+    projector_paths: tuple[str, ...] = ()
+    zero_only: bool = False
+
+    def __post_init__(self) -> None:
+        if self.kind not in KINDS:
+            raise ValueError(f"VisionFamily({self.name!r}).kind={self.kind!r}: allowed values are {KINDS}")
+
+
+def _image_family(name: str, model_types: tuple[str, ...]) -> VisionFamily:
+    """A ``get_image_features`` family (transformers 5.23 ``LlavaModel`` / ``Gemma3Model`` layout)."""
+    return VisionFamily(
+        name, (), tower_paths=("model.vision_tower", "vision_tower"), required_config=("image_size", "num_channels"),
+        required_children=("embeddings", "encoder"), kind="image", model_types=model_types,
+        projector_paths=("model.multi_modal_projector", "multi_modal_projector"), zero_only=True,
+    )
 
 
 _QWEN3_LAYERS = ("model.language_model.layers", "language_model.layers")
@@ -103,6 +136,8 @@ VISION_FAMILIES: list[VisionFamily] = [
     VisionFamily(
         "qwen3_vl_moe", ("qwen3_vl_moe_vision", "qwen3_vl_moe"), deepstack_layer_paths=_QWEN3_LAYERS
     ),
+    _image_family("llava", ("llava",)),
+    _image_family("gemma3", ("gemma3",)),
 ]
 
 
@@ -112,13 +147,6 @@ def register_vision_family(family: VisionFamily) -> None:
     Guarantees: a registered family is matched by :func:`find_vision_adapter` (test_vlm: registry test).
     """
     VISION_FAMILIES[:] = [f for f in VISION_FAMILIES if f.name != family.name] + [family]
-
-
-def get_submodule(root: nn.Module, path: str) -> nn.Module | None:
-    try:
-        return root.get_submodule(path)
-    except AttributeError:
-        return None
 
 
 def _vision_config(hf: nn.Module) -> Any | None:
@@ -131,6 +159,24 @@ def is_vision_language_model(model: nn.Module) -> bool:
     return _vision_config(unwrap_model(model)) is not None
 
 
+def _structure_gaps(hf: nn.Module, fam: VisionFamily, tower: nn.Module, vc: Any) -> list[str]:
+    """What the located tower / model lacks for ``fam``'s dummy (empty: it can be driven)."""
+    missing = [c for c in fam.required_children if not hasattr(tower, c)]
+    missing += [f"vision_config.{a}" for a in fam.required_config if not hasattr(vc, a)]
+    if fam.kind == "grid":
+        if "grid_thw" not in inspect.signature(tower.forward).parameters:
+            missing.append("forward(grid_thw=...)")
+        return missing
+    if hasattr(vc, "image_size") and image_size_hw(vc) is None:
+        missing.append("vision_config.image_size as an int or (height, width)")
+    get_features = getattr(hf, "get_image_features", None)
+    if not callable(get_features) or "pixel_values" not in inspect.signature(get_features).parameters:
+        missing.append("get_image_features(pixel_values=...)")
+    if not any(get_submodule(hf, p) is not None for p in fam.projector_paths):
+        missing.append(f"a projector at {list(fam.projector_paths)}")
+    return missing
+
+
 def _match_family(hf: nn.Module) -> tuple[VisionFamily | None, nn.Module | None, str, str]:
     """Return (family, tower, tower_name, reason); family is None with a reason when unsupported."""
     vc = _vision_config(hf)
@@ -138,203 +184,75 @@ def _match_family(hf: nn.Module) -> tuple[VisionFamily | None, nn.Module | None,
         reason = f"{type(hf).__name__} is not a vision-language model (its config has no vision_config)"
         return None, None, "", reason
     mtype = str(getattr(vc, "model_type", ""))
-    fam = next((f for f in VISION_FAMILIES if mtype in f.vision_model_types), None)
+    root_type = str(getattr(getattr(hf, "config", None), "model_type", ""))
+    fam = next((f for f in VISION_FAMILIES if mtype in f.vision_model_types or root_type in f.model_types), None)
     if fam is None:
         names = ", ".join(f.name for f in VISION_FAMILIES)
-        return (
-            None,
-            None,
-            "",
-            (
-                f"{type(hf).__name__} (vision_config.model_type={mtype!r}) has no hf_ddpfix vision adapter "
-                f"(supported families: {names})"
-            ),
+        return None, None, "", (
+            f"{type(hf).__name__} (model_type={root_type!r}, vision_config.model_type={mtype!r}) has no "
+            f"hf_ddpfix vision adapter (supported families: {names})"
         )
     for path in fam.tower_paths:
         tower = get_submodule(hf, path)
         if tower is None:
             continue
-        missing = [c for c in fam.required_children if not hasattr(tower, c)]
-        missing += [f"vision_config.{a}" for a in fam.required_config if not hasattr(vc, a)]
-        params = inspect.signature(tower.forward).parameters
-        if "grid_thw" not in params:
-            missing.append("forward(grid_thw=...)")
+        missing = _structure_gaps(hf, fam, tower, vc)
         if missing:
-            return (
-                None,
-                None,
-                "",
-                (
-                    f"{type(hf).__name__}: tower {path!r} of family {fam.name} lacks {missing}; "
-                    "the installed transformers changed this model's structure"
-                ),
+            return None, None, "", (
+                f"{type(hf).__name__}: tower {path!r} of family {fam.name} lacks {missing}; "
+                "the installed transformers changed this model's structure"
             )
         return fam, tower, path, ""
     reason = f"{type(hf).__name__}: no vision tower at {list(fam.tower_paths)} (family {fam.name})"
     return None, None, "", reason
 
 
-# ---------------------------------------------------------------------------------------------------
-# Adapter
-# ---------------------------------------------------------------------------------------------------
+def _adapter(hf: nn.Module) -> tuple[VisionAdapter | None, str]:
+    fam, tower, name, reason = _match_family(hf)
+    if fam is None or tower is None:
+        return None, reason
+    projector, projector_name = None, ""
+    for path in fam.projector_paths:
+        projector = get_submodule(hf, path)
+        if projector is not None:
+            projector_name = path
+            break
+    return VisionAdapter(fam, hf, tower, name, _vision_config(hf), projector, projector_name), ""
 
 
-def output_tensors(out: Any) -> list[torch.Tensor]:
-    """Every floating tensor inside a model output (ModelOutput / tuple / list / dict / tensor)."""
-    found: list[torch.Tensor] = []
-
-    def visit(x: Any) -> None:
-        if isinstance(x, torch.Tensor):
-            if x.is_floating_point():
-                found.append(x)
-        elif isinstance(x, dict):  # transformers.ModelOutput is an OrderedDict
-            for v in x.values():
-                visit(v)
-        elif isinstance(x, (list, tuple)):
-            for v in x:
-                visit(v)
-
-    visit(out)
-    return found
-
-
-@dataclass
-class VisionAdapter:
-    """A located vision tower plus how to feed it a minimal dummy image.
-
-    Attributes:
-        family: the matched :class:`VisionFamily`.
-        root: the HF model whose ``forward`` takes ``pixel_values`` (hooks go here).
-        tower: the vision tower module (``root.model.visual`` for Qwen ``*ForConditionalGeneration``).
-        tower_name: dotted name of ``tower`` inside ``root`` (e.g. ``"model.visual"``).
-        vision_config: ``root.config.vision_config``.
-    """
-
-    family: VisionFamily
-    root: nn.Module
-    tower: nn.Module
-    tower_name: str
-    vision_config: Any
-    _dummy_cache: dict[tuple[Any, ...], tuple[torch.Tensor, torch.Tensor]] = field(
-        default_factory=dict, repr=False
-    )
-    _forward_params: tuple[str, ...] = field(default=(), repr=False)
-
-    def __post_init__(self) -> None:
-        self._forward_params = tuple(inspect.signature(self.root.forward).parameters)
-
-    def trainable_parameters(self) -> list[nn.Parameter]:
-        """Tower parameters with ``requires_grad`` (LoRA adapters, merger, full fine-tune)."""
-        return [p for p in self.tower.parameters() if p.requires_grad]
-
-    def _tower_dtype_device(self) -> tuple[torch.dtype, torch.device]:
-        dtype = getattr(self.tower, "dtype", None)
-        p = next(self.tower.parameters(), None)
-        device = p.device if p is not None else torch.device("cpu")
-        if not isinstance(dtype, torch.dtype):
-            dtype = p.dtype if p is not None else torch.float32
-        return dtype, device
-
-    def dummy_inputs(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """The smallest image the tower accepts: ``(pixel_values, grid_thw)``.
-
-        ``grid_thw = [[1, m, m]]`` with ``m = spatial_merge_size`` (one merged token; Qwen2.5-VL's window
-        attention pads it to one window). ``pixel_values`` has shape ``[m*m, C*tp*p*p]`` in the tower's
-        dtype and device, filled with a fixed ramp in [-1, 1] (not zeros: a norm of an all-zero patch
-        could divide by zero and turn the zero gradients into NaN).
-
-        Guarantees: the tower runs on it for every registered family (test_vlm: adapter tests).
-        """
-        vc = self.vision_config
-        dtype, device = self._tower_dtype_device()
-        key = (dtype, device)
-        if key not in self._dummy_cache:
-            m = int(vc.spatial_merge_size)
-            cols = int(vc.in_channels) * int(vc.temporal_patch_size) * int(vc.patch_size) ** 2
-            pv = torch.linspace(-1.0, 1.0, m * m * cols, device=device, dtype=torch.float32)
-            pv = pv.reshape(m * m, cols).to(dtype)
-            grid = torch.tensor([[1, m, m]], dtype=torch.long, device=device)
-            self._dummy_cache[key] = (pv, grid)
-        return self._dummy_cache[key]
-
-    def run_tower(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor) -> Any:
-        """Call the tower as the model does (``tower(pixel_values, grid_thw=grid_thw)``); returns its
-        raw output (``BaseModelOutputWithPooling`` or, for Qwen3-VL, one with ``deepstack_features``)."""
-        return self.tower(pixel_values, grid_thw=grid_thw)
-
-    def run_dummy(self) -> Any:
-        """Run the dummy image through the tower without disturbing the RNG stream (LoRA dropout in
-        the tower draws from a forked generator, so later random draws match a stock run)."""
-        pv, grid = self.dummy_inputs()
-        devices = [pv.device.index] if pv.device.type != "cpu" and pv.device.index is not None else []
-        dev_type = pv.device.type if pv.device.type != "cpu" else "cuda"
-        with torch.random.fork_rng(devices=devices, device_type=dev_type):
-            return self.run_tower(pv, grid)
-
-    def tie_points(self, out: Any) -> list[tuple[nn.Module | None, list[torch.Tensor]]]:
-        """Where each dummy output enters the language model on a real image batch.
-
-        ``pooler_output`` (the merged image tokens) goes to the input-embedding module's output (real
-        image features are scattered into ``inputs_embeds``); Qwen3-VL's deepstack feature ``i`` goes
-        to decoder layer ``i``'s output. ``None`` means "tie to the loss" (no such module found). Tying
-        where real features enter keeps the autograd graph's shape the same on image and text ranks, so
-        FSDP2 issues its backward all-gathers / reduce-scatters in the same order everywhere.
-        """
-        pooled = out.get("pooler_output") if isinstance(out, dict) else None
-        if not isinstance(pooled, torch.Tensor):
-            return [(None, output_tensors(out))]
-        get_emb = getattr(self.root, "get_input_embeddings", None)
-        try:
-            emb = get_emb() if callable(get_emb) else None
-        except (AttributeError, NotImplementedError):
-            emb = None
-        ties: list[tuple[nn.Module | None, list[torch.Tensor]]] = [(emb, [pooled])]
-        deep = out.get("deepstack_features") or []
-        layers: nn.Module | None = None
-        for path in self.family.deepstack_layer_paths:
-            layers = get_submodule(self.root, path)
-            if layers is not None:
-                break
-        for i, feat in enumerate(output_tensors(deep)):
-            layer = layers[i] if isinstance(layers, nn.ModuleList) and i < len(layers) else None
-            ties.append((layer, [feat]))
-        return ties
-
-    def has_visual_input(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
-        """True when a call ``root(*args, **kwargs)`` passes ``pixel_values`` or ``pixel_values_videos``."""
-        for name in _VISUAL_INPUT_NAMES:
-            if kwargs.get(name) is not None:
-                return True
-            if name in self._forward_params:
-                i = self._forward_params.index(name)
-                if i < len(args) and args[i] is not None:
-                    return True
-        return False
-
-
-def find_vision_adapter(model: nn.Module) -> VisionAdapter | None:
+def find_vision_adapter(model: nn.Module, *, zero: bool = False) -> VisionAdapter | None:
     """Adapter for a supported VLM, else ``None`` (see :func:`describe_unsupported` for the reason).
 
     Accepts the HF model, a ``peft.PeftModel`` around it, or a DDP/DataParallel/compiled wrapper.
 
-    Guarantees: Qwen2-VL, Qwen2.5-VL, Qwen3-VL(-MoE) tiny models get an adapter whose dummy runs; a
-    Llava model and a text-only model get ``None`` (test_vlm).
+    Args:
+        model: the model.
+        zero: the DeepSpeed ZeRO view: also return ``zero_only`` families (LLaVA, Gemma 3). The default
+            is the DDP / FSDP view (what :class:`~hf_ddpfix.integrations.stabilizer.VisionStabilizer` and
+            the plan's DDP / FSDP decisions use).
+
+    Guarantees: Qwen2-VL, Qwen2.5-VL, Qwen3-VL(-MoE) tiny models get an adapter whose dummy runs; LLaVA
+    and Gemma 3 get one with ``zero=True`` only; another VLM (Mistral 3) and a text-only model get
+    ``None`` (test_vlm).
     """
-    hf = unwrap_model(model)
-    fam, tower, name, _ = _match_family(hf)
-    if fam is None or tower is None:
+    adapter, _ = _adapter(unwrap_model(model))
+    if adapter is None or (adapter.family.zero_only and not zero):
         return None
-    return VisionAdapter(fam, hf, tower, name, _vision_config(hf))
+    return adapter
 
 
-def describe_unsupported(model: nn.Module) -> str:
-    """One-line reason why ``model`` has no vision adapter, or ``""`` when it has one."""
+def describe_unsupported(model: nn.Module, *, zero: bool = False) -> str:
+    """One-line reason why ``model`` has no vision adapter in this view (``zero``: see
+    :func:`find_vision_adapter`), or ``""`` when it has one."""
     hf = unwrap_model(model)
-    fam, _, _, reason = _match_family(hf)
-    if fam is not None:
+    adapter, reason = _adapter(hf)
+    if adapter is not None and not (adapter.family.zero_only and not zero):
         return ""
     if _vision_config(hf) is None:
         return reason
+    if adapter is not None:
+        reason = (f"{type(hf).__name__}: family {adapter.family.name}'s dummy image is used under DeepSpeed "
+                  "ZeRO-2/3 only (under DDP / FSDP hf_ddpfix uses parameter_usage instead)")
     n = sum(p.numel() for _, p in _generic_vision_params(hf) if p.requires_grad)
     return f"{reason}; the dummy-image stabiliser is off for it" + (
         f" and its {n} trainable vision parameters need ddp_find_unused_parameters=True" if n else ""
@@ -353,9 +271,11 @@ def _generic_vision_modules(hf: nn.Module) -> list[tuple[str, nn.Module]]:
 
 
 def vision_groups(hf: nn.Module) -> list[tuple[str, nn.Module]]:
-    fam, tower, name, _ = _match_family(hf)
-    if fam is not None and tower is not None:
-        return [(name, tower)]
+    """``(name, module)`` of the vision parts of ``hf``: the adapter's tower (and projector) when some
+    family matches (either view), else the outermost modules whose name marks them as vision parts."""
+    adapter, _ = _adapter(hf)
+    if adapter is not None:
+        return adapter.parts()
     if _vision_config(hf) is None:
         return []
     return _generic_vision_modules(hf)

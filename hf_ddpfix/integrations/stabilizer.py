@@ -81,7 +81,8 @@ class VisionStabilizer:
             means "only when the tower is FSDP-sharded" (FSDP all-gathers a frozen tower too).
 
     Raises:
-        ValueError: the model has no adapter (message from :func:`describe_unsupported`).
+        ValueError: the model has no adapter in the DDP / FSDP view, e.g. LLaVA / Gemma 3, whose dummy is
+            used under DeepSpeed ZeRO only (message from :func:`describe_unsupported`).
 
     Guarantees: text-only batches give a bit-identical loss and LM gradients and exact-zero vision
     gradients; batches with images are untouched; after ``finalize_vision_grads`` the weights after
@@ -94,6 +95,8 @@ class VisionStabilizer:
         adapter = adapter or find_vision_adapter(model)
         if adapter is None:
             raise ValueError(f"hf_ddpfix: no vision stabiliser for this model: {describe_unsupported(model)}")
+        if adapter.family.zero_only:
+            raise ValueError(f"hf_ddpfix: no vision stabiliser for this model: {describe_unsupported(adapter.root)}")
         self.adapter = adapter
         self.run_when_frozen = run_when_frozen
         self._handles: list[Any] = []

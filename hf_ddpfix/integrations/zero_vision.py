@@ -19,7 +19,11 @@ the model runs the real tower (``Qwen2_5_VLModel.forward``, transformers 5.23: e
 scatter into ``inputs_embeds`` → ``language_model(inputs_embeds=...)``) — and tie its merged tokens into
 ``inputs_embeds`` with :class:`~hf_ddpfix.ops.zero_tie.ZeroTie` (identity forward, exact-zero gradient).
 Qwen3-VL's deepstack features are tied to decoder layer ``i``'s output, where the real ones are added.
-Every rank then runs the same modules in the same order (ZeRO-3's all-gathers and its prefetch trace
+LLaVA and Gemma 3 (``LlavaModel`` / ``Gemma3Model.forward``: embed → ``get_image_features`` (tower +
+projector) → masked scatter → ``language_model``): the dummy is one native-size image through
+``get_image_features``, so the projector runs too, and only its projected features (``pooler_output``)
+are tied: what a real image's forward leaves out of the loss (Gemma 3's SigLIP pooling head, hidden
+states of later layers) gets no gradient on either rank. Every rank then runs the same modules in the same order (ZeRO-3's all-gathers and its prefetch trace
 match), the same tensors require grad at every module boundary (ZeRO-3's backward re-gathers match),
 and every trainable parameter's gradient becomes ready in the same order (ZeRO-2's buckets and ZeRO-3's
 reduce-scatters hold the same parameters at the same offsets).
@@ -34,8 +38,9 @@ gradient ``None`` and skips the parameter; DeepSpeed's flat fp32 partitions cann
 ``finalize`` here.)
 
 Guarantees: mixed batches train under ZeRO-2 and ZeRO-3 to the weights of stock DDP
-(find_unused_parameters=True) within 1e-5, and all-text steps to the weights of stock DeepSpeed
-(tests/test_deepspeed.py, scripts/deepspeed_train.py).
+(find_unused_parameters=True) within 1e-5 — Qwen2.5-VL and LLaVA, with gradient accumulation 2 under
+ZeRO-3 too — and all-text steps to the weights of stock DeepSpeed (tests/test_deepspeed.py,
+scripts/deepspeed_train.py). Families: :mod:`hf_ddpfix.integrations.families` (``zero=True`` view).
 """
 
 from __future__ import annotations
@@ -72,7 +77,8 @@ class ZeroVisionStabilizer:
 
     Args:
         model: HF VLM, PeftModel, or a wrapper (hooks go on the unwrapped HF model).
-        adapter: the tower adapter; found with :func:`find_vision_adapter` when ``None``.
+        adapter: the tower adapter; found with :func:`find_vision_adapter` (``zero=True``: LLaVA and
+            Gemma 3 too) when ``None``.
 
     Raises:
         ValueError: no adapter for this model, or no language-model module to place the dummy before.
@@ -87,9 +93,10 @@ class ZeroVisionStabilizer:
     """
 
     def __init__(self, model: nn.Module, adapter: VisionAdapter | None = None) -> None:
-        adapter = adapter or find_vision_adapter(model)
+        adapter = adapter or find_vision_adapter(model, zero=True)
         if adapter is None:
-            raise ValueError(f"hf_ddpfix: no vision stabiliser for this model: {describe_unsupported(model)}")
+            raise ValueError(
+                f"hf_ddpfix: no vision stabiliser for this model: {describe_unsupported(model, zero=True)}")
         lm = language_model_of(adapter)
         if lm is None:
             raise ValueError(

@@ -13,9 +13,13 @@ DeepSpeed mode for the rest of the process):
   rank 0 uses experts 0-2 and rank 1 only expert 3: stock DDP reference vs hf_ddpfix ZeRO-3 (the plan
   marks the MoE block a ZeRO-3 leaf module).
 - ``vlm``: Qwen2.5-VL, LoRA on every linear incl. the vision tower; rank 0 always has an image, rank 1
-  never. Reference: stock DDP (fu=True). hf_ddpfix ZeRO-2 and ZeRO-3 within 1e-5 of it. Then every rank
-  text-only: stock ZeRO-3 vs hf_ddpfix ZeRO-3 (what stock DeepSpeed does when no rank has an image:
-  zero-filled vision gradients) within 1e-5.
+  never. Reference: stock DDP (fu=True). hf_ddpfix ZeRO-2 and ZeRO-3 within 1e-5 of it. The same for
+  LLaVA (LoRA on tower, projector and language model; its dummy goes through ``get_image_features``).
+  Gradient accumulation 2 under ZeRO-3 (Qwen2.5-VL): one image micro-batch per step, on rank 0, rank 1,
+  rank 0 (micro-batch 0, 0, 1), so every rank mixes image and text micro-batches and no step is
+  all-text; reference: stock DDP with accumulation 2 (no_sync). Then every rank text-only: stock ZeRO-3
+  vs hf_ddpfix ZeRO-3 (what stock DeepSpeed does when no rank has an image: zero-filled vision
+  gradients) within 1e-5.
 - ``stock_mixed``: stock ZeRO-3 with the mixed layout; expected to FAIL (collective mismatch): the
   failure hf_ddpfix fixes.
 
@@ -43,6 +47,7 @@ from fixtures import add_lora, build_qwen2_5_vl, lora, make_batch, tiny_llama, v
 from torch import nn  # noqa: E402
 from torch.utils.data import SequentialSampler  # noqa: E402
 from transformers import Trainer, TrainingArguments  # noqa: E402
+from zoo import ZOO  # noqa: E402
 
 from hf_ddpfix import DDPFixTrainer  # noqa: E402
 from hf_ddpfix._compat import checkpointing_training_args  # noqa: E402
@@ -139,9 +144,11 @@ def text_collate(batch):
 
 
 def vlm_rows(n: int, layout: str) -> list[dict]:
+    """``mixed``: even samples (rank 0) with an image; ``text``: none; ``ga`` (2 processes, accumulation
+    2: sample i is micro-batch (i // 2) % 2 of step i // 4 on rank i % 2): samples 0, 5, 10."""
     rows = []
     for i in range(n):
-        has_image = layout == "mixed" and i % 2 == 0
+        has_image = (layout == "mixed" and i % 2 == 0) or (layout == "ga" and i % 5 == 0)
         b = make_batch(has_image, seed=i)
         ids = b["input_ids"][0].tolist()
         if not has_image:
@@ -149,6 +156,25 @@ def vlm_rows(n: int, layout: str) -> list[dict]:
         rows.append({"input_ids": ids, "pixel_values": b["pixel_values"].tolist() if has_image else None,
                      "image_grid_thw": b["image_grid_thw"].tolist() if has_image else None})
     return rows
+
+
+def zoo_rows(family: str, n: int, images: set[int]) -> list[dict]:
+    """Rows of a zoo VLM (e.g. LLaVA: ``pixel_values [1, 3, 28, 28]``); text rows have variable lengths."""
+    rows = []
+    for i in range(n):
+        b = ZOO[family].batch(i in images, i, 16 if i in images else 10 + i % 5)
+        rows.append({"input_ids": b["input_ids"][0].tolist(), "labels": b["labels"][0].tolist(),
+                     "pixel_values": b["pixel_values"].tolist() if "pixel_values" in b else None})
+    return rows
+
+
+def zoo_collate(batch):
+    out = {"input_ids": torch.tensor([b["input_ids"] for b in batch]),
+           "labels": torch.tensor([b["labels"] for b in batch])}
+    imgs = [torch.tensor(b["pixel_values"]) for b in batch if b.get("pixel_values") is not None]
+    if imgs:
+        out["pixel_values"] = torch.cat(imgs)
+    return out
 
 
 def vlm_collate(batch):
@@ -174,7 +200,7 @@ def trainable_weights(model: nn.Module, stage: int | None) -> dict[str, torch.Te
 
 
 def run(name: str, model: nn.Module, rows: list[dict], collate, *, stage: int | None, fixed: bool,
-        ckpt: str = "off") -> dict:
+        ckpt: str = "off", accum: int = ACCUM) -> dict:
     """Train ``STEPS`` optimizer steps; returns weights, plan report and timing."""
     t0 = time.time()
     kw: dict = {}
@@ -183,7 +209,7 @@ def run(name: str, model: nn.Module, rows: list[dict], collate, *, stage: int | 
     if ckpt != "off":
         kw.update(checkpointing_training_args(True, {"use_reentrant": ckpt == "reentrant"}))
     args = TrainingArguments(output_dir=f"/tmp/hf_ddpfix_ds_{name}", per_device_train_batch_size=1, max_steps=STEPS,
-                             gradient_accumulation_steps=ACCUM,
+                             gradient_accumulation_steps=accum,
                              report_to=[], use_cpu=True, save_strategy="no", learning_rate=1e-2, weight_decay=0.1,
                              max_grad_norm=1.0, remove_unused_columns=False, disable_tqdm=True, seed=0,
                              logging_steps=1, **kw)
@@ -262,16 +288,36 @@ def main() -> None:
         # Every model is built before the first ZeRO-3 TrainingArguments exists: after it, transformers
         # builds models under zero.Init (partitioned), and peft then refuses LoRA on the tower's Conv3d
         # ("Conv3d layer kernel must have 5 dimensions, not 1") - stock behaviour, not ours.
-        models = [add_lora(build_qwen2_5_vl(0)) for _ in range(5)]
-        start = trainable_weights(models[0], None)
+        models = [add_lora(build_qwen2_5_vl(0)) for _ in range(7)]
+        llava = [ZOO["llava"].model(0) for _ in range(3)]
+        start, llava_start = trainable_weights(models[0], None), trainable_weights(llava[0], None)
+        ga_rows = vlm_rows(STEPS * world * 2, "ga")
         ref = run("ddp_ref_vlm", models[0], rows, vlm_collate, stage=None, fixed=False, ckpt="non_reentrant")
+        llava_rows = zoo_rows("llava", n, set(range(0, n, 2)))  # rank 0 always with an image, rank 1 never
+        llava_ref = run("ddp_ref_llava", llava[0], llava_rows, zoo_collate, stage=None, fixed=False,
+                        ckpt="non_reentrant")
+        ga_ref = run("ddp_ref_vlm_ga2", models[5], ga_rows, vlm_collate, stage=None, fixed=False,
+                     ckpt="non_reentrant", accum=2)
+
+        def check_dummy(name: str, got: dict, runs: int) -> None:
+            if got["stabilizer"] is not True or got["dummy_runs"] != runs:
+                failures.append(f"{name}: stabiliser {got['stabilizer']}, {got['dummy_runs']} dummy runs on "
+                                f"rank {rank} (expected {runs})")
+
         for stage in (2, 3):
-            got = run(f"zero{stage}_vlm_mixed", models[stage - 1], rows, vlm_collate, stage=stage,
-                      fixed=True, ckpt="non_reentrant")
-            compare(f"zero{stage}_vlm_mixed", got, ref, start)
-            if got["stabilizer"] is not True or (rank == 1) != (got["dummy_runs"] == STEPS * ACCUM):
-                failures.append(f"zero{stage}_vlm_mixed: stabiliser {got['stabilizer']}, "
-                                f"{got['dummy_runs']} dummy runs on rank {rank}")
+            name = f"zero{stage}_vlm_mixed"
+            got = run(name, models[stage - 1], rows, vlm_collate, stage=stage, fixed=True, ckpt="non_reentrant")
+            compare(name, got, ref, start)
+            check_dummy(name, got, STEPS * ACCUM if rank == 1 else 0)
+            name = f"zero{stage}_llava_mixed"
+            got = run(name, llava[stage - 1], llava_rows, zoo_collate, stage=stage, fixed=True,
+                      ckpt="non_reentrant")
+            compare(name, got, llava_ref, llava_start)
+            check_dummy(name, got, STEPS * ACCUM if rank == 1 else 0)
+        got = run("zero3_vlm_mixed_ga2", models[6], ga_rows, vlm_collate, stage=3, fixed=True, ckpt="non_reentrant",
+                  accum=2)
+        compare("zero3_vlm_mixed_ga2", got, ga_ref, start)
+        check_dummy("zero3_vlm_mixed_ga2", got, 2 * STEPS - (2 if rank == 0 else 1))
         text_rows = vlm_rows(n, "text")
         stock = run("zero3_vlm_text_stock", models[3], text_rows, vlm_collate, stage=3, fixed=False)
         got = run("zero3_vlm_text_fixed", models[4], text_rows, vlm_collate, stage=3, fixed=True)
