@@ -26,9 +26,8 @@ from torch import nn
 # The newest versions every contract below was read against (the pinned CI stack, constraints.txt).
 CHECKED_AGAINST = {"torch": "2.13.0", "transformers": "5.23.0", "accelerate": "1.15.0", "peft": "0.21.2"}
 # The oldest versions CI also runs the unit tests and 2-process cells on (constraints-oldest.txt).
-# transformers 5.0-5.2 (and 4.x) are out of reach: their Trainer enables checkpointing and rebuilds
-# `accelerator.ddp_handler` inside `_inner_training_loop` (after our hook point, undoing the plan) and
-# clips gradients inline (no `_clip_grad_norm` / `_get_grad_norm` to run the usage finalisation before).
+# transformers 5.0-5.2 set training up inside `_inner_training_loop` (see `when_ready_to_prepare` and
+# `before_gradient_clipping`); 4.x is out of reach (README "Supported versions").
 OLDEST_SUPPORTED = {"transformers": "5.3.0", "accelerate": "1.12.0", "peft": "0.18.0"}
 
 # --------------------------------------------------------------------------------------------------
@@ -44,6 +43,96 @@ TRAINER_CLIP_GRAD_NORM = "_clip_grad_norm"
 #: Used instead of ``_clip_grad_norm`` when ``max_grad_norm`` is 0/None to log ``grad_norm`` (5.3-5.23).
 TRAINER_GET_GRAD_NORM = "_get_grad_norm"
 TRAINER_STEP_HOOKS = (TRAINER_CLIP_GRAD_NORM, TRAINER_GET_GRAD_NORM)
+
+
+#: 5.0-5.2 only: ``_inner_training_loop`` enables checkpointing, then calls this (it rebuilds
+#: ``accelerator.ddp_handler`` from TrainingArguments), then ``accelerator.prepare``.
+TRAINER_WRAP_MODEL = "_wrap_model"
+
+
+def inner_loop_sets_up_training() -> bool:
+    """True on transformers < 5.3: ``_inner_training_loop`` itself enables checkpointing, rebuilds the DDP
+    kwargs (``_wrap_model``) and clips inline (no ``_clip_grad_norm`` / ``_get_grad_norm``)."""
+    import transformers
+    from packaging.version import Version
+
+    return Version(transformers.__version__).release[:2] < (5, 3)
+
+
+def _shadow(obj: Any, name: str, method: Callable[..., Any]) -> Callable[[], None]:
+    """Shadow ``obj.name`` with ``method`` on the instance; the undo leaves a later shadow alone."""
+    had_own, previous = name in vars(obj), vars(obj).get(name)
+    setattr(obj, name, method)
+
+    def undo() -> None:
+        if vars(obj).get(name) is not method:
+            return
+        if had_own:
+            setattr(obj, name, previous)
+        else:
+            delattr(obj, name)
+
+    return undo
+
+
+def when_ready_to_prepare(trainer: Any, setup: Callable[[], None]) -> Callable[[], None]:
+    """Called first thing in ``_inner_training_loop``: run ``setup`` where the requested checkpointing is
+    on and the DDP kwargs are final, before ``accelerator.prepare`` wraps the model; returns the undo.
+
+    5.3-5.23: now (``train()`` enabled checkpointing; ``Trainer.__init__`` built the DDP kwargs). 5.0-5.2:
+    right after the loop's first ``_wrap_model(model, training=True)`` (the optimizer may exist then:
+    ``setup`` must not replace parameters). TrainingArguments are never changed (checkpoints save them).
+    """
+    if not inner_loop_sets_up_training():
+        setup()
+        return lambda: None
+    stock, done = getattr(trainer, TRAINER_WRAP_MODEL), []
+
+    def wrap_model(model: nn.Module, training: bool = True, dataloader: Any = None) -> nn.Module:
+        out = stock(model, training=training, dataloader=dataloader)
+        if training and not done:
+            done.append(True)
+            setup()
+        return out
+
+    return _shadow(trainer, TRAINER_WRAP_MODEL, wrap_model)
+
+
+def before_gradient_clipping(trainer: Any, finalize: Callable[[], Any]) -> Callable[[], None]:
+    """Run ``finalize`` after the last backward of each optimizer step, before the gradients are clipped,
+    measured or stepped (a second call in one step must be a no-op); returns the undo.
+
+    5.3-5.23: first in ``trainer._clip_grad_norm`` / ``_get_grad_norm`` (instance shadows). 5.0-5.2 clip
+    inline: first in ``trainer.accelerator.clip_grad_norm_`` while ``accelerator.sync_gradients`` (the
+    loop sets it just before), and at the public ``on_pre_optimizer_step`` for runs that do not clip.
+    """
+    def first(inner: Callable[..., Any], when: Callable[[], bool] = lambda: True) -> Callable[..., Any]:
+        def method(*args: Any, **kwargs: Any) -> Any:
+            if when():
+                finalize()
+            return inner(*args, **kwargs)
+
+        return method
+
+    if not inner_loop_sets_up_training():
+        undos = [_shadow(trainer, name, first(getattr(trainer, name))) for name in TRAINER_STEP_HOOKS]
+    else:
+        from transformers import TrainerCallback
+
+        class BeforeOptimizerStep(TrainerCallback):
+            def on_pre_optimizer_step(self, *args: Any, **kwargs: Any) -> None:
+                finalize()
+
+        acc, callback = trainer.accelerator, BeforeOptimizerStep()
+        trainer.add_callback(callback)
+        undos = [_shadow(acc, "clip_grad_norm_", first(acc.clip_grad_norm_, lambda: bool(acc.sync_gradients))),
+                 lambda: trainer.remove_callback(callback)]
+
+    def undo() -> None:
+        for u in reversed(undos):
+            u()
+
+    return undo
 
 
 def trainer_callbacks(trainer: Any) -> list[Any]:

@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 from torch import nn
+from torch.optim.optimizer import register_optimizer_step_pre_hook
 from torch.utils.checkpoint import checkpoint
 
 from hf_ddpfix import _compat
@@ -151,8 +152,7 @@ def _reachable_source(cls, name: str, depth: int = 3) -> str:
 def test_trainer_private_methods_exist_with_the_signatures_we_wrap():
     from transformers import Trainer
 
-    for name in (_compat.TRAINER_INNER_LOOP, *_compat.TRAINER_STEP_HOOKS):
-        assert callable(getattr(Trainer, name, None)), _broken(f"Trainer.{name} is gone")
+    assert callable(getattr(Trainer, _compat.TRAINER_INNER_LOOP, None)), _broken("Trainer._inner_training_loop is gone")
     params = inspect.signature(getattr(Trainer, _compat.TRAINER_INNER_LOOP)).parameters
     assert "resume_from_checkpoint" in params or any(p.kind is p.VAR_KEYWORD for p in params.values()), \
         _broken("Trainer._inner_training_loop no longer takes resume_from_checkpoint")
@@ -161,8 +161,23 @@ def test_trainer_private_methods_exist_with_the_signatures_we_wrap():
     # the inner loop must be where accelerate wraps the model (the plan's DDP kwargs are read there)
     src = _reachable_source(Trainer, _compat.TRAINER_INNER_LOOP)
     assert "accelerator.prepare" in src, _broken("Trainer._inner_training_loop no longer calls accelerator.prepare")
-    assert any(h in src for h in _compat.TRAINER_STEP_HOOKS), \
-        _broken("the inner loop no longer calls _clip_grad_norm/_get_grad_norm before the optimizer step")
+    if not _compat.inner_loop_sets_up_training():  # 5.3-5.23
+        for name in _compat.TRAINER_STEP_HOOKS:
+            assert callable(getattr(Trainer, name, None)), _broken(f"Trainer.{name} is gone")
+        assert any(h in src for h in _compat.TRAINER_STEP_HOOKS), \
+            _broken("the inner loop no longer calls _clip_grad_norm/_get_grad_norm before the optimizer step")
+        return
+    # 5.0-5.2: checkpointing on, then _wrap_model (rebuilds ddp_handler), then prepare; clipping inline
+    wrap = getattr(Trainer, _compat.TRAINER_WRAP_MODEL, None)
+    assert callable(wrap) and list(inspect.signature(wrap).parameters)[1:4] == ["model", "training", "dataloader"], \
+        _broken("Trainer._wrap_model(model, training, dataloader) changed")
+    loop = inspect.getsource(getattr(Trainer, _compat.TRAINER_INNER_LOOP))
+    marks = ["gradient_checkpointing_enable(", f"self.{_compat.TRAINER_WRAP_MODEL}(", "self.accelerator.prepare(",
+             "_set_sync_gradients(True)", "self.accelerator.clip_grad_norm_(", "on_pre_optimizer_step(",
+             "self.optimizer.step()"]
+    where = [loop.find(m) for m in marks]
+    assert -1 not in where and where == sorted(where), \
+        _broken(f"the 5.0-5.2 inner loop no longer runs {marks} in this order (found at {where})")
 
 
 def test_trainer_callbacks_is_the_live_list(tmp_path):
@@ -312,32 +327,87 @@ def test_checkpointing_switch_names_match_the_installed_transformers(tmp_path):
         assert _compat.checkpointing_args(old) == (True, {"use_reentrant": True})
 
 
-def test_checkpointing_is_on_and_ddp_kwargs_are_final_when_the_inner_loop_starts(tmp_path):
-    """The hook point contract behind the oldest supported transformers (5.3): `train()` enables the
-    requested checkpointing before `_inner_training_loop`, and the inner loop never rebuilds
-    `accelerator.ddp_handler` (5.0-5.2 did both inside the inner loop, undoing the plan)."""
+def test_setup_runs_with_checkpointing_on_and_its_ddp_kwargs_reach_prepare(tmp_path):
+    """`when_ready_to_prepare` (called at the start of `_inner_training_loop`, as hf_ddpfix does) runs its
+    setup once, with the requested checkpointing on, and the DDP kwargs it sets are still the ones
+    `accelerator.prepare` reads (5.3-5.23: at once; 5.0-5.2: after the loop's `_wrap_model`, which
+    rebuilds `accelerator.ddp_handler`). TrainingArguments are left as they were."""
     from transformers import Trainer, TrainingArguments
 
     class Stop(Exception):
         pass
 
-    seen = {}
+    seen: dict = {"setups": 0}
 
-    def inner(*_args, **_kwargs):
+    def setup():
         layers = list(_compat.checkpointable_layers(trainer.model))
         seen["on"] = bool(layers) and all(_compat.is_checkpointing(m) for m in layers)
+        seen["setups"] += 1
+        _compat.set_ddp_kwargs(trainer.accelerator, static_graph=True)
+
+    def prepare(*args, **kwargs):
+        if not any(isinstance(a, nn.Module) for a in args):  # the data loader
+            return stock_prepare(*args, **kwargs)
+        seen["static_graph"] = trainer.accelerator.ddp_handler.static_graph
         raise Stop
+
+    def inner(*args, **kwargs):
+        stack.append(_compat.when_ready_to_prepare(trainer, setup))
+        return getattr(Trainer, _compat.TRAINER_INNER_LOOP)(trainer, *args, **kwargs)
 
     args = TrainingArguments(str(tmp_path), use_cpu=True, report_to=[], max_steps=1,
                              **_compat.checkpointing_training_args(True, {"use_reentrant": False}))
     trainer = Trainer(model=_tiny_llama(), args=args, train_dataset=[{"input_ids": [1, 2], "labels": [1, 2]}])
+    before = args.to_dict()
+    stack: list = []
     setattr(trainer, _compat.TRAINER_INNER_LOOP, inner)
+    stock_prepare = trainer.accelerator.prepare
+    trainer.accelerator.prepare = prepare
     with pytest.raises(Stop):
         trainer.train()
-    assert seen["on"], _broken("Trainer.train no longer enables checkpointing before _inner_training_loop")
-    src = _reachable_source(Trainer, _compat.TRAINER_INNER_LOOP)
-    assert "checkpointing_enable(" not in src, _broken("the inner loop (re)enables checkpointing")
-    assert "ddp_handler =" not in src, _broken("the inner loop rebuilds accelerator.ddp_handler")
+    for undo in stack:
+        undo()
+    assert seen["setups"] == 1, _broken("the setup did not run exactly once before accelerator.prepare")
+    assert seen["on"], _broken("checkpointing is not on at the hook point")
+    assert seen["static_graph"] is True, _broken("accelerator.ddp_handler is rebuilt after the hook point")
+    assert _compat.TRAINER_WRAP_MODEL not in vars(trainer) and args.to_dict() == before
+
+
+@pytest.mark.parametrize("max_grad_norm", [1.0, 0.0])
+def test_finalize_runs_before_every_clip_and_every_optimizer_step(tmp_path, monkeypatch, max_grad_norm):
+    """`before_gradient_clipping`: once per optimizer step, after the last backward, before the gradients
+    are clipped or measured and before `optimizer.step()`, with and without `max_grad_norm`."""
+    from transformers import Trainer, TrainingArguments
+
+    events: list[str] = []
+    dirty = [False]
+
+    def finalize():
+        if dirty[0]:  # idempotent within a step, as the callers' finalizations are
+            events.append("finalize")
+            dirty[0] = False
+
+    clip = torch.nn.utils.clip_grad_norm_
+    monkeypatch.setattr(torch.nn.utils, "clip_grad_norm_", lambda *a, **k: (events.append("clip"), clip(*a, **k))[1])
+    step_hook = register_optimizer_step_pre_hook(lambda *_: events.append("step"))
+    model = _tiny_llama()
+    fwd_hook = model.register_forward_hook(lambda *_: dirty.__setitem__(0, True))
+    args = TrainingArguments(str(tmp_path), use_cpu=True, report_to=[], max_steps=2, save_strategy="no",
+                             gradient_accumulation_steps=2, per_device_train_batch_size=1,
+                             max_grad_norm=max_grad_norm, disable_tqdm=True)
+    trainer = Trainer(model=model, args=args, train_dataset=[{"input_ids": [1, 2, 3], "labels": [1, 2, 3]}] * 4)
+    undo = _compat.before_gradient_clipping(trainer, finalize)
+    try:
+        trainer.train()
+    finally:
+        undo()
+        step_hook.remove()
+        fwd_hook.remove()
+    assert [e for e in events if e != "clip"] == ["finalize", "step"] * 2, _broken(f"finalize/step order: {events}")
+    assert all(events[i - 1] in ("finalize", "clip") for i, e in enumerate(events) if e == "clip"), \
+        _broken(f"gradients clipped or measured before the finalize: {events}")
+    assert not {"_clip_grad_norm", "_get_grad_norm"} & set(vars(trainer))
+    assert "clip_grad_norm_" not in vars(trainer.accelerator)
 
 
 # ------------------------------------------------------------------------------------ long context
