@@ -11,7 +11,8 @@ scripts under ``tests/scripts`` insert it themselves (``sys.path.insert(0, <test
   :func:`make_batch`, :func:`image_collate`; the Qwen-VL configs once, :func:`qwen_vl` (``tests/zoo.py``
   builds its Qwen entries with it). The wider model zoo of the usage tests is ``tests/zoo.py``.
 - Processes: :func:`init_gloo`, :func:`teardown`; comparing ranks and references:
-  :func:`trainable_weights`, :func:`flat_trainable`, :func:`weights_digest`, :func:`max_diff_across_ranks`;
+  :func:`trainable_weights`, :func:`flat_trainable`, :func:`weights_digest`, :func:`max_diff_across_ranks`,
+  :func:`assert_same_across_ranks`, :func:`assert_weights_equal`;
   FSDP2 and tiling: :func:`shard_decoder`, :func:`tiled_stats`; a script's verdict: :func:`finish`.
 """
 
@@ -181,6 +182,28 @@ def weights_digest(weights: dict[str, torch.Tensor]) -> str:
         h.update(n.encode())
         h.update(weights[n].float().numpy().tobytes())
     return h.hexdigest()[:16]
+
+
+def assert_same_across_ranks(weights: dict[str, torch.Tensor], what: str) -> None:
+    """Every rank holds bitwise the same ``weights`` (compares :func:`weights_digest`; a collective)."""
+    out: list[str | None] = [None] * dist.get_world_size()
+    dist.all_gather_object(out, weights_digest(weights))
+    assert len(set(out)) == 1, f"{what}: replicas differ: {out}"
+
+
+def assert_weights_equal(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor], what: str,
+                         atol: float = 0.0) -> None:
+    """The same names, and every tensor bitwise equal (``atol`` 0) or within ``atol``; the message names
+    up to three that differ with their largest difference."""
+    assert a.keys() == b.keys(), what
+    bad = []
+    for n in a:
+        if atol == 0.0:
+            if not torch.equal(a[n], b[n]):
+                bad.append((n, (a[n] - b[n]).abs().max().item()))
+        elif not torch.allclose(a[n], b[n], atol=atol, rtol=0):
+            bad.append((n, (a[n] - b[n]).abs().max().item()))
+    assert not bad, f"{what}: {len(bad)} tensors differ, e.g. {bad[:3]}"
 
 
 def max_diff_across_ranks(flat: torch.Tensor) -> float:

@@ -3,15 +3,13 @@ static_graph=True) ends with weights bit-identical to stock DDP(find_unused_para
 
 Run:  OMP_NUM_THREADS=1 python -m torch.distributed.run --standalone --nproc_per_node=2 \
           tests/scripts/vlm_ddp.py
-Prints ``VLM_DDP_OK`` on every rank when every scenario passes. Also the shared tiny-model builders
-for tests/test_vlm.py and the other vlm_* scripts.
+Prints ``VLM_DDP_OK`` on every rank when every scenario passes. ``vlm_fsdp.py`` reuses
+:func:`train_ddp` as its DDP reference; the tiny models come from ``tests/fixtures.py``.
 """
 
 from __future__ import annotations
 
 import contextlib
-import gc
-import hashlib
 import os
 import sys
 import time
@@ -24,13 +22,15 @@ from torch import nn
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))  # tests/: fixtures
 
-from fixtures import (  # noqa: E402,F401  (re-exported for the other vlm_* scripts)
+from fixtures import (  # noqa: E402
     BUILDERS,
     PATCH_DIM,
-    SEQ,
     add_lora,
+    assert_same_across_ranks,
+    assert_weights_equal,
     build_qwen2_5_vl,
     make_batch,
+    teardown,
 )
 
 from hf_ddpfix.integrations.families import vision_param_names  # noqa: E402
@@ -83,34 +83,6 @@ def train_ddp(
     return {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}, snap
 
 
-def digest(weights: dict[str, torch.Tensor]) -> str:
-    h = hashlib.sha256()
-    for n in sorted(weights):
-        h.update(n.encode())
-        h.update(weights[n].float().numpy().tobytes())
-    return h.hexdigest()[:16]
-
-
-def assert_same_across_ranks(weights: dict[str, torch.Tensor], what: str) -> None:
-    out: list[str | None] = [None] * dist.get_world_size()
-    dist.all_gather_object(out, digest(weights))
-    assert len(set(out)) == 1, f"{what}: replicas differ: {out}"
-
-
-def assert_equal(
-    a: dict[str, torch.Tensor], b: dict[str, torch.Tensor], what: str, atol: float = 0.0
-) -> None:
-    assert a.keys() == b.keys(), what
-    bad = []
-    for n in a:
-        if atol == 0.0:
-            if not torch.equal(a[n], b[n]):
-                bad.append((n, (a[n] - b[n]).abs().max().item()))
-        elif not torch.allclose(a[n], b[n], atol=atol, rtol=0):
-            bad.append((n, (a[n] - b[n]).abs().max().item()))
-    assert not bad, f"{what}: {len(bad)} tensors differ, e.g. {bad[:3]}"
-
-
 def main() -> None:
     dist.init_process_group("gloo")
     rank = dist.get_rank()
@@ -123,7 +95,7 @@ def main() -> None:
     mixed: Pattern = lambda s, m, r: r == 0  # noqa: E731
     stock, _ = train_ddp(mixed, fix=False, steps=4)
     fixed, _ = train_ddp(mixed, fix=True, steps=4)
-    assert_equal(stock, fixed, "(a) mixed ranks: stabiliser+fu=False vs stock fu=True")
+    assert_weights_equal(stock, fixed, "(a) mixed ranks: stabiliser+fu=False vs stock fu=True")
     assert_same_across_ranks(fixed, "(a)")
     log("(a) mixed ranks: bit-equal to stock fu=True, replicas in sync")
 
@@ -134,17 +106,17 @@ def main() -> None:
     init = {
         n: p.detach().clone() for n, p in add_lora(build_qwen2_5_vl(0)).named_parameters() if n in fixed_snap
     }
-    assert_equal(init, fixed_snap, "(b) vision params untouched while no rank saw an image")
-    assert_equal(stock_snap, fixed_snap, "(b) snapshot vs stock")
-    assert_equal(stock_b, fixed_b, "(b) images late: stabiliser vs stock fu=True")
+    assert_weights_equal(init, fixed_snap, "(b) vision params untouched while no rank saw an image")
+    assert_weights_equal(stock_snap, fixed_snap, "(b) snapshot vs stock")
+    assert_weights_equal(stock_b, fixed_b, "(b) images late: stabiliser vs stock fu=True")
     assert_same_across_ranks(fixed_b, "(b)")
     log("(b) images late: vision untouched while imageless, bit-equal to stock")
 
     # (c) static_graph=True + stabiliser, same two data patterns.
     static_a, _ = train_ddp(mixed, fix=True, steps=4, static_graph=True)
-    assert_equal(stock, static_a, "(c) static_graph mixed vs stock fu=True")
+    assert_weights_equal(stock, static_a, "(c) static_graph mixed vs stock fu=True")
     static_b, _ = train_ddp(late, fix=True, steps=5, static_graph=True)
-    assert_equal(stock_b, static_b, "(c) static_graph images-late vs stock fu=True")
+    assert_weights_equal(stock_b, static_b, "(c) static_graph images-late vs stock fu=True")
     assert_same_across_ranks(static_b, "(c)")
     log("(c) static_graph=True: bit-equal to stock fu=True")
 
@@ -158,7 +130,7 @@ def main() -> None:
     ga_pat: Pattern = lambda s, m, r: table[s][r][m]  # noqa: E731
     stock_ga, _ = train_ddp(ga_pat, fix=False, steps=4, ga=2)
     fixed_ga, _ = train_ddp(ga_pat, fix=True, steps=4, ga=2)
-    assert_equal(stock_ga, fixed_ga, "(ga) grad accumulation vs stock fu=True")
+    assert_weights_equal(stock_ga, fixed_ga, "(ga) grad accumulation vs stock fu=True")
     assert_same_across_ranks(fixed_ga, "(ga)")
     log("(ga) gradient accumulation with no_sync: bit-equal to stock fu=True")
 
@@ -167,14 +139,12 @@ def main() -> None:
         q3: Pattern = lambda s, m, r: {0: r == 0, 1: False, 2: r == 1}[s]  # noqa: E731
         stock_q3, _ = train_ddp(q3, fix=False, steps=3, family="qwen3_vl")
         fixed_q3, _ = train_ddp(q3, fix=True, steps=3, family="qwen3_vl")
-        assert_equal(stock_q3, fixed_q3, "(qwen3) Qwen3-VL vs stock fu=True")
+        assert_weights_equal(stock_q3, fixed_q3, "(qwen3) Qwen3-VL vs stock fu=True")
         assert_same_across_ranks(fixed_q3, "(qwen3)")
         log("(qwen3) Qwen3-VL mixed/imageless: bit-equal to stock fu=True")
 
-    dist.barrier()
     log("VLM_DDP_OK")
-    gc.collect()  # free DDP/FSDP state before the process group goes
-    dist.destroy_process_group()
+    teardown()
 
 
 if __name__ == "__main__":

@@ -12,7 +12,6 @@ within 1e-5. Without the stabiliser the first mixed step would hang (mismatched 
 
 from __future__ import annotations
 
-import gc
 import os
 import sys
 import time
@@ -22,8 +21,8 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))  # tests/: fixtures
-from fixtures import BUILDERS, PATCH_DIM, add_lora, make_batch  # noqa: E402
-from vlm_ddp import assert_equal, train_ddp  # noqa: E402
+from fixtures import BUILDERS, PATCH_DIM, add_lora, assert_weights_equal, make_batch, teardown  # noqa: E402
+from vlm_ddp import train_ddp  # noqa: E402
 
 from hf_ddpfix.integrations.families import vision_param_names  # noqa: E402
 from hf_ddpfix.integrations.fsdp_wrap import fsdp_wrap_plan  # noqa: E402
@@ -85,17 +84,15 @@ def main() -> None:
         )
         assert any(n.endswith("model.visual") for n in plan) and plan[-1] == "", plan
         ddp_w, _ = train_ddp(pattern, fix=True, steps=STEPS, family=family)
-        assert_equal(ddp_w, fsdp_w, f"{family}: FSDP2 + stabiliser vs DDP + stabiliser", atol=1e-5)
+        assert_weights_equal(ddp_w, fsdp_w, f"{family}: FSDP2 + stabiliser vs DDP + stabiliser", atol=1e-5)
         diff = max((ddp_w[n] - fsdp_w[n]).abs().max().item() for n in ddp_w)
         print(f"[rank {rank} {time.time() - t0:5.1f}s] {family}: max |FSDP2 - DDP| = {diff:.2e}", flush=True)
         lora = add_lora(BUILDERS[family](0))
         init = {n: p.detach() for n, p in lora.named_parameters() if p.requires_grad}
         moved = sum(not torch.equal(init[n], fsdp_w[n]) for n in init)
         assert moved == len(init), f"{family}: only {moved}/{len(init)} trainable tensors moved"
-    dist.barrier()
     print(f"[rank {rank} {time.time() - t0:5.1f}s] VLM_FSDP_OK", flush=True)
-    gc.collect()  # free DDP/FSDP state before the process group goes
-    dist.destroy_process_group()
+    teardown()
 
 
 if __name__ == "__main__":

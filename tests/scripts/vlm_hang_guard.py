@@ -15,7 +15,6 @@ The error propagates, so the process exits non-zero within seconds instead of ha
 from __future__ import annotations
 
 import argparse
-import gc
 import os
 import sys
 
@@ -25,7 +24,7 @@ from torch import nn
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))  # tests/: fixtures
-from fixtures import add_lora, build_qwen2_5_vl, make_batch  # noqa: E402
+from fixtures import add_lora, build_qwen2_5_vl, make_batch, teardown  # noqa: E402
 
 from hf_ddpfix.integrations.hang_guard import HangGuard, UnusedParametersError  # noqa: E402
 
@@ -58,10 +57,8 @@ def main() -> None:
         print(f"[rank {rank}] UnusedParametersError: {e}", flush=True)
         raise
     opt.step()
-    dist.barrier()
     print(f"[rank {rank}] VLM_GUARD_OK", flush=True)
-    gc.collect()  # free DDP/FSDP state before the process group goes
-    dist.destroy_process_group()
+    teardown()
 
 
 if __name__ == "__main__":
