@@ -224,6 +224,7 @@ class ModelInfo:
     is_vlm: bool
     is_moe: bool
     vlm_adapter: str | None = None
+    zero_vlm_adapter: str | None = None  # the adapter under DeepSpeed ZeRO (LLaVA / Gemma 3 too: families docstring)
 
 
 def load_config(spec: str, config_kwargs: Mapping[str, Any] | None = None) -> Any:
@@ -289,12 +290,14 @@ def describe_model(spec: str, config_kwargs: Mapping[str, Any] | None = None) ->
     model = _meta_model(config)
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
     is_vlm = getattr(config, "vision_config", None) is not None
-    adapter = None
+    adapter = zero_adapter = None
     if is_vlm:
         from .integrations.families import find_vision_adapter
 
         found = find_vision_adapter(model)
         adapter = found.family.name if found is not None else None
+        found = find_vision_adapter(model, zero=True)
+        zero_adapter = found.family.name if found is not None else None
     return ModelInfo(
         source=spec,
         model_type=str(getattr(config, "model_type", type(config).__name__)),
@@ -305,6 +308,7 @@ def describe_model(spec: str, config_kwargs: Mapping[str, Any] | None = None) ->
         is_vlm=is_vlm,
         is_moe=any((getattr(c, k, None) or 0) > 1 for c in (config, text) for k in MOE_CONFIG_KEYS),
         vlm_adapter=adapter,
+        zero_vlm_adapter=zero_adapter,
     )
 
 

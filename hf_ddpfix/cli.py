@@ -269,7 +269,7 @@ def build_facts(args: argparse.Namespace, info: ModelInfo | None) -> Any:
     is_vlm = bool(info and info.is_vlm)
     return RunFacts(
         parallel=parallel, world_size=world, checkpointing=ckpt, is_peft=not args.full, is_vlm=is_vlm,
-        vlm_adapter=info.vlm_adapter if info else None,
+        vlm_adapter=(info.zero_vlm_adapter if parallel == "deepspeed" else info.vlm_adapter) if info else None,
         trainable_vision_params=is_vlm and (args.train_vision or args.full),
         conditional_params=bool(info and info.is_moe and (args.full or args.train_experts)),
         grad_accum_steps=args.ga, user_find_unused=_tri(args.find_unused), user_static_graph=_tri(args.static_graph),

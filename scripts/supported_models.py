@@ -4,7 +4,9 @@ Run:  OMP_NUM_THREADS=1 python scripts/supported_models.py [--out table.md] [--r
 
 Every row is a zoo entry, so a model appears in the table exactly when the 2-process tests train it:
 tests/scripts/usage_zoo.py (DDP, reentrant checkpointing, accumulation 1 and 2, vs stock fu=True) for
-every entry, tests/scripts/usage_fsdp.py (FSDP2 mixed image/text ranks, vs DDP) for the VLMs. The
+every entry, tests/scripts/usage_fsdp.py (FSDP2 mixed image/text ranks, vs DDP) for the VLMs, and
+tests/test_deepspeed.py for the DeepSpeed column (which VLMs get the ZeRO dummy image is read from the
+family registry: ``find_vision_adapter(model, zero=True)``; what is tested is listed in ZERO_TESTS). The
 "left unused" column is observed now: one text-only training forward per model (single process,
 tiny random weights, ~10 s in all), counting the trainable tensors that get no gradient. ``--report``
 adds the measured max weight difference from a ``usage_zoo.py --report`` JSON.
@@ -34,12 +36,33 @@ def observed_unused(entry) -> tuple[int, int]:
     return sum(n not in used for n in trainable), len(trainable)
 
 
+# What tests/test_deepspeed.py checks per family under ZeRO (2 processes: scripts/deepspeed_train.py --suite vlm).
+ZERO_TESTS = {
+    "qwen2_5_vl": "ZeRO-2, ZeRO-3, ZeRO-3 GA 2: weights equal DDP (1e-5)",
+    "llava": "ZeRO-2, ZeRO-3: weights equal DDP (1e-5)",
+    "qwen3_vl": "1 process: loss and LM gradients bit-equal, vision gradients zero",
+    "gemma3": "1 process: loss and LM gradients bit-equal, vision gradients zero",
+}
+
+
+def zero_cell(entry) -> str:
+    """The DeepSpeed column: the ZeRO dummy image if the family has a (ZeRO-view) adapter, and its tests."""
+    if not entry.vlm:
+        return "—"
+    from hf_ddpfix.integrations.families import find_vision_adapter
+
+    adapter = find_vision_adapter(entry.build(0), zero=True)
+    if adapter is None:
+        return "stock (no adapter): give every micro-batch an image"
+    return f"dummy image; {ZERO_TESTS.get(entry.name, 'adapter not run under ZeRO in the tests')}"
+
+
 def table(report: dict | None = None) -> str:
     from zoo import ZOO
 
     head = ["Model (tiny config in tests/zoo.py)", "What can go unused in a step",
             "Left unused by a text-only step (observed)", "DDP: reentrant ckpt, GA 1 & 2, vs stock fu=True",
-            "FSDP2 mixed image/text ranks"]
+            "FSDP2 mixed image/text ranks", "DeepSpeed ZeRO-2/3 mixed image/text ranks"]
     rows = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for name, e in ZOO.items():
         unused, total = observed_unused(e)
@@ -47,7 +70,8 @@ def table(report: dict | None = None) -> str:
         if report and name in report:
             ddp = f"max diff {report[name]['max_diff']:.0e} (bit-equal non-reentrant)"
         fsdp = "weights equal DDP (1e-5)" if e.vlm else "—"
-        rows.append(f"| {e.title} | {e.can_go_unused} | {unused} of {total} LoRA tensors | {ddp} | {fsdp} |")
+        rows.append(f"| {e.title} | {e.can_go_unused} | {unused} of {total} LoRA tensors | {ddp} | {fsdp} "
+                    f"| {zero_cell(e)} |")
     return "\n".join(rows) + "\n"
 
 

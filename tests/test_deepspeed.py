@@ -327,3 +327,29 @@ def test_cli_plan_and_doctor_speak_deepspeed(capsys):
     main(["doctor"])
     out = capsys.readouterr().out
     assert "deepspeed" in out and ("not installed" in out or "PEFT + ZeRO-3" in out)
+
+
+def test_cli_plan_gives_llava_the_zero_dummy_under_deepspeed_only(capsys, tmp_path):
+    """LLaVA's adapter is a ZeRO one: `hf-ddpfix plan` turns the dummy on under ZeRO-3 and keeps the DDP
+    decisions as without an adapter (parameter_usage)."""
+    from transformers import LlavaConfig
+
+    from hf_ddpfix.cli import main
+
+    cfg = LlavaConfig(
+        text_config={"model_type": "llama", "vocab_size": 64, "hidden_size": 32, "intermediate_size": 64,
+                     "num_hidden_layers": 1, "num_attention_heads": 2, "num_key_value_heads": 1},
+        vision_config={"model_type": "clip_vision_model", "hidden_size": 16, "intermediate_size": 32,
+                       "num_hidden_layers": 1, "num_attention_heads": 2, "image_size": 28, "patch_size": 14},
+        image_token_id=60)
+    path = tmp_path / "config.json"
+    path.write_text(cfg.to_json_string())
+    common = ["plan", "--model", str(path), "--train-vision", "--world-size", "2", "--json"]
+    assert main([*common, "--parallel", "deepspeed", "--zero-stage", "3"]) == 0
+    plan = json.loads(capsys.readouterr().out)
+    assert plan["facts"]["vlm_adapter"] == "llava", plan["facts"]
+    assert plan["decisions"]["vlm_stabilizer"]["value"] is True, plan["decisions"]["vlm_stabilizer"]
+    assert main([*common, "--parallel", "ddp"]) == 0
+    plan = json.loads(capsys.readouterr().out)
+    assert plan["facts"]["vlm_adapter"] is None and plan["decisions"]["vlm_stabilizer"]["value"] is False
+    assert plan["decisions"]["parameter_usage"]["value"] is True

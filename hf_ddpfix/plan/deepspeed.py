@@ -165,8 +165,8 @@ def deepspeed_advice(version: str | None) -> list[str]:
     if v < LEAF_MODULES_SINCE:
         lines.append("  no ZeRO-3 leaf modules (< 0.14): MoE models with per-expert modules may hang under "
                      "ZeRO-3; upgrade")
-    lines.append("  mixed image/text batches (Qwen-VL families): hf_ddpfix runs a dummy image on text-only "
-                 "ranks under ZeRO-2/3; other VLMs: give every micro-batch an image under ZeRO")
+    lines.append("  mixed image/text batches (Qwen2/2.5/3-VL, LLaVA, Gemma 3): hf_ddpfix runs a dummy image on "
+                 "text-only ranks under ZeRO-2/3; other VLMs: give every micro-batch an image under ZeRO")
     return lines
 
 
