@@ -57,7 +57,13 @@ def train(name: str, fsdp: bool) -> tuple[dict[str, torch.Tensor], list[str], in
         wrapped: nn.Module = model
     else:
         usage = ParameterUsage(model).attach()
-        wrapped = nn.parallel.DistributedDataParallel(model, find_unused_parameters=False, static_graph=True)
+        # No buffer sync: the ranks built the same model from one seed, and DDP broadcasts buffers by
+        # position in `named_buffers()` order, which transformers 5.0-5.15 make per process (Gemma 3 registers
+        # its RoPE tables in `list(set(layer_types))` order; 5.18 sorts it) while every torchrun worker has
+        # its own hash seed: rank 1 then ran with rank 0's sliding and global RoPE tables swapped (about
+        # half the launches). FSDP2 syncs no buffers.
+        wrapped = nn.parallel.DistributedDataParallel(model, find_unused_parameters=False, static_graph=True,
+                                                      init_sync=False, forward_sync_buffers=False)
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=LR, weight_decay=0.1)
     for step, images in enumerate(PATTERN):
