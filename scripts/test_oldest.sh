@@ -30,12 +30,7 @@ peft.__version__, 'trl', trl.__version__)"
 
 export OMP_NUM_THREADS=1
 py=("$venv/bin/python" -m pytest -q -p no:cacheprovider)
-# Known open failure on transformers 5.3 (reported to the lead, not hidden): Gemma 3 under FSDP2 +
-# ParameterUsage ends 5.2e-3 away from DDP when gemma3 runs first in usage_fsdp.py (passes on 5.23, and on
-# 5.3 after another family ran). Deselected here only, loudly; the main stack runs it.
-known=("tests/test_usage.py::test_fsdp2_mixed_batches_finish_with_the_ddp_weights_for_every_vlm")
-echo "oldest stack: NOT RUN (known open failure on transformers 5.3): ${known[*]}"
-"${py[@]}" tests -m "not multiprocess" "${known[@]/#/--deselect=}"
+"${py[@]}" tests -m "not multiprocess"
 # 2-process cells (gloo): the reentrant-checkpointing fix vs a single-process reference (exact), stock's
 # failure on this stack, and matrix cells for text / VLM with gradient accumulation.
 "${py[@]}" \
