@@ -26,6 +26,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
 sys.path.insert(0, HERE)
 
+from fixtures import init_gloo, teardown, trainable_weights  # noqa: E402
 from usage_zoo import LR  # noqa: E402
 from zoo import ZOO, seq_len  # noqa: E402
 
@@ -33,10 +34,6 @@ from hf_ddpfix.integrations.fsdp_wrap import fsdp_wrap_plan  # noqa: E402
 from hf_ddpfix.integrations.usage import ParameterUsage  # noqa: E402
 
 PATTERN = [(True, False), (False, True), (False, False), (True, True)]  # step -> (rank 0, rank 1) has image
-
-
-def full(t: torch.Tensor) -> torch.Tensor:
-    return t.full_tensor() if hasattr(t, "full_tensor") else t
 
 
 def train(name: str, fsdp: bool) -> tuple[dict[str, torch.Tensor], list[str], int]:
@@ -73,7 +70,7 @@ def train(name: str, fsdp: bool) -> tuple[dict[str, torch.Tensor], list[str], in
         torch.nn.utils.clip_grad_norm_(params, 1.0)
         opt.step()
         opt.zero_grad(set_to_none=True)
-    weights = {n: full(p.detach()).clone() for n, p in model.named_parameters() if p.requires_grad}
+    weights = trainable_weights(model)
     usage.remove()
     return weights, units, usage.ties
 
@@ -82,9 +79,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--families", default=",".join(n for n, e in ZOO.items() if e.vlm))
     a = ap.parse_args()
-    dist.init_process_group("gloo")
-    torch.set_num_threads(1)
-    rank = dist.get_rank()
+    rank, _ = init_gloo()
     t0 = time.time()
     for name in a.families.split(","):
         fsdp_w, units, ties = train(name, fsdp=True)
@@ -96,10 +91,8 @@ def main() -> None:
         print(f"[rank {rank} {time.time() - t0:5.1f}s] {name}: FSDP2 {len(units)} units, {ties} ties, "
               f"max |FSDP2 - DDP| = {diff:.1e}", flush=True)
         gc.collect()
-    dist.barrier()
     print(f"[rank {rank} {time.time() - t0:5.1f}s] USAGE_FSDP_OK", flush=True)
-    gc.collect()
-    dist.destroy_process_group()
+    teardown()
 
 
 if __name__ == "__main__":

@@ -16,7 +16,6 @@ gradient). DDP runs with ``find_unused_parameters=False`` (stock would fail the 
 from __future__ import annotations
 
 import argparse
-import gc
 import os
 import sys
 import time
@@ -28,6 +27,7 @@ from torch import nn
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
 
+from fixtures import init_gloo, teardown, trainable_weights  # noqa: E402
 from zoo import ZOO  # noqa: E402
 
 from hf_ddpfix.integrations.usage import ParameterUsage, UnusedParametersError  # noqa: E402
@@ -67,16 +67,14 @@ def train(fix: str, steps: int) -> dict[str, torch.Tensor]:
         torch.nn.utils.clip_grad_norm_(params, 1.0)
         opt.step()
         opt.zero_grad(set_to_none=True)
-    return {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
+    return trainable_weights(model)
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--case", choices=["guard", "tie"], required=True)
     case = ap.parse_args().case
-    dist.init_process_group("gloo")
-    torch.set_num_threads(1)
-    rank = dist.get_rank()
+    rank, _ = init_gloo()
     if case == "guard":
         t0 = time.perf_counter()
         try:
@@ -93,8 +91,7 @@ def main() -> None:
     init = dict(model_with_probe(False).named_parameters())
     assert probe and all(torch.equal(fixed[n], init[n]) for n in probe), "probe must stay untouched (grad None)"
     print(f"[rank {rank}] USAGE_TIE_OK", flush=True)
-    gc.collect()
-    dist.destroy_process_group()
+    teardown()
 
 
 if __name__ == "__main__":

@@ -18,13 +18,13 @@ import os
 import sys
 
 import torch
-import torch.distributed as dist
 from torch.utils.data import Dataset, SequentialSampler
 from transformers import Trainer, TrainingArguments
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
 
+from fixtures import teardown, trainable_weights  # noqa: E402
 from zoo import SEQ, ZOO  # noqa: E402
 
 from hf_ddpfix import patch_trainer, unpatch_trainer  # noqa: E402
@@ -69,7 +69,7 @@ def run(name: str, patched: bool, out: str) -> tuple[dict[str, torch.Tensor], bo
     fu = bool(trainer.model_wrapped.find_unused_parameters)
     if patched:
         assert trainer.hf_ddpfix_plan.parameter_usage.value is True, trainer.hf_ddpfix_plan.report()
-    weights = {k: v.detach().clone() for k, v in model.named_parameters() if v.requires_grad}
+    weights = trainable_weights(model)
     del trainer
     unpatch_trainer()
     return weights, fu
@@ -90,10 +90,8 @@ def main() -> None:
         assert diff <= 1e-6, f"{name}: hf_ddpfix vs stock Trainer differ by {diff:.2e}"
         print(f"[rank {rank}] {name}: Trainer fu=False (stock True), max |fix - stock| = {diff:.1e}", flush=True)
         gc.collect()
-    dist.barrier()
     print(f"[rank {rank}] USAGE_TRAINER_OK", flush=True)
-    gc.collect()
-    dist.destroy_process_group()
+    teardown()
 
 
 if __name__ == "__main__":

@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import gc
-import hashlib
 import json
 import os
 import sys
@@ -32,6 +31,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
 sys.path.insert(0, os.path.dirname(os.path.dirname(HERE)))
 
+from fixtures import assert_same_across_ranks, init_gloo, teardown, trainable_weights  # noqa: E402
 from zoo import ZOO, ZooEntry, seq_len  # noqa: E402
 
 from hf_ddpfix.integrations.checkpointing import apply_checkpointing  # noqa: E402
@@ -84,19 +84,11 @@ def train(entry: ZooEntry, *, fix: bool, ga: int, reentrant: bool = False
         opt.step()
         opt.zero_grad(set_to_none=True)
     seconds = time.perf_counter() - t0
-    weights = {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
+    weights = trainable_weights(model)
     if usage is not None:
         usage.remove()
     del ddp
     return weights, usage, seconds
-
-
-def digest(weights: dict[str, torch.Tensor]) -> str:
-    h = hashlib.sha256()
-    for n in sorted(weights):
-        h.update(n.encode())
-        h.update(weights[n].float().numpy().tobytes())
-    return h.hexdigest()[:16]
 
 
 def text_step_unused(entry: ZooEntry) -> list[str]:
@@ -116,9 +108,7 @@ def main() -> None:
     ap.add_argument("--families", default=",".join(ZOO))
     ap.add_argument("--report", default="")
     a = ap.parse_args()
-    dist.init_process_group("gloo")
-    torch.set_num_threads(1)
-    rank = dist.get_rank()
+    rank, _ = init_gloo()
     t0 = time.time()
     report: dict[str, dict] = {}
     for name in a.families.split(","):
@@ -133,9 +123,7 @@ def main() -> None:
         # reentrant vs non-reentrant recompute sums a shared input's gradient in another order (rounding)
         bad = [n for n in stock if not torch.allclose(stock[n], fixed[n], atol=1e-6, rtol=0)]
         assert not bad, f"{name} ga={a.ga}: reentrant: {len(bad)} tensors differ from stock fu=True (max {diff:.2e}): {bad[:3]}"
-        digests: list[str | None] = [None] * dist.get_world_size()
-        dist.all_gather_object(digests, digest(fixed))
-        assert len(set(digests)) == 1, f"{name}: replicas differ {digests}"
+        assert_same_across_ranks(fixed, name)
         moved = sum(not torch.equal(v, w) for v, w in zip(stock.values(), entry_init(entry).values(), strict=True))
         assert usage is not None
         print(f"[rank {rank} {time.time() - t0:5.1f}s] {name} ga={a.ga}: non-reentrant bit-equal; reentrant max |fix - stock| = {diff:.1e}, "
@@ -147,10 +135,8 @@ def main() -> None:
     if a.report and rank == 0:
         with open(a.report, "w") as f:
             json.dump(report, f, indent=1)
-    dist.barrier()
     print(f"[rank {rank} {time.time() - t0:5.1f}s] USAGE_ZOO_OK", flush=True)
-    gc.collect()
-    dist.destroy_process_group()
+    teardown()
 
 
 _INIT: dict[str, dict[str, torch.Tensor]] = {}
@@ -158,8 +144,7 @@ _INIT: dict[str, dict[str, torch.Tensor]] = {}
 
 def entry_init(entry: ZooEntry) -> dict[str, torch.Tensor]:
     if entry.name not in _INIT:
-        m = entry.model(0)
-        _INIT[entry.name] = {n: p.detach().clone() for n, p in m.named_parameters() if p.requires_grad}
+        _INIT[entry.name] = trainable_weights(entry.model(0))
     return _INIT[entry.name]
 
 
