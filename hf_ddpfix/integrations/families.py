@@ -123,7 +123,7 @@ def _image_family(name: str, model_types: tuple[str, ...]) -> VisionFamily:
     """A ``get_image_features`` family (transformers 5.23 ``LlavaModel`` / ``Gemma3Model`` layout)."""
     return VisionFamily(
         name, (), tower_paths=("model.vision_tower", "vision_tower"), required_config=("image_size", "num_channels"),
-        required_children=("embeddings", "encoder"), kind="image", model_types=model_types,
+        required_children=(), kind="image", model_types=model_types,
         projector_paths=("model.multi_modal_projector", "multi_modal_projector"), zero_only=True,
     )
 
