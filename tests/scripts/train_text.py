@@ -5,17 +5,19 @@ Run with torchrun (any process count): the global batch is `--global-batch` spli
 """
 
 import argparse
-import gc
 import os
+import sys
 
 import torch
 import torch.distributed as dist
 from datasets import Dataset
-from peft import LoraConfig, get_peft_model
-from transformers import LlamaConfig, LlamaForCausalLM, Trainer, TrainingArguments
+from transformers import Trainer, TrainingArguments
 
-from hf_ddpfix import DDPFixTrainer, patch_trainer
-from hf_ddpfix._compat import checkpointing_training_args
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))  # tests/: fixtures
+from fixtures import lora_llama, teardown, trainable_weights  # noqa: E402
+
+from hf_ddpfix import DDPFixTrainer, patch_trainer  # noqa: E402
+from hf_ddpfix._compat import checkpointing_training_args  # noqa: E402
 
 p = argparse.ArgumentParser()
 p.add_argument("--entry", choices=["patch", "subclass", "stock"], default="patch")
@@ -28,10 +30,7 @@ a = p.parse_args()
 world = int(os.environ.get("WORLD_SIZE", 1))
 if a.entry == "patch":
     patch_trainer()
-torch.manual_seed(0)
-cfg = LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)
-model = get_peft_model(LlamaForCausalLM(cfg), LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]))
+model = lora_llama(targets=("q_proj", "v_proj"), random_lora=False)
 ds = Dataset.from_list([{"input_ids": [(i * 7 + j * 3) % 240 for j in range(24)]} for i in range(32)])
 
 
@@ -49,7 +48,7 @@ args = TrainingArguments(output_dir=a.out + ".run", per_device_train_batch_size=
 cls = DDPFixTrainer if a.entry == "subclass" else Trainer
 trainer = cls(model=model, args=args, train_dataset=ds, data_collator=collate)
 trainer.train()
-weights = {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
+weights = trainable_weights(model)
 if dist.is_initialized():
     gathered = [None] * world
     dist.all_gather_object(gathered, weights)
@@ -58,8 +57,5 @@ if dist.is_initialized():
 if int(os.environ.get("RANK", 0)) == 0:
     torch.save({"weights": weights, "plan": getattr(trainer, "hf_ddpfix_plan", None)}, a.out)
     print("SAVED", a.out, flush=True)
-if dist.is_initialized():
-    dist.barrier()
-    del trainer, model
-    gc.collect()  # drop the DDP reducer before its process group goes (exit abort otherwise)
-    dist.destroy_process_group()
+del trainer, model  # drop the DDP reducer before its process group goes (exit abort otherwise)
+teardown()

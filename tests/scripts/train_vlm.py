@@ -8,19 +8,25 @@ find_unused_parameters=False). Rank 0 saves the trainable weights.
 """
 
 import argparse
-import gc
 import os
 import sys
 
 import torch
-import torch.distributed as dist
 from datasets import Dataset
 from torch.utils.data import SequentialSampler
 from transformers import Trainer, TrainingArguments
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))  # tests/: fixtures
-from fixtures import add_lora, build_qwen2_5_vl, make_batch  # noqa: E402
+from fixtures import (  # noqa: E402
+    add_lora,
+    assert_same_across_ranks,
+    build_qwen2_5_vl,
+    image_collate,
+    make_batch,
+    teardown,
+    trainable_weights,
+)
 
 from hf_ddpfix import patch_trainer  # noqa: E402
 from hf_ddpfix._compat import checkpointing_training_args  # noqa: E402
@@ -46,16 +52,6 @@ for i in range(n):
                  "image_grid_thw": b["image_grid_thw"].tolist() if has_image[i] else None})
 
 
-def collate(batch):
-    out = {"input_ids": torch.tensor([b["input_ids"] for b in batch])}
-    out["labels"] = out["input_ids"].clone()
-    imgs = [b for b in batch if b.get("pixel_values") is not None]
-    if imgs:
-        out["pixel_values"] = torch.cat([torch.tensor(b["pixel_values"]) for b in imgs])
-        out["image_grid_thw"] = torch.cat([torch.tensor(b["image_grid_thw"]) for b in imgs])
-    return out
-
-
 class InOrder(Trainer):
     def _get_train_sampler(self, *args, **kwargs):
         return SequentialSampler(self.train_dataset)
@@ -69,18 +65,14 @@ args = TrainingArguments(output_dir=a.out + ".run", per_device_train_batch_size=
                          report_to=[], use_cpu=True, save_strategy="no", learning_rate=1e-2, weight_decay=0.1,
                          max_grad_norm=1.0, remove_unused_columns=False, disable_tqdm=True, seed=0,
                          logging_steps=1, **kw)
-trainer = InOrder(model=model, args=args, train_dataset=Dataset.from_list(rows), data_collator=collate)
+trainer = InOrder(model=model, args=args, train_dataset=Dataset.from_list(rows), data_collator=image_collate)
 trainer.train()
 wrapped = trainer.model_wrapped
-weights = {k: v.detach().clone() for k, v in model.named_parameters() if v.requires_grad}
-gathered = [None] * world
-dist.all_gather_object(gathered, weights)
-assert all(torch.equal(weights[k], g[k]) for g in gathered for k in weights), "ranks diverged"
+weights = trainable_weights(model)
+assert_same_across_ranks(weights, "train_vlm")
 if int(os.environ.get("RANK", 0)) == 0:
     torch.save({"weights": weights, "find_unused": wrapped.find_unused_parameters,
                 "static_graph": wrapped.static_graph}, a.out)
     print("SAVED", flush=True)
-dist.barrier()
-del trainer, model, wrapped
-gc.collect()  # drop the DDP reducer before its process group goes (exit abort otherwise)
-dist.destroy_process_group()
+del trainer, model, wrapped  # drop the DDP reducer before its process group goes (exit abort otherwise)
+teardown()
