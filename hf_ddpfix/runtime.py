@@ -20,7 +20,7 @@ import torch
 from torch import nn
 from transformers import TrainerCallback
 
-from ._compat import TRAINER_STEP_HOOKS, checkpointing_args
+from ._compat import before_gradient_clipping, checkpointing_args
 from .integrations.checkpointing import apply_checkpointing, checkpoint_kwargs_without_mode
 from .integrations.deepspeed import attach_deepspeed
 from .integrations.families import is_vision_language_model
@@ -132,41 +132,23 @@ def _attach_stabilizer(trainer: Any, model: nn.Module, plan: Plan, stack: ExitSt
     """Dummy image on text-only steps; before gradients are clipped or measured, vision gradients are
     reset to `None` when no rank saw an image in the whole optimizer step (stock fu=True semantics).
 
-    The finalize runs before `_clip_grad_norm` / `_get_grad_norm` because a zero and a `None` gradient
-    give a different clipping norm in the last bit; `on_pre_optimizer_step` fires after clipping.
+    The finalize runs before the gradients are clipped or measured (`_compat.before_gradient_clipping`)
+    because a zero and a `None` gradient give a different clipping norm in the last bit.
     """
     stab = VisionStabilizer(model, run_when_frozen=True if plan.parallel == "fsdp" else None).attach()
     stack.callback(stab.remove)
-
-    def finalize_first(inner: Callable[..., Any]) -> Callable[..., Any]:
-        def method(*args: Any, **kwargs: Any) -> Any:
-            stab.finalize_vision_grads()
-            return inner(*args, **kwargs)
-
-        return method
-
-    for name in TRAINER_STEP_HOOKS:  # `_clip_grad_norm`, `_get_grad_norm`
-        _override(trainer, name, finalize_first, stack)
+    stack.callback(before_gradient_clipping(trainer, stab.finalize_vision_grads))
     return stab
 
 
 def _attach_usage(trainer: Any, model: nn.Module, usage: ParameterUsage, stack: ExitStack) -> ParameterUsage:
     """Observe (and tie) every training forward; before gradients are clipped or measured, gradients no
-    rank used in the optimizer step are reset to `None` (stock fu=True semantics; see `_attach_stabilizer`
-    for why not `on_pre_optimizer_step`). Attached after the checkpointing switch, so reentrant layers
-    are observed with the function they will run."""
+    rank used in the optimizer step are reset to `None` (stock fu=True semantics; see `_attach_stabilizer`).
+    Attached after the checkpointing switch, so reentrant layers are observed with the function they
+    will run."""
     usage.attach()
     stack.callback(usage.remove)
-
-    def finalize_first(inner: Callable[..., Any]) -> Callable[..., Any]:
-        def method(*args: Any, **kwargs: Any) -> Any:
-            usage.finalize()
-            return inner(*args, **kwargs)
-
-        return method
-
-    for name in TRAINER_STEP_HOOKS:  # `_clip_grad_norm`, `_get_grad_norm`
-        _override(trainer, name, finalize_first, stack)
+    stack.callback(before_gradient_clipping(trainer, usage.finalize))
     _add_callback(trainer, _GuardWrappedModel(trainer, usage), stack)
     return usage
 

@@ -1,9 +1,10 @@
 """`DDPFixTrainer` and `patch_trainer()`: two entry points, one implementation (`run_with_plan`).
 
-`run_with_plan` runs the stock `Trainer._inner_training_loop` (after `train()` has enabled checkpointing
-and loaded any checkpoint, before `accelerator.prepare()` wraps the model in DDP/FSDP) under the plan:
-gather facts, resolve the plan, set the DDP kwargs the wrapper will be built with, attach the per-run
-pieces (`hf_ddpfix.runtime`) and callbacks, run the stock loop, and detach everything afterwards.
+`run_with_plan` runs the stock `Trainer._inner_training_loop` under the plan: where checkpointing is on
+and the DDP kwargs are final, before `accelerator.prepare()` wraps the model in DDP/FSDP (the loop's start
+on transformers 5.3-5.23, right after its `_wrap_model` on 5.0-5.2: `_compat.when_ready_to_prepare`), it
+gathers facts, resolves the plan, sets the DDP kwargs the wrapper will be built with and attaches the
+per-run pieces (`hf_ddpfix.runtime`) and callbacks; everything is detached when the loop ends.
 `resolve_resume` makes `train(resume_from_checkpoint=True)` pick the newest *complete* checkpoint.
 
 Guarantees: DDP kwargs are decided before the model is wrapped (no DDP internals touched mid-run);
@@ -23,7 +24,7 @@ from typing import Any
 
 from transformers import Trainer
 
-from ._compat import TRAINER_INNER_LOOP, set_ddp_kwargs, unwrap_parallel
+from ._compat import TRAINER_INNER_LOOP, set_ddp_kwargs, unwrap_parallel, when_ready_to_prepare
 from .callbacks import default_callbacks, install_callbacks
 from .checkpoints import last_complete_checkpoint
 from .config import DDPFixConfig
@@ -77,18 +78,22 @@ def run_with_plan(trainer: Trainer, inner_loop: Callable[..., Any], *args: Any, 
     if getattr(trainer, "_hf_ddpfix_active", False):  # DDPFixTrainer under patch_trainer(): apply once
         return inner_loop(*args, **kwargs)
     config = _trainer_config(trainer)
-    facts = gather_facts(trainer)
-    plan = resolve_plan(facts, config)
-    trainer.hf_ddpfix_plan = plan
     _ensure_log_handler()
-    _set_ddp_kwargs(trainer, plan)
     trainer._hf_ddpfix_active = True
     try:
         with ExitStack() as stack:
-            trainer.hf_ddpfix_runtime = attach_runtime(trainer, unwrap_parallel(trainer.model), plan, stack)
-            install_callbacks(trainer, default_callbacks(plan, config), stack)  # plan report, sync, metrics
-            with readable_ddp_errors(plan, facts=facts):
-                return inner_loop(*args, **kwargs)
+
+            def setup() -> None:  # checkpointing on, DDP kwargs final, model not wrapped yet
+                facts = gather_facts(trainer)
+                plan = resolve_plan(facts, config)
+                trainer.hf_ddpfix_plan = plan
+                _set_ddp_kwargs(trainer, plan)
+                trainer.hf_ddpfix_runtime = attach_runtime(trainer, unwrap_parallel(trainer.model), plan, stack)
+                install_callbacks(trainer, default_callbacks(plan, config), stack)  # plan report, sync, metrics
+                stack.enter_context(readable_ddp_errors(plan, facts=facts))  # the first to see a loop error
+
+            stack.callback(when_ready_to_prepare(trainer, setup))  # now, or inside the loop (5.0-5.2)
+            return inner_loop(*args, **kwargs)
     finally:
         trainer._hf_ddpfix_active = False
 
