@@ -25,13 +25,12 @@ from __future__ import annotations
 
 import inspect
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch import nn
 
-if TYPE_CHECKING:
-    from .families import VisionFamily
+from .vision_family import VisionFamily
 
 __all__ = ["VISUAL_INPUT_NAMES", "VisionAdapter", "get_submodule", "image_size_hw", "output_tensors"]
 
