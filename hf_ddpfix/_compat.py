@@ -28,14 +28,14 @@ CHECKED_AGAINST = {"torch": "2.13.0", "transformers": "5.23.0", "accelerate": "1
 # The oldest versions CI also runs the unit tests and 2-process cells on (constraints-oldest.txt).
 # transformers 5.0-5.2 set training up inside `_inner_training_loop` (see `when_ready_to_prepare` and
 # `before_gradient_clipping`); 4.x is out of reach (README "Supported versions").
-OLDEST_SUPPORTED = {"transformers": "5.3.0", "accelerate": "1.12.0", "peft": "0.18.0"}
+OLDEST_SUPPORTED = {"transformers": "5.0.0", "accelerate": "1.12.0", "peft": "0.18.0"}
 
 # --------------------------------------------------------------------------------------------------
 # transformers.Trainer private methods we hook (names are data so the contract test can check them)
 # --------------------------------------------------------------------------------------------------
 
-#: Runs after ``train()`` enabled checkpointing / loaded a checkpoint and before ``accelerator.prepare``
-#: wraps the model: the only point where DDP kwargs can still be decided (transformers 5.3-5.23).
+#: Runs after ``train()`` loaded a checkpoint and before ``accelerator.prepare`` wraps the model; where the
+#: plan is applied: its start (5.3-5.23) or after its ``_wrap_model`` (5.0-5.2; ``when_ready_to_prepare``).
 TRAINER_INNER_LOOP = "_inner_training_loop"
 #: Called once per optimizer step before ``optimizer.step()`` with the gradients final (5.3-5.23); the
 #: usage finalisation (grad -> None for unused parameters) must run before it.
@@ -166,7 +166,7 @@ def ddp_syncs_grads(ddp_module: Any) -> bool:
 
 #: TrainingArguments' checkpointing flag and kwargs, and the model method that enables it: transformers
 #: 5.23 renamed them to ``activation_checkpointing(_kwargs)`` / ``activation_checkpointing_enable`` (the
-#: ``gradient_checkpointing*`` names stay as deprecated aliases until v6, warning when set); 5.3-5.22
+#: ``gradient_checkpointing*`` names stay as deprecated aliases until v6, warning when set); 5.0-5.22
 #: have only the ``gradient_checkpointing*`` names. Both spell ``{}`` / ``None`` kwargs as
 #: ``{"use_reentrant": False}`` (the 5.x default).
 _NEW_CHECKPOINTING_ARGS = ("activation_checkpointing", "activation_checkpointing_kwargs")
@@ -192,7 +192,7 @@ def checkpointing_args(args: Any) -> tuple[bool, dict[str, Any] | None]:
 
 def checkpointing_training_args(enabled: bool = True, kwargs: dict[str, Any] | None = None) -> dict[str, Any]:
     """Keyword arguments for ``TrainingArguments(...)`` that request checkpointing with ``kwargs``, spelled
-    for the installed transformers (no deprecation warning on 5.23, no unknown argument on 5.3-5.22)."""
+    for the installed transformers (no deprecation warning on 5.23, no unknown argument on 5.0-5.22)."""
     flag, kw_name = checkpointing_arg_names()
     out: dict[str, Any] = {flag: enabled}
     if kwargs is not None:
@@ -409,7 +409,7 @@ def in_checkpoint_recompute() -> bool:
 
 def class_checkpoint_inner_forward(cls_forward: Any) -> Callable[..., Any] | None:
     """The forward inside transformers' class-level checkpoint wrapper, or ``None`` when ``cls_forward``
-    is not that wrapper (always, before 5.23: 5.3-5.22 checkpoint the whole call in
+    is not that wrapper (always, before 5.23: 5.0-5.22 checkpoint the whole call in
     ``GradientCheckpointingLayer.__call__``, module hooks included, so an instance-level forward already
     runs inside the checkpoint). transformers 5.23 wraps ``cls.forward`` in ``forward_with_checkpointing``
     (``modeling_layers.GradientCheckpointingLayer.__init_subclass__``, ``functools.wraps``), which calls

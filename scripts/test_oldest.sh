@@ -30,7 +30,11 @@ peft.__version__, 'trl', trl.__version__)"
 
 export OMP_NUM_THREADS=1
 py=("$venv/bin/python" -m pytest -q -p no:cacheprovider)
-"${py[@]}" tests -m "not multiprocess"
+# transformers 5.0.0-5.1's Qwen2.5-VL cannot run a forward from inputs_embeds alone (get_rope_index reads
+# input_ids.shape; stock raises the same), so that one input form is not run here (printed, not hidden).
+upstream=("tests/test_vlm.py::test_dummy_reaches_every_vision_param_for_every_output_form[inputs_embeds]")
+echo "oldest stack: NOT RUN (the stock model cannot run it on this transformers): ${upstream[*]}"
+"${py[@]}" tests -m "not multiprocess" "${upstream[@]/#/--deselect=}"
 # 2-process cells (gloo): the reentrant-checkpointing fix vs a single-process reference (exact), stock's
 # failure on this stack, and matrix cells for text / VLM with gradient accumulation.
 "${py[@]}" \

@@ -282,8 +282,8 @@ def qwen_text(name: str, base: dict[str, Any]) -> dict[str, Any]:
         return dict(base, rope_scaling={"type": "mrope", "mrope_section": [2, 2, 4]})
     t = dict(base, head_dim=16,
              rope_scaling={"rope_type": "default", "mrope_section": [2, 3, 3], "mrope_interleaved": True})
-    if name == "qwen3_vl_moe":
-        t.update(moe_intermediate_size=32, num_experts=4, num_experts_per_tok=2)
+    if name == "qwen3_vl_moe":  # pad_token_id: transformers 5.0.0's text config lacks it (its model reads it)
+        t.update(moe_intermediate_size=32, num_experts=4, num_experts_per_tok=2, pad_token_id=None)
     return t
 
 
