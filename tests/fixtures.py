@@ -10,7 +10,7 @@ scripts under ``tests/scripts`` insert it themselves (``sys.path.insert(0, <test
 - VLMs (Qwen family, the stabiliser's adapters): :data:`BUILDERS`, :data:`PATCH_DIM`, :func:`add_lora`,
   :func:`make_batch`, :func:`image_collate`; the Qwen-VL configs once, :func:`qwen_vl` (``tests/zoo.py``
   builds its Qwen entries with it). The wider model zoo of the usage tests is ``tests/zoo.py``.
-- Processes: :func:`init_gloo`, :func:`teardown`; comparing ranks and references:
+- Processes: :func:`init_gloo`, :func:`rank_log`, :func:`teardown`; comparing ranks and references:
   :func:`trainable_weights`, :func:`flat_trainable`, :func:`weights_digest`, :func:`max_diff_across_ranks`,
   :func:`assert_same_across_ranks`, :func:`assert_weights_equal`;
   FSDP2 and tiling: :func:`shard_decoder`, :func:`tiled_stats`; a script's verdict: :func:`finish`.
@@ -22,6 +22,7 @@ import gc
 import hashlib
 import json
 import os
+import time
 import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -136,6 +137,18 @@ def init_gloo() -> tuple[int, int]:
     if not dist.is_initialized():
         dist.init_process_group("gloo")
     return dist.get_rank(), dist.get_world_size()
+
+
+def rank_log(rank: int | None = None) -> Callable[[str], None]:
+    """A ``print`` that prefixes ``[rank R   S.Ss]`` (seconds since this call) and flushes; ``rank``
+    defaults to this process's rank in the default group."""
+    rank = dist.get_rank() if rank is None else rank
+    t0 = time.time()
+
+    def log(msg: str) -> None:
+        print(f"[rank {rank} {time.time() - t0:5.1f}s] {msg}", flush=True)
+
+    return log
 
 
 def teardown(*objects: Any) -> None:

@@ -24,7 +24,8 @@ from __future__ import annotations
 
 import argparse
 import gc
-import time
+import os
+import sys
 
 import torch
 import torch.distributed as dist
@@ -32,8 +33,11 @@ from datasets import Dataset
 from peft import LoraConfig, get_peft_model, prepare_model_for_kbit_training
 from transformers import BitsAndBytesConfig, LlamaForCausalLM, Trainer, TrainingArguments
 
-from hf_ddpfix import patch_trainer, unpatch_trainer
-from hf_ddpfix.plan import PlacementError
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))  # tests/: fixtures
+from fixtures import init_gloo, padded_collate, rank_log, teardown, trainable_weights  # noqa: E402
+
+from hf_ddpfix import patch_trainer, unpatch_trainer  # noqa: E402
+from hf_ddpfix.plan import PlacementError  # noqa: E402
 
 STEPS = 4
 LENGTHS = (7, 12, 16, 9, 20, 5, 14, 11)
@@ -60,27 +64,12 @@ def dataset() -> Dataset:
     return Dataset.from_list(rows)
 
 
-def collate(batch):
-    longest = max(len(b["input_ids"]) for b in batch)
-    ids = torch.zeros(len(batch), longest, dtype=torch.long)
-    mask = torch.zeros(len(batch), longest, dtype=torch.long)
-    for i, b in enumerate(batch):
-        ids[i, : len(b["input_ids"])] = torch.tensor(b["input_ids"])
-        mask[i, : len(b["input_ids"])] = 1
-    labels = ids.masked_fill(mask == 0, -100)
-    return {"input_ids": ids, "attention_mask": mask, "labels": labels}
-
-
 def make_trainer(model, out: str) -> Trainer:
     args = TrainingArguments(output_dir=out, per_device_train_batch_size=2, max_steps=STEPS, report_to=[],
                              use_cpu=True, save_strategy="no", learning_rate=1e-2, weight_decay=0.1,
                              max_grad_norm=0.2, remove_unused_columns=False, disable_tqdm=True, seed=0,
                              logging_steps=1, data_seed=0)
-    return Trainer(model=model, args=args, train_dataset=dataset(), data_collator=collate)
-
-
-def trainable(model) -> dict[str, torch.Tensor]:
-    return {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
+    return Trainer(model=model, args=args, train_dataset=dataset(), data_collator=padded_collate)
 
 
 def assert_replicas_equal(weights: dict[str, torch.Tensor], what: str) -> None:
@@ -96,19 +85,15 @@ def main() -> None:
     p.add_argument("--model-dir", required=True)
     p.add_argument("--out", default="/tmp/qlora_ddp_run")
     a = p.parse_args()
-    dist.init_process_group("gloo")
-    rank = dist.get_rank()
-    t0 = time.time()
-
-    def log(msg: str) -> None:
-        print(f"[rank {rank} {time.time() - t0:5.1f}s] {msg}", flush=True)
+    init_gloo()
+    log = rank_log()
 
     # 1. stock Trainer, non-reentrant checkpointing, find_unused_parameters=True (stock pick for a PeftModel)
     model = load_qlora(a.model_dir, reentrant=False)
-    init = trainable(model)
+    init = trainable_weights(model)
     trainer = make_trainer(model, a.out)
     trainer.train()
-    stock = trainable(model)
+    stock = trainable_weights(model)
     stock_losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
     assert_replicas_equal(stock, "stock")
     moved = sum(not torch.equal(init[n], stock[n]) for n in init)
@@ -126,7 +111,7 @@ def main() -> None:
         plan = trainer.hf_ddpfix_plan
         assert plan.checkpointing.value == "non_reentrant" and plan.checkpointing.changed, plan.report()
         assert str(plan.quantization.value).startswith("bnb 4-bit nf4"), plan.report()
-        fixed = trainable(model)
+        fixed = trainable_weights(model)
         assert_replicas_equal(fixed, "hf_ddpfix")
         diff = max((stock[n] - fixed[n]).abs().max().item() for n in stock)
         assert diff <= 1e-6, f"hf_ddpfix vs stock non-reentrant fu=True: max |diff| {diff:.3e}"
@@ -163,10 +148,8 @@ def main() -> None:
     else:
         raise AssertionError("stock trained a 4-bit model spread over two devices under DDP?")
     del trainer, model
-    dist.barrier()
     log("QLORA_DDP_OK")
-    gc.collect()  # free the DDP reducers before the process group goes
-    dist.destroy_process_group()
+    teardown()
 
 
 if __name__ == "__main__":

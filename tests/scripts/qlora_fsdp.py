@@ -27,7 +27,8 @@ from __future__ import annotations
 
 import argparse
 import gc
-import time
+import os
+import sys
 import warnings
 
 import torch
@@ -35,8 +36,11 @@ import torch.distributed as dist
 from peft import LoraConfig, get_peft_model, prepare_model_for_kbit_training
 from transformers import BitsAndBytesConfig, LlamaForCausalLM
 
-from hf_ddpfix.integrations.quantized import quantization_facts
-from hf_ddpfix.plan import QuantStorageError, RunFacts, resolve_plan
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))  # tests/: fixtures
+from fixtures import init_gloo, rank_log, teardown  # noqa: E402
+
+from hf_ddpfix.integrations.quantized import quantization_facts  # noqa: E402
+from hf_ddpfix.plan import QuantStorageError, RunFacts, resolve_plan  # noqa: E402
 
 STEPS = 4
 LENGTHS = ((9, 14), (16, 6), (12, 12), (5, 15))  # (rank 0, rank 1) sequence length per step
@@ -130,12 +134,8 @@ def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--model-dir", required=True)
     a = p.parse_args()
-    dist.init_process_group("gloo")
-    rank = dist.get_rank()
-    t0 = time.time()
-
-    def log(msg: str) -> None:
-        print(f"[rank {rank} {time.time() - t0:5.1f}s] {msg}", flush=True)
+    rank, _ = init_gloo()
+    log = rank_log()
 
     # 1. float32 storage, no mixed precision: sharded, equal to the replicated (DDP-like) reference
     ref_w, ref_losses = train(load(a.model_dir, torch.float32), ddp_reference=True)
@@ -206,9 +206,8 @@ def main() -> None:
         log(f"accelerate fsdp2_prepare_model, {storage} storage: 4-bit bytes per rank {before} -> {after}")
         del model
         gc.collect()
-    dist.barrier()
     log("QLORA_FSDP_OK")
-    dist.destroy_process_group()
+    teardown()
 
 
 if __name__ == "__main__":

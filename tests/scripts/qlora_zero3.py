@@ -19,8 +19,8 @@ Prints ``QLORA_ZERO3_OK``.
 from __future__ import annotations
 
 import argparse
-import gc
-import time
+import os
+import sys
 
 import torch
 import torch.distributed as dist
@@ -28,9 +28,12 @@ from datasets import Dataset
 from peft import LoraConfig, get_peft_model, prepare_model_for_kbit_training
 from transformers import BitsAndBytesConfig, LlamaForCausalLM, Trainer, TrainingArguments
 
-from hf_ddpfix import patch_trainer, unpatch_trainer
-from hf_ddpfix.integrations.quantized import quantization_facts
-from hf_ddpfix.plan import QuantStorageError
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))  # tests/: fixtures
+from fixtures import padded_collate, rank_log, teardown  # noqa: E402
+
+from hf_ddpfix import patch_trainer, unpatch_trainer  # noqa: E402
+from hf_ddpfix.integrations.quantized import quantization_facts  # noqa: E402
+from hf_ddpfix.plan import QuantStorageError  # noqa: E402
 
 STEPS = 4
 DS_CONFIG = {
@@ -66,16 +69,6 @@ def dataset() -> Dataset:
                               for i in range(32)])
 
 
-def collate(batch):
-    longest = max(len(b["input_ids"]) for b in batch)
-    ids = torch.zeros(len(batch), longest, dtype=torch.long)
-    mask = torch.zeros(len(batch), longest, dtype=torch.long)
-    for i, b in enumerate(batch):
-        ids[i, : len(b["input_ids"])] = torch.tensor(b["input_ids"])
-        mask[i, : len(b["input_ids"])] = 1
-    return {"input_ids": ids, "attention_mask": mask, "labels": ids.masked_fill(mask == 0, -100)}
-
-
 def partitioned_quant_bytes(model) -> int:
     """Bytes of the 4-bit weights this rank holds after ZeRO-3 partitioning (its `ds_tensor` slices)."""
     import bitsandbytes as bnb
@@ -95,7 +88,7 @@ def train_uint8(a, args, log) -> None:
     model = load(a.model_dir, torch.uint8)
     full_bytes = quantization_facts(model).quant_bytes
     init = {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
-    trainer = Trainer(model=model, args=args, train_dataset=dataset(), data_collator=collate)
+    trainer = Trainer(model=model, args=args, train_dataset=dataset(), data_collator=padded_collate)
     trainer.train()
     plan = trainer.hf_ddpfix_plan
     assert "ZeRO-3 partitions the 4-bit weights (uint8" in plan.quantization.reason, plan.report()
@@ -116,7 +109,7 @@ def refuse_float32(a, args, log) -> None:
     One Trainer for both attempts: accelerate allows one DeepSpeed `Accelerator` per process.
     """
     model = load(a.model_dir, torch.float32)
-    trainer = Trainer(model=model, args=args, train_dataset=dataset(), data_collator=collate)
+    trainer = Trainer(model=model, args=args, train_dataset=dataset(), data_collator=padded_collate)
     try:
         trainer.train()
     except QuantStorageError as err:
@@ -141,22 +134,16 @@ def main() -> None:
     p.add_argument("--case", choices=["train", "refuse"], required=True)
     p.add_argument("--out", default="/tmp/qlora_zero3_run")
     a = p.parse_args()
-    t0 = time.time()
     args = make_args(a.out)
-    rank = args.process_index
-
-    def log(msg: str) -> None:
-        print(f"[rank {rank} {time.time() - t0:5.1f}s] {msg}", flush=True)
+    log = rank_log(args.process_index)
 
     patch_trainer()
     try:
         (train_uint8 if a.case == "train" else refuse_float32)(a, args, log)
     finally:
         unpatch_trainer()
-    gc.collect()
-    dist.barrier()
     log("QLORA_ZERO3_OK")
-    dist.destroy_process_group()
+    teardown()
 
 
 if __name__ == "__main__":
