@@ -13,18 +13,20 @@ scripts under ``tests/scripts`` insert it themselves (``sys.path.insert(0, <test
 - Processes: :func:`init_gloo`, :func:`rank_log`, :func:`teardown`; comparing ranks and references:
   :func:`trainable_weights`, :func:`flat_trainable`, :func:`weights_digest`, :func:`max_diff_across_ranks`,
   :func:`assert_same_across_ranks`, :func:`assert_weights_equal`;
-  FSDP2 and tiling: :func:`shard_decoder`, :func:`tiled_stats`; a script's verdict: :func:`finish`.
+  FSDP2 and tiling: :func:`shard_decoder`, :func:`tiled_stats`; DDP micro-batches: :func:`accumulate`;
+  a script's verdict: :class:`Verdicts`.
 """
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import hashlib
 import json
 import os
 import time
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import torch
@@ -161,16 +163,41 @@ def teardown(*objects: Any) -> None:
         dist.destroy_process_group()
 
 
-def finish(records: list[dict[str, Any]], out: str | None, tag: str) -> None:
-    """End a script that judged its runs: rank 0 writes ``records`` to ``out`` as JSON, the process group
-    goes (:func:`teardown`), and every rank exits non-zero naming the records whose ``"ok"`` is False."""
-    if dist.get_rank() == 0 and out:
-        with open(out, "w") as f:
-            json.dump(records, f, indent=1)
-    teardown()
-    bad = [r for r in records if not r["ok"]]
-    if bad:
-        raise SystemExit(f"{tag} mismatch: {bad}")
+class Verdicts:
+    """The records a multi-process script judges (one dict per setting, each with a bool ``"ok"``).
+
+    Args:
+        tag: printed before each record on rank 0 (``TAG {json}``), as it is judged.
+        out: where rank 0 writes every record as JSON at :meth:`finish` (None: nowhere).
+    """
+
+    def __init__(self, tag: str, out: str | None) -> None:
+        self.tag, self.out = tag, out
+        self.records: list[dict[str, Any]] = []
+
+    def add(self, rec: dict[str, Any]) -> None:
+        self.records.append(rec)
+        if dist.get_rank() == 0:
+            print(self.tag, json.dumps(rec), flush=True)
+
+    def finish(self) -> None:
+        """Write the records (rank 0), let the process group go (:func:`teardown`), and exit non-zero on
+        every rank naming the records whose ``"ok"`` is False."""
+        if dist.get_rank() == 0 and self.out:
+            with open(self.out, "w") as f:
+                json.dump(self.records, f, indent=1)
+        teardown()
+        bad = [r for r in self.records if not r["ok"]]
+        if bad:
+            raise SystemExit(f"{self.tag} mismatch: {bad}")
+
+
+def accumulate(ddp: nn.Module, batches: Iterable[dict[str, torch.Tensor]], ga: int) -> None:
+    """Forward and backward ``ga`` micro-batches (each loss divided by ``ga``), every one but the last
+    under ``ddp.no_sync()``: one gradient synchronisation per optimizer step, as the Trainer does."""
+    for micro, batch in enumerate(batches):
+        with ddp.no_sync() if micro < ga - 1 else contextlib.nullcontext():
+            (ddp(**batch).loss / ga).backward()
 
 
 def _full(t: torch.Tensor) -> torch.Tensor:

@@ -18,7 +18,6 @@ the patched forward ran (``patched calls`` > 0), and weights moved. Rank 0 write
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 
@@ -27,7 +26,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))  # tests/: fixtures
 from fixtures import (  # noqa: E402
-    finish,
+    Verdicts,
     flat_trainable,
     init_gloo,
     lora_llama,
@@ -110,7 +109,7 @@ def main() -> None:
     rank, world = init_gloo()
     ref = reference(world)
     start = flat_trainable(build(False))
-    records = []
+    verdicts = Verdicts("LONG_CONTEXT_DDP", args.out)
     for name, kwargs in SETTINGS:
         w, info = run(kwargs, rank, world)
         rec = {
@@ -123,10 +122,8 @@ def main() -> None:
         rec["ok"] = bool(rec["max_diff_vs_reference"] < 1e-9 and rec["max_diff_across_ranks"] == 0.0
                          and rec.get("patched calls", 0) == 2 * 2 * STEPS and rec["weights_moved"] > 1e-3
                          and not any(k.startswith("stock:") for k in info))
-        records.append(rec)
-        if rank == 0:
-            print("LONG_CONTEXT_DDP", json.dumps(rec), flush=True)
-    finish(records, args.out, "long-context DDP")
+        verdicts.add(rec)
+    verdicts.finish()
 
 
 if __name__ == "__main__":

@@ -17,7 +17,6 @@ Rank 0 writes one JSON record per setting.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 
@@ -26,7 +25,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))  # tests/: fixtures
 from fixtures import (  # noqa: E402
-    finish,
+    Verdicts,
     flat_trainable,
     init_gloo,
     lora_llama,
@@ -95,7 +94,7 @@ def main() -> None:
     args = ap.parse_args()
     rank, world = init_gloo()
     ref = reference(world)
-    records = []
+    verdicts = Verdicts("TILED_DDP", args.out)
     for name, kwargs, ckpt in SETTINGS:
         w, info = run(kwargs, ckpt, rank, world)
         rec = {
@@ -109,10 +108,8 @@ def main() -> None:
               and rec["tiled_modules"] == 2 and rec["loss_calls"] == STEPS and rec["weights_moved"] > 1e-3
               and rec.get("backward_tokens", 0) > 0)
         rec["ok"] = bool(ok)
-        records.append(rec)
-        if rank == 0:
-            print("TILED_DDP", json.dumps(rec), flush=True)
-    finish(records, args.out, "tiled DDP")
+        verdicts.add(rec)
+    verdicts.finish()
 
 
 if __name__ == "__main__":

@@ -15,7 +15,6 @@ every rank ran the same number of chunks.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 
@@ -23,7 +22,15 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))  # tests/: fixtures
-from fixtures import finish, flat_trainable, init_gloo, lora_llama, masked_labels, shard_decoder, tiled_stats  # noqa: E402
+from fixtures import (  # noqa: E402
+    Verdicts,
+    flat_trainable,
+    init_gloo,
+    lora_llama,
+    masked_labels,
+    shard_decoder,
+    tiled_stats,
+)
 
 from hf_ddpfix.integrations.loss_patch import patch_model_loss  # noqa: E402
 from hf_ddpfix.integrations.tiled_mlp import apply_tiled_mlp  # noqa: E402
@@ -84,7 +91,7 @@ def main() -> None:
     args = ap.parse_args()
     rank, world = init_gloo()
     ref = reference(world)
-    records = []
+    verdicts = Verdicts("TILED_FSDP", args.out)
     for ckpt in (False, True):
         w, info = run(ckpt, rank, world)
         diff = torch.tensor([float((w - ref).abs().max())], dtype=torch.float64)
@@ -96,10 +103,8 @@ def main() -> None:
         rec["ok"] = bool(rec["max_diff_vs_reference_all_ranks"] < 1e-6 and rec["tiled_modules"] == 2
                          and len(set(chunks)) == 1 and chunks[0] == STEPS * 2 * 5
                          and rec["loss_calls"] == STEPS and rec.get("backward_tokens", 0) > 0)
-        records.append(rec)
-        if rank == 0:
-            print("TILED_FSDP", json.dumps(rec), flush=True)
-    finish(records, args.out, "tiled FSDP")
+        verdicts.add(rec)
+    verdicts.finish()
 
 
 if __name__ == "__main__":

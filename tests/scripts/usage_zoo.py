@@ -16,7 +16,6 @@ parameters observed unused on a text-only step and the max weight difference (ra
 from __future__ import annotations
 
 import argparse
-import contextlib
 import gc
 import json
 import os
@@ -31,7 +30,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
 sys.path.insert(0, os.path.dirname(os.path.dirname(HERE)))
 
-from fixtures import assert_same_across_ranks, init_gloo, teardown, trainable_weights  # noqa: E402
+from fixtures import accumulate, assert_same_across_ranks, init_gloo, teardown, trainable_weights  # noqa: E402
 from zoo import ZOO, ZooEntry, seq_len  # noqa: E402
 
 from hf_ddpfix.integrations.checkpointing import apply_checkpointing  # noqa: E402
@@ -72,12 +71,9 @@ def train(entry: ZooEntry, *, fix: bool, ga: int, reentrant: bool = False
     torch.manual_seed(1234 + rank)  # LayerDrop draws: the same stream in both runs
     t0 = time.perf_counter()
     for step in range(len(pattern)):
-        for micro in range(ga):
-            has_image = pattern[step][rank][micro] if entry.vlm else False
-            batch = entry.batch(has_image, 1000 * step + 10 * micro + rank, seq_len(step, micro, rank))
-            ctx = ddp.no_sync() if micro < ga - 1 else contextlib.nullcontext()
-            with ctx:
-                (ddp(**batch).loss / ga).backward()
+        images = pattern[step][rank] if entry.vlm else [False] * ga
+        accumulate(ddp, (entry.batch(images[micro], 1000 * step + 10 * micro + rank, seq_len(step, micro, rank))
+                         for micro in range(ga)), ga)
         if usage is not None:
             usage.finalize()
         torch.nn.utils.clip_grad_norm_(params, 1.0)

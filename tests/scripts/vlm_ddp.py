@@ -9,7 +9,6 @@ Prints ``VLM_DDP_OK`` on every rank when every scenario passes. ``vlm_fsdp.py`` 
 
 from __future__ import annotations
 
-import contextlib
 import os
 import sys
 import time
@@ -25,6 +24,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 from fixtures import (  # noqa: E402
     BUILDERS,
     PATCH_DIM,
+    accumulate,
     add_lora,
     assert_same_across_ranks,
     assert_weights_equal,
@@ -66,11 +66,8 @@ def train_ddp(
     for step in range(steps):
         if snapshot_after == step:
             snap = {n: p.detach().clone() for n, p in model.named_parameters() if n in vis}
-        for micro in range(ga):
-            batch = make_batch(pattern(step, micro, rank), 1000 * step + 10 * micro + rank, PATCH_DIM[family])
-            ctx = ddp.no_sync() if micro < ga - 1 else contextlib.nullcontext()
-            with ctx:
-                (ddp(**batch).loss / ga).backward()
+        accumulate(ddp, (make_batch(pattern(step, micro, rank), 1000 * step + 10 * micro + rank, PATCH_DIM[family])
+                         for micro in range(ga)), ga)
         if stab is not None:
             stab.finalize_vision_grads()
         torch.nn.utils.clip_grad_norm_(params, 1.0)
