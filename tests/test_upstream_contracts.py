@@ -298,7 +298,7 @@ def test_checkpoint_recompute_probe_fires_only_at_the_last_saved_tensors():
 
 def test_checkpointing_switch_names_match_the_installed_transformers(tmp_path):
     """`checkpointing_training_args` / `checkpointing_args` / `enable_model_checkpointing` use the names the
-    installed transformers has (5.23: activation_*, 5.3-5.22: gradient_*) without a deprecation warning."""
+    installed transformers has (5.23: activation_*, 5.0-5.22: gradient_*) without a deprecation warning."""
     import warnings
 
     from transformers import TrainingArguments
