@@ -1,7 +1,7 @@
-"""Every private upstream access in hf_ddpfix/_compat.py still behaves as the contract says.
+"""Every private upstream access in hf_ddpfix/_compat/ still behaves as the contract says.
 
 When an upstream release moves one of them, the failing test names the contract and the version it was
-last checked against, so the fix goes into one function of `_compat.py`. Tests here are cheap (tiny
+last checked against, so the fix goes into one function of `_compat/`. Tests here are cheap (tiny
 models, one process) and run in CI on both the pinned and the oldest supported stack.
 """
 
@@ -18,14 +18,15 @@ from torch import nn
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 from torch.utils.checkpoint import checkpoint
 
+import hf_ddpfix
 from hf_ddpfix import _compat
 
-PKG = Path(_compat.__file__).parent
+PKG = Path(hf_ddpfix.__file__).parent
 
 
 def _broken(what: str) -> str:
     return (f"upstream contract changed: {what} (checked against {_compat.CHECKED_AGAINST}); "
-            "update hf_ddpfix/_compat.py")
+            "update hf_ddpfix/_compat/")
 
 
 def _tiny_llama():
@@ -77,6 +78,7 @@ def _package_imports(path: Path) -> set[str]:
 # integrations/ knows HF internals; neither knows the plan, the options, the facts or the Trainer entry
 # points above them. plan/ is pure decisions: it reads options and the facts types of integrations/.
 _MAY_IMPORT = {
+    "_compat": {"_compat"},
     "ops": {"_compat", "ops"},
     "integrations": {"_compat", "ops", "integrations"},
     "plan": {"_compat", "ops", "integrations", "config", "plan"},
@@ -98,15 +100,16 @@ def test_plan_types_import_no_rule():
     assert not relative, f"hf_ddpfix/plan/types.py imports {relative} from its own package"
 
 
-def test_compat_imports_only_torch_at_module_level():
-    tree = ast.parse((PKG / "_compat.py").read_text())
+@pytest.mark.parametrize("module", sorted(p.name for p in (PKG / "_compat").glob("*.py")))
+def test_compat_imports_only_torch_at_module_level(module):
+    tree = ast.parse((PKG / "_compat" / module).read_text())
     top = set()
     for node in tree.body:  # module level only: HF imports belong inside the functions
         if isinstance(node, ast.Import):
             top |= {a.name.split(".")[0] for a in node.names}
         elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
             top.add(node.module.split(".")[0])
-    assert top <= {"__future__", "collections", "typing", "torch"}, top
+    assert top <= {"__future__", "collections", "typing", "torch"}, (module, top)
 
 
 _PRIVATE_ATTRIBUTES = {"_inner_training_loop", "_gradient_checkpointing_func", "_orig_mod", "require_backward_grad_sync",
@@ -116,14 +119,14 @@ _PRIVATE_NAMES = {"StorageWeakRef", "ForCausalLMLoss"}
 
 
 def test_private_names_are_spelled_only_in_the_contract_layer():
-    """Code outside _compat.py never touches a private upstream attribute or class (docstrings may name them)."""
+    """Code outside _compat/ never touches a private upstream attribute or class (docstrings may name them)."""
     for path in sorted(PKG.rglob("*.py")):
-        if path.name == "_compat.py":
+        if "_compat" in path.relative_to(PKG).parts:
             continue
         for node in ast.walk(ast.parse(path.read_text())):
             where = f"{path.relative_to(PKG.parent)}:{getattr(node, 'lineno', '?')}"
             if isinstance(node, ast.Attribute) and node.attr in _PRIVATE_ATTRIBUTES:
-                pytest.fail(f"{where} uses .{node.attr}; go through hf_ddpfix/_compat.py")
+                pytest.fail(f"{where} uses .{node.attr}; go through hf_ddpfix/_compat/")
             if isinstance(node, (ast.Name, ast.alias)) and getattr(node, "id", getattr(node, "name", "")) in _PRIVATE_NAMES:
                 pytest.fail(f"{where} uses {getattr(node, 'id', getattr(node, 'name', ''))}; go through _compat")
 

@@ -1,0 +1,110 @@
+"""The contract layer: every private upstream access hf_ddpfix makes, in one place.
+
+hf_ddpfix needs a few things that torch, transformers and accelerate do not expose publicly (a hook
+point between ``Trainer.train`` and ``accelerator.prepare``, the per-layer checkpoint function, a
+storage identity, …). Each one is a small function here, with the private name it touches, so that:
+
+- a new upstream release that moves one of them breaks **one** function, and
+  ``tests/test_upstream_contracts.py`` says which, with the version it was checked against;
+- ``hf_ddpfix/ops`` (pure torch) and ``hf_ddpfix/integrations`` (HF plumbing) never spell a private
+  name themselves.
+
+Every module of this package imports only torch at module level; transformers / accelerate are imported inside the
+functions that need them, so ``hf_ddpfix.ops`` can use the torch contracts without pulling in HF.
+
+Checked against: :data:`CHECKED_AGAINST` (newest) and :data:`OLDEST_SUPPORTED` (the oldest stack CI runs).
+"""
+
+# One module per upstream area; this face re-exports every contract (import from `hf_ddpfix._compat`).
+from .deepspeed import (
+    deepspeed_default_leaf_classes,
+    z3_leaf_marked,
+)
+from .models import (
+    CHECKPOINT_FUNC_ATTR,
+    causal_lm_loss_function,
+    checkpointable_layers,
+    forward_source,
+    is_checkpointing,
+    layer_checkpoint_func,
+    set_layer_checkpoint_func,
+    unwrap_model,
+    unwrap_parallel,
+)
+from .torch_internals import (
+    FLASH_CPU_BACKWARD_OP,
+    checkpoint_recompute_is_last,
+    class_checkpoint_inner_forward,
+    fake_from_meta,
+    fake_tensor_mode,
+    flash_attention_backward,
+    flash_attention_forward,
+    in_checkpoint_recompute,
+    module_buffer_slots,
+    module_parameter_slots,
+    storage_weak_ref,
+    view_base,
+)
+from .trainer import (
+    TRAINER_CLIP_GRAD_NORM,
+    TRAINER_GET_GRAD_NORM,
+    TRAINER_INNER_LOOP,
+    TRAINER_STEP_HOOKS,
+    TRAINER_WRAP_MODEL,
+    before_gradient_clipping,
+    checkpointing_arg_names,
+    checkpointing_args,
+    checkpointing_training_args,
+    ddp_syncs_grads,
+    disable_model_checkpointing,
+    enable_model_checkpointing,
+    inner_loop_sets_up_training,
+    set_ddp_kwargs,
+    trainer_callbacks,
+    when_ready_to_prepare,
+)
+from .versions import CHECKED_AGAINST, OLDEST_SUPPORTED
+
+__all__ = [
+    "CHECKED_AGAINST",
+    "CHECKPOINT_FUNC_ATTR",
+    "FLASH_CPU_BACKWARD_OP",
+    "OLDEST_SUPPORTED",
+    "TRAINER_CLIP_GRAD_NORM",
+    "TRAINER_GET_GRAD_NORM",
+    "TRAINER_INNER_LOOP",
+    "TRAINER_STEP_HOOKS",
+    "TRAINER_WRAP_MODEL",
+    "before_gradient_clipping",
+    "causal_lm_loss_function",
+    "checkpoint_recompute_is_last",
+    "checkpointable_layers",
+    "checkpointing_arg_names",
+    "checkpointing_args",
+    "checkpointing_training_args",
+    "class_checkpoint_inner_forward",
+    "ddp_syncs_grads",
+    "deepspeed_default_leaf_classes",
+    "disable_model_checkpointing",
+    "enable_model_checkpointing",
+    "fake_from_meta",
+    "fake_tensor_mode",
+    "flash_attention_backward",
+    "flash_attention_forward",
+    "forward_source",
+    "in_checkpoint_recompute",
+    "inner_loop_sets_up_training",
+    "is_checkpointing",
+    "layer_checkpoint_func",
+    "module_buffer_slots",
+    "module_parameter_slots",
+    "set_ddp_kwargs",
+    "set_layer_checkpoint_func",
+    "storage_weak_ref",
+    "trainer_callbacks",
+    "unwrap_model",
+    "unwrap_parallel",
+    "view_base",
+    "z3_leaf_marked",
+    "when_ready_to_prepare",
+]

@@ -1,0 +1,107 @@
+"""Model-side contracts: wrapper unwrapping, transformers' per-layer checkpointing, the loss identity.
+
+Part of the contract layer (:mod:`hf_ddpfix._compat`): torch-only at module level.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from torch import nn
+
+# --------------------------------------------------------------------------------------------------
+# Model wrappers
+# --------------------------------------------------------------------------------------------------
+
+
+def unwrap_model(model: nn.Module) -> nn.Module:
+    """Strip DDP / DataParallel / FSDP1 / ``torch.compile`` (``_orig_mod``) / PEFT wrappers.
+
+    The one unwrap helper of the package.
+
+    Guarantees: ``unwrap_model(DataParallel(get_peft_model(m, cfg))) is m`` (tests/test_families.py).
+    """
+    seen: set[int] = set()
+    cur = model
+    while id(cur) not in seen:
+        seen.add(id(cur))
+        inner = getattr(cur, "_orig_mod", None)  # torch.compile's OptimizedModule
+        if isinstance(inner, nn.Module):
+            cur = inner
+            continue
+        inner = getattr(cur, "module", None)  # DDP, DataParallel, FSDP1, accelerate wrappers
+        if isinstance(inner, nn.Module):
+            cur = inner
+            continue
+        get_base = getattr(cur, "get_base_model", None)  # peft.PeftModel
+        if callable(get_base):
+            inner = get_base()
+            if isinstance(inner, nn.Module) and inner is not cur:
+                cur = inner
+                continue
+        break
+    return cur
+
+
+def unwrap_parallel(model: nn.Module) -> nn.Module:
+    """Strip only DDP / DataParallel / ``torch.compile`` wrappers (a ``PeftModel`` stays)."""
+    seen: set[int] = set()
+    cur = model
+    while id(cur) not in seen:
+        seen.add(id(cur))
+        inner = getattr(cur, "_orig_mod", None)
+        if not isinstance(inner, nn.Module):
+            inner = getattr(cur, "module", None)
+        if not isinstance(inner, nn.Module):
+            break
+        cur = inner
+    return cur
+
+
+# --------------------------------------------------------------------------------------------------
+# transformers' per-layer checkpointing
+# --------------------------------------------------------------------------------------------------
+
+#: transformers' checkpointed layers (``GradientCheckpointingLayer``, 5.x) call
+#: ``self._gradient_checkpointing_func(forward, *args, **kwargs)`` when ``self.gradient_checkpointing``.
+CHECKPOINT_FUNC_ATTR = "_gradient_checkpointing_func"
+
+
+def checkpointable_layers(model: nn.Module) -> Iterator[nn.Module]:
+    """Every submodule transformers can checkpoint: it has a ``gradient_checkpointing`` flag and a
+    checkpoint function (whether the flag is on is :func:`is_checkpointing`)."""
+    for module in model.modules():
+        if hasattr(module, "gradient_checkpointing") and hasattr(module, CHECKPOINT_FUNC_ATTR):
+            yield module
+
+
+def is_checkpointing(layer: nn.Module) -> bool:
+    """True when ``layer`` checkpoints its forward in training (its ``gradient_checkpointing`` flag)."""
+    return bool(getattr(layer, "gradient_checkpointing", False))
+
+
+def layer_checkpoint_func(layer: nn.Module) -> Callable[..., Any] | None:
+    """The checkpoint function a checkpointed layer calls."""
+    return getattr(layer, CHECKPOINT_FUNC_ATTR, None)
+
+
+def set_layer_checkpoint_func(layer: nn.Module, func: Callable[..., Any]) -> None:
+    """Make a checkpointed layer call ``func`` instead of its checkpoint function."""
+    setattr(layer, CHECKPOINT_FUNC_ATTR, func)
+
+
+def causal_lm_loss_function() -> Callable[..., Any]:
+    """transformers' causal-LM loss (``transformers.loss.loss_utils.ForCausalLMLoss``, 5.x): a model whose
+    ``loss_function`` is this object computes the stock shifted cross-entropy."""
+    from transformers.loss.loss_utils import ForCausalLMLoss
+
+    return ForCausalLMLoss
+
+
+def forward_source(cls: type) -> str:
+    """Source text of ``cls.forward`` (the token-wise and loss-head detectors read its shape)."""
+    import inspect
+    import textwrap
+
+    return textwrap.dedent(inspect.getsource(cls.forward))
