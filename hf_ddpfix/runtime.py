@@ -5,6 +5,8 @@ Reads the plan's decisions and calls the appliers of `hf_ddpfix.integrations` an
 context, tiled loss) on the model and the trainer. Each applier registers its undo on the `ExitStack` it
 is given, so everything per-run is detached when the training loop ends (normally or by an exception).
 Checkpointing stays switched (the user asked for checkpointing; we only chose its implementation).
+Under DDP with more than one rank, last, the buffer order is made the same on every rank
+(`hf_ddpfix.ops.buffer_order`; not undone: the canonical order is harmless and keeps its names).
 Called by `hf_ddpfix.trainer.run_with_plan`.
 """
 
@@ -30,6 +32,7 @@ from .integrations.loss_patch import TiledLossHandle, patch_model_loss
 from .integrations.stabilizer import VisionStabilizer
 from .integrations.tiled_mlp import TiledMLPHandle, apply_tiled_mlp
 from .integrations.usage import ParameterUsage
+from .ops.buffer_order import Layout, align_buffer_order
 from .ops.offload import ActivationOffload, SaveOnCpuScope
 from .plan.types import Plan
 
@@ -89,7 +92,25 @@ def attach_runtime(trainer: Any, model: nn.Module, plan: Plan, stack: ExitStack)
         rt.tiled_loss = _apply_tiled_loss(trainer, model, plan, stack)
     if rt.step_contexts:
         _override(trainer, "training_step", lambda inner: _within(rt.step_contexts, inner), stack)
+    _align_buffer_order(trainer, model, plan)
     return rt
+
+
+def _align_buffer_order(trainer: Any, model: nn.Module, plan: Plan,
+                        gather: Callable[[Layout], list[Layout]] | None = None) -> None:
+    """DDP with more than one rank: one buffer order on every rank before the model is wrapped (one
+    `all_gather_object` per `train()`; logged on rank 0 when it reorders; `BufferLayoutError` when the
+    ranks' buffer names differ). `gather` replaces the collective in tests.
+
+    An always-on check, not a `Plan` decision: it costs one small collective, changes nothing when the
+    ranks agree, and its only "off" would be training some ranks with the wrong tensors (no trade-off for
+    an option to choose); what it finds is known only after a collective, and the plan is pure facts.
+    """
+    if plan.parallel != "ddp" or plan.world_size <= 1:
+        return
+    fix = align_buffer_order(model, gather)
+    if fix:
+        _log_rank0(trainer, "%s", fix.describe())
 
 
 def _log_rank0(trainer: Any, message: str, *args: Any) -> None:

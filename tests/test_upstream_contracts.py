@@ -114,7 +114,7 @@ def test_compat_imports_only_torch_at_module_level(module):
 
 _PRIVATE_ATTRIBUTES = {"_inner_training_loop", "_gradient_checkpointing_func", "_orig_mod", "require_backward_grad_sync",
                        "_top_saved_tensors_default_hooks", "ddp_handler", "_parameters", "_clip_grad_norm",
-                       "_get_grad_norm", "callback_handler"}
+                       "_get_grad_norm", "callback_handler", "_buffers"}
 _PRIVATE_NAMES = {"StorageWeakRef", "ForCausalLMLoss"}
 
 

@@ -11,6 +11,7 @@
 - :mod:`.grouped_attention`: causal flash attention run per KV-head group (smaller backward workspace).
 - :mod:`.memory_ledger`: exact live-storage bytes per op (real, meta or fake tensors).
 - :mod:`.offload_budget`: pre-flight device/host budget for stored layer inputs.
+- :mod:`.buffer_order`: one buffer order on every rank (DDP copies rank 0's buffers by position).
 
 Private upstream torch accesses go through :mod:`hf_ddpfix._compat` (imports torch only).
 """
