@@ -1,8 +1,9 @@
 """Buffer order across ranks under 2-process DDP (gloo), tiny Gemma 3 text model, 3 AdamW steps.
 
-Rank 1 registers the rotary tables of `model.rotary_emb` in reversed order - what transformers 5.0-5.15 do
-in about half of the launches (`list(set(config.layer_types))` in hash-seed order) - without relying on
-hash seeds. Each rank also trains a single-process reference on both ranks' batches (DDP's mean gradient:
+Rank 0 holds the rotary tables of `model.rotary_emb` sorted by name, rank 1 in reversed order - what
+transformers 5.0-5.15 do in about half of the launches (`list(set(config.layer_types))` in hash-seed
+order) - without relying on hash seeds (both orders are set explicitly, so the run is the same on 5.0 and
+5.23). Each rank also trains a single-process reference on both ranks' batches (DDP's mean gradient:
 each loss / 2, accumulated; AdamW weight_decay=0.1, clip_grad_norm 1.0, variable lengths with padding).
 
   STOCK:    DDP as built; prints "wrong" when this rank's losses or final weights differ from the reference.
@@ -18,14 +19,22 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from transformers import Gemma3ForCausalLM, Gemma3TextConfig
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))  # tests/: fixtures
-from fixtures import init_gloo, rank_log, teardown  # noqa: E402
+from fixtures import init_gloo, teardown  # noqa: E402
 
 from hf_ddpfix._compat import module_buffer_slots  # noqa: E402
 from hf_ddpfix.ops.buffer_order import BufferLayoutError, align_buffer_order  # noqa: E402
 
 rank, world = init_gloo()
-log = rank_log(rank)
 STEPS, LENGTHS = 3, ((7, 12), (10, 5), (12, 9), (6, 11), (9, 12), (12, 4))
+
+
+def say(msg: str) -> None:
+    """One line on stdout in one write (the ranks share the pipe: no interleaving)."""
+    os.write(1, (msg + "\n").encode())
+
+
+def log(msg: str) -> None:
+    say(f"[rank {rank}] {msg}")
 
 
 def build(reverse: bool) -> torch.nn.Module:
@@ -34,11 +43,12 @@ def build(reverse: bool) -> torch.nn.Module:
                            num_attention_heads=2, num_key_value_heads=1, head_dim=16, sliding_window=4,
                            layer_types=["sliding_attention", "full_attention"], pad_token_id=0)
     model = Gemma3ForCausalLM(cfg)
-    if reverse:  # this rank registered its rotary tables in another (hash-seed) order
-        slots = module_buffer_slots(model.model.rotary_emb)
-        items = list(slots.items())[::-1]
-        slots.clear()
-        slots.update(items)
+    # a fixed order first (5.0-5.15 would give this rank's hash-seed order), then the other rank's reversed:
+    # its global-attention tables receive rank 0's sliding-window ones (and the other way round)
+    slots = module_buffer_slots(model.model.rotary_emb)
+    items = sorted(slots.items(), reverse=reverse)
+    slots.clear()
+    slots.update(items)
     return model
 
 
@@ -97,14 +107,14 @@ ref = reference()
 
 losses, weights = train(build(reverse=rank == 1))
 log(f"stock losses {losses} reference {[s[rank] for s in ref[0]]}")
-print(f"STOCK rank={rank} {'exact' if same(losses, weights, ref) else 'wrong'}", flush=True)
+say(f"STOCK rank={rank} {'exact' if same(losses, weights, ref) else 'wrong'}")
 
 model = build(reverse=rank == 1)
 fix = align_buffer_order(model)
-print(f"REORDERED rank={rank} {' '.join(fix.modules)}", flush=True)
+say(f"REORDERED rank={rank} {' '.join(fix.modules)}")
 log(fix.describe())
 losses, weights = train(model)
-print(f"GUARDED rank={rank} {'exact' if same(losses, weights, ref) else 'wrong'}", flush=True)
+say(f"GUARDED rank={rank} {'exact' if same(losses, weights, ref) else 'wrong'}")
 
 model = build(reverse=False)
 if rank == 1:
@@ -112,8 +122,8 @@ if rank == 1:
     slots["renamed"] = slots.pop(next(iter(slots)))
 try:
     align_buffer_order(model)
-    print(f"NOT_RAISED rank={rank}", flush=True)
+    say(f"NOT_RAISED rank={rank}")
 except BufferLayoutError as err:
     log(str(err))
-    print(f"RAISED rank={rank} BufferLayoutError", flush=True)
+    say(f"RAISED rank={rank} BufferLayoutError")
 teardown()
