@@ -32,7 +32,7 @@ from .integrations.loss_patch import TiledLossHandle, patch_model_loss
 from .integrations.stabilizer import VisionStabilizer
 from .integrations.tiled_mlp import TiledMLPHandle, apply_tiled_mlp
 from .integrations.usage import ParameterUsage
-from .ops.buffer_order import Layout, align_buffer_order
+from .ops.buffer_order import BufferLayoutError, Layout, align_buffer_order
 from .ops.offload import ActivationOffload, SaveOnCpuScope
 from .plan.types import Plan
 
@@ -99,8 +99,9 @@ def attach_runtime(trainer: Any, model: nn.Module, plan: Plan, stack: ExitStack)
 def _align_buffer_order(trainer: Any, model: nn.Module, plan: Plan,
                         gather: Callable[[Layout], list[Layout]] | None = None) -> None:
     """DDP with more than one rank: one buffer order on every rank before the model is wrapped (one
-    `all_gather_object` per `train()`; logged on rank 0 when it reorders; `BufferLayoutError` when the
-    ranks' buffer names differ). `gather` replaces the collective in tests.
+    `all_gather_object` per `train()`; logged on rank 0 when it reorders). When the ranks' buffer names or
+    modules differ, no order helps: a warning names the module and DDP runs as stock would (hf_ddpfix never
+    fails a run stock runs). `gather` replaces the collective in tests.
 
     An always-on check, not a `Plan` decision: it costs one small collective, changes nothing when the
     ranks agree, and its only "off" would be training some ranks with the wrong tensors (no trade-off for
@@ -108,7 +109,12 @@ def _align_buffer_order(trainer: Any, model: nn.Module, plan: Plan,
     """
     if plan.parallel != "ddp" or plan.world_size <= 1:
         return
-    fix = align_buffer_order(model, gather)
+    try:
+        fix = align_buffer_order(model, gather)
+    except BufferLayoutError as err:  # every rank sees the same layouts: all take this branch
+        if trainer.is_world_process_zero():
+            logger.warning("buffer_order: %s (left as stock DDP runs it)", err)
+        return
     if fix:
         _log_rank0(trainer, "%s", fix.describe())
 

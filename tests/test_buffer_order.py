@@ -93,6 +93,13 @@ def test_runtime_aligns_under_ddp_only_and_logs_once(caplog):
         _align_buffer_order(_Rank0(), m, ddp, gather=lambda lay: [lay, other])
     assert [n for n, _ in m.named_buffers()][0] == "alpha"
     assert len([r for r in caplog.records if "buffer_order:" in r.getMessage()]) == 1
+    renamed = [("", ("alpha", "beta", "other")), ("proj", ("scale",))]
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="hf_ddpfix"):  # names differ: a warning, stock behaviour
+        _align_buffer_order(_Rank0(), m, ddp, gather=lambda lay: [lay, renamed])
+    assert [n for n, _ in m.named_buffers()][:3] == ["alpha", "beta", "zeta"]
+    warned = [r for r in caplog.records if r.levelno == logging.WARNING and "left as stock" in r.getMessage()]
+    assert len(warned) == 1 and "'<model>'" in warned[0].getMessage()
 
 
 @pytest.mark.multiprocess
