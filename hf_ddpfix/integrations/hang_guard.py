@@ -13,11 +13,10 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from .._compat import ddp_syncs_grads, unwrap_model
-from ..ops.dist import collective_device, dist_ready
+from ..ops.dist import dist_ready, gather_flags
 from .families import vision_groups
 from .stabilizer import STABILIZER_ENV
 
@@ -68,7 +67,7 @@ def check_used_groups(
 ) -> None:
     """Raise :class:`UnusedParametersError` on every rank when ranks disagree on which groups ran.
 
-    One ``all_gather`` of ``len(used)`` int32 flags (every rank must call it with the same keys in
+    One ``all_gather`` of ``len(used)`` byte flags (``ops.dist.gather_flags``) (every rank must call it with the same keys in
     the same order). No-op without an initialised process group of size > 1.
 
     Raises:
@@ -80,11 +79,7 @@ def check_used_groups(
     if not used or not dist_ready(group):
         return
     names = list(used)
-    dev = collective_device(group)
-    local = torch.tensor([1 if used[n] else 0 for n in names], dtype=torch.int32, device=dev)
-    gathered = [torch.empty_like(local) for _ in range(dist.get_world_size(group))]
-    dist.all_gather(gathered, local, group=group)
-    table = [[bool(v) for v in t.tolist()] for t in gathered]
+    table = gather_flags([used[n] for n in names], group)
     msg = _usage_error(names, table, unused_everywhere_is_error)
     if msg is not None:
         raise UnusedParametersError(msg)

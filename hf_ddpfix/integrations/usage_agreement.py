@@ -23,7 +23,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ..ops.dist import collective_device, dist_ready
+from ..ops.dist import collective_device, dist_ready, gather_flags
 from .hang_guard import UnusedParametersError
 from .usage_scopes import ParamSlot
 
@@ -40,12 +40,9 @@ def gather_missing(missing: list[int], n_slots: int, group: Any) -> list[list[in
     without a process group)."""
     if not dist_ready(group):
         return [missing]
-    local = torch.zeros(n_slots, dtype=torch.uint8, device=collective_device(group))
-    if missing:
-        local[torch.tensor(missing, dtype=torch.long, device=local.device)] = 1
-    gathered = [torch.empty_like(local) for _ in range(dist.get_world_size(group))]
-    dist.all_gather(gathered, local, group=group)
-    return [t.nonzero().flatten().tolist() for t in gathered]
+    marked = set(missing)
+    rows = gather_flags([i in marked for i in range(n_slots)], group)
+    return [[i for i, flag in enumerate(row) if flag] for row in rows]
 
 
 def raise_if_missing(table: list[list[int]], slots: Sequence[ParamSlot]) -> None:
