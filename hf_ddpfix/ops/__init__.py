@@ -12,6 +12,7 @@
 - :mod:`.memory_ledger`: exact live-storage bytes per op (real, meta or fake tensors).
 - :mod:`.offload_budget`: pre-flight device/host budget for stored layer inputs.
 - :mod:`.buffer_order`: one buffer order on every rank (DDP copies rank 0's buffers by position).
+- :mod:`.feature_counts`: what each feature really ran, fell back on (with the reason) and moved.
 
 Private upstream torch accesses go through :mod:`hf_ddpfix._compat` (imports torch only).
 """
