@@ -21,12 +21,15 @@ from .deepspeed import (
     z3_leaf_marked,
 )
 from .models import (
+    CACHE_KEYWORDS,
     CHECKPOINT_FUNC_ATTR,
+    cache_output_field,
     causal_lm_loss_function,
     checkpointable_layers,
     forward_source,
     is_checkpointing,
     layer_checkpoint_func,
+    output_cache,
     set_layer_checkpoint_func,
     unwrap_model,
     unwrap_parallel,
@@ -66,6 +69,7 @@ from .trainer import (
 from .versions import CHECKED_AGAINST, OLDEST_SUPPORTED
 
 __all__ = [
+    "CACHE_KEYWORDS",
     "CHECKED_AGAINST",
     "CHECKPOINT_FUNC_ATTR",
     "FLASH_CPU_BACKWARD_OP",
@@ -76,6 +80,7 @@ __all__ = [
     "TRAINER_STEP_HOOKS",
     "TRAINER_WRAP_MODEL",
     "before_gradient_clipping",
+    "cache_output_field",
     "causal_lm_loss_function",
     "checkpoint_recompute_is_last",
     "checkpointable_layers",
@@ -98,6 +103,7 @@ __all__ = [
     "layer_checkpoint_func",
     "module_buffer_slots",
     "module_parameter_slots",
+    "output_cache",
     "set_ddp_kwargs",
     "set_layer_checkpoint_func",
     "storage_weak_ref",
