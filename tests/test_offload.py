@@ -211,11 +211,12 @@ def test_fifty_steps_keep_pool_bounded_and_nothing_in_flight():
         s = off.stats
         assert s.in_flight == 0 and s.offloaded_tensors == 3 and s.restored_tensors == 3
         allocated.append(s.pool_allocated)
-    # step 1: one slab per buffer (no expectation yet), folded into one slab at its end; then reused
-    assert set(allocated) == {4}
+    # step 1 grows by exactly each missing 8 KiB buffer (a power of two: one slab each); then reused
+    assert set(allocated) == {3}
     assert off.stats.pool_buffers == 0 and off.stats.steps == 50  # nothing handed out after backward
     assert off.stats.pool_need_bytes == 3 * 8 * 256 * 4  # three layer inputs in use at once
-    assert off.stats.pool_bytes == 32768 <= 2 * off.stats.pool_need_bytes  # one slab: pow2ceil(24576)
+    assert off.stats.pool_bytes == 24576 == off.stats.pool_need_bytes  # exact: no power-of-two rounding
+    assert off.stats.pool_max_held_over_need == 1.0
 
 
 def test_restored_inputs_are_freed_layer_by_layer_during_backward():
