@@ -86,7 +86,7 @@ def preflight(model: torch.nn.Module, args: argparse.Namespace) -> None:
         layers=cfg.num_hidden_layers, tokens=args.seq, layer_bytes=layer_bytes, device_budget_bytes=device_budget,
         host_budget_bytes=host_cap if torch.cuda.is_available() else device_budget, fixed_device_bytes=fixed,
         working_bytes_per_token=WORKING_BYTES_PER_HIDDEN_UNIT * cfg.hidden_size,
-        max_keep=1 if torch.cuda.is_available() else None,  # ActivationOffload keeps the last input only
+        # max_keep=None: the Trainer's offload keeps as many inputs on the device as fit (keep_on_device="auto")
     )
     print("pre-flight:", budget.describe())
 
