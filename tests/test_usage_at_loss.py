@@ -122,3 +122,14 @@ def test_plan_keeps_stock_find_unused_where_the_loss_cannot_be_seen() -> None:
     assert seen.parameter_usage.value is True and seen.find_unused_parameters.value is False
     assert "accelerator.backward" in seen.parameter_usage.reason
     assert "loss given to backward" in seen.find_unused_parameters.reason
+
+
+def test_hidden_state_heads_and_partial_outputs_train_like_stock_under_ddp(tmp_path) -> None:
+    """2 gloo processes, one process group: a head inside the forward with LoRA on lm_head (stock fu=True),
+    a head called in compute_loss (stock fu=False; fu=True fails there), a loss from some logits only."""
+    from launch import torchrun
+
+    done = torchrun("trainer_heads.py", "--out", str(tmp_path), timeout=400)
+    assert done.stdout.count("TRAINER_HEADS_OK") == 2, done.stdout[-4000:]
+    assert "head_in_forward: fu=False max |fix - stock| = 0.0e+00" in done.stdout
+    assert "head_in_compute_loss: fu=False max |fix - stock| = 0.0e+00" in done.stdout

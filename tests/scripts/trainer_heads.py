@@ -163,6 +163,11 @@ def main() -> None:
         print(f"[rank {rank}] {case}: fu={fixed_fu} max |fix - stock| = {diff:.1e} counts={amounts} "
               f"ran={counts.ran if counts else 0} fallbacks={counts.fallbacks if counts else {}} {worst}", flush=True)
         assert diff <= 1e-6, f"{case}: hf_ddpfix vs stock differ by {diff:.2e}"
+        assert not fixed_fu and counts is not None and counts.ran == STEPS and not counts.fallbacks, counts
+        if case == "head_in_forward":  # lm_head's LoRA: tied at the loss, reset to None every step
+            assert amounts["ties_at_loss"] == 2 * STEPS and amounts["grads_reset"] == 2 * STEPS, amounts
+        else:
+            assert "ties_at_loss" not in amounts and "grads_reset" not in amounts, amounts
         gc.collect()
     print(f"[rank {rank}] TRAINER_HEADS_OK", flush=True)
     teardown()
