@@ -50,7 +50,7 @@ def _imported_modules(path: Path) -> set[str]:
 
 
 def test_ops_import_neither_transformers_nor_accelerate():
-    for path in sorted((PKG / "ops").glob("*.py")):
+    for path in sorted((PKG / "ops").rglob("*.py")):
         bad = _imported_modules(path) & {"transformers", "accelerate", "peft", "trl", "deepspeed"}
         assert not bad, f"{path.name} imports {bad}: hf_ddpfix/ops is pure torch"
 
@@ -87,7 +87,7 @@ _MAY_IMPORT = {
 
 @pytest.mark.parametrize("layer", sorted(_MAY_IMPORT))
 def test_lower_layers_import_nothing_above_them(layer):
-    for path in sorted((PKG / layer).glob("*.py")):
+    for path in sorted((PKG / layer).rglob("*.py")):
         above = _package_imports(path) - _MAY_IMPORT[layer]
         assert not above, (f"hf_ddpfix/{layer}/{path.name} imports hf_ddpfix.{sorted(above)}, a layer above "
                            f"{layer}/ (allowed: {sorted(_MAY_IMPORT[layer])}); pass what it needs in instead")
