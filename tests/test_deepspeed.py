@@ -303,6 +303,58 @@ def test_stock_zero3_fails_on_mixed_image_text_batches(tmp_path, _shm_op):
     assert "collective mismatch" in done.stdout or "size" in done.stdout, done.stdout[-3000:]
 
 
+@pytest.mark.multiprocess
+def test_evaluate_predict_and_generate_with_mixed_image_text_ranks_equal_one_process(tmp_path, _shm_op):
+    """After training (rank 0 images, rank 1 text), `evaluate()`, `predict()` and a `predict()` that calls
+    `generate(synced_gpus=True)` on evaluation batches mixing images (rank 0) and text (rank 1): under DDP,
+    ZeRO-2 and ZeRO-3 the eval loss, the logits and the generated tokens equal a one-process reference with
+    the same trained weights (stock ZeRO-3 fails here: next test). Only ZeRO-3 needs eval dummies: rank 1
+    runs one per evaluation forward where rank 0 has an image (evaluate, predict, generate: 2 batches each),
+    counted in `feature_counts["stabilizer"]`; the suite checks the counts on every rank."""
+    r = _suite(tmp_path, "eval", timeout=300)
+    cases = r["cases"]
+    assert set(cases) == {"ddp_eval_mixed", "zero2_eval_mixed", "zero3_eval_mixed"} and not r["failures"], r
+    for name, case in cases.items():
+        assert case["logit_diff"] == 0.0 and case["tokens_equal"], (name, case)
+        assert case["eval_loss_diff"] <= 1e-6 and case["predict_loss_diff"] <= 1e-6, (name, case)
+    assert "vlm_eval_sync           = on" in cases["zero3_eval_mixed"]["plan"]
+    assert cases["zero3_eval_mixed"]["train_dummies"] == 0  # rank 0's own counts (rank 1's checked in the suite)
+
+
+@pytest.mark.multiprocess
+def test_stock_zero3_evaluation_fails_on_mixed_image_text_ranks(tmp_path, _shm_op):
+    """The README example's hang (NCCL) is, on gloo, a size mismatch in `evaluate()`: rank 0 all-gathers the
+    tower's patch embedding (37632 bytes) while rank 1, text-only, gathers the language model."""
+    done = torchrun("deepspeed_train.py", "--suite", "stock_eval", "--out", str(tmp_path / "x.json"),
+                    timeout=180, env=DS_ENV, check=False)
+    out = done.stdout
+    assert done.returncode != 0 and "STOCK_EVALUATED" not in out, out[-3000:]
+    assert "Received data size doesn't match expected size" in out and "37632 vs" in out, out[-3000:]
+    assert "trainer.evaluate()" in out, out[-3000:]
+
+
+def test_eval_sync_is_planned_where_evaluation_forwards_gather_parameters():
+    from hf_ddpfix.config import DDPFixConfig
+    from hf_ddpfix.plan.vision import decide_eval_sync
+
+    def facts(parallel, stage=None, adapter="qwen2_5_vl", world=2, vlm=True):
+        return RunFacts(parallel=parallel, world_size=world, is_vlm=vlm, vlm_adapter=adapter, zero_stage=stage,
+                        deepspeed=_ds(stage) if parallel == "deepspeed" else None)
+
+    c = DDPFixConfig()
+    assert decide_eval_sync(facts("deepspeed", 3), c).value is True
+    assert decide_eval_sync(facts("fsdp"), c).value is True
+    assert decide_eval_sync(facts("deepspeed", 2), c).value is False  # parameters whole: no collective
+    assert decide_eval_sync(facts("ddp"), c).value is None and decide_eval_sync(facts("single"), c).value is None
+    assert decide_eval_sync(facts("deepspeed", 3, world=1), c).value is None
+    assert decide_eval_sync(facts("deepspeed", 3, vlm=False), c).value is None
+    off = decide_eval_sync(facts("deepspeed", 3, adapter=None), c)
+    assert off.value is False and "as in stock" in off.reason
+    assert decide_eval_sync(facts("fsdp"), DDPFixConfig(vlm_stabilizer=False)).value is False
+    plan = resolve_plan(facts("deepspeed", 3), c)
+    assert plan.vlm_eval_sync.value is True and "vlm_eval_sync" in plan.report()
+
+
 def test_accelerate_zero_configs_load_and_point_at_their_deepspeed_json():
     from pathlib import Path
 

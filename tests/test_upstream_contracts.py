@@ -50,7 +50,7 @@ def _imported_modules(path: Path) -> set[str]:
 
 
 def test_ops_import_neither_transformers_nor_accelerate():
-    for path in sorted((PKG / "ops").glob("*.py")):
+    for path in sorted((PKG / "ops").rglob("*.py")):
         bad = _imported_modules(path) & {"transformers", "accelerate", "peft", "trl", "deepspeed"}
         assert not bad, f"{path.name} imports {bad}: hf_ddpfix/ops is pure torch"
 
@@ -87,7 +87,7 @@ _MAY_IMPORT = {
 
 @pytest.mark.parametrize("layer", sorted(_MAY_IMPORT))
 def test_lower_layers_import_nothing_above_them(layer):
-    for path in sorted((PKG / layer).glob("*.py")):
+    for path in sorted((PKG / layer).rglob("*.py")):
         above = _package_imports(path) - _MAY_IMPORT[layer]
         assert not above, (f"hf_ddpfix/{layer}/{path.name} imports hf_ddpfix.{sorted(above)}, a layer above "
                            f"{layer}/ (allowed: {sorted(_MAY_IMPORT[layer])}); pass what it needs in instead")
@@ -527,3 +527,26 @@ def test_deepspeed_leaf_flag_and_default_leaf_classes():
     defaults = _compat.deepspeed_default_leaf_classes()
     assert "transformers.models.qwen3_moe.modeling_qwen3_moe.Qwen3MoeSparseMoeBlock" in defaults, _broken(
         "deepspeed's DEFAULT_LEAF_MODULE_CLASSES moved or changed")
+
+
+def test_generate_pre_encodes_images_exactly_when_the_contract_says_so():
+    """transformers 5.23 `generate` runs the vision tower before the prefill forward and passes
+    `mm_encoder_outputs` (the eval sync then agrees at `generate`'s entry); where the contract says it does
+    not, the prefill forward carries the pixels (the forward hooks agree there)."""
+    from fixtures import build_qwen2_5_vl, make_batch
+
+    model = build_qwen2_5_vl(0).eval()
+    calls: list[set[str]] = []
+    handle = model.register_forward_pre_hook(
+        lambda mod, args, kwargs: calls.append({k for k, v in kwargs.items() if v is not None}), with_kwargs=True)
+    batch = make_batch(True, seed=1)
+    batch.pop("labels")
+    with torch.no_grad():
+        model.generate(**batch, max_new_tokens=2, min_new_tokens=2, do_sample=False)
+    handle.remove()
+    if _compat.generate_pre_encodes_images(model):
+        assert _compat.MM_ENCODER_OUTPUTS_KWARG in calls[0] and "pixel_values" not in calls[0], _broken(
+            f"generate no longer pre-encodes images: prefill forward got {sorted(calls[0])}")
+    else:
+        assert "pixel_values" in calls[0], _broken(f"prefill forward without pixels: {sorted(calls[0])}")
+    assert all("pixel_values" not in c and _compat.MM_ENCODER_OUTPUTS_KWARG not in c for c in calls[1:])

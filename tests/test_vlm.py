@@ -480,6 +480,15 @@ def test_fsdp2_with_stabilizer_trains_mixed_batches_like_ddp() -> None:
 
 
 @pytest.mark.multiprocess
+def test_fsdp2_stock_evaluation_fails_with_mixed_image_text_ranks() -> None:
+    """What the eval sync (checked in vlm_fsdp.py) fixes: without it, rank 0's image evaluation forward
+    all-gathers the tower's FSDP unit while text-only rank 1 gathers a decoder layer."""
+    rc, out, _ = run_two_ranks("vlm_fsdp.py", "--case", "stock_eval", timeout=120)
+    assert rc != 0 and "STOCK_EVALUATED" not in out, out[-3000:]
+    assert "Received data size doesn't match expected size" in out and "in evaluate" in out, out[-3000:]
+
+
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("case", ["mixed", "none"])
 def test_hang_guard_raises_on_every_rank_within_seconds(case: str) -> None:
     rc, out, secs = run_two_ranks("vlm_hang_guard.py", "--case", case, timeout=120)

@@ -22,9 +22,11 @@ from .deepspeed import (
 )
 from .models import (
     CHECKPOINT_FUNC_ATTR,
+    MM_ENCODER_OUTPUTS_KWARG,
     causal_lm_loss_function,
     checkpointable_layers,
     forward_source,
+    generate_pre_encodes_images,
     is_checkpointing,
     layer_checkpoint_func,
     set_layer_checkpoint_func,
@@ -70,6 +72,7 @@ from .versions import CHECKED_AGAINST, OLDEST_SUPPORTED
 __all__ = [
     "CHECKED_AGAINST",
     "CHECKPOINT_FUNC_ATTR",
+    "MM_ENCODER_OUTPUTS_KWARG",
     "FLASH_CPU_BACKWARD_OP",
     "OLDEST_SUPPORTED",
     "TRAINER_CLIP_GRAD_NORM",
@@ -80,6 +83,7 @@ __all__ = [
     "around_backward",
     "before_gradient_clipping",
     "causal_lm_loss_function",
+    "generate_pre_encodes_images",
     "checkpoint_recompute_is_last",
     "checkpointable_layers",
     "checkpointing_arg_names",

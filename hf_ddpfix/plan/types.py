@@ -160,6 +160,7 @@ class Plan:
     deepspeed: Decision = Decision(None, "")
     zero3_leaf_modules: Decision = Decision(None, "")
     long_context: Decision = Decision(None, "")
+    vlm_eval_sync: Decision = Decision(None, "")
     corrections: tuple[str, ...] = ()
     config_lines: tuple[str, ...] = field(default=())
     offload_min_layer_bytes: int = 0  # the offload policy's threshold (ActivationOffload(min_layer_bytes=))
@@ -182,6 +183,7 @@ class Plan:
             "static_graph": self.static_graph,
             "offload_activations": self.offload_activations,
             "vlm_stabilizer": self.vlm_stabilizer,
+            "vlm_eval_sync": self.vlm_eval_sync,
             "hang_guard": self.hang_guard,
             "tiled_mlp": self.tiled_mlp,
             "tiled_loss": self.tiled_loss,
