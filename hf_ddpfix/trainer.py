@@ -31,6 +31,7 @@ from .config import DDPFixConfig
 from .errors import readable_ddp_errors
 from .facts import gather_facts
 from .integrations.trainer_hooks import TrainerPatchLayer
+from .ops.dist import destroy_default_group_at_exit
 from .plan.resolve import resolve_plan
 from .plan.types import Plan
 from .plan.vision import decide_eval_sync
@@ -80,6 +81,7 @@ def run_with_plan(trainer: Trainer, inner_loop: Callable[..., Any], *args: Any, 
         return inner_loop(*args, **kwargs)
     config = _trainer_config(trainer)
     _ensure_log_handler()
+    destroy_default_group_at_exit()  # a gloo group left to interpreter shutdown can abort the process
     trainer._hf_ddpfix_active = True
     try:
         with ExitStack() as stack:
@@ -210,6 +212,7 @@ def patch_trainer(**options: Any) -> None:
     global _patch_options, _layer
     DDPFixConfig.from_env(**options)  # validate now
     _patch_options = dict(options)
+    destroy_default_group_at_exit()  # registered early: atexit handlers the user adds later run before it
     if _layer is None:
         _layer = TrainerPatchLayer(run_with_plan, resolve_resume, run_evaluation_with_plan)
         _layer.install()
