@@ -85,8 +85,8 @@ def _vlm_collate(rows: list[dict]) -> dict:
 def sft_vlm(out: str, patched: bool) -> Any:
     """Row i goes to rank i % 2 (one row per rank per step, in order): rank 0's rows have an image."""
     from datasets import Dataset as HFDataset
-    from trl import SFTConfig, SFTTrainer
     from torch.utils.data import SequentialSampler
+    from trl import SFTConfig, SFTTrainer
 
     class InOrder(SFTTrainer):
         def _get_train_sampler(self, *args: Any, **kwargs: Any) -> Any:
