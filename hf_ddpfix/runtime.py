@@ -22,7 +22,7 @@ import torch
 from torch import nn
 from transformers import TrainerCallback
 
-from ._compat import before_gradient_clipping, checkpointing_args
+from ._compat import around_backward, before_gradient_clipping, checkpointing_args
 from .integrations.checkpointing import apply_checkpointing, checkpoint_kwargs_without_mode
 from .integrations.deepspeed import attach_deepspeed
 from .integrations.families import is_vision_language_model
@@ -187,12 +187,15 @@ def attach_eval_sync(model: nn.Module, decision: Any, parallel: str, stack: Exit
 
 
 def _attach_usage(trainer: Any, model: nn.Module, usage: ParameterUsage, stack: ExitStack) -> ParameterUsage:
-    """Observe (and tie) every training forward; before gradients are clipped or measured, gradients no
-    rank used in the optimizer step are reset to `None` (stock fu=True semantics; see `_attach_stabilizer`).
-    Attached after the checkpointing switch, so reentrant layers are observed with the function they
-    will run."""
+    """Observe (and tie) every training forward and, decisively, the loss handed to `accelerator.backward`
+    (what a trainer's `compute_loss` really back-propagates: `ParameterUsage.tie_loss`); before gradients
+    are clipped or measured, gradients no rank used in the optimizer step are reset to `None` (stock fu=True
+    semantics; see `_attach_stabilizer`). Attached after the checkpointing switch, so reentrant layers are
+    observed with the function they will run."""
     usage.attach()
     stack.callback(usage.remove)
+    usage.at_loss = True
+    stack.callback(around_backward(trainer.accelerator, usage.tie_loss))
     stack.callback(before_gradient_clipping(trainer, usage.finalize))
     _add_callback(trainer, _GuardWrappedModel(trainer, usage), stack)
     return usage

@@ -93,7 +93,9 @@ def run_with_plan(trainer: Trainer, inner_loop: Callable[..., Any], *args: Any, 
                 _set_ddp_kwargs(trainer, plan)
                 trainer.hf_ddpfix_runtime = attach_runtime(trainer, unwrap_parallel(trainer.model), plan, stack)
                 install_callbacks(trainer, default_callbacks(plan, config), stack)  # plan report, sync, metrics
-                stack.enter_context(readable_ddp_errors(plan, facts=facts))  # the first to see a loop error
+                model = unwrap_parallel(trainer.model)
+                names = lambda: [n for n, p in model.named_parameters() if p.requires_grad]  # noqa: E731 DDP's order
+                stack.enter_context(readable_ddp_errors(plan, facts=facts, param_names=names))  # sees loop errors first
 
             stack.callback(when_ready_to_prepare(trainer, setup))  # now, or inside the loop (5.0-5.2)
             return inner_loop(*args, **kwargs)

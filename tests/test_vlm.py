@@ -188,8 +188,14 @@ def test_unknown_vlm_gets_no_adapter_and_a_logged_reason() -> None:
     from zoo import ZOO
 
     mistral3 = ZOO["mistral3"].model(0)
-    assert find_vision_adapter(mistral3) is None and find_vision_adapter(mistral3, zero=True) is None
-    reason = describe_unsupported(mistral3, zero=True)
+    assert find_vision_adapter(mistral3) is None  # DDP / FSDP view: parameter_usage covers it
+    zero = find_vision_adapter(mistral3, zero=True)  # ZeRO view: a family built from its config
+    assert zero is not None and zero.family.discovered and zero.family.extra_inputs == ("image_sizes",)
+    assert describe_unsupported(mistral3, zero=True) == ""
+    mllama = ZOO["mllama"].model(0)  # no get_image_features: nothing to build a dummy on
+    assert find_vision_adapter(mllama, zero=True) is None
+    assert "get_image_features" in describe_unsupported(mllama, zero=True)
+    reason = describe_unsupported(mistral3)
     assert "Mistral3ForConditionalGeneration" in reason and "pixtral" in reason
     assert "no hf_ddpfix vision adapter" in reason and "ddp_find_unused_parameters=True" in reason
     names = vision_param_names(mistral3)  # planning still sees its vision parameters, by module name

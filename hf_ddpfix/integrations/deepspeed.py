@@ -322,8 +322,11 @@ def attach_deepspeed(model: nn.Module, *, stabilize: bool, leaf_classes: tuple[s
 
         try:
             stab = ZeroVisionStabilizer(model, sync_eval=sync_eval).attach()
-        except ValueError as err:  # no language-model module found: stock behaviour, with the reason
-            log(f"deepspeed: no ZeRO dummy image: {err}")
+        except ValueError as err:  # no language-model module / a failed trial run: stock behaviour, with the reason
+            from ..ops.feature_counts import record_fallback
+
+            record_fallback("stabilizer", str(err))
+            log(f"deepspeed: no ZeRO dummy image (stock behaviour): {err}")
         else:
             stack.callback(stab.remove)
             log(f"deepspeed: dummy image before {type(stab.language_model).__name__} on text-only micro-batches")

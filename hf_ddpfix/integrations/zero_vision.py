@@ -90,7 +90,7 @@ logger = logging.getLogger("hf_ddpfix")
 
 # Where the language model (the module called with ``inputs_embeds``) lives, relative to the HF model
 # whose forward takes ``pixel_values`` (transformers 5.23 Qwen2-VL / 2.5-VL / 3-VL (MoE)).
-LANGUAGE_MODEL_PATHS = ("model.language_model", "language_model")
+LANGUAGE_MODEL_PATHS = ("model.language_model", "language_model", "model.text_model", "text_model")
 
 
 def language_model_of(adapter: VisionAdapter) -> nn.Module | None:
@@ -199,6 +199,7 @@ class ZeroVisionStabilizer:
                 f"hf_ddpfix: {adapter.family.name}: no language model module at {LANGUAGE_MODEL_PATHS}; "
                 "the ZeRO dummy image needs it to run the tower where the real image runs"
             )
+        adapter.verify()  # a family discovered from the config: a trial run fixes and proves its dummy
         self.adapter = adapter
         self.language_model = lm
         self.train = train

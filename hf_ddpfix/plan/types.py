@@ -69,6 +69,9 @@ class RunFacts:
         shard_cast_dtype: the dtype FSDP's mixed precision (`param_dtype`) or DeepSpeed's bf16/fp16 casts
             floating parameters to, `None` when nothing is cast.
         zero_stage: the DeepSpeed ZeRO stage, `None` without DeepSpeed.
+        loss_unseen: why hf_ddpfix cannot see the loss the trainer back-propagates (a ``training_step``
+            override that does not call the stock one, a ``compute_loss`` / ``training_step`` that calls
+            ``backward`` itself), `None` when every loss passes through ``accelerator.backward``.
         deepspeed: version, offload, MoE blocks, dtypes of a DeepSpeed run
             (`hf_ddpfix.integrations.deepspeed.DeepSpeedFacts`), `None` without DeepSpeed.
     """
@@ -94,6 +97,7 @@ class RunFacts:
     shard_cast_dtype: str | None = None
     zero_stage: int | None = None
     deepspeed: DeepSpeedFacts | None = None
+    loss_unseen: str | None = None
 
     def stock_find_unused(self) -> bool:
         """What stock `Trainer._build_accelerator_args` picks (REFERENCES.md §1)."""

@@ -27,6 +27,11 @@ DeepSpeed mode for the rest of the process):
   True)``, evaluation batches mixed too (rank 0 image, rank 1 text, variable lengths): under hf_ddpfix DDP,
   ZeRO-2 and ZeRO-3, eval loss, logits and generated tokens equal a single-process reference computed
   from the same trained weights; the eval dummies are counted (``feature_counts["stabilizer"]``).
+- ``discovered``: VLMs with no hand-written family (InternVL, Idefics3, PaliGemma, SmolVLM under ZeRO-3,
+  Mistral 3 under ZeRO-2; LoRA on tower, projector and language model), rank 0 always with an image, rank 1
+  never: the dummy built from each model's config, within 1e-5 of stock DDP (find_unused_parameters=True),
+  except the tensors no rank ever gives a gradient (PaliGemma's SigLIP pooling head), reported apart.
+- ``stock_discovered``: stock ZeRO-3 with Idefics3 and the same layout; expected to FAIL.
 - ``stock_eval``: stock ZeRO-3 ``evaluate()`` on the mixed evaluation set; expected to FAIL with the
   collective mismatch the ``eval`` suite fixes.
 
@@ -54,7 +59,7 @@ from fixtures import add_lora, build_qwen2_5_vl, lora, make_batch, tiny_llama, v
 from torch import nn  # noqa: E402
 from torch.utils.data import SequentialSampler  # noqa: E402
 from transformers import Trainer, TrainingArguments  # noqa: E402
-from zoo import ZOO  # noqa: E402
+from zoo import ZERO_DISCOVERED, ZOO  # noqa: E402
 
 from hf_ddpfix import DDPFixTrainer  # noqa: E402
 from hf_ddpfix._compat import checkpointing_training_args  # noqa: E402
@@ -194,22 +199,29 @@ def vlm_rows(n: int, layout: str) -> list[dict]:
     return rows
 
 
+ZOO_ALL = {**ZOO, **ZERO_DISCOVERED}
+SEQUENCE_KEYS = ("input_ids", "labels", "token_type_ids", "mm_token_type_ids")
+IMAGE_KEYS = ("pixel_values", "image_sizes")
+
+
 def zoo_rows(family: str, n: int, images: set[int]) -> list[dict]:
-    """Rows of a zoo VLM (e.g. LLaVA: ``pixel_values [1, 3, 28, 28]``); text rows have variable lengths."""
+    """Rows of a zoo VLM (e.g. LLaVA: ``pixel_values [1, 3, 28, 28]``; Mistral 3 also ``image_sizes``,
+    PaliGemma ``token_type_ids``); text rows have variable lengths and ``None`` image inputs."""
     rows = []
     for i in range(n):
-        b = ZOO[family].batch(i in images, i, 16 if i in images else 10 + i % 5)
-        rows.append({"input_ids": b["input_ids"][0].tolist(), "labels": b["labels"][0].tolist(),
-                     "pixel_values": b["pixel_values"].tolist() if "pixel_values" in b else None})
+        b = ZOO_ALL[family].batch(i in images, i, 16 if i in images else 10 + i % 5)
+        row = {k: b[k][0].tolist() for k in SEQUENCE_KEYS if k in b}
+        row.update({k: b[k].tolist() if k in b else None for k in IMAGE_KEYS})
+        rows.append(row)
     return rows
 
 
 def zoo_collate(batch):
-    out = {"input_ids": torch.tensor([b["input_ids"] for b in batch]),
-           "labels": torch.tensor([b["labels"] for b in batch])}
-    imgs = [torch.tensor(b["pixel_values"]) for b in batch if b.get("pixel_values") is not None]
-    if imgs:
-        out["pixel_values"] = torch.cat(imgs)
+    out = {k: torch.tensor([b[k] for b in batch]) for k in SEQUENCE_KEYS if k in batch[0]}
+    for key in IMAGE_KEYS:
+        imgs = [torch.tensor(b[key]) for b in batch if b.get(key) is not None]
+        if imgs:
+            out[key] = torch.cat(imgs)
     return out
 
 
@@ -350,7 +362,8 @@ def moved(a: dict[str, torch.Tensor], before: dict[str, torch.Tensor]) -> float:
 
 def main() -> None:
     p = argparse.ArgumentParser()
-    p.add_argument("--suite", choices=["text", "vlm", "stock_mixed", "eval", "stock_eval"], required=True)
+    p.add_argument("--suite", choices=["text", "vlm", "stock_mixed", "eval", "stock_eval", "discovered",
+                                       "stock_discovered"], required=True)
     p.add_argument("--out", required=True)
     a = p.parse_args()
     import deepspeed
@@ -361,14 +374,23 @@ def main() -> None:
     summary: dict = {"suite": a.suite, "cases": {}}
     failures: list[str] = []
 
-    def compare(name: str, got: dict, ref: dict, start: dict) -> None:
-        d = max_diff(got["weights"], ref["weights"])
+    def compare(name: str, got: dict, ref: dict, start: dict, split_unused: bool = False) -> None:
+        """Weights within TOL of the reference; with ``split_unused``, the trainable tensors the DDP reference
+        never moved (no rank ever gave them a gradient: AdamW skipped them) are reported apart (DeepSpeed
+        steps them with zero gradients: weight decay; README, DeepSpeed section) and left out of TOL."""
+        unused = [k for k in ref["weights"] if split_unused and torch.equal(ref["weights"][k], start[k])]
+        keep = [k for k in ref["weights"] if k not in unused]
+        d = max_diff({k: got["weights"][k] for k in keep}, {k: ref["weights"][k] for k in keep})
         summary["cases"][name] = {k: v for k, v in got.items() if k != "weights"}
-        summary["cases"][name].update(max_diff=d, moved=moved(ref["weights"], start))
+        summary["cases"][name].update(max_diff=d, moved=moved(ref["weights"], start), unused=unused,
+                                      unused_max_diff=max((got["weights"][k] - ref["weights"][k]).abs().max().item()
+                                                          for k in unused) if unused else 0.0)
         print(f"DS_CASE {name} max|w - ref| = {d:.3g} (weights moved {summary['cases'][name]['moved']:.3g})",
               flush=True)
         if not d <= TOL:
-            failures.append(f"{name}: max diff {d:.3g} > {TOL}")
+            worst = sorted(((got["weights"][k].float() - ref["weights"][k].float()).abs().max().item(), k)
+                           for k in keep)[-3:]
+            failures.append(f"{name}: max diff {d:.3g} > {TOL} (worst: {worst})")
 
     if a.suite == "text":
         rows = [{"input_ids": ids} for ids in variable_length_ids(n, lengths=(6, 11, 8, 14, 9, 12))]
@@ -462,6 +484,26 @@ def main() -> None:
             if (got["train_dummies"], got["eval_dummies"]) != (want_train, want_eval):
                 failures.append(f"{name}: rank {rank} dummies train {got['train_dummies']} eval "
                                 f"{got['eval_dummies']} (expected {want_train}, {want_eval})")
+    elif a.suite in ("discovered", "stock_discovered"):
+        cases = [("internvl", 3), ("mistral3", 2), ("idefics3", 3), ("paligemma", 3), ("smolvlm", 3)]
+        if a.suite == "stock_discovered":
+            rows = zoo_rows("idefics3", n, set(range(0, n, 2)))
+            run("zero3_idefics3_stock", ZOO_ALL["idefics3"].model(0), rows, zoo_collate, stage=3, fixed=False)
+            print("STOCK_TRAINED", flush=True)
+            cases = []
+        models = {f: (ZOO_ALL[f].model(0), ZOO_ALL[f].model(0)) for f, _ in cases}  # before any ZeRO-3 args
+        rows = {f: zoo_rows(f, n, set(range(0, n, 2))) for f, _ in cases}  # rank 0 always with an image, 1 never
+        starts = {f: trainable_weights(models[f][0], None) for f, _ in cases}
+        refs = {f: run(f"ddp_ref_{f}", models[f][0], rows[f], zoo_collate, stage=None, fixed=False)
+                for f, _ in cases}  # every DDP reference before the first DeepSpeed TrainingArguments
+        for family, stage in cases:
+            name = f"zero{stage}_{family}_mixed"
+            got = run(name, models[family][1], rows[family], zoo_collate, stage=stage, fixed=True)
+            compare(name, got, refs[family], starts[family], split_unused=True)
+            want = STEPS * ACCUM if rank == 1 else 0
+            if got["stabilizer"] is not True or got["dummy_runs"] != want:
+                failures.append(f"{name}: stabiliser {got['stabilizer']}, {got['dummy_runs']} dummy runs on rank "
+                                f"{rank} (expected {want})")
     elif a.suite == "stock_eval":  # expected to fail: rank 1 skips the tower rank 0 gathers
         rows = [dict(r) for r in vlm_rows(2 * world, "mixed")]
         train_and_evaluate("zero3_eval_stock", add_lora(build_qwen2_5_vl(0)), [], rows, stage=3, fixed=False)
