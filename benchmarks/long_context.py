@@ -9,7 +9,7 @@ intermediate 14336, 32 heads, 8 KV heads, bf16 weights, LoRA r=16 on every linea
 default fp32 adapters, sdpa, autocast bf16, non-reentrant checkpointing) over forward + recompute +
 backward, for stock and each hf_ddpfix feature (slope between 8K and 16K tokens; see
 ``hf_ddpfix.integrations.layer_ledger``), a whole-model projection (32 layers, offloaded layer inputs,
-the budget check of ``hf_ddpfix.ops.offload_budget``), writes JSON/PNG/markdown under
+the budget check of ``hf_ddpfix.ops.offload.budget``), writes JSON/PNG/markdown under
 ``benchmarks/results/`` and ends with the line ``ledger: stock <N> KiB/token, hf_ddpfix <M> KiB/token``.
 
 GPU (one process per trial; random bf16 weights; each trial 3 steps of forward + backward + AdamW on
@@ -75,7 +75,7 @@ def _env() -> dict[str, Any]:
 
 def run_ledger(args: argparse.Namespace) -> dict[str, Any]:
     from hf_ddpfix.integrations.layer_ledger import LEDGER_FEATURES, ledger_slope
-    from hf_ddpfix.ops.offload_budget import OffloadBudgetError, max_tokens, plan_offload_budget
+    from hf_ddpfix.ops.offload.budget import OffloadBudgetError, max_tokens, plan_offload_budget
 
     rows = {}
     for name in LEDGER_FEATURES:
@@ -198,7 +198,7 @@ def _trial(mode: str, seq: int, steps: int, host_gib: float, tiny: bool = False)
     from hf_ddpfix.integrations.loss_patch import patch_model_loss
     from hf_ddpfix.integrations.tiled_mlp import apply_tiled_mlp
     from hf_ddpfix.ops.offload import ActivationOffload
-    from hf_ddpfix.ops.offload_budget import plan_offload_budget
+    from hf_ddpfix.ops.offload.budget import plan_offload_budget
 
     cuda = torch.cuda.is_available() and not tiny
     dev = torch.device("cuda" if cuda else "cpu")

@@ -26,8 +26,7 @@ from .integrations.loss_patch import patch_model_loss, unpatch_model_loss
 from .integrations.stabilizer import VisionStabilizer
 from .integrations.tiled_mlp import apply_tiled_mlp, remove_tiled_mlp
 from .integrations.usage import ParameterUsage
-from .ops.offload import ActivationOffload
-from .ops.offload_budget import OffloadBudgetError, plan_offload_budget
+from .ops.offload import ActivationOffload, OffloadBudgetError, plan_offload_budget
 from .ops.tiled_loss import tiled_causal_lm_loss
 from .plan.resolve import resolve_plan
 from .plan.types import Decision, Plan, PlanError, RunFacts

@@ -7,7 +7,7 @@ import random
 import pytest
 import torch
 
-from hf_ddpfix.ops.host_pool import ALIGNMENT, HostPool, default_max_bytes, pow2ceil
+from hf_ddpfix.ops.offload.host_pool import ALIGNMENT, HostPool, default_max_bytes, pow2ceil
 
 HIDDEN_BYTES = 128 * 4  # one token of fp32 hidden states: 512 bytes, so every buffer is ALIGNMENT-exact
 
@@ -149,7 +149,7 @@ def test_default_cap_is_a_quarter_of_memory_per_local_process():
 
 
 def test_host_pressure_refuses_a_slab_that_would_leave_too_little_memory(monkeypatch):
-    import hf_ddpfix.ops.host_memory as hm
+    import hf_ddpfix.ops.offload.host_memory as hm
 
     total = 1 << 30
     available = {"bytes": 200 << 20}

@@ -219,7 +219,7 @@ def test_fifty_steps_keep_pool_bounded_and_nothing_in_flight():
 
 
 def test_restored_inputs_are_freed_layer_by_layer_during_backward():
-    from hf_ddpfix.ops.offload_transfer import RESTORED
+    from hf_ddpfix.ops.offload.transfer import RESTORED
 
     model = build_lora_llama(layers=6)
     model.train()

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from hf_ddpfix.ops.offload_budget import OffloadBudgetError, max_tokens, plan_offload_budget
+from hf_ddpfix.ops.offload.budget import OffloadBudgetError, max_tokens, plan_offload_budget
 
 GIB = 1 << 30
 KIB = 1 << 10

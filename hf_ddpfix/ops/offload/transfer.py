@@ -1,8 +1,8 @@
 """Moving one recorded storage to host memory and back: host pools, side streams and events.
 
-``ActivationOffload`` (``ops/offload.py``) decides *what* moves and *when*; this module does the move.
+``ActivationOffload`` (``ops/offload/offload.py``) decides *what* moves and *when*; this module does the move.
 A :class:`StorageRecord` is one device storage packed during a step (every view of it shares the
-record); :class:`Transfers` owns, per device, one bounded host pool (``ops/host_pool.py``) and, on
+record); :class:`Transfers` owns, per device, one bounded host pool (``ops/offload/host_pool.py``) and, on
 CUDA, one side stream.
 
 Ordering on CUDA (nothing here blocks the host thread):

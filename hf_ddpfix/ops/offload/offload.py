@@ -16,8 +16,8 @@ Usage::
         loss.backward()
 
 On a CUDA device: one side stream per device, non-blocking copies into a bounded pool of pinned host
-memory (``ops/host_pool.py``: power-of-two slabs sub-allocated exactly, a cap, release on pressure),
-ordered against the compute stream with events and ``record_stream`` (``ops/offload_transfer.py``);
+memory (``ops/offload/host_pool.py``: power-of-two slabs sub-allocated exactly, a cap, release on pressure),
+ordered against the compute stream with events and ``record_stream`` (``ops/offload/transfer.py``);
 the last packed layer input stays on the device (backward needs it first); while tensor ``i`` is
 restored, tensor ``i-1`` is prefetched. A storage packed by several checkpoints of one step (an
 encoder-decoder's ``encoder_hidden_states`` passed positionally to every decoder layer) is copied out
@@ -26,7 +26,7 @@ run would move are counted in ``stats.would_offload_bytes``.
 
 Which storages move, and whether a step copies at all (under the plan's ``auto`` policy only when its
 largest checkpoint input is >= 64 MiB, where the copy hides behind the layer's compute on an H100, or
-under device memory pressure) is ``ops/offload_policy.py``; the counters are ``ops/offload_stats.py``. This module is the
+under device memory pressure) is ``ops/offload/policy.py``; the counters are ``ops/offload/stats.py``. This module is the
 saved-tensor hook pair and the step's bookkeeping: packing order, dedupe, keep-last and prefetch.
 """
 
@@ -41,8 +41,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from .._compat import storage_weak_ref
-from .offload_policy import (
+from ..._compat import storage_weak_ref
+from .policy import (
     DEFAULT_MIN_BYTES,
     DEFAULT_MIN_LAYER_BYTES,
     DEFAULT_PRESSURE_FRACTION,
@@ -50,8 +50,8 @@ from .offload_policy import (
     OffloadPolicy,
     accelerator_available,
 )
-from .offload_stats import OffloadStats
-from .offload_transfer import ON_DEVICE, ON_HOST, RESTORED, StorageRecord, Transfers
+from .stats import OffloadStats
+from .transfer import ON_DEVICE, ON_HOST, RESTORED, StorageRecord, Transfers
 
 __all__ = [
     "DEFAULT_MIN_BYTES",

@@ -38,7 +38,7 @@ Guarantees (``tests/test_host_pool.py``):
     - A failed pinned allocation (host out of memory, locked-memory limit) releases idle slabs and
       torch's cached pinned blocks, retries once with the smallest slab that fits, else returns ``None``.
     - Host pressure (pinned pools by default): a new slab that would leave less than ``min_free_fraction``
-      of physical memory available (``MemAvailable``, Linux; read by ``ops/host_memory.py``) is not
+      of physical memory available (``MemAvailable``, Linux; read by ``ops/offload/host_memory.py``) is not
       allocated; idle slabs are released first, then the request is refused (``None``) rather than
       pushing the host into swap or the OOM killer.
     - Buffers handed out never overlap; ``give`` of a buffer not from this pool raises ``ValueError``.
