@@ -5,7 +5,7 @@
 - :mod:`.offload` (a folder): activation offload: saved-tensor hooks, policy, transfers, the bounded
   (pinned) host pool, host memory, per-step stats and the pre-flight device/host budget.
 - :mod:`.zero_tie`: an exactly-zero contribution that makes tensors "used" for autograd/DDP/FSDP.
-- :mod:`.dist`: the two torch.distributed helpers every op shares.
+- :mod:`.dist`: the torch.distributed helpers every op shares, and the process-group teardown at exit.
 - :mod:`.rms_norm`: RMSNorm saving its input and an fp32 per-token rstd only (long context).
 - :mod:`.token_tiles`: several-input/output token-wise block in sequence tiles (the decoder-layer halves).
 - :mod:`.grouped_attention`: causal flash attention run per KV-head group (smaller backward workspace).
