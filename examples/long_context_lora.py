@@ -9,11 +9,11 @@ What it turns on (all through ``DDPFixConfig``, the same options as the ``HF_DDP
   and the token-wise parts of every decoder layer in 2K-token tiles (one Llama-8B layer: 345 -> 53
   KiB/token of working set, ``python benchmarks/long_context.py --ledger``).
 
-Before training, :func:`hf_ddpfix.ops.offload_budget.plan_offload_budget` checks the device and host
+Before training, :func:`hf_ddpfix.ops.offload.plan_offload_budget` checks the device and host
 budgets for the requested length and stops with ``OffloadBudgetError`` (which budget, how many GiB,
 the longest sequence that fits) instead of failing an hour in. It models the offload as the Trainer
 runs it: every layer input but the last goes to the host pool, whose cap is a quarter of physical
-memory per local rank (``hf_ddpfix.ops.host_pool.default_max_bytes``).
+memory per local rank (``hf_ddpfix.ops.offload.host_pool.default_max_bytes``).
 
 Run (CPU, tiny random model, a few seconds)::
 
@@ -39,8 +39,8 @@ from peft import LoraConfig, get_peft_model
 from transformers import LlamaConfig, LlamaForCausalLM, TrainingArguments
 
 from hf_ddpfix import DDPFixConfig, DDPFixTrainer
-from hf_ddpfix.ops.host_pool import default_max_bytes
-from hf_ddpfix.ops.offload_budget import plan_offload_budget
+from hf_ddpfix.ops.offload.budget import plan_offload_budget
+from hf_ddpfix.ops.offload.host_pool import default_max_bytes
 
 GIB = 1 << 30
 # Per-token device working set besides the stored layer inputs, all features on: one Llama-8B layer's
@@ -87,7 +87,7 @@ def preflight(model: torch.nn.Module, args: argparse.Namespace) -> None:
         layers=cfg.num_hidden_layers, tokens=args.seq, layer_bytes=layer_bytes, device_budget_bytes=device_budget,
         host_budget_bytes=host_cap if torch.cuda.is_available() else device_budget, fixed_device_bytes=fixed,
         working_bytes_per_token=WORKING_BYTES_PER_HIDDEN_UNIT * cfg.hidden_size,
-        max_keep=1 if torch.cuda.is_available() else None,  # ActivationOffload keeps the last input only
+        # max_keep=None: the Trainer's offload keeps as many inputs on the device as fit (keep_on_device="auto")
     )
     print("pre-flight:", budget.describe())
 
@@ -126,4 +126,8 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    finally:  # end the process group here: one left to interpreter shutdown can abort a finished run (gloo)
+        if torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()

@@ -78,4 +78,8 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    finally:  # end the process group here: one left to interpreter shutdown can abort a finished run (gloo)
+        if torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()

@@ -14,7 +14,7 @@ re-raised as the very same object.
 from __future__ import annotations
 
 import re
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
 
@@ -72,13 +72,22 @@ def _first_line(exc: BaseException) -> str:
     return line if len(line) <= 240 else line[:237] + "..."
 
 
-def _unused_names(text: str) -> str | None:
-    """Torch lists the parameters without a gradient (names only with TORCH_DISTRIBUTED_DEBUG=DETAIL)."""
+def _unused_names(text: str, param_names: Sequence[str] | None = None) -> str | None:
+    """Torch lists the parameters without a gradient (names only with TORCH_DISTRIBUTED_DEBUG=DETAIL;
+    otherwise indices into DDP's parameter list, i.e. the trainable parameters in module order, which
+    ``param_names`` turns into names)."""
     m = re.search(r"Parameters which did not receive grad for rank \d+: ([^\n]+)", text)
     if m:
         return m.group(1).strip()
     m = re.search(r"Parameter indices which did not receive grad for rank \d+: ([^\n]+)", text)
-    return f"indices {m.group(1).strip()}" if m else None
+    if not m:
+        return None
+    raw = m.group(1).strip()
+    idx = [int(x) for x in re.findall(r"\d+", raw)]
+    if param_names and idx and all(i < len(param_names) for i in idx):
+        names = [param_names[i] for i in idx]
+        return ", ".join(names[:8]) + (f" and {len(names) - 8} more" if len(names) > 8 else "")
+    return f"indices {raw}"
 
 
 def _ready_twice(plan: Plan | None, facts: RunFacts | None) -> tuple[str, str, str]:
@@ -108,10 +117,11 @@ def _ready_twice(plan: Plan | None, facts: RunFacts | None) -> tuple[str, str, s
     return what, cause, fix
 
 
-def _unfinished_reduction(plan: Plan | None, facts: RunFacts | None, text: str) -> tuple[str, str, str]:
+def _unfinished_reduction(plan: Plan | None, facts: RunFacts | None, text: str,
+                          param_names: Sequence[str] | None = None) -> tuple[str, str, str]:
     what = ("DDP started a step while the previous step's gradient all-reduce was incomplete: some trainable "
             "parameters received no gradient ('Expected to have finished reduction in the prior iteration').")
-    names = _unused_names(text)
+    names = _unused_names(text, param_names)
     seen = f" Parameters without a gradient: {names}." if names else " " + _HOW_TO_SEE_NAMES
     fu = _v(plan, "find_unused_parameters")
     stab = _v(plan, "vlm_stabilizer")
@@ -120,6 +130,11 @@ def _unfinished_reduction(plan: Plan | None, facts: RunFacts | None, text: str) 
     elif stab is False and (facts is None or facts.trainable_vision_params or plan.hang_guard.value is not None):
         cause = (f"find_unused_parameters={fu} ({plan.find_unused_parameters.reason}) and the VLM stabiliser is "
                  f"off ({plan.vlm_stabilizer.reason}): trainable vision parameters go unused on text-only steps.")
+    elif _v(plan, "parameter_usage"):
+        cause = (f"find_unused_parameters={fu} because parameter_usage ties every trainable parameter into the "
+                 "loss given to accelerator.backward; these got no gradient, so the loss of that step was "
+                 "back-propagated without passing through accelerator.backward (loss.backward() called "
+                 "directly, or a second backward from another tensor).")
     elif facts is not None and facts.conditional_params:
         cause = (f"find_unused_parameters={fu}: conditionally used parameters (MoE experts) got no tokens "
                  "on this rank.")
@@ -183,13 +198,16 @@ def _collective_failure(key: str, plan: Plan | None, facts: RunFacts | None) -> 
     return what, cause, fix
 
 
-def explain(exc: BaseException, plan: Plan | None = None, *, facts: RunFacts | None = None) -> str | None:
+def explain(exc: BaseException, plan: Plan | None = None, *, facts: RunFacts | None = None,
+            param_names: Sequence[str] | None = None) -> str | None:
     """Explain a distributed-training error, or return `None` if it is not one hf_ddpfix knows.
 
     Args:
         exc: the exception (its message, and its `__cause__`'s, are matched).
         plan: the run's `Plan` (for the cause in this run); `None` gives the general explanation.
         facts: the run's `RunFacts` (gradient accumulation, MoE, vision params), optional.
+        param_names: the names of the trainable parameters in module order (DDP's parameter list), to
+            name the parameters torch reports by index.
 
     Returns:
         A multi-line message: what happened, the likely cause, the fix, and the original first line.
@@ -208,7 +226,7 @@ def explain(exc: BaseException, plan: Plan | None = None, *, facts: RunFacts | N
     if key == "ready_twice":
         what, cause, fix = _ready_twice(plan, facts)
     elif key == "unfinished_reduction":
-        what, cause, fix = _unfinished_reduction(plan, facts, text)
+        what, cause, fix = _unfinished_reduction(plan, facts, text, param_names)
     elif key == "graph_changed":
         what, cause, fix = _graph_changed(plan, facts)
     elif key == "autograd_hooks":
@@ -235,11 +253,14 @@ def _is_candidate(exc: BaseException) -> bool:
 
 
 @contextmanager
-def readable_ddp_errors(plan: Plan | None = None, *, facts: RunFacts | None = None) -> Iterator[None]:
+def readable_ddp_errors(plan: Plan | None = None, *, facts: RunFacts | None = None,
+                        param_names: Callable[[], Sequence[str]] | None = None) -> Iterator[None]:
     """Re-raise known DDP failures inside the block as `DDPFixError` (original as `__cause__`).
 
     Args:
         plan: the run's `Plan`; facts: its `RunFacts` (optional), both used only for the message.
+        param_names: returns the trainable parameter names in module order (read when an error is
+            explained), so parameters torch reports by index are named.
 
     Example:
         >>> with readable_ddp_errors(trainer.hf_ddpfix_plan):
@@ -248,7 +269,8 @@ def readable_ddp_errors(plan: Plan | None = None, *, facts: RunFacts | None = No
     try:
         yield
     except Exception as exc:
-        message = explain(exc, plan, facts=facts) if _is_candidate(exc) else None
+        names = param_names() if (param_names is not None and _is_candidate(exc)) else None
+        message = explain(exc, plan, facts=facts, param_names=names) if _is_candidate(exc) else None
         if message is None:
             raise
         raise DDPFixError(message) from exc

@@ -76,6 +76,45 @@ def parallel_mode(trainer: Any) -> tuple[ParallelMode, int]:
     return "single", world
 
 
+def _code_names(code: Any) -> set[str]:
+    """Every global / attribute name a code object (and the functions nested in it) refers to."""
+    names = set(code.co_names)
+    for const in code.co_consts:
+        if hasattr(const, "co_names"):
+            names |= _code_names(const)
+    return names
+
+
+def loss_unseen_reason(trainer: Any) -> str | None:
+    """Why the loss this trainer back-propagates may not pass through ``accelerator.backward`` (where
+    hf_ddpfix observes it), or `None`.
+
+    Read from the code of the trainer's own ``training_step`` / ``compute_loss`` overrides (every class
+    between ``type(trainer)`` and ``transformers.Trainer``): a ``training_step`` that does not call
+    ``super().training_step``, or a method that calls ``backward`` without going through the accelerator.
+    TRL's trainers (1.x) override ``training_step`` only to add a context or a timer around the stock one.
+    Anything not a plain function (a C extension, a callable object) counts as unseen.
+    """
+    from transformers import Trainer
+
+    for cls in type(trainer).__mro__:
+        if cls is Trainer or not issubclass(cls, Trainer):
+            break
+        for name in ("training_step", "compute_loss"):
+            fn = vars(cls).get(name)
+            if fn is None:
+                continue
+            code = getattr(fn, "__code__", None)
+            if code is None:
+                return f"{cls.__name__}.{name} is not a plain function"
+            names = _code_names(code)
+            if "backward" in names and "accelerator" not in names:
+                return f"{cls.__name__}.{name} calls backward() itself"
+            if name == "training_step" and not {"super", "training_step"} <= names:
+                return f"{cls.__name__}.training_step does not call Trainer.training_step"
+    return None
+
+
 def gather_facts(trainer: Any, model: nn.Module | None = None) -> RunFacts:
     """Facts about `trainer`'s run: parallel mode, checkpointing, model kind, explicit DDP flags.
 
@@ -117,4 +156,5 @@ def gather_facts(trainer: Any, model: nn.Module | None = None) -> RunFacts:
         rank_device=quantized.device_name(args.device),
         **quantized.sharding_facts(trainer, parallel),
         deepspeed=gather_deepspeed_facts(trainer, model) if parallel == "deepspeed" else None,
+        loss_unseen=loss_unseen_reason(trainer),
     )

@@ -22,7 +22,7 @@ import torch
 from torch import nn
 from transformers import TrainerCallback
 
-from ._compat import before_gradient_clipping, checkpointing_args
+from ._compat import around_backward, before_gradient_clipping, checkpointing_args
 from .integrations.checkpointing import apply_checkpointing, checkpoint_kwargs_without_mode
 from .integrations.deepspeed import attach_deepspeed
 from .integrations.families import is_vision_language_model
@@ -62,7 +62,8 @@ def attach_runtime(trainer: Any, model: nn.Module, plan: Plan, stack: ExitStack)
     if plan.offload_activations.value == "stock":  # non-CUDA accelerator: transformers' blocking offload kept
         offload = SaveOnCpuScope(_device_type(trainer))
     elif plan.offload_activations.value:
-        rt.offload = offload = ActivationOffload(module=model, min_layer_bytes=plan.offload_min_layer_bytes)
+        rt.offload = offload = ActivationOffload(module=model, min_layer_bytes=plan.offload_min_layer_bytes,
+                                                 keep_on_device="auto")  # N from the budget, each step
         rt.step_contexts.append(_logged_offload_steps(trainer, rt.offload))
         stack.callback(rt.offload.clear_pool)
     _apply_checkpointing(trainer, model, plan, offload)
@@ -70,7 +71,8 @@ def attach_runtime(trainer: Any, model: nn.Module, plan: Plan, stack: ExitStack)
         leaf = plan.zero3_leaf_modules.value  # "A,B" or False / None
         rt.zero_vision = attach_deepspeed(model, stabilize=bool(plan.vlm_stabilizer.value), stack=stack,
                                           leaf_classes=tuple(leaf.split(",")) if leaf else (),
-                                          log=lambda line: _log_rank0(trainer, "%s", line))
+                                          log=lambda line: _log_rank0(trainer, "%s", line),
+                                          sync_eval=bool(plan.vlm_eval_sync.value))
     elif plan.vlm_stabilizer.value:
         rt.stabilizer = _attach_stabilizer(trainer, model, plan, stack)
     if plan.parameter_usage.value:
@@ -162,19 +164,39 @@ def _attach_stabilizer(trainer: Any, model: nn.Module, plan: Plan, stack: ExitSt
     The finalize runs before the gradients are clipped or measured (`_compat.before_gradient_clipping`)
     because a zero and a `None` gradient give a different clipping norm in the last bit.
     """
-    stab = VisionStabilizer(model, run_when_frozen=True if plan.parallel == "fsdp" else None).attach()
+    stab = VisionStabilizer(model, run_when_frozen=True if plan.parallel == "fsdp" else None,
+                            sync_eval=bool(plan.vlm_eval_sync.value)).attach()
     stack.callback(stab.remove)
     stack.callback(before_gradient_clipping(trainer, stab.finalize_vision_grads))
     return stab
 
 
+def attach_eval_sync(model: nn.Module, decision: Any, parallel: str, stack: ExitStack) -> Any:
+    """For an evaluation outside `train()`: attach the eval-only stabiliser the plan's `vlm_eval_sync`
+    decision asks for (ZeRO-3: `ZeroVisionStabilizer`, FSDP: `VisionStabilizer`, both `train=False,
+    sync_eval=True`); its undo goes on `stack`. Returns it, or `None` when the decision is off."""
+    if not decision.value:
+        return None
+    if parallel == "deepspeed":
+        from .integrations.zero_vision import ZeroVisionStabilizer
+
+        sync: Any = ZeroVisionStabilizer(model, train=False, sync_eval=True).attach()
+    else:
+        sync = VisionStabilizer(model, run_when_frozen=True, train=False, sync_eval=True).attach()
+    stack.callback(sync.remove)
+    return sync
+
+
 def _attach_usage(trainer: Any, model: nn.Module, usage: ParameterUsage, stack: ExitStack) -> ParameterUsage:
-    """Observe (and tie) every training forward; before gradients are clipped or measured, gradients no
-    rank used in the optimizer step are reset to `None` (stock fu=True semantics; see `_attach_stabilizer`).
-    Attached after the checkpointing switch, so reentrant layers are observed with the function they
-    will run."""
+    """Observe (and tie) every training forward and, decisively, the loss handed to `accelerator.backward`
+    (what a trainer's `compute_loss` really back-propagates: `ParameterUsage.tie_loss`); before gradients
+    are clipped or measured, gradients no rank used in the optimizer step are reset to `None` (stock fu=True
+    semantics; see `_attach_stabilizer`). Attached after the checkpointing switch, so reentrant layers are
+    observed with the function they will run."""
     usage.attach()
     stack.callback(usage.remove)
+    usage.at_loss = True
+    stack.callback(around_backward(trainer.accelerator, usage.tie_loss))
     stack.callback(before_gradient_clipping(trainer, usage.finalize))
     _add_callback(trainer, _GuardWrappedModel(trainer, usage), stack)
     return usage

@@ -32,10 +32,12 @@ from .errors import readable_ddp_errors
 from .facts import gather_facts
 from .feature_report import FallbackWatch, feature_metrics
 from .integrations.trainer_hooks import TrainerPatchLayer
+from .ops.dist import destroy_default_group_at_exit
 from .ops.feature_counts import reset as reset_feature_counts
 from .plan.resolve import resolve_plan
 from .plan.types import Plan
-from .runtime import attach_runtime
+from .plan.vision import decide_eval_sync
+from .runtime import attach_eval_sync, attach_runtime
 
 logger = logging.getLogger("hf_ddpfix")
 
@@ -81,6 +83,7 @@ def run_with_plan(trainer: Trainer, inner_loop: Callable[..., Any], *args: Any, 
         return inner_loop(*args, **kwargs)
     config = _trainer_config(trainer)
     _ensure_log_handler()
+    destroy_default_group_at_exit()  # a gloo group left to interpreter shutdown can abort the process
     trainer._hf_ddpfix_active = True
     try:
         with ExitStack() as stack:
@@ -94,7 +97,9 @@ def run_with_plan(trainer: Trainer, inner_loop: Callable[..., Any], *args: Any, 
                 _set_ddp_kwargs(trainer, plan)
                 trainer.hf_ddpfix_runtime = attach_runtime(trainer, unwrap_parallel(trainer.model), plan, stack)
                 install_callbacks(trainer, default_callbacks(plan, config), stack)  # plan report, sync, metrics
-                stack.enter_context(readable_ddp_errors(plan, facts=facts))  # the first to see a loop error
+                model = unwrap_parallel(trainer.model)
+                names = lambda: [n for n, p in model.named_parameters() if p.requires_grad]  # noqa: E731 DDP's order
+                stack.enter_context(readable_ddp_errors(plan, facts=facts, param_names=names))  # sees loop errors first
 
             reset_feature_counts()  # counts are per train() call
             stack.callback(when_ready_to_prepare(trainer, setup))  # now, or inside the loop (5.0-5.2)
@@ -112,6 +117,38 @@ def add_feature_metrics(result: Any) -> None:
     metrics = getattr(result, "metrics", None)
     if isinstance(metrics, dict):
         metrics.update(feature_metrics())
+
+
+def run_evaluation_with_plan(trainer: Trainer, eval_loop: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    """Run `eval_loop` (the stock `evaluation_loop`, behind `evaluate()` and `predict()`) with the plan's
+    `vlm_eval_sync`: under ZeRO-3 / FSDP, a VLM's evaluation forwards agree across ranks on images (see
+    `hf_ddpfix.plan.vision`). Inside `train()` the training runtime already carries it. Reading the run
+    never fails an evaluation stock runs: if the facts cannot be read, stock evaluation runs and the log
+    says why.
+    """
+    if getattr(trainer, "_hf_ddpfix_active", False) or getattr(trainer, "_hf_ddpfix_eval_active", False):
+        return eval_loop(*args, **kwargs)
+    try:
+        facts = gather_facts(trainer)
+        decision = decide_eval_sync(facts, _trainer_config(trainer))
+    except Exception as err:  # noqa: BLE001 - reading the run must not fail an evaluation stock runs
+        _ensure_log_handler()
+        logger.warning("vlm_eval_sync: not applied, the run could not be read (%s): stock evaluation", err)
+        return eval_loop(*args, **kwargs)
+    logged = getattr(trainer, "_hf_ddpfix_eval_logged", False) or getattr(trainer, "hf_ddpfix_plan", None) is not None
+    if decision.value is not None and not logged:  # the training plan's report already has the line
+        trainer._hf_ddpfix_eval_logged = True
+        if trainer.is_world_process_zero():
+            _ensure_log_handler()
+            logger.info("vlm_eval_sync = %s  %s", decision.text, decision.reason)
+    trainer._hf_ddpfix_eval_active = True
+    try:
+        with ExitStack() as stack:
+            trainer.hf_ddpfix_eval_sync = attach_eval_sync(unwrap_parallel(trainer.model), decision,
+                                                           facts.parallel, stack)
+            return eval_loop(*args, **kwargs)
+    finally:
+        trainer._hf_ddpfix_eval_active = False
 
 
 def resolve_resume(trainer: Trainer, resume_from_checkpoint: str | bool | None) -> str | bool | None:
@@ -169,6 +206,9 @@ class DDPFixTrainer(Trainer):
     def _inner_training_loop(self, *args: Any, **kwargs: Any) -> Any:
         return run_with_plan(self, getattr(super(), TRAINER_INNER_LOOP), *args, **kwargs)
 
+    def evaluation_loop(self, *args: Any, **kwargs: Any) -> Any:
+        return run_evaluation_with_plan(self, super().evaluation_loop, *args, **kwargs)
+
 
 _layer: TrainerPatchLayer | None = None
 
@@ -190,8 +230,9 @@ def patch_trainer(**options: Any) -> None:
     global _patch_options, _layer
     DDPFixConfig.from_env(**options)  # validate now
     _patch_options = dict(options)
+    destroy_default_group_at_exit()  # registered early: atexit handlers the user adds later run before it
     if _layer is None:
-        _layer = TrainerPatchLayer(run_with_plan, resolve_resume)
+        _layer = TrainerPatchLayer(run_with_plan, resolve_resume, run_evaluation_with_plan)
         _layer.install()
 
 

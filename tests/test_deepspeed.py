@@ -191,24 +191,29 @@ def _zero_family(family: str):
     """(stock LoRA model, fixed LoRA model, text-only batch) of a Qwen fixture or a zoo VLM."""
     if family in BUILDERS:
         return add_lora(BUILDERS[family](0)), add_lora(BUILDERS[family](0)), make_batch(False, seed=3)
-    from zoo import ZOO
+    from zoo import ZERO_DISCOVERED, ZOO
 
-    entry = ZOO[family]
+    entry = {**ZOO, **ZERO_DISCOVERED}[family]
     return entry.model(0), entry.model(0), entry.batch(False, 3, 13)
 
 
-@pytest.mark.parametrize("family", ["qwen2_5_vl", "qwen3_vl", "llava", "gemma3"])
+# hand-written families, then families with no entry whose dummy is built from the config
+@pytest.mark.parametrize("family", ["qwen2_5_vl", "qwen3_vl", "llava", "gemma3", "internvl", "mistral3", "idefics3",
+                                    "smolvlm", "paligemma"])
 def test_zero_dummy_image_runs_after_the_embedding_and_changes_no_number(family):
     """Text-only training forward: same loss bits and LM gradients as stock, exact-zero tower (and
     projector) gradients, and the tower runs between the input embedding and the language model (where
     ZeRO-3 gathers it on an image rank). LLaVA / Gemma 3: through get_image_features (tower, projector);
     what an image's forward leaves out of the loss (Gemma 3's SigLIP pooling head) gets no gradient."""
     from hf_ddpfix.integrations.zero_vision import ZeroVisionStabilizer
+    from hf_ddpfix.ops import feature_counts
 
     stock, fixed, batch = _zero_family(family)
     stock.train()
     fixed.train()
     stab = ZeroVisionStabilizer(fixed).attach()
+    assert stab.adapter.family.discovered == (family in ("internvl", "mistral3", "idefics3", "smolvlm", "paligemma"))
+    feature_counts.reset()
     order: list[str] = []
     root = stab.adapter.root
     parts = stab.adapter.parts()
@@ -220,6 +225,8 @@ def test_zero_dummy_image_runs_after_the_embedding_and_changes_no_number(family)
     loss_b = fixed(**batch).loss
     loss_b.backward()
     assert torch.equal(loss_a, loss_b) and stab.dummy_runs == 1
+    counts = feature_counts.snapshot()["stabilizer"]
+    assert counts.ran == 1 and counts.amounts == {"train_dummies": 1}, counts
     assert order == ["embed", *[n for n, _ in parts], "lm"], order
     vision_ids = {id(p) for _, m in parts for p in m.parameters()}
     zeros = 0
@@ -301,6 +308,106 @@ def test_stock_zero3_fails_on_mixed_image_text_batches(tmp_path, _shm_op):
                     timeout=180, env=DS_ENV, check=False)
     assert done.returncode != 0 and "STOCK_TRAINED" not in done.stdout
     assert "collective mismatch" in done.stdout or "size" in done.stdout, done.stdout[-3000:]
+
+
+@pytest.mark.multiprocess
+def test_evaluate_predict_and_generate_with_mixed_image_text_ranks_equal_one_process(tmp_path, _shm_op):
+    """After training (rank 0 images, rank 1 text), `evaluate()`, `predict()` and a `predict()` that calls
+    `generate(synced_gpus=True)` on evaluation batches mixing images (rank 0) and text (rank 1): under DDP,
+    ZeRO-2 and ZeRO-3 the eval loss, the logits and the generated tokens equal a one-process reference with
+    the same trained weights (stock ZeRO-3 fails here: next test). Only ZeRO-3 needs eval dummies: rank 1
+    runs one per evaluation forward where rank 0 has an image (evaluate, predict, generate: 2 batches each),
+    counted in `feature_counts["stabilizer"]`; the suite checks the counts on every rank."""
+    r = _suite(tmp_path, "eval", timeout=300)
+    cases = r["cases"]
+    assert set(cases) == {"ddp_eval_mixed", "zero2_eval_mixed", "zero3_eval_mixed"} and not r["failures"], r
+    for name, case in cases.items():
+        assert case["logit_diff"] == 0.0 and case["tokens_equal"], (name, case)
+        assert case["eval_loss_diff"] <= 1e-6 and case["predict_loss_diff"] <= 1e-6, (name, case)
+    assert "vlm_eval_sync           = on" in cases["zero3_eval_mixed"]["plan"]
+    assert cases["zero3_eval_mixed"]["train_dummies"] == 0  # rank 0's own counts (rank 1's checked in the suite)
+
+
+@pytest.mark.multiprocess
+def test_stock_zero3_evaluation_fails_on_mixed_image_text_ranks(tmp_path, _shm_op):
+    """The README example's hang (NCCL) is, on gloo, a size mismatch in `evaluate()`: rank 0 all-gathers the
+    tower's patch embedding (37632 bytes) while rank 1, text-only, gathers the language model."""
+    done = torchrun("deepspeed_train.py", "--suite", "stock_eval", "--out", str(tmp_path / "x.json"),
+                    timeout=180, env=DS_ENV, check=False)
+    out = done.stdout
+    assert done.returncode != 0 and "STOCK_EVALUATED" not in out, out[-3000:]
+    assert "Received data size doesn't match expected size" in out and "37632 vs" in out, out[-3000:]
+    assert "trainer.evaluate()" in out, out[-3000:]
+
+
+@pytest.mark.multiprocess
+def test_vlms_without_a_family_entry_train_mixed_batches_under_zero_like_stock_ddp(tmp_path, _shm_op):
+    """InternVL, Idefics3, PaliGemma, SmolVLM (ZeRO-3) and Mistral 3 (ZeRO-2) have no hand-written family:
+    the dummy is built from each model's config and fixed by a trial run. Rank 0 always with an image, rank
+    1 never: within 1e-5 of stock DDP (find_unused_parameters=True), one dummy per step on rank 1. The only
+    tensors apart: PaliGemma's SigLIP pooling head (its output never reaches the loss, so no rank gives it a
+    gradient; DDP leaves it, DeepSpeed steps it with zero gradients: weight decay, README)."""
+    r = _suite(tmp_path, "discovered", timeout=420)
+    cases = r["cases"]
+    assert set(cases) == {"zero3_internvl_mixed", "zero2_mistral3_mixed", "zero3_idefics3_mixed",
+                          "zero3_paligemma_mixed", "zero3_smolvlm_mixed"} and not r["failures"], r
+    for name, case in cases.items():
+        assert case["max_diff"] <= 1e-5 and case["moved"] > 1e-3 and case["stabilizer"] is True, (name, case)
+        if "paligemma" in name:
+            assert case["unused"] and all(".vision_tower.head." in k for k in case["unused"]), case["unused"]
+            assert 1e-4 < case["unused_max_diff"] < 1e-2, case  # weight decay only (lr 1e-2, wd 0.1, 3 steps)
+        else:
+            assert case["unused"] == [], (name, case["unused"])
+    assert "(from config)" in cases["zero3_idefics3_mixed"]["plan"]
+
+
+@pytest.mark.multiprocess
+def test_stock_zero3_fails_on_idefics3_mixed_image_text_batches(tmp_path, _shm_op):
+    """Idefics3 had no family entry (the issue's SmolVLM report): stock ZeRO-3 fails in ZeRO-3's parameter
+    fetch (gloo size mismatch; NCCL hangs) on the layout the previous test trains."""
+    done = torchrun("deepspeed_train.py", "--suite", "stock_discovered", "--out", str(tmp_path / "x.json"),
+                    timeout=180, env=DS_ENV, check=False)
+    out = done.stdout
+    assert done.returncode != 0 and "STOCK_TRAINED" not in out, out[-3000:]
+    assert "Received data size doesn't match expected size" in out and "fetch_sub_module" in out, out[-3000:]
+
+
+def test_mllama_gets_no_zero_dummy_and_says_why():
+    """Mllama's image features enter through cross-attention layers that run only with an image: no dummy
+    (stock behaviour), and the reason names them."""
+    from zoo import ZOO
+
+    from hf_ddpfix.integrations.families import describe_unsupported, find_vision_adapter
+
+    model = ZOO["mllama"].model(0)
+    assert find_vision_adapter(model, zero=True) is None
+    assert "get_image_features" in describe_unsupported(model, zero=True)
+    from hf_ddpfix.integrations import families
+
+    assert "cross-attention" in families._discover_family(model.get_base_model())[1] or "get_image_features" in (
+        families._discover_family(model.get_base_model())[1])
+
+
+def test_eval_sync_is_planned_where_evaluation_forwards_gather_parameters():
+    from hf_ddpfix.config import DDPFixConfig
+    from hf_ddpfix.plan.vision import decide_eval_sync
+
+    def facts(parallel, stage=None, adapter="qwen2_5_vl", world=2, vlm=True):
+        return RunFacts(parallel=parallel, world_size=world, is_vlm=vlm, vlm_adapter=adapter, zero_stage=stage,
+                        deepspeed=_ds(stage) if parallel == "deepspeed" else None)
+
+    c = DDPFixConfig()
+    assert decide_eval_sync(facts("deepspeed", 3), c).value is True
+    assert decide_eval_sync(facts("fsdp"), c).value is True
+    assert decide_eval_sync(facts("deepspeed", 2), c).value is False  # parameters whole: no collective
+    assert decide_eval_sync(facts("ddp"), c).value is None and decide_eval_sync(facts("single"), c).value is None
+    assert decide_eval_sync(facts("deepspeed", 3, world=1), c).value is None
+    assert decide_eval_sync(facts("deepspeed", 3, vlm=False), c).value is None
+    off = decide_eval_sync(facts("deepspeed", 3, adapter=None), c)
+    assert off.value is False and "as in stock" in off.reason
+    assert decide_eval_sync(facts("fsdp"), DDPFixConfig(vlm_stabilizer=False)).value is False
+    plan = resolve_plan(facts("deepspeed", 3), c)
+    assert plan.vlm_eval_sync.value is True and "vlm_eval_sync" in plan.report()
 
 
 def test_accelerate_zero_configs_load_and_point_at_their_deepspeed_json():

@@ -101,3 +101,15 @@ def test_real_ddp_error_from_a_one_process_group_is_translated():
         assert "Fix:" in str(info.value)
     finally:
         dist.destroy_process_group()
+
+
+def test_unfinished_reduction_names_parameters_reported_by_index_and_the_loss_path():
+    plan = resolve_plan(RunFacts(parallel="ddp", world_size=2, is_peft=True))
+    assert plan.parameter_usage.value is True
+    text = ("Expected to have finished reduction in the prior iteration before starting a new one.\n"
+            "Parameter indices which did not receive grad for rank 1: 2 5")
+    names = [f"layer.{i}.weight" for i in range(6)]
+    msg = explain(RuntimeError(text), plan, param_names=names)
+    assert "layer.2.weight, layer.5.weight" in msg and "indices" not in msg
+    assert "accelerator.backward" in msg and "tiling" not in msg.split("Fix:")[0]
+    assert "indices 2 5" in explain(RuntimeError(text), plan)  # without names: the indices stay

@@ -50,7 +50,7 @@ def _imported_modules(path: Path) -> set[str]:
 
 
 def test_ops_import_neither_transformers_nor_accelerate():
-    for path in sorted((PKG / "ops").glob("*.py")):
+    for path in sorted((PKG / "ops").rglob("*.py")):
         bad = _imported_modules(path) & {"transformers", "accelerate", "peft", "trl", "deepspeed"}
         assert not bad, f"{path.name} imports {bad}: hf_ddpfix/ops is pure torch"
 
@@ -87,7 +87,7 @@ _MAY_IMPORT = {
 
 @pytest.mark.parametrize("layer", sorted(_MAY_IMPORT))
 def test_lower_layers_import_nothing_above_them(layer):
-    for path in sorted((PKG / layer).glob("*.py")):
+    for path in sorted((PKG / layer).rglob("*.py")):
         above = _package_imports(path) - _MAY_IMPORT[layer]
         assert not above, (f"hf_ddpfix/{layer}/{path.name} imports hf_ddpfix.{sorted(above)}, a layer above "
                            f"{layer}/ (allowed: {sorted(_MAY_IMPORT[layer])}); pass what it needs in instead")
@@ -202,6 +202,51 @@ def test_set_ddp_kwargs_reaches_the_handler_accelerate_reads():
     _compat.set_ddp_kwargs(acc, find_unused_parameters=False, static_graph=True)
     assert isinstance(acc.ddp_handler, DistributedDataParallelKwargs), _broken("Accelerator.ddp_handler")
     assert acc.ddp_handler.to_kwargs() == {"static_graph": True}  # find_unused False is the default
+
+
+def test_around_backward_hands_the_loss_before_accelerate_scales_it_and_the_trainer_calls_it():
+    from accelerate import Accelerator
+    from transformers import Trainer
+
+    acc = Accelerator(cpu=True, gradient_accumulation_steps=2)
+    seen = []
+    w = torch.ones(2, requires_grad=True)
+    undo = _compat.around_backward(acc, lambda loss: seen.append(loss.detach().clone()) or loss * 1.0)
+    acc.backward((w * 3).sum())
+    assert seen and seen[0].item() == 6.0, _broken("accelerator.backward no longer goes through the instance")
+    assert torch.equal(w.grad, torch.full((2,), 1.5)), _broken("Accelerator.backward no longer divides by GA steps")
+    undo()
+    assert "backward" not in vars(acc)
+    src = inspect.getsource(Trainer.training_step)
+    assert "self.accelerator.backward(loss" in src, _broken("Trainer.training_step no longer calls accelerator.backward")
+
+
+def test_ddp_sink_node_is_an_identity_per_output():
+    import os
+
+    import torch.distributed as dist
+
+    class Two(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a, self.b = nn.Linear(2, 2), nn.Linear(2, 2)
+
+        def forward(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
+            return {"p": self.a(x), "q": self.b(x)}
+
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", "29561")
+    dist.init_process_group("gloo", rank=0, world_size=1)
+    try:
+        model = Two()
+        out = torch.nn.parallel.DistributedDataParallel(model, find_unused_parameters=True)(torch.randn(3, 2))
+        node = out["q"].grad_fn
+        assert _compat.is_ddp_sink_node(node), _broken(f"DDP's output node is {type(node).__name__}")
+        nexts = node.next_functions
+        assert len(nexts) == 2 and out["q"].output_nr == 1, _broken("_DDPSink outputs no longer match its inputs")
+        assert nexts[1][0].next_functions[0][0].variable is model.b.bias, _broken("_DDPSink output i != input i")
+    finally:
+        dist.destroy_process_group()
 
 
 def test_ddp_no_sync_flag():
@@ -482,3 +527,26 @@ def test_deepspeed_leaf_flag_and_default_leaf_classes():
     defaults = _compat.deepspeed_default_leaf_classes()
     assert "transformers.models.qwen3_moe.modeling_qwen3_moe.Qwen3MoeSparseMoeBlock" in defaults, _broken(
         "deepspeed's DEFAULT_LEAF_MODULE_CLASSES moved or changed")
+
+
+def test_generate_pre_encodes_images_exactly_when_the_contract_says_so():
+    """transformers 5.23 `generate` runs the vision tower before the prefill forward and passes
+    `mm_encoder_outputs` (the eval sync then agrees at `generate`'s entry); where the contract says it does
+    not, the prefill forward carries the pixels (the forward hooks agree there)."""
+    from fixtures import build_qwen2_5_vl, make_batch
+
+    model = build_qwen2_5_vl(0).eval()
+    calls: list[set[str]] = []
+    handle = model.register_forward_pre_hook(
+        lambda mod, args, kwargs: calls.append({k for k, v in kwargs.items() if v is not None}), with_kwargs=True)
+    batch = make_batch(True, seed=1)
+    batch.pop("labels")
+    with torch.no_grad():
+        model.generate(**batch, max_new_tokens=2, min_new_tokens=2, do_sample=False)
+    handle.remove()
+    if _compat.generate_pre_encodes_images(model):
+        assert _compat.MM_ENCODER_OUTPUTS_KWARG in calls[0] and "pixel_values" not in calls[0], _broken(
+            f"generate no longer pre-encodes images: prefill forward got {sorted(calls[0])}")
+    else:
+        assert "pixel_values" in calls[0], _broken(f"prefill forward without pixels: {sorted(calls[0])}")
+    assert all("pixel_values" not in c and _compat.MM_ENCODER_OUTPUTS_KWARG not in c for c in calls[1:])

@@ -188,8 +188,14 @@ def test_unknown_vlm_gets_no_adapter_and_a_logged_reason() -> None:
     from zoo import ZOO
 
     mistral3 = ZOO["mistral3"].model(0)
-    assert find_vision_adapter(mistral3) is None and find_vision_adapter(mistral3, zero=True) is None
-    reason = describe_unsupported(mistral3, zero=True)
+    assert find_vision_adapter(mistral3) is None  # DDP / FSDP view: parameter_usage covers it
+    zero = find_vision_adapter(mistral3, zero=True)  # ZeRO view: a family built from its config
+    assert zero is not None and zero.family.discovered and zero.family.extra_inputs == ("image_sizes",)
+    assert describe_unsupported(mistral3, zero=True) == ""
+    mllama = ZOO["mllama"].model(0)  # no get_image_features: nothing to build a dummy on
+    assert find_vision_adapter(mllama, zero=True) is None
+    assert "get_image_features" in describe_unsupported(mllama, zero=True)
+    reason = describe_unsupported(mistral3)
     assert "Mistral3ForConditionalGeneration" in reason and "pixtral" in reason
     assert "no hf_ddpfix vision adapter" in reason and "ddp_find_unused_parameters=True" in reason
     names = vision_param_names(mistral3)  # planning still sees its vision parameters, by module name
@@ -477,6 +483,15 @@ def test_ddp_stabilizer_matches_stock_find_unused_bitwise() -> None:
 @pytest.mark.multiprocess
 def test_fsdp2_with_stabilizer_trains_mixed_batches_like_ddp() -> None:
     _check_ok("vlm_fsdp.py", "VLM_FSDP_OK")
+
+
+@pytest.mark.multiprocess
+def test_fsdp2_stock_evaluation_fails_with_mixed_image_text_ranks() -> None:
+    """What the eval sync (checked in vlm_fsdp.py) fixes: without it, rank 0's image evaluation forward
+    all-gathers the tower's FSDP unit while text-only rank 1 gathers a decoder layer."""
+    rc, out, _ = run_two_ranks("vlm_fsdp.py", "--case", "stock_eval", timeout=120)
+    assert rc != 0 and "STOCK_EVALUATED" not in out, out[-3000:]
+    assert "Received data size doesn't match expected size" in out and "in evaluate" in out, out[-3000:]
 
 
 @pytest.mark.multiprocess

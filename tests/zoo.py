@@ -301,3 +301,63 @@ ZOO: dict[str, ZooEntry] = {
 def seq_len(step: int, micro: int, rank: int) -> int:
     """Variable sequence lengths: differ across steps, micro-batches and ranks."""
     return SEQ[(step + micro + rank) % 2]
+
+
+# --- VLMs with no hand-written hf_ddpfix family (the ZeRO dummy is built from their config) ----------
+
+
+def _idefics3(seed: int, smol: bool = False) -> nn.Module:
+    from transformers import (
+        Idefics3Config,
+        Idefics3ForConditionalGeneration,
+        SmolVLMConfig,
+        SmolVLMForConditionalGeneration,
+    )
+
+    vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2, image_size=28,
+                  patch_size=7)
+    config_cls, model_cls = (SmolVLMConfig, SmolVLMForConditionalGeneration) if smol else (
+        Idefics3Config, Idefics3ForConditionalGeneration)
+    cfg = config_cls(vision_config=vision, text_config={**_LLAMA_TEXT, "model_type": "llama"}, scale_factor=2,
+                     image_token_id=IMG)
+    return model_cls(cfg)
+
+
+def _paligemma(seed: int) -> nn.Module:
+    from transformers import PaliGemmaConfig, PaliGemmaForConditionalGeneration
+
+    vision = dict(model_type="siglip_vision_model", hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                  num_attention_heads=2, image_size=28, patch_size=7, projection_dim=64)
+    text = dict(_LLAMA_TEXT, model_type="gemma", head_dim=16)
+    return PaliGemmaForConditionalGeneration(PaliGemmaConfig(vision_config=vision, text_config=text,
+                                                             image_token_index=IMG, projection_dim=64))
+
+
+def _idefics3_batch(has_image: bool, seed: int, seq: int) -> dict[str, torch.Tensor]:
+    """One 28x28 image -> 16 patches -> 4 tokens after the pixel shuffle (scale 2); ``[1, 1, 3, 28, 28]``."""
+    b = _pixel_batch(4, 28)(has_image, seed, seq)
+    if "pixel_values" in b:
+        b["pixel_values"] = b["pixel_values"][:, None]
+    return b
+
+
+def _paligemma_batch(has_image: bool, seed: int, seq: int) -> dict[str, torch.Tensor]:
+    """16 image tokens (28 / 7 squared); ``token_type_ids`` 0 on the image and prefix (no labels there)."""
+    b = _pixel_batch(16, 28)(has_image, seed, seq + (8 if has_image else 0))
+    b["token_type_ids"] = torch.ones_like(b["input_ids"])
+    b["token_type_ids"][b["input_ids"] == IMG] = 0
+    return b
+
+
+#: VLMs outside the hand-written family table, for the ZeRO "from config" dummy (not in :data:`ZOO`, whose
+#: every entry the DDP / FSDP zoo scripts train).
+ZERO_DISCOVERED: dict[str, ZooEntry] = {
+    e.name: e
+    for e in [
+        ZooEntry("idefics3", "Idefics3", _idefics3, _VLM_LORA, _idefics3_batch, vlm=True, can_go_unused=_VISION_UNUSED),
+        ZooEntry("smolvlm", "SmolVLM", functools.partial(_idefics3, smol=True), _VLM_LORA, _idefics3_batch, vlm=True,
+                 can_go_unused=_VISION_UNUSED),
+        ZooEntry("paligemma", "PaliGemma", _paligemma, _VLM_LORA, _paligemma_batch, vlm=True,
+                 can_go_unused=_VISION_UNUSED),
+    ]
+}

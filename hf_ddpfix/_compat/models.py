@@ -128,3 +128,25 @@ def forward_source(cls: type) -> str:
     import textwrap
 
     return textwrap.dedent(inspect.getsource(cls.forward))
+
+
+# --------------------------------------------------------------------------------------------------
+# Generation of vision-language models
+# --------------------------------------------------------------------------------------------------
+
+#: The keyword through which ``GenerationMixin.generate`` hands pre-encoded image features to ``forward``
+#: (transformers 5.23 ``_prepare_multimodal_encoder_kwargs_for_generation``: the vision tower runs *before*
+#: the prefill forward, via ``base_model.get_image_features``, on ranks that pass pixels only).
+MM_ENCODER_OUTPUTS_KWARG = "mm_encoder_outputs"
+
+
+def generate_pre_encodes_images(model: nn.Module) -> bool:
+    """True when ``model.generate`` runs the vision tower before the prefill forward (the model's
+    ``forward`` takes ``mm_encoder_outputs`` and its ``base_model`` has ``get_image_features``), as
+    transformers 5.23 does; False where the tower runs inside the prefill forward (older versions)."""
+    import inspect
+
+    forward = getattr(model, "forward", None)
+    if forward is None or MM_ENCODER_OUTPUTS_KWARG not in inspect.signature(forward).parameters:
+        return False
+    return callable(getattr(getattr(model, "base_model", None), "get_image_features", None))

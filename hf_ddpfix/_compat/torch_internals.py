@@ -139,3 +139,16 @@ def fake_from_meta(fake_mode: Any, t: torch.Tensor, device: torch.device) -> tor
 def module_buffer_slots(module: nn.Module) -> dict[str, Any]:
     """The dict that holds ``module``'s own buffers (``nn.Module._buffers``), persistence unchanged."""
     return module._buffers
+
+
+#: The autograd node DDP puts after its forward outputs when it must see every output's gradient
+#: (``find_unused_parameters=True``, or ``static_graph=True`` in its first iteration): torch 2.x
+#: ``torch.nn.parallel.distributed._DDPSink``, an identity on each tensor output (output ``i`` is tensor
+#: input ``i``; checked against torch 2.4-2.13).
+DDP_SINK_NODE = "_DDPSinkBackward"
+
+
+def is_ddp_sink_node(node: Any) -> bool:
+    """True for DDP's ``_DDPSink`` autograd node: gradient of output ``i`` goes to
+    ``node.next_functions[i]`` only (None for the outputs the loss does not reach)."""
+    return type(node).__name__ == DDP_SINK_NODE

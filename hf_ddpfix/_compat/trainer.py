@@ -119,6 +119,25 @@ def before_gradient_clipping(trainer: Any, finalize: Callable[[], Any]) -> Calla
     return undo
 
 
+def around_backward(accelerator: Any, transform: Callable[[Any], Any]) -> Callable[[], None]:
+    """Make ``accelerator.backward(loss, **kw)`` back-propagate ``transform(loss)``; returns the undo.
+
+    ``Accelerator.backward`` (accelerate 1.0-1.15) is where the Trainer's ``training_step`` (transformers
+    5.0-5.23, and every TRL 1.x trainer, which call it through ``super().training_step``) and a plain
+    accelerate loop hand over the loss that is back-propagated: it divides by the accumulation steps
+    (DeepSpeed: the engine's own ``backward``) and calls ``loss.backward()``. ``transform`` sees the loss
+    before either, on every micro-batch (``no_sync`` ones included). An instance shadow: another library's
+    shadow installed later stays on top and the undo leaves it alone.
+    """
+    stock = accelerator.backward
+
+    def backward(loss: Any, **kwargs: Any) -> Any:
+        return stock(transform(loss), **kwargs)
+
+    backward._hf_ddpfix_around = transform  # type: ignore[attr-defined]
+    return _shadow(accelerator, "backward", backward)
+
+
 def trainer_callbacks(trainer: Any) -> list[Any]:
     """The live callback list of a ``Trainer`` (``trainer.callback_handler.callbacks``)."""
     return trainer.callback_handler.callbacks
@@ -136,6 +155,12 @@ def set_ddp_kwargs(accelerator: Any, **kwargs: Any) -> None:
 
     handler = accelerator.ddp_handler or DistributedDataParallelKwargs()
     accelerator.ddp_handler = dataclasses.replace(handler, **kwargs)
+
+
+def ddp_kwargs_handler(accelerator: Any) -> Any:
+    """The ``DistributedDataParallelKwargs`` ``accelerator.prepare`` will wrap with (``Accelerator.ddp_handler``,
+    accelerate 1.0-1.15), or None when the loop gave none (accelerate's defaults: find_unused False)."""
+    return accelerator.ddp_handler
 
 
 def ddp_syncs_grads(ddp_module: Any) -> bool:

@@ -301,12 +301,14 @@ def apply_z3_leaf_modules(model: nn.Module, class_names: tuple[str, ...] | list[
 
 
 def attach_deepspeed(model: nn.Module, *, stabilize: bool, leaf_classes: tuple[str, ...] | None,
-                     stack: ExitStack, log: Callable[[str], None] = lambda _: None) -> Any:
+                     stack: ExitStack, log: Callable[[str], None] = lambda _: None, sync_eval: bool = False) -> Any:
     """Apply the DeepSpeed part of a plan before the Trainer initialises the DeepSpeed engine.
 
     Args:
         model: the unwrapped model (PeftModel or HF model), not yet wrapped by ``deepspeed.initialize``.
         stabilize: attach :class:`~hf_ddpfix.integrations.zero_vision.ZeroVisionStabilizer`.
+        sync_eval: its evaluation forwards (eval / predict / generate inside ``train()``) agree across
+            ranks too (ZeRO-3).
         leaf_classes: MoE block classes to mark as ZeRO-3 leaf modules (``None`` / empty: none).
         stack: undo callbacks go here (the stabiliser's hooks are removed; leaf flags are reset).
         log: receives one line per applied piece.
@@ -319,9 +321,12 @@ def attach_deepspeed(model: nn.Module, *, stabilize: bool, leaf_classes: tuple[s
         from .zero_vision import ZeroVisionStabilizer
 
         try:
-            stab = ZeroVisionStabilizer(model).attach()
-        except ValueError as err:  # no language-model module found: stock behaviour, with the reason
-            log(f"deepspeed: no ZeRO dummy image: {err}")
+            stab = ZeroVisionStabilizer(model, sync_eval=sync_eval).attach()
+        except ValueError as err:  # no language-model module / a failed trial run: stock behaviour, with the reason
+            from ..ops.feature_counts import record_fallback
+
+            record_fallback("stabilizer", str(err))
+            log(f"deepspeed: no ZeRO dummy image (stock behaviour): {err}")
         else:
             stack.callback(stab.remove)
             log(f"deepspeed: dummy image before {type(stab.language_model).__name__} on text-only micro-batches")

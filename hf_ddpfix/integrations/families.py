@@ -21,6 +21,17 @@ Supported families, two kinds:
   every rank alike. ``find_vision_adapter(model)`` is the DDP / FSDP view and skips these families;
   ``find_vision_adapter(model, zero=True)`` returns them.
 
+- discovered (ZeRO view only) — any other VLM whose model has ``get_image_features(pixel_values=...)``:
+  the family is built from the model's own config and structure (tower and projector found by module
+  name, ``vision_config.image_size`` / ``num_channels``, the extra inputs ``get_image_features`` requires,
+  such as Pixtral's ``image_sizes``) and driven like the ``"image"`` kind; a trial run at attach time
+  (:meth:`~hf_ddpfix.integrations.vision_adapter.VisionAdapter.verify`) fixes the pixel layout and proves
+  the dummy runs (Idefics3 / SmolVLM, PaliGemma, Mistral 3, InternVL on transformers 5.23). Not
+  discovered, with the reason: models without ``get_image_features`` or whose image features do not
+  enter through ``inputs_embeds`` (Mllama's cross-attention layers run only with an image, so a dummy
+  image cannot make them run with an exactly-zero contribution), and required inputs hf_ddpfix cannot
+  build from the config.
+
 For other VLMs, :func:`vision_param_names` / :func:`vision_groups` find vision parts by module name
 (planning and the hang guard only) and :func:`describe_unsupported` says why there is no adapter.
 """
@@ -33,7 +44,7 @@ from typing import Any
 from torch import nn
 
 from .._compat import unwrap_model
-from .vision_adapter import VisionAdapter, get_submodule, image_size_hw, output_tensors
+from .vision_adapter import EXTRA_INPUT_BUILDERS, VisionAdapter, get_submodule, image_size_hw, output_tensors
 from .vision_family import VisionFamily
 
 __all__ = [
@@ -67,6 +78,11 @@ _GENERIC_VISION_NAMES = frozenset(
         "connector",
     }
 )
+
+
+# Where a discovered family's tower and projector live (outermost module with one of these names).
+_TOWER_NAMES = ("vision_tower", "vision_model", "visual", "vision_encoder", "image_encoder")
+_PROJECTOR_NAMES = ("multi_modal_projector", "connector", "mm_projector", "vision_projection", "visual_projection")
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -162,8 +178,61 @@ def _match_family(hf: nn.Module) -> tuple[VisionFamily | None, nn.Module | None,
     return None, None, "", reason
 
 
-def _adapter(hf: nn.Module) -> tuple[VisionAdapter | None, str]:
+def _outermost(hf: nn.Module, names: tuple[str, ...]) -> str | None:
+    """Dotted path of the first (outermost, in module order) submodule whose own name is in ``names``."""
+    for path, _ in hf.named_modules():
+        if path and path.rsplit(".", 1)[-1] in names:
+            return path
+    return None
+
+
+def _discover_family(hf: nn.Module) -> tuple[VisionFamily | None, str]:
+    """A ``"image"``-kind family built from ``hf``'s config and structure (ZeRO view), or the reason why not."""
+    import inspect as _inspect
+
+    vc = _vision_config(hf)
+    root_type = str(getattr(getattr(hf, "config", None), "model_type", ""))
+    head = f"{type(hf).__name__} (model_type={root_type!r})"
+    get_features = getattr(hf, "get_image_features", None)
+    if not callable(get_features):
+        return None, f"{head} has no get_image_features(pixel_values=...) to run a dummy image through"
+    params = _inspect.signature(get_features).parameters
+    if "pixel_values" not in params:
+        return None, f"{head}: get_image_features takes no pixel_values"
+    variadic = (_inspect.Parameter.VAR_KEYWORD, _inspect.Parameter.VAR_POSITIONAL)
+    required = [n for n, p in params.items()
+                if n != "pixel_values" and p.default is _inspect.Parameter.empty and p.kind not in variadic]
+    unknown = [n for n in required if n not in EXTRA_INPUT_BUILDERS]
+    if unknown:
+        return None, f"{head}: get_image_features needs {unknown}, which hf_ddpfix cannot build from the config"
+    cross = sorted({type(m).__name__ for m in hf.modules() if "CrossAttention" in type(m).__name__})
+    if cross:
+        return None, (f"{head}: image features enter through cross-attention layers ({', '.join(cross)}), which "
+                      "run only with an image: a dummy image cannot run them with an exactly-zero contribution")
+    missing = [f"vision_config.{a}" for a in ("num_channels",) if not hasattr(vc, a)]
+    if image_size_hw(vc) is None:
+        missing.append("vision_config.image_size as an int or (height, width)")
+    tower = _outermost(hf, _TOWER_NAMES)
+    if tower is None:
+        missing.append(f"a vision tower named one of {list(_TOWER_NAMES)}")
+    if missing:
+        return None, f"{head}: no dummy image can be built from the config: it lacks {missing}"
+    projector = _outermost(hf, _PROJECTOR_NAMES)
+    return VisionFamily(
+        f"{root_type} (from config)", (), tower_paths=(str(tower),), required_config=("image_size", "num_channels"),
+        required_children=(), kind="image", model_types=(root_type,),
+        projector_paths=(projector,) if projector else (), zero_only=True, extra_inputs=tuple(required),
+        discovered=True,
+    ), ""
+
+
+def _adapter(hf: nn.Module, discover: bool = False) -> tuple[VisionAdapter | None, str]:
     fam, tower, name, reason = _match_family(hf)
+    if fam is None and discover and _vision_config(hf) is not None and "has no hf_ddpfix vision adapter" in reason:
+        fam, why = _discover_family(hf)
+        if fam is None:
+            return None, f"{reason}; {why}"
+        tower, name = get_submodule(hf, fam.tower_paths[0]), fam.tower_paths[0]
     if fam is None or tower is None:
         return None, reason
     projector, projector_name = None, ""
@@ -182,15 +251,16 @@ def find_vision_adapter(model: nn.Module, *, zero: bool = False) -> VisionAdapte
 
     Args:
         model: the model.
-        zero: the DeepSpeed ZeRO view: also return ``zero_only`` families (LLaVA, Gemma 3). The default
-            is the DDP / FSDP view (what :class:`~hf_ddpfix.integrations.stabilizer.VisionStabilizer` and
-            the plan's DDP / FSDP decisions use).
+        zero: the DeepSpeed ZeRO view: also return ``zero_only`` families (LLaVA, Gemma 3) and families
+            discovered from the config (any VLM with ``get_image_features``; see the module docstring). The
+            default is the DDP / FSDP view (what :class:`~hf_ddpfix.integrations.stabilizer.VisionStabilizer`
+            and the plan's DDP / FSDP decisions use).
 
     Guarantees: Qwen2-VL, Qwen2.5-VL, Qwen3-VL(-MoE) tiny models get an adapter whose dummy runs; LLaVA
     and Gemma 3 get one with ``zero=True`` only; another VLM (Mistral 3) and a text-only model get
     ``None`` (test_vlm).
     """
-    adapter, _ = _adapter(unwrap_model(model))
+    adapter, _ = _adapter(unwrap_model(model), discover=zero)
     if adapter is None or (adapter.family.zero_only and not zero):
         return None
     return adapter
@@ -200,7 +270,7 @@ def describe_unsupported(model: nn.Module, *, zero: bool = False) -> str:
     """One-line reason why ``model`` has no vision adapter in this view (``zero``: see
     :func:`find_vision_adapter`), or ``""`` when it has one."""
     hf = unwrap_model(model)
-    adapter, reason = _adapter(hf)
+    adapter, reason = _adapter(hf, discover=zero)
     if adapter is not None and not (adapter.family.zero_only and not zero):
         return ""
     if _vision_config(hf) is None:

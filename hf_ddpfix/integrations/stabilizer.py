@@ -26,6 +26,13 @@ Fix, in two parts:
    ``find_unused_parameters=True`` leaves (measured on torch 2.13: a parameter unused on all ranks keeps
    ``grad=None``; one used on some rank, or in any ``no_sync`` micro-batch, gets the average with zeros).
 
+3. Evaluation, prediction and generation under FSDP2 (``sync_eval=True``): a forward that is not a
+   training forward (``model.eval()`` or no grad) still all-gathers the tower's FSDP unit on a rank with
+   an image only. Every rank first agrees, with one all-gather of one byte, whether any rank passes
+   visual input; if one does, the ranks without it run the dummy image in the same place as in training.
+   Under ``no_grad`` nothing is tied, so the outputs are exactly stock's for the real inputs; when no rank
+   has an image (the decode steps of ``generate``) no dummy runs.
+
 Trainer wiring (transformers 5.23, ``Trainer._inner_training_loop``): attach the stabiliser to the model
 before ``Trainer.train`` (before or after wrapping). Call ``finalize_vision_grads()`` on every rank after
 the last backward of an optimizer step and **before** ``Trainer._clip_grad_norm`` /
@@ -48,6 +55,7 @@ from torch import nn
 from ..ops.dist import collective_device, dist_ready
 from ..ops.zero_tie import tie_zero
 from .families import VisionAdapter, describe_unsupported, find_vision_adapter, get_submodule
+from .zero_vision import GenerateSync, any_rank, count_dummy
 
 __all__ = ["STABILIZER_ENV", "VisionStabilizer"]
 
@@ -79,6 +87,10 @@ class VisionStabilizer:
         adapter: the tower adapter; found with :func:`find_vision_adapter` when ``None``.
         run_when_frozen: run the dummy even when no tower parameter is trainable. ``None`` (default)
             means "only when the tower is FSDP-sharded" (FSDP all-gathers a frozen tower too).
+        train: run the dummy on text-only training forwards (``model.training`` and grad enabled).
+        sync_eval: make every other forward agree across ranks (FSDP2 evaluation, prediction,
+            generation; see the module docstring, part 3). Every rank must call the forward equally often.
+        process_group: the group ``sync_eval`` agrees over (default: the world).
 
     Raises:
         ValueError: the model has no adapter in the DDP / FSDP view, e.g. LLaVA / Gemma 3, whose dummy is
@@ -90,7 +102,8 @@ class VisionStabilizer:
     """
 
     def __init__(
-        self, model: nn.Module, adapter: VisionAdapter | None = None, *, run_when_frozen: bool | None = None
+        self, model: nn.Module, adapter: VisionAdapter | None = None, *, run_when_frozen: bool | None = None,
+        train: bool = True, sync_eval: bool = False, process_group: Any = None,
     ) -> None:
         adapter = adapter or find_vision_adapter(model)
         if adapter is None:
@@ -99,7 +112,11 @@ class VisionStabilizer:
             raise ValueError(f"hf_ddpfix: no vision stabiliser for this model: {describe_unsupported(adapter.root)}")
         self.adapter = adapter
         self.run_when_frozen = run_when_frozen
+        self.train = train
+        self.sync_eval = sync_eval
+        self.process_group = process_group
         self._handles: list[Any] = []
+        self._generate = GenerateSync(adapter, process_group, self._count_generate_dummy)
         self._in_forward = False
         self._in_dummy = False
         self._tower_ran = False
@@ -108,6 +125,7 @@ class VisionStabilizer:
         self._step_images = False
         self._step_micro_batches = 0
         self.dummy_runs = 0  # number of dummy tower forwards so far (for logs and tests)
+        self.eval_dummy_runs = 0  # of which in evaluation / prediction / generation forwards
 
     # -- hooks --------------------------------------------------------------------------------------
     @property
@@ -125,7 +143,14 @@ class VisionStabilizer:
                 tower.register_forward_pre_hook(self._tower_hook),
             ]
             self._handles += [m.register_forward_hook(self._tie_hook) for m in self._tie_modules()]
+            if self.sync_eval:
+                self._generate.attach()
         return self
+
+    def _count_generate_dummy(self) -> None:
+        self.dummy_runs += 1
+        self.eval_dummy_runs += 1
+        count_dummy("eval")
 
     def _tie_modules(self) -> list[nn.Module]:
         """Modules whose outputs can receive dummy features: the input embedding, deepstack layers."""
@@ -150,6 +175,7 @@ class VisionStabilizer:
         for h in self._handles:
             h.remove()
         self._handles = []
+        self._generate.remove()
         self._in_forward = False
         self._pending = []
         self.reset_step()
@@ -161,13 +187,14 @@ class VisionStabilizer:
             return _is_fsdp_managed(self.adapter.tower)
         return self.run_when_frozen
 
-    def _run_dummy(self) -> list[tuple[nn.Module | None, list[torch.Tensor]]]:
+    def _run_dummy(self, kind: str = "train") -> list[tuple[nn.Module | None, list[torch.Tensor]]]:
         self._in_dummy = True
         try:
             out = self.adapter.run_dummy()
         finally:
             self._in_dummy = False
         self.dummy_runs += 1
+        count_dummy(kind)
         ties = [(m, [t for t in ts if t.requires_grad]) for m, ts in self.adapter.tie_points(out)]
         return [(m, ts) for m, ts in ties if ts]
 
@@ -186,10 +213,17 @@ class VisionStabilizer:
             self._tower_ran = True
 
     def _pre_hook(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-        self._in_forward = module.training and torch.is_grad_enabled()
+        training = module.training and torch.is_grad_enabled()
+        self._in_forward = training and self.train
         self._tower_ran = False
         self._dummy_ran = False
         self._pending = []
+        if not training and self.sync_eval:
+            local = self.adapter.has_visual_input(args, kwargs)
+            if any_rank(local, self.process_group) and not local and self._needs_dummy():
+                self._pending = self._run_dummy("eval")  # tied only where grad is on (_tie_hook)
+                self.eval_dummy_runs += 1
+            return
         if self._in_forward and self._needs_dummy() and not self.adapter.has_visual_input(args, kwargs):
             # Before the language model: FSDP then all-gathers the tower at the same point on every rank.
             self._pending = self._run_dummy()

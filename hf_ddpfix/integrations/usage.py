@@ -53,6 +53,7 @@ reentrant or non-reentrant checkpointing, accumulation 1 and 2 (tests/scripts/us
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -61,15 +62,19 @@ from typing import Any
 import torch
 from torch import nn
 
-from .._compat import ddp_syncs_grads, unwrap_parallel
-from ..ops.autograd_reach import output_tensors, reachable_leaf_ids
-from ..ops.zero_tie import ZeroTie
+from .._compat import ddp_syncs_grads, is_ddp_sink_node, unwrap_parallel
+from ..ops import feature_counts
+from ..ops.autograd_reach import output_tensors, reachable_leaf_ids, reachable_leaf_ids_split
+from ..ops.zero_tie import ZeroTie, is_zero_tie_node
 from .hang_guard import UnusedParametersError
 from .usage_agreement import UNUSED_FIX, agree_used, gather_missing, raise_if_missing
 from .usage_regions import ReentrantRegions
 from .usage_scopes import Scope, build_scopes, collect_slots, unit_pre_hook
 
 __all__ = ["ParameterUsage", "UsageRecord", "reachable_leaf_ids", "UnusedParametersError"]
+
+#: The fallback reason counted when a training forward's loss never reached :meth:`ParameterUsage.tie_loss`.
+UNSEEN_LOSS = "loss not seen at backward: usage read from the model output"
 
 
 @dataclass
@@ -80,12 +85,14 @@ class UsageRecord:
         used: names of trainable parameters that receive a gradient from the forward itself.
         tied: names tied in with an exact-zero gradient (not used by the forward).
         region_used: the subset of ``used`` observed only inside reentrant checkpointed layers.
+        tied_at_loss: names tied into the loss given to backward (:meth:`ParameterUsage.tie_loss`).
         seconds: time spent observing and tying.
     """
 
     used: list[str] = field(default_factory=list)
     tied: list[str] = field(default_factory=list)
     region_used: list[str] = field(default_factory=list)
+    tied_at_loss: list[str] = field(default_factory=list)
     seconds: float = 0.0
 
 
@@ -148,9 +155,17 @@ class ParameterUsage:
         self._forward_used = torch.zeros(len(self.slots), dtype=torch.bool)
         self._step_used = torch.zeros(len(self.slots), dtype=torch.bool)
         self._step_forwards = 0
+        self._pending_forwards = 0  # training forwards since the last loss seen by `tie_loss`
+        self._pending_used = torch.zeros(len(self.slots), dtype=torch.bool)
+        self._pending_regions: set[int] = set()
+        self._warned_unseen = False
+        self.at_loss = False  # set by whoever routes every backward's loss through `tie_loss`
         self.last: UsageRecord | None = None
         self.forwards = 0
         self.ties = 0
+        self.losses = 0
+        self.loss_ties = 0
+        self.resets = 0
         self.seconds = 0.0
 
     # -- set-up -------------------------------------------------------------------------------------
@@ -256,12 +271,17 @@ class ParameterUsage:
     def _finish_forward(self, t0: float) -> None:
         self._active = False
         used = self._forward_used.clone()
-        self._step_used |= used
+        self._pending_used |= used  # a prediction until the loss given to backward confirms it (`tie_loss`)
+        self._pending_regions |= self._regions.read_ids()
+        self._pending_forwards += 1
         self._step_forwards += 1
         self.forwards += 1
+        feature_counts.record_amount("parameter_usage", "forwards", 1)
+        if self._record.tied:
+            feature_counts.record_amount("parameter_usage", "ties_at_output", len(self._record.tied))
         rec = self._record
         rec.used = [s.name for i, s in enumerate(self.slots) if used[i]]
-        if self.guard:
+        if self.guard and not self.at_loss:
             missing = [] if self.tie else [i for i in range(len(self.slots)) if not used[i]]
             self._check(missing)
         if not self.allow_region_reuse:
@@ -269,6 +289,60 @@ class ParameterUsage:
         rec.seconds += time.perf_counter() - t0
         self.seconds += rec.seconds
         self.last = rec
+
+    # -- the loss given to backward ------------------------------------------------------------------
+    def tie_loss(self, loss: Any) -> Any:
+        """Observe the loss that is really back-propagated and tie every trainable parameter it does not
+        reach into it (exact-zero gradient); returns the loss to back-propagate (a bitwise copy).
+
+        Call on every rank with the tensor about to be passed to ``backward`` (the Trainer wiring does it
+        inside ``accelerator.backward``: ``_compat.around_backward``), once per micro-batch. The forward's
+        own observation (from the model output) is a prediction; this one decides: the parameters the
+        loss reaches through real computation (or that a reentrant checkpointed layer of the pending
+        forwards read) count as used for :meth:`finalize`; those reached only through an earlier
+        exact-zero tie count as unused; the rest are tied in here. With ``guard`` (no ties) the ranks
+        check here, before backward, that every parameter gets a gradient.
+
+        A loss that is not a tensor requiring grad, or that follows no observed training forward, is
+        returned unchanged.
+
+        Guarantees: the returned loss equals ``loss`` bit for bit, every watched parameter's
+        ``AccumulateGrad`` (and so its DDP hook) runs exactly once in its backward, and the gradients of
+        the parameters the loss reaches are unchanged (tests/test_usage_at_loss.py,
+        tests/scripts/trainer_heads.py).
+        """
+        if not isinstance(loss, torch.Tensor) or not loss.requires_grad or self._pending_forwards == 0:
+            return loss
+        t0 = time.perf_counter()
+        real, tied_only = reachable_leaf_ids_split([loss], is_zero_tie_node, is_ddp_sink_node)
+        region = self._pending_regions
+        used = torch.zeros(len(self.slots), dtype=torch.bool)
+        missing: list[int] = []
+        for i, slot in enumerate(self.slots):
+            t = slot.tensor()
+            if t is None:
+                continue
+            if id(t) in real or id(t) in region:
+                used[i] = True
+            elif id(t) not in tied_only:
+                missing.append(i)
+        self._step_used |= used
+        self._pending_used.zero_()
+        self._pending_regions = set()
+        self._pending_forwards = 0
+        self.losses += 1
+        feature_counts.record_ran("parameter_usage")
+        if self.guard and not self.tie:
+            self._check(missing)
+        if self.tie and missing:
+            extras = [t for t in (self.slots[i].tensor() for i in missing) if t is not None]
+            loss = ZeroTie.apply(loss, *extras)
+            self.loss_ties += len(extras)
+            feature_counts.record_amount("parameter_usage", "ties_at_loss", len(extras))
+            if self.last is not None:
+                self.last.tied_at_loss = [self.slots[i].name for i in missing]
+        self.seconds += time.perf_counter() - t0
+        return loss
 
     # -- guard --------------------------------------------------------------------------------------
     def _check(self, missing: list[int]) -> None:
@@ -282,6 +356,9 @@ class ParameterUsage:
         """Forget the micro-batches recorded since the last finalize."""
         self._step_used.zero_()
         self._step_forwards = 0
+        self._pending_used.zero_()
+        self._pending_regions = set()
+        self._pending_forwards = 0
 
     def finalize(self, process_group: Any = None) -> int | None:
         """Give the optimizer what stock DDP(find_unused_parameters=True) would give it.
@@ -297,6 +374,17 @@ class ParameterUsage:
         if self._step_forwards == 0:
             return None
         group = self.process_group if process_group is None else process_group
+        if self._pending_forwards:  # forwards whose loss was not seen: the output's observation stands in
+            self._step_used |= self._pending_used
+            if self.at_loss:
+                feature_counts.record_fallback("parameter_usage", UNSEEN_LOSS, self._pending_forwards)
+                if not self._warned_unseen:
+                    self._warned_unseen = True
+                    logging.getLogger("hf_ddpfix").warning(
+                        "parameter_usage: %d training forward(s) were back-propagated without passing their loss "
+                        "through accelerator.backward; the parameters they used are read from the model output "
+                        "(a prediction). Call accelerator.backward(loss), or set ddp_find_unused_parameters=True.",
+                        self._pending_forwards)
         used = self._step_used.clone()
         self.reset_step()
         used = agree_used(used, group)
@@ -306,6 +394,9 @@ class ParameterUsage:
             if t is not None and t.grad is not None:
                 t.grad = None
                 reset += 1
+        self.resets += reset
+        if reset:
+            feature_counts.record_amount("parameter_usage", "grads_reset", reset)
         return reset
 
     # -- reporting ----------------------------------------------------------------------------------
@@ -314,7 +405,8 @@ class ParameterUsage:
         per = self.seconds / self.forwards * 1e3 if self.forwards else 0.0
         return (
             f"{len(self.slots)} trainable tensors watched in {len(self.scopes)} scope(s); {self.ties} ties over "
-            f"{self.forwards} forwards; {per:.2f} ms per forward"
+            f"{self.forwards} forwards, {self.loss_ties} at the loss over {self.losses} losses seen at backward; "
+            f"{self.resets} grads reset to None; {per:.2f} ms per forward"
         )
 
 

@@ -32,7 +32,8 @@ from torch import nn
 
 from .vision_family import VisionFamily
 
-__all__ = ["VISUAL_INPUT_NAMES", "VisionAdapter", "get_submodule", "image_size_hw", "output_tensors"]
+__all__ = ["EXTRA_INPUT_BUILDERS", "VISUAL_INPUT_NAMES", "VisionAdapter", "get_submodule", "image_size_hw",
+           "output_tensors"]
 
 # Input names that make a VLM run its vision tower (modeling_qwen2_5_vl.py / modeling_llava.py /
 # modeling_gemma3.py, 5.23: `if pixel_values is not None` / `if pixel_values_videos is not None`).
@@ -76,6 +77,16 @@ def output_tensors(out: Any) -> list[torch.Tensor]:
     return found
 
 
+def _image_sizes(hw: tuple[int, int], device: torch.device) -> torch.Tensor:
+    return torch.tensor([list(hw)], dtype=torch.long, device=device)
+
+
+#: ``get_image_features`` keyword inputs a dummy can be given, built from ``(height, width)`` of the
+#: dummy image (Pixtral / LLaVA-NeXT style ``image_sizes``). A required input not listed here makes a
+#: family undiscoverable (reported, stock behaviour).
+EXTRA_INPUT_BUILDERS = {"image_sizes": _image_sizes}
+
+
 def _ramp(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     n = 1
     for s in shape:
@@ -109,6 +120,8 @@ class VisionAdapter:
         default_factory=dict, repr=False
     )
     _forward_params: tuple[str, ...] = field(default=(), repr=False)
+    pixel_ndim: int = 4  # "image" kind: 4 ([1, C, H, W]) or 5 ([1, 1, C, H, W]: Idefics3 / SmolVLM); see verify
+    verified: bool = False
 
     def __post_init__(self) -> None:
         self._forward_params = tuple(inspect.signature(self.root.forward).parameters)
@@ -154,7 +167,8 @@ class VisionAdapter:
             if self.kind == "image":
                 hw = image_size_hw(vc)
                 assert hw is not None  # checked by the family's structural check
-                pv = _ramp((1, int(vc.num_channels), *hw), dtype, device)
+                lead = (1,) * (self.pixel_ndim - 3)
+                pv = _ramp((*lead, int(vc.num_channels), *hw), dtype, device)
                 self._dummy_cache[key] = (pv, None)
             else:
                 m = int(vc.spatial_merge_size)
@@ -172,8 +186,50 @@ class VisionAdapter:
         image features (a tensor, or one tensor per image for LLaVA).
         """
         if self.kind == "image":
-            return self.root.get_image_features(pixel_values=pixel_values, return_dict=True)
+            hw = (int(pixel_values.shape[-2]), int(pixel_values.shape[-1]))
+            extra = {n: EXTRA_INPUT_BUILDERS[n](hw, pixel_values.device) for n in self.family.extra_inputs}
+            return self.root.get_image_features(pixel_values=pixel_values, return_dict=True, **extra)
         return self.tower(pixel_values, grid_thw=grid_thw)
+
+    def verify(self) -> None:
+        """Run-time check of a discovered family's dummy, before training (no-op for hand-written ones).
+
+        Runs the dummy once under ``no_grad`` on this rank's unpartitioned model (before the ZeRO engine
+        exists, so no collective), as ``[1, C, H, W]`` and else ``[1, 1, C, H, W]`` (Idefics3 / SmolVLM take
+        a list of images per sample), and keeps the first layout whose ``pooler_output`` gives image
+        features to tie where real ones enter. Every rank runs the same trial on the same weights, so all
+        reach the same verdict.
+
+        Raises:
+            ValueError: the model is already partitioned (built under ZeRO-3 ``zero.Init``), or no layout
+                runs; the message says which, and the caller keeps stock behaviour.
+        """
+        if not self.family.discovered or self.verified:
+            return
+        params = [p for _, m in self.parts() for p in m.parameters()]
+        if any(hasattr(p, "ds_id") or p.numel() == 0 for p in params):
+            raise ValueError(f"{self.family.name}: the model was built partitioned (ZeRO-3 zero.Init): a dummy "
+                             "image built from the config cannot be checked before training")
+        errors = []
+        for ndim in (4, 5):
+            self.pixel_ndim = ndim
+            self._dummy_cache.clear()
+            try:
+                with torch.no_grad():
+                    out = self.run_dummy()
+            except Exception as err:  # noqa: BLE001 - a trial: any failure means "not this layout"
+                errors.append(f"{ndim}-D: {type(err).__name__}: {str(err)[:120]}")
+                continue
+            pooled = out.get("pooler_output") if isinstance(out, dict) else None
+            tensors = output_tensors(pooled) if pooled is not None else []
+            if tensors and all(t.numel() > 0 for t in tensors):
+                self.verified = True
+                return
+            errors.append(f"{ndim}-D: get_image_features returned no pooler_output features")
+        self._dummy_cache.clear()
+        self.pixel_ndim = 4
+        raise ValueError(f"{self.family.name}: no dummy image built from vision_config runs through "
+                         f"get_image_features ({'; '.join(errors)})")
 
     def run_dummy(self) -> Any:
         """Run the dummy image without disturbing the RNG stream (LoRA dropout in the tower draws from a

@@ -33,6 +33,12 @@ class VisionFamily:
         projector_paths: where the module ``get_image_features`` runs after the tower lives (``"image"``
             kind; part of the vision group and of what the dummy runs).
         zero_only: the dummy is verified under DeepSpeed ZeRO-2/3 only (see the module docstring).
+        extra_inputs: keyword inputs of ``get_image_features`` the dummy must pass besides
+            ``pixel_values``, built from the config (``"image_sizes"``: ``[[height, width]]``).
+        discovered: built by :func:`~hf_ddpfix.integrations.families.find_vision_adapter` from the model's
+            own config and structure (no hand-written entry); its dummy layout is fixed by a trial run
+            when the ZeRO stabiliser attaches (:meth:`~hf_ddpfix.integrations.vision_adapter.VisionAdapter.
+            verify`), and a failed trial keeps stock behaviour.
     """
 
     name: str
@@ -50,6 +56,8 @@ class VisionFamily:
     model_types: tuple[str, ...] = ()
     projector_paths: tuple[str, ...] = ()
     zero_only: bool = False
+    extra_inputs: tuple[str, ...] = ()
+    discovered: bool = False
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:

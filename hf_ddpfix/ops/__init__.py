@@ -2,15 +2,14 @@
 
 - :mod:`.tiled`: explicit-parameter tiled autograd Function (TiledMLP) and its shard policy.
 - :mod:`.tiled_loss`: chunked ``lm_head`` + cross-entropy.
-- :mod:`.offload`: saved-tensor hooks, side stream, the offload policy.
-- :mod:`.host_pool`: the bounded (pinned) host pool the offload copies into.
+- :mod:`.offload` (a folder): activation offload: saved-tensor hooks, policy, transfers, the bounded
+  (pinned) host pool, host memory, per-step stats and the pre-flight device/host budget.
 - :mod:`.zero_tie`: an exactly-zero contribution that makes tensors "used" for autograd/DDP/FSDP.
-- :mod:`.dist`: the two torch.distributed helpers every op shares.
+- :mod:`.dist`: the torch.distributed helpers every op shares, and the process-group teardown at exit.
 - :mod:`.rms_norm`: RMSNorm saving its input and an fp32 per-token rstd only (long context).
 - :mod:`.token_tiles`: several-input/output token-wise block in sequence tiles (the decoder-layer halves).
 - :mod:`.grouped_attention`: causal flash attention run per KV-head group (smaller backward workspace).
 - :mod:`.memory_ledger`: exact live-storage bytes per op (real, meta or fake tensors).
-- :mod:`.offload_budget`: pre-flight device/host budget for stored layer inputs.
 - :mod:`.buffer_order`: one buffer order on every rank (DDP copies rank 0's buffers by position).
 - :mod:`.feature_counts`: what each feature really ran, fell back on (with the reason) and moved.
 

@@ -17,9 +17,7 @@ from typing import Any
 import torch
 from torch.overrides import TorchFunctionMode
 
-__all__ = ["ParamReadMode", "output_tensors", "reachable_leaf_ids"]
-
-
+__all__ = ["ParamReadMode", "output_tensors", "reachable_leaf_ids", "reachable_leaf_ids_split"]
 
 
 def output_tensors(x: Any) -> Iterable[torch.Tensor]:
@@ -69,6 +67,69 @@ def reachable_leaf_ids(roots: Iterable[torch.Tensor], stop: set[Any] | None = No
             if nxt is not None and nxt not in seen:
                 stack.append(nxt)
     return ids
+
+
+def reachable_leaf_ids_split(
+    roots: Iterable[torch.Tensor], side_inputs: Callable[[Any], bool],
+    passthrough: Callable[[Any], bool] = lambda node: False,
+) -> tuple[set[int], set[int]]:
+    """Leaves reached from ``roots``, split into those reached through real computation and those reached
+    only through the side inputs of some nodes.
+
+    Args:
+        roots: tensors to start from (e.g. the loss given to ``backward``).
+        side_inputs: true for a node whose inputs after the first carry no real gradient (an exact-zero
+            tie, :class:`hf_ddpfix.ops.zero_tie.ZeroTie`): only its first input counts as real.
+
+    Returns:
+        ``(used, tied_only)``: ids of leaves some real path reaches, and ids of leaves reached only through
+        side inputs. Their union is every leaf whose ``AccumulateGrad`` the backward of ``roots`` runs.
+
+    Guarantees: each node is visited once (one walk); a leaf in ``used`` is never in ``tied_only``.
+    """
+    used: set[int] = set()
+    seen: set[Any] = set()
+    side: list[Any] = []
+    stack = []
+
+    def through(node: Any, output_nr: int) -> Any:
+        while node is not None and passthrough(node):
+            nexts = node.next_functions
+            if output_nr >= len(nexts):
+                return node  # not the layout expected: walk it whole (may over-count, never under-count)
+            node, output_nr = nexts[output_nr]
+        return node
+
+    for t in roots:
+        if t.grad_fn is not None:
+            stack.append(through(t.grad_fn, t.output_nr))
+        elif t.requires_grad:
+            used.add(id(t))
+
+    def walk(stack: list[Any], into: set[int], collect_side: bool) -> None:
+        while stack:
+            node = stack.pop()
+            if node is None:
+                continue
+            if node in seen:
+                continue
+            seen.add(node)
+            var = getattr(node, "variable", None)
+            if var is not None:
+                into.add(id(var))
+                continue
+            nexts = node.next_functions
+            if collect_side and nexts and side_inputs(node):
+                side.extend(through(n, nr) for n, nr in nexts[1:] if n is not None)
+                nexts = nexts[:1]
+            for nxt, nr in nexts:
+                if nxt is not None and nxt not in seen:
+                    stack.append(through(nxt, nr))
+
+    walk(stack, used, True)
+    tied: set[int] = set()
+    walk(side, tied, False)  # nodes already walked for real are not revisited: they stay "used"
+    return used, tied - used
 
 
 class ParamReadMode(TorchFunctionMode):

@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["ZeroTie", "tie_zero"]
+__all__ = ["ZeroTie", "is_zero_tie_node", "tie_zero"]
 
 
 class ZeroTie(torch.autograd.Function):
@@ -30,6 +30,11 @@ class ZeroTie(torch.autograd.Function):
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, ...]:
         zeros = [torch.zeros(s, dtype=d, device=dev) for s, d, dev in ctx.extra_meta]
         return (grad, *zeros)
+
+
+def is_zero_tie_node(node: Any) -> bool:
+    """True for the autograd node of a :class:`ZeroTie` (its inputs after the first get exact zeros)."""
+    return getattr(type(node), "_forward_cls", None) is ZeroTie
 
 
 def tie_zero(output: Any, extras: list[torch.Tensor]) -> Any:

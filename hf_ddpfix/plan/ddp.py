@@ -42,11 +42,13 @@ def decide_checkpointing(facts: RunFacts, c: DDPFixConfig, distributed: bool, co
 
 
 _USAGE_HOW = (
-    "every trainable parameter a forward leaves unused is tied into the loss with an exact-zero gradient "
-    "(observed each forward by an autograd-graph walk, reentrant checkpointed layers by the tensors they "
-    "read); grads no rank used in the step are reset to None before clipping (stock fu=True semantics)"
+    "at run time, every trainable parameter the loss given to accelerator.backward does not reach is tied "
+    "into that loss with an exact-zero gradient (observed per micro-batch by an autograd-graph walk from the "
+    "loss, reentrant checkpointed layers by the tensors they read); grads no rank used in the step are reset "
+    "to None before clipping (stock fu=True semantics)"
 )
-_USAGE_COST = "cost: one graph walk per forward, one all-reduce of 1 byte per trainable tensor per optimizer step"
+_USAGE_COST = ("cost: one graph walk per forward and per backward, one all-reduce of 1 byte per trainable tensor "
+               "per optimizer step")
 
 
 def decide_parameter_usage(facts: RunFacts, c: DDPFixConfig, ckpt: str) -> Decision:
@@ -58,6 +60,9 @@ def decide_parameter_usage(facts: RunFacts, c: DDPFixConfig, ckpt: str) -> Decis
     explicit = facts.user_find_unused if c.find_unused_parameters is None else c.find_unused_parameters
     if explicit is True and ckpt != "reentrant":  # reentrant: fu=True fails, the mechanism makes fu=False work
         return Decision(False, "not needed: explicit find_unused_parameters=True lets DDP find unused parameters")
+    if facts.loss_unseen is not None:
+        return Decision(False, f"cannot observe the loss that is back-propagated ({facts.loss_unseen}): stock "
+                        "find_unused_parameters kept")
     return Decision(True, f"{_USAGE_HOW}; {_USAGE_COST}", changed=True)
 
 
@@ -111,6 +116,7 @@ def decide_find_unused(
     unused: str | None,
     stabilized: bool,
     correct: Correct,
+    usage: Decision | None = None,
 ) -> Decision:
     if not ddp:
         return Decision(None, "")
@@ -149,7 +155,8 @@ def decide_find_unused(
         return Decision(False, f"explicit ({source})", changed=stock is not False)
     if unused is not None:
         return Decision(True, unused, changed=stock is not True)
-    why = "every trainable parameter is used every step"
+    why = ("every trainable parameter reaches the loss given to backward (tied in at run time where it does not)"
+           if usage is not None and usage.value else "every trainable parameter is used every step")
     if facts.is_peft and stock:
         why += " (stock picks True for every PeftModel: an extra graph traversal per step)"
     return Decision(False, why, changed=stock is not False)

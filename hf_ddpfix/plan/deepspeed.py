@@ -104,9 +104,12 @@ def vision_decision(
         return False, (f"no adapter for this VLM family: batches mixing images and text fail under ZeRO-{stage} "
                        "as in stock (give every micro-batch an image, or use DDP)"), False
     what = "all-gathers" if stage == 3 else "gradient all-reduces"
+    built = (" (no hand-written family: the dummy is built from vision_config and checked by a trial run "
+             "before training; a failed trial keeps stock behaviour and says so)") if adapter.endswith(
+        "(from config)") else ""
     return True, (f"{adapter}: text-only micro-batches run a dummy image between the embedding and the "
                   f"language model (exactly-zero contribution), so every rank issues the same ZeRO-{stage} "
-                  f"{what}"), True
+                  f"{what}{built}"), True
 
 
 def leaf_modules_decision(ds: DeepSpeedFacts, disabled: str | None = None) -> tuple[tuple[str, ...] | None, str, bool]:
@@ -165,8 +168,10 @@ def deepspeed_advice(version: str | None) -> list[str]:
     if v < LEAF_MODULES_SINCE:
         lines.append("  no ZeRO-3 leaf modules (< 0.14): MoE models with per-expert modules may hang under "
                      "ZeRO-3; upgrade")
-    lines.append("  mixed image/text batches (Qwen2/2.5/3-VL, LLaVA, Gemma 3): hf_ddpfix runs a dummy image on "
-                 "text-only ranks under ZeRO-2/3; other VLMs: give every micro-batch an image under ZeRO")
+    lines.append("  mixed image/text batches: hf_ddpfix runs a dummy image on text-only ranks under ZeRO-2/3 "
+                 "(Qwen2/2.5/3-VL, LLaVA, Gemma 3 by hand; other VLMs with get_image_features built from their "
+                 "config, e.g. Idefics3/SmolVLM, PaliGemma, Mistral 3, InternVL); Mllama-style cross-attention "
+                 "VLMs: give every micro-batch an image under ZeRO")
     return lines
 
 

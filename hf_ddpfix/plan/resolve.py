@@ -21,7 +21,7 @@ from __future__ import annotations
 from ..config import DDPFixConfig
 from . import ddp as ddp_rules
 from . import deepspeed as ds_rules
-from . import memory, quantized
+from . import memory, quantized, vision
 from .types import CheckpointMode, Plan, PlanError, RunFacts
 
 __all__ = ["resolve_plan"]
@@ -62,7 +62,7 @@ def resolve_plan(facts: RunFacts, config: DDPFixConfig | None = None) -> Plan:
     usage = ddp_rules.decide_parameter_usage(facts, c, mode)
     stabilizer = ddp_rules.decide_stabilizer(facts, c, distributed, bool(usage.value))
     unused_reason = ddp_rules.unused_reason(facts, bool(stabilizer.value), usage)
-    fu = ddp_rules.decide_find_unused(facts, c, ddp, mode, unused_reason, bool(stabilizer.value), correct)
+    fu = ddp_rules.decide_find_unused(facts, c, ddp, mode, unused_reason, bool(stabilizer.value), correct, usage)
     static = ddp_rules.decide_static_graph(facts, c, ddp, checkpointed, unused_reason, correct)
     offload = memory.decide_offload(facts, c, mode)
     guard = ddp_rules.decide_hang_guard(facts, c, ddp, bool(fu.value), bool(stabilizer.value), bool(usage.value))
@@ -74,6 +74,7 @@ def resolve_plan(facts: RunFacts, config: DDPFixConfig | None = None) -> Plan:
         static_graph=static,
         offload_activations=offload,
         vlm_stabilizer=stabilizer,
+        vlm_eval_sync=vision.decide_eval_sync(facts, c),
         hang_guard=guard,
         # opt-in tiling reads partitioned (empty) weights under ZeRO-3: not verified there, stock kept
         tiled_mlp=ds_rules.zero3_unverified(facts, memory.decide_tiled_mlp(facts, c)),

@@ -69,6 +69,9 @@ class RunFacts:
         shard_cast_dtype: the dtype FSDP's mixed precision (`param_dtype`) or DeepSpeed's bf16/fp16 casts
             floating parameters to, `None` when nothing is cast.
         zero_stage: the DeepSpeed ZeRO stage, `None` without DeepSpeed.
+        loss_unseen: why hf_ddpfix cannot see the loss the trainer back-propagates (a ``training_step``
+            override that does not call the stock one, a ``compute_loss`` / ``training_step`` that calls
+            ``backward`` itself), `None` when every loss passes through ``accelerator.backward``.
         deepspeed: version, offload, MoE blocks, dtypes of a DeepSpeed run
             (`hf_ddpfix.integrations.deepspeed.DeepSpeedFacts`), `None` without DeepSpeed.
     """
@@ -94,6 +97,7 @@ class RunFacts:
     shard_cast_dtype: str | None = None
     zero_stage: int | None = None
     deepspeed: DeepSpeedFacts | None = None
+    loss_unseen: str | None = None
 
     def stock_find_unused(self) -> bool:
         """What stock `Trainer._build_accelerator_args` picks (REFERENCES.md §1)."""
@@ -156,6 +160,7 @@ class Plan:
     deepspeed: Decision = Decision(None, "")
     zero3_leaf_modules: Decision = Decision(None, "")
     long_context: Decision = Decision(None, "")
+    vlm_eval_sync: Decision = Decision(None, "")
     corrections: tuple[str, ...] = ()
     config_lines: tuple[str, ...] = field(default=())
     offload_min_layer_bytes: int = 0  # the offload policy's threshold (ActivationOffload(min_layer_bytes=))
@@ -178,6 +183,7 @@ class Plan:
             "static_graph": self.static_graph,
             "offload_activations": self.offload_activations,
             "vlm_stabilizer": self.vlm_stabilizer,
+            "vlm_eval_sync": self.vlm_eval_sync,
             "hang_guard": self.hang_guard,
             "tiled_mlp": self.tiled_mlp,
             "tiled_loss": self.tiled_loss,

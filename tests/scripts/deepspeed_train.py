@@ -22,6 +22,18 @@ DeepSpeed mode for the rest of the process):
   gradients) within 1e-5.
 - ``stock_mixed``: stock ZeRO-3 with the mixed layout; expected to FAIL (collective mismatch): the
   failure hf_ddpfix fixes.
+- ``eval``: Qwen2.5-VL LoRA (tower included) trained with the mixed layout, then ``trainer.evaluate()``,
+  ``trainer.predict()`` (logits) and a ``predict()`` whose ``prediction_step`` calls ``generate(synced_gpus=
+  True)``, evaluation batches mixed too (rank 0 image, rank 1 text, variable lengths): under hf_ddpfix DDP,
+  ZeRO-2 and ZeRO-3, eval loss, logits and generated tokens equal a single-process reference computed
+  from the same trained weights; the eval dummies are counted (``feature_counts["stabilizer"]``).
+- ``discovered``: VLMs with no hand-written family (InternVL, Idefics3, PaliGemma, SmolVLM under ZeRO-3,
+  Mistral 3 under ZeRO-2; LoRA on tower, projector and language model), rank 0 always with an image, rank 1
+  never: the dummy built from each model's config, within 1e-5 of stock DDP (find_unused_parameters=True),
+  except the tensors no rank ever gives a gradient (PaliGemma's SigLIP pooling head), reported apart.
+- ``stock_discovered``: stock ZeRO-3 with Idefics3 and the same layout; expected to FAIL.
+- ``stock_eval``: stock ZeRO-3 ``evaluate()`` on the mixed evaluation set; expected to FAIL with the
+  collective mismatch the ``eval`` suite fixes.
 
 AdamW with weight_decay=0.1 and max_grad_norm=1.0 everywhere (a zero and a missing gradient differ).
 Rank 0 writes a JSON summary (max |diff| per case, plan lines, dummy-image runs) to ``--out`` and every
@@ -47,7 +59,7 @@ from fixtures import add_lora, build_qwen2_5_vl, lora, make_batch, tiny_llama, v
 from torch import nn  # noqa: E402
 from torch.utils.data import SequentialSampler  # noqa: E402
 from transformers import Trainer, TrainingArguments  # noqa: E402
-from zoo import ZOO  # noqa: E402
+from zoo import ZERO_DISCOVERED, ZOO  # noqa: E402
 
 from hf_ddpfix import DDPFixTrainer  # noqa: E402
 from hf_ddpfix._compat import checkpointing_training_args  # noqa: E402
@@ -74,6 +86,35 @@ class Stock(Trainer):
 class Fixed(DDPFixTrainer):
     def _get_train_sampler(self, *args, **kwargs):
         return SequentialSampler(self.train_dataset)
+
+
+GEN_TOKENS = 3
+
+
+class Generating:
+    """``prediction_step`` that returns ``generate(...)``'s new tokens (the Seq2SeqTrainer pattern) when
+    ``self.generate_tokens`` is set; ``synced_gpus`` as transformers picks it under ZeRO-3 (True)."""
+
+    generate_tokens = False
+
+    def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
+        if not self.generate_tokens:
+            return super().prediction_step(model, inputs, prediction_loss_only, ignore_keys)
+        inputs = self._prepare_inputs(inputs)
+        inputs = {k: v for k, v in inputs.items() if k != "labels"}
+        with torch.no_grad():
+            out = self.accelerator.unwrap_model(model).generate(
+                **inputs, max_new_tokens=GEN_TOKENS, min_new_tokens=GEN_TOKENS, do_sample=False,
+                synced_gpus=dist.get_world_size() > 1)
+        return None, out[:, inputs["input_ids"].shape[1]:], None
+
+
+class StockGen(Generating, Stock):
+    pass
+
+
+class FixedGen(Generating, Fixed):
+    pass
 
 
 # ------------------------------------------------------------------------------------------------ MoE
@@ -158,22 +199,29 @@ def vlm_rows(n: int, layout: str) -> list[dict]:
     return rows
 
 
+ZOO_ALL = {**ZOO, **ZERO_DISCOVERED}
+SEQUENCE_KEYS = ("input_ids", "labels", "token_type_ids", "mm_token_type_ids")
+IMAGE_KEYS = ("pixel_values", "image_sizes")
+
+
 def zoo_rows(family: str, n: int, images: set[int]) -> list[dict]:
-    """Rows of a zoo VLM (e.g. LLaVA: ``pixel_values [1, 3, 28, 28]``); text rows have variable lengths."""
+    """Rows of a zoo VLM (e.g. LLaVA: ``pixel_values [1, 3, 28, 28]``; Mistral 3 also ``image_sizes``,
+    PaliGemma ``token_type_ids``); text rows have variable lengths and ``None`` image inputs."""
     rows = []
     for i in range(n):
-        b = ZOO[family].batch(i in images, i, 16 if i in images else 10 + i % 5)
-        rows.append({"input_ids": b["input_ids"][0].tolist(), "labels": b["labels"][0].tolist(),
-                     "pixel_values": b["pixel_values"].tolist() if "pixel_values" in b else None})
+        b = ZOO_ALL[family].batch(i in images, i, 16 if i in images else 10 + i % 5)
+        row = {k: b[k][0].tolist() for k in SEQUENCE_KEYS if k in b}
+        row.update({k: b[k].tolist() if k in b else None for k in IMAGE_KEYS})
+        rows.append(row)
     return rows
 
 
 def zoo_collate(batch):
-    out = {"input_ids": torch.tensor([b["input_ids"] for b in batch]),
-           "labels": torch.tensor([b["labels"] for b in batch])}
-    imgs = [torch.tensor(b["pixel_values"]) for b in batch if b.get("pixel_values") is not None]
-    if imgs:
-        out["pixel_values"] = torch.cat(imgs)
+    out = {k: torch.tensor([b[k] for b in batch]) for k in SEQUENCE_KEYS if k in batch[0]}
+    for key in IMAGE_KEYS:
+        imgs = [torch.tensor(b[key]) for b in batch if b.get(key) is not None]
+        if imgs:
+            out[key] = torch.cat(imgs)
     return out
 
 
@@ -232,6 +280,77 @@ def run(name: str, model: nn.Module, rows: list[dict], collate, *, stage: int | 
     return out
 
 
+def reference_eval(model: nn.Module, weights: dict[str, torch.Tensor], rows: list[dict]) -> dict:
+    """One process: ``weights`` loaded into ``model``; per-sample loss, logits and greedy new tokens."""
+    with torch.no_grad():
+        params = dict(model.named_parameters())
+        for name, w in weights.items():
+            params[name].copy_(w)
+    model.eval()
+    losses, logits, tokens = [], [], []
+    with torch.no_grad():
+        for row in rows:
+            batch = vlm_collate([row])
+            out = model(**batch)
+            losses.append(out.loss.item())
+            logits.append(out.logits[0].clone())
+            inputs = {k: v for k, v in batch.items() if k != "labels"}
+            gen = model.generate(**inputs, max_new_tokens=GEN_TOKENS, min_new_tokens=GEN_TOKENS, do_sample=False)
+            tokens.append(gen[0, batch["input_ids"].shape[1]:].clone())
+    return {"eval_loss": sum(losses) / len(losses), "logits": logits, "tokens": tokens}
+
+
+def train_and_evaluate(name: str, model: nn.Module, rows: list[dict], eval_rows: list[dict], *,
+                       stage: int | None, fixed: bool = True) -> dict:
+    """Train ``STEPS`` steps (mixed layout), then evaluate, predict (logits) and predict by generation."""
+    from hf_ddpfix.ops import feature_counts
+
+    kw: dict = {"deepspeed": ds_config(stage)} if stage is not None else {}
+    args = TrainingArguments(output_dir=f"/tmp/hf_ddpfix_ds_{name}", per_device_train_batch_size=1,
+                             per_device_eval_batch_size=1, max_steps=STEPS, report_to=[], use_cpu=True,
+                             save_strategy="no", learning_rate=1e-2, weight_decay=0.1, max_grad_norm=1.0,
+                             remove_unused_columns=False, disable_tqdm=True, seed=0, **kw)
+    cls = FixedGen if fixed else StockGen
+    trainer = cls(model=model, args=args, train_dataset=Dataset.from_list(rows),
+                  eval_dataset=Dataset.from_list(eval_rows), data_collator=vlm_collate)
+    feature_counts.reset()
+    t0 = time.time()
+    if rows:
+        trainer.train()
+    train_counts = feature_counts.snapshot().get("stabilizer")
+    feature_counts.reset()
+    metrics = trainer.evaluate()
+    pred = trainer.predict(Dataset.from_list(eval_rows))
+    trainer.generate_tokens = True
+    gen = trainer.predict(Dataset.from_list(eval_rows))
+    eval_counts = feature_counts.snapshot().get("stabilizer")
+    out = {"weights": trainable_weights(model, stage), "eval_loss": metrics["eval_loss"],
+           "predict_loss": pred.metrics["test_loss"], "logits": pred.predictions, "tokens": gen.predictions,
+           "seconds": time.time() - t0,
+           "train_dummies": train_counts.amounts.get("train_dummies", 0) if train_counts else 0,
+           "eval_dummies": eval_counts.amounts.get("eval_dummies", 0) if eval_counts else 0,
+           "plan": trainer.hf_ddpfix_plan.report() if getattr(trainer, "hf_ddpfix_plan", None) else None}
+    dist.barrier()
+    del trainer
+    gc.collect()
+    print(f"DS_CASE {name} trained and evaluated in {out['seconds']:.1f}s", flush=True)
+    return out
+
+
+def eval_diffs(got: dict, ref: dict, rows: list[dict]) -> dict:
+    """|eval loss - ref|, |predict loss - ref|, max |logit - ref| over real positions, generated tokens equal."""
+    logits = torch.as_tensor(got["logits"])
+    tokens = torch.as_tensor(got["tokens"])
+    logit_diff = 0.0
+    for i, row in enumerate(rows):
+        n = len(row["input_ids"])
+        logit_diff = max(logit_diff, (logits[i, :n].float() - ref["logits"][i].float()).abs().max().item())
+    same_tokens = all(torch.equal(tokens[i, :GEN_TOKENS].long(), ref["tokens"][i].long()) for i in range(len(rows)))
+    return {"eval_loss_diff": abs(got["eval_loss"] - ref["eval_loss"]),
+            "predict_loss_diff": abs(got["predict_loss"] - ref["eval_loss"]), "logit_diff": logit_diff,
+            "tokens_equal": same_tokens}
+
+
 def max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
     assert a.keys() == b.keys(), (sorted(a)[:3], sorted(b)[:3])
     return max((a[k].float() - b[k].float()).abs().max().item() for k in a)
@@ -243,7 +362,8 @@ def moved(a: dict[str, torch.Tensor], before: dict[str, torch.Tensor]) -> float:
 
 def main() -> None:
     p = argparse.ArgumentParser()
-    p.add_argument("--suite", choices=["text", "vlm", "stock_mixed"], required=True)
+    p.add_argument("--suite", choices=["text", "vlm", "stock_mixed", "eval", "stock_eval", "discovered",
+                                       "stock_discovered"], required=True)
     p.add_argument("--out", required=True)
     a = p.parse_args()
     import deepspeed
@@ -254,14 +374,23 @@ def main() -> None:
     summary: dict = {"suite": a.suite, "cases": {}}
     failures: list[str] = []
 
-    def compare(name: str, got: dict, ref: dict, start: dict) -> None:
-        d = max_diff(got["weights"], ref["weights"])
+    def compare(name: str, got: dict, ref: dict, start: dict, split_unused: bool = False) -> None:
+        """Weights within TOL of the reference; with ``split_unused``, the trainable tensors the DDP reference
+        never moved (no rank ever gave them a gradient: AdamW skipped them) are reported apart (DeepSpeed
+        steps them with zero gradients: weight decay; README, DeepSpeed section) and left out of TOL."""
+        unused = [k for k in ref["weights"] if split_unused and torch.equal(ref["weights"][k], start[k])]
+        keep = [k for k in ref["weights"] if k not in unused]
+        d = max_diff({k: got["weights"][k] for k in keep}, {k: ref["weights"][k] for k in keep})
         summary["cases"][name] = {k: v for k, v in got.items() if k != "weights"}
-        summary["cases"][name].update(max_diff=d, moved=moved(ref["weights"], start))
+        summary["cases"][name].update(max_diff=d, moved=moved(ref["weights"], start), unused=unused,
+                                      unused_max_diff=max((got["weights"][k] - ref["weights"][k]).abs().max().item()
+                                                          for k in unused) if unused else 0.0)
         print(f"DS_CASE {name} max|w - ref| = {d:.3g} (weights moved {summary['cases'][name]['moved']:.3g})",
               flush=True)
         if not d <= TOL:
-            failures.append(f"{name}: max diff {d:.3g} > {TOL}")
+            worst = sorted(((got["weights"][k].float() - ref["weights"][k].float()).abs().max().item(), k)
+                           for k in keep)[-3:]
+            failures.append(f"{name}: max diff {d:.3g} > {TOL} (worst: {worst})")
 
     if a.suite == "text":
         rows = [{"input_ids": ids} for ids in variable_length_ids(n, lengths=(6, 11, 8, 14, 9, 12))]
@@ -324,6 +453,61 @@ def main() -> None:
         compare("zero3_vlm_text_fixed", got, stock, start)
         if got["dummy_runs"] != STEPS * ACCUM:
             failures.append(f"zero3_vlm_text_fixed: {got['dummy_runs']} dummy runs on rank {rank}")
+    elif a.suite == "eval":
+        rows = vlm_rows(n, "mixed")
+        eval_rows = [dict(r) for r in vlm_rows(2 * world, "mixed")]  # eval sample i -> rank i % 2: 0 image, 1 text
+        for i, r in enumerate(eval_rows):  # other samples than training's, variable lengths
+            b = make_batch(i % 2 == 0, seed=100 + i)
+            r["input_ids"] = b["input_ids"][0].tolist()[: None if i % 2 == 0 else 9 + i]
+            r["pixel_values"] = b["pixel_values"].tolist() if i % 2 == 0 else None
+        models = {k: add_lora(build_qwen2_5_vl(0)) for k in ("ddp", "zero2", "zero3")}  # before any ZeRO-3 args
+        refs = {k: add_lora(build_qwen2_5_vl(0)) for k in models}
+        only = os.environ.get("DS_EVAL_ONLY")  # run one case by hand: ddp, zero2 or zero3
+        for key, stage in (("ddp", None), ("zero2", 2), ("zero3", 3)):
+            if only and key != only:
+                continue
+            name = f"{key}_eval_mixed"
+            got = train_and_evaluate(name, models[key], rows, eval_rows, stage=stage)
+            ref = reference_eval(refs[key], got["weights"], eval_rows)
+            diffs = eval_diffs(got, ref, eval_rows)
+            summary["cases"][name] = {**diffs, "seconds": got["seconds"], "train_dummies": got["train_dummies"],
+                                      "eval_dummies": got["eval_dummies"], "plan": got["plan"]}
+            print(f"DS_CASE {name} rank {rank} {diffs} train_dummies={got['train_dummies']} "
+                  f"eval_dummies={got['eval_dummies']}", flush=True)
+            if not (diffs["eval_loss_diff"] <= TOL and diffs["predict_loss_diff"] <= TOL
+                    and diffs["logit_diff"] <= TOL and diffs["tokens_equal"]):
+                failures.append(f"{name}: {diffs}")
+            # rank 1 (text-only) runs one dummy per training step on ZeRO and, on ZeRO-3 only, one per evaluation
+            # forward where rank 0 passes an image: evaluate, predict and generate's prefill, 2 batches each
+            want_train = STEPS if (stage is not None and rank == 1) else 0
+            want_eval = 3 * world if (stage == 3 and rank == 1) else 0
+            if (got["train_dummies"], got["eval_dummies"]) != (want_train, want_eval):
+                failures.append(f"{name}: rank {rank} dummies train {got['train_dummies']} eval "
+                                f"{got['eval_dummies']} (expected {want_train}, {want_eval})")
+    elif a.suite in ("discovered", "stock_discovered"):
+        cases = [("internvl", 3), ("mistral3", 2), ("idefics3", 3), ("paligemma", 3), ("smolvlm", 3)]
+        if a.suite == "stock_discovered":
+            rows = zoo_rows("idefics3", n, set(range(0, n, 2)))
+            run("zero3_idefics3_stock", ZOO_ALL["idefics3"].model(0), rows, zoo_collate, stage=3, fixed=False)
+            print("STOCK_TRAINED", flush=True)
+            cases = []
+        models = {f: (ZOO_ALL[f].model(0), ZOO_ALL[f].model(0)) for f, _ in cases}  # before any ZeRO-3 args
+        rows = {f: zoo_rows(f, n, set(range(0, n, 2))) for f, _ in cases}  # rank 0 always with an image, 1 never
+        starts = {f: trainable_weights(models[f][0], None) for f, _ in cases}
+        refs = {f: run(f"ddp_ref_{f}", models[f][0], rows[f], zoo_collate, stage=None, fixed=False)
+                for f, _ in cases}  # every DDP reference before the first DeepSpeed TrainingArguments
+        for family, stage in cases:
+            name = f"zero{stage}_{family}_mixed"
+            got = run(name, models[family][1], rows[family], zoo_collate, stage=stage, fixed=True)
+            compare(name, got, refs[family], starts[family], split_unused=True)
+            want = STEPS * ACCUM if rank == 1 else 0
+            if got["stabilizer"] is not True or got["dummy_runs"] != want:
+                failures.append(f"{name}: stabiliser {got['stabilizer']}, {got['dummy_runs']} dummy runs on rank "
+                                f"{rank} (expected {want})")
+    elif a.suite == "stock_eval":  # expected to fail: rank 1 skips the tower rank 0 gathers
+        rows = [dict(r) for r in vlm_rows(2 * world, "mixed")]
+        train_and_evaluate("zero3_eval_stock", add_lora(build_qwen2_5_vl(0)), [], rows, stage=3, fixed=False)
+        print("STOCK_EVALUATED", flush=True)
     else:  # stock_mixed: expected to fail with a collective mismatch
         run("zero3_vlm_mixed_stock", add_lora(build_qwen2_5_vl(0)), vlm_rows(n, "mixed"), vlm_collate, stage=3,
             fixed=False)

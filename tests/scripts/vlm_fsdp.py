@@ -6,12 +6,19 @@ Run:  OMP_NUM_THREADS=1 python -m torch.distributed.run --standalone --nproc_per
 Shards a LoRA Qwen2.5-VL with ``fsdp_wrap_plan`` (vision blocks, decoder layers, vision tower, root),
 trains with ranks that differ in image/text (and one step where no rank has an image), and checks the
 final weights equal the DDP + stabiliser run (itself bit-equal to stock DDP fu=True; scripts/vlm_ddp.py)
-within 1e-5. Without the stabiliser the first mixed step would hang (mismatched all-gathers). Prints
-``VLM_FSDP_OK``.
+within 1e-5. Without the stabiliser the first mixed step would hang (mismatched all-gathers). Then
+evaluation forwards (``model.eval()``, no grad; rank 0 with an image, rank 1 text-only, variable lengths)
+with an eval-sync stabiliser (``train=False, sync_eval=True``): each rank's loss and logits equal a
+single-process reference model holding the same trained weights, bit for bit; the eval dummies are
+counted (``feature_counts["stabilizer"]``). Prints ``VLM_FSDP_OK``.
+
+``--case stock_eval``: the same evaluation forwards without the eval sync, on a freshly sharded model;
+expected to FAIL (rank 1 skips the tower unit rank 0 all-gathers).
 """
 
 from __future__ import annotations
 
+import argparse
 import os
 import sys
 import time
@@ -38,6 +45,67 @@ def pattern(step: int, micro: int, rank: int) -> bool:
 
 def full(t: torch.Tensor) -> torch.Tensor:
     return t.full_tensor() if hasattr(t, "full_tensor") else t
+
+
+EVAL_BATCHES = 2
+
+
+def eval_batches(rank: int, family: str) -> list[dict[str, torch.Tensor]]:
+    """Rank 0: images; rank 1: text only, shorter and of varying length."""
+    out = []
+    for i in range(EVAL_BATCHES):
+        b = make_batch(rank == 0, 500 + 10 * i + rank, PATCH_DIM[family])
+        if rank != 0:
+            b = {k: v[:, : 9 + i] for k, v in b.items()}
+        out.append(b)
+    return out
+
+
+def evaluate(model: torch.nn.Module, batches: list[dict[str, torch.Tensor]]) -> list[tuple[torch.Tensor, ...]]:
+    model.eval()
+    with torch.no_grad():
+        outs = [model(**b) for b in batches]
+    model.train()
+    return [(o.loss.detach().clone(), o.logits.detach().clone()) for o in outs]
+
+
+def check_eval(family: str, model: torch.nn.Module) -> int:
+    """Mixed-rank evaluation with the eval sync vs a one-process reference; returns this rank's eval dummies."""
+    from hf_ddpfix.ops import feature_counts
+
+    rank = dist.get_rank()
+    feature_counts.reset()
+    sync = VisionStabilizer(model, run_when_frozen=True, train=False, sync_eval=True).attach()
+    got = evaluate(model, eval_batches(rank, family))
+    sync.remove()
+    counts = feature_counts.snapshot().get("stabilizer")
+    dummies = counts.amounts.get("eval_dummies", 0) if counts else 0
+    trained = {n: full(p.detach()).clone() for n, p in model.named_parameters()}
+    ref = add_lora(BUILDERS[family](0))
+    with torch.no_grad():
+        for n, p in ref.named_parameters():
+            p.copy_(trained[n])
+    want = evaluate(ref, eval_batches(rank, family))
+    for i, ((gl, gx), (wl, wx)) in enumerate(zip(got, want, strict=True)):
+        assert torch.equal(gl, wl) and torch.equal(gx, wx), (
+            f"{family} eval batch {i}: loss {gl.item()} vs {wl.item()}, max logit diff {(gx - wx).abs().max()}")
+    expected = EVAL_BATCHES if rank == 1 else 0
+    assert dummies == expected == sync.eval_dummy_runs, (dummies, expected, sync.eval_dummy_runs)
+    return dummies
+
+
+def stock_eval(family: str) -> None:
+    """Freshly sharded model, the stabiliser's training part only: evaluation forwards are stock."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    model = add_lora(BUILDERS[family](0))
+    VisionStabilizer(model).attach()
+    for _, mod in fsdp_wrap_plan(model):
+        fully_shard(mod, mesh=mesh)
+    evaluate(model, eval_batches(dist.get_rank(), family))
+    print("STOCK_EVALUATED", flush=True)
 
 
 def train_fsdp(family: str) -> tuple[dict[str, torch.Tensor], list[str]]:
@@ -68,13 +136,23 @@ def train_fsdp(family: str) -> tuple[dict[str, torch.Tensor], list[str]]:
         opt.step()
         opt.zero_grad(set_to_none=True)
     weights = {n: full(p.detach()).clone() for n, p in model.named_parameters() if p.requires_grad}
+    dummies = check_eval(family, model)
+    print(f"[rank {rank}] {family}: FSDP2 evaluation with mixed ranks equals one process bitwise "
+          f"({dummies} eval dummies)", flush=True)
     return weights, [n for n, _ in plan]
 
 
 def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--case", choices=["train_eval", "stock_eval"], default="train_eval")
+    case = p.parse_args().case
     dist.init_process_group("gloo")
     rank = dist.get_rank()
     t0 = time.time()
+    if case == "stock_eval":
+        stock_eval("qwen2_5_vl")
+        teardown()
+        return
     for family in ("qwen2_5_vl", "qwen3_vl"):
         if BUILDERS[family](0) is None:
             continue

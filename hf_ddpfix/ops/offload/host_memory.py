@@ -2,7 +2,7 @@
 
 Contract: plain reads of the operating system (``sysconf``, Linux ``/proc/meminfo``) and of
 ``LOCAL_WORLD_SIZE``; every function answers ``None`` (or "no objection") where a figure cannot be read,
-never raises. ``HostPool`` (``ops/host_pool.py``) asks these before it allocates a slab.
+never raises. ``HostPool`` (``ops/offload/host_pool.py``) asks these before it allocates a slab.
 """
 
 from __future__ import annotations

@@ -27,8 +27,8 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
-from .._compat import view_base
-from .offload_stats import OffloadStats
+from ..._compat import view_base
+from .stats import OffloadStats
 
 logger = logging.getLogger(__name__)
 

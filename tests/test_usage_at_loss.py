@@ -1,0 +1,162 @@
+"""Parameter usage observed at the loss given to backward (`ParameterUsage.tie_loss`), not at the model output.
+
+Single-process checks of the tie's bookkeeping and of the plan's fact about where the loss is
+back-propagated; the 2-process Trainer runs (hidden-state heads, TRL) are tests/scripts/trainer_heads.py.
+"""
+
+from __future__ import annotations
+
+import torch
+from fixtures import lora_llama
+from torch import nn
+from transformers import Trainer
+
+from hf_ddpfix.config import DDPFixConfig
+from hf_ddpfix.facts import loss_unseen_reason
+from hf_ddpfix.integrations.usage import UNSEEN_LOSS, ParameterUsage
+from hf_ddpfix.ops import feature_counts
+from hf_ddpfix.ops.autograd_reach import reachable_leaf_ids_split
+from hf_ddpfix.ops.zero_tie import ZeroTie, is_zero_tie_node
+from hf_ddpfix.plan.resolve import resolve_plan
+from hf_ddpfix.plan.types import RunFacts
+
+ALL = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "lm_head")
+
+
+def _head_model() -> nn.Module:
+    model = lora_llama(targets=ALL)
+    torch.manual_seed(3)
+    model.add_module("score_head", nn.Linear(model.config.hidden_size, 1))
+    return model
+
+
+def _head_loss(model: nn.Module, ids: torch.Tensor) -> torch.Tensor:
+    """A loss from a head on the last hidden state: lm_head's LoRA never reaches it, score_head does."""
+    out = model(input_ids=ids, output_hidden_states=True)
+    return model.score_head(out.hidden_states[-1]).pow(2).mean()
+
+
+def _grads(model: nn.Module) -> dict[str, torch.Tensor | None]:
+    return {n: (p.grad.clone() if p.grad is not None else None) for n, p in model.named_parameters() if p.requires_grad}
+
+
+def test_split_walk_separates_real_use_from_zero_ties() -> None:
+    a, b, c = (torch.randn(2, requires_grad=True) for _ in range(3))
+    loss = (ZeroTie.apply(a * 2, b, c * 3) + c).sum()
+    used, tied = reachable_leaf_ids_split([loss], is_zero_tie_node)
+    assert used == {id(a), id(c)} and tied == {id(b)}
+
+
+def test_the_loss_decides_a_head_outside_the_forward_is_used_and_lm_head_is_tied_in() -> None:
+    ids = torch.randint(1, 200, (1, 9))
+    stock = _head_model()
+    _head_loss(stock, ids).backward()
+    expected = _grads(stock)
+
+    model = _head_model()
+    usage = ParameterUsage(model).attach()
+    usage.at_loss = True
+    feature_counts.reset()
+    loss = _head_loss(model, ids)
+    tied = usage.tie_loss(loss)
+    assert torch.equal(tied, loss)  # a bitwise copy
+    tied.backward()
+    got = _grads(model)
+    lm_head = {n for n in got if "lm_head" in n}
+    assert len(lm_head) == 2 and all(expected[n] is None for n in lm_head)
+    for n, g in got.items():
+        if n in lm_head:
+            assert g is not None and not g.any(), n  # tied: an exact zero, so DDP's hook fired
+        else:
+            assert torch.equal(g, expected[n]), n  # the head included: bit-equal to the untouched model
+    assert usage.finalize() == 2  # lm_head's LoRA: no rank used it -> None, as stock fu=True leaves it
+    assert all(p.grad is None for n, p in model.named_parameters() if "lm_head" in n)
+    assert model.score_head.weight.grad is not None  # the forward tied it at the logits; the loss used it
+    counts = feature_counts.snapshot()["parameter_usage"]
+    assert counts.ran == 1 and counts.amounts["ties_at_loss"] == 2 and counts.amounts["grads_reset"] == 2
+    assert counts.amounts["forwards"] == 1 and counts.amounts["ties_at_output"] == 2  # score_head at the logits
+    usage.remove()
+
+
+def test_a_loss_that_skips_tie_loss_falls_back_to_the_output_and_says_so() -> None:
+    model = _head_model()
+    usage = ParameterUsage(model).attach()
+    usage.at_loss = True
+    feature_counts.reset()
+    _head_loss(model, torch.randint(1, 200, (1, 5))).backward()  # not through tie_loss
+    usage.finalize()
+    assert feature_counts.snapshot()["parameter_usage"].fallbacks == {UNSEEN_LOSS: 1}
+    usage.remove()
+
+
+def test_a_loss_without_a_training_forward_or_grad_passes_through() -> None:
+    model = _head_model()
+    usage = ParameterUsage(model).attach()
+    x = torch.ones(2, requires_grad=True).sum()
+    assert usage.tie_loss(x) is x
+    assert usage.tie_loss(3.0) == 3.0
+    usage.remove()
+
+
+class _OwnBackward(Trainer):
+    def training_step(self, model, inputs, num_items_in_batch=None):
+        loss = self.compute_loss(model, inputs)
+        loss.backward()
+        return loss.detach()
+
+
+class _Wrapped(Trainer):
+    def training_step(self, *args, **kwargs):
+        return super().training_step(*args, **kwargs)
+
+
+def test_plan_keeps_stock_find_unused_where_the_loss_cannot_be_seen() -> None:
+    reason = loss_unseen_reason(object.__new__(_OwnBackward))
+    assert reason == "_OwnBackward.training_step calls backward() itself"
+    assert loss_unseen_reason(object.__new__(_Wrapped)) is None
+    facts = RunFacts(parallel="ddp", world_size=2, is_peft=True, loss_unseen=reason)
+    plan = resolve_plan(facts, DDPFixConfig())
+    assert plan.parameter_usage.value is False and reason in plan.parameter_usage.reason
+    assert plan.find_unused_parameters.value is True
+    seen = resolve_plan(RunFacts(parallel="ddp", world_size=2, is_peft=True), DDPFixConfig())
+    assert seen.parameter_usage.value is True and seen.find_unused_parameters.value is False
+    assert "accelerator.backward" in seen.parameter_usage.reason
+    assert "loss given to backward" in seen.find_unused_parameters.reason
+
+
+def test_hidden_state_heads_and_partial_outputs_train_like_stock_under_ddp(tmp_path) -> None:
+    """2 gloo processes, one process group: a head inside the forward with LoRA on lm_head (stock fu=True),
+    a head called in compute_loss (stock fu=False; fu=True fails there), a loss from some logits only."""
+    from launch import torchrun
+
+    done = torchrun("trainer_heads.py", "--out", str(tmp_path), timeout=400)
+    assert done.stdout.count("TRAINER_HEADS_OK") == 2, done.stdout[-4000:]
+    assert "head_in_forward: fu=False max |fix - stock| = 0.0e+00" in done.stdout
+    assert "head_in_compute_loss: fu=False max |fix - stock| = 0.0e+00" in done.stdout
+
+
+def test_an_accelerate_loop_gets_the_plan_through_one_call_and_trains_like_stock() -> None:
+    """prepare_accelerate_loop: reentrant requested, gradient accumulation 2, a head loss leaving lm_head's
+    LoRA out; DDP built with find_unused_parameters=False, weights bit-equal to stock fu=True."""
+    from launch import torchrun
+
+    done = torchrun("accelerate_loop.py", timeout=300)
+    assert done.stdout.count("ACCELERATE_LOOP_OK") == 2, done.stdout[-4000:]
+    assert done.stdout.count("hf_ddpfix fu=False, max |fix - stock| = 0.0e+00") == 2, done.stdout[-4000:]
+
+
+def test_prepare_accelerate_loop_refuses_a_wrapped_model_and_detaches_on_close() -> None:
+    import pytest
+    from accelerate import Accelerator
+
+    from hf_ddpfix import prepare_accelerate_loop
+
+    acc = Accelerator(cpu=True)
+    model = lora_llama()
+    with pytest.raises(ValueError, match="before accelerator.prepare"):
+        wrapper = nn.Module()
+        wrapper.module = model  # DDP-style: what accelerator.prepare returns
+        prepare_accelerate_loop(acc, wrapper)
+    with prepare_accelerate_loop(acc, model) as run:
+        assert run.plan.parallel == "single" and run.usage is None
+    assert "backward" not in vars(acc)
