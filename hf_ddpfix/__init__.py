@@ -21,6 +21,7 @@ from .callbacks import MemoryThroughputCallback, PlanReportCallback, ReplicaSync
 from .checkpoints import last_complete_checkpoint, save_model_atomic
 from .config import DDPFixConfig
 from .errors import DDPFixError, ReplicaDivergenceError, explain, readable_ddp_errors
+from .feature_report import FeatureFallbackError
 from .integrations.families import find_vision_adapter
 from .integrations.hang_guard import HangGuard, UnusedParametersError
 from .integrations.long_context import apply_long_context, remove_long_context
@@ -41,6 +42,7 @@ __all__ = [
     "DDPFixError",
     "DDPFixTrainer",
     "Decision",
+    "FeatureFallbackError",
     "HangGuard",
     "MemoryThroughputCallback",
     "OffloadBudgetError",
