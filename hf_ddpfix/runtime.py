@@ -25,13 +25,13 @@ from transformers import TrainerCallback
 from ._compat import around_backward, before_gradient_clipping, checkpointing_args
 from .integrations.checkpointing import apply_checkpointing, checkpoint_kwargs_without_mode
 from .integrations.deepspeed import attach_deepspeed
-from .integrations.families import is_vision_language_model
 from .integrations.hang_guard import HangGuard
 from .integrations.long_context import LongContextHandle, apply_long_context
 from .integrations.loss_patch import TiledLossHandle, patch_model_loss
-from .integrations.stabilizer import VisionStabilizer
 from .integrations.tiled_mlp import TiledMLPHandle, apply_tiled_mlp
 from .integrations.usage import ParameterUsage
+from .integrations.vision.families import is_vision_language_model
+from .integrations.vision.stabilizer import VisionStabilizer
 from .ops.buffer_order import BufferLayoutError, Layout, align_buffer_order
 from .ops.offload import ActivationOffload, SaveOnCpuScope
 from .plan.types import Plan
@@ -177,7 +177,7 @@ def attach_eval_sync(model: nn.Module, decision: Any, parallel: str, stack: Exit
     if not decision.value:
         return None
     if parallel == "deepspeed":
-        from .integrations.zero_vision import ZeroVisionStabilizer
+        from .integrations.vision.zero import ZeroVisionStabilizer
 
         sync: Any = ZeroVisionStabilizer(model, train=False, sync_eval=True).attach()
     else:
