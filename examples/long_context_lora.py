@@ -30,6 +30,7 @@ Use ``--model-path`` for real weights (``AutoModelForCausalLM.from_pretrained``)
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import warnings
 
@@ -115,7 +116,10 @@ def main() -> None:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", FutureWarning)
         trainer = DDPFixTrainer(model=model, args=training_args, train_dataset=data, ddpfix_config=config)
-        trainer.train()
+        result = trainer.train()
+    # what each requested feature really ran (rank-local counts; fell_back > 0 means stock code ran)
+    print("feature counts:", json.dumps({k: v for k, v in result.metrics.items() if k.startswith("hf_ddpfix/")},
+                                        sort_keys=True))
     losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
     peak = f", peak {torch.cuda.max_memory_allocated() / GIB:.1f} GiB" if torch.cuda.is_available() else ""
     print(f"trained {args.max_steps} steps of {args.seq} tokens: losses {[round(x, 4) for x in losses]}{peak}")
