@@ -68,7 +68,8 @@ def attach_runtime(trainer: Any, model: nn.Module, plan: Plan, stack: ExitStack)
     if plan.offload_activations.value == "stock":  # non-CUDA accelerator: transformers' blocking offload kept
         offload = SaveOnCpuScope(_device_type(trainer))
     elif plan.offload_activations.value:
-        rt.offload = offload = ActivationOffload(module=model, min_layer_bytes=plan.offload_min_layer_bytes)
+        rt.offload = offload = ActivationOffload(module=model, min_layer_bytes=plan.offload_min_layer_bytes,
+                                                 keep_on_device="auto")  # N from the budget, each step
         rt.step_contexts.append(_logged_offload_steps(trainer, rt.offload))
         stack.callback(rt.offload.clear_pool)
     _apply_checkpointing(trainer, model, plan, offload)
