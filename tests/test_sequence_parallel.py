@@ -160,8 +160,11 @@ def test_plan_reads_the_env_variable_and_parallelism_config():
     assert resolve_plan(_facts(), cfg).sequence_parallel.value == "N=2 DP=4"
     got = resolve_plan(_facts(parallelism_sp_size=8, parallelism_sp_backend="torch"), DDPFixConfig())
     assert got.sequence_parallel.value == "N=8 DP=1" and "ParallelismConfig" in got.sequence_parallel.reason
-    ds = resolve_plan(_facts(parallelism_sp_size=2, parallelism_sp_backend="deepspeed"), DDPFixConfig())
+    ds = resolve_plan(_facts(parallel="deepspeed", parallelism_sp_size=2, parallelism_sp_backend="deepspeed"),
+                      DDPFixConfig())
     assert ds.sequence_parallel.value == "deepspeed"  # DeepSpeed's own engine: recorded, left as stock
+    ddp = resolve_plan(_facts(parallelism_sp_size=2, parallelism_sp_backend="deepspeed"), DDPFixConfig())
+    assert ddp.sequence_parallel.value is False and "HF_DDPFIX_SEQUENCE_PARALLEL=2" in ddp.sequence_parallel.reason
     with pytest.raises(ValueError, match="HF_DDPFIX_SEQUENCE_PARALLEL='x'"):
         DDPFixConfig.from_env({"HF_DDPFIX_SEQUENCE_PARALLEL": "x"})
 
@@ -172,6 +175,7 @@ def test_plan_reads_the_env_variable_and_parallelism_config():
     (dict(world_size=6), 4, "world size 6 is not a multiple of 4"),
     (dict(parallel="fsdp"), 2, "DDP only"),
     (dict(parallelism_sp_size=4, parallelism_sp_backend="torch"), 2, "contradicts ParallelismConfig"),
+    (dict(parallelism_sp_size=2, parallelism_sp_backend="deepspeed"), 2, "drop the parallelism_config"),
 ])
 def test_combinations_that_cannot_work_are_a_plan_error_naming_setting_and_fix(facts, n, match):
     from hf_ddpfix.config import DDPFixConfig

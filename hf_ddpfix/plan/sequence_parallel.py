@@ -10,8 +10,10 @@ Pure: facts in, a `Decision` out, or a `PlanError` before training when the comb
 | H % N != 0 / KV heads neither divisible nor replicable | heads are what the all-to-all splits | N dividing the head count   |
 | FSDP / single process                           | not built here (DDP only today)            | DDP, or DeepSpeed's engine  |
 
-DeepSpeed with `ParallelismConfig(sp_backend="deepspeed")` is DeepSpeed's own engine: the plan records it
-("deepspeed: stock Ulysses engine") and changes nothing (hf_ddpfix's loss fixes there are not built yet).
+DeepSpeed with `ParallelismConfig(sp_size=N)` is DeepSpeed's own engine: the plan records it ("deepspeed")
+and changes nothing (hf_ddpfix's loss fixes there are not built yet). accelerate 1.15 knows only
+`sp_backend="deepspeed"`: outside DeepSpeed the plan leaves it to accelerate (off, with the reason naming
+`HF_DDPFIX_SEQUENCE_PARALLEL`); a backend other than DeepSpeed's (a later accelerate) is honoured here.
 """
 
 from __future__ import annotations
@@ -37,9 +39,17 @@ def decide_sequence_parallel(facts: RunFacts, config: DDPFixConfig) -> Decision:
     sp = facts.sequence_parallel
     n, source = config.sequence_parallel, config.source("sequence_parallel")
     if sp is not None and sp.parallelism_sp_size and sp.parallelism_sp_size > 1:
-        if sp.parallelism_sp_backend == "deepspeed" or facts.parallel == "deepspeed":
+        if facts.parallel == "deepspeed":
             return Decision("deepspeed", f"ParallelismConfig(sp_size={sp.parallelism_sp_size}, sp_backend="
                             f"{sp.parallelism_sp_backend!r}): DeepSpeed's own Ulysses engine, left as stock")
+        if sp.parallelism_sp_backend == "deepspeed" and n is not None:
+            raise PlanError(f"sequence_parallel={n} ({source}) and ParallelismConfig(sp_size={sp.parallelism_sp_size}"
+                            ", sp_backend='deepspeed') both ask for sequence parallelism outside DeepSpeed; drop "
+                            "the parallelism_config (hf_ddpfix's Ulysses runs under DDP)")
+        if sp.parallelism_sp_backend == "deepspeed":  # accelerate 1.15 knows no other backend
+            return Decision(False, f"ParallelismConfig(sp_size={sp.parallelism_sp_size}) names DeepSpeed's engine "
+                            f"but the run is {facts.parallel}: left to accelerate as stock; for hf_ddpfix's "
+                            f"Ulysses under DDP set HF_DDPFIX_SEQUENCE_PARALLEL={sp.parallelism_sp_size} instead")
         if n is not None and n != sp.parallelism_sp_size:
             raise PlanError(f"sequence_parallel={n} ({source}) contradicts ParallelismConfig(sp_size="
                             f"{sp.parallelism_sp_size}); set one of them")
