@@ -104,16 +104,12 @@ def run_ledger(args: argparse.Namespace) -> dict[str, Any]:
         fixed_total = fixed + int(rows[name]["constant_bytes"])
         t_max = max_tokens(layers=m["layers"], bytes_per_token_per_layer=layer_in, device_budget_bytes=device,
                            host_budget_bytes=host, fixed_device_bytes=fixed_total, working_bytes_per_token=per_tok)
-        # The host pool pins power-of-two slabs (HostPool): what the same budget allows if it did not.
-        t_exact = max_tokens(layers=m["layers"], bytes_per_token_per_layer=layer_in, device_budget_bytes=device,
-                             host_budget_bytes=host, fixed_device_bytes=fixed_total, working_bytes_per_token=per_tok,
-                             slab_rounding=False)
-        # ActivationOffload today keeps only the last layer input on the device (max_keep=1).
+        # max_tokens: ActivationOffload(keep_on_device="auto") (as many inputs as fit stay on the device,
+        # exact-size host pool); below: keep_on_device=1, the offload of before keep-N.
         t_keep1 = max_tokens(layers=m["layers"], bytes_per_token_per_layer=layer_in, device_budget_bytes=device,
                              host_budget_bytes=host, fixed_device_bytes=fixed_total, working_bytes_per_token=per_tok,
                              max_keep=1)
-        entry: dict[str, Any] = {"max_tokens": t_max, "max_tokens_exact_host_slab": t_exact,
-                                 "max_tokens_keep_last_only": t_keep1, "bytes_per_token": per_tok}
+        entry: dict[str, Any] = {"max_tokens": t_max, "max_tokens_keep_last_only": t_keep1, "bytes_per_token": per_tok}
         try:
             b = plan_offload_budget(layers=m["layers"], tokens=args.target_tokens, layer_bytes=args.target_tokens * layer_in,
                                     device_budget_bytes=device, host_budget_bytes=host, fixed_device_bytes=fixed_total,
@@ -157,8 +153,7 @@ def write_ledger(res: dict[str, Any], stem: Path) -> None:
         meas = v.get("measured_h100_bytes_per_token")
         lines.append(f"- {k}: longest sequence ~{v['max_tokens']} tokens ({v['bytes_per_token'] / KIB:.0f} KiB/token on "
                      f"the device{f', measured on an H100: {meas / KIB:.0f}' if meas else ''}; "
-                     f"~{v['max_tokens_exact_host_slab']} if the host pool pinned exact sizes; "
-                     f"~{v['max_tokens_keep_last_only']} with today's offload, which keeps only the last input)"
+                     f"~{v['max_tokens_keep_last_only']} keeping only the last input on the device)"
                      f"{'; ' + v['target'] if 'target' in v else ''}")
     stem.with_suffix(".md").write_text("\n".join(lines) + "\n")
     try:
@@ -226,9 +221,10 @@ def _trial(mode: str, seq: int, steps: int, host_gib: float, tiny: bool = False)
         budget = plan_offload_budget(layers=m["layers"], tokens=seq, layer_bytes=seq * m["hidden"] * 2,
                                      device_budget_bytes=int(0.97 * total), host_budget_bytes=int(host_gib * GIB),
                                      fixed_device_bytes=used, working_bytes_per_token=(53 + 32) * KIB * m["hidden"] // 4096,
-                                     max_keep=1)  # ActivationOffload keeps the last layer input only
+                                     )  # as many inputs as fit stay on the device (keep-N)
         info["budget"] = budget.describe()
-        offload = ActivationOffload(module=model, min_layer_bytes=0, max_pool_bytes=int(host_gib * GIB))
+        offload = ActivationOffload(module=model, min_layer_bytes=0, max_pool_bytes=int(host_gib * GIB),
+                                    keep_on_device=budget.keep_on_device)
         apply_checkpointing(model, use_reentrant=False, offload=offload)
         patch_model_loss(model)
         apply_tiled_mlp(model, "auto")
@@ -388,8 +384,8 @@ def main() -> None:
     write_ledger(res, stem)
     for k, v in res["projection"].items():
         print(f"  projection {k}: ~{v['max_tokens']} tokens on {args.device_gib:g} GiB + {args.host_gib:g} GiB host "
-              f"(~{v['max_tokens_exact_host_slab']} with exact-size host slabs; ~{v['max_tokens_keep_last_only']} "
-              "keeping only the last input on the device, as ActivationOffload does today)"
+              f"with keep-N and the exact-size host pool (a projection; ~{v['max_tokens_keep_last_only']} "
+              "keeping only the last input on the device)"
               f"{'; ' + v['target'] if 'target' in v else ''}")
     print(f"ledger: stock {res['rows']['stock']['kib_per_token']:.1f} KiB/token, "
           f"hf_ddpfix {res['rows']['hf_ddpfix']['kib_per_token']:.1f} KiB/token")

@@ -23,7 +23,12 @@ from torch import nn
 from transformers import TrainerCallback
 
 from ._compat import around_backward, before_gradient_clipping, checkpointing_args
-from .integrations.checkpointing import apply_checkpointing, checkpoint_kwargs_without_mode
+from .integrations.checkpointing import (
+    apply_checkpointing,
+    checkpoint_kwargs_without_mode,
+    keep_tool_checkpointing,
+    tool_checkpoint_functions,
+)
 from .integrations.deepspeed import attach_deepspeed
 from .integrations.families import is_vision_language_model
 from .integrations.hang_guard import HangGuard
@@ -33,6 +38,7 @@ from .integrations.sequence_parallel.trainer import SequenceParallelGroups, atta
 from .integrations.stabilizer import VisionStabilizer
 from .integrations.tiled_mlp import TiledMLPHandle, apply_tiled_mlp
 from .integrations.usage import ParameterUsage
+from .ops import feature_counts
 from .ops.buffer_order import BufferLayoutError, Layout, align_buffer_order
 from .ops.offload import ActivationOffload, SaveOnCpuScope
 from .plan.sequence_parallel import sp_size_of
@@ -65,7 +71,8 @@ def attach_runtime(trainer: Any, model: nn.Module, plan: Plan, stack: ExitStack)
     if plan.offload_activations.value == "stock":  # non-CUDA accelerator: transformers' blocking offload kept
         offload = SaveOnCpuScope(_device_type(trainer))
     elif plan.offload_activations.value:
-        rt.offload = offload = ActivationOffload(module=model, min_layer_bytes=plan.offload_min_layer_bytes)
+        rt.offload = offload = ActivationOffload(module=model, min_layer_bytes=plan.offload_min_layer_bytes,
+                                                 keep_on_device="auto")  # N from the budget, each step
         rt.step_contexts.append(_logged_offload_steps(trainer, rt.offload))
         stack.callback(rt.offload.clear_pool)
     _apply_checkpointing(trainer, model, plan, offload)
@@ -275,6 +282,18 @@ def _apply_checkpointing(trainer: Any, model: nn.Module, plan: Plan, offload: An
     mode = plan.checkpointing.value
     if not mode:
         return
+    kept = keep_tool_checkpointing(model, use_reentrant=mode == "reentrant", offload=offload is not None)
+    if kept:  # a trainer's / tool's function that already runs the plan's variant: its own features stay
+        feature_counts.record_amount("checkpointing", "tool_functions_kept", 1)
+        _log_rank0(trainer, "checkpointing: %s", kept)
+        return
+    replaced = tool_checkpoint_functions(model)
+    if replaced:
+        feature_counts.record_amount("checkpointing", "tool_functions_replaced", len(replaced))
+        why = ("hf_ddpfix's activation offload needs its own checkpoint function" if offload is not None
+               else f"the plan runs {mode} checkpointing ({plan.checkpointing.reason})")
+        logger.warning("checkpointing: replaced the model's own checkpoint function %s: %s; its own features "
+                       "(e.g. offloading) are not used", "; ".join(replaced), why)
     extra = checkpoint_kwargs_without_mode(checkpointing_args(trainer.args)[1])
     n = apply_checkpointing(model, use_reentrant=mode == "reentrant", offload=offload, **extra)
     if n == 0:

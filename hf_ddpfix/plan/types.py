@@ -70,6 +70,9 @@ class RunFacts:
         shard_cast_dtype: the dtype FSDP's mixed precision (`param_dtype`) or DeepSpeed's bf16/fp16 casts
             floating parameters to, `None` when nothing is cast.
         zero_stage: the DeepSpeed ZeRO stage, `None` without DeepSpeed.
+        checkpoint_function: the checkpoint function(s) a trainer or tool installed on the model, as read
+            (e.g. "custom -> partial(checkpoint, use_reentrant=False) -> checkpoint (torch checkpoint,
+            non-reentrant)"), `None` when the layers run transformers' own.
         loss_unseen: why hf_ddpfix cannot see the loss the trainer back-propagates (a ``training_step``
             override that does not call the stock one, a ``compute_loss`` / ``training_step`` that calls
             ``backward`` itself), `None` when every loss passes through ``accelerator.backward``.
@@ -100,6 +103,7 @@ class RunFacts:
     deepspeed: DeepSpeedFacts | None = None
     sequence_parallel: SequenceParallelFacts | None = None  # attention and heads (plan/sequence_parallel.py)
     loss_unseen: str | None = None
+    checkpoint_function: str | None = None
 
     def stock_find_unused(self) -> bool:
         """What stock `Trainer._build_accelerator_args` picks (REFERENCES.md §1)."""
