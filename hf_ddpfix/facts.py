@@ -19,6 +19,7 @@ from .integrations.checkpointing import (
     tool_checkpoint_functions,
 )
 from .integrations.deepspeed import gather_deepspeed_facts
+from .integrations.sequence_parallel.facts import gather_sequence_parallel_facts
 from .plan.types import ParallelMode, RunFacts
 
 MOE_CONFIG_KEYS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts")
@@ -164,5 +165,6 @@ def gather_facts(trainer: Any, model: nn.Module | None = None) -> RunFacts:
         **quantized.sharding_facts(trainer, parallel),
         deepspeed=gather_deepspeed_facts(trainer, model) if parallel == "deepspeed" else None,
         loss_unseen=loss_unseen_reason(trainer),
+        sequence_parallel=gather_sequence_parallel_facts(trainer, model),
         checkpoint_function="; ".join(tools) or None,
     )

@@ -34,12 +34,14 @@ from .integrations.families import is_vision_language_model
 from .integrations.hang_guard import HangGuard
 from .integrations.long_context import LongContextHandle, apply_long_context
 from .integrations.loss_patch import TiledLossHandle, patch_model_loss
+from .integrations.sequence_parallel.trainer import SequenceParallelGroups, attach_sequence_parallel
 from .integrations.stabilizer import VisionStabilizer
 from .integrations.tiled_mlp import TiledMLPHandle, apply_tiled_mlp
 from .integrations.usage import ParameterUsage
 from .ops import feature_counts
 from .ops.buffer_order import BufferLayoutError, Layout, align_buffer_order
 from .ops.offload import ActivationOffload, SaveOnCpuScope
+from .plan.sequence_parallel import sp_size_of
 from .plan.types import Plan
 
 logger = logging.getLogger("hf_ddpfix")
@@ -58,6 +60,7 @@ class Runtime:
     tiled_mlp: TiledMLPHandle | None = None
     tiled_loss: TiledLossHandle | None = None
     long_context: LongContextHandle | None = None
+    sequence_parallel: SequenceParallelGroups | None = None
     step_contexts: list[Callable[[], AbstractContextManager[Any]]] = field(default_factory=list)
 
 
@@ -98,6 +101,9 @@ def attach_runtime(trainer: Any, model: nn.Module, plan: Plan, stack: ExitStack)
         rt.long_context = _apply_long_context(trainer, model, plan, stack)
     if plan.tiled_loss.value:
         rt.tiled_loss = _apply_tiled_loss(trainer, model, plan, stack)
+    if plan.sequence_parallel.value and plan.sequence_parallel.value != "deepspeed":  # deepspeed: its own engine
+        rt.sequence_parallel = attach_sequence_parallel(trainer, model, stack=stack,
+                                                        sp_size=sp_size_of(plan.sequence_parallel.value))
     if rt.step_contexts:
         _override(trainer, "training_step", lambda inner: _within(rt.step_contexts, inner), stack)
     _align_buffer_order(trainer, model, plan)
