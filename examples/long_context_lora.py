@@ -30,6 +30,7 @@ Use ``--model-path`` for real weights (``AutoModelForCausalLM.from_pretrained``)
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import warnings
 
@@ -86,7 +87,7 @@ def preflight(model: torch.nn.Module, args: argparse.Namespace) -> None:
         layers=cfg.num_hidden_layers, tokens=args.seq, layer_bytes=layer_bytes, device_budget_bytes=device_budget,
         host_budget_bytes=host_cap if torch.cuda.is_available() else device_budget, fixed_device_bytes=fixed,
         working_bytes_per_token=WORKING_BYTES_PER_HIDDEN_UNIT * cfg.hidden_size,
-        max_keep=1 if torch.cuda.is_available() else None,  # ActivationOffload keeps the last input only
+        # max_keep=None: the Trainer's offload keeps as many inputs on the device as fit (keep_on_device="auto")
     )
     print("pre-flight:", budget.describe())
 
@@ -115,7 +116,10 @@ def main() -> None:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", FutureWarning)
         trainer = DDPFixTrainer(model=model, args=training_args, train_dataset=data, ddpfix_config=config)
-        trainer.train()
+        result = trainer.train()
+    # what each requested feature really ran (rank-local counts; fell_back > 0 means stock code ran)
+    print("feature counts:", json.dumps({k: v for k, v in result.metrics.items() if k.startswith("hf_ddpfix/")},
+                                        sort_keys=True))
     losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
     peak = f", peak {torch.cuda.max_memory_allocated() / GIB:.1f} GiB" if torch.cuda.is_available() else ""
     print(f"trained {args.max_steps} steps of {args.seq} tokens: losses {[round(x, 4) for x in losses]}{peak}")

@@ -14,10 +14,15 @@ Run it:
     accelerate launch --config_file accelerate_configs/ddp_cpu.yaml examples/qwen_vl_lora.py
     # or, the same without accelerate's launcher
     OMP_NUM_THREADS=1 torchrun --standalone --nproc_per_node=2 examples/qwen_vl_lora.py
-    # GPUs (one process per GPU; set num_processes in the yaml), or FSDP2 with fsdp.yaml
+    # GPUs (one process per GPU; set num_processes in the yaml), or FSDP2 with fsdp.yaml (GPUs only:
+    # accelerate runs FSDP on accelerators only, and on a CPU-only machine this script says so and stops)
     accelerate launch --config_file accelerate_configs/ddp.yaml examples/qwen_vl_lora.py
     # one process
     python examples/qwen_vl_lora.py
+    # QLoRA: 4-bit NF4 base (bitsandbytes; on the CPU too) + LoRA, under DDP
+    accelerate launch --config_file accelerate_configs/ddp_cpu.yaml examples/qwen_vl_lora.py --qlora
+    # DeepSpeed ZeRO-2 / ZeRO-3 (on a CPU-only machine deepspeed picks its CPU accelerator by itself)
+    accelerate launch --config_file accelerate_configs/zero3.yaml examples/qwen_vl_lora.py
     # continue from the last checkpoint in --output-dir, up to a larger step count
     accelerate launch --config_file accelerate_configs/ddp_cpu.yaml examples/qwen_vl_lora.py \
         --resume --max-steps 400
@@ -79,6 +84,8 @@ def parse_args(argv=None):
                    help="activation checkpointing; default reentrant: the combo stock DDP + LoRA breaks on")
     p.add_argument("--resume", action="store_true", help="continue from the last checkpoint in --output-dir")
     p.add_argument("--no-fix", action="store_true", help="stock Trainer (no patch_trainer): shows the failure")
+    p.add_argument("--qlora", action="store_true",
+                   help="QLoRA: 4-bit NF4 base (bitsandbytes) + LoRA; DDP configs (ddp_cpu.yaml, ddp.yaml)")
     # hf_ddpfix's memory features (each also settable by its HF_DDPFIX_* environment variable)
     p.add_argument("--offload", action="store_true",
                    help="async CPU offload of checkpointed layer inputs (a logged no-op without a GPU)")
@@ -199,10 +206,38 @@ def make_metrics(groups: dict[str, set[int]] | None):
 
 
 # --------------------------------------------------------------------------- model + data
+def load_4bit(source, model_class):
+    """`model_class.from_pretrained(source)` with an NF4 4-bit base (bitsandbytes), each rank's whole model on
+    its own device (`device_map={"": local_rank}`: what DDP needs); on a machine without an accelerator
+    `device_map="cpu"` (bitsandbytes 0.50 quantizes on the CPU; `{"": 0}` there fails with "Cannot access
+    accelerator device when none is available"). The storage dtype stays bitsandbytes' default (uint8): fine
+    for DDP; FSDP2 / ZeRO-3 need `bnb_4bit_quant_storage` equal to the mixed-precision dtype (README, QLoRA).
+    """
+    from peft import prepare_model_for_kbit_training
+    from transformers import BitsAndBytesConfig
+
+    bf16 = torch.cuda.is_available() and torch.cuda.is_bf16_supported()
+    quant = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
+                               bnb_4bit_compute_dtype=torch.bfloat16 if bf16 else torch.float32)
+    device_map = {"": int(os.environ.get("LOCAL_RANK", 0))} if torch.accelerator.is_available() else "cpu"
+    model = model_class.from_pretrained(source, quantization_config=quant, device_map=device_map,
+                                        dtype=torch.bfloat16 if bf16 else torch.float32)
+    # peft's defaults: checkpointing on, reentrant (stock DDP fails on it; hf_ddpfix plans around it)
+    return prepare_model_for_kbit_training(model)
+
+
 def build_offline(args):
     tokenizer = offline.build_tokenizer()
     image_processor = offline.build_image_processor()
-    model = offline.build_model(tokenizer, seed=args.seed)
+    # --qlora: hidden 128, so every linear layer's input width is a multiple of bitsandbytes' 64-value block
+    # (its CPU evaluation path repacks 4-bit weights and fails on the default 96: "shape '[96, 1]' is invalid")
+    model = offline.build_model(tokenizer, seed=args.seed, **({"hidden": 128} if args.qlora else {}))
+    if args.qlora:  # the offline base saved once per rank, then reloaded 4-bit (bitsandbytes loads from disk)
+        import tempfile
+
+        with tempfile.TemporaryDirectory() as base:
+            model.save_pretrained(base)
+            model = load_4bit(base, type(model))
     train_raw = offline.ShapesDataset(args.train_size, seed=args.seed)
     eval_raw = offline.ShapesDataset(args.eval_size, seed=args.seed + 10_000)  # other seeds: unseen images
     return model, tokenizer, image_processor, train_raw, eval_raw
@@ -213,6 +248,8 @@ def build_hub_model(args):
 
     processor = AutoProcessor.from_pretrained(args.model)
     dtype = torch.bfloat16 if torch.cuda.is_available() and torch.cuda.is_bf16_supported() else torch.float32
+    if args.qlora:
+        return load_4bit(args.model, AutoModelForImageTextToText), processor.tokenizer, processor.image_processor
     model = AutoModelForImageTextToText.from_pretrained(args.model, dtype=dtype)
     return model, processor.tokenizer, processor.image_processor
 
@@ -238,6 +275,12 @@ def main(argv=None) -> dict:
     args = parse_args(argv)
     if args.dataset and not args.model:
         raise SystemExit("--dataset needs --model: the offline tokenizer only knows the synthetic vocabulary")
+    if os.environ.get("ACCELERATE_USE_FSDP", "").lower() == "true" and not torch.accelerator.is_available():
+        # accelerate 1.15 turns every CPU launch into plain DDP (MULTI_CPU is never promoted to FSDP): say so
+        raise SystemExit("FSDP needs an accelerator: this launch asks for FSDP (accelerate_configs/fsdp.yaml), but "
+                         "the machine has none, and accelerate would train plain DDP instead. On the CPU use "
+                         "ddp_cpu.yaml, zero2.yaml or zero3.yaml; FSDP2 itself runs on the CPU with torch's "
+                         "fully_shard (tests/scripts/vlm_fsdp.py, see the README).")
 
     if not args.no_fix:
         from hf_ddpfix import patch_trainer

@@ -2,6 +2,7 @@
 
 Public API:
     patch_trainer / unpatch_trainer: run every `transformers.Trainer` under the hf_ddpfix plan.
+    prepare_accelerate_loop: the same plan for a loop on accelerate alone (no Trainer).
     DDPFixTrainer: the same as a `Trainer` subclass.
     DDPFixConfig: every option once, with its environment variables.
     resolve_plan / RunFacts / Plan: the pure decision function and its types.
@@ -15,6 +16,7 @@ decisions), ``runtime`` (applies a plan), ``trainer`` (the entry points), ``cli`
 ``__all__`` are public API; module paths below this package may change between releases.
 """
 
+from .accelerate_loop import AccelerateLoopRun, prepare_accelerate_loop
 from .callbacks import MemoryThroughputCallback, PlanReportCallback, ReplicaSyncCallback, default_callbacks
 from .checkpoints import last_complete_checkpoint, save_model_atomic
 from .config import DDPFixConfig
@@ -33,6 +35,7 @@ from .plan.types import Decision, Plan, PlanError, RunFacts
 from .trainer import DDPFixTrainer, patch_trainer, plan_for_trainer, unpatch_trainer
 
 __all__ = [
+    "AccelerateLoopRun",
     "ActivationOffload",
     "DDPFixConfig",
     "DDPFixError",
@@ -60,6 +63,7 @@ __all__ = [
     "patch_trainer",
     "plan_for_trainer",
     "plan_offload_budget",
+    "prepare_accelerate_loop",
     "readable_ddp_errors",
     "remove_long_context",
     "remove_tiled_mlp",

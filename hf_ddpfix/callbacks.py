@@ -6,6 +6,8 @@
   every rank, naming the first diverged parameters.
 - `MemoryThroughputCallback()`: adds `hf_ddpfix/*` memory and tokens/s keys to every training log, so
   they reach TensorBoard / W&B / the console like the Trainer's own keys.
+- `FeatureCountsCallback()`: adds the feature counts (`hf_ddpfix/<feature>/...`, rank-local) to the
+  metrics `evaluate()` returns during training, after the Trainer logged them (log_history stays stock).
 - `default_callbacks(plan, config)` and `install_callbacks(trainer, callbacks, stack)`: what runs by
   default and how it is attached for one `train()` call.
 """
@@ -36,6 +38,7 @@ DEFAULT_SYNC_CHECK_STEPS = 50
 
 __all__ = [
     "DEFAULT_SYNC_CHECK_STEPS",
+    "FeatureCountsCallback",
     "MemoryThroughputCallback",
     "PlanReportCallback",
     "ReplicaSyncCallback",
@@ -317,6 +320,21 @@ class MemoryThroughputCallback(TrainerCallback):
         return wrapped
 
 
+class FeatureCountsCallback(TrainerCallback):
+    """Put the feature counts into the metrics `evaluate()` returns (while hf_ddpfix runs a `train()`).
+
+    `Trainer.evaluate` logs its metrics (a copy goes into `state.log_history`) and then calls
+    `on_evaluate` with the dict it returns: the counts are added there, so what the Trainer stores stays
+    stock. Counts are this rank's, since the start of the current `train()` (`hf_ddpfix.feature_report`).
+    """
+
+    def on_evaluate(self, args, state, control, metrics=None, **kwargs):
+        if isinstance(metrics, dict):
+            from .feature_report import feature_metrics
+
+            metrics.update(feature_metrics())
+
+
 # ----------------------------------------------------------------------------------------------------
 # Defaults and attaching
 # ----------------------------------------------------------------------------------------------------
@@ -329,6 +347,7 @@ def default_callbacks(plan: Plan, config: DDPFixConfig | None = None) -> list[Tr
     - `ReplicaSyncCallback(sync_check_steps or DEFAULT_SYNC_CHECK_STEPS)` under multi-process DDP,
       unless `sync_check_steps=0`.
     - `MemoryThroughputCallback()` always (a forward pre-hook and, per log, one all-gather of 3 numbers).
+    - `FeatureCountsCallback()` always (feature counts in the metrics `evaluate()` returns; no collective).
     """
     c = config or DDPFixConfig()
     out: list[TrainerCallback] = []
@@ -338,6 +357,7 @@ def default_callbacks(plan: Plan, config: DDPFixConfig | None = None) -> list[Tr
     if plan.parallel == "ddp" and plan.world_size > 1 and steps > 0:
         out.append(ReplicaSyncCallback(steps))
     out.append(MemoryThroughputCallback())
+    out.append(FeatureCountsCallback())
     return out
 
 

@@ -30,8 +30,10 @@ from .checkpoints import last_complete_checkpoint
 from .config import DDPFixConfig
 from .errors import readable_ddp_errors
 from .facts import gather_facts
+from .feature_report import FallbackWatch, feature_metrics
 from .integrations.trainer_hooks import TrainerPatchLayer
 from .ops.dist import destroy_default_group_at_exit
+from .ops.feature_counts import reset as reset_feature_counts
 from .plan.resolve import resolve_plan
 from .plan.types import Plan
 from .plan.vision import decide_eval_sync
@@ -90,6 +92,8 @@ def run_with_plan(trainer: Trainer, inner_loop: Callable[..., Any], *args: Any, 
                 facts = gather_facts(trainer)
                 plan = resolve_plan(facts, config)
                 trainer.hf_ddpfix_plan = plan
+                watch = FallbackWatch(plan, strict=bool(config.strict), is_rank0=trainer.is_world_process_zero())
+                stack.callback(watch.attach().remove)  # requested features that fall back: warned / raised
                 _set_ddp_kwargs(trainer, plan)
                 trainer.hf_ddpfix_runtime = attach_runtime(trainer, unwrap_parallel(trainer.model), plan, stack)
                 install_callbacks(trainer, default_callbacks(plan, config), stack)  # plan report, sync, metrics
@@ -97,10 +101,22 @@ def run_with_plan(trainer: Trainer, inner_loop: Callable[..., Any], *args: Any, 
                 names = lambda: [n for n, p in model.named_parameters() if p.requires_grad]  # noqa: E731 DDP's order
                 stack.enter_context(readable_ddp_errors(plan, facts=facts, param_names=names))  # sees loop errors first
 
+            reset_feature_counts()  # counts are per train() call
             stack.callback(when_ready_to_prepare(trainer, setup))  # now, or inside the loop (5.0-5.2)
-            return inner_loop(*args, **kwargs)
+            result = inner_loop(*args, **kwargs)
+            add_feature_metrics(result)
+            return result
     finally:
         trainer._hf_ddpfix_active = False
+
+
+def add_feature_metrics(result: Any) -> None:
+    """Add the feature counts (``hf_ddpfix/<feature>/...``, rank-local) to the metrics ``train()`` returns.
+    The Trainer has already logged its own copy of them, so ``log_history`` / ``trainer_state.json`` stay
+    stock."""
+    metrics = getattr(result, "metrics", None)
+    if isinstance(metrics, dict):
+        metrics.update(feature_metrics())
 
 
 def run_evaluation_with_plan(trainer: Trainer, eval_loop: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:

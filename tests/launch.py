@@ -11,6 +11,43 @@ ROOT = Path(__file__).resolve().parents[1]
 SCRIPTS = Path(__file__).resolve().parent / "scripts"
 
 
+def free_port() -> int:
+    """A TCP port nobody listens on now (tests running side by side must not share accelerate's 29500)."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def accelerate_launch(config: str, script: str | Path, *args: str, timeout: float = 300,
+                      env: dict[str, str] | None = None, check: bool = True) -> subprocess.CompletedProcess:
+    """Run `accelerate launch --config_file accelerate_configs/<config> <script> <args>` from the repository
+    root, as the README tells a user to, with a hard timeout (same contract as :func:`torchrun`). Only a free
+    `--main_process_port` is added, so that two test runs on one machine do not collide."""
+    import pytest
+
+    full_env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false",
+                "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
+                **(env or {})}
+    launcher = Path(sys.executable).with_name("accelerate")
+    cmd = [str(launcher) if launcher.exists() else "accelerate", "launch", "--config_file",
+           f"accelerate_configs/{config}", "--main_process_port", str(free_port()), str(script), *args]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=full_env,
+                            start_new_session=True, cwd=str(ROOT))
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, 9)
+        out, _ = proc.communicate()
+        pytest.fail(f"accelerate launch {config} {script} {' '.join(args)}: no result after {timeout:.0f}s "
+                    f"(hang?)\n{out[-6000:]}")
+    done = subprocess.CompletedProcess(cmd, proc.returncode, out, "")
+    if check and proc.returncode != 0:
+        pytest.fail(f"accelerate launch {config} {script} {' '.join(args)} exited {proc.returncode}\n{out[-8000:]}")
+    return done
+
+
 def torchrun(script: str | Path, *args: str, nproc: int = 2, timeout: float = 180,
              env: dict[str, str] | None = None, check: bool = True) -> subprocess.CompletedProcess:
     """Run `script` under `torch.distributed.run --standalone` and return the finished process.

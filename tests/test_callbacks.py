@@ -13,6 +13,7 @@ from transformers import LlamaConfig, LlamaForCausalLM, Trainer, TrainerCallback
 from hf_ddpfix import DDPFixConfig, RunFacts, resolve_plan
 from hf_ddpfix.callbacks import (
     DEFAULT_SYNC_CHECK_STEPS,
+    FeatureCountsCallback,
     MemoryThroughputCallback,
     PlanReportCallback,
     ReplicaSyncCallback,
@@ -37,11 +38,11 @@ def test_plan_report_logs_once_and_only_on_world_process_zero(caplog):
 
 def test_default_callbacks_follow_plan_and_config():
     kinds = [type(c) for c in default_callbacks(PLAN, DDPFixConfig())]
-    assert kinds == [PlanReportCallback, ReplicaSyncCallback, MemoryThroughputCallback]
+    assert kinds == [PlanReportCallback, ReplicaSyncCallback, MemoryThroughputCallback, FeatureCountsCallback]
     sync = next(c for c in default_callbacks(PLAN) if isinstance(c, ReplicaSyncCallback))
     assert sync.every_n_steps == DEFAULT_SYNC_CHECK_STEPS
     off = default_callbacks(PLAN, DDPFixConfig(sync_check_steps=0, log_plan=False))
-    assert [type(c) for c in off] == [MemoryThroughputCallback]
+    assert [type(c) for c in off] == [MemoryThroughputCallback, FeatureCountsCallback]
     single = resolve_plan(RunFacts())
     assert ReplicaSyncCallback not in [type(c) for c in default_callbacks(single)]
     assert default_callbacks(PLAN, DDPFixConfig(sync_check_steps=7))[1].every_n_steps == 7

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -23,6 +24,12 @@ def test_example_trains_tiny_model_with_every_long_context_feature(tmp_path):
     assert p.returncode == 0, out[-4000:]
     assert "pre-flight:" in out and "long_context: 7 modules patched" in out
     assert "trained 2 steps of 256 tokens" in out
+    # the patched code ran, by its counts: 2 layers x 2 steps x (forward + checkpoint recompute), no fallback
+    counts = json.loads(next(line for line in out.splitlines() if line.startswith("feature counts:")).split(":", 1)[1])
+    layers = 2
+    assert counts["hf_ddpfix/long_context/ran"] == layers * 2 * 2, counts
+    assert counts["hf_ddpfix/long_context/fell_back"] == 0, counts
+    assert counts["hf_ddpfix/tiled_loss/ran"] == 2 and counts["hf_ddpfix/tiled_loss/fell_back"] == 0, counts
 
 
 @pytest.mark.timeout(300)

@@ -1,7 +1,18 @@
-"""The headline example, examples/qwen_vl_lora.py, on 2 gloo processes: it trains, beats chance, saves the
-adapter, and `--resume` continues from the saved checkpoint to a larger `--max-steps`.
+"""The headline example, examples/qwen_vl_lora.py, launched as the README tells a user to (2 gloo processes on
+the CPU, a hard timeout each), train + evaluate:
 
-Offline by construction (tiny random Qwen2.5-VL, word-level tokenizer, synthetic shapes); ~1.5 min on 2 cores.
+- `accelerate launch --config_file accelerate_configs/ddp_cpu.yaml`: trains, beats chance, saves the
+  adapter; `--resume` (here through `torchrun`, the example's other launch line) continues from the saved
+  checkpoint to a larger `--max-steps`;
+- `zero2.yaml` / `zero3.yaml` (DeepSpeed picks its CPU accelerator by itself) and `--qlora` (4-bit NF4 base
+  on the CPU) under `ddp_cpu.yaml`: a few steps, then the full evaluation set, whose batches mix images and
+  text-only samples (stock ZeRO-3 hangs there);
+- `fsdp.yaml` on a machine without an accelerator: accelerate 1.15 cannot run FSDP on the CPU (it makes every
+  CPU launch plain DDP); the example says so and exits instead of silently training something else.
+
+Every run must also end cleanly: exit code 0 on every rank (a process group left to interpreter shutdown
+could abort a finished run: `terminate called without an active exception`).
+Offline by construction (tiny random Qwen2.5-VL, word-level tokenizer, synthetic shapes).
 """
 
 from __future__ import annotations
@@ -10,24 +21,29 @@ import json
 import re
 
 import pytest
-from launch import ROOT, torchrun
+import torch
+from launch import ROOT, accelerate_launch, torchrun
 
 EXAMPLE = ROOT / "examples" / "qwen_vl_lora.py"
 OFFLINE = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
 STEPS, MORE_STEPS = 60, 80  # checkpoints every 30 steps, so the first run leaves checkpoint-60
+SHORT = ("--max-steps", "4", "--train-size", "64", "--save-steps", "1000")  # the full 120-sample eval set
+ABORT = "terminate called"
 
 
-def run_example(*args: str, timeout: float = 150):
-    done = torchrun(EXAMPLE, *args, "--save-steps", "30", timeout=timeout, env=OFFLINE)
+def result_of(done, what: str) -> dict:
     lines = [ln for ln in done.stdout.splitlines() if ln.startswith("RESULT ")]
-    assert len(lines) == 1, f"expected one RESULT line (rank 0 only)\n{done.stdout[-6000:]}"
-    return json.loads(lines[0][len("RESULT "):]), done.stdout
+    assert len(lines) == 1, f"{what}: expected one RESULT line (rank 0 only)\n{done.stdout[-6000:]}"
+    assert ABORT not in done.stdout, f"{what}: a rank aborted at exit\n{done.stdout[-4000:]}"
+    return json.loads(lines[0][len("RESULT "):])
 
 
 @pytest.mark.multiprocess
 def test_example_trains_beats_chance_saves_and_resumes(tmp_path):
     out_dir = tmp_path / "run"
-    result, log = run_example("--output-dir", str(out_dir), "--max-steps", str(STEPS))
+    done = accelerate_launch("ddp_cpu.yaml", EXAMPLE, "--output-dir", str(out_dir), "--max-steps", str(STEPS),
+                             "--save-steps", "30", timeout=240, env=OFFLINE)
+    result, log = result_of(done, "ddp_cpu.yaml"), done.stdout
 
     assert result["global_step"] == STEPS, log[-4000:]
     chance = result["chance"]
@@ -37,11 +53,59 @@ def test_example_trains_beats_chance_saves_and_resumes(tmp_path):
     for name in ("adapter_model.safetensors", "adapter_config.json"):
         assert (out_dir / name).is_file(), sorted(p.name for p in out_dir.iterdir())
     assert (out_dir / f"checkpoint-{STEPS}").is_dir(), sorted(p.name for p in out_dir.iterdir())
-    assert "[hf_ddpfix]" in log, "the plan log should be printed"
+    assert "[hf_ddpfix]" in log and "(ddp, world size 2)" in log, "the plan log should be printed"
 
-    result2, log2 = run_example("--output-dir", str(out_dir), "--max-steps", str(MORE_STEPS), "--resume")
+    done2 = torchrun(EXAMPLE, "--output-dir", str(out_dir), "--max-steps", str(MORE_STEPS), "--resume",
+                     "--save-steps", "30", timeout=150, env=OFFLINE)
+    result2, log2 = result_of(done2, "torchrun --resume"), done2.stdout
     started = re.findall(r"resumed from step (\d+)", log2)
     assert started == [str(STEPS)], log2[-4000:]  # printed once, by rank 0, with the checkpoint's step
     assert result2["global_step"] == MORE_STEPS, (result2, log2[-4000:])
     assert result2["caption_accuracy"] >= max(2 * chance, chance + 0.25), result2
     assert (out_dir / f"checkpoint-{MORE_STEPS}").is_dir()
+
+
+def plan_value(log: str, name: str) -> str:
+    found = re.findall(rf"^ [ *] {name}\s+= (\S+)", log, flags=re.M)
+    assert found, f"no '{name}' line in the plan log\n{log[-4000:]}"
+    return found[0]
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("config, stage", [("zero2.yaml", 2), ("zero3.yaml", 3)])
+def test_example_trains_and_evaluates_under_deepspeed_on_cpu(tmp_path, config, stage):
+    pytest.importorskip("deepspeed")
+    # the first DeepSpeed run on a machine compiles its shared-memory op (45-210 s, cached afterwards)
+    done = accelerate_launch(config, EXAMPLE, "--output-dir", str(tmp_path), *SHORT, timeout=480, env=OFFLINE)
+    result = result_of(done, config)
+    assert result["global_step"] == 4, result
+    assert result["eval_loss"] == result["eval_loss"] and result["eval_loss"] < 10, result  # evaluated, finite
+    log = done.stdout
+    assert "(deepspeed, world size 2)" in log, log[-4000:]
+    assert plan_value(log, "deepspeed") == f"ZeRO-{stage}"
+    # ZeRO-3: evaluation forwards all-gather parameters, so ranks with and without images must agree
+    assert plan_value(log, "vlm_eval_sync") == ("on" if stage == 3 else "off"), log[-4000:]
+
+
+@pytest.mark.multiprocess
+def test_example_qlora_on_cpu(tmp_path):
+    pytest.importorskip("bitsandbytes")
+    done = accelerate_launch("ddp_cpu.yaml", EXAMPLE, "--qlora", "--output-dir", str(tmp_path), *SHORT,
+                             timeout=240, env=OFFLINE)
+    result = result_of(done, "ddp_cpu.yaml --qlora")
+    assert result["global_step"] == 4, result
+    assert result["eval_loss"] == result["eval_loss"] and result["eval_loss"] < 10, result
+    assert re.search(r"quantization\s+= bnb 4-bit nf4", done.stdout), done.stdout[-4000:]
+    # peft's default reentrant checkpointing (stock DDP: "marked ready only once") planned to non-reentrant
+    assert plan_value(done.stdout, "checkpointing") == "non_reentrant"
+
+
+@pytest.mark.multiprocess
+@pytest.mark.skipif(torch.accelerator.is_available(), reason="the CPU-only refusal; with an accelerator FSDP runs")
+def test_example_under_fsdp_yaml_on_cpu_says_fsdp_cannot_run(tmp_path):
+    done = accelerate_launch("fsdp.yaml", EXAMPLE, "--output-dir", str(tmp_path), *SHORT, timeout=180,
+                             env=OFFLINE, check=False)
+    assert done.returncode != 0, done.stdout[-4000:]  # stock accelerate: trains plain DDP, saying nothing
+    assert "RESULT " not in done.stdout
+    assert "FSDP needs an accelerator" in done.stdout, done.stdout[-4000:]
+    assert ABORT not in done.stdout, done.stdout[-4000:]

@@ -47,15 +47,23 @@ def _train(tmp_path, config: DDPFixConfig | None):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", FutureWarning)
         trainer = cls(model=model, args=args, train_dataset=data, callbacks=[seen], **kw)
-        trainer.train()
+        result = trainer.train()
     weights = {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
-    return weights, [h["loss"] for h in trainer.state.log_history if "loss" in h], seen.kinds
+    losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
+    return weights, losses, seen.kinds, result.metrics, model
+
+
+def _layers(model) -> int:
+    return model.get_base_model().config.num_hidden_layers
 
 
 def test_trainer_with_long_context_matches_stock(tmp_path):
-    w0, loss0, kinds0 = _train(tmp_path / "stock", None)
-    w1, loss1, kinds1 = _train(tmp_path / "ours", DDPFixConfig(long_context="all"))
+    w0, loss0, kinds0, _, _ = _train(tmp_path / "stock", None)
+    w1, loss1, kinds1, metrics, model = _train(tmp_path / "ours", DDPFixConfig(long_context="all"))
     assert not kinds0 and kinds1 == {"_NormForward", "_LayerForward"}
+    # the patched layer really ran: layers x steps x (forward + checkpoint recompute), never stock
+    assert metrics["hf_ddpfix/long_context/ran"] == _layers(model) * 3 * 2, metrics
+    assert metrics["hf_ddpfix/long_context/fell_back"] == 0, metrics
     assert len(loss0) == len(loss1) == 3
     moved = max((w0[n] - w1[n]).abs().max().item() for n in w0)
     # fp32 residual stream: the layer input's gradient is the same three terms summed in another order

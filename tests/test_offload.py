@@ -211,11 +211,12 @@ def test_fifty_steps_keep_pool_bounded_and_nothing_in_flight():
         s = off.stats
         assert s.in_flight == 0 and s.offloaded_tensors == 3 and s.restored_tensors == 3
         allocated.append(s.pool_allocated)
-    # step 1: one slab per buffer (no expectation yet), folded into one slab at its end; then reused
-    assert set(allocated) == {4}
+    # step 1 grows by exactly each missing 8 KiB buffer (a power of two: one slab each); then reused
+    assert set(allocated) == {3}
     assert off.stats.pool_buffers == 0 and off.stats.steps == 50  # nothing handed out after backward
     assert off.stats.pool_need_bytes == 3 * 8 * 256 * 4  # three layer inputs in use at once
-    assert off.stats.pool_bytes == 32768 <= 2 * off.stats.pool_need_bytes  # one slab: pow2ceil(24576)
+    assert off.stats.pool_bytes == 24576 == off.stats.pool_need_bytes  # exact: no power-of-two rounding
+    assert off.stats.pool_max_held_over_need == 1.0
 
 
 def test_restored_inputs_are_freed_layer_by_layer_during_backward():
@@ -312,3 +313,103 @@ def test_two_process_ddp_weights_identical_with_offload_and_across_ranks(tmp_pat
                                      "accounting_hands_back_the_tensor", "simulate_counts_exact",
                                      "accounting_counts_exact"}
     assert result["ranks_equal"] is True
+
+
+# ---------------------------------------------------------------------------------------------------
+# keep-N on the device, and the feature counts
+
+
+def _four_layer_step(off: ActivationOffload, rows: int = 32) -> torch.Tensor:
+    torch.manual_seed(0)
+    blocks = [nn.Linear(64, 64) for _ in range(4)]
+    ckpt = CheckpointFunction(False, off)
+    with off.step():
+        h = torch.randn(rows, 64) * 1
+        h.requires_grad_()
+        for block in blocks:
+            h = ckpt(lambda a, block=block: torch.tanh(block(a)), h)
+        h.sum().backward()
+    return torch.cat([b.weight.grad.flatten() for b in blocks])
+
+
+@pytest.mark.parametrize("keep", [1, 2, 3, 4])
+def test_keep_on_device_keeps_the_last_n_inputs_and_gradients_are_bit_identical(keep):
+    from hf_ddpfix.ops import feature_counts
+
+    feature_counts.reset()
+    ref = _four_layer_step(ActivationOffload(min_bytes=0, keep_on_device=4))  # CPU: nothing copied
+    off = ActivationOffload(min_bytes=0, simulate=True, keep_on_device=keep)
+    assert torch.equal(ref, _four_layer_step(off))
+    s = off.stats
+    layer = 32 * 64 * 4
+    assert (s.kept_tensors, s.kept_bytes) == (keep, keep * layer), s
+    assert (s.offloaded_tensors, s.restored_tensors, s.keep_on_device) == (4 - keep, 4 - keep, keep), s
+    c = feature_counts.snapshot()["offload"]
+    assert c.amounts.get("copies", 0) == 4 - keep and c.amounts.get("bytes", 0) == (4 - keep) * layer
+    assert c.ran == (1 if keep < 4 else 0) and c.amounts["kept"] == 4 + keep  # reference run kept all 4
+
+
+def test_keep_on_device_rejects_values_it_cannot_honour():
+    for bad in (0, -1, True, 1.5, "all"):
+        with pytest.raises(ValueError, match="keep_on_device"):
+            ActivationOffload(keep_on_device=bad)
+
+
+def test_auto_keep_on_device_asks_the_budget_with_the_previous_steps_memory():
+    layer = 32 * 64 * 4
+    fixed = 10 * layer
+
+    def device_memory(_device):  # what the forward held when the backward began: fixed + the kept inputs
+        return fixed + off.keep_on_device * layer, total["bytes"]
+
+    total = {"bytes": int((fixed + 3.5 * layer) / 0.9)}  # room for 3 inputs under pressure_fraction 0.9
+    off = ActivationOffload(min_bytes=0, simulate=True, keep_on_device="auto", device_memory=device_memory)
+    _four_layer_step(off)
+    assert off.stats.keep_on_device == 1  # nothing known before the first step
+    _four_layer_step(off)
+    assert off.stats.keep_on_device == 3 and off.stats.kept_tensors == 3 and off.stats.offloaded_tensors == 1
+    total["bytes"] = int((fixed + 1.2 * layer) / 0.9)  # the device shrank: only one fits
+    _four_layer_step(off)
+    _four_layer_step(off)
+    assert off.stats.keep_on_device == 1 and off.stats.offloaded_tensors == 3
+    total["bytes"] = fixed  # short even with one: still keeps one (the minimum), offloads the rest
+    _four_layer_step(off)
+    _four_layer_step(off)
+    assert off.stats.keep_on_device == 1
+
+
+def test_cpu_without_simulate_records_the_fallback_reason_per_storage():
+    from hf_ddpfix.ops import feature_counts
+    from hf_ddpfix.ops.offload.offload import NO_ACCELERATOR
+
+    feature_counts.reset()
+    off = ActivationOffload(min_bytes=0)
+    _four_layer_step(off)
+    c = feature_counts.snapshot()["offload"]
+    assert c.fallbacks == {NO_ACCELERATOR: 3} and c.ran == 0 and "copies" not in c.amounts
+    assert off.stats.would_offload_bytes == 3 * 32 * 64 * 4 and off.stats.offloaded_bytes == 0
+
+
+def test_policy_skips_are_counted():
+    from hf_ddpfix.ops import feature_counts
+
+    feature_counts.reset()
+    _four_layer_step(ActivationOffload(min_bytes=0, simulate=True, min_layer_bytes=1 << 30))
+    c = feature_counts.snapshot()["offload"]
+    assert c.amounts["policy_skips"] == 4 and c.ran == 0
+
+
+def test_pool_cap_set_later_keeps_storages_on_the_device_and_says_why():
+    from hf_ddpfix.ops import feature_counts
+    from hf_ddpfix.ops.offload.offload import POOL_REFUSED
+
+    feature_counts.reset()
+    off = ActivationOffload(min_bytes=0, simulate=True)
+    off.set_max_pool_bytes(32 * 64 * 4)  # room for one of the three layer inputs
+    ref = _four_layer_step(ActivationOffload(min_bytes=0))
+    assert torch.equal(ref, _four_layer_step(off))
+    s = off.stats
+    assert (s.offloaded_tensors, s.skipped_pool, s.pool_bytes) == (1, 2, 32 * 64 * 4), s
+    assert feature_counts.snapshot()["offload"].fallbacks[POOL_REFUSED] == 2
+    with pytest.raises(ValueError, match="max_pool_bytes"):
+        off.set_max_pool_bytes(-1)

@@ -133,3 +133,30 @@ def test_hidden_state_heads_and_partial_outputs_train_like_stock_under_ddp(tmp_p
     assert done.stdout.count("TRAINER_HEADS_OK") == 2, done.stdout[-4000:]
     assert "head_in_forward: fu=False max |fix - stock| = 0.0e+00" in done.stdout
     assert "head_in_compute_loss: fu=False max |fix - stock| = 0.0e+00" in done.stdout
+
+
+def test_an_accelerate_loop_gets_the_plan_through_one_call_and_trains_like_stock() -> None:
+    """prepare_accelerate_loop: reentrant requested, gradient accumulation 2, a head loss leaving lm_head's
+    LoRA out; DDP built with find_unused_parameters=False, weights bit-equal to stock fu=True."""
+    from launch import torchrun
+
+    done = torchrun("accelerate_loop.py", timeout=300)
+    assert done.stdout.count("ACCELERATE_LOOP_OK") == 2, done.stdout[-4000:]
+    assert done.stdout.count("hf_ddpfix fu=False, max |fix - stock| = 0.0e+00") == 2, done.stdout[-4000:]
+
+
+def test_prepare_accelerate_loop_refuses_a_wrapped_model_and_detaches_on_close() -> None:
+    import pytest
+    from accelerate import Accelerator
+
+    from hf_ddpfix import prepare_accelerate_loop
+
+    acc = Accelerator(cpu=True)
+    model = lora_llama()
+    with pytest.raises(ValueError, match="before accelerator.prepare"):
+        wrapper = nn.Module()
+        wrapper.module = model  # DDP-style: what accelerator.prepare returns
+        prepare_accelerate_loop(acc, wrapper)
+    with prepare_accelerate_loop(acc, model) as run:
+        assert run.plan.parallel == "single" and run.usage is None
+    assert "backward" not in vars(acc)

@@ -21,14 +21,17 @@ from .deepspeed import (
     z3_leaf_marked,
 )
 from .models import (
+    CACHE_KEYWORDS,
     CHECKPOINT_FUNC_ATTR,
     MM_ENCODER_OUTPUTS_KWARG,
+    cache_output_field,
     causal_lm_loss_function,
     checkpointable_layers,
     forward_source,
     generate_pre_encodes_images,
     is_checkpointing,
     layer_checkpoint_func,
+    output_cache,
     set_layer_checkpoint_func,
     unwrap_model,
     unwrap_parallel,
@@ -59,6 +62,7 @@ from .trainer import (
     checkpointing_arg_names,
     checkpointing_args,
     checkpointing_training_args,
+    ddp_kwargs_handler,
     ddp_syncs_grads,
     disable_model_checkpointing,
     enable_model_checkpointing,
@@ -70,6 +74,7 @@ from .trainer import (
 from .versions import CHECKED_AGAINST, OLDEST_SUPPORTED
 
 __all__ = [
+    "CACHE_KEYWORDS",
     "CHECKED_AGAINST",
     "CHECKPOINT_FUNC_ATTR",
     "MM_ENCODER_OUTPUTS_KWARG",
@@ -82,6 +87,7 @@ __all__ = [
     "TRAINER_WRAP_MODEL",
     "around_backward",
     "before_gradient_clipping",
+    "cache_output_field",
     "causal_lm_loss_function",
     "generate_pre_encodes_images",
     "checkpoint_recompute_is_last",
@@ -90,6 +96,7 @@ __all__ = [
     "checkpointing_args",
     "checkpointing_training_args",
     "class_checkpoint_inner_forward",
+    "ddp_kwargs_handler",
     "ddp_syncs_grads",
     "deepspeed_default_leaf_classes",
     "disable_model_checkpointing",
@@ -105,6 +112,7 @@ __all__ = [
     "layer_checkpoint_func",
     "module_buffer_slots",
     "module_parameter_slots",
+    "output_cache",
     "set_ddp_kwargs",
     "set_layer_checkpoint_func",
     "is_ddp_sink_node",

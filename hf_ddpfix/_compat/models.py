@@ -91,6 +91,29 @@ def set_layer_checkpoint_func(layer: nn.Module, func: Callable[..., Any]) -> Non
     setattr(layer, CHECKPOINT_FUNC_ATTR, func)
 
 
+#: The names a KV cache reaches a decoder layer (and a model) under, newest first: transformers 5.24
+#: renamed ``past_key_values`` to ``cache`` (the old name stays a deprecated alias until 5.40); earlier
+#: 5.x releases pass ``past_key_values``; ``past_key_value`` is the 4.x attention spelling.
+CACHE_KEYWORDS = ("cache", "past_key_values", "past_key_value")
+
+
+def output_cache(outputs: Any) -> Any:
+    """The KV cache a model output carries, under whichever name this release uses (``cache`` on 5.24,
+    ``past_key_values`` before); ``None`` when it has none. Reads the fields without the deprecation
+    warning 5.24's alias attribute logs."""
+    for name in CACHE_KEYWORDS[:2]:
+        if isinstance(outputs, dict) and name in outputs:
+            return outputs[name]
+    return None
+
+
+def cache_output_field(output_cls: type) -> str | None:
+    """The name of the KV-cache field of a ``ModelOutput`` dataclass (``cache`` from 5.24,
+    ``past_key_values`` before), or ``None`` when it has none."""
+    fields = getattr(output_cls, "__dataclass_fields__", {})
+    return next((n for n in CACHE_KEYWORDS[:2] if n in fields), None)
+
+
 def causal_lm_loss_function() -> Callable[..., Any]:
     """transformers' causal-LM loss (``transformers.loss.loss_utils.ForCausalLMLoss``, 5.x): a model whose
     ``loss_function`` is this object computes the stock shifted cross-entropy."""

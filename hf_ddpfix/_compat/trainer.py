@@ -157,6 +157,12 @@ def set_ddp_kwargs(accelerator: Any, **kwargs: Any) -> None:
     accelerator.ddp_handler = dataclasses.replace(handler, **kwargs)
 
 
+def ddp_kwargs_handler(accelerator: Any) -> Any:
+    """The ``DistributedDataParallelKwargs`` ``accelerator.prepare`` will wrap with (``Accelerator.ddp_handler``,
+    accelerate 1.0-1.15), or None when the loop gave none (accelerate's defaults: find_unused False)."""
+    return accelerator.ddp_handler
+
+
 def ddp_syncs_grads(ddp_module: Any) -> bool:
     """False inside ``DistributedDataParallel.no_sync()`` (``require_backward_grad_sync``); True for
     anything that is not DDP."""

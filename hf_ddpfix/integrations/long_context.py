@@ -20,7 +20,14 @@ to transformers' ``LlamaDecoderLayer`` / ``LlamaAttention`` (checked against tra
 anything else is reported and left alone. At call time the patched forward runs stock whenever the
 call is not plain causal training attention: an attention mask (padding or packing), a KV cache,
 missing ``position_embeddings``, attention dropout in training, an attention implementation other
-than sdpa, or extra keyword arguments; ``handle.stats`` counts those calls by reason.
+than sdpa, or extra keyword arguments; ``handle.stats`` counts those calls by reason. A call is read
+against the stock forward's own signature (:func:`~hf_ddpfix.integrations.layer_call.bind_layer_call`), so
+each release's spelling is accepted (the KV cache is ``past_key_values=`` on 5.0-5.23, ``cache=`` on 5.24).
+
+Counts (:mod:`hf_ddpfix.ops.feature_counts`, feature ``"long_context"``): ``ran`` = decoder-layer calls
+that ran patched (forward and checkpoint recompute each count); a training forward (grad enabled) that
+ran stock is a fallback with its reason; a stock call under ``no_grad`` (evaluation, generation with a
+KV cache) is the amount ``stock_no_grad_calls``; patched norm calls are the amount ``rms_norm_calls``.
 
 Usage::
 
@@ -31,6 +38,7 @@ Usage::
 from __future__ import annotations
 
 import functools
+import inspect
 import sys
 from collections import Counter
 from collections.abc import Callable
@@ -41,11 +49,19 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .._compat import class_checkpoint_inner_forward, forward_source, is_checkpointing, layer_checkpoint_func
+from .._compat import (
+    CACHE_KEYWORDS,
+    class_checkpoint_inner_forward,
+    forward_source,
+    is_checkpointing,
+    layer_checkpoint_func,
+)
+from ..ops.feature_counts import record_amount, record_fallback, record_ran
 from ..ops.grouped_attention import grouped_flash_attention, kv_groups_for
 from ..ops.rms_norm import DEFAULT_CHUNK_TOKENS, rms_norm
 from ..ops.tiled import sync_shards
 from ..ops.token_tiles import DEFAULT_TOKENS_PER_TILE, tiled_token_map, tiles_for
+from .layer_call import LayerCall, bind_layer_call
 
 __all__ = [
     "LONG_CONTEXT_FEATURES",
@@ -59,11 +75,7 @@ __all__ = [
 LONG_CONTEXT_FEATURES = ("rms_norm", "attention", "tiled_layer")
 _ALLOWED = "off|0|false, on|1|true|all, or a comma list of " + ", ".join(LONG_CONTEXT_FEATURES)
 _LAYER_ATTR = "_hf_ddpfix_long_context"
-# Keyword arguments transformers 5.x Llama models pass down to a decoder layer that do not change its
-# math (``num_items_in_batch`` comes from the Trainer's loss normalisation through ``**kwargs``). Any
-# other keyword (packing ``cu_seq_lens_*``/``max_length_*``, ``output_attentions``, ...) runs stock.
-_HARMLESS_KWARGS = frozenset({"cache_position", "position_ids", "use_cache", "num_items_in_batch",
-                              "output_hidden_states", "return_dict"})
+FEATURE = "long_context"  # the name its counts carry (hf_ddpfix.ops.feature_counts)
 
 
 def parse_long_context_setting(value: str | bool | None, name: str = "HF_DDPFIX_LONG_CONTEXT") -> tuple[str, ...]:
@@ -146,9 +158,17 @@ class _NormForward:
         self.prev = prev
         self.chunk_tokens = chunk_tokens
 
-    def __call__(self, hidden_states: torch.Tensor) -> torch.Tensor:
+    def __call__(self, *args: Any, **kwargs: Any) -> torch.Tensor:
         m = self.module
-        return rms_norm(hidden_states, m.weight, m.variance_epsilon, chunk_tokens=self.chunk_tokens)
+        x = None
+        if len(args) + len(kwargs) == 1:
+            x = args[0] if args else kwargs.get("hidden_states")
+        if not isinstance(x, torch.Tensor):  # not the one-tensor call Llama's RMSNorm takes: stock
+            record_fallback(FEATURE, f"rms_norm: called with {len(args)} positional, keywords {sorted(kwargs)}")
+            stock = self.prev if self.prev is not None else type(m).forward.__get__(m)
+            return stock(*args, **kwargs)
+        record_amount(FEATURE, "rms_norm_calls", 1)
+        return rms_norm(x, m.weight, m.variance_epsilon, chunk_tokens=self.chunk_tokens)
 
 
 @dataclass
@@ -170,33 +190,38 @@ class _LayerForward:
         self.options = options
         self.stats = stats
         self.rope: Callable[..., Any] = sys.modules[type(layer.self_attn).__module__].apply_rotary_pos_emb
+        # the stock forward's own parameters (whatever the release calls them): calls are read against it
+        self.signature = inspect.signature(self._class_forward())
 
-    def _stock(self) -> Callable[..., Any]:
-        if self.prev is not None:
-            return self.prev
+    def _class_forward(self) -> Callable[..., Any]:
         cls_forward = type(self.layer).forward
         inner = class_checkpoint_inner_forward(cls_forward)
         return (inner if inner is not None else cls_forward).__get__(self.layer)
 
-    def _why_stock(self, hidden_states: Any, attention_mask: Any, past_key_values: Any,
-                   position_embeddings: Any, kwargs: dict[str, Any]) -> str | None:
+    def _stock(self) -> Callable[..., Any]:
+        return self.prev if self.prev is not None else self._class_forward()
+
+    def _why_stock(self, call: LayerCall) -> str | None:
         attn = self.layer.self_attn
-        if not isinstance(hidden_states, torch.Tensor) or hidden_states.dim() != 3:
+        if call.unbound is not None:
+            return call.unbound
+        if not isinstance(call.hidden_states, torch.Tensor) or call.hidden_states.dim() != 3:
             return "hidden_states not [batch, seq, hidden]"
-        if attention_mask is not None:
+        if call.attention_mask is not None:
             return "attention mask given (padding/packing)"
-        if past_key_values is not None:
+        if call.cache is not None:
             return "KV cache"
-        if position_embeddings is None:
+        if call.position_embeddings is None:
             return "no position_embeddings"
         if attn.training and float(getattr(attn, "attention_dropout", 0.0) or 0.0) > 0:
             return "attention dropout in training"
         impl = getattr(getattr(attn, "config", None), "_attn_implementation", None)
         if impl != "sdpa":
             return f"attention implementation {impl!r} (only sdpa is handled)"
-        extra = set(kwargs) - _HARMLESS_KWARGS
-        if extra or kwargs.get("use_cache"):
-            return f"keyword arguments {sorted(extra) or ['use_cache=True']}"
+        if call.unknown:
+            return f"keyword arguments {sorted(call.unknown)}"
+        if call.use_cache:
+            return "keyword arguments ['use_cache=True']"
         return None
 
     # token-wise halves -------------------------------------------------------------------------
@@ -223,6 +248,7 @@ class _LayerForward:
             if out is not None:
                 return out
             self.stats["attention: grouped path not applicable, sdpa used"] += 1
+            record_fallback(FEATURE, "attention: grouped flash path not applicable (shapes/device), sdpa used")
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=attn.scaling, enable_gqa=True)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
@@ -237,23 +263,26 @@ class _LayerForward:
         ):
             if kwargs.get("use_cache"):
                 kwargs["use_cache"] = False
-            if kwargs.get("past_key_values") is not None:
-                kwargs["past_key_values"] = None
+            for name in CACHE_KEYWORDS:  # as transformers' own checkpoint wrapper does
+                if kwargs.get(name) is not None:
+                    kwargs[name] = None
             func = layer_checkpoint_func(layer)
             if func is not None:
                 return func(functools.partial(self._run, **kwargs), *args)
         return self._run(*args, **kwargs)
 
-    def _run(self, hidden_states: Any = None, attention_mask: Any = None, position_ids: Any = None,
-             past_key_values: Any = None, use_cache: Any = False, position_embeddings: Any = None,
-             **kwargs: Any) -> Any:
-        why = self._why_stock(hidden_states, attention_mask, past_key_values, position_embeddings,
-                              dict(kwargs, use_cache=use_cache) if use_cache else kwargs)
+    def _run(self, *args: Any, **kwargs: Any) -> Any:
+        call = bind_layer_call(self.signature, args, kwargs)
+        why = self._why_stock(call)
         if why is not None:
             self.stats[f"stock: {why}"] += 1
-            return self._stock()(hidden_states, attention_mask=attention_mask, position_ids=position_ids,
-                                 past_key_values=past_key_values, use_cache=use_cache,
-                                 position_embeddings=position_embeddings, **kwargs)
+            if torch.is_grad_enabled():  # a training forward that ran stock: the feature stood down
+                record_fallback(FEATURE, why)
+            else:  # evaluation / generation: stock by design (a KV cache, padding), not a fallback
+                record_amount(FEATURE, "stock_no_grad_calls", 1)
+            return self._stock()(*args, **kwargs)
+        hidden_states, position_embeddings = call.hidden_states, call.position_embeddings
+        record_ran(FEATURE)
         self.stats["patched calls"] += 1
         b, s, hidden = hidden_states.shape
         n = b * s

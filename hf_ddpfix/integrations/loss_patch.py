@@ -6,6 +6,11 @@ chunks and the full ``[tokens, vocab]`` logits never exist. A model whose forwar
 the logits (soft-capping, scaling), whose head is not a plain ``nn.Linear`` or whose ``loss_function``
 is not transformers' ``ForCausalLMLoss`` is refused with the reason.
 
+Counts (:mod:`hf_ddpfix.ops.feature_counts`, feature ``"tiled_loss"``): ``ran`` = forwards whose loss
+was tiled; a call left to the previous forward (unknown keywords, TRL's ``fused_lm_head``, arguments
+that do not bind, ``logits_to_keep``) is a fallback with its reason; a call with labels under
+``no_grad`` (evaluation keeps its logits) is the amount ``stock_no_grad_calls``.
+
 Usage::
 
     handle = patch_model_loss(model)        # PeftModel or PreTrainedModel; before DDP wrapping
@@ -24,12 +29,14 @@ from typing import Any
 import torch
 from torch import nn
 
-from .._compat import causal_lm_loss_function, forward_source, unwrap_model
+from .._compat import cache_output_field, causal_lm_loss_function, forward_source, output_cache, unwrap_model
+from ..ops.feature_counts import record_amount, record_fallback, record_ran
 from ..ops.tiled_loss import tiled_causal_lm_loss
 
 __all__ = ["TiledLossHandle", "patch_model_loss", "unpatch_model_loss"]
 
 logger = logging.getLogger("hf_ddpfix")
+FEATURE = "tiled_loss"  # the name its counts carry (hf_ddpfix.ops.feature_counts)
 
 
 def _known_extra_keywords() -> frozenset[str]:
@@ -125,6 +132,7 @@ class _TiledLossForward:
         if reason not in self.stood_down:
             logger.info("tiled_loss: stands down (%s); the previous forward computes this call's loss", reason)
         self.stood_down[reason] = self.stood_down.get(reason, 0) + 1
+        record_fallback(FEATURE, reason)
         return base(*args, **kwargs)
 
     def _base(self) -> Any:
@@ -141,8 +149,9 @@ class _TiledLossForward:
         sig = inspect.signature(type(self.model).forward)
         try:
             bound = sig.bind(self.model, *args, **kwargs)
-        except TypeError:
-            return base(*args, **kwargs)
+        except TypeError as err:
+            return self._stand_down(f"arguments do not bind to {type(self.model).__name__}.forward ({err})",
+                                    base, args, kwargs)
         arguments = dict(bound.arguments)
         arguments.pop("self", None)
         extra: dict[str, Any] = {}
@@ -160,8 +169,14 @@ class _TiledLossForward:
         labels = arguments.get("labels")
         keep = arguments.get("logits_to_keep", 0)
         keep_all = (isinstance(keep, int) and keep == 0) or keep is None
-        if labels is None or not keep_all or not (torch.is_grad_enabled() or self.in_eval):
+        if labels is None:  # no loss asked for: nothing to tile
             return base(*args, **kwargs)
+        if not (torch.is_grad_enabled() or self.in_eval):  # evaluation needs the logits: stock by design
+            record_amount(FEATURE, "stock_no_grad_calls", 1)
+            return base(*args, **kwargs)
+        if not keep_all:
+            return self._stand_down(f"logits_to_keep={keep!r} (the tiled loss covers every position)",
+                                    base, args, kwargs)
         arguments.pop("labels")
         arguments.pop("logits_to_keep", None)
         return_dict = extra.pop("return_dict", None)
@@ -178,13 +193,14 @@ class _TiledLossForward:
             bias=head.bias,
         )
         self.calls += 1
-        out = CausalLMOutputWithPast(
-            loss=loss,
-            logits=None,
-            past_key_values=getattr(outputs, "past_key_values", None),
-            hidden_states=getattr(outputs, "hidden_states", None),
-            attentions=getattr(outputs, "attentions", None),
-        )
+        record_ran(FEATURE)
+        fields: dict[str, Any] = {"loss": loss, "logits": None,
+                                  "hidden_states": getattr(outputs, "hidden_states", None),
+                                  "attentions": getattr(outputs, "attentions", None)}
+        cache_field = cache_output_field(CausalLMOutputWithPast)  # past_key_values (5.0-5.23) / cache (5.24)
+        if cache_field is not None:
+            fields[cache_field] = output_cache(outputs)
+        out = CausalLMOutputWithPast(**fields)
         return out.to_tuple() if return_dict is False else out
 
 

@@ -5,6 +5,12 @@ Each module :func:`~hf_ddpfix.integrations.token_wise.is_token_wise` accepts get
 :func:`hf_ddpfix.ops.tiled.tiled_call`. The patch is idempotent, deep-copy safe and undone by
 ``handle.remove()``; it chains with an instance-level forward someone else installed before it.
 
+Counts (:mod:`hf_ddpfix.ops.feature_counts`, feature ``"tiled_mlp"``): ``ran`` = MLP calls that ran
+tiled (forward and checkpoint recompute each count; amount ``shards`` sums their shard counts); a call
+that is not one hidden-states tensor is a fallback with its reason; an input the shard policy leaves
+whole (below ``min_tokens``) is the amount ``untiled_calls``, a synced module's ``no_grad`` call
+``stock_no_grad_calls``.
+
 Usage::
 
     handle = apply_tiled_mlp(model, shards="auto")   # before DDP/FSDP wrapping
@@ -22,6 +28,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..ops.feature_counts import record_amount, record_fallback, record_ran
 from ..ops.tiled import (
     ALLOWED_SETTINGS,
     DEFAULT_MIN_TOKENS,
@@ -37,7 +44,7 @@ from .token_wise import intermediate_size, is_token_wise
 __all__ = ["TiledMLPEntry", "TiledMLPHandle", "apply_tiled_mlp", "remove_tiled_mlp"]
 
 _STATE_ATTR = "_hf_ddpfix_tiled_mlp"
-
+FEATURE = "tiled_mlp"  # the name its counts carry (hf_ddpfix.ops.feature_counts)
 
 
 @dataclass
@@ -81,18 +88,28 @@ class _TiledForward:
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         base = self._base_forward()
         if len(args) + len(kwargs) != 1:
+            record_fallback(FEATURE, f"called with {len(args)} positional and keywords {sorted(kwargs)}, "
+                                     "not one hidden-states tensor")
             return base(*args, **kwargs)
         x = args[0] if args else next(iter(kwargs.values()))
-        if not isinstance(x, torch.Tensor) or x.dim() == 0 or x.numel() == 0:
+        if not isinstance(x, torch.Tensor) or x.dim() == 0:
+            record_fallback(FEATURE, f"input is {type(x).__name__}, not a [..., hidden] tensor")
+            return base(*args, **kwargs)
+        if x.numel() == 0:
+            record_amount(FEATURE, "untiled_calls", 1)
             return base(*args, **kwargs)
         if self.config.sync and not torch.is_grad_enabled():
             # Not a training forward (evaluation, generation), which may run on one rank only: no
             # collective here, or that rank would wait forever for the others' shard counts. Untiled:
             # exactly stock's forward and stock's collectives.
+            record_amount(FEATURE, "stock_no_grad_calls", 1)
             return base(x)
         shards = self.shards_for(x)
-        if shards <= 1:
+        if shards <= 1:  # the shard policy's choice (short input), not a fallback
+            record_amount(FEATURE, "untiled_calls", 1)
             return base(x)
+        record_ran(FEATURE)
+        record_amount(FEATURE, "shards", shards)
         return tiled_call(
             self.module, x, shards, forward=base,
             skip_in_recompute=self.config.skip_in_recompute, stats=self.stats,

@@ -9,7 +9,8 @@ Contract:
 - Readers take :func:`snapshot` (a deep copy) or :func:`as_metrics` (flat ``hf_ddpfix/<feature>/<key>``
   integers, the form the Trainer's metrics carry). :func:`reset` clears the table (tests, a new ``train()``).
 - Pure Python, thread-safe (one lock); no torch, no transformers. Counting never changes what a feature
-  computes.
+  computes. :func:`add_fallback_listener` lets the run operator see each fallback as it is recorded (to
+  warn once, or raise in strict mode); a listener's exception propagates to the feature's call site.
 
 Guarantees: ``snapshot()[f]["ran"]`` is the number of :func:`record_ran` calls' ``n`` since the last reset;
 ``snapshot()[f]["fallbacks"][reason]`` likewise per reason (tested in ``tests/test_feature_counts.py``).
@@ -19,10 +20,12 @@ from __future__ import annotations
 
 import copy
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["FeatureCount", "as_metrics", "record_amount", "record_fallback", "record_ran", "reset", "snapshot"]
+__all__ = ["FeatureCount", "add_fallback_listener", "as_metrics", "record_amount", "record_fallback", "record_ran",
+           "reset", "snapshot"]
 
 
 @dataclass
@@ -45,6 +48,7 @@ class FeatureCount:
 
 _LOCK = threading.Lock()
 _TABLE: dict[str, FeatureCount] = {}
+_LISTENERS: list[Callable[[str, str], None]] = []
 
 
 def _entry(feature: str) -> FeatureCount:
@@ -66,6 +70,23 @@ def record_fallback(feature: str, reason: str, n: int = 1) -> None:
     with _LOCK:
         fb = _entry(feature).fallbacks
         fb[reason] = fb.get(reason, 0) + n
+        listeners = list(_LISTENERS)
+    for listener in listeners:  # outside the lock: a listener may read the table, log or raise
+        listener(feature, reason)
+
+
+def add_fallback_listener(listener: Callable[[str, str], None]) -> Callable[[], None]:
+    """Call ``listener(feature, reason)`` after every :func:`record_fallback`; returns its remover
+    (safe to call twice). Listeners are not cleared by :func:`reset`."""
+    with _LOCK:
+        _LISTENERS.append(listener)
+
+    def remove() -> None:
+        with _LOCK:
+            if listener in _LISTENERS:
+                _LISTENERS.remove(listener)
+
+    return remove
 
 
 def record_amount(feature: str, name: str, n: int) -> None:

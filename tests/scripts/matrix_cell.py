@@ -109,3 +109,5 @@ except Exception as e:
     res.update(ok=False, error=type(e).__name__ + ": " + msg)
 if rank == 0:
     print("CELL " + json.dumps(res), flush=True)
+if dist.is_initialized():  # a gloo group left to interpreter shutdown can abort the process at exit
+    dist.destroy_process_group()

@@ -83,9 +83,10 @@ def check_stats(mode: str, stats: list[dict[str, int]]) -> list[str]:
         "skipped_views": 0,
         "skipped_other": 0,
         "in_flight": 0,
-        # host slabs: step 1 takes one per layer input (no expectation yet) and folds them into one at its
-        # end; later steps reuse that one (HostPool)
-        "pool_allocated": (LAYERS - 1) + (LAYERS > 2) if copied else 0,
+        # host slabs: step 1 grows by exactly each missing layer input (its power-of-two digits); later
+        # steps reuse them (HostPool), and the pool holds exactly the inputs in use at once
+        "pool_allocated": (LAYERS - 1) * LAYER_INPUT_BYTES.bit_count() if copied else 0,
+        "pool_bytes": moved if copied else 0,
     }
     errors = []
     for i, s in enumerate(stats):

@@ -10,13 +10,16 @@ that would fit. :func:`max_tokens` solves the same inequalities for the sequence
 The model of device memory (all bytes):
 
     device = fixed + working_per_token x tokens + kept x layer_bytes
-    host   = slab(offloaded x layer_bytes)        (slab = the host pool's power-of-two main slab)
+    host   = pool(offloaded x layer_bytes)        (pool(n) = n rounded up to max(granule, pow2floor(n)/64),
+                                                   what ``HostPool`` holds for a need of n: <= 1.6% over)
 
 ``fixed`` is what does not grow with tokens (weights, optimizer state, LoRA gradients, allocator
 slack); ``working_per_token`` is the per-token working set of the step outside the stored layer
 inputs: one layer's forward/recompute/backward (the ledger, ``benchmarks/long_context.py --ledger``),
 the prefetched next input and the loss head's chunk. ``min_keep`` inputs always stay on the device
-(the offload keeps the last one; the one being restored also occupies the device).
+(the offload keeps at least the last one). The defaults describe ``ActivationOffload(keep_on_device=
+"auto")``, what the Trainer integration runs: as many inputs as the device allows stay there
+(``max_keep=None``), the host pool holds the offloaded ones at their exact size (rounded to its granule).
 
 Guarantees: pure (no torch, no device query); returns a budget that satisfies both inequalities or
 raises; ``max_tokens`` returns the largest token count for which ``plan_offload_budget`` does not raise.
@@ -26,13 +29,19 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
-__all__ = ["OffloadBudget", "OffloadBudgetError", "max_tokens", "plan_offload_budget"]
+__all__ = ["OffloadBudget", "OffloadBudgetError", "max_tokens", "plan_offload_budget", "pool_bytes"]
 
 GIB = 1 << 30
 
 
-def _pow2ceil(n: int) -> int:
-    return 1 if n <= 1 else 1 << (int(n) - 1).bit_length()
+def pool_bytes(need: int, granule: int = 1 << 20) -> int:
+    """The host bytes ``HostPool`` holds for a need of ``need`` bytes: ``need`` rounded up to
+    ``max(granule, pow2floor(need) / 64)`` (the pool's growth rule; ``tests/test_offload_budget.py``
+    checks the two agree)."""
+    if need <= 0:
+        return 0
+    q = max(int(granule), 1 << max(0, int(need).bit_length() - 1 - 6))
+    return -(-int(need) // q) * q
 
 
 class OffloadBudgetError(ValueError):
@@ -81,9 +90,8 @@ def _check(name: str, value: int | float, low: float = 0) -> None:
         raise ValueError(f"{name}={value!r}: must be a number >= {low}")
 
 
-def _host(offloaded: int, layer_bytes: int, slab_rounding: bool) -> int:
-    raw = offloaded * layer_bytes
-    return _pow2ceil(raw) if slab_rounding and raw else raw
+def _host(offloaded: int, layer_bytes: int, granule: int) -> int:
+    return pool_bytes(offloaded * layer_bytes, granule)
 
 
 def max_tokens(
@@ -96,7 +104,7 @@ def max_tokens(
     working_bytes_per_token: float = 0,
     min_keep: int = 1,
     max_keep: int | None = None,
-    slab_rounding: bool = True,
+    host_granule_bytes: int = 1 << 20,
 ) -> int:
     """The largest token count ``plan_offload_budget`` accepts with these budgets (0 if none).
 
@@ -108,18 +116,18 @@ def max_tokens(
             plan_offload_budget(layers=layers, tokens=t, layer_bytes=t * bytes_per_token_per_layer,
                                 device_budget_bytes=device_budget_bytes, host_budget_bytes=host_budget_bytes,
                                 fixed_device_bytes=fixed_device_bytes, working_bytes_per_token=working_bytes_per_token,
-                                min_keep=min_keep, max_keep=max_keep, slab_rounding=slab_rounding, _search=False)
+                                min_keep=min_keep, max_keep=max_keep, host_granule_bytes=host_granule_bytes, _search=False)
             return True
         except OffloadBudgetError:
             return False
 
     # Feasibility is not monotonic in tokens (the power-of-two slab, the integer count of kept inputs),
     # so solve per kept count k: the device allows T <= (D - fixed) / (w + k x b); the host allows
-    # (layers - k) x b x T <= H (H rounded down to a power of two with slab rounding). The plan keeps
+    # pool((layers - k) x b x T) <= H, so (layers - k) x b x T <= H. The plan keeps
     # the most inputs the device allows, which needs the least host memory, so the answer is the
     # largest min(device bound, host bound) over k; then nudge down until the plan agrees.
     b = int(bytes_per_token_per_layer)
-    host_cap = (1 << (int(host_budget_bytes).bit_length() - 1)) if slab_rounding and host_budget_bytes >= 1 else host_budget_bytes
+    host_cap = host_budget_bytes
     best = 0
     top = int(layers) if max_keep is None else max(min(int(max_keep), int(layers)), min(int(min_keep), int(layers)))
     for k in range(min(int(min_keep), int(layers)), top + 1):
@@ -144,7 +152,7 @@ def plan_offload_budget(
     working_bytes_per_token: float = 0,
     min_keep: int = 1,
     max_keep: int | None = None,
-    slab_rounding: bool = True,
+    host_granule_bytes: int = 1 << 20,
     _search: bool = True,
 ) -> OffloadBudget:
     """Decide how many layer inputs stay on the device; fail early when a budget cannot hold the run.
@@ -158,9 +166,10 @@ def plan_offload_budget(
         fixed_device_bytes: device bytes that do not grow with tokens (weights, optimizer, slack).
         working_bytes_per_token: per-token device working set besides the stored layer inputs.
         min_keep: layer inputs that stay on the device whatever the budget (default 1: the last).
-        max_keep: at most this many stay on the device (``None``: as many as fit). ``ActivationOffload``
-            today keeps exactly the last one, so pass ``max_keep=1`` to model what it will do.
-        slab_rounding: count host bytes as the pool's power-of-two slab (``HostPool``), default True.
+        max_keep: at most this many stay on the device (``None``: as many as fit, what
+            ``ActivationOffload(keep_on_device="auto")`` does; ``max_keep=N`` models ``keep_on_device=N``).
+        host_granule_bytes: the host pool's growth granule (default 1 MiB: the offload's ``min_bytes``);
+            host bytes are counted as ``pool_bytes(offloaded x layer_bytes, host_granule_bytes)``.
 
     Returns:
         ``OffloadBudget``: the most layer inputs the device budget (and ``max_keep``) allows stay on the
@@ -187,7 +196,7 @@ def plan_offload_budget(
         return max_tokens(layers=layers, bytes_per_token_per_layer=per_tok_layer,
                           device_budget_bytes=device_budget_bytes, host_budget_bytes=host_budget_bytes,
                           fixed_device_bytes=fixed_device_bytes, working_bytes_per_token=working_bytes_per_token,
-                          min_keep=min_keep, max_keep=max_keep, slab_rounding=slab_rounding)
+                          min_keep=min_keep, max_keep=max_keep, host_granule_bytes=host_granule_bytes)
 
     need_dev = working + min_keep * layer_bytes
     if need_dev > device_budget_bytes:
@@ -206,13 +215,13 @@ def plan_offload_budget(
         keep = min(keep, int(max_keep))
     keep = max(keep, min_keep)
     offloaded = int(layers) - keep
-    host = _host(offloaded, layer_bytes, slab_rounding)
+    host = _host(offloaded, layer_bytes, host_granule_bytes)
     if host > host_budget_bytes:
         t = longest()
         raise OffloadBudgetError(
             f"host memory budget too small for {tokens} tokens: {offloaded} of {layers} layer inputs "
             f"({layer_bytes / GIB:.2f} GiB each) do not fit on the device and need {host / GIB:.2f} GiB of pinned "
-            f"host memory{' (power-of-two pool slab)' if slab_rounding else ''}, budget {host_budget_bytes / GIB:.2f} GiB. "
+            f"host memory (the pool's granule included), budget {host_budget_bytes / GIB:.2f} GiB. "
             f"Longest sequence that fits both budgets: {t} tokens. Fix: fewer tokens per step or a larger host "
             "budget (the host pool's cap).",
             which="host", needed=host, budget=int(host_budget_bytes), max_tokens=t,

@@ -1,47 +1,48 @@
-"""``HostPool``: a bounded pool of (pinned) host buffers for activation offload.
+"""``HostPool``: a bounded pool of (pinned) host memory for activation offload, held near the need.
 
-Why not one buffer per exact byte size: with dynamic padding every step has a new sequence length,
-so a pool keyed by exact size never reuses a buffer and grows without bound (lengths 100..105 in turn
-gave 3, 6, 9, 12, 15, 18 pooled buffers on torch 2.13). Why not size classes over separate buffers:
-torch's pinned allocator (``CachingHostAllocator``) rounds every pinned block up to a power of two
-and caches freed blocks until ``torch.accelerator.empty_host_cache()``, so per-buffer classes waste
-up to 2x on top of whatever the classes waste, and every dropped buffer stays pinned in torch's cache.
+Why a buffer may be scattered over several pieces: a pool of contiguous buffers must guess a step's
+shape before the step ends. The pool of old sized a step's slab from the previous step's first request
+(dynamic padding scales every layer input alike), and held up to 12.8x the largest step's need during
+a tiny BART step whose source and target lengths vary independently, 4x on a VLM alternating image and
+text batches, up to 1708x with two micro-batches of different lengths per optimizer step (measured in
+simulate mode, CPU). Here a request is served from *any* free bytes: a ``HostBuffer`` is a list of
+extents (usually one), the copy out and back runs once per extent. Nothing is ever "too fragmented",
+so the pool grows only by the bytes missing, never by a guess.
 
-The design here: a few **slabs** whose sizes are powers of two (so torch's rounding adds nothing),
-each sub-allocated exactly (best fit over a free list with coalescing, ``ALIGNMENT``-byte granules).
-An offload step allocates in stack order (forward: layer 0, 1, ...; backward frees in reverse), so
-one slab at least as large as a step's need is reused by every later step of that size or less.
+Why power-of-two slabs: torch's pinned allocator (``CachingHostAllocator``) rounds every block up to
+a power of two and caches freed blocks until ``empty_host_cache()``. The pool allocates what is
+missing as a few power-of-two slabs (the binary digits of the size, rounded to a granule ``q``), so
+torch's rounding adds nothing and the pool's ``held_bytes`` are the pinned bytes torch holds for it.
 
-    need(step)   = the most bytes the step had handed out at once, each buffer rounded up to
-                   ``ALIGNMENT`` (exact for activations whose rows are multiples of 512 bytes, and
-                   < 0.05% above the requested bytes for the >= 1 MiB tensors the offload moves)
-    P            = the largest need of any step so far
+    need(t) = the most bytes in use at once up to moment t (each buffer rounded up to ``ALIGNMENT``)
+    q(n)    = max(granule, pow2floor(n) / 64)   (granule = pow2floor(min_slab_bytes), >= ALIGNMENT)
 
-Sizing: the first ``take`` while nothing is in use (a step or micro-batch starting) sizes the main
-slab for the step it expects: the previous step's need scaled by this request's size over the
-previous step's first request (dynamic padding scales every layer input alike), rounded up to a power
-of two. A request that fits nowhere gets an overflow slab of ``pow2ceil(request)`` (at most 2x its
-bytes). ``end_step()`` folds overflow slabs into one main slab of ``pow2ceil(need)``.
+A ``take`` that finds fewer free bytes than it asks for allocates the ``missing`` bytes rounded up to
+``q(missing)`` (at most ``SLAB_DIGITS`` slabs). ``end_step()`` with nothing in use and more than
+``MAX_SLABS`` slabs re-lays the pool out as the digits of ``need`` rounded up to ``q(need)``.
 
 Usage::
 
     pool = HostPool(pin=True)                   # one per device / copy stream
-    buf = pool.take(nbytes)                     # uint8 [nbytes] host view, or None (cap reached)
-    ...                                         # copy into it, copy back out
-    pool.give(buf)                              # back to the free list (exactly once)
-    pool.end_step()                             # after each step: records the need, consolidates
+    buf = pool.take(nbytes)                     # HostBuffer of exactly nbytes, or None (cap / host refused)
+    buf.copy_from(dev_bytes)                    # device uint8 [nbytes] -> host (per extent)
+    buf.copy_to(dev_bytes)                      # host -> device
+    pool.give(buf)                              # back to the free lists (exactly once)
+    pool.end_step()                             # after each step
 
-Guarantees (``tests/test_host_pool.py``):
-    - After every ``end_step()`` with nothing in use, ``held_bytes <= max(2 * P, min_slab_bytes)``.
-    - ``held_bytes`` never exceeds ``max_bytes``; a request that does not fit under the cap even after
-      every idle slab is released returns ``None`` (the caller keeps its tensor where it is).
-    - A failed pinned allocation (host out of memory, locked-memory limit) releases idle slabs and
-      torch's cached pinned blocks, retries once with the smallest slab that fits, else returns ``None``.
-    - Host pressure (pinned pools by default): a new slab that would leave less than ``min_free_fraction``
-      of physical memory available (``MemAvailable``, Linux; read by ``ops/offload/host_memory.py``) is not
-      allocated; idle slabs are released first, then the request is refused (``None``) rather than
-      pushing the host into swap or the OOM killer.
-    - Buffers handed out never overlap; ``give`` of a buffer not from this pool raises ``ValueError``.
+Guarantees (``tests/test_host_pool.py``, ``tests/test_offload_shapes.py``):
+    - At **every** moment ``held_bytes <= need(t) + max(granule, need(t) / 64)``, so ``<= 2 x need(t)``
+      whenever one request so far was at least one granule (the offload's requests are >= its
+      ``min_bytes``, the granule) -- whatever the order and sizes of the requests, across steps and
+      micro-batches. ``stats.peak_held_bytes`` and ``stats.max_held_over_need`` record it.
+    - ``held_bytes`` never exceeds ``max_bytes``; a request that does not fit under it returns ``None``
+      (the caller keeps its tensor where it is).
+    - A failed pinned allocation (host out of memory, locked-memory limit) releases torch's cached
+      pinned blocks, retries once, else returns ``None`` (a growth is all or nothing).
+    - Host pressure (pinned pools by default): a new slab that would leave less than
+      ``min_free_fraction`` of physical memory available (``MemAvailable``, Linux; read by
+      ``ops/offload/host_memory.py``) is not allocated and the request is refused (``None``).
+    - Extents handed out never overlap; ``give`` of a buffer not from this pool raises ``ValueError``.
     - Thread-safe (autograd runs unpack hooks on its device threads).
 """
 
@@ -64,6 +65,9 @@ from .host_memory import (
 __all__ = [
     "ALIGNMENT",
     "DEFAULT_HOST_FRACTION",
+    "MAX_SLABS",
+    "SLAB_DIGITS",
+    "HostBuffer",
     "HostPool",
     "HostPoolStats",
     "default_max_bytes",
@@ -71,9 +75,16 @@ __all__ = [
     "pow2ceil",
 ]
 
-# Sub-allocations start on 512-byte boundaries: DMA engines and vectorised host copies want at least
-# 256-byte alignment; 512 keeps the waste per buffer below 0.05% for the >= 1 MiB tensors offloaded.
-ALIGNMENT = 512
+# Extents start on 64-byte boundaries (a cache line; DMA engines copy any alignment, vectorised host
+# copies want 64). Activation rows are multiples of 64 bytes for every hidden size >= 32 in bf16.
+ALIGNMENT = 64
+
+# Growth is rounded to 1/64 of its size: at most 1.6% over the missing bytes, at most 7 slabs per growth.
+_DIGIT_SHIFT = 6
+SLAB_DIGITS = _DIGIT_SHIFT + 1
+
+# More slabs than this after a step (many small growths) -> re-laid out as the digits of the need.
+MAX_SLABS = 16
 
 
 def pow2ceil(n: int) -> int:
@@ -81,8 +92,16 @@ def pow2ceil(n: int) -> int:
     return 1 if n <= 1 else 1 << (int(n) - 1).bit_length()
 
 
+def _pow2floor(n: int) -> int:
+    return 1 << (int(n).bit_length() - 1) if n >= 1 else 0
+
+
 def _align(n: int) -> int:
     return -(-int(n) // ALIGNMENT) * ALIGNMENT
+
+
+def _round_up(n: int, q: int) -> int:
+    return -(-int(n) // q) * q
 
 
 @dataclass
@@ -94,14 +113,16 @@ class HostPoolStats:
     in_use_bytes: int = 0  # requested bytes of the buffers handed out and not given back
     in_use_buffers: int = 0
     step_need_bytes: int = 0  # most requested bytes in use at once since the last end_step()
-    need_bytes: int = 0  # P: the largest step need so far
+    need_bytes: int = 0  # the largest step need so far (requested bytes)
     peak_held_bytes: int = 0  # largest held_bytes ever
+    max_held_over_need: float = 0.0  # largest held_bytes / need(t) at any moment (<= 2 by the guarantee)
     slab_allocations: int = 0  # slabs ever allocated (cumulative; flat once the pool is warm)
-    slab_releases: int = 0  # slabs ever released (consolidation, pressure, cap, clear)
+    slab_releases: int = 0  # slabs ever released (re-layout, clear, a failed growth)
     takes: int = 0
+    extents: int = 0  # extents handed out (== takes when every buffer is contiguous)
     refused: int = 0  # takes answered None (cap reached or host allocation failed)
 
-    def as_dict(self) -> dict[str, int]:
+    def as_dict(self) -> dict[str, int | float]:
         return asdict(self)
 
 
@@ -115,14 +136,6 @@ class _Slab:
         self.size = int(tensor.numel())
         self.free: list[list[int]] = [[0, self.size]]
         self.used = 0  # aligned bytes handed out from this slab
-
-    def best_fit(self, n: int) -> int | None:
-        """Index into ``free`` of the smallest range that holds ``n`` bytes (None: none does)."""
-        best, best_size = None, None
-        for i, (_, size) in enumerate(self.free):
-            if size >= n and (best_size is None or size < best_size):
-                best, best_size = i, size
-        return best
 
     def cut(self, i: int, n: int) -> int:
         off, size = self.free[i]
@@ -146,25 +159,56 @@ class _Slab:
     def idle(self) -> bool:
         return self.used == 0
 
-    @property
-    def largest_free(self) -> int:
-        return max((s for _, s in self.free), default=0)
+
+class HostBuffer:
+    """``nbytes`` of host memory handed out by a ``HostPool``: one or more uint8 extents, in order.
+
+    Guarantees: ``sum(e.numel() for e in extents) == nbytes``; the extents overlap no other buffer.
+    """
+
+    __slots__ = ("extents", "nbytes", "_pieces", "__weakref__")
+
+    def __init__(self, extents: list[torch.Tensor], pieces: list[tuple[_Slab, int, int]], nbytes: int) -> None:
+        self.extents = extents
+        self.nbytes = nbytes
+        self._pieces = pieces  # (slab, offset, aligned length) per extent
+
+    def copy_from(self, src: torch.Tensor, non_blocking: bool = False) -> None:
+        """Copy a uint8 tensor of ``nbytes`` elements (any device) into the extents."""
+        off = 0
+        for e in self.extents:
+            e.copy_(src[off : off + e.numel()], non_blocking=non_blocking)
+            off += e.numel()
+
+    def copy_to(self, dst: torch.Tensor, non_blocking: bool = False) -> None:
+        """Copy the extents into a uint8 tensor of ``nbytes`` elements (any device)."""
+        off = 0
+        for e in self.extents:
+            dst[off : off + e.numel()].copy_(e, non_blocking=non_blocking)
+            off += e.numel()
+
+    def to_tensor(self) -> torch.Tensor:
+        """The bytes as one new (unpinned) CPU uint8 tensor."""
+        out = torch.empty(self.nbytes, dtype=torch.uint8)
+        self.copy_to(out)
+        return out
 
 
 class HostPool:
-    """Bounded host buffers sub-allocated from power-of-two slabs (see the module docstring).
+    """Bounded host memory served from power-of-two slabs (see the module docstring).
 
     Args:
         pin: allocate page-locked memory (needed for asynchronous device copies; False on CPU runs).
         max_bytes: cap on ``held_bytes`` (default: ``default_max_bytes()``, a quarter of physical
             memory per local process; ``None`` when that cannot be read means no cap).
-        min_slab_bytes: smallest slab allocated (default 1 MiB, the offload's smallest tensor).
+        min_slab_bytes: the growth granule is ``pow2floor(min_slab_bytes)`` (at least ``ALIGNMENT``);
+            the offload passes its ``min_bytes`` (default 1 MiB), the smallest tensor it moves.
         min_free_fraction: never allocate a slab that leaves less than this fraction of physical memory
             available (default: 0.1 for pinned memory, which cannot be swapped out; 0 for plain memory;
             0 turns the check off).
 
     Raises:
-        ValueError: ``max_bytes`` or ``min_slab_bytes`` negative.
+        ValueError: ``max_bytes`` or ``min_slab_bytes`` negative, ``min_free_fraction`` outside [0, 1).
     """
 
     def __init__(self, *, pin: bool, max_bytes: int | None | str = "default", min_slab_bytes: int = 1 << 20,
@@ -183,15 +227,13 @@ class HostPool:
         self.pin = pin
         self.max_bytes = None if max_bytes is None else int(max_bytes)
         self.min_slab_bytes = int(min_slab_bytes)
+        self.granule = max(ALIGNMENT, _pow2floor(int(min_slab_bytes)))
         self._slabs: list[_Slab] = []
-        self._owner: dict[int, tuple[_Slab, int, int, int]] = {}  # data_ptr -> (slab, off, aligned, requested)
+        self._owner: dict[int, HostBuffer] = {}  # id -> buffer handed out
         self._lock = threading.Lock()
         self._aligned_in_use = 0  # in_use_bytes with each buffer rounded up to ALIGNMENT
-        self._step_aligned_need = 0
-        self._max_aligned_need = 0  # P with every buffer rounded up to ALIGNMENT
-        self._last_need = 0  # aligned need of the last step that took anything
-        self._last_first = 0  # its first request
-        self._first = 0  # this step's first request
+        self._free = 0  # free bytes over every slab
+        self._max_aligned_need = 0  # need(t)
         self.stats = HostPoolStats()
 
     # ------------------------------------------------------------------ public
@@ -200,10 +242,16 @@ class HostPool:
     def held_bytes(self) -> int:
         return self.stats.held_bytes
 
-    def take(self, nbytes: int) -> torch.Tensor | None:
-        """A uint8 host tensor of exactly ``nbytes`` elements, or None when the cap or the host refuses.
+    @property
+    def need_aligned_bytes(self) -> int:
+        """need(t): the most ALIGNMENT-rounded bytes in use at once so far."""
+        return self._max_aligned_need
 
-        Guarantees: never overlaps another buffer in use; contents are undefined.
+    def take(self, nbytes: int) -> HostBuffer | None:
+        """A ``HostBuffer`` of exactly ``nbytes``, or None when the cap or the host refuses.
+
+        Guarantees: never overlaps another buffer in use; contents are undefined; afterwards
+        ``held_bytes <= need(t) + max(granule, need(t) / 64)``.
         """
         n = int(nbytes)
         if n <= 0:
@@ -212,64 +260,57 @@ class HostPool:
         with self._lock:
             st = self.stats
             st.takes += 1
-            if st.in_use_buffers == 0:
-                self._size_main_for_step(n)
-            if not self._first:
-                self._first = n
-            slab, off = self._fit(a)
-            if slab is None:
-                slab = self._grow(a, self._slab_size(a))
-                if slab is None:
-                    st.refused += 1
-                    return None
-                off = slab.cut(0, a)
-            buf = slab.tensor[off : off + n]
-            self._owner[buf.data_ptr()] = (slab, off, a, n)
+            if self._free < a and not self._grow(a - self._free):
+                st.refused += 1
+                return None
+            pieces = self._gather(a)
+            extents, left = [], n
+            for slab, off, length in pieces:
+                k = min(length, left)
+                extents.append(slab.tensor[off : off + k])
+                left -= k
+            buf = HostBuffer(extents, pieces, n)
+            self._owner[id(buf)] = buf
+            st.extents += len(pieces)
             st.in_use_bytes += n
             st.in_use_buffers += 1
             self._aligned_in_use += a
-            self._step_aligned_need = max(self._step_aligned_need, self._aligned_in_use)
-            self._max_aligned_need = max(self._max_aligned_need, self._step_aligned_need)
+            self._max_aligned_need = max(self._max_aligned_need, self._aligned_in_use)
             st.step_need_bytes = max(st.step_need_bytes, st.in_use_bytes)
             st.need_bytes = max(st.need_bytes, st.step_need_bytes)
+            st.max_held_over_need = max(st.max_held_over_need, st.held_bytes / self._max_aligned_need)
             return buf
 
-    def give(self, buf: torch.Tensor) -> None:
+    def give(self, buf: HostBuffer) -> None:
         """Return a buffer from ``take`` (exactly once).
 
         Raises:
             ValueError: ``buf`` is not a buffer of this pool currently handed out.
         """
         with self._lock:
-            entry = self._owner.pop(buf.data_ptr(), None)
-            if entry is None:
+            if self._owner.pop(id(buf), None) is not buf:
                 raise ValueError("HostPool.give: not a buffer handed out by this pool (or given twice)")
-            slab, off, a, n = entry
-            slab.put_back(off, a)
-            self.stats.in_use_bytes -= n
+            for slab, off, length in buf._pieces:
+                slab.put_back(off, length)
+                self._free += length
+            self.stats.in_use_bytes -= buf.nbytes
             self.stats.in_use_buffers -= 1
-            self._aligned_in_use -= a
+            self._aligned_in_use -= sum(length for _, _, length in buf._pieces)
 
     def end_step(self) -> None:
-        """Close a step: record its need, fold overflow slabs into one, keep ``held <= 2 * P``.
+        """Close a step; with nothing in use and more than ``MAX_SLABS`` slabs, re-lay the pool out as
+        the power-of-two digits of need(t) rounded up to q(need).
 
-        Guarantees: with nothing in use afterwards, at most one slab remains and
-        ``held_bytes <= max(2 * P, min_slab_bytes)``.
+        Guarantees: afterwards ``held_bytes <= need(t) + max(granule, need(t) / 64)`` still (at most
+        ``SLAB_DIGITS`` slabs after a re-layout).
         """
         with self._lock:
             st = self.stats
-            if self._step_aligned_need:
-                self._last_need, self._last_first = self._step_aligned_need, self._first
-            self._first = 0
             st.step_need_bytes = st.in_use_bytes
-            self._step_aligned_need = self._aligned_in_use
-            if st.in_use_buffers:
-                return  # a graph kept alive past the step still holds buffers: consolidate later
-            target = self._slab_size(self._last_need) if self._last_need else 0
-            if len(self._slabs) > 1 or (self._slabs and self._slabs[0].size > max(target, 2 * self._max_aligned_need)):
-                self._drop_idle()
-                if target:
-                    self._grow(target, target)
+            if st.in_use_buffers or len(self._slabs) <= MAX_SLABS:
+                return  # a graph kept alive past the step still holds buffers: re-lay out later
+            self._drop_idle()
+            self._allocate_digits(self._rounded(self._max_aligned_need))  # within the bound by construction
 
     def clear(self) -> None:
         """Release every idle slab (buffers in use stay valid and are freed when given back)."""
@@ -278,77 +319,88 @@ class HostPool:
 
     # ------------------------------------------------------------------ internals (lock held)
 
-    def _slab_size(self, a: int) -> int:
-        return pow2ceil(max(a, self.min_slab_bytes))
+    def _rounded(self, n: int) -> int:
+        """``n`` rounded up to q(n) = max(granule, pow2floor(n) >> 6)."""
+        return _round_up(n, max(self.granule, _pow2floor(n) >> _DIGIT_SHIFT)) if n > 0 else 0
 
-    def _fit(self, a: int) -> tuple[_Slab | None, int | None]:
-        best_slab, best_i, best_size = None, None, None
+    def _gather(self, a: int) -> list[tuple[_Slab, int, int]]:
+        """Cut ``a`` free bytes: the smallest single range that holds them, else the largest ranges first."""
+        best = None
         for slab in self._slabs:
-            i = slab.best_fit(a)
-            if i is not None and (best_size is None or slab.free[i][1] < best_size):
-                best_slab, best_i, best_size = slab, i, slab.free[i][1]
-        if best_slab is None or best_i is None:
-            return None, None
-        return best_slab, best_slab.cut(best_i, a)
+            for i, (_, size) in enumerate(slab.free):
+                if size >= a and (best is None or size < best[2]):
+                    best = (slab, i, size)
+        if best is not None:
+            slab, i, _ = best
+            self._free -= a
+            return [(slab, slab.cut(i, a), a)]
+        ranges = sorted(((size, off, slab) for slab in self._slabs for off, size in slab.free),
+                        key=lambda r: -r[0])
+        pieces, left = [], a
+        for size, off, slab in ranges:
+            k = min(size, left)
+            i = bisect.bisect_left(slab.free, [off, 0])
+            pieces.append((slab, slab.cut(i, k), k))
+            left -= k
+            if not left:
+                break
+        self._free -= a
+        return pieces
 
-    def _size_main_for_step(self, n: int) -> None:
-        """Nothing in use: make sure one slab can hold what this step is expected to need."""
-        if not self._last_need or not self._last_first:
-            return
-        expect = _align(self._last_need * n // self._last_first)
-        if any(s.largest_free >= expect for s in self._slabs):
-            return
-        size = self._slab_size(expect)
-        if self.max_bytes is not None and size > self.max_bytes:
-            return  # let the requests come one by one under the cap
-        self._drop_idle()
-        self._grow(size, size)
+    def _grow(self, missing: int) -> bool:
+        """Allocate ``missing`` bytes rounded up to q (power-of-two slabs) under the cap; False if not."""
+        size = self._rounded(missing)
+        if self.max_bytes is not None and self.stats.held_bytes + size > self.max_bytes:
+            size = _round_up(missing, self.granule)  # the finest growth may still fit under the cap
+            if self.stats.held_bytes + size > self.max_bytes:
+                return False
+        return self._allocate_digits(size)
+
+    def _allocate_digits(self, size: int) -> bool:
+        """Add slabs whose sizes are the binary digits of ``size``; all or nothing."""
+        digits = [1 << b for b in range(size.bit_length()) if size >> b & 1]
+        made: list[_Slab] = []
+        for d in sorted(digits, reverse=True):
+            tensor = self._allocate(d)
+            if tensor is None:
+                for slab in made:  # all or nothing: a half-grown pool would only hold more bytes
+                    self._slabs.remove(slab)
+                    self._account(-slab.size, released=True)
+                return False
+            slab = _Slab(tensor)
+            made.append(slab)
+            self._slabs.append(slab)
+            self._account(slab.size)
+            self.stats.slab_allocations += 1
+        return True
+
+    def _account(self, size: int, released: bool = False) -> None:
+        st = self.stats
+        st.held_bytes += size
+        self._free += size
+        st.slabs = len(self._slabs)
+        st.peak_held_bytes = max(st.peak_held_bytes, st.held_bytes)
+        if released:
+            st.slab_releases += 1
 
     def _drop_idle(self) -> None:
-        before = len(self._slabs)
-        kept = [s for s in self._slabs if not s.idle]
-        dropped = before - len(kept)
-        if not dropped:
+        idle = [s for s in self._slabs if s.idle]
+        if not idle:
             return
-        self._slabs = kept
-        self.stats.slab_releases += dropped
-        self.stats.slabs = len(kept)
-        self.stats.held_bytes = sum(s.size for s in kept)
+        self._slabs = [s for s in self._slabs if not s.idle]
+        for slab in idle:
+            self._account(-slab.size, released=True)
         if self.pin:
             release_torch_host_cache()
 
     def _allocate(self, size: int) -> torch.Tensor | None:
-        if leaves_too_little(size, self.min_free_fraction):  # host pressure: give back what is idle, then look again
-            self._drop_idle()
-            if leaves_too_little(size, self.min_free_fraction):
-                return None
+        if leaves_too_little(size, self.min_free_fraction):  # host pressure: refuse rather than swap
+            return None
         try:
             return torch.empty(size, dtype=torch.uint8, pin_memory=self.pin)
-        except RuntimeError:  # pinned allocation failed: release what we can and retry once
-            self._drop_idle()
+        except RuntimeError:  # pinned allocation failed: release torch's cached pinned blocks, retry once
             release_torch_host_cache()
             try:
                 return torch.empty(size, dtype=torch.uint8, pin_memory=self.pin)
             except RuntimeError:
                 return None
-
-    def _grow(self, a: int, size: int) -> _Slab | None:
-        """Add a slab of ``size`` bytes (or the smallest that holds ``a``) under the cap; None if not."""
-        smallest = self._slab_size(a)
-        for want in dict.fromkeys((size, smallest)):
-            if self.max_bytes is not None and self.stats.held_bytes + want > self.max_bytes:
-                self._drop_idle()
-                if self.stats.held_bytes + want > self.max_bytes:
-                    continue
-            tensor = self._allocate(want)
-            if tensor is None:
-                continue
-            slab = _Slab(tensor)
-            self._slabs.append(slab)
-            st = self.stats
-            st.slab_allocations += 1
-            st.slabs = len(self._slabs)
-            st.held_bytes += slab.size
-            st.peak_held_bytes = max(st.peak_held_bytes, st.held_bytes)
-            return slab
-        return None

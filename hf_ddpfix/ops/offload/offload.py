@@ -27,7 +27,9 @@ run would move are counted in ``stats.would_offload_bytes``.
 Which storages move, and whether a step copies at all (under the plan's ``auto`` policy only when its
 largest checkpoint input is >= 64 MiB, where the copy hides behind the layer's compute on an H100, or
 under device memory pressure) is ``ops/offload/policy.py``; the counters are ``ops/offload/stats.py``. This module is the
-saved-tensor hook pair and the step's bookkeeping: packing order, dedupe, keep-last and prefetch.
+saved-tensor hook pair and the step's bookkeeping: packing order, dedupe, keep-N and prefetch. What
+really happened is also counted in ``ops/feature_counts.py`` under ``"offload"``: ``ran`` per step
+that copied, amounts ``copies`` / ``bytes`` / ``kept`` / ``policy_skips``, fallbacks with their reason.
 """
 
 from __future__ import annotations
@@ -35,13 +37,15 @@ from __future__ import annotations
 import contextlib
 import threading
 import weakref
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
 from torch import nn
 
 from ..._compat import storage_weak_ref
+from ..feature_counts import record_amount, record_fallback, record_ran
+from .budget import OffloadBudgetError, plan_offload_budget
 from .policy import (
     DEFAULT_MIN_BYTES,
     DEFAULT_MIN_LAYER_BYTES,
@@ -62,6 +66,11 @@ __all__ = [
     "OffloadStats",
     "accelerator_available",
 ]
+
+
+FEATURE = "offload"  # the name in ops/feature_counts.py
+NO_ACCELERATOR = "no accelerator: activations already in host memory"
+POOL_REFUSED = "host pool refused (max_pool_bytes or a failed pinned allocation): kept on the device"
 
 
 class _Handle:
@@ -85,8 +94,13 @@ class ActivationOffload:
         min_bytes: storages smaller than this stay where they are (default 1 MiB).
         module: optional model whose parameters and buffers are never offloaded (their storages are
             collected when each ``step()`` begins); ``nn.Parameter`` and views of one are always skipped.
-        keep_last: keep the last packed checkpoint's inputs on the device (default True: the backward
-            needs them first, so copying them out and back only costs time).
+        keep_on_device: how many checkpoints' inputs, the last packed ones, stay on the device (default
+            1: the backward needs the last one first, so copying it out and back only costs time). An
+            int >= 1, or ``"auto"``: before each step, ``plan_offload_budget`` (``ops/offload/budget.py``)
+            decides N from the device memory the previous step used (sampled from the caching allocator
+            when its backward began) and the previous step's number and size of layer inputs: as many
+            as fit under ``pressure_fraction`` of the device stay (fewest copies). Off CUDA ``"auto"``
+            keeps 1 unless ``device_memory`` is given.
         prefetch: while a restored tensor is used, copy the previous one back ahead of time (default True).
         min_layer_bytes: copy a storage only when it has at least this many bytes, unless the device is
             under memory pressure (default 0: always; the plan's ``auto`` policy passes
@@ -98,11 +112,13 @@ class ActivationOffload:
             of physical memory per local process, ``HostPool``'s default; None: no cap). At the cap a
             storage stays on the device (``stats.skipped_pool``).
         simulate: run the copying state machine on CPU tensors too (plain host buffers, no streams), so
-            tests exercise pool, dedupe, views, keep-last, prefetch and bit-identity without a GPU.
+            tests exercise pool, dedupe, views, keep-N, prefetch and bit-identity without a GPU.
+        device_memory: ``f(device) -> (allocated_bytes, total_bytes)`` read by ``keep_on_device="auto"``
+            (default: the CUDA caching allocator's host-side counters; tests pass a fake device).
 
     Raises:
-        ValueError: a negative ``min_bytes`` / ``min_layer_bytes`` / ``max_pool_bytes``, or a
-            ``pressure_fraction`` outside (0, 1].
+        ValueError: a negative ``min_bytes`` / ``min_layer_bytes`` / ``max_pool_bytes``, a
+            ``pressure_fraction`` outside (0, 1], or ``keep_on_device`` not an int >= 1 nor ``"auto"``.
 
     Guarantees:
         - Outside an active ``step()`` the hooks are not installed: forward and backward are stock.
@@ -110,8 +126,10 @@ class ActivationOffload:
           copied; a storage packed several times in a step (by one checkpoint or by several, e.g. an
           encoder output passed to every decoder layer) is copied out once and back once, and every
           view is restored with its exact dtype, offset, size and stride (bit-identical values).
-        - The host pools stay bounded for any sequence of shapes (``HostPool``'s guarantees: after each
-          step at most twice the most bytes any step had in use at once, never above the cap).
+        - The host pools stay bounded for any sequence of shapes, at every moment (``HostPool``: at most
+          the most bytes in use at once so far plus max(``min_bytes``, 1/64 of them), so at most twice
+          them; never above the cap).
+        - The last ``keep_on_device`` checkpoints' inputs of a step are never copied (``stats.kept_*``).
         - On CPU tensors (``simulate=False``) nothing is copied or pinned; bytes are only counted.
         - On exit from ``step()``: the compute stream is ordered after every side-stream copy (a
           GPU-side wait: the host thread is not blocked) and each host buffer no longer needed by a
@@ -126,17 +144,26 @@ class ActivationOffload:
         min_bytes: int = DEFAULT_MIN_BYTES,
         *,
         module: nn.Module | None = None,
-        keep_last: bool = True,
+        keep_on_device: int | str = 1,
         prefetch: bool = True,
         min_layer_bytes: int = 0,
         pressure_fraction: float = DEFAULT_PRESSURE_FRACTION,
         max_pool_bytes: int | None | str = "default",
         simulate: bool = False,
+        device_memory: Callable[[torch.device], tuple[int, int]] | None = None,
     ) -> None:
         self._policy = OffloadPolicy(min_bytes, min_layer_bytes, pressure_fraction)
         if max_pool_bytes != "default" and max_pool_bytes is not None and int(max_pool_bytes) < 0:
             raise ValueError(f"max_pool_bytes must be >= 0, None or 'default', got {max_pool_bytes}")
-        self.keep_last = keep_last
+        if keep_on_device != "auto" and (
+            isinstance(keep_on_device, bool) or not isinstance(keep_on_device, int) or keep_on_device < 1
+        ):
+            raise ValueError(f"keep_on_device must be an int >= 1 or 'auto', got {keep_on_device!r}")
+        self.keep_auto = keep_on_device == "auto"
+        self.keep_on_device = 1 if self.keep_auto else int(keep_on_device)  # this step's N
+        self._device_memory = device_memory
+        self._sampled: tuple[int, int] | None = None  # (allocated, total) when this step's backward began
+        self._last_facts: tuple[int, int, int, tuple[int, int]] | None = None  # layers, layer bytes, kept, sample
         self.prefetch = prefetch
         self.simulate = simulate
         self._module_ref = weakref.ref(module) if module is not None else None
@@ -145,7 +172,8 @@ class ActivationOffload:
         self._active = False
         self._records: weakref.WeakValueDictionary[int, StorageRecord] = weakref.WeakValueDictionary()
         self._order: list[weakref.ref[StorageRecord]] = []
-        self._pending: list[StorageRecord] = []
+        self._pending: list[list[StorageRecord]] = []  # per pack scope, oldest first: not yet offloaded
+        self._scopes: list[int] = []  # per pack scope of this step: bytes of the storages it recorded
         self.stats = OffloadStats()
 
     # ------------------------------------------------------------------ public contexts
@@ -194,9 +222,26 @@ class ActivationOffload:
         if not self._active:
             yield
             return
-        self._flush_pending()
+        with self._lock:
+            self._flush_pending()
+            self._pending.append([])
+            self._scopes.append(0)
         with torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
             yield
+
+    def set_max_pool_bytes(self, max_bytes: int | None) -> None:
+        """Cap each device's host pool at ``max_bytes`` (None: no cap), for pools made from now on and
+        those already made (a pool above the new cap keeps its buffers and refuses to grow).
+
+        Raises:
+            ValueError: a negative ``max_bytes``.
+        """
+        if max_bytes is not None and int(max_bytes) < 0:
+            raise ValueError(f"max_pool_bytes must be >= 0 or None, got {max_bytes}")
+        with self._lock:
+            self._transfers.max_pool_bytes = max_bytes
+            for pool in self._transfers.pools.values():
+                pool.max_bytes = None if max_bytes is None else int(max_bytes)
 
     def clear_pool(self) -> None:
         """Release every idle host slab (e.g. before a phase that needs host memory)."""
@@ -212,14 +257,24 @@ class ActivationOffload:
         self._records = weakref.WeakValueDictionary()
         self._order = []
         self._pending = []
+        self._scopes = []
+        if self.keep_auto:
+            self.keep_on_device = self._auto_keep()
+        self.stats.keep_on_device = self.keep_on_device
+        self._sampled = None
         self._active = True
 
     def _end(self) -> None:
         with self._lock:
             self._active = False
-            for rec in self._pending:
-                self._count_kept(rec)
+            for scope in self._pending:
+                for rec in scope:
+                    self._count_kept(rec)
             self._pending = []
+            layers = sum(1 for b in self._scopes if b)
+            if layers and self._sampled is not None:
+                self._last_facts = (layers, max(self._scopes), self.keep_on_device, self._sampled)
+            self._scopes = []
             pools = self._transfers.end_step()
             in_flight = 0
             for ref in self._order:
@@ -231,15 +286,44 @@ class ActivationOffload:
             st = self.stats
             st.in_flight = in_flight
             st.steps += 1
+            if st.offloaded_tensors:
+                record_ran(FEATURE)
             st.pool_buffers = sum(p.in_use_buffers for p in pools)
             st.pool_bytes = sum(p.held_bytes for p in pools)
             st.pool_need_bytes = sum(p.need_bytes for p in pools)
             st.pool_peak_bytes = sum(p.peak_held_bytes for p in pools)
+            st.pool_max_held_over_need = max((p.max_held_over_need for p in pools), default=0.0)
             st.pool_allocated = sum(p.slab_allocations for p in pools)
+
+    def _read_device_memory(self, device: torch.device) -> tuple[int, int] | None:
+        """(allocated, total) bytes of ``device`` from host-side counters (no sync); None if unknown."""
+        if not self.keep_auto:
+            return None
+        if self._device_memory is not None:
+            return self._device_memory(device)
+        if device.type != "cuda":
+            return None
+        idx = device.index if device.index is not None else torch.cuda.current_device()
+        return torch.cuda.memory_allocated(idx), torch.cuda.get_device_properties(idx).total_memory
+
+    def _auto_keep(self) -> int:
+        """N for the step about to begin, from the previous step's facts (1 before the first step)."""
+        if self._last_facts is None:
+            return 1
+        layers, layer_bytes, kept, (allocated, total) = self._last_facts
+        fixed = max(0, allocated - min(kept, layers) * layer_bytes)  # what the forward held besides kept inputs
+        try:
+            budget = plan_offload_budget(layers=layers, tokens=1, layer_bytes=layer_bytes,
+                                         device_budget_bytes=int(self.pressure_fraction * total),
+                                         host_budget_bytes=1 << 62, fixed_device_bytes=fixed)
+        except OffloadBudgetError:
+            return 1  # the device is short even with one input kept: offload everything we can
+        return max(1, budget.keep_on_device)
 
     def _count_kept(self, rec: StorageRecord) -> None:
         self.stats.kept_tensors += 1
         self.stats.kept_bytes += rec.nbytes
+        record_amount(FEATURE, "kept", 1)
 
     def _copies(self, device: torch.device) -> bool:
         """True when tensors on ``device`` are really copied (CUDA, or CPU under ``simulate``)."""
@@ -272,31 +356,42 @@ class ActivationOffload:
                 nbytes = t.untyped_storage().nbytes()
                 if not self._policy.pays(nbytes, t.device, st):
                     st.skipped_policy += 1
+                    record_amount(FEATURE, "policy_skips", 1)
                     return t
                 rec = StorageRecord(len(self._order), nbytes, t.device, ref)
                 if copies:
                     rec.watch(t)
                 self._records[ref.cdata] = rec
                 self._order.append(weakref.ref(rec))
-                self._pending.append(rec)
+                if self._pending:
+                    self._pending[-1].append(rec)
+                    self._scopes[-1] += nbytes
             return _Handle(rec, t, keep_tensor=not copies)
 
     def _flush_pending(self) -> None:
-        """Start moving the previous scope's storages to the host (or count them, on CPU)."""
+        """Start moving to the host (or count, on CPU) the storages of every scope but the last
+        ``keep_on_device - 1`` (the scope about to begin is the N-th kept)."""
         with self._lock:
-            pending, self._pending = self._pending, []
-            for rec in pending:
+            keep = max(0, self.keep_on_device - 1)
+            moving = self._pending[: len(self._pending) - keep] if len(self._pending) > keep else []
+            self._pending = self._pending[len(moving):]
+            for rec in (r for scope in moving for r in scope):
                 if rec.used or rec.ref.expired():
                     continue  # already consumed by a backward (gradient accumulation) or freed
                 self.stats.would_offload_bytes += rec.nbytes
                 if self._copies(rec.device):
                     self._offload(rec)
+                else:
+                    record_fallback(FEATURE, NO_ACCELERATOR)
 
     def _offload(self, rec: StorageRecord) -> None:
         if self._transfers.offload(rec):
             self.stats.offloaded_tensors += 1
             self.stats.offloaded_bytes += rec.nbytes
+            record_amount(FEATURE, "copies", 1)
+            record_amount(FEATURE, "bytes", rec.nbytes)
         else:  # the pool's cap or a failed pinned allocation: it stays on the device
+            record_fallback(FEATURE, POOL_REFUSED)
             self.stats.skipped_pool += 1
             self.stats.would_offload_bytes -= rec.nbytes
 
@@ -322,9 +417,13 @@ class ActivationOffload:
         with self._lock:
             if not rec.used:
                 rec.used = True
-                if rec in self._pending:  # the backward reached the last scope: it stays on device
-                    self._pending.remove(rec)
-                    self._count_kept(rec)
+                if self._sampled is None and self._active:  # the backward begins: the forward's peak
+                    self._sampled = self._read_device_memory(rec.device)
+                for scope in self._pending:  # the backward reached a kept scope: it stays on device
+                    if rec in scope:
+                        scope.remove(rec)
+                        self._count_kept(rec)
+                        break
             if packed.tensor is not None:
                 return packed.tensor
             if rec.state == ON_HOST:

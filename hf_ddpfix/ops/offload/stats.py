@@ -45,6 +45,8 @@ class OffloadStats:
     pool_bytes: int = 0  # host bytes the pools hold at step exit (slabs, in use or idle)
     pool_need_bytes: int = 0  # the most host bytes any step had in use at once (the pools' P)
     pool_peak_bytes: int = 0  # the most host bytes the pools ever held
+    pool_max_held_over_need: float = 0.0  # the pools' largest held / need at any moment (<= 2, HostPool)
+    keep_on_device: int = 0  # this step's N: the last N checkpoints' inputs stay on the device
     pool_allocated: int = 0  # host slabs ever allocated (cumulative; flat once the pool is warm)
     in_flight: int = 0  # host buffers still owned by a live saved tensor at step exit (0 after backward)
 

@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from .host_pool import HostPool, HostPoolStats
+from .host_pool import HostBuffer, HostPool, HostPoolStats
 
 logger = logging.getLogger(__name__)
 
@@ -73,7 +73,7 @@ class StorageRecord:
         self.ref = ref  # keeps the StorageImpl address from being reused while we key on it
         self.state = ON_DEVICE
         self.dev: torch.Tensor | None = None  # uint8 tensor over the device storage
-        self.host: torch.Tensor | None = None  # uint8 host buffer
+        self.host: HostBuffer | None = None  # the host bytes (one or more pinned extents)
         self.ready: Any = None  # event: the source is produced (compute stream, recorded at pack)
         self.restored_event: Any = None  # event: the host-to-device copy finished (side stream)
         self.used = False  # unpacked at least once
@@ -128,10 +128,10 @@ class Transfers:
             side = self._side_stream(rec.device)
             side.wait_event(rec.ready)
             with torch.cuda.stream(side):
-                host.copy_(rec.dev, non_blocking=True)
+                host.copy_from(rec.dev, non_blocking=True)
             rec.dev.record_stream(side)  # the allocator must not reuse the storage before the copy ends
         else:
-            host.copy_(rec.dev)
+            host.copy_from(rec.dev)
         rec.host = host
         rec.release = weakref.finalize(rec, pool.give, host)  # also runs if the graph is dropped unused
         rec.release.atexit = False
@@ -149,12 +149,12 @@ class Transfers:
             dev = torch.empty(rec.nbytes, dtype=torch.uint8, device=rec.device)  # allocated on compute
             side.wait_stream(compute)  # the block may still be read by queued compute kernels
             with torch.cuda.stream(side):
-                dev.copy_(rec.host, non_blocking=True)
+                rec.host.copy_to(dev, non_blocking=True)
                 rec.restored_event = torch.cuda.Event()
                 rec.restored_event.record(side)
             dev.record_stream(side)
         else:
-            dev = rec.host.clone()
+            dev = rec.host.to_tensor()
         rec.dev = dev
         rec.host = None
         rec.state = RESTORED

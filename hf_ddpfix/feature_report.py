@@ -1,0 +1,106 @@
+"""What the requested features did in one ``train()``: fallbacks reported as they happen, counts returned.
+
+- :class:`FallbackWatch`: listens to :func:`hf_ddpfix.ops.feature_counts.record_fallback`. When a
+  feature the plan turned on (its decision's value is truthy) runs stock code, it logs one warning on
+  rank 0 per (feature, reason), naming the reason and the installed torch / transformers versions; with
+  ``strict=True`` it raises :class:`FeatureFallbackError` at that call instead (a strict run never trains
+  without a feature it asked for). Fallbacks of features the plan did not turn on are only counted.
+- :func:`feature_metrics`: the counts as flat ``hf_ddpfix/<feature>/{ran,fell_back,<amount>}`` integers,
+  for every feature that recorded anything (generic: whatever names the features use).
+
+Counts are **rank-local**: each process reports what its own forwards did (no collective, so reporting
+can never hang a run); ranks normally run the same code and report the same numbers, and the one that
+matters for a warning is rank 0's. ``run_with_plan`` resets the table at the start of every ``train()``
+and adds the metrics to the ``TrainOutput.metrics`` that ``train()`` returns, after the Trainer has logged
+them (so ``state.log_history`` and ``trainer_state.json`` stay stock); ``FeatureCountsCallback`` does the
+same for the metrics ``evaluate()`` returns during training.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import Any
+
+from .errors import DDPFixError
+from .ops.feature_counts import add_fallback_listener, as_metrics
+from .plan.types import Plan
+
+__all__ = ["FallbackWatch", "FeatureFallbackError", "feature_metrics", "requested_features"]
+
+logger = logging.getLogger("hf_ddpfix")
+
+#: Counted feature name -> the plan decision that turns it on, where the two names differ.
+PLAN_FIELD_OF = {"offload": "offload_activations", "stabilizer": "vlm_stabilizer",
+                 "zero_vision": "vlm_stabilizer"}
+
+
+class FeatureFallbackError(DDPFixError):
+    """A feature the plan turned on ran stock code (raised at that call in strict mode)."""
+
+
+def requested_features(plan: Plan) -> dict[str, Any]:
+    """Feature name -> the plan's value, for every decision that is on (``if value:``); counted names
+    that differ from the decision's (``offload``, ``stabilizer``) are included under both."""
+    on = {name: d.value for name, d in plan.decisions().items() if d.value}
+    for feature, decision in PLAN_FIELD_OF.items():
+        if decision in on:
+            on[feature] = on[decision]
+    return on
+
+
+def _versions() -> str:
+    import torch
+    import transformers
+
+    return f"torch {torch.__version__}, transformers {transformers.__version__}"
+
+
+class FallbackWatch:
+    """Warn once (rank 0) or raise (strict) when a requested feature falls back.
+
+    Args:
+        plan: the run's plan (which features are on).
+        strict: raise :class:`FeatureFallbackError` instead of warning.
+        is_rank0: whether this process logs (the world's process zero).
+    """
+
+    def __init__(self, plan: Plan, strict: bool = False, is_rank0: bool = True) -> None:
+        self.requested = requested_features(plan)
+        self.strict = strict
+        self.is_rank0 = is_rank0
+        self.warned: set[tuple[str, str]] = set()
+        self._remove: Callable[[], None] | None = None
+
+    def message(self, feature: str, reason: str) -> str:
+        return (f"{feature} was requested ({feature}={self.requested[feature]!r} in the plan) but a training "
+                f"call ran stock code: {reason} ({_versions()}). The result is stock's; what {feature} saves "
+                f"is not saved for such calls. hf_ddpfix/{feature}/fell_back in the train() metrics counts them.")
+
+    def __call__(self, feature: str, reason: str) -> None:
+        if feature not in self.requested:
+            return
+        if self.strict:
+            raise FeatureFallbackError(self.message(feature, reason) + " strict=True: raising instead of "
+                                       "training without it; unset strict (HF_DDPFIX_STRICT) to continue with "
+                                       "stock for such calls.")
+        if (feature, reason) not in self.warned:
+            self.warned.add((feature, reason))
+            if self.is_rank0:
+                logger.warning("%s", self.message(feature, reason))
+
+    def attach(self) -> FallbackWatch:
+        if self._remove is None:
+            self._remove = add_fallback_listener(self)
+        return self
+
+    def remove(self) -> None:
+        if self._remove is not None:
+            self._remove()
+            self._remove = None
+
+
+def feature_metrics() -> dict[str, int]:
+    """``hf_ddpfix/<feature>/ran``, ``.../fell_back`` and ``.../<amount>`` for every counted feature
+    (rank-local; see the module docstring)."""
+    return as_metrics("hf_ddpfix/")

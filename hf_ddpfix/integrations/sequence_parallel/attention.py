@@ -1,0 +1,131 @@
+"""Ulysses attention inside a transformers model: the model's entry in `ALL_ATTENTION_FUNCTIONS` (the
+public attention interface every transformers 5 decoder calls) is wrapped so that, while a
+`SequenceParallelBatch` is active, the attention of a sequence-sharded forward runs
+`hf_ddpfix.ops.sequence_parallel.ulysses_attention` with a mask built on the *full* sequence.
+
+Outside an active batch (evaluation without SP, another model in the process) the wrapper calls the
+function it replaced, unchanged, and counts a fallback with its reason (feature "sequence_parallel").
+
+The mask the model builds from its local slice is ignored: it describes `s` tokens, not the `S` tokens
+attention now sees; the full-sequence mask (`attention_mask_from_documents`) replaces it.
+
+Guarantees: `install_ulysses_attention` is idempotent (one wrapper per key, counted) and undone by its
+handle's `remove()` (the previous local mapping restored); the wrapped function is called unchanged
+whenever no batch is active (tests/test_sequence_parallel_ops.py).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from ...ops.feature_counts import record_fallback, record_ran
+from ...ops.sequence_parallel.inputs import attention_mask_from_documents
+from ...ops.sequence_parallel.ulysses import ulysses_attention
+
+__all__ = ["FEATURE", "SUPPORTED_IMPLEMENTATIONS", "UlyssesAttentionHandle", "active_batch",
+           "install_ulysses_attention", "sequence_parallel_batch"]
+
+FEATURE = "sequence_parallel"
+#: attention implementations the wrapper reaches: eager is called directly by the models (never through the
+#: interface) and flex / paged need their own block masks.
+SUPPORTED_IMPLEMENTATIONS = ("sdpa",)
+
+_state = threading.local()
+
+
+@dataclass
+class _Batch:
+    group: dist.ProcessGroup | None
+    mask: torch.Tensor | None  # [B, 1, S, S] bool on the full sequence, None: causal
+
+
+def active_batch() -> _Batch | None:
+    """The sequence-parallel batch being run by this thread, or `None`."""
+    return getattr(_state, "batch", None)
+
+
+@contextmanager
+def sequence_parallel_batch(documents: torch.Tensor, group: dist.ProcessGroup | None = None) -> Iterator[None]:
+    """Within this block, wrapped attention runs Ulysses over `group` with the full-sequence mask built
+    from `documents` (`[B, S]`, `SequenceShard.documents`). Builds the mask once for all layers."""
+    previous = active_batch()
+    _state.batch = _Batch(group, attention_mask_from_documents(documents))
+    try:
+        yield
+    finally:
+        _state.batch = previous
+
+
+def _wrap(inner: Callable[..., Any]) -> Callable[..., Any]:
+    def ulysses_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
+                                  value: torch.Tensor, attention_mask: torch.Tensor | None, *args: Any,
+                                  **kwargs: Any) -> tuple[torch.Tensor, None]:
+        batch = active_batch()
+        if batch is None:
+            record_fallback(FEATURE, "no sequence-parallel batch active (unsharded forward)")
+            return inner(module, query, key, value, attention_mask, *args, **kwargs)
+        for unsupported in ("sliding_window", "softcap", "s_aux"):
+            if kwargs.get(unsupported) is not None:
+                raise NotImplementedError(
+                    f"sequence parallelism: attention with {unsupported}={kwargs[unsupported]!r} is not supported "
+                    f"by hf_ddpfix's Ulysses attention ({type(module).__name__}); run without sequence_parallel")
+        if args:
+            raise TypeError(f"sequence parallelism: unexpected positional attention arguments {len(args)}")
+        if query.shape[2] != key.shape[2]:
+            raise NotImplementedError("sequence parallelism: attention with a KV cache (generation) is not sharded")
+        out = ulysses_attention(query, key, value, group=batch.group, mask=batch.mask,
+                                scale=kwargs.get("scaling"), dropout=float(kwargs.get("dropout", 0.0) or 0.0))
+        record_ran(FEATURE)
+        return out.transpose(1, 2).contiguous(), None
+
+    ulysses_attention_forward.__wrapped__ = inner  # type: ignore[attr-defined]
+    return ulysses_attention_forward
+
+
+@dataclass
+class UlyssesAttentionHandle:
+    """Undo handle of `install_ulysses_attention`."""
+
+    implementation: str
+    previous: Callable[..., Any] | None
+    removed: bool = False
+
+    def remove(self) -> None:
+        """Restore the function that was installed (drop our local override; put a previous one back)."""
+        if self.removed:
+            return
+        from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+        try:
+            del ALL_ATTENTION_FUNCTIONS[self.implementation]  # our local override
+        except KeyError:
+            pass
+        if ALL_ATTENTION_FUNCTIONS.get(self.implementation) is not self.previous:  # someone's local override
+            ALL_ATTENTION_FUNCTIONS[self.implementation] = self.previous
+        self.removed = True
+
+
+def install_ulysses_attention(implementation: str = "sdpa") -> UlyssesAttentionHandle:
+    """Wrap `ALL_ATTENTION_FUNCTIONS[implementation]` (a local override on the shared interface; the
+    class-wide registry is left alone) so sequence-sharded forwards run Ulysses attention.
+
+    Raises:
+        ValueError: `implementation` is not one of `SUPPORTED_IMPLEMENTATIONS`.
+    """
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    if implementation not in SUPPORTED_IMPLEMENTATIONS:
+        raise ValueError(f"sequence parallelism needs attn_implementation in {SUPPORTED_IMPLEMENTATIONS}, got "
+                         f"{implementation!r}; load the model with attn_implementation='sdpa'")
+    current = ALL_ATTENTION_FUNCTIONS[implementation]
+    if getattr(current, "__name__", "") == "ulysses_attention_forward":  # already wrapped: nothing to undo
+        return UlyssesAttentionHandle(implementation, None, removed=True)
+    ALL_ATTENTION_FUNCTIONS[implementation] = _wrap(current)
+    return UlyssesAttentionHandle(implementation, current)

@@ -1,0 +1,224 @@
+"""Sequence parallelism (Ulysses) vs one process, on N gloo processes (N = 2 or 4), one launch for every case.
+
+    python -m torch.distributed.run --standalone --nproc_per_node=2 tests/scripts/sp_parity.py OUT.json
+
+Cases (each a record with "ok"):
+  attention/*: `ulysses_attention` vs full SDPA (MHA, GQA, KV heads < N; causal and a documents + padding
+      mask): output and q/k/v gradients, max |diff| <= 1e-6 (fp32).
+  gradcheck/*: fp64 `torch.autograd.gradcheck` of both all-to-alls (every rank in lockstep) and their exact
+      layout (sequence_to_heads(x) == x's head slice of the full sequence).
+  model/*: LoRA Llama (trainable LoRA, embeddings, head): the SP group's loss and summed gradients vs the
+      stock model's loss on the full sequence (HF's own loss), plain / right-padded / prompt-masked with an
+      all-masked shard / packed documents / length not divisible by N / batch 2: <= 1e-5.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+from fixtures import Verdicts, init_gloo, lora_llama, rank_log  # noqa: E402
+
+from hf_ddpfix.integrations.sequence_parallel import install_ulysses_attention, sharded_causal_lm_loss  # noqa: E402
+from hf_ddpfix.ops import feature_counts  # noqa: E402
+from hf_ddpfix.ops.sequence_parallel import (  # noqa: E402
+    attention_mask_from_documents,
+    document_ids,
+    heads_to_sequence,
+    sequence_to_heads,
+    ulysses_attention,
+    valid_target_count,
+)
+
+TOL_ATTN, TOL_MODEL = 1e-6, 1e-5
+
+
+def attention_case(v: Verdicts, n: int, r: int, heads: int, kv: int, masked: bool) -> None:
+    g = torch.Generator().manual_seed(heads * 100 + kv * 10 + masked)
+    b, s_full, d = 2, 8 * n, 8
+    q = torch.randn(b, heads, s_full, d, generator=g)
+    k = torch.randn(b, kv, s_full, d, generator=g)
+    val = torch.randn(b, kv, s_full, d, generator=g)
+    w = torch.randn(b, heads, s_full, d, generator=g)
+    mask = None
+    if masked:  # two documents in row 0, padding at the end of row 1
+        pos = torch.cat([torch.arange(s_full // 2 + 1), torch.arange(s_full // 2 - 1)]).expand(b, s_full).clone()
+        pos[1] = torch.arange(s_full)
+        valid = torch.ones(b, s_full, dtype=torch.long)
+        valid[1, -3:] = 0
+        mask = attention_mask_from_documents(document_ids(pos, valid))
+    qf, kf, vf = (t.clone().requires_grad_() for t in (q, k, val))
+    ref = F.scaled_dot_product_attention(qf, kf.repeat_interleave(heads // kv, 1), vf.repeat_interleave(heads // kv, 1),
+                                         attn_mask=mask, is_causal=mask is None)
+    (ref * w).sum().backward()
+    cut = slice(r * s_full // n, (r + 1) * s_full // n)
+    ql, kl, vl = (t[:, :, cut].clone().requires_grad_() for t in (q, k, val))
+    out = ulysses_attention(ql, kl, vl, mask=mask)
+    (out * w[:, :, cut]).sum().backward()
+    diffs = {"out": (out - ref[:, :, cut]).abs().max().item()}
+    for name, loc, full in (("dq", ql, qf), ("dk", kl, kf), ("dv", vl, vf)):
+        diffs[name] = (loc.grad - full.grad[:, :, cut]).abs().max().item()
+    worst = torch.tensor(max(diffs.values()))
+    dist.all_reduce(worst, op=dist.ReduceOp.MAX)
+    v.add({"case": f"attention/H{heads}_KV{kv}_{'mask' if masked else 'causal'}", "n": n, "max_diff": worst.item(),
+           "ok": worst.item() <= TOL_ATTN})
+
+
+class _Replicated(torch.autograd.Function):
+    """Identity on a tensor every rank holds identically; backward sums the ranks' gradients (the adjoint
+    of replication), so `gradcheck` sees the gradient of the one global function."""
+
+    @staticmethod
+    def forward(ctx, x):  # noqa: ANN001, ANN205
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):  # noqa: ANN001, ANN205
+        grad = grad.clone()
+        dist.all_reduce(grad)
+        return grad
+
+
+class _Gathered(torch.autograd.Function):
+    """All ranks' pieces concatenated along `dim` (the same full output on every rank); backward keeps this
+    rank's piece of the (identical) output gradient."""
+
+    @staticmethod
+    def forward(ctx, x, dim):  # noqa: ANN001, ANN205
+        parts = [torch.empty_like(x) for _ in range(dist.get_world_size())]
+        dist.all_gather(parts, x.contiguous())
+        ctx.dim, ctx.size = dim, x.shape[dim]
+        return torch.cat(parts, dim)
+
+    @staticmethod
+    def backward(ctx, grad):  # noqa: ANN001, ANN205
+        r = dist.get_rank()
+        return grad.narrow(ctx.dim, r * ctx.size, ctx.size).contiguous(), None
+
+
+def gradcheck_case(v: Verdicts, n: int, r: int) -> None:
+    """fp64 gradcheck of the global functions `X -> all ranks' outputs` (X the full tensor, the same on every
+    rank): both all-to-alls and the whole Ulysses attention (GQA with KV heads replicated when < N)."""
+    g = torch.Generator().manual_seed(7)
+    b, h, s, d = 1, 2 * n, 2, 3
+    full = torch.randn(b, h, s * n, d, generator=g, dtype=torch.float64)
+    hs = slice(r * h // n, (r + 1) * h // n)
+    x = full[:, :, r * s:(r + 1) * s].clone()
+    layout = torch.equal(sequence_to_heads(x), full[:, hs])
+    back = torch.equal(heads_to_sequence(full[:, hs].clone()), x)
+
+    def seq_to_heads(t: torch.Tensor) -> torch.Tensor:
+        return _Gathered.apply(sequence_to_heads(_Replicated.apply(t)[:, :, r * s:(r + 1) * s]), 1)
+
+    def heads_to_seq(t: torch.Tensor) -> torch.Tensor:
+        return _Gathered.apply(heads_to_sequence(_Replicated.apply(t)[:, hs]), 2)
+
+    def attention(q: torch.Tensor, k: torch.Tensor, val: torch.Tensor) -> torch.Tensor:
+        cut = slice(r * s, (r + 1) * s)
+        loc = [_Replicated.apply(t)[:, :, cut] for t in (q, k, val)]
+        return _Gathered.apply(ulysses_attention(*loc), 2)
+
+    kv = torch.randn(2, b, 1, s * n, d, generator=g, dtype=torch.float64)  # one KV head: replicated N times
+    checks = [
+        torch.autograd.gradcheck(seq_to_heads, (full.clone().requires_grad_(),), eps=1e-6, atol=1e-9),
+        torch.autograd.gradcheck(heads_to_seq, (full.clone().requires_grad_(),), eps=1e-6, atol=1e-9),
+        torch.autograd.gradcheck(attention, (full.clone().requires_grad_(), kv[0].clone().requires_grad_(),
+                                             kv[1].clone().requires_grad_()), eps=1e-6, atol=1e-7),
+    ]
+    flags = torch.tensor([layout, back, *checks], dtype=torch.int)
+    dist.all_reduce(flags, op=dist.ReduceOp.MIN)
+    v.add({"case": "gradcheck/all_to_all_fp64", "n": n, "layout": bool(flags[0]), "inverse": bool(flags[1]),
+           "gradcheck_seq_to_heads": bool(flags[2]), "gradcheck_heads_to_seq": bool(flags[3]),
+           "gradcheck_ulysses_attention_kv1": bool(flags[4]), "ok": bool(flags.all())})
+
+
+def batches(n: int) -> dict[str, dict[str, torch.Tensor]]:
+    g = torch.Generator().manual_seed(3)
+    ids = lambda b, s: torch.randint(1, 250, (b, s), generator=g)  # noqa: E731
+    out: dict[str, dict[str, torch.Tensor]] = {}
+    x = ids(1, 16)
+    out["plain"] = {"input_ids": x, "labels": x.clone()}
+    x = ids(2, 16)
+    mask = torch.ones(2, 16, dtype=torch.long)
+    mask[1, 9:] = 0
+    out["right_padded"] = {"input_ids": x.masked_fill(mask == 0, 0), "attention_mask": mask,
+                           "labels": x.masked_fill(mask == 0, -100)}
+    x = ids(1, 16)
+    lab = x.clone()
+    lab[:, :12] = -100  # the prompt: every shift label of the first shard(s) is -100
+    out["prompt_masked"] = {"input_ids": x, "labels": lab}
+    x = ids(1, 16)
+    pos = torch.cat([torch.arange(6), torch.arange(7), torch.arange(3)])[None]
+    out["packed"] = {"input_ids": x, "labels": x.clone(), "position_ids": pos}
+    x = ids(1, 13)
+    out["not_divisible"] = {"input_ids": x, "labels": x.clone()}
+    x = ids(2, 12)
+    lab = x.clone()
+    lab[torch.rand(2, 12, generator=g) < 0.3] = -100
+    out["batch2"] = {"input_ids": x, "labels": lab}
+    return out
+
+
+def model_cases(v: Verdicts, n: int, r: int) -> None:
+    model = lora_llama(attn_implementation="sdpa")
+    base = model.get_base_model()
+    for p in (base.model.embed_tokens.weight, base.lm_head.weight):
+        p.requires_grad_(True)
+    params = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
+    handle = install_ulysses_attention("sdpa")
+    try:
+        for case, batch in batches(n).items():
+            model.zero_grad(set_to_none=True)
+            # unsharded: the wrapper falls back to stock SDPA. use_cache=False: with a cache transformers does
+            # not separate packed documents (masking_utils: packed detection needs past_key_values None)
+            ref = model(**batch, use_cache=False).loss
+            ref.backward()
+            ref_grads = [p.grad.clone() for _, p in params]
+            model.zero_grad(set_to_none=True)
+            feature_counts.reset()
+            loss_sum, _ = sharded_causal_lm_loss(model, batch)
+            loss = loss_sum / valid_target_count(batch["labels"], batch.get("attention_mask"))
+            loss.backward()
+            ran = feature_counts.snapshot().get("sequence_parallel")
+            total = loss.detach().clone()
+            dist.all_reduce(total)
+            grads = [p.grad.clone() if p.grad is not None else torch.zeros_like(p) for _, p in params]
+            for gr in grads:
+                dist.all_reduce(gr)
+            gdiff = max((a - b).abs().max().item() for a, b in zip(grads, ref_grads, strict=True))
+            ldiff = abs(total.item() - ref.item())
+            local_valid = int((loss_sum != 0).item())
+            counts = torch.tensor([ran.ran if ran else 0, local_valid])
+            gathered = [torch.zeros_like(counts) for _ in range(n)]
+            dist.all_gather(gathered, counts)
+            attn_calls = [int(c[0]) for c in gathered]
+            v.add({"case": f"model/{case}", "n": n, "loss": total.item(), "ref_loss": ref.item(), "loss_diff": ldiff,
+                   "grad_diff": gdiff, "sharded_attention_calls": attn_calls,
+                   "shards_with_loss": [int(c[1]) for c in gathered], "nan": bool(torch.isnan(total)),
+                   "ok": ldiff <= TOL_MODEL and gdiff <= TOL_MODEL and all(c == 2 for c in attn_calls)})
+    finally:
+        handle.remove()
+
+
+def main() -> None:
+    r, n = init_gloo()
+    log = rank_log()
+    v = Verdicts("SP", sys.argv[1] if len(sys.argv) > 1 else None)
+    for heads, kv in ((4, 4), (8, 4), (8, 2), (4, 1)):
+        if heads % n == 0:
+            for masked in (False, True):
+                attention_case(v, n, r, heads, kv, masked)
+    gradcheck_case(v, n, r)
+    log("attention done")
+    model_cases(v, n, r)
+    log("model done")
+    v.finish()
+
+
+if __name__ == "__main__":
+    main()

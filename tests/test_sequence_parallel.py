@@ -1,0 +1,212 @@
+"""Sequence parallelism (Ulysses): the pure pieces (sharding, masks, KV replication, the loss), the
+attention-interface wrapper, and one launch per group size (2 and 4 gloo processes) comparing attention,
+gradients and the loss with one process on the full sequence (tests/scripts/sp_parity.py)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from hf_ddpfix.ops.sequence_parallel import (
+    attention_mask_from_documents,
+    document_ids,
+    kv_replication,
+    shard_batch,
+    shard_loss_sum,
+    valid_target_count,
+)
+
+torch.set_num_threads(1)
+
+
+def test_shards_concatenate_to_the_padded_full_sequence_with_labels_shifted_before_sharding():
+    ids = torch.arange(1, 14)[None]  # 13 tokens, N = 4: 3 pad tokens
+    labels = ids.clone()
+    shards = [shard_batch(ids, sp_size=4, sp_rank=r, labels=labels, pad_token_id=0) for r in range(4)]
+    assert torch.equal(torch.cat([s.input_ids for s in shards], 1), torch.cat([ids, torch.zeros(1, 3, dtype=int)], 1))
+    assert torch.equal(torch.cat([s.position_ids for s in shards], 1), torch.arange(16)[None])
+    shift = torch.cat([s.shift_labels for s in shards], 1)
+    assert shift[0, :12].tolist() == list(range(2, 14))  # token t predicts t+1, across shard borders
+    assert shift[0, 12:].tolist() == [-100] * 4  # the last real token and the padding carry no loss
+    assert shards[0].documents[0, -3:].tolist() == [-1, -1, -1]  # padding is never a key
+
+
+def test_padding_off_with_a_length_not_divisible_raises_naming_the_setting():
+    with pytest.raises(ValueError, match="not divisible by sequence_parallel=4"):
+        shard_batch(torch.ones(1, 13, dtype=torch.long), sp_size=4, sp_rank=0, pad_to_multiple=False)
+
+
+def test_padded_tokens_never_become_targets_even_with_a_label():
+    ids = torch.tensor([[5, 6, 7, 0]])
+    mask = torch.tensor([[1, 1, 1, 0]])
+    s = shard_batch(ids, sp_size=1, sp_rank=0, labels=ids.clone(), attention_mask=mask)
+    assert s.shift_labels.tolist() == [[6, 7, -100, -100]]
+    assert int(valid_target_count(ids.clone(), mask)) == 2
+
+
+def test_document_mask_is_causal_within_documents_and_keeps_the_diagonal_for_padding():
+    pos = torch.tensor([[0, 1, 2, 0, 1, 5]])
+    docs = document_ids(pos, torch.tensor([[1, 1, 1, 1, 1, 0]]))
+    assert docs.tolist() == [[0, 0, 0, 1, 1, -1]]
+    m = attention_mask_from_documents(docs)[0, 0]
+    assert m[4].tolist() == [False, False, False, True, True, False]  # second document only
+    assert m[5].tolist() == [False] * 5 + [True]  # a pad row attends to itself: never all-masked (no NaN)
+    assert attention_mask_from_documents(document_ids(torch.arange(6)[None])) is None  # plain causal
+
+
+def test_an_all_masked_shard_contributes_exactly_zero_not_nan():
+    logits = torch.randn(1, 4, 10, requires_grad=True)
+    loss = shard_loss_sum(logits, torch.full((1, 4), -100))
+    loss.backward()
+    assert loss.item() == 0.0 and not torch.isnan(logits.grad).any()
+
+
+def test_shard_loss_sums_divided_by_one_count_equal_the_token_mean():
+    logits, labels = torch.randn(2, 8, 10), torch.randint(0, 10, (2, 8))
+    labels[0, :5] = -100
+    full = F.cross_entropy(logits[:, :-1].reshape(-1, 10), labels[:, 1:].reshape(-1), ignore_index=-100)
+    shards = [shard_batch(torch.zeros(2, 8, dtype=torch.long), sp_size=2, sp_rank=r, labels=labels) for r in range(2)]
+    parts = [shard_loss_sum(logits[:, s.local_slice()], s.shift_labels) for s in shards]
+    assert torch.allclose(sum(parts) / valid_target_count(labels), full, atol=1e-6)
+
+
+@pytest.mark.parametrize(("heads", "kv", "n", "want"), [(8, 4, 2, 1), (8, 2, 4, 2), (4, 1, 4, 4), (32, 8, 8, 1)])
+def test_kv_heads_are_replicated_only_when_fewer_than_or_not_divisible_by_n(heads, kv, n, want):
+    assert kv_replication(heads, kv, n) == want
+
+
+@pytest.mark.parametrize(("heads", "kv", "n", "match"), [(6, 6, 4, "not divisible"), (12, 3, 8, "not divisible"),
+                                                         (8, 8, 3, "not divisible")])
+def test_heads_that_cannot_be_split_raise_naming_sequence_parallel(heads, kv, n, match):
+    with pytest.raises(ValueError, match=match):
+        kv_replication(heads, kv, n)
+
+
+def test_attention_wrapper_falls_back_unchanged_outside_a_batch_counts_it_and_undoes():
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    from hf_ddpfix.integrations.sequence_parallel import install_ulysses_attention
+    from hf_ddpfix.ops import feature_counts
+
+    before = ALL_ATTENTION_FUNCTIONS["sdpa"]
+    handle = install_ulysses_attention("sdpa")
+    try:
+        assert install_ulysses_attention("sdpa").removed  # idempotent: no second wrapper
+        wrapped = ALL_ATTENTION_FUNCTIONS["sdpa"]
+        assert wrapped is not before and wrapped.__wrapped__ is before
+        feature_counts.reset()
+        q = torch.randn(1, 2, 5, 4)
+        module = torch.nn.Module()
+        out, _ = wrapped(module, q, q, q, None, scaling=0.5)
+        ref, _ = before(module, q, q, q, None, scaling=0.5)
+        assert torch.equal(out, ref)
+        assert feature_counts.snapshot()["sequence_parallel"].fell_back == 1
+    finally:
+        handle.remove()
+    assert ALL_ATTENTION_FUNCTIONS["sdpa"] is before
+    with pytest.raises(ValueError, match="attn_implementation='sdpa'"):
+        install_ulysses_attention("eager")
+
+
+@pytest.mark.parametrize("nproc", [2, 4])
+def test_ulysses_attention_and_a_lora_llama_match_one_process_on_the_full_sequence(tmp_path, nproc):
+    from launch import torchrun
+
+    out = tmp_path / "sp.json"
+    torchrun("sp_parity.py", str(out), nproc=nproc, timeout=300)
+    records = json.loads(out.read_text())
+    cases = {r["case"] for r in records}
+    assert {"model/plain", "model/right_padded", "model/prompt_masked", "model/packed", "model/not_divisible",
+            "model/batch2", "gradcheck/all_to_all_fp64"} <= cases
+    assert sum(c.startswith("attention/") for c in cases) >= 6
+    assert all(r["ok"] for r in records), [r for r in records if not r["ok"]]
+    masked = next(r for r in records if r["case"] == "model/prompt_masked")
+    assert 0 in masked["shards_with_loss"] and not masked["nan"]  # an all-masked shard really ran
+
+
+# ------------------------------------------------------------------------------------------------ the plan
+
+
+def _facts(**kw):
+    from hf_ddpfix.integrations.sequence_parallel.facts import SequenceParallelFacts
+    from hf_ddpfix.plan.types import RunFacts
+
+    sp = {k: kw.pop(k) for k in ("attn_implementation", "num_heads", "num_kv_heads", "parallelism_sp_size",
+                                 "parallelism_sp_backend") if k in kw}
+    base = dict(attn_implementation="sdpa", num_heads=32, num_kv_heads=8)
+    return RunFacts(**{"parallel": "ddp", "world_size": 8, **kw}, sequence_parallel=SequenceParallelFacts(**{**base, **sp}))
+
+
+def test_plan_says_n_the_data_parallel_degree_and_heads_per_rank():
+    from hf_ddpfix.config import DDPFixConfig
+    from hf_ddpfix.plan.resolve import resolve_plan
+
+    plan = resolve_plan(_facts(), DDPFixConfig.from_env({}, sequence_parallel=4))
+    d = plan.sequence_parallel
+    assert d.value == "N=4 DP=2" and d.changed
+    assert "8 of 32 heads/rank" in d.reason and "2 data-parallel group(s)" in d.reason
+    assert "sequence_parallel" in plan.report()
+    assert resolve_plan(_facts(), DDPFixConfig()).sequence_parallel.value is None  # unset: nothing changes
+
+
+def test_plan_reads_the_env_variable_and_parallelism_config():
+    from hf_ddpfix.config import DDPFixConfig
+    from hf_ddpfix.plan.resolve import resolve_plan
+
+    cfg = DDPFixConfig.from_env({"HF_DDPFIX_SEQUENCE_PARALLEL": "2"})
+    assert resolve_plan(_facts(), cfg).sequence_parallel.value == "N=2 DP=4"
+    got = resolve_plan(_facts(parallelism_sp_size=8, parallelism_sp_backend="torch"), DDPFixConfig())
+    assert got.sequence_parallel.value == "N=8 DP=1" and "ParallelismConfig" in got.sequence_parallel.reason
+    ds = resolve_plan(_facts(parallel="deepspeed", parallelism_sp_size=2, parallelism_sp_backend="deepspeed"),
+                      DDPFixConfig())
+    assert ds.sequence_parallel.value == "deepspeed"  # DeepSpeed's own engine: recorded, left as stock
+    ddp = resolve_plan(_facts(parallelism_sp_size=2, parallelism_sp_backend="deepspeed"), DDPFixConfig())
+    assert ddp.sequence_parallel.value is False and "HF_DDPFIX_SEQUENCE_PARALLEL=2" in ddp.sequence_parallel.reason
+    with pytest.raises(ValueError, match="HF_DDPFIX_SEQUENCE_PARALLEL='x'"):
+        DDPFixConfig.from_env({"HF_DDPFIX_SEQUENCE_PARALLEL": "x"})
+
+
+@pytest.mark.parametrize(("facts", "n", "match"), [
+    (dict(attn_implementation="eager"), 2, "attn_implementation='sdpa'"),
+    (dict(num_heads=6, num_kv_heads=6), 4, "6 attention heads are not divisible by sequence_parallel=4"),
+    (dict(world_size=6), 4, "world size 6 is not a multiple of 4"),
+    (dict(parallel="fsdp"), 2, "DDP only"),
+    (dict(parallelism_sp_size=4, parallelism_sp_backend="torch"), 2, "contradicts ParallelismConfig"),
+    (dict(parallelism_sp_size=2, parallelism_sp_backend="deepspeed"), 2, "drop the parallelism_config"),
+])
+def test_combinations_that_cannot_work_are_a_plan_error_naming_setting_and_fix(facts, n, match):
+    from hf_ddpfix.config import DDPFixConfig
+    from hf_ddpfix.plan.resolve import resolve_plan
+    from hf_ddpfix.plan.types import PlanError
+
+    with pytest.raises(PlanError, match=match) as err:
+        resolve_plan(_facts(**facts), DDPFixConfig.from_env({}, sequence_parallel=n))
+    assert "sequence_parallel" in str(err.value)
+
+
+@pytest.mark.parametrize(("nproc", "ga"), [(2, 2), (4, 3)])
+def test_trainer_with_sequence_parallel_equals_the_run_without_it(tmp_path, nproc, ga):
+    """World 2: N=2; world 4: DP2 x SP2 with gradient accumulation 3 and unequal token counts; SGD without
+    clipping and AdamW with clipping; patch_trainer(sequence_parallel=2) and HF_DDPFIX_SEQUENCE_PARALLEL=2."""
+    from launch import torchrun
+
+    out = tmp_path / "spt.json"
+    torchrun("sp_trainer.py", str(out), "--sp", "2", "--ga", str(ga), nproc=nproc, timeout=400)
+    records = json.loads(out.read_text())
+    assert {r["case"] for r in records} == {"trainer/sgd", "trainer/adamw_clip"}
+    assert {r["via"] for r in records} == {"env", "patch_trainer"}
+    assert all(r["ok"] for r in records), records
+    for r in records:
+        assert r["plan"] == f"N=2 DP={nproc // 2}" and r["attention_calls"] > 0
+        assert r["sharded_batches"] == 2 * 2 * ga  # both batches of the group, every micro-batch of 2 steps
+
+
+def test_sequence_parallel_one_is_off_with_a_reason():
+    from hf_ddpfix.config import DDPFixConfig
+    from hf_ddpfix.plan.resolve import resolve_plan
+
+    d = resolve_plan(_facts(), DDPFixConfig.from_env({}, sequence_parallel=1)).sequence_parallel
+    assert d.value is False and "whole sequences" in d.reason
