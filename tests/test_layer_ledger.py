@@ -69,9 +69,12 @@ def test_benchmark_gpu_trial_code_path_runs_on_a_toy_shape():
     spec.loader.exec_module(bench)
     stock = bench._trial("stock", 48, 2, 1.0, tiny=True)
     ours = bench._trial("hf_ddpfix", 48, 2, 1.0, tiny=True)
-    assert stock["ok"] and ours["ok"] and ours["long_context_patched"] == 7
+    assert stock["ok"] and ours["ok"] and stock["via"] == ours["via"] == "Trainer"
+    assert ours["long_context_patched"] == 7
     assert ours["long_context_calls"] == 2 * 2 * 2  # layers x steps x (forward + recompute)
-    assert abs(ours["loss"] - stock["loss"]) < 1e-2  # bf16 autocast; tiled loss sums in another order
+    # CPU: the plan turns the offload off (CUDA/ROCm only), so no offload ran -- and the counts say so
+    assert "offload" not in ours or ours["feature_counts"].get("offload", {}).get("ran", 0) == 0
+    assert abs(ours["loss"] - stock["loss"]) < 2e-2  # fp32 on CPU; tiled loss sums in another order
 
 
 @pytest.mark.parametrize("features", ["stock", "rms_norm", "attention", "tiled_mlp", "tiled_layer", "hf_ddpfix"])
