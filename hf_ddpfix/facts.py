@@ -12,9 +12,15 @@ import torch
 from torch import nn
 
 from ._compat import checkpointing_args, unwrap_parallel
-from .integrations import families, quantized
-from .integrations.checkpointing import detect_checkpointing, requested_checkpointing
+from .integrations import quantized
+from .integrations.checkpointing import (
+    detect_checkpointing,
+    requested_checkpointing,
+    tool_checkpoint_functions,
+)
 from .integrations.deepspeed import gather_deepspeed_facts
+from .integrations.sequence_parallel.facts import gather_sequence_parallel_facts
+from .integrations.vision import families
 from .plan.types import ParallelMode, RunFacts
 
 MOE_CONFIG_KEYS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts")
@@ -132,6 +138,9 @@ def gather_facts(trainer: Any, model: nn.Module | None = None) -> RunFacts:
         mode, user_reentrant, offload = requested_checkpointing(ckpt_kwargs)
     else:
         mode = detect_checkpointing(model)
+    tools = tool_checkpoint_functions(model)
+    if tools:  # a trainer / tool installed its own function: what it really runs decides (not the kwargs)
+        mode = "reentrant" if any(i.reentrant for i in tools.values()) else "non_reentrant"
     vision = families.is_vision_language_model(model)
     # LLaVA / Gemma 3: a dummy image under ZeRO only; DDP / FSDP keep parameter_usage (families docstring)
     adapter = families.find_vision_adapter(model, zero=parallel == "deepspeed") if vision else None
@@ -157,4 +166,6 @@ def gather_facts(trainer: Any, model: nn.Module | None = None) -> RunFacts:
         **quantized.sharding_facts(trainer, parallel),
         deepspeed=gather_deepspeed_facts(trainer, model) if parallel == "deepspeed" else None,
         loss_unseen=loss_unseen_reason(trainer),
+        sequence_parallel=gather_sequence_parallel_facts(trainer, model),
+        checkpoint_function="; ".join(tools) or None,
     )

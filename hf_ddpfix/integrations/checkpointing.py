@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 from torch import nn
@@ -57,16 +58,114 @@ class CheckpointFunction:
         return f"CheckpointFunction(use_reentrant={self.use_reentrant}, offload={self.offload is not None})"
 
 
+@dataclass(frozen=True)
+class CheckpointFunctionInfo:
+    """What a layer's checkpoint function really runs, read by :func:`read_checkpoint_function`.
+
+    Attributes:
+        reentrant: the variant it runs (a custom recompute that is not torch's checkpoint counts as
+            reentrant: it re-runs the layer inside backward, which is what DDP sees of reentrant).
+        explicit: ``use_reentrant`` was found set somewhere along the chain (else torch's default).
+        torch_checkpoint: the chain reaches ``torch.utils.checkpoint.checkpoint`` (else: a custom recompute,
+            e.g. an offloading autograd Function).
+        ours: it is hf_ddpfix's own :class:`CheckpointFunction`.
+        chain: the callables followed, outermost first (names, for the plan log).
+        origin: the module of the outermost callable (e.g. ``transformers.modeling_utils`` for transformers'
+            own offloading wrapper, which hf_ddpfix's plan replaces like the plain partial).
+    """
+
+    reentrant: bool
+    explicit: bool
+    torch_checkpoint: bool
+    ours: bool
+    chain: tuple[str, ...]
+    origin: str = ""
+
+    def describe(self) -> str:
+        kind = "torch checkpoint" if self.torch_checkpoint else "custom recompute"
+        variant = "reentrant" if self.reentrant else "non-reentrant"
+        return f"{' -> '.join(self.chain)} ({kind}, {variant}{'' if self.explicit else ' by default'})"
+
+
+def _name(obj: Any) -> str:
+    if isinstance(obj, functools.partial):
+        kw = ", ".join(f"{k}={v!r}" for k, v in obj.keywords.items())
+        return f"partial({_name(obj.func)}{', ' + kw if kw else ''})"
+    return getattr(obj, "__qualname__", None) or type(obj).__name__
+
+
+def read_checkpoint_function(func: Callable) -> CheckpointFunctionInfo:
+    """Follow a checkpoint function to what it really calls: hf_ddpfix's `CheckpointFunction`,
+    ``functools.partial`` (its ``use_reentrant`` keyword, then its ``func``), ``__wrapped__`` (functools.wraps),
+    and the callables a wrapper closes over or takes as defaults (LLaMA-Factory wraps
+    ``partial(checkpoint, use_reentrant=...)`` in a function; Unsloth-style tools install a function around
+    their own offloading autograd Function). The first explicit ``use_reentrant`` found wins; reaching
+    torch's ``checkpoint`` without one means torch's default (reentrant); never reaching it means a custom
+    recompute (reentrant-like).
+
+    Guarantees: pure (calls nothing it reads); a cycle or a depth over 16 stops the walk
+    (tests/test_checkpoint_functions.py).
+    """
+    chain: list[str] = []
+    explicit: bool | None = None
+    reaches_torch = False
+    ours = isinstance(func, CheckpointFunction)
+    seen: set[int] = set()
+    origin = ""
+    todo: list[Any] = [func]
+    while todo and len(seen) < 16:
+        cur = todo.pop(0)
+        if id(cur) in seen:
+            continue
+        seen.add(id(cur))
+        chain.append(_name(cur))
+        if isinstance(cur, CheckpointFunction):
+            if explicit is None:
+                explicit = cur.use_reentrant
+            reaches_torch = True
+            continue
+        if cur is checkpoint:
+            reaches_torch = True
+            continue
+        if isinstance(cur, functools.partial):
+            if explicit is None and "use_reentrant" in cur.keywords:
+                explicit = bool(cur.keywords["use_reentrant"])
+            todo.insert(0, cur.func)
+            continue
+        if not origin:  # the first callable that is not a partial (a partial's __module__ is "functools")
+            origin = str(getattr(cur, "__module__", None) or "")
+        code = getattr(cur, "__code__", None)
+        glb = getattr(cur, "__globals__", None) or {}
+        if code is not None and any(glb.get(n) is checkpoint for n in code.co_names):
+            reaches_torch = True  # calls torch's checkpoint by a global name (transformers' offload wrapper)
+        inner = getattr(cur, "__wrapped__", None)
+        found: list[Any] = [inner] if callable(inner) else []
+        for default in (getattr(cur, "__kwdefaults__", None) or {}).items():
+            if default[0] == "use_reentrant" and explicit is None and isinstance(default[1], bool):
+                explicit = default[1]
+        for cell in getattr(cur, "__closure__", None) or ():
+            try:
+                val = cell.cell_contents
+            except ValueError:  # an empty cell
+                continue
+            if isinstance(val, bool) and explicit is None and "use_reentrant" in cur.__code__.co_freevars:
+                names = cur.__code__.co_freevars
+                if names[list(cur.__closure__).index(cell)] == "use_reentrant":
+                    explicit = val
+            elif callable(val) and not isinstance(val, type):
+                found.append(val)
+        todo[:0] = found
+    reentrant = explicit if explicit is not None else True
+    if not reaches_torch:
+        reentrant = True  # a custom recompute re-runs the layer inside backward
+    return CheckpointFunctionInfo(reentrant=bool(reentrant), explicit=explicit is not None,
+                                  torch_checkpoint=reaches_torch, ours=ours, chain=tuple(chain[:6]),
+                                  origin=origin)
+
+
 def _use_reentrant_of(func: Callable) -> bool:
-    """The checkpoint variant a `_gradient_checkpointing_func` runs (torch's default when unset is reentrant)."""
-    if isinstance(func, CheckpointFunction):
-        return func.use_reentrant
-    inner = func
-    while isinstance(inner, functools.partial):
-        if "use_reentrant" in inner.keywords:
-            return bool(inner.keywords["use_reentrant"])
-        inner = inner.func
-    return True
+    """The checkpoint variant a `_gradient_checkpointing_func` runs (:func:`read_checkpoint_function`)."""
+    return read_checkpoint_function(func).reentrant
 
 
 def detect_checkpointing(model: nn.Module) -> str:
@@ -79,6 +178,43 @@ def detect_checkpointing(model: nn.Module) -> str:
     if not modes:
         return "off"
     return "reentrant" if True in modes else "non_reentrant"
+
+
+def installed_checkpoint_functions(model: nn.Module) -> dict[str, CheckpointFunctionInfo]:
+    """The distinct checkpoint functions the model's checkpointing layers call now (not hf_ddpfix's own),
+    keyed by their description."""
+    out: dict[str, CheckpointFunctionInfo] = {}
+    for m in checkpointable_layers(model):
+        if is_checkpointing(m):
+            func = layer_checkpoint_func(m)
+            if func is None:
+                continue
+            info = read_checkpoint_function(getattr(func, "_hf_ddpfix_inner", func))
+            if not info.ours:
+                out.setdefault(info.describe(), info)
+    return out
+
+
+def tool_checkpoint_functions(model: nn.Module) -> dict[str, CheckpointFunctionInfo]:
+    """:func:`installed_checkpoint_functions` minus transformers' and hf_ddpfix's own (``partial(checkpoint,
+    ...)``, transformers' offloading wrapper, the usage observer): the functions a trainer or tool brought."""
+    return {k: v for k, v in installed_checkpoint_functions(model).items()
+            if not (v.torch_checkpoint and len(v.chain) <= 2 and v.chain[0].startswith("partial("))
+            and not v.origin.startswith(("transformers.", "hf_ddpfix."))}
+
+
+def keep_tool_checkpointing(model: nn.Module, *, use_reentrant: bool, offload: bool) -> str | None:
+    """Why the tool's own checkpoint functions can stay (a sentence for the log), or None to replace them.
+
+    They stay when every one runs the plan's variant and no activation offload of hf_ddpfix needs its own
+    function around each call.
+    """
+    tools = tool_checkpoint_functions(model)
+    if not tools or offload:
+        return None
+    if all(info.reentrant == use_reentrant for info in tools.values()):
+        return "kept the model's own checkpoint function: " + "; ".join(tools)
+    return None
 
 
 def requested_checkpointing(kwargs: dict[str, Any] | None) -> tuple[str, bool | None, bool]:
@@ -125,6 +261,11 @@ def checkpoint_kwargs_without_mode(kwargs: dict[str, Any] | None) -> dict[str, A
 
 __all__ = [
     "CheckpointFunction",
+    "CheckpointFunctionInfo",
+    "installed_checkpoint_functions",
+    "keep_tool_checkpointing",
+    "tool_checkpoint_functions",
+    "read_checkpoint_function",
     "apply_checkpointing",
     "checkpoint_kwargs_without_mode",
     "detect_checkpointing",

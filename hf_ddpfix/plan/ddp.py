@@ -33,11 +33,16 @@ def decide_checkpointing(facts: RunFacts, c: DDPFixConfig, distributed: bool, co
                 "use_reentrant=True -> False: reentrant checkpointing re-runs the forward inside backward, "
                 "which DDP with find_unused_parameters=True sees as a second use ('ready only once')"
             )
+        tool = (f"; replaces the model's own checkpoint function {facts.checkpoint_function} (its own "
+                "recompute / offloading is not used: HF_DDPFIX_OFFLOAD_ACTIVATIONS=1 offloads instead)"
+                if facts.checkpoint_function else "")
         return Decision(
             "non_reentrant",
-            "reentrant breaks DDP with find_unused/unused params; non-reentrant works in every DDP mode",
+            "reentrant breaks DDP with find_unused/unused params; non-reentrant works in every DDP mode" + tool,
             changed=True,
         )
+    if facts.checkpoint_function:
+        return Decision(asked, f"as requested; the model's own checkpoint function is kept: {facts.checkpoint_function}")
     return Decision(asked, "as requested")
 
 
