@@ -188,13 +188,14 @@ def test_combinations_that_cannot_work_are_a_plan_error_naming_setting_and_fix(f
 
 
 @pytest.mark.parametrize(("nproc", "ga"), [(2, 2), (4, 3)])
-def test_trainer_with_sequence_parallel_equals_the_run_without_it(tmp_path, nproc, ga):
-    """World 2: N=2; world 4: DP2 x SP2 with gradient accumulation 3 and unequal token counts; SGD without
+def test_trainer_with_sequence_parallel_equals_the_run_without_it_and_one_process(tmp_path, nproc, ga):
+    """One process with the whole global batch, and the same world without SP, are the references. World 2: N=2; world 4: DP2 x SP2 with gradient accumulation 3 and unequal token counts; SGD without
     clipping and AdamW with clipping; patch_trainer(sequence_parallel=2) and HF_DDPFIX_SEQUENCE_PARALLEL=2."""
     from launch import torchrun
 
-    out = tmp_path / "spt.json"
-    torchrun("sp_trainer.py", str(out), "--sp", "2", "--ga", str(ga), nproc=nproc, timeout=400)
+    one, out = tmp_path / "one.pt", tmp_path / "spt.json"
+    torchrun("sp_trainer.py", str(one), "--ga", str(ga), "--single-for", str(nproc), nproc=1, timeout=200)
+    torchrun("sp_trainer.py", str(out), "--sp", "2", "--ga", str(ga), "--single", str(one), nproc=nproc, timeout=400)
     records = json.loads(out.read_text())
     assert {r["case"] for r in records} == {"trainer/sgd", "trainer/adamw_clip"}
     assert {r["via"] for r in records} == {"env", "patch_trainer"}
@@ -202,6 +203,7 @@ def test_trainer_with_sequence_parallel_equals_the_run_without_it(tmp_path, npro
     for r in records:
         assert r["plan"] == f"N=2 DP={nproc // 2}" and r["attention_calls"] > 0
         assert r["sharded_batches"] == 2 * 2 * ga  # both batches of the group, every micro-batch of 2 steps
+        assert r["one_process"] is not None and r["one_process"]["weight_diff"] <= 1e-5  # vs one process too
 
 
 def test_sequence_parallel_one_is_off_with_a_reason():

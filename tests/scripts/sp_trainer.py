@@ -47,7 +47,7 @@ def collate(batch):
     return {"input_ids": ids, "attention_mask": mask, "labels": labels}
 
 
-def run(optim: str, ga: int, out: str, sp: int | None, via_env: bool) -> dict:
+def run(optim: str, ga: int, out: str, sp: int | None, via_env: bool, batch: int = 2) -> dict:
     unpatch_trainer()
     os.environ.pop("HF_DDPFIX_SEQUENCE_PARALLEL", None)
     if sp and via_env:
@@ -61,7 +61,7 @@ def run(optim: str, ga: int, out: str, sp: int | None, via_env: bool) -> dict:
     # so its lr is small enough that 1e-5 is a real bound (SGD: lr * g, no amplification)
     kw = dict(optim="sgd", max_grad_norm=0.0, weight_decay=0.0, learning_rate=5e-2) if optim == "sgd" else \
         dict(optim="adamw_torch", max_grad_norm=0.05, weight_decay=0.1, learning_rate=2e-4)
-    args = TrainingArguments(output_dir=out, per_device_train_batch_size=2, per_device_eval_batch_size=2,
+    args = TrainingArguments(output_dir=out, per_device_train_batch_size=batch, per_device_eval_batch_size=batch,
                              gradient_accumulation_steps=ga, max_steps=2, report_to=[],
                              use_cpu=True, save_strategy="no", remove_unused_columns=False, disable_tqdm=True,
                              seed=0, logging_steps=1, ddp_find_unused_parameters=False, **kw)
@@ -86,25 +86,42 @@ def main() -> None:
     p.add_argument("out")
     p.add_argument("--sp", type=int, default=2)
     p.add_argument("--ga", type=int, default=1)
+    p.add_argument("--single-for", type=int, default=0,
+                   help="world size W: run one process with batch 2*W (the reference) and save it to OUT")
+    p.add_argument("--single", default=None, help="the one-process reference saved by --single-for")
     a = p.parse_args()
     r, world = init_gloo()
     log = rank_log()
+    optims = (("sgd", False), ("adamw_clip", True))
+    if a.single_for:  # the same global batch in one process: sampler order and GA normalisation are the Trainer's
+        torch.save({o: run(o, a.ga, a.out + ".one", None, False, batch=2 * a.single_for) for o, _ in optims}, a.out)
+        v = Verdicts("SPT", None)
+        v.finish()
+        return
+    single = torch.load(a.single, weights_only=False) if a.single else None
     v = Verdicts("SPT", a.out)
-    for optim, via_env in (("sgd", False), ("adamw_clip", True)):
+    for optim, via_env in optims:
         ref = run(optim, a.ga, a.out + ".ref", None, False)
         got = run(optim, a.ga, a.out + ".sp", a.sp, via_env)
+        one = single[optim] if single else None
+        one_w = max((one["weights"][k] - got["weights"][k]).abs().max().item() for k in one["weights"]) if one else None
+        one_l = max(abs(x[0] - y[0]) for x, y in zip(one["hist"], got["hist"], strict=True)) if one else None
+        one_g = max(abs(x[1] - y[1]) for x, y in zip(one["hist"], got["hist"], strict=True)) if one else None
+        one_e = abs(one["eval"] - got["eval"]) if one else None
         wdiff = max((ref["weights"][k] - got["weights"][k]).abs().max().item() for k in ref["weights"])
         ldiff = max(abs(x[0] - y[0]) for x, y in zip(ref["hist"], got["hist"], strict=True))
         gdiff = max(abs((x[1] or 0) - (y[1] or 0)) for x, y in zip(ref["hist"], got["hist"], strict=True))
         c = got["counts"] or {"ran": 0, "fallbacks": {}, "amounts": {}}
         ok = (wdiff <= TOL and ldiff <= TOL and gdiff <= TOL and abs(ref["eval"] - got["eval"]) <= TOL
               and c["ran"] > 0 and c["amounts"].get("sharded_batches", 0) > 0
-              and len(ref["hist"]) == 2 and (got["plan"] or "").startswith(f"N={a.sp} DP={world // a.sp}"))
+              and len(ref["hist"]) == 2 and (one is None or max(one_w, one_l, one_g, one_e) <= TOL) and (got["plan"] or "").startswith(f"N={a.sp} DP={world // a.sp}"))
         v.add({"case": f"trainer/{optim}", "world": world, "sp": a.sp, "ga": a.ga, "via": "env" if via_env else
                "patch_trainer", "plan": got["plan"], "weight_diff": wdiff, "loss_diff": ldiff, "grad_norm_diff": gdiff,
                "losses_ref": [h[0] for h in ref["hist"]], "losses_sp": [h[0] for h in got["hist"]],
                "eval_ref": ref["eval"], "eval_sp": got["eval"], "attention_calls": c["ran"],
-               "sharded_batches": c["amounts"].get("sharded_batches"), "fallbacks": c["fallbacks"], "ok": ok})
+               "sharded_batches": c["amounts"].get("sharded_batches"), "fallbacks": c["fallbacks"], "one_process": None if one is None else {
+                   "weight_diff": one_w, "loss_diff": one_l, "grad_norm_diff": one_g, "eval_diff": one_e,
+                   "losses": [h[0] for h in one["hist"]]}, "ok": ok})
         log(f"{optim} done")
     dist.barrier()
     v.finish()
