@@ -82,11 +82,12 @@ def test_trainer_runs_the_offload_each_step_in_simulate_mode_and_trains_as_stock
     import dataclasses
     import functools
 
+    from test_runtime import BATCH, HIDDEN, LAYERS, SEQ, build, trainable
+
     import hf_ddpfix.runtime as runtime_mod
     import hf_ddpfix.trainer as trainer_mod
     from hf_ddpfix.ops import feature_counts
     from hf_ddpfix.ops.offload import ActivationOffload
-    from test_runtime import BATCH, HIDDEN, LAYERS, SEQ, build, trainable
 
     ref_model, ref = build(tmp_path / "ref", {"use_reentrant": False})
     ref.train()
