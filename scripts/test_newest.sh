@@ -40,9 +40,11 @@ accelerate.__version__, 'peft', peft.__version__, 'trl', trl.__version__, 'deeps
 export OMP_NUM_THREADS=1
 py=("$venv/bin/python" -m pytest -q -p no:cacheprovider)
 "${py[@]}" tests -m "not multiprocess"
-# 2-process cells (gloo): long context + tiling through the Trainer (patched calls counted), a VLM through
-# the Trainer, the reentrant-checkpointing fix, and a matrix cell.
+# 2-process cells (gloo): long context under DDP vs a single-process stock reference, TiledMLP + tiled loss
+# under DDP (patched calls counted: MLPs x steps x passes, no fallback), the reentrant-checkpointing fix
+# through the Trainer, and a VLM matrix cell with gradient accumulation.
 "${py[@]}" \
-  "tests/test_long_context_trainer.py" \
+  "tests/test_long_context.py::test_two_process_ddp_equals_single_process_stock_reference" \
+  "tests/test_tiled.py::test_two_process_training_equals_single_process_reference[tiled_ddp.py-TILED_DDP]" \
   "tests/test_trainer_entry_points.py::test_ddp_with_reentrant_checkpointing_matches_single_process[patch]" \
   "tests/test_matrix.py::test_cell_trains_in_sync_with_stock_loss[vlm-ckpt-nonreentrant-ga-2]"
