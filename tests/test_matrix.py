@@ -27,7 +27,7 @@ def stock_loss(model: str, ga: int) -> float:
     if (model, ga) not in _stock_runs:
         res, out = run_cell(model, "--ckpt", "off", "--find-unused", "auto", *(("--ga", str(ga)) if ga > 1 else ()),
                             fix=0)
-        assert res["ok"] and res["in_sync"], f"stock reference cell failed: {res}\n{out[-4000:]}"
+        assert res["ok"] and res["in_sync"] and res["exit_status"] == 0, f"stock reference cell failed: {res}\n{out[-4000:]}"
         _stock_runs[(model, ga)] = res["loss"]
     return _stock_runs[(model, ga)]
 
@@ -48,18 +48,22 @@ def matrix_cells():
 
 
 def run_cell(model, *args, fix, env=None):
-    out = torchrun("matrix_cell.py", "--fix", str(fix), "--model", model, *args, timeout=150, env=env,
-                   check=False).stdout
+    done = torchrun("matrix_cell.py", "--fix", str(fix), "--model", model, *args, timeout=150, env=env,
+                    check=False)
+    out = done.stdout
     lines = [line for line in out.splitlines() if line.startswith("CELL ")]
     assert lines, f"no CELL line (crash or hang):\n{out[-6000:]}"
-    return json.loads(lines[0][5:]), out
+    res = json.loads(lines[0][5:])
+    # the CELL line is rank 0's; the exit status is every rank's (torchrun fails when any rank does)
+    res["exit_status"] = done.returncode
+    return res, out
 
 
 @pytest.mark.parametrize("cell", matrix_cells(), ids=lambda c: "-".join(c).replace("--", ""))
 def test_cell_trains_in_sync_with_stock_loss(cell):
     model, *args = cell
     res, out = run_cell(model, *args, fix=1)
-    assert res["ok"], f"{res}\n{out[-4000:]}"
+    assert res["ok"] and res["exit_status"] == 0, f"{res}\n{out[-4000:]}"
     assert res["in_sync"] is True
     assert res["loss"] == pytest.approx(stock_loss(model, res["ga"]), abs=1e-4)
     if model == "vlm":  # every trainable parameter is used by construction: no unused-parameter search ...
@@ -79,7 +83,7 @@ def test_cell_with_tiling_forced_keeps_the_stock_loss(cell):
     """4 shards per MLP call (so the 32-token cells really tile) and the chunked loss head."""
     model, *args = cell
     res, out = run_cell(model, *args, fix=1, env={"HF_DDPFIX_TILED_MLP": "4", "HF_DDPFIX_TILED_LOSS": "on"})
-    assert res["ok"] and res["in_sync"], f"{res}\n{out[-4000:]}"
+    assert res["ok"] and res["in_sync"] and res["exit_status"] == 0, f"{res}\n{out[-4000:]}"
     assert "MLP modules tiled (4)" in out and "computes its loss in chunks" in out
     assert res["loss"] == pytest.approx(stock_loss(model, res["ga"]), abs=1e-4)
 
