@@ -31,12 +31,11 @@ from .integrations.checkpointing import (
 )
 from .integrations.deepspeed import attach_deepspeed
 from .integrations.families import is_vision_language_model
-from .integrations.hang_guard import HangGuard
 from .integrations.long_context import LongContextHandle, apply_long_context
 from .integrations.loss_patch import TiledLossHandle, patch_model_loss
 from .integrations.stabilizer import VisionStabilizer
 from .integrations.tiled_mlp import TiledMLPHandle, apply_tiled_mlp
-from .integrations.usage import ParameterUsage
+from .integrations.usage import HangGuard, ParameterUsage
 from .ops import feature_counts
 from .ops.buffer_order import BufferLayoutError, Layout, align_buffer_order
 from .ops.offload import ActivationOffload, SaveOnCpuScope
