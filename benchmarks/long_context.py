@@ -12,8 +12,9 @@ backward, for stock and each hf_ddpfix feature (slope between 8K and 16K tokens;
 the budget check of ``hf_ddpfix.ops.offload.budget``), writes JSON/PNG/markdown under
 ``benchmarks/results/`` and ends with the line ``ledger: stock <N> KiB/token, hf_ddpfix <M> KiB/token``.
 
-GPU (one process per trial; random bf16 weights; each trial 3 steps of forward + backward + AdamW on
-the LoRA weights under autocast bf16, one sequence)::
+GPU (one process per trial; random bf16 weights; each trial 3 steps through the Trainer --
+``transformers.Trainer`` for ``stock``, ``DDPFixTrainer`` otherwise -- with bf16, non-reentrant
+checkpointing, AdamW on the LoRA weights, one sequence)::
 
     python benchmarks/long_context.py --gpu --out benchmarks/results/long_context_gpu.json \
         --png benchmarks/results/long_context_gpu.png [--modes stock,hf_ddpfix] [--seqs 32768,65536]
@@ -26,15 +27,15 @@ the first failure: out of memory, a failed budget check, or ``--trial-timeout`` 
 - ``offload_tiled``: stock + hf_ddpfix ``ActivationOffload`` + ``tiled_loss`` + ``tiled_mlp="auto"``
   (the set-up of the H100 figures in REFERENCES.md section 8).
 - ``+rms_norm``, ``+attention``, ``+tiled_layer``: ``offload_tiled`` plus that long-context feature.
-- ``hf_ddpfix``: ``offload_tiled`` plus every long-context feature; the offload keeps the last layer
-  input on the device and its host pool may use ``--host-gib`` GiB (pre-flight checked with
-  ``plan_offload_budget``; a run that cannot fit fails before its first step with the numbers).
+- ``hf_ddpfix``: ``offload_tiled`` plus every long-context feature; the offload keeps as many layer
+  inputs on the device as fit (``keep_on_device="auto"``) and its host pool may use ``--host-gib`` GiB
+  (pre-flight checked with ``plan_offload_budget``; a run that cannot fit fails before its first step
+  with the numbers).
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import datetime as dt
 import json
 import os
@@ -181,18 +182,17 @@ def write_ledger(res: dict[str, Any], stem: Path) -> None:
 
 
 def _trial(mode: str, seq: int, steps: int, host_gib: float, tiny: bool = False) -> dict[str, Any]:
-    """One trial in this process: build, patch for ``mode``, train ``steps`` steps at ``seq`` tokens.
+    """One trial in this process: a LoRA Llama trained ``steps`` steps at ``seq`` tokens **through the
+    Trainer** (``transformers.Trainer`` for ``stock``, ``DDPFixTrainer`` with the mode's options otherwise).
 
-    ``tiny``: a 2-layer toy shape on the CPU (a smoke test of this code path; no timing meaning).
+    ``tiny``: a 2-layer toy shape on the CPU (a smoke test of this code path; no timing meaning; on CPU the
+    plan turns the offload off, which the result's ``feature_counts`` shows).
     """
     from peft import LoraConfig, get_peft_model
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers import LlamaConfig, LlamaForCausalLM, Trainer, TrainerCallback, TrainingArguments
 
-    from hf_ddpfix.integrations.checkpointing import apply_checkpointing
-    from hf_ddpfix.integrations.long_context import apply_long_context
-    from hf_ddpfix.integrations.loss_patch import patch_model_loss
-    from hf_ddpfix.integrations.tiled_mlp import apply_tiled_mlp
-    from hf_ddpfix.ops.offload import ActivationOffload
+    from hf_ddpfix import DDPFixConfig, DDPFixTrainer
+    from hf_ddpfix.ops import feature_counts
     from hf_ddpfix.ops.offload.budget import plan_offload_budget
 
     cuda = torch.cuda.is_available() and not tiny
@@ -209,58 +209,65 @@ def _trial(mode: str, seq: int, steps: int, host_gib: float, tiny: bool = False)
         model = LlamaForCausalLM(cfg)
     torch.set_default_dtype(old)
     model = get_peft_model(model, LoraConfig(r=m["lora_r"], lora_alpha=2 * m["lora_r"], target_modules="all-linear"))
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", FutureWarning)
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    model.train()
-    offload = None
-    info: dict[str, Any] = {"mode": mode, "seq": seq}
+    info: dict[str, Any] = {"mode": mode, "seq": seq, "via": "Trainer"}
+    feature_counts.reset()
     if mode != "stock":
         total = torch.cuda.get_device_properties(dev).total_memory if cuda else 64 * GIB
         used = torch.cuda.memory_allocated(dev) if cuda else sum(p.numel() * p.element_size() for p in model.parameters())
         budget = plan_offload_budget(layers=m["layers"], tokens=seq, layer_bytes=seq * m["hidden"] * 2,
                                      device_budget_bytes=int(0.97 * total), host_budget_bytes=int(host_gib * GIB),
-                                     fixed_device_bytes=used, working_bytes_per_token=(53 + 32) * KIB * m["hidden"] // 4096,
-                                     )  # as many inputs as fit stay on the device (keep-N)
-        info["budget"] = budget.describe()
-        offload = ActivationOffload(module=model, min_layer_bytes=0, max_pool_bytes=int(host_gib * GIB),
-                                    keep_on_device=budget.keep_on_device)
-        apply_checkpointing(model, use_reentrant=False, offload=offload)
-        patch_model_loss(model)
-        apply_tiled_mlp(model, "auto")
-        feats = {"+rms_norm": "rms_norm", "+attention": "attention", "+tiled_layer": "tiled_layer",
-                 "hf_ddpfix": "all"}.get(mode)
-        if feats:
-            handle = apply_long_context(model, feats)
-            info["long_context_patched"] = len(handle.patched)
-    params = [p for p in model.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(params, lr=1e-5, weight_decay=0.01)
-    gen = torch.Generator(device=dev).manual_seed(0)
-    ids = torch.randint(0, m["vocab"], (1, seq), device=dev, generator=gen)
-    times = []
+                                     fixed_device_bytes=used, working_bytes_per_token=(53 + 32) * KIB * m["hidden"] // 4096)
+        info["budget"] = budget.describe()  # pre-flight: raises OffloadBudgetError before any step
+    feats = {"+rms_norm": "rms_norm", "+attention": "attention", "+tiled_layer": "tiled_layer", "hf_ddpfix": "all"}.get(mode)
+    ids = torch.randint(0, m["vocab"], (seq,), generator=torch.Generator().manual_seed(0))
+    data = [{"input_ids": ids, "labels": ids}] * steps
+    args = TrainingArguments(output_dir=os.path.join(os.environ.get("TMPDIR", "/tmp"), "hf_ddpfix_long_context_trial"),
+                             per_device_train_batch_size=1, max_steps=steps, learning_rate=1e-5, weight_decay=0.01,
+                             max_grad_norm=1.0, bf16=cuda, gradient_checkpointing=True,
+                             gradient_checkpointing_kwargs={"use_reentrant": False}, report_to=[], save_strategy="no",
+                             logging_steps=1, disable_tqdm=True, use_cpu=not cuda, dataloader_num_workers=0)
+    times: list[float] = []
+    seen: dict[str, Any] = {}
+
+    class _Clock(TrainerCallback):
+        def on_train_begin(self, args, state, control, **kw):  # the runtime is attached by now
+            seen["runtime"] = getattr(trainer, "hf_ddpfix_runtime", None)
+            off = getattr(seen["runtime"], "offload", None)
+            if off is not None:
+                off.set_max_pool_bytes(int(host_gib * GIB))  # the host budget the pre-flight check used
+
+        def on_step_begin(self, args, state, control, **kw):
+            if cuda:
+                torch.cuda.synchronize(dev)
+            seen["t0"] = time.perf_counter()
+
+        def on_step_end(self, args, state, control, **kw):
+            if cuda:
+                torch.cuda.synchronize(dev)
+            times.append(time.perf_counter() - seen["t0"])
+
+    kwargs: dict[str, Any] = dict(model=model, args=args, train_dataset=data, callbacks=[_Clock()])
+    if mode == "stock":
+        trainer = Trainer(**kwargs)
+    else:
+        trainer = DDPFixTrainer(**kwargs, ddpfix_config=DDPFixConfig(
+            offload_activations=True, offload_min_layer_mib=0, tiled_mlp="auto", tiled_loss="on", long_context=feats))
     if cuda:
         torch.cuda.reset_peak_memory_stats(dev)
-    for _ in range(steps):
-        if cuda:
-            torch.cuda.synchronize(dev)
-        t0 = time.perf_counter()
-        ctx = offload.step() if offload is not None else contextlib.nullcontext()
-        with ctx, torch.autocast(dev.type, dtype=torch.bfloat16):
-            loss = model(input_ids=ids, labels=ids).loss
-            loss.backward()
-        torch.nn.utils.clip_grad_norm_(params, 1.0)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        if cuda:
-            torch.cuda.synchronize(dev)
-        times.append(time.perf_counter() - t0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)
+        out = trainer.train()
     timed = sorted(times[1:] or times)
-    info.update(ok=True, step_s=round(timed[len(timed) // 2], 3), loss=float(loss.detach()),
+    info.update(ok=True, step_s=round(timed[len(timed) // 2], 3), loss=float(out.training_loss),
                 peak_gib=round(torch.cuda.max_memory_allocated(dev) / GIB, 2) if cuda else None)
-    if offload is not None:
-        info["offload"] = {k: v for k, v in offload.stats.as_dict().items() if k in ("offloaded_bytes", "kept_bytes")}
-    if "long_context_patched" in info:
-        info["long_context_calls"] = int(handle.stats["patched calls"])
+    rt = seen.get("runtime")
+    if rt is not None and getattr(rt, "offload", None) is not None:
+        info["offload"] = {k: v for k, v in rt.offload.stats.as_dict().items()
+                           if k in ("offloaded_bytes", "kept_bytes", "keep_on_device", "pool_bytes")}
+    if rt is not None and getattr(rt, "long_context", None) is not None:
+        info["long_context_patched"] = len(rt.long_context.patched)
+        info["long_context_calls"] = int(rt.long_context.stats["patched calls"])
+    info["feature_counts"] = {k: v.as_dict() for k, v in feature_counts.snapshot().items()}
     return info
 
 

@@ -248,6 +248,11 @@ class DDPFixConfig:
         "input + fp32 rstd), attention (flash per KV-head group), tiled_layer (norms, q/k/v/o with LoRA, rotary "
         "and MLP in 2K-token tiles). Ledger: 345 -> 53 KiB/token per Llama-8B layer.",
     )
+    sequence_parallel: int | None = option(
+        _int1,
+        "Ulysses sequence parallelism: N ranks share each sequence (heads split by all-to-all around attention, "
+        "token-exact loss); DDP with sdpa attention; world size a multiple of N (1: off).",
+    )
     sync_check_steps: int | None = option(
         _int0, "Compare a checksum of trainable params across DDP ranks every N steps (default 50; 0: never)."
     )

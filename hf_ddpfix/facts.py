@@ -12,13 +12,15 @@ import torch
 from torch import nn
 
 from ._compat import checkpointing_args, unwrap_parallel
-from .integrations import families, quantized
+from .integrations import quantized
 from .integrations.checkpointing import (
     detect_checkpointing,
     requested_checkpointing,
     tool_checkpoint_functions,
 )
 from .integrations.deepspeed import gather_deepspeed_facts
+from .integrations.sequence_parallel.facts import gather_sequence_parallel_facts
+from .integrations.vision import families
 from .plan.types import ParallelMode, RunFacts
 
 MOE_CONFIG_KEYS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts")
@@ -164,5 +166,6 @@ def gather_facts(trainer: Any, model: nn.Module | None = None) -> RunFacts:
         **quantized.sharding_facts(trainer, parallel),
         deepspeed=gather_deepspeed_facts(trainer, model) if parallel == "deepspeed" else None,
         loss_unseen=loss_unseen_reason(trainer),
+        sequence_parallel=gather_sequence_parallel_facts(trainer, model),
         checkpoint_function="; ".join(tools) or None,
     )

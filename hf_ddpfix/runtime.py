@@ -30,15 +30,17 @@ from .integrations.checkpointing import (
     tool_checkpoint_functions,
 )
 from .integrations.deepspeed import attach_deepspeed
-from .integrations.families import is_vision_language_model
 from .integrations.long_context import LongContextHandle, apply_long_context
 from .integrations.loss_patch import TiledLossHandle, patch_model_loss
-from .integrations.stabilizer import VisionStabilizer
+from .integrations.sequence_parallel.trainer import SequenceParallelGroups, attach_sequence_parallel
 from .integrations.tiled_mlp import TiledMLPHandle, apply_tiled_mlp
 from .integrations.usage import HangGuard, ParameterUsage
+from .integrations.vision.families import is_vision_language_model
+from .integrations.vision.stabilizer import VisionStabilizer
 from .ops import feature_counts
 from .ops.buffer_order import BufferLayoutError, Layout, align_buffer_order
 from .ops.offload import ActivationOffload, SaveOnCpuScope
+from .plan.sequence_parallel import sp_size_of
 from .plan.types import Plan
 
 logger = logging.getLogger("hf_ddpfix")
@@ -57,6 +59,7 @@ class Runtime:
     tiled_mlp: TiledMLPHandle | None = None
     tiled_loss: TiledLossHandle | None = None
     long_context: LongContextHandle | None = None
+    sequence_parallel: SequenceParallelGroups | None = None
     step_contexts: list[Callable[[], AbstractContextManager[Any]]] = field(default_factory=list)
 
 
@@ -97,6 +100,9 @@ def attach_runtime(trainer: Any, model: nn.Module, plan: Plan, stack: ExitStack)
         rt.long_context = _apply_long_context(trainer, model, plan, stack)
     if plan.tiled_loss.value:
         rt.tiled_loss = _apply_tiled_loss(trainer, model, plan, stack)
+    if plan.sequence_parallel.value and plan.sequence_parallel.value != "deepspeed":  # deepspeed: its own engine
+        rt.sequence_parallel = attach_sequence_parallel(trainer, model, stack=stack,
+                                                        sp_size=sp_size_of(plan.sequence_parallel.value))
     if rt.step_contexts:
         _override(trainer, "training_step", lambda inner: _within(rt.step_contexts, inner), stack)
     _align_buffer_order(trainer, model, plan)
@@ -183,7 +189,7 @@ def attach_eval_sync(model: nn.Module, decision: Any, parallel: str, stack: Exit
     if not decision.value:
         return None
     if parallel == "deepspeed":
-        from .integrations.zero_vision import ZeroVisionStabilizer
+        from .integrations.vision.zero import ZeroVisionStabilizer
 
         sync: Any = ZeroVisionStabilizer(model, train=False, sync_eval=True).attach()
     else:

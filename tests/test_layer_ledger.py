@@ -14,12 +14,15 @@ from hf_ddpfix.integrations.layer_ledger import LayerShape, flash_bwd_workspace,
 
 # The issue's target (issue 14): <= 100 KiB/token for one Llama-8B layer with every feature on.
 TARGET_KIB_PER_TOKEN = 100
+# test_ledger_peak_is_within_10_percent_of_the_real_allocator checks the ledger against torch's CPU
+# allocator; the figure CI asserts is the ledger's plus that tolerance.
+CHECKED_TOLERANCE = 0.10
 
 
 def test_llama8b_layer_hf_ddpfix_is_at_most_100_kib_per_token_and_below_stock():
     stock = ledger_slope("stock")
     ours = ledger_slope("hf_ddpfix")
-    assert ours["kib_per_token"] <= TARGET_KIB_PER_TOKEN, ours["breakdown"][:8]
+    assert ours["kib_per_token"] * (1 + CHECKED_TOLERANCE) <= TARGET_KIB_PER_TOKEN, ours["breakdown"][:8]
     assert stock["kib_per_token"] > 3 * ours["kib_per_token"], (stock["kib_per_token"], ours["kib_per_token"])
     # Both include the modelled FlashAttention-2 backward workspace; ours runs it per KV-head group.
     assert 0 < ours["modelled_workspace_bytes"] < stock["modelled_workspace_bytes"]
@@ -66,6 +69,34 @@ def test_benchmark_gpu_trial_code_path_runs_on_a_toy_shape():
     spec.loader.exec_module(bench)
     stock = bench._trial("stock", 48, 2, 1.0, tiny=True)
     ours = bench._trial("hf_ddpfix", 48, 2, 1.0, tiny=True)
-    assert stock["ok"] and ours["ok"] and ours["long_context_patched"] == 7
+    assert stock["ok"] and ours["ok"] and stock["via"] == ours["via"] == "Trainer"
+    assert ours["long_context_patched"] == 7
     assert ours["long_context_calls"] == 2 * 2 * 2  # layers x steps x (forward + recompute)
-    assert abs(ours["loss"] - stock["loss"]) < 1e-2  # bf16 autocast; tiled loss sums in another order
+    # CPU: the plan turns the offload off (CUDA/ROCm only), so no offload ran -- and the counts say so
+    assert "offload" not in ours or ours["feature_counts"].get("offload", {}).get("ran", 0) == 0
+    assert abs(ours["loss"] - stock["loss"]) < 2e-2  # fp32 on CPU; tiled loss sums in another order
+
+
+@pytest.mark.parametrize("features", ["stock", "rms_norm", "attention", "tiled_mlp", "tiled_layer", "hf_ddpfix"])
+def test_ledger_peak_is_within_10_percent_of_the_real_allocator(features):
+    """Real CPU tensors, a shape small enough to run: the ledger's peak vs torch's CPU allocator's own
+    account (every allocation and free it reports, kernels' internal buffers included) over the same
+    forward + backward. The allocator sees only the region; the inputs made before it (layer input,
+    cos, sin, incoming gradient: all bf16) are added, as the ledger tracks them."""
+    import torch
+
+    from hf_ddpfix.integrations.layer_ledger import measure_layer
+    from hf_ddpfix.ops.memory_ledger import AllocatorPeak
+
+    shape = LayerShape(hidden=256, intermediate=640, heads=8, kv_heads=2, lora_r=4)
+    seq = 512
+    real = AllocatorPeak()
+    torch.manual_seed(0)
+    ledger = measure_layer(features, seq, shape=shape, fake=False, flash_workspace=False, tokens_per_tile=128,
+                           around=lambda: real)
+    inputs = 2 * seq * shape.hidden * 2 + 2 * seq * (shape.hidden // shape.heads) * 2
+    measured = real.peak + inputs
+    err = ledger.peak_bytes / measured - 1
+    print(f"{features}: ledger {ledger.peak_bytes / seq:.0f} B/token, allocator {measured / seq:.0f} B/token "
+          f"({err:+.1%})")
+    assert abs(err) <= CHECKED_TOLERANCE, (features, ledger.peak_bytes, measured, ledger.peak_op)

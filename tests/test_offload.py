@@ -397,3 +397,19 @@ def test_policy_skips_are_counted():
     _four_layer_step(ActivationOffload(min_bytes=0, simulate=True, min_layer_bytes=1 << 30))
     c = feature_counts.snapshot()["offload"]
     assert c.amounts["policy_skips"] == 4 and c.ran == 0
+
+
+def test_pool_cap_set_later_keeps_storages_on_the_device_and_says_why():
+    from hf_ddpfix.ops import feature_counts
+    from hf_ddpfix.ops.offload.offload import POOL_REFUSED
+
+    feature_counts.reset()
+    off = ActivationOffload(min_bytes=0, simulate=True)
+    off.set_max_pool_bytes(32 * 64 * 4)  # room for one of the three layer inputs
+    ref = _four_layer_step(ActivationOffload(min_bytes=0))
+    assert torch.equal(ref, _four_layer_step(off))
+    s = off.stats
+    assert (s.offloaded_tensors, s.skipped_pool, s.pool_bytes) == (1, 2, 32 * 64 * 4), s
+    assert feature_counts.snapshot()["offload"].fallbacks[POOL_REFUSED] == 2
+    with pytest.raises(ValueError, match="max_pool_bytes"):
+        off.set_max_pool_bytes(-1)

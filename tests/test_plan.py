@@ -333,5 +333,6 @@ def test_every_decision_spells_off_one_way():
                 assert bool(d.value) == (d.text != "off"), where
                 assert f" {name:<23} = {d.text} " in report, where
     # the sweep reaches the off state of every decision that can be off, and an "on" state of each
-    for name in fields - {"quantization", "deepspeed"}:
+    # sequence_parallel: on only for DDP + sdpa facts, a PlanError elsewhere (tests/test_sequence_parallel.py)
+    for name in fields - {"quantization", "deepspeed", "sequence_parallel"}:
         assert "False" in seen[name] and ({"True", "str"} & seen[name]), (name, seen[name])

@@ -125,3 +125,90 @@ def test_ulysses_attention_and_a_lora_llama_match_one_process_on_the_full_sequen
     assert all(r["ok"] for r in records), [r for r in records if not r["ok"]]
     masked = next(r for r in records if r["case"] == "model/prompt_masked")
     assert 0 in masked["shards_with_loss"] and not masked["nan"]  # an all-masked shard really ran
+
+
+# ------------------------------------------------------------------------------------------------ the plan
+
+
+def _facts(**kw):
+    from hf_ddpfix.integrations.sequence_parallel.facts import SequenceParallelFacts
+    from hf_ddpfix.plan.types import RunFacts
+
+    sp = {k: kw.pop(k) for k in ("attn_implementation", "num_heads", "num_kv_heads", "parallelism_sp_size",
+                                 "parallelism_sp_backend") if k in kw}
+    base = dict(attn_implementation="sdpa", num_heads=32, num_kv_heads=8)
+    return RunFacts(**{"parallel": "ddp", "world_size": 8, **kw}, sequence_parallel=SequenceParallelFacts(**{**base, **sp}))
+
+
+def test_plan_says_n_the_data_parallel_degree_and_heads_per_rank():
+    from hf_ddpfix.config import DDPFixConfig
+    from hf_ddpfix.plan.resolve import resolve_plan
+
+    plan = resolve_plan(_facts(), DDPFixConfig.from_env({}, sequence_parallel=4))
+    d = plan.sequence_parallel
+    assert d.value == "N=4 DP=2" and d.changed
+    assert "8 of 32 heads/rank" in d.reason and "2 data-parallel group(s)" in d.reason
+    assert "sequence_parallel" in plan.report()
+    assert resolve_plan(_facts(), DDPFixConfig()).sequence_parallel.value is None  # unset: nothing changes
+
+
+def test_plan_reads_the_env_variable_and_parallelism_config():
+    from hf_ddpfix.config import DDPFixConfig
+    from hf_ddpfix.plan.resolve import resolve_plan
+
+    cfg = DDPFixConfig.from_env({"HF_DDPFIX_SEQUENCE_PARALLEL": "2"})
+    assert resolve_plan(_facts(), cfg).sequence_parallel.value == "N=2 DP=4"
+    got = resolve_plan(_facts(parallelism_sp_size=8, parallelism_sp_backend="torch"), DDPFixConfig())
+    assert got.sequence_parallel.value == "N=8 DP=1" and "ParallelismConfig" in got.sequence_parallel.reason
+    ds = resolve_plan(_facts(parallel="deepspeed", parallelism_sp_size=2, parallelism_sp_backend="deepspeed"),
+                      DDPFixConfig())
+    assert ds.sequence_parallel.value == "deepspeed"  # DeepSpeed's own engine: recorded, left as stock
+    ddp = resolve_plan(_facts(parallelism_sp_size=2, parallelism_sp_backend="deepspeed"), DDPFixConfig())
+    assert ddp.sequence_parallel.value is False and "HF_DDPFIX_SEQUENCE_PARALLEL=2" in ddp.sequence_parallel.reason
+    with pytest.raises(ValueError, match="HF_DDPFIX_SEQUENCE_PARALLEL='x'"):
+        DDPFixConfig.from_env({"HF_DDPFIX_SEQUENCE_PARALLEL": "x"})
+
+
+@pytest.mark.parametrize(("facts", "n", "match"), [
+    (dict(attn_implementation="eager"), 2, "attn_implementation='sdpa'"),
+    (dict(num_heads=6, num_kv_heads=6), 4, "6 attention heads are not divisible by sequence_parallel=4"),
+    (dict(world_size=6), 4, "world size 6 is not a multiple of 4"),
+    (dict(parallel="fsdp"), 2, "DDP only"),
+    (dict(parallelism_sp_size=4, parallelism_sp_backend="torch"), 2, "contradicts ParallelismConfig"),
+    (dict(parallelism_sp_size=2, parallelism_sp_backend="deepspeed"), 2, "drop the parallelism_config"),
+])
+def test_combinations_that_cannot_work_are_a_plan_error_naming_setting_and_fix(facts, n, match):
+    from hf_ddpfix.config import DDPFixConfig
+    from hf_ddpfix.plan.resolve import resolve_plan
+    from hf_ddpfix.plan.types import PlanError
+
+    with pytest.raises(PlanError, match=match) as err:
+        resolve_plan(_facts(**facts), DDPFixConfig.from_env({}, sequence_parallel=n))
+    assert "sequence_parallel" in str(err.value)
+
+
+@pytest.mark.parametrize(("nproc", "ga"), [(2, 2), (4, 3)])
+def test_trainer_with_sequence_parallel_equals_the_run_without_it_and_one_process(tmp_path, nproc, ga):
+    """One process with the whole global batch, and the same world without SP, are the references. World 2: N=2; world 4: DP2 x SP2 with gradient accumulation 3 and unequal token counts; SGD without
+    clipping and AdamW with clipping; patch_trainer(sequence_parallel=2) and HF_DDPFIX_SEQUENCE_PARALLEL=2."""
+    from launch import torchrun
+
+    one, out = tmp_path / "one.pt", tmp_path / "spt.json"
+    torchrun("sp_trainer.py", str(one), "--ga", str(ga), "--single-for", str(nproc), nproc=1, timeout=200)
+    torchrun("sp_trainer.py", str(out), "--sp", "2", "--ga", str(ga), "--single", str(one), nproc=nproc, timeout=400)
+    records = json.loads(out.read_text())
+    assert {r["case"] for r in records} == {"trainer/sgd", "trainer/adamw_clip"}
+    assert {r["via"] for r in records} == {"env", "patch_trainer"}
+    assert all(r["ok"] for r in records), records
+    for r in records:
+        assert r["plan"] == f"N=2 DP={nproc // 2}" and r["attention_calls"] > 0
+        assert r["sharded_batches"] == 2 * 2 * ga  # both batches of the group, every micro-batch of 2 steps
+        assert r["one_process"] is not None and r["one_process"]["weight_diff"] <= 1e-5  # vs one process too
+
+
+def test_sequence_parallel_one_is_off_with_a_reason():
+    from hf_ddpfix.config import DDPFixConfig
+    from hf_ddpfix.plan.resolve import resolve_plan
+
+    d = resolve_plan(_facts(), DDPFixConfig.from_env({}, sequence_parallel=1)).sequence_parallel
+    assert d.value is False and "whole sequences" in d.reason

@@ -1,4 +1,7 @@
-"""Moved to :mod:`hf_ddpfix.integrations.usage.hang_guard`; this name stays so existing imports keep working."""
+"""Moved to :mod:`hf_ddpfix.integrations.usage.hang_guard`; this path stays importable as an alias of that module
+(the same module object: attributes, private names and monkeypatches are shared)."""
 
-from .usage.hang_guard import *  # noqa: F403
-from .usage.hang_guard import HangGuard, UnusedParametersError, __all__, _usage_error  # noqa: F401
+import importlib
+import sys
+
+sys.modules[__name__] = importlib.import_module(".usage.hang_guard", __package__)

@@ -25,7 +25,7 @@ tensors (tests/test_layer_ledger.py checks both on a small shape, and checks the
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -190,6 +190,7 @@ def measure_layer(
     tokens_per_tile: int = 2048,
     seed: int = 0,
     checkpointing: bool = True,
+    around: Callable[[], contextlib.AbstractContextManager[Any]] | None = None,
 ) -> LayerLedger:
     """Peak live activation bytes of one decoder layer's checkpointed forward + recompute + backward.
 
@@ -202,6 +203,8 @@ def measure_layer(
         flash_workspace: add the modelled FlashAttention-2 backward workspace.
         tokens_per_tile: tile length of ``tiled_layer``.
         checkpointing: non-reentrant checkpointing of the layer (default True).
+        around: a context entered around exactly the measured forward + backward (e.g. a real
+            allocator's tracker, ``benchmarks/long_context.py --ledger-check``).
 
     Returns:
         ``LayerLedger``.
@@ -219,7 +222,8 @@ def measure_layer(
         pos = torch.arange(seq)[None]
         cos, sin = base.rotary_emb(x, pos)
         grad = torch.randn(batch, seq, shape.hidden, generator=gen).to(torch.bfloat16)
-        with _flash_sdpa(), MemoryLedger(workspace=workspace) as ledger:
+        with _flash_sdpa(), around() if around is not None else contextlib.nullcontext(), \
+                MemoryLedger(workspace=workspace) as ledger:
             ledger.label_modules(layer, "layer.")
             ledger.track([x, cos, sin], "layer input, cos, sin")
             with torch.autocast("cpu", dtype=torch.bfloat16):

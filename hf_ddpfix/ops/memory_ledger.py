@@ -40,7 +40,7 @@ from torch.utils._pytree import tree_flatten
 
 from .._compat import in_checkpoint_recompute, storage_weak_ref
 
-__all__ = ["LedgerEntry", "MemoryLedger", "OpRecord"]
+__all__ = ["AllocatorPeak", "LedgerEntry", "MemoryLedger", "OpRecord"]
 
 
 
@@ -227,3 +227,44 @@ class MemoryLedger(TorchDispatchMode):
             h.remove()
         self._hooks.clear()
         return super().__exit__(*exc)
+
+
+class AllocatorPeak:
+    """The CPU allocator's own account of a region: every allocation and free torch's allocator reports
+    (``torch.profiler`` memory events), summed in time order.
+
+    ``peak`` is the most bytes allocated inside the region and not yet freed, at any moment -- including
+    buffers a kernel allocates and frees inside one op through torch's allocator (the attention backward's
+    internal buffers), which a per-op ledger cannot see. Not seen: memory a kernel takes from ``malloc`` or
+    the stack directly (none on the CPU paths measured here, so the real figure is a lower bound only for
+    such kernels), and on CUDA the cuDNN/FlashAttention workspace (measure with ``torch.cuda`` stats).
+
+    Usage::
+
+        with AllocatorPeak() as real:
+            ...                             # CPU work
+        real.peak                           # bytes; tensors alive before the region are not counted
+
+    Guarantees: ``peak >= 0``; ``current`` is the net bytes the region left allocated.
+    """
+
+    def __init__(self) -> None:
+        self.peak = 0
+        self.current = 0
+        self._prof: Any = None
+
+    def __enter__(self) -> AllocatorPeak:
+        from torch.profiler import ProfilerActivity, profile
+
+        self._prof = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
+        self._prof.__enter__()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self._prof.__exit__(*exc)
+        events = [e for e in self._prof.profiler.kineto_results.events() if e.name() == "[memory]"]
+        cur = peak = 0
+        for e in sorted(events, key=lambda e: e.start_ns()):
+            cur += e.nbytes()
+            peak = max(peak, cur)
+        self.peak, self.current = peak, cur

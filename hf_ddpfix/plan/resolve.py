@@ -22,6 +22,7 @@ from ..config import DDPFixConfig
 from . import ddp as ddp_rules
 from . import deepspeed as ds_rules
 from . import memory, quantized, vision
+from .sequence_parallel import decide_sequence_parallel
 from .types import CheckpointMode, Plan, PlanError, RunFacts
 
 __all__ = ["resolve_plan"]
@@ -55,6 +56,7 @@ def resolve_plan(facts: RunFacts, config: DDPFixConfig | None = None) -> Plan:
     distributed = facts.parallel in ("ddp", "fsdp")
     ddp = facts.parallel == "ddp"
 
+    sequence_parallel = decide_sequence_parallel(facts, c)  # raises PlanError: cannot work (before training)
     quantization = quantized.decide_quantization(facts)  # raises PlacementError / QuantStorageError: cannot work
     ckpt = ddp_rules.decide_checkpointing(facts, c, distributed, correct)
     mode: CheckpointMode = ckpt.value or "off"  # the rules below read the variant as a mode string
@@ -79,6 +81,7 @@ def resolve_plan(facts: RunFacts, config: DDPFixConfig | None = None) -> Plan:
         # opt-in tiling reads partitioned (empty) weights under ZeRO-3: not verified there, stock kept
         tiled_mlp=ds_rules.zero3_unverified(facts, memory.decide_tiled_mlp(facts, c)),
         tiled_loss=ds_rules.zero3_unverified(facts, memory.decide_tiled_loss(c)),
+        sequence_parallel=sequence_parallel,
         long_context=ds_rules.zero3_unverified(facts, memory.decide_long_context(facts, c, mode)),
         quantization=quantization,
         parameter_usage=usage,

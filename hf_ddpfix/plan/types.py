@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any, Literal
 if TYPE_CHECKING:  # the plan stays free of torch at run time; the facts type lives with its gatherer
     from ..integrations.deepspeed import DeepSpeedFacts
     from ..integrations.quantized import QuantFacts
+    from ..integrations.sequence_parallel.facts import SequenceParallelFacts
 
 ParallelMode = Literal["single", "ddp", "fsdp", "deepspeed"]
 CheckpointMode = Literal["off", "reentrant", "non_reentrant"]
@@ -100,6 +101,7 @@ class RunFacts:
     shard_cast_dtype: str | None = None
     zero_stage: int | None = None
     deepspeed: DeepSpeedFacts | None = None
+    sequence_parallel: SequenceParallelFacts | None = None  # attention and heads (plan/sequence_parallel.py)
     loss_unseen: str | None = None
     checkpoint_function: str | None = None
 
@@ -164,6 +166,7 @@ class Plan:
     deepspeed: Decision = Decision(None, "")
     zero3_leaf_modules: Decision = Decision(None, "")
     long_context: Decision = Decision(None, "")
+    sequence_parallel: Decision = Decision(None, "")
     vlm_eval_sync: Decision = Decision(None, "")
     corrections: tuple[str, ...] = ()
     config_lines: tuple[str, ...] = field(default=())
@@ -192,6 +195,7 @@ class Plan:
             "tiled_mlp": self.tiled_mlp,
             "tiled_loss": self.tiled_loss,
             "long_context": self.long_context,
+            "sequence_parallel": self.sequence_parallel,
             "quantization": self.quantization,
             "deepspeed": self.deepspeed,
             "zero3_leaf_modules": self.zero3_leaf_modules,

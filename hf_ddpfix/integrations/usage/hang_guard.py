@@ -17,8 +17,8 @@ from torch import nn
 
 from ..._compat import ddp_syncs_grads, unwrap_model
 from ...ops.dist import dist_ready, gather_flags
-from ..families import vision_groups
-from ..stabilizer import STABILIZER_ENV
+from ..vision.families import vision_groups
+from ..vision.stabilizer import STABILIZER_ENV
 
 __all__ = ["HangGuard", "UnusedParametersError", "check_used_groups"]
 

@@ -40,7 +40,7 @@ all-gather of ``n_trainable`` bytes per synchronising forward. Reentrant checkpo
 
 Trainer wiring (transformers 5.23): attach before ``Trainer.train`` wraps the model (or after; hooks go
 on the unwrapped module), call :meth:`~ParameterUsage.finalize` before ``Trainer._clip_grad_norm`` /
-``_get_grad_norm`` (see :mod:`hf_ddpfix.integrations.stabilizer` for why not ``on_pre_optimizer_step``).
+``_get_grad_norm`` (see :mod:`hf_ddpfix.integrations.vision.stabilizer` for why not ``on_pre_optimizer_step``).
 
 Layout: slots and scopes (FSDP2 units) in ``scopes.py``, the reentrant-checkpoint observation in
 ``regions.py``, the cross-rank guard table and finalize mask in ``agreement.py``; this

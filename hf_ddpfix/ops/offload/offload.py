@@ -229,6 +229,20 @@ class ActivationOffload:
         with torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
             yield
 
+    def set_max_pool_bytes(self, max_bytes: int | None) -> None:
+        """Cap each device's host pool at ``max_bytes`` (None: no cap), for pools made from now on and
+        those already made (a pool above the new cap keeps its buffers and refuses to grow).
+
+        Raises:
+            ValueError: a negative ``max_bytes``.
+        """
+        if max_bytes is not None and int(max_bytes) < 0:
+            raise ValueError(f"max_pool_bytes must be >= 0 or None, got {max_bytes}")
+        with self._lock:
+            self._transfers.max_pool_bytes = max_bytes
+            for pool in self._transfers.pools.values():
+                pool.max_bytes = None if max_bytes is None else int(max_bytes)
+
     def clear_pool(self) -> None:
         """Release every idle host slab (e.g. before a phase that needs host memory)."""
         with self._lock:

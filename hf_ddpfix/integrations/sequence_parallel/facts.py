@@ -1,0 +1,52 @@
+"""What the sequence-parallel plan needs to know about a run, read from the model and the Trainer
+(read-only): the size asked for and where, the attention implementation, the head counts, and the
+accelerate `ParallelismConfig` when one is given."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from torch import nn
+
+__all__ = ["SequenceParallelFacts", "gather_sequence_parallel_facts"]
+
+
+@dataclass(frozen=True)
+class SequenceParallelFacts:
+    """Attributes:
+        attn_implementation: the text model's `config._attn_implementation` ("sdpa", "eager", ...), or None.
+        num_heads / num_kv_heads: the text model's attention heads, None when the config does not say.
+        parallelism_sp_size: `TrainingArguments.parallelism_config.sp_size` (None: no parallelism config).
+        parallelism_sp_backend: its `sp_backend` ("deepspeed" is DeepSpeed's own Ulysses engine).
+    """
+
+    attn_implementation: str | None = None
+    num_heads: int | None = None
+    num_kv_heads: int | None = None
+    parallelism_sp_size: int | None = None
+    parallelism_sp_backend: str | None = None
+
+
+def _text_config(model: nn.Module) -> Any:
+    cfg = getattr(model, "config", None)
+    for key in ("text_config", "language_config"):
+        sub = getattr(cfg, key, None)
+        if sub is not None:
+            return sub
+    return cfg
+
+
+def gather_sequence_parallel_facts(trainer: Any, model: nn.Module) -> SequenceParallelFacts:
+    cfg = _text_config(model)
+    heads = getattr(cfg, "num_attention_heads", None)
+    kv = getattr(cfg, "num_key_value_heads", None) or heads
+    impl = getattr(cfg, "_attn_implementation", None) or getattr(getattr(model, "config", None),
+                                                                 "_attn_implementation", None)
+    pc = getattr(getattr(trainer, "args", None), "parallelism_config", None)
+    sp = getattr(pc, "sp_size", None) if pc is not None else None
+    return SequenceParallelFacts(
+        attn_implementation=impl, num_heads=heads, num_kv_heads=kv,
+        parallelism_sp_size=int(sp) if sp else None,
+        parallelism_sp_backend=getattr(pc, "sp_backend", None) if pc is not None else None,
+    )

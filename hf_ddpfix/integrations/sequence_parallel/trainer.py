@@ -1,0 +1,179 @@
+"""Sequence parallelism inside the stock `Trainer` loop under DDP (`attach_sequence_parallel`).
+
+Per training micro-batch (the Trainer's `compute_loss`, on the instance):
+  1. the N ranks of an SP group (ranks `k*N .. k*N+N-1`) exchange their batches (`all_gather_object`):
+     every batch the data loader gave the group is trained on, each by all N ranks ("SP over DP", as
+     DeepSpeed's `UlyssesSPDataLoaderAdapter`), so the data, the number of optimizer steps and the
+     Trainer's `num_items_in_batch` are exactly stock DDP's;
+  2. the batches are right-padded to one length (attention_mask 0, labels -100) and concatenated;
+  3. `sharded_causal_lm_loss`: labels shifted and position ids / documents taken on the full sequence,
+     this rank's 1/N slice forwarded with Ulysses attention, its token-sum cross-entropy;
+  4. the loss is normalised as stock's: by the Trainer's global `num_items_in_batch` (times the number of
+     processes, as stock's `compute_loss`, which turns DDP's mean into the exact sum), or, where the Trainer
+     gives no count, by each batch's own valid-token count (stock's per-batch mean).
+
+Evaluation / prediction (`model.training` False), batches with other keys (images, ...), and a
+`compute_loss_func` / label smoother run stock `compute_loss` unsharded: counted as a fallback with its
+reason (feature "sequence_parallel") and logged once.
+
+Guarantees (tests/scripts/sp_trainer.py): logged losses and trained LoRA weights equal the same run
+without sequence parallelism (world 2: N=2; world 4: DP2 x SP2 with gradient accumulation).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+from contextlib import ExitStack
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ...ops.feature_counts import record_amount, record_fallback
+from .attention import FEATURE, install_ulysses_attention
+from .model import sharded_causal_lm_loss
+
+__all__ = ["SequenceParallelGroups", "attach_sequence_parallel", "merge_batches"]
+
+logger = logging.getLogger("hf_ddpfix")
+_KEYS = ("input_ids", "labels", "attention_mask", "position_ids")
+
+
+class SequenceParallelGroups:
+    """The SP group of this rank (consecutive ranks) and its index; every rank creates every group."""
+
+    def __init__(self, sp_size: int):
+        world, rank = dist.get_world_size(), dist.get_rank()
+        if world % sp_size:
+            raise ValueError(f"world size {world} is not a multiple of sequence_parallel={sp_size}")
+        self.size, self.dp_size = sp_size, world // sp_size
+        self.group: Any = None
+        for k in range(self.dp_size):
+            g = dist.new_group(list(range(k * sp_size, (k + 1) * sp_size)))
+            if rank // sp_size == k:
+                self.group = g
+        self.rank = dist.get_rank(self.group)
+
+
+def merge_batches(batches: list[Mapping[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """Right-pad `[B_i, S_i]` batches to the longest and concatenate them along the batch: `attention_mask`
+    0 and `labels` -100 on the padding, `position_ids` continuing each row's last id."""
+    length = max(int(b["input_ids"].shape[1]) for b in batches)
+    out: dict[str, list[torch.Tensor]] = {k: [] for k in _KEYS}
+    for b in batches:
+        ids = b["input_ids"]
+        rows, s = ids.shape[:2]
+        pad = length - s
+        mask = b.get("attention_mask")
+        mask = torch.ones(rows, s, dtype=torch.long, device=ids.device) if mask is None else mask.long()
+        pos = b.get("position_ids")
+        pos = torch.arange(s, device=ids.device).expand(rows, s) if pos is None else pos.expand(rows, s)
+        labels = b["labels"]
+        if pad:
+            tail = torch.arange(1, pad + 1, device=ids.device)
+            ids = torch.cat([ids, ids.new_zeros(rows, pad)], 1)
+            mask = torch.cat([mask, mask.new_zeros(rows, pad)], 1)
+            pos = torch.cat([pos, pos[:, -1:] + tail], 1)
+            labels = torch.cat([labels, labels.new_full((rows, pad), -100)], 1)
+        for k, v in zip(_KEYS, (ids, labels, mask, pos), strict=True):
+            out[k].append(v)
+    return {k: torch.cat(v, 0) for k, v in out.items()}
+
+
+def _fallback_reason(trainer: Any, model: nn.Module, inputs: Mapping[str, Any]) -> str | None:
+    if not model.training:
+        return "evaluation/prediction runs unsharded (same loss as without sequence parallelism)"
+    if getattr(trainer, "compute_loss_func", None) is not None or getattr(trainer, "label_smoother", None) is not None:
+        return "compute_loss_func / label smoothing: the loss is not the causal-LM token sum"
+    extra = sorted(set(inputs) - set(_KEYS))
+    if extra:
+        return f"batch keys {extra} are not sharded (text-only batches are)"
+    if inputs.get("labels") is None:
+        return "the batch has no labels"
+    return None
+
+
+def attach_sequence_parallel(trainer: Any, model: nn.Module, *, sp_size: int, stack: ExitStack) -> SequenceParallelGroups:
+    """Make `trainer` train `model` with Ulysses sequence parallelism over groups of `sp_size` ranks.
+
+    Args:
+        trainer: a `transformers.Trainer` about to run its training loop under DDP.
+        model: the unwrapped model (its attention implementation is wrapped).
+        sp_size: N, dividing the world size.
+        stack: the undo of every change goes here (the attention wrapper, `compute_loss`).
+    """
+    groups = SequenceParallelGroups(sp_size)
+    impl = getattr(getattr(model, "config", None), "_attn_implementation", None) or "sdpa"
+    stack.callback(install_ulysses_attention(impl).remove)
+    stock = trainer.compute_loss
+    warned: set[str] = set()
+    pad_id = getattr(getattr(model, "config", None), "pad_token_id", None) or 0
+
+    def compute_loss(model: nn.Module, inputs: dict[str, Any], return_outputs: bool = False,
+                     num_items_in_batch: Any = None) -> Any:
+        reason = _fallback_reason(trainer, model, inputs)
+        if reason is not None:
+            record_fallback(FEATURE, reason)
+            if reason not in warned and trainer.is_world_process_zero():
+                warned.add(reason)
+                logger.info("sequence_parallel: %s", reason)
+            return stock(model, inputs, return_outputs=return_outputs, num_items_in_batch=num_items_in_batch)
+        mine = {k: inputs[k].detach().cpu() if torch.is_tensor(inputs[k]) else inputs[k] for k in inputs}
+        gathered: list[Any] = [None] * groups.size
+        dist.all_gather_object(gathered, mine, group=groups.group)
+        device = inputs["input_ids"].device
+        batches = [{k: v.to(device) for k, v in b.items()} for b in gathered]
+        normalised = num_items_in_batch is not None and bool(getattr(trainer, "model_accepts_loss_kwargs", False))
+        if normalised:
+            merged = merge_batches(batches)
+            loss_sum, outputs = sharded_causal_lm_loss(model, merged, group=groups.group, pad_token_id=pad_id)
+            loss = loss_sum / num_items_in_batch
+            if trainer.args.average_tokens_across_devices:
+                loss = loss * trainer.accelerator.num_processes  # stock's scale: DDP's mean becomes the sum
+        else:  # stock: each rank's batch mean, averaged by DDP (and divided by GA by the Trainer)
+            merged = merge_batches(batches)
+            rows = [int(b["input_ids"].shape[0]) for b in batches]
+            loss_rows, outputs = _per_row_loss(model, merged, groups, pad_id)
+            loss = sum(part.sum() / max(_count(b), 1)
+                       for part, b in zip(loss_rows.split(rows), batches, strict=True))
+        record_amount(FEATURE, "sharded_batches", len(batches))
+        return (loss, outputs) if return_outputs else loss
+
+    had_own = "compute_loss" in vars(trainer)
+    trainer.compute_loss = compute_loss
+
+    def restore() -> None:
+        if had_own:
+            trainer.compute_loss = stock
+        else:
+            del trainer.compute_loss
+
+    stack.callback(restore)
+    return groups
+
+
+def _count(batch: Mapping[str, torch.Tensor]) -> int:
+    from ...ops.sequence_parallel.loss import valid_target_count
+
+    return int(valid_target_count(batch["labels"], batch.get("attention_mask")))
+
+
+def _per_row_loss(model: nn.Module, merged: dict[str, torch.Tensor], groups: SequenceParallelGroups,
+                  pad_id: int) -> tuple[torch.Tensor, Any]:
+    """This rank's token-sum cross-entropy per row of `merged` (`[B]`)."""
+    import torch.nn.functional as F
+
+    from ...ops.sequence_parallel.inputs import shard_batch
+    from .attention import sequence_parallel_batch
+
+    shard = shard_batch(merged["input_ids"], sp_size=groups.size, sp_rank=groups.rank, labels=merged["labels"],
+                        attention_mask=merged["attention_mask"], position_ids=merged["position_ids"],
+                        pad_token_id=pad_id)
+    with sequence_parallel_batch(shard.documents, groups.group):
+        outputs = model(input_ids=shard.input_ids, position_ids=shard.position_ids, use_cache=False)
+    logits = outputs.logits.float()
+    assert shard.shift_labels is not None
+    per_token = F.cross_entropy(logits.transpose(1, 2), shard.shift_labels, ignore_index=-100, reduction="none")
+    return per_token.sum(1), outputs

@@ -1,0 +1,131 @@
+"""Sequence parallelism through the stock Trainer (patch_trainer / HF_DDPFIX_SEQUENCE_PARALLEL) vs the same
+run without it (stock DDP, hf_ddpfix unpatched): logged losses, grad norms, final LoRA weights, eval loss.
+
+    python -m torch.distributed.run --standalone --nproc_per_node=4 tests/scripts/sp_trainer.py OUT.json --sp 2 --ga 3
+
+Every run: tiny LoRA Llama (sdpa), variable lengths (not divisible by N), right padding, prompt-masked labels
+(some shards without a valid label), 2 optimizer steps; SGD without clipping and AdamW with clipping and
+weight decay. World 2 with --sp 2: N=2, DP=1; world 4 with --sp 2: DP2 x SP2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+from datasets import Dataset  # noqa: E402
+from fixtures import Verdicts, init_gloo, lora_llama, rank_log, trainable_weights  # noqa: E402
+from transformers import Trainer, TrainingArguments  # noqa: E402
+
+from hf_ddpfix import patch_trainer, unpatch_trainer  # noqa: E402
+from hf_ddpfix.ops import feature_counts  # noqa: E402
+
+TOL = 1e-5
+
+
+def dataset(n: int, seed: int) -> Dataset:
+    g = torch.Generator().manual_seed(seed)
+    rows = []
+    for i in range(n):
+        length = 5 + (i * 7) % 13
+        ids = torch.randint(1, 250, (length,), generator=g).tolist()
+        prompt = (length * 2) // 5 + (i % 3) * 2
+        rows.append({"input_ids": ids, "labels": [-100] * min(prompt, length - 1) + ids[min(prompt, length - 1):]})
+    return Dataset.from_list(rows)
+
+
+def collate(batch):
+    n = max(len(b["input_ids"]) for b in batch)
+    ids = torch.tensor([b["input_ids"] + [0] * (n - len(b["input_ids"])) for b in batch])
+    mask = torch.tensor([[1] * len(b["input_ids"]) + [0] * (n - len(b["input_ids"])) for b in batch])
+    labels = torch.tensor([b["labels"] + [-100] * (n - len(b["labels"])) for b in batch])
+    return {"input_ids": ids, "attention_mask": mask, "labels": labels}
+
+
+def run(optim: str, ga: int, out: str, sp: int | None, via_env: bool, batch: int = 2) -> dict:
+    unpatch_trainer()
+    os.environ.pop("HF_DDPFIX_SEQUENCE_PARALLEL", None)
+    if sp and via_env:
+        os.environ["HF_DDPFIX_SEQUENCE_PARALLEL"] = str(sp)
+        patch_trainer()
+    elif sp:
+        patch_trainer(sequence_parallel=sp)
+    feature_counts.reset()
+    model = lora_llama(attn_implementation="sdpa")
+    # AdamW's first steps are ~lr * sign(g): float noise in a near-zero gradient moves a weight by up to lr,
+    # so its lr is small enough that 1e-5 is a real bound (SGD: lr * g, no amplification)
+    kw = dict(optim="sgd", max_grad_norm=0.0, weight_decay=0.0, learning_rate=5e-2) if optim == "sgd" else \
+        dict(optim="adamw_torch", max_grad_norm=0.05, weight_decay=0.1, learning_rate=2e-4)
+    args = TrainingArguments(output_dir=out, per_device_train_batch_size=batch, per_device_eval_batch_size=batch,
+                             gradient_accumulation_steps=ga, max_steps=2, report_to=[],
+                             use_cpu=True, save_strategy="no", remove_unused_columns=False, disable_tqdm=True,
+                             seed=0, logging_steps=1, ddp_find_unused_parameters=False, **kw)
+    trainer = Trainer(model=model, args=args, train_dataset=dataset(48, 1), eval_dataset=dataset(8, 2),
+                      data_collator=collate)
+    trainer.train()
+    ev = trainer.evaluate()
+    counts = feature_counts.snapshot().get("sequence_parallel")
+    hist = [(h["loss"], h.get("grad_norm")) for h in trainer.state.log_history if "loss" in h]
+    plan = getattr(trainer, "hf_ddpfix_plan", None)
+    res = {"weights": trainable_weights(model), "hist": hist, "eval": ev["eval_loss"],
+           "counts": counts.as_dict() if counts else None,
+           "plan": plan.sequence_parallel.text if plan is not None else None}
+    unpatch_trainer()
+    os.environ.pop("HF_DDPFIX_SEQUENCE_PARALLEL", None)
+    del trainer
+    return res
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("out")
+    p.add_argument("--sp", type=int, default=2)
+    p.add_argument("--ga", type=int, default=1)
+    p.add_argument("--single-for", type=int, default=0,
+                   help="world size W: run one process with batch 2*W (the reference) and save it to OUT")
+    p.add_argument("--single", default=None, help="the one-process reference saved by --single-for")
+    a = p.parse_args()
+    r, world = init_gloo()
+    log = rank_log()
+    optims = (("sgd", False), ("adamw_clip", True))
+    if a.single_for:  # the same global batch in one process: sampler order and GA normalisation are the Trainer's
+        torch.save({o: run(o, a.ga, a.out + ".one", None, False, batch=2 * a.single_for) for o, _ in optims}, a.out)
+        v = Verdicts("SPT", None)
+        v.finish()
+        return
+    single = torch.load(a.single, weights_only=False) if a.single else None
+    v = Verdicts("SPT", a.out)
+    for optim, via_env in optims:
+        ref = run(optim, a.ga, a.out + ".ref", None, False)
+        got = run(optim, a.ga, a.out + ".sp", a.sp, via_env)
+        one = single[optim] if single else None
+        one_w = max((one["weights"][k] - got["weights"][k]).abs().max().item() for k in one["weights"]) if one else None
+        one_l = max(abs(x[0] - y[0]) for x, y in zip(one["hist"], got["hist"], strict=True)) if one else None
+        one_g = max(abs(x[1] - y[1]) for x, y in zip(one["hist"], got["hist"], strict=True)) if one else None
+        one_e = abs(one["eval"] - got["eval"]) if one else None
+        wdiff = max((ref["weights"][k] - got["weights"][k]).abs().max().item() for k in ref["weights"])
+        ldiff = max(abs(x[0] - y[0]) for x, y in zip(ref["hist"], got["hist"], strict=True))
+        gdiff = max(abs((x[1] or 0) - (y[1] or 0)) for x, y in zip(ref["hist"], got["hist"], strict=True))
+        c = got["counts"] or {"ran": 0, "fallbacks": {}, "amounts": {}}
+        ok = (wdiff <= TOL and ldiff <= TOL and gdiff <= TOL and abs(ref["eval"] - got["eval"]) <= TOL
+              and c["ran"] > 0 and c["amounts"].get("sharded_batches", 0) > 0
+              and len(ref["hist"]) == 2 and (one is None or max(one_w, one_l, one_g, one_e) <= TOL) and (got["plan"] or "").startswith(f"N={a.sp} DP={world // a.sp}"))
+        v.add({"case": f"trainer/{optim}", "world": world, "sp": a.sp, "ga": a.ga, "via": "env" if via_env else
+               "patch_trainer", "plan": got["plan"], "weight_diff": wdiff, "loss_diff": ldiff, "grad_norm_diff": gdiff,
+               "losses_ref": [h[0] for h in ref["hist"]], "losses_sp": [h[0] for h in got["hist"]],
+               "eval_ref": ref["eval"], "eval_sp": got["eval"], "attention_calls": c["ran"],
+               "sharded_batches": c["amounts"].get("sharded_batches"), "fallbacks": c["fallbacks"], "one_process": None if one is None else {
+                   "weight_diff": one_w, "loss_diff": one_l, "grad_norm_diff": one_g, "eval_diff": one_e,
+                   "losses": [h[0] for h in one["hist"]]}, "ok": ok})
+        log(f"{optim} done")
+    dist.barrier()
+    v.finish()
+
+
+if __name__ == "__main__":
+    main()
