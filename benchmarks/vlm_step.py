@@ -39,7 +39,7 @@ def worker(a: argparse.Namespace) -> None:
     from fixtures import add_lora, build_qwen2_5_vl, make_batch
     from torch import nn
 
-    from hf_ddpfix.integrations.stabilizer import VisionStabilizer
+    from hf_ddpfix.integrations.vision.stabilizer import VisionStabilizer
 
     dist.init_process_group("gloo")
     rank = dist.get_rank()

@@ -21,13 +21,14 @@ from .callbacks import MemoryThroughputCallback, PlanReportCallback, ReplicaSync
 from .checkpoints import last_complete_checkpoint, save_model_atomic
 from .config import DDPFixConfig
 from .errors import DDPFixError, ReplicaDivergenceError, explain, readable_ddp_errors
-from .integrations.families import find_vision_adapter
+from .feature_report import FeatureFallbackError
 from .integrations.hang_guard import HangGuard, UnusedParametersError
 from .integrations.long_context import apply_long_context, remove_long_context
 from .integrations.loss_patch import patch_model_loss, unpatch_model_loss
-from .integrations.stabilizer import VisionStabilizer
 from .integrations.tiled_mlp import apply_tiled_mlp, remove_tiled_mlp
 from .integrations.usage import ParameterUsage
+from .integrations.vision.families import find_vision_adapter
+from .integrations.vision.stabilizer import VisionStabilizer
 from .ops.offload import ActivationOffload, OffloadBudgetError, plan_offload_budget
 from .ops.tiled_loss import tiled_causal_lm_loss
 from .plan.resolve import resolve_plan
@@ -41,6 +42,7 @@ __all__ = [
     "DDPFixError",
     "DDPFixTrainer",
     "Decision",
+    "FeatureFallbackError",
     "HangGuard",
     "MemoryThroughputCallback",
     "OffloadBudgetError",

@@ -292,7 +292,7 @@ def describe_model(spec: str, config_kwargs: Mapping[str, Any] | None = None) ->
     is_vlm = getattr(config, "vision_config", None) is not None
     adapter = zero_adapter = None
     if is_vlm:
-        from .integrations.families import find_vision_adapter
+        from .integrations.vision.families import find_vision_adapter
 
         found = find_vision_adapter(model)
         adapter = found.family.name if found is not None else None

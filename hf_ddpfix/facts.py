@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from ._compat import checkpointing_args, unwrap_parallel
-from .integrations import families, quantized
+from .integrations import quantized
 from .integrations.checkpointing import (
     detect_checkpointing,
     requested_checkpointing,
@@ -20,6 +20,7 @@ from .integrations.checkpointing import (
 )
 from .integrations.deepspeed import gather_deepspeed_facts
 from .integrations.sequence_parallel.facts import gather_sequence_parallel_facts
+from .integrations.vision import families
 from .plan.types import ParallelMode, RunFacts
 
 MOE_CONFIG_KEYS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts")

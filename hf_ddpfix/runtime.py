@@ -30,14 +30,14 @@ from .integrations.checkpointing import (
     tool_checkpoint_functions,
 )
 from .integrations.deepspeed import attach_deepspeed
-from .integrations.families import is_vision_language_model
 from .integrations.hang_guard import HangGuard
 from .integrations.long_context import LongContextHandle, apply_long_context
 from .integrations.loss_patch import TiledLossHandle, patch_model_loss
 from .integrations.sequence_parallel.trainer import SequenceParallelGroups, attach_sequence_parallel
-from .integrations.stabilizer import VisionStabilizer
 from .integrations.tiled_mlp import TiledMLPHandle, apply_tiled_mlp
 from .integrations.usage import ParameterUsage
+from .integrations.vision.families import is_vision_language_model
+from .integrations.vision.stabilizer import VisionStabilizer
 from .ops import feature_counts
 from .ops.buffer_order import BufferLayoutError, Layout, align_buffer_order
 from .ops.offload import ActivationOffload, SaveOnCpuScope
@@ -190,7 +190,7 @@ def attach_eval_sync(model: nn.Module, decision: Any, parallel: str, stack: Exit
     if not decision.value:
         return None
     if parallel == "deepspeed":
-        from .integrations.zero_vision import ZeroVisionStabilizer
+        from .integrations.vision.zero import ZeroVisionStabilizer
 
         sync: Any = ZeroVisionStabilizer(model, train=False, sync_eval=True).attach()
     else:

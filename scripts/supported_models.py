@@ -52,7 +52,7 @@ def zero_cell(entry) -> str:
     """The DeepSpeed column: the ZeRO dummy image if the family has a (ZeRO-view) adapter, and its tests."""
     if not entry.vlm:
         return "—"
-    from hf_ddpfix.integrations.families import find_vision_adapter
+    from hf_ddpfix.integrations.vision.families import find_vision_adapter
 
     adapter = find_vision_adapter(entry.build(0), zero=True)
     if adapter is None:

@@ -205,7 +205,7 @@ def test_zero_dummy_image_runs_after_the_embedding_and_changes_no_number(family)
     projector) gradients, and the tower runs between the input embedding and the language model (where
     ZeRO-3 gathers it on an image rank). LLaVA / Gemma 3: through get_image_features (tower, projector);
     what an image's forward leaves out of the loss (Gemma 3's SigLIP pooling head) gets no gradient."""
-    from hf_ddpfix.integrations.zero_vision import ZeroVisionStabilizer
+    from hf_ddpfix.integrations.vision.zero import ZeroVisionStabilizer
     from hf_ddpfix.ops import feature_counts
 
     stock, fixed, batch = _zero_family(family)
@@ -306,8 +306,11 @@ def test_stock_zero3_fails_on_mixed_image_text_batches(tmp_path, _shm_op):
     """The failure the ZeRO dummy image fixes (on NCCL a hang): stock ZeRO-3, rank 0 image, rank 1 text."""
     done = torchrun("deepspeed_train.py", "--suite", "stock_mixed", "--out", str(tmp_path / "x.json"),
                     timeout=180, env=DS_ENV, check=False)
-    assert done.returncode != 0 and "STOCK_TRAINED" not in done.stdout
-    assert "collective mismatch" in done.stdout or "size" in done.stdout, done.stdout[-3000:]
+    out = done.stdout
+    assert done.returncode != 0 and "STOCK_TRAINED" not in out, out[-3000:]
+    # the collective mismatch itself (not any failure): gloo's size check, printed by the rank that aborts (the
+    # other rank may be killed before its own traceback is written)
+    assert "Received data size doesn't match expected size" in out, out[-3000:]
 
 
 @pytest.mark.multiprocess
@@ -331,13 +334,14 @@ def test_evaluate_predict_and_generate_with_mixed_image_text_ranks_equal_one_pro
 @pytest.mark.multiprocess
 def test_stock_zero3_evaluation_fails_on_mixed_image_text_ranks(tmp_path, _shm_op):
     """The README example's hang (NCCL) is, on gloo, a size mismatch in `evaluate()`: rank 0 all-gathers the
-    tower's patch embedding (37632 bytes) while rank 1, text-only, gathers the language model."""
+    tower's patch embedding (37632 bytes, measured) while rank 1, text-only, gathers the language model."""
     done = torchrun("deepspeed_train.py", "--suite", "stock_eval", "--out", str(tmp_path / "x.json"),
                     timeout=180, env=DS_ENV, check=False)
     out = done.stdout
     assert done.returncode != 0 and "STOCK_EVALUATED" not in out, out[-3000:]
-    assert "Received data size doesn't match expected size" in out and "37632 vs" in out, out[-3000:]
-    assert "trainer.evaluate()" in out, out[-3000:]
+    assert out.count("EVALUATING on rank") == 2, out[-3000:]  # no training: both ranks reached evaluate()
+    after = out.split("EVALUATING on rank")[-1]
+    assert "Received data size doesn't match expected size" in after, out[-3000:]
 
 
 @pytest.mark.multiprocess
@@ -369,7 +373,7 @@ def test_stock_zero3_fails_on_idefics3_mixed_image_text_batches(tmp_path, _shm_o
                     timeout=180, env=DS_ENV, check=False)
     out = done.stdout
     assert done.returncode != 0 and "STOCK_TRAINED" not in out, out[-3000:]
-    assert "Received data size doesn't match expected size" in out and "fetch_sub_module" in out, out[-3000:]
+    assert "Received data size doesn't match expected size" in out, out[-3000:]
 
 
 def test_mllama_gets_no_zero_dummy_and_says_why():
@@ -377,12 +381,12 @@ def test_mllama_gets_no_zero_dummy_and_says_why():
     (stock behaviour), and the reason names them."""
     from zoo import ZOO
 
-    from hf_ddpfix.integrations.families import describe_unsupported, find_vision_adapter
+    from hf_ddpfix.integrations.vision.families import describe_unsupported, find_vision_adapter
 
     model = ZOO["mllama"].model(0)
     assert find_vision_adapter(model, zero=True) is None
     assert "get_image_features" in describe_unsupported(model, zero=True)
-    from hf_ddpfix.integrations import families
+    from hf_ddpfix.integrations.vision import families
 
     assert "cross-attention" in families._discover_family(model.get_base_model())[1] or "get_image_features" in (
         families._discover_family(model.get_base_model())[1])

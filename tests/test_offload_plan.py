@@ -73,3 +73,39 @@ def test_runtime_logs_when_the_policy_switches_between_keeping_and_copying(caplo
                 h.sum().backward()
     lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("offload: ")]
     assert [line.split(":")[1].strip() for line in lines] == ["keep", "copy", "keep"], lines
+
+
+def test_trainer_runs_the_offload_each_step_in_simulate_mode_and_trains_as_stock(tmp_path, monkeypatch):
+    """Through DDPFixTrainer: the plan turns offload on (an accelerator is reported), the runtime's
+    ActivationOffload copies through host buffers (simulate: CPU tensors, the CUDA state machine), the
+    feature counts show it ran every step, and the weights equal a run without offload bit for bit."""
+    import dataclasses
+    import functools
+
+    from test_runtime import BATCH, HIDDEN, LAYERS, SEQ, build, trainable
+
+    import hf_ddpfix.runtime as runtime_mod
+    import hf_ddpfix.trainer as trainer_mod
+    from hf_ddpfix.ops import feature_counts
+    from hf_ddpfix.ops.offload import ActivationOffload
+
+    ref_model, ref = build(tmp_path / "ref", {"use_reentrant": False})
+    ref.train()
+    real = trainer_mod.gather_facts
+    monkeypatch.setattr(trainer_mod, "gather_facts",
+                        lambda tr: dataclasses.replace(real(tr), accelerator_available=True))
+    monkeypatch.setattr(runtime_mod, "ActivationOffload", functools.partial(ActivationOffload, min_bytes=0, simulate=True))
+    monkeypatch.setenv("HF_DDPFIX_OFFLOAD_MIN_LAYER_MIB", "0")  # copy always: these layers are tiny
+    feature_counts.reset()
+    model, trainer = build(tmp_path / "off", {"use_reentrant": False, "offload": True})
+    trainer.train()
+    off = trainer.hf_ddpfix_runtime.offload
+    assert trainer.hf_ddpfix_plan.offload_activations.value is True and off.keep_auto
+    layer = BATCH * SEQ * HIDDEN * 4
+    assert off.stats.steps == 2 and off.stats.offloaded_tensors == LAYERS - 1 and off.stats.in_flight == 0, off.stats
+    assert off.stats.policy == "copy: always"
+    c = feature_counts.snapshot()["offload"]
+    assert c.ran == 2 and c.amounts["copies"] == 2 * (LAYERS - 1) and c.amounts["bytes"] == 2 * (LAYERS - 1) * layer
+    assert c.fell_back == 0
+    a, b = trainable(ref_model), trainable(model)
+    assert a.keys() == b.keys() and all(torch.equal(a[n], b[n]) for n in a)

@@ -93,6 +93,25 @@ def test_lower_layers_import_nothing_above_them(layer):
                            f"{layer}/ (allowed: {sorted(_MAY_IMPORT[layer])}); pass what it needs in instead")
 
 
+def test_the_vision_folder_imports_only_itself_and_the_layers_below():
+    """integrations/vision/ (families, adapter, stabilisers, ZeRO dummy, FSDP2 wrap plan) is one feature: its
+    modules import `_compat`, `ops` and each other, nothing else of `integrations/`; the old flat module
+    paths are aliases of its modules (the same objects)."""
+    import importlib
+
+    for path in sorted((PKG / "integrations" / "vision").glob("*.py")):
+        here = path.relative_to(PKG.parent).with_suffix("").parts
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.level > 0:
+                parts = list(here[: len(here) - node.level]) + (node.module.split(".") if node.module else [])
+                if parts[:2] == ["hf_ddpfix", "integrations"]:
+                    assert parts[2:3] == ["vision"], f"integrations/vision/{path.name} imports {'.'.join(parts)}"
+    for old, new in [("families", "families"), ("vision_family", "family"), ("vision_adapter", "adapter"),
+                     ("stabilizer", "stabilizer"), ("zero_vision", "zero"), ("fsdp_wrap", "fsdp_wrap")]:
+        assert importlib.import_module(f"hf_ddpfix.integrations.{old}") is importlib.import_module(
+            f"hf_ddpfix.integrations.vision.{new}"), old
+
+
 def test_plan_types_import_no_rule():
     """The rules import the plan's types and `resolve` imports the rules, never the other way round."""
     tree = ast.parse((PKG / "plan" / "types.py").read_text())

@@ -9,7 +9,7 @@ deepspeed 0.19.8 and 0.19.2, 2026-11-23; REFERENCES.md §10):
   recomputed metadata shape [0]``: the recompute sees the partitioned, empty parameter), fixed in 0.19.3
   (DeepSpeed PR #8148). :func:`checkpointing_decision` switches to reentrant there, and only there.
 - Mixed image/text batches fail in stock ZeRO-2 (all-reduce size mismatch) and ZeRO-3 (all-gather
-  mismatch; NCCL hangs): :class:`~hf_ddpfix.integrations.zero_vision.ZeroVisionStabilizer` runs the
+  mismatch; NCCL hangs): :class:`~hf_ddpfix.integrations.vision.zero.ZeroVisionStabilizer` runs the
   dummy image where the real one runs. The DDP stabiliser and the generic "tie every unused parameter"
   mechanism (:mod:`hf_ddpfix.integrations.usage`) do not apply: ZeRO-3 needs the *module* to run (its
   parameters are all-gathered by module hooks; a tied partitioned parameter is an empty tensor) and
@@ -306,7 +306,7 @@ def attach_deepspeed(model: nn.Module, *, stabilize: bool, leaf_classes: tuple[s
 
     Args:
         model: the unwrapped model (PeftModel or HF model), not yet wrapped by ``deepspeed.initialize``.
-        stabilize: attach :class:`~hf_ddpfix.integrations.zero_vision.ZeroVisionStabilizer`.
+        stabilize: attach :class:`~hf_ddpfix.integrations.vision.zero.ZeroVisionStabilizer`.
         sync_eval: its evaluation forwards (eval / predict / generate inside ``train()``) agree across
             ranks too (ZeRO-3).
         leaf_classes: MoE block classes to mark as ZeRO-3 leaf modules (``None`` / empty: none).
@@ -318,7 +318,7 @@ def attach_deepspeed(model: nn.Module, *, stabilize: bool, leaf_classes: tuple[s
     """
     stab = None
     if stabilize:
-        from .zero_vision import ZeroVisionStabilizer
+        from .vision.zero import ZeroVisionStabilizer
 
         try:
             stab = ZeroVisionStabilizer(model, sync_eval=sync_eval).attach()

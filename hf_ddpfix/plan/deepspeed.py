@@ -80,7 +80,7 @@ def _older(v: tuple[int, int, int] | None, than: tuple[int, int, int]) -> bool:
 def vision_decision(
     *, ds: DeepSpeedFacts, is_vlm: bool, adapter: str | None, trainable_vision: bool, disabled: str | None
 ) -> tuple[bool | None, str, bool]:
-    """Whether to run :class:`~hf_ddpfix.integrations.zero_vision.ZeroVisionStabilizer`.
+    """Whether to run :class:`~hf_ddpfix.integrations.vision.zero.ZeroVisionStabilizer`.
 
     Needed under ZeRO-2 when tower parameters are trainable (gradient all-reduce sizes) and under ZeRO-3
     for any VLM (a frozen tower is sharded and all-gathered too). ZeRO-0/1 reduce the whole gradient

@@ -319,6 +319,8 @@ def train_and_evaluate(name: str, model: nn.Module, rows: list[dict], eval_rows:
         trainer.train()
     train_counts = feature_counts.snapshot().get("stabilizer")
     feature_counts.reset()
+    dist.barrier()
+    print(f"EVALUATING on rank {dist.get_rank()}", flush=True)  # what fails after this fails in evaluation
     metrics = trainer.evaluate()
     pred = trainer.predict(Dataset.from_list(eval_rows))
     trainer.generate_tokens = True

@@ -33,8 +33,8 @@ from fixtures import (  # noqa: E402
     teardown,
 )
 
-from hf_ddpfix.integrations.families import vision_param_names  # noqa: E402
-from hf_ddpfix.integrations.stabilizer import VisionStabilizer  # noqa: E402
+from hf_ddpfix.integrations.vision.families import vision_param_names  # noqa: E402
+from hf_ddpfix.integrations.vision.stabilizer import VisionStabilizer  # noqa: E402
 
 Pattern = Callable[[int, int, int], bool]  # (step, micro, rank) -> has image
 

@@ -31,9 +31,9 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 from fixtures import BUILDERS, PATCH_DIM, add_lora, assert_weights_equal, make_batch, teardown  # noqa: E402
 from vlm_ddp import train_ddp  # noqa: E402
 
-from hf_ddpfix.integrations.families import vision_param_names  # noqa: E402
-from hf_ddpfix.integrations.fsdp_wrap import fsdp_wrap_plan  # noqa: E402
-from hf_ddpfix.integrations.stabilizer import VisionStabilizer  # noqa: E402
+from hf_ddpfix.integrations.vision.families import vision_param_names  # noqa: E402
+from hf_ddpfix.integrations.vision.fsdp_wrap import fsdp_wrap_plan  # noqa: E402
+from hf_ddpfix.integrations.vision.stabilizer import VisionStabilizer  # noqa: E402
 
 STEPS = 5
 
@@ -104,6 +104,8 @@ def stock_eval(family: str) -> None:
     VisionStabilizer(model).attach()
     for _, mod in fsdp_wrap_plan(model):
         fully_shard(mod, mesh=mesh)
+    dist.barrier()
+    print(f"EVALUATING on rank {dist.get_rank()}", flush=True)  # what fails after this fails in evaluation
     evaluate(model, eval_batches(dist.get_rank(), family))
     print("STOCK_EVALUATED", flush=True)
 

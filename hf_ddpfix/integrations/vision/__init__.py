@@ -1,0 +1,36 @@
+"""Vision-language models under DDP, FSDP2 and DeepSpeed ZeRO: one folder per concept of the feature.
+
+- :mod:`.family` — :class:`VisionFamily`, what a VLM family is, as data.
+- :mod:`.adapter` — :class:`VisionAdapter`, a located tower and the smallest dummy image it accepts.
+- :mod:`.families` — the registry of hand-written families, discovery from a model's own config (ZeRO),
+  ``find_vision_adapter`` / ``describe_unsupported``, vision parts found by module name.
+- :mod:`.stabilizer` — :class:`VisionStabilizer`: the dummy image on text-only steps (DDP / FSDP2),
+  stock optimizer semantics, and the evaluation sync for FSDP2.
+- :mod:`.zero` — :class:`ZeroVisionStabilizer`: the dummy image where the real one runs (ZeRO-2/3),
+  the evaluation / generation sync for ZeRO-3 (:class:`GenerateSync`).
+- :mod:`.fsdp_wrap` — which modules to ``fully_shard`` so ranks with and without images issue the same
+  collectives.
+
+The old module paths (``hf_ddpfix.integrations.families``, ``.stabilizer``, ``.zero_vision``, ``.fsdp_wrap``,
+``.vision_family``, ``.vision_adapter``) stay importable as aliases of these modules.
+"""
+
+from .adapter import VisionAdapter
+from .families import describe_unsupported, find_vision_adapter, register_vision_family, vision_param_names
+from .family import VisionFamily
+from .fsdp_wrap import fsdp_wrap_plan
+from .stabilizer import VisionStabilizer
+from .zero import GenerateSync, ZeroVisionStabilizer
+
+__all__ = [
+    "GenerateSync",
+    "VisionAdapter",
+    "VisionFamily",
+    "VisionStabilizer",
+    "ZeroVisionStabilizer",
+    "describe_unsupported",
+    "find_vision_adapter",
+    "fsdp_wrap_plan",
+    "register_vision_family",
+    "vision_param_names",
+]

@@ -1,0 +1,287 @@
+"""A located vision tower and how to drive it with the smallest dummy image it accepts.
+
+:class:`VisionAdapter` is built by :func:`hf_ddpfix.integrations.vision.families.find_vision_adapter` once a
+model matched a :class:`~hf_ddpfix.integrations.vision.family.VisionFamily` and passed its structural check.
+Two kinds of tower are driven:
+
+- ``"grid"`` (Qwen2-VL, Qwen2.5-VL, Qwen3-VL(-MoE)): ``tower(pixel_values, grid_thw=...)`` on flattened
+  patches. The dummy is one merged token (``spatial_merge_size**2`` patches): negligible next to a step.
+- ``"image"`` (LLaVA, Gemma 3): ``root.get_image_features(pixel_values=...)`` on a ``[1, C, H, W]`` image —
+  the tower *and* the projector, as on an image rank (LoRA on the projector gets its zero gradient too).
+  These towers take exactly ``vision_config.image_size`` (CLIP / SigLIP position embeddings are fixed
+  unless ``interpolate_pos_encoding``, which reads the position table outside its module's forward, so
+  ZeRO-3 would not gather it; Gemma 3's projector pools a fixed patch grid), so the dummy is one image at
+  the native size, batch 1. Cost per text-only micro-batch: one image through tower and projector,
+  forward plus a backward that carries zeros (about 3x the forward): the cost of one real image, e.g.
+  about 1 TFLOP for LLaVA-1.5's CLIP ViT-L/14-336 (577 tokens, 0.3B parameters) and about 15 TFLOP for
+  Gemma 3's SigLIP-So400m at 896 px (4096 tokens, 0.4B parameters) — estimates from parameter and token
+  counts, not measured on a GPU here.
+
+The dummy is a fixed ramp in [-1, 1] (not zeros: a norm of an all-zero patch could divide by zero and
+turn the zero gradients into NaN), built once per (dtype, device) and run under a forked RNG.
+"""
+
+from __future__ import annotations
+
+import inspect
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from .family import VisionFamily
+
+__all__ = ["EXTRA_INPUT_BUILDERS", "VISUAL_INPUT_NAMES", "VisionAdapter", "get_submodule", "image_size_hw",
+           "output_tensors"]
+
+# Input names that make a VLM run its vision tower (modeling_qwen2_5_vl.py / modeling_llava.py /
+# modeling_gemma3.py, 5.23: `if pixel_values is not None` / `if pixel_values_videos is not None`).
+VISUAL_INPUT_NAMES = ("pixel_values", "pixel_values_videos")
+
+
+def get_submodule(root: nn.Module, path: str) -> nn.Module | None:
+    """``root.get_submodule(path)``, or ``None`` when there is no such module."""
+    try:
+        return root.get_submodule(path)
+    except AttributeError:
+        return None
+
+
+def image_size_hw(vision_config: Any) -> tuple[int, int] | None:
+    """``vision_config.image_size`` as ``(height, width)`` (an int or a pair of ints), else ``None``."""
+    size = getattr(vision_config, "image_size", None)
+    if isinstance(size, int) and not isinstance(size, bool) and size > 0:
+        return size, size
+    if isinstance(size, (list, tuple)) and len(size) == 2 and all(isinstance(s, int) and s > 0 for s in size):
+        return int(size[0]), int(size[1])
+    return None
+
+
+def output_tensors(out: Any) -> list[torch.Tensor]:
+    """Every floating tensor inside a model output (ModelOutput / tuple / list / dict / tensor)."""
+    found: list[torch.Tensor] = []
+
+    def visit(x: Any) -> None:
+        if isinstance(x, torch.Tensor):
+            if x.is_floating_point():
+                found.append(x)
+        elif isinstance(x, dict):  # transformers.ModelOutput is an OrderedDict
+            for v in x.values():
+                visit(v)
+        elif isinstance(x, (list, tuple)):
+            for v in x:
+                visit(v)
+
+    visit(out)
+    return found
+
+
+def _image_sizes(hw: tuple[int, int], device: torch.device) -> torch.Tensor:
+    return torch.tensor([list(hw)], dtype=torch.long, device=device)
+
+
+#: ``get_image_features`` keyword inputs a dummy can be given, built from ``(height, width)`` of the
+#: dummy image (Pixtral / LLaVA-NeXT style ``image_sizes``). A required input not listed here makes a
+#: family undiscoverable (reported, stock behaviour).
+EXTRA_INPUT_BUILDERS = {"image_sizes": _image_sizes}
+
+
+def _ramp(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    n = 1
+    for s in shape:
+        n *= s
+    return torch.linspace(-1.0, 1.0, n, device=device, dtype=torch.float32).reshape(shape).to(dtype)
+
+
+@dataclass
+class VisionAdapter:
+    """A located vision tower plus how to feed it a minimal dummy image.
+
+    Attributes:
+        family: the matched :class:`~hf_ddpfix.integrations.vision.family.VisionFamily`.
+        root: the HF model whose ``forward`` takes ``pixel_values`` (hooks go here).
+        tower: the vision tower module (``root.model.visual`` for Qwen, ``root.model.vision_tower`` for
+            LLaVA / Gemma 3).
+        tower_name: dotted name of ``tower`` inside ``root`` (e.g. ``"model.visual"``).
+        vision_config: ``root.config.vision_config``.
+        projector: the module ``get_image_features`` runs after the tower (``"image"`` kind), else ``None``.
+        projector_name: its dotted name inside ``root`` (``""`` when none).
+    """
+
+    family: VisionFamily
+    root: nn.Module
+    tower: nn.Module
+    tower_name: str
+    vision_config: Any
+    projector: nn.Module | None = None
+    projector_name: str = ""
+    _dummy_cache: dict[tuple[Any, ...], tuple[torch.Tensor, torch.Tensor | None]] = field(
+        default_factory=dict, repr=False
+    )
+    _forward_params: tuple[str, ...] = field(default=(), repr=False)
+    pixel_ndim: int = 4  # "image" kind: 4 ([1, C, H, W]) or 5 ([1, 1, C, H, W]: Idefics3 / SmolVLM); see verify
+    verified: bool = False
+
+    def __post_init__(self) -> None:
+        self._forward_params = tuple(inspect.signature(self.root.forward).parameters)
+
+    @property
+    def kind(self) -> str:
+        """``"grid"`` (Qwen towers) or ``"image"`` (``get_image_features`` on a square image)."""
+        return self.family.kind
+
+    def parts(self) -> list[tuple[str, nn.Module]]:
+        """``(name, module)`` of what the dummy runs: the tower, then the projector if any."""
+        out = [(self.tower_name, self.tower)]
+        if self.projector is not None:
+            out.append((self.projector_name, self.projector))
+        return out
+
+    def trainable_parameters(self) -> list[nn.Parameter]:
+        """Tower (and projector) parameters with ``requires_grad`` (LoRA adapters, merger, full fine-tune)."""
+        return [p for _, m in self.parts() for p in m.parameters() if p.requires_grad]
+
+    def _tower_dtype_device(self) -> tuple[torch.dtype, torch.device]:
+        dtype = getattr(self.tower, "dtype", None)
+        p = next(self.tower.parameters(), None)
+        device = p.device if p is not None else torch.device("cpu")
+        if not isinstance(dtype, torch.dtype):
+            dtype = p.dtype if p is not None else torch.float32
+        return dtype, device
+
+    def dummy_inputs(self) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The smallest image the tower accepts: ``(pixel_values, grid_thw or None)``.
+
+        ``"grid"``: ``grid_thw = [[1, m, m]]`` with ``m = spatial_merge_size`` (one merged token;
+        Qwen2.5-VL's window attention pads it to one window) and ``pixel_values`` of shape
+        ``[m*m, C*tp*p*p]``. ``"image"``: ``pixel_values`` of shape ``[1, num_channels, H, W]`` with
+        ``(H, W)`` = ``vision_config.image_size``, no grid. Tower dtype and device, a fixed ramp in [-1, 1].
+
+        Guarantees: the tower runs on it for every registered family (test_vlm: adapter tests).
+        """
+        vc = self.vision_config
+        dtype, device = self._tower_dtype_device()
+        key = (dtype, device)
+        if key not in self._dummy_cache:
+            if self.kind == "image":
+                hw = image_size_hw(vc)
+                assert hw is not None  # checked by the family's structural check
+                lead = (1,) * (self.pixel_ndim - 3)
+                pv = _ramp((*lead, int(vc.num_channels), *hw), dtype, device)
+                self._dummy_cache[key] = (pv, None)
+            else:
+                m = int(vc.spatial_merge_size)
+                cols = int(vc.in_channels) * int(vc.temporal_patch_size) * int(vc.patch_size) ** 2
+                grid = torch.tensor([[1, m, m]], dtype=torch.long, device=device)
+                self._dummy_cache[key] = (_ramp((m * m, cols), dtype, device), grid)
+        return self._dummy_cache[key]
+
+    def run_tower(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor | None = None) -> Any:
+        """Run the vision path as the model does; returns its raw output.
+
+        ``"grid"``: ``tower(pixel_values, grid_thw=grid_thw)`` (``BaseModelOutputWithPooling`` or, for
+        Qwen3-VL, one with ``deepstack_features``). ``"image"``: ``root.get_image_features(
+        pixel_values=..., return_dict=True)`` — tower and projector; ``pooler_output`` holds the projected
+        image features (a tensor, or one tensor per image for LLaVA).
+        """
+        if self.kind == "image":
+            hw = (int(pixel_values.shape[-2]), int(pixel_values.shape[-1]))
+            extra = {n: EXTRA_INPUT_BUILDERS[n](hw, pixel_values.device) for n in self.family.extra_inputs}
+            return self.root.get_image_features(pixel_values=pixel_values, return_dict=True, **extra)
+        return self.tower(pixel_values, grid_thw=grid_thw)
+
+    def verify(self) -> None:
+        """Run-time check of a discovered family's dummy, before training (no-op for hand-written ones).
+
+        Runs the dummy once under ``no_grad`` on this rank's unpartitioned model (before the ZeRO engine
+        exists, so no collective), as ``[1, C, H, W]`` and else ``[1, 1, C, H, W]`` (Idefics3 / SmolVLM take
+        a list of images per sample), and keeps the first layout whose ``pooler_output`` gives image
+        features to tie where real ones enter. Every rank runs the same trial on the same weights, so all
+        reach the same verdict.
+
+        Raises:
+            ValueError: the model is already partitioned (built under ZeRO-3 ``zero.Init``), or no layout
+                runs; the message says which, and the caller keeps stock behaviour.
+        """
+        if not self.family.discovered or self.verified:
+            return
+        params = [p for _, m in self.parts() for p in m.parameters()]
+        if any(hasattr(p, "ds_id") or p.numel() == 0 for p in params):
+            raise ValueError(f"{self.family.name}: the model was built partitioned (ZeRO-3 zero.Init): a dummy "
+                             "image built from the config cannot be checked before training")
+        errors = []
+        for ndim in (4, 5):
+            self.pixel_ndim = ndim
+            self._dummy_cache.clear()
+            try:
+                with torch.no_grad():
+                    out = self.run_dummy()
+            except Exception as err:  # noqa: BLE001 - a trial: any failure means "not this layout"
+                errors.append(f"{ndim}-D: {type(err).__name__}: {str(err)[:120]}")
+                continue
+            pooled = out.get("pooler_output") if isinstance(out, dict) else None
+            tensors = output_tensors(pooled) if pooled is not None else []
+            if tensors and all(t.numel() > 0 for t in tensors):
+                self.verified = True
+                return
+            errors.append(f"{ndim}-D: get_image_features returned no pooler_output features")
+        self._dummy_cache.clear()
+        self.pixel_ndim = 4
+        raise ValueError(f"{self.family.name}: no dummy image built from vision_config runs through "
+                         f"get_image_features ({'; '.join(errors)})")
+
+    def run_dummy(self) -> Any:
+        """Run the dummy image without disturbing the RNG stream (LoRA dropout in the tower draws from a
+        forked generator, so later random draws match a stock run)."""
+        pv, grid = self.dummy_inputs()
+        devices = [pv.device.index] if pv.device.type != "cpu" and pv.device.index is not None else []
+        dev_type = pv.device.type if pv.device.type != "cpu" else "cuda"
+        with torch.random.fork_rng(devices=devices, device_type=dev_type):
+            return self.run_tower(pv, grid)
+
+    def tie_points(self, out: Any) -> list[tuple[nn.Module | None, list[torch.Tensor]]]:
+        """Where each dummy output enters the language model on a real image batch.
+
+        ``pooler_output`` (the merged / projected image tokens; a tensor or a list of tensors) goes to
+        the input-embedding module's output (real image features are scattered into ``inputs_embeds``);
+        Qwen3-VL's deepstack feature ``i`` goes to decoder layer ``i``'s output. ``None`` means "tie to
+        the loss" (no such module found). Only what reaches the language model is tied: a tower output
+        the model drops (SigLIP's pooling head in Gemma 3, unused hidden states) gets no gradient here,
+        as on an image rank. Tying where real features enter keeps the autograd graph's shape the same
+        on image and text ranks, so FSDP2 / ZeRO issue their backward collectives in the same order.
+        """
+        pooled = out.get("pooler_output") if isinstance(out, dict) else None
+        if isinstance(pooled, torch.Tensor):
+            pooled_list = [pooled]
+        elif isinstance(pooled, (list, tuple)) and pooled and all(isinstance(t, torch.Tensor) for t in pooled):
+            pooled_list = list(pooled)
+        else:
+            return [(None, output_tensors(out))]
+        get_emb = getattr(self.root, "get_input_embeddings", None)
+        try:
+            emb = get_emb() if callable(get_emb) else None
+        except (AttributeError, NotImplementedError):
+            emb = None
+        ties: list[tuple[nn.Module | None, list[torch.Tensor]]] = [(emb, pooled_list)]
+        deep = out.get("deepstack_features") or []
+        layers: nn.Module | None = None
+        for path in self.family.deepstack_layer_paths:
+            layers = get_submodule(self.root, path)
+            if layers is not None:
+                break
+        for i, feat in enumerate(output_tensors(deep)):
+            layer = layers[i] if isinstance(layers, nn.ModuleList) and i < len(layers) else None
+            ties.append((layer, [feat]))
+        return ties
+
+    def has_visual_input(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
+        """True when a call ``root(*args, **kwargs)`` passes ``pixel_values`` or ``pixel_values_videos``."""
+        for name in VISUAL_INPUT_NAMES:
+            if kwargs.get(name) is not None:
+                return True
+            if name in self._forward_params:
+                i = self._forward_params.index(name)
+                if i < len(args) and args[i] is not None:
+                    return True
+        return False

@@ -1,0 +1,327 @@
+"""VLM families: which towers hf_ddpfix can drive with a dummy image, found by config and structure.
+
+A :class:`~hf_ddpfix.integrations.vision.family.VisionFamily` is data: the ``model_type`` values it covers, where the tower (and projector)
+lives, which config attributes and child modules it must have. :func:`find_vision_adapter` matches a
+model against the registry (:data:`VISION_FAMILIES`, extended with :func:`register_vision_family`) and
+checks the structure, so a renamed or restructured tower is reported unsupported rather than driven
+blindly. The :class:`~hf_ddpfix.integrations.vision.adapter.VisionAdapter` it returns builds the smallest
+image the tower accepts, runs it, and says where the outputs enter the language model.
+
+Supported families, two kinds:
+
+- ``"grid"`` — Qwen2-VL, Qwen2.5-VL, Qwen3-VL, Qwen3-VL-MoE (``tower(pixel_values, grid_thw=...)``):
+  driven under DDP / FSDP2 (:class:`~hf_ddpfix.integrations.vision.stabilizer.VisionStabilizer`) and DeepSpeed
+  ZeRO-2/3 (:class:`~hf_ddpfix.integrations.vision.zero.ZeroVisionStabilizer`).
+- ``"image"`` — LLaVA, Gemma 3 (``root.get_image_features(pixel_values=...)`` on one native-size image:
+  tower and projector): driven under DeepSpeed ZeRO-2/3 only (``zero_only``). Under DDP / FSDP the plan
+  keeps the generic mechanism measured on them (``parameter_usage``; FSDP2 ``fold_skippable``): the DDP
+  stabiliser's "every vision parameter is used every step" does not hold for them (Gemma 3's SigLIP
+  pooling head runs but never reaches the loss), so it would let the plan drop ``find_unused_parameters``
+  wrongly. Under ZeRO that does not matter: a parameter no rank gives a gradient is zero-filled on
+  every rank alike. ``find_vision_adapter(model)`` is the DDP / FSDP view and skips these families;
+  ``find_vision_adapter(model, zero=True)`` returns them.
+
+- discovered (ZeRO view only) — any other VLM whose model has ``get_image_features(pixel_values=...)``:
+  the family is built from the model's own config and structure (tower and projector found by module
+  name, ``vision_config.image_size`` / ``num_channels``, the extra inputs ``get_image_features`` requires,
+  such as Pixtral's ``image_sizes``) and driven like the ``"image"`` kind; a trial run at attach time
+  (:meth:`~hf_ddpfix.integrations.vision.adapter.VisionAdapter.verify`) fixes the pixel layout and proves
+  the dummy runs (Idefics3 / SmolVLM, PaliGemma, Mistral 3, InternVL on transformers 5.23). Not
+  discovered, with the reason: models without ``get_image_features`` or whose image features do not
+  enter through ``inputs_embeds`` (Mllama's cross-attention layers run only with an image, so a dummy
+  image cannot make them run with an exactly-zero contribution), and required inputs hf_ddpfix cannot
+  build from the config.
+
+For other VLMs, :func:`vision_param_names` / :func:`vision_groups` find vision parts by module name
+(planning and the hang guard only) and :func:`describe_unsupported` says why there is no adapter.
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any
+
+from torch import nn
+
+from ..._compat import unwrap_model
+from .adapter import EXTRA_INPUT_BUILDERS, VisionAdapter, get_submodule, image_size_hw, output_tensors
+from .family import VisionFamily
+
+__all__ = [
+    "VISION_FAMILIES",
+    "VisionAdapter",
+    "VisionFamily",
+    "describe_unsupported",
+    "find_vision_adapter",
+    "get_submodule",
+    "has_trainable_vision_params",
+    "is_vision_language_model",
+    "output_tensors",
+    "register_vision_family",
+    "vision_groups",
+    "vision_param_names",
+]
+
+# Module names that hold vision parameters in VLMs we have no adapter for (planning / guard only).
+_GENERIC_VISION_NAMES = frozenset(
+    {
+        "visual",
+        "vision_tower",
+        "vision_model",
+        "vision_encoder",
+        "image_encoder",
+        "vision_embed_tokens",
+        "multi_modal_projector",
+        "mm_projector",
+        "vision_projection",
+        "visual_projection",
+        "connector",
+    }
+)
+
+
+# Where a discovered family's tower and projector live (outermost module with one of these names).
+_TOWER_NAMES = ("vision_tower", "vision_model", "visual", "vision_encoder", "image_encoder")
+_PROJECTOR_NAMES = ("multi_modal_projector", "connector", "mm_projector", "vision_projection", "visual_projection")
+
+
+# ---------------------------------------------------------------------------------------------------
+# Registry
+# ---------------------------------------------------------------------------------------------------
+
+
+def _image_family(name: str, model_types: tuple[str, ...]) -> VisionFamily:
+    """A ``get_image_features`` family (transformers 5.23 ``LlavaModel`` / ``Gemma3Model`` layout)."""
+    return VisionFamily(
+        name, (), tower_paths=("model.vision_tower", "vision_tower"), required_config=("image_size", "num_channels"),
+        required_children=(), kind="image", model_types=model_types,
+        projector_paths=("model.multi_modal_projector", "multi_modal_projector"), zero_only=True,
+    )
+
+
+_QWEN3_LAYERS = ("model.language_model.layers", "language_model.layers")
+VISION_FAMILIES: list[VisionFamily] = [
+    VisionFamily("qwen2_vl", ("qwen2_vl_vision", "qwen2_vl")),
+    VisionFamily("qwen2_5_vl", ("qwen2_5_vl_vision", "qwen2_5_vl")),
+    VisionFamily("qwen3_vl", ("qwen3_vl_vision", "qwen3_vl"), deepstack_layer_paths=_QWEN3_LAYERS),
+    VisionFamily(
+        "qwen3_vl_moe", ("qwen3_vl_moe_vision", "qwen3_vl_moe"), deepstack_layer_paths=_QWEN3_LAYERS
+    ),
+    _image_family("llava", ("llava",)),
+    _image_family("gemma3", ("gemma3",)),
+]
+
+
+def register_vision_family(family: VisionFamily) -> None:
+    """Add (or replace, by ``name``) a family in :data:`VISION_FAMILIES`.
+
+    Guarantees: a registered family is matched by :func:`find_vision_adapter` (test_vlm: registry test).
+    """
+    VISION_FAMILIES[:] = [f for f in VISION_FAMILIES if f.name != family.name] + [family]
+
+
+def _vision_config(hf: nn.Module) -> Any | None:
+    cfg = getattr(hf, "config", None)
+    return getattr(cfg, "vision_config", None) if cfg is not None else None
+
+
+def is_vision_language_model(model: nn.Module) -> bool:
+    """True when the (unwrapped) model's config has a ``vision_config``."""
+    return _vision_config(unwrap_model(model)) is not None
+
+
+def _structure_gaps(hf: nn.Module, fam: VisionFamily, tower: nn.Module, vc: Any) -> list[str]:
+    """What the located tower / model lacks for ``fam``'s dummy (empty: it can be driven)."""
+    missing = [c for c in fam.required_children if not hasattr(tower, c)]
+    missing += [f"vision_config.{a}" for a in fam.required_config if not hasattr(vc, a)]
+    if fam.kind == "grid":
+        if "grid_thw" not in inspect.signature(tower.forward).parameters:
+            missing.append("forward(grid_thw=...)")
+        return missing
+    if hasattr(vc, "image_size") and image_size_hw(vc) is None:
+        missing.append("vision_config.image_size as an int or (height, width)")
+    get_features = getattr(hf, "get_image_features", None)
+    if not callable(get_features) or "pixel_values" not in inspect.signature(get_features).parameters:
+        missing.append("get_image_features(pixel_values=...)")
+    if not any(get_submodule(hf, p) is not None for p in fam.projector_paths):
+        missing.append(f"a projector at {list(fam.projector_paths)}")
+    return missing
+
+
+def _match_family(hf: nn.Module) -> tuple[VisionFamily | None, nn.Module | None, str, str]:
+    """Return (family, tower, tower_name, reason); family is None with a reason when unsupported."""
+    vc = _vision_config(hf)
+    if vc is None:
+        reason = f"{type(hf).__name__} is not a vision-language model (its config has no vision_config)"
+        return None, None, "", reason
+    mtype = str(getattr(vc, "model_type", ""))
+    root_type = str(getattr(getattr(hf, "config", None), "model_type", ""))
+    fam = next((f for f in VISION_FAMILIES if mtype in f.vision_model_types or root_type in f.model_types), None)
+    if fam is None:
+        names = ", ".join(f.name for f in VISION_FAMILIES)
+        return None, None, "", (
+            f"{type(hf).__name__} (model_type={root_type!r}, vision_config.model_type={mtype!r}) has no "
+            f"hf_ddpfix vision adapter (supported families: {names})"
+        )
+    for path in fam.tower_paths:
+        tower = get_submodule(hf, path)
+        if tower is None:
+            continue
+        missing = _structure_gaps(hf, fam, tower, vc)
+        if missing:
+            return None, None, "", (
+                f"{type(hf).__name__}: tower {path!r} of family {fam.name} lacks {missing}; "
+                "the installed transformers changed this model's structure"
+            )
+        return fam, tower, path, ""
+    reason = f"{type(hf).__name__}: no vision tower at {list(fam.tower_paths)} (family {fam.name})"
+    return None, None, "", reason
+
+
+def _outermost(hf: nn.Module, names: tuple[str, ...]) -> str | None:
+    """Dotted path of the first (outermost, in module order) submodule whose own name is in ``names``."""
+    for path, _ in hf.named_modules():
+        if path and path.rsplit(".", 1)[-1] in names:
+            return path
+    return None
+
+
+def _discover_family(hf: nn.Module) -> tuple[VisionFamily | None, str]:
+    """A ``"image"``-kind family built from ``hf``'s config and structure (ZeRO view), or the reason why not."""
+    import inspect as _inspect
+
+    vc = _vision_config(hf)
+    root_type = str(getattr(getattr(hf, "config", None), "model_type", ""))
+    head = f"{type(hf).__name__} (model_type={root_type!r})"
+    get_features = getattr(hf, "get_image_features", None)
+    if not callable(get_features):
+        return None, f"{head} has no get_image_features(pixel_values=...) to run a dummy image through"
+    params = _inspect.signature(get_features).parameters
+    if "pixel_values" not in params:
+        return None, f"{head}: get_image_features takes no pixel_values"
+    variadic = (_inspect.Parameter.VAR_KEYWORD, _inspect.Parameter.VAR_POSITIONAL)
+    required = [n for n, p in params.items()
+                if n != "pixel_values" and p.default is _inspect.Parameter.empty and p.kind not in variadic]
+    unknown = [n for n in required if n not in EXTRA_INPUT_BUILDERS]
+    if unknown:
+        return None, f"{head}: get_image_features needs {unknown}, which hf_ddpfix cannot build from the config"
+    cross = sorted({type(m).__name__ for m in hf.modules() if "CrossAttention" in type(m).__name__})
+    if cross:
+        return None, (f"{head}: image features enter through cross-attention layers ({', '.join(cross)}), which "
+                      "run only with an image: a dummy image cannot run them with an exactly-zero contribution")
+    missing = [f"vision_config.{a}" for a in ("num_channels",) if not hasattr(vc, a)]
+    if image_size_hw(vc) is None:
+        missing.append("vision_config.image_size as an int or (height, width)")
+    tower = _outermost(hf, _TOWER_NAMES)
+    if tower is None:
+        missing.append(f"a vision tower named one of {list(_TOWER_NAMES)}")
+    if missing:
+        return None, f"{head}: no dummy image can be built from the config: it lacks {missing}"
+    projector = _outermost(hf, _PROJECTOR_NAMES)
+    return VisionFamily(
+        f"{root_type} (from config)", (), tower_paths=(str(tower),), required_config=("image_size", "num_channels"),
+        required_children=(), kind="image", model_types=(root_type,),
+        projector_paths=(projector,) if projector else (), zero_only=True, extra_inputs=tuple(required),
+        discovered=True,
+    ), ""
+
+
+def _adapter(hf: nn.Module, discover: bool = False) -> tuple[VisionAdapter | None, str]:
+    fam, tower, name, reason = _match_family(hf)
+    if fam is None and discover and _vision_config(hf) is not None and "has no hf_ddpfix vision adapter" in reason:
+        fam, why = _discover_family(hf)
+        if fam is None:
+            return None, f"{reason}; {why}"
+        tower, name = get_submodule(hf, fam.tower_paths[0]), fam.tower_paths[0]
+    if fam is None or tower is None:
+        return None, reason
+    projector, projector_name = None, ""
+    for path in fam.projector_paths:
+        projector = get_submodule(hf, path)
+        if projector is not None:
+            projector_name = path
+            break
+    return VisionAdapter(fam, hf, tower, name, _vision_config(hf), projector, projector_name), ""
+
+
+def find_vision_adapter(model: nn.Module, *, zero: bool = False) -> VisionAdapter | None:
+    """Adapter for a supported VLM, else ``None`` (see :func:`describe_unsupported` for the reason).
+
+    Accepts the HF model, a ``peft.PeftModel`` around it, or a DDP/DataParallel/compiled wrapper.
+
+    Args:
+        model: the model.
+        zero: the DeepSpeed ZeRO view: also return ``zero_only`` families (LLaVA, Gemma 3) and families
+            discovered from the config (any VLM with ``get_image_features``; see the module docstring). The
+            default is the DDP / FSDP view (what :class:`~hf_ddpfix.integrations.vision.stabilizer.VisionStabilizer`
+            and the plan's DDP / FSDP decisions use).
+
+    Guarantees: Qwen2-VL, Qwen2.5-VL, Qwen3-VL(-MoE) tiny models get an adapter whose dummy runs; LLaVA
+    and Gemma 3 get one with ``zero=True`` only; another VLM (Mistral 3) and a text-only model get
+    ``None`` (test_vlm).
+    """
+    adapter, _ = _adapter(unwrap_model(model), discover=zero)
+    if adapter is None or (adapter.family.zero_only and not zero):
+        return None
+    return adapter
+
+
+def describe_unsupported(model: nn.Module, *, zero: bool = False) -> str:
+    """One-line reason why ``model`` has no vision adapter in this view (``zero``: see
+    :func:`find_vision_adapter`), or ``""`` when it has one."""
+    hf = unwrap_model(model)
+    adapter, reason = _adapter(hf, discover=zero)
+    if adapter is not None and not (adapter.family.zero_only and not zero):
+        return ""
+    if _vision_config(hf) is None:
+        return reason
+    if adapter is not None:
+        reason = (f"{type(hf).__name__}: family {adapter.family.name}'s dummy image is used under DeepSpeed "
+                  "ZeRO-2/3 only (under DDP / FSDP hf_ddpfix uses parameter_usage instead)")
+    n = sum(p.numel() for _, p in _generic_vision_params(hf) if p.requires_grad)
+    return f"{reason}; the dummy-image stabiliser is off for it" + (
+        f" and its {n} trainable vision parameters need ddp_find_unused_parameters=True" if n else ""
+    )
+
+
+def _generic_vision_modules(hf: nn.Module) -> list[tuple[str, nn.Module]]:
+    """Outermost submodules whose name marks them as vision parts (for models without an adapter)."""
+    out: list[tuple[str, nn.Module]] = []
+    for name, mod in hf.named_modules():
+        if not name or any(name.startswith(prefix + ".") for prefix, _ in out):
+            continue
+        if name.rsplit(".", 1)[-1] in _GENERIC_VISION_NAMES:
+            out.append((name, mod))
+    return out
+
+
+def vision_groups(hf: nn.Module) -> list[tuple[str, nn.Module]]:
+    """``(name, module)`` of the vision parts of ``hf``: the adapter's tower (and projector) when some
+    family matches (either view), else the outermost modules whose name marks them as vision parts."""
+    adapter, _ = _adapter(hf)
+    if adapter is not None:
+        return adapter.parts()
+    if _vision_config(hf) is None:
+        return []
+    return _generic_vision_modules(hf)
+
+
+def _generic_vision_params(hf: nn.Module) -> list[tuple[str, nn.Parameter]]:
+    return [(f"{g}.{n}", p) for g, mod in vision_groups(hf) for n, p in mod.named_parameters()]
+
+
+def vision_param_names(model: nn.Module, trainable_only: bool = True) -> list[str]:
+    """Names (as ``model.named_parameters()`` spells them) of the vision tower's parameters.
+
+    Pure: no collectives, no forward. Works for adapters and, by module names, for other VLMs.
+
+    Guarantees: on a LoRA Qwen2.5-VL every returned name contains ``visual`` and ``lora_`` (test_vlm).
+    """
+    hf = unwrap_model(model)
+    wanted = {id(p) for _, p in _generic_vision_params(hf) if p.requires_grad or not trainable_only}
+    return [n for n, p in model.named_parameters() if id(p) in wanted]
+
+
+def has_trainable_vision_params(model: nn.Module) -> bool:
+    """True when some vision parameter has ``requires_grad`` (pure; for the planner)."""
+    return bool(vision_param_names(model, trainable_only=True))
