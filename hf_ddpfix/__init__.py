@@ -21,6 +21,7 @@ from .callbacks import MemoryThroughputCallback, PlanReportCallback, ReplicaSync
 from .checkpoints import last_complete_checkpoint, save_model_atomic
 from .config import DDPFixConfig
 from .errors import DDPFixError, ReplicaDivergenceError, explain, readable_ddp_errors
+from .feature_report import FeatureFallbackError
 from .integrations.long_context import apply_long_context, remove_long_context
 from .integrations.loss_patch import patch_model_loss, unpatch_model_loss
 from .integrations.tiled_mlp import apply_tiled_mlp, remove_tiled_mlp
@@ -40,6 +41,7 @@ __all__ = [
     "DDPFixError",
     "DDPFixTrainer",
     "Decision",
+    "FeatureFallbackError",
     "HangGuard",
     "MemoryThroughputCallback",
     "OffloadBudgetError",

@@ -164,17 +164,35 @@ def test_apply_is_idempotent_and_reversible():
 
 
 def test_unsupported_layers_are_reported_not_patched():
+    """A layer whose forward differs from Llama's is skipped with the reason and keeps its forward; the
+    others are patched; every candidate of another family is reported exactly once, either way."""
+    model = _model(torch.float32)
+    layers = model.base_model.model.model.layers
+
+    class CustomLayer(type(layers[0])):
+        def forward(self, hidden_states, *args, **kwargs):  # a different forward: not provably Llama's
+            return super().forward(hidden_states, *args, **kwargs)
+
+    layers[0].__class__ = CustomLayer
+    handle = apply_long_context(model, "attention,tiled_layer")
+    skipped = [e for e in handle.report if not e.patched]
+    assert [e.name.rsplit(".", 2)[-2:] for e in skipped] == [["layers", "0"]], handle.report
+    assert "differs from LlamaDecoderLayer.forward" in skipped[0].reason
+    assert "forward" not in layers[0].__dict__ and "forward" in layers[1].__dict__
+    assert [e.name.rsplit(".", 2)[-2:] for e in handle.report if e.patched] == [["layers", "1"]]
+    handle.remove()
+
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     cfg = Qwen2Config(hidden_size=32, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2,
-                      num_hidden_layers=1, vocab_size=50)
-    model = Qwen2ForCausalLM(cfg)
-    handle = apply_long_context(model, "attention,tiled_layer")
-    skipped = [e for e in handle.report if not e.patched]
-    patched_layers = [e for e in handle.report if e.patched]
-    assert skipped or patched_layers  # every candidate is reported either way
-    for e in skipped:
-        assert "differs" in e.reason or "no " in e.reason
+                      num_hidden_layers=2, vocab_size=50)
+    qwen = Qwen2ForCausalLM(cfg)
+    handle = apply_long_context(qwen, "attention,tiled_layer")
+    names = sorted(e.name for e in handle.report)
+    assert names == ["model.layers.0", "model.layers.1"], handle.report
+    for e in handle.report:  # patched only where the check passed, else stock with the reason
+        assert ("forward" in qwen.get_submodule(e.name).__dict__) == bool(e.patched), e
+        assert e.patched or "differs" in e.reason or "no " in e.reason, e
 
 
 @pytest.mark.multiprocess

@@ -36,6 +36,7 @@ from fixtures import (  # noqa: E402
 
 from hf_ddpfix.integrations.loss_patch import patch_model_loss  # noqa: E402
 from hf_ddpfix.integrations.tiled_mlp import apply_tiled_mlp  # noqa: E402
+from hf_ddpfix.ops import feature_counts  # noqa: E402
 
 STEPS, ROWS_PER_RANK, SEQ, LR = 3, 2, 24, 0.5
 SETTINGS = [
@@ -72,6 +73,7 @@ def reference(world: int) -> torch.Tensor:
 
 def run(ddp_kwargs: dict, ckpt: str | None, rank: int, world: int) -> tuple[torch.Tensor, dict]:
     model = build(ckpt)
+    feature_counts.reset()
     handle = apply_tiled_mlp(model, shards=4)
     loss_handle = patch_model_loss(model, chunk_tokens=7)
     stats = tiled_stats(model)
@@ -84,7 +86,9 @@ def run(ddp_kwargs: dict, ckpt: str | None, rank: int, world: int) -> tuple[torc
         (out.loss * world).backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
-    info = {"tiled_modules": len(handle.patched), "loss_calls": loss_handle.calls, **stats}
+    counts = feature_counts.snapshot()
+    info = {"tiled_modules": len(handle.patched), "loss_calls": loss_handle.calls, **stats,
+            "counts": {f: c.as_dict() for f, c in counts.items()}}
     return flat_trainable(model), info
 
 
@@ -106,7 +110,12 @@ def main() -> None:
         }
         ok = (rec["max_diff_vs_reference"] < 1e-6 and rec["max_diff_across_ranks"] == 0.0
               and rec["tiled_modules"] == 2 and rec["loss_calls"] == STEPS and rec["weights_moved"] > 1e-3
-              and rec.get("backward_tokens", 0) > 0)
+              and rec.get("backward_tokens", 0) > 0
+              # patched code really ran: MLP layers x steps x passes (a checkpointed layer runs twice),
+              # one tiled loss per step, nothing fell back
+              and rec["counts"]["tiled_mlp"]["ran"] == rec["tiled_modules"] * STEPS * (1 if ckpt is None else 2)
+              and rec["counts"]["tiled_loss"]["ran"] == STEPS
+              and all(c["fell_back"] == 0 for c in rec["counts"].values()))
         rec["ok"] = bool(ok)
         verdicts.add(rec)
     verdicts.finish()
