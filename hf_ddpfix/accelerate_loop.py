@@ -49,9 +49,9 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 from ._compat import around_backward, ddp_kwargs_handler, set_ddp_kwargs, unwrap_parallel
 from .config import DDPFixConfig
 from .facts import has_conditional_params, is_peft_model
-from .integrations import families
 from .integrations.checkpointing import apply_checkpointing, detect_checkpointing
 from .integrations.usage import ParameterUsage
+from .integrations.vision import families
 from .plan.resolve import resolve_plan
 from .plan.types import ParallelMode, Plan, RunFacts
 

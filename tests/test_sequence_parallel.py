@@ -194,16 +194,23 @@ def test_trainer_with_sequence_parallel_equals_the_run_without_it_and_one_proces
     from launch import torchrun
 
     one, out = tmp_path / "one.pt", tmp_path / "spt.json"
-    torchrun("sp_trainer.py", str(one), "--ga", str(ga), "--single-for", str(nproc), nproc=1, timeout=200)
-    torchrun("sp_trainer.py", str(out), "--sp", "2", "--ga", str(ga), "--single", str(one), nproc=nproc, timeout=400)
+    compose = ("--compose",) if nproc == 2 else ()  # + non-reentrant checkpointing and tiled MLP under SP
+    torchrun("sp_trainer.py", str(one), "--ga", str(ga), "--single-for", str(nproc), *compose, nproc=1, timeout=200)
+    torchrun("sp_trainer.py", str(out), "--sp", "2", "--ga", str(ga), "--single", str(one), *compose, nproc=nproc,
+             timeout=400)
     records = json.loads(out.read_text())
-    assert {r["case"] for r in records} == {"trainer/sgd", "trainer/adamw_clip"}
+    assert {r["case"] for r in records} == {"trainer/sgd", "trainer/adamw_clip"} | (
+        {"trainer/sgd_ckpt_tiled"} if compose else set())
     assert {r["via"] for r in records} == {"env", "patch_trainer"}
     assert all(r["ok"] for r in records), records
     for r in records:
         assert r["plan"] == f"N=2 DP={nproc // 2}" and r["attention_calls"] > 0
         assert r["sharded_batches"] == 2 * 2 * ga  # both batches of the group, every micro-batch of 2 steps
         assert r["one_process"] is not None and r["one_process"]["weight_diff"] <= 1e-5  # vs one process too
+    if compose:  # the checkpointed backward recomputed the sharded attention (without it: CheckpointError)
+        ck = next(r for r in records if r["case"] == "trainer/sgd_ckpt_tiled")
+        plain = next(r for r in records if r["case"] == "trainer/sgd")
+        assert ck["attention_calls"] == 2 * plain["attention_calls"] and ck["tiled_mlp_calls"] > 0
 
 
 def test_sequence_parallel_one_is_off_with_a_reason():

@@ -23,6 +23,7 @@ from fixtures import Verdicts, init_gloo, lora_llama, rank_log, trainable_weight
 from transformers import Trainer, TrainingArguments  # noqa: E402
 
 from hf_ddpfix import patch_trainer, unpatch_trainer  # noqa: E402
+from hf_ddpfix._compat import checkpointing_training_args  # noqa: E402
 from hf_ddpfix.ops import feature_counts  # noqa: E402
 
 TOL = 1e-5
@@ -47,14 +48,15 @@ def collate(batch):
     return {"input_ids": ids, "attention_mask": mask, "labels": labels}
 
 
-def run(optim: str, ga: int, out: str, sp: int | None, via_env: bool, batch: int = 2) -> dict:
+def run(optim: str, ga: int, out: str, sp: int | None, via_env: bool, batch: int = 2, compose: bool = False) -> dict:
     unpatch_trainer()
     os.environ.pop("HF_DDPFIX_SEQUENCE_PARALLEL", None)
+    extra = {"tiled_mlp": "2"} if compose else {}
     if sp and via_env:
         os.environ["HF_DDPFIX_SEQUENCE_PARALLEL"] = str(sp)
-        patch_trainer()
+        patch_trainer(**extra)
     elif sp:
-        patch_trainer(sequence_parallel=sp)
+        patch_trainer(sequence_parallel=sp, **extra)
     feature_counts.reset()
     model = lora_llama(attn_implementation="sdpa")
     # AdamW's first steps are ~lr * sign(g): float noise in a near-zero gradient moves a weight by up to lr,
@@ -64,16 +66,19 @@ def run(optim: str, ga: int, out: str, sp: int | None, via_env: bool, batch: int
     args = TrainingArguments(output_dir=out, per_device_train_batch_size=batch, per_device_eval_batch_size=batch,
                              gradient_accumulation_steps=ga, max_steps=2, report_to=[],
                              use_cpu=True, save_strategy="no", remove_unused_columns=False, disable_tqdm=True,
-                             seed=0, logging_steps=1, ddp_find_unused_parameters=False, **kw)
+                             seed=0, logging_steps=1, ddp_find_unused_parameters=False, **kw,
+                             **(checkpointing_training_args(True, {"use_reentrant": False}) if compose else {}))
     trainer = Trainer(model=model, args=args, train_dataset=dataset(48, 1), eval_dataset=dataset(8, 2),
                       data_collator=collate)
     trainer.train()
     ev = trainer.evaluate()
-    counts = feature_counts.snapshot().get("sequence_parallel")
+    snap = feature_counts.snapshot()
+    counts = snap.get("sequence_parallel")
+    tiled = snap.get("tiled_mlp")
     hist = [(h["loss"], h.get("grad_norm")) for h in trainer.state.log_history if "loss" in h]
     plan = getattr(trainer, "hf_ddpfix_plan", None)
     res = {"weights": trainable_weights(model), "hist": hist, "eval": ev["eval_loss"],
-           "counts": counts.as_dict() if counts else None,
+           "counts": counts.as_dict() if counts else None, "tiled_mlp_calls": tiled.ran if tiled else 0,
            "plan": plan.sequence_parallel.text if plan is not None else None}
     unpatch_trainer()
     os.environ.pop("HF_DDPFIX_SEQUENCE_PARALLEL", None)
@@ -89,20 +94,26 @@ def main() -> None:
     p.add_argument("--single-for", type=int, default=0,
                    help="world size W: run one process with batch 2*W (the reference) and save it to OUT")
     p.add_argument("--single", default=None, help="the one-process reference saved by --single-for")
+    p.add_argument("--compose", action="store_true",
+                   help="also SGD with non-reentrant checkpointing + tiled MLP (2 shards) under SP")
     a = p.parse_args()
     r, world = init_gloo()
     log = rank_log()
-    optims = (("sgd", False), ("adamw_clip", True))
+    optims: tuple[tuple[str, bool], ...] = (("sgd", False), ("adamw_clip", True))
+    if a.compose:
+        optims += (("sgd_ckpt_tiled", False),)
     if a.single_for:  # the same global batch in one process: sampler order and GA normalisation are the Trainer's
-        torch.save({o: run(o, a.ga, a.out + ".one", None, False, batch=2 * a.single_for) for o, _ in optims}, a.out)
+        torch.save({o: run(o.removesuffix("_ckpt_tiled"), a.ga, a.out + ".one", None, False, batch=2 * a.single_for)
+                    for o, _ in optims}, a.out)
         v = Verdicts("SPT", None)
         v.finish()
         return
     single = torch.load(a.single, weights_only=False) if a.single else None
     v = Verdicts("SPT", a.out)
     for optim, via_env in optims:
-        ref = run(optim, a.ga, a.out + ".ref", None, False)
-        got = run(optim, a.ga, a.out + ".sp", a.sp, via_env)
+        ref = run(optim.removesuffix("_ckpt_tiled"), a.ga, a.out + ".ref", None, False)
+        got = run(optim.removesuffix("_ckpt_tiled"), a.ga, a.out + ".sp", a.sp, via_env,
+                  compose=optim.endswith("_ckpt_tiled"))
         one = single[optim] if single else None
         one_w = max((one["weights"][k] - got["weights"][k]).abs().max().item() for k in one["weights"]) if one else None
         one_l = max(abs(x[0] - y[0]) for x, y in zip(one["hist"], got["hist"], strict=True)) if one else None
@@ -114,11 +125,11 @@ def main() -> None:
         c = got["counts"] or {"ran": 0, "fallbacks": {}, "amounts": {}}
         ok = (wdiff <= TOL and ldiff <= TOL and gdiff <= TOL and abs(ref["eval"] - got["eval"]) <= TOL
               and c["ran"] > 0 and c["amounts"].get("sharded_batches", 0) > 0
-              and len(ref["hist"]) == 2 and (one is None or max(one_w, one_l, one_g, one_e) <= TOL) and (got["plan"] or "").startswith(f"N={a.sp} DP={world // a.sp}"))
+              and len(ref["hist"]) == 2 and (not optim.endswith("_ckpt_tiled") or got["tiled_mlp_calls"] > 0) and (one is None or max(one_w, one_l, one_g, one_e) <= TOL) and (got["plan"] or "").startswith(f"N={a.sp} DP={world // a.sp}"))
         v.add({"case": f"trainer/{optim}", "world": world, "sp": a.sp, "ga": a.ga, "via": "env" if via_env else
                "patch_trainer", "plan": got["plan"], "weight_diff": wdiff, "loss_diff": ldiff, "grad_norm_diff": gdiff,
                "losses_ref": [h[0] for h in ref["hist"]], "losses_sp": [h[0] for h in got["hist"]],
-               "eval_ref": ref["eval"], "eval_sp": got["eval"], "attention_calls": c["ran"],
+               "eval_ref": ref["eval"], "eval_sp": got["eval"], "attention_calls": c["ran"], "tiled_mlp_calls": got["tiled_mlp_calls"],
                "sharded_batches": c["amounts"].get("sharded_batches"), "fallbacks": c["fallbacks"], "one_process": None if one is None else {
                    "weight_diff": one_w, "loss_diff": one_l, "grad_norm_diff": one_g, "eval_diff": one_e,
                    "losses": [h[0] for h in one["hist"]]}, "ok": ok})

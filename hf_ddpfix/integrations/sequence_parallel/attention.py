@@ -29,7 +29,8 @@ from ...ops.feature_counts import record_fallback, record_ran
 from ...ops.sequence_parallel.inputs import attention_mask_from_documents
 from ...ops.sequence_parallel.ulysses import ulysses_attention
 
-__all__ = ["FEATURE", "SUPPORTED_IMPLEMENTATIONS", "UlyssesAttentionHandle", "active_batch",
+__all__ = ["FEATURE", "SUPPORTED_IMPLEMENTATIONS", "UlyssesAttentionHandle", "activate_batch", "active_batch",
+           "deactivate_batch",
            "install_ulysses_attention", "sequence_parallel_batch"]
 
 FEATURE = "sequence_parallel"
@@ -51,10 +52,24 @@ def active_batch() -> _Batch | None:
     return getattr(_state, "batch", None)
 
 
+def activate_batch(documents: torch.Tensor, group: dist.ProcessGroup | None = None) -> None:
+    """Make wrapped attention run Ulysses for this batch until `deactivate_batch()` (or the next batch).
+
+    Unlike `sequence_parallel_batch`, the batch stays active after the forward returns, so the backward's
+    recomputation under non-reentrant checkpointing runs the same sharded attention as the forward."""
+    _state.batch = _Batch(group, attention_mask_from_documents(documents))
+
+
+def deactivate_batch() -> None:
+    """No sequence-parallel batch active: wrapped attention calls the function it replaced."""
+    _state.batch = None
+
+
 @contextmanager
 def sequence_parallel_batch(documents: torch.Tensor, group: dist.ProcessGroup | None = None) -> Iterator[None]:
     """Within this block, wrapped attention runs Ulysses over `group` with the full-sequence mask built
-    from `documents` (`[B, S]`, `SequenceShard.documents`). Builds the mask once for all layers."""
+    from `documents` (`[B, S]`, `SequenceShard.documents`). Builds the mask once for all layers. With
+    checkpointing, run the backward inside the block too (its recomputation calls attention again)."""
     previous = active_batch()
     _state.batch = _Batch(group, attention_mask_from_documents(documents))
     try:

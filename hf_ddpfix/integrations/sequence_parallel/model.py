@@ -19,13 +19,14 @@ from torch import nn
 
 from ...ops.sequence_parallel.inputs import shard_batch
 from ...ops.sequence_parallel.loss import shard_loss_sum
-from .attention import sequence_parallel_batch
+from .attention import activate_batch, sequence_parallel_batch
 
 __all__ = ["sharded_causal_lm_loss"]
 
 
 def sharded_causal_lm_loss(model: nn.Module, batch: Mapping[str, Any], *, group: dist.ProcessGroup | None = None,
-                           pad_token_id: int = 0, pad_to_multiple: bool = True) -> tuple[torch.Tensor, Any]:
+                           pad_token_id: int = 0, pad_to_multiple: bool = True,
+                           keep_active: bool = False) -> tuple[torch.Tensor, Any]:
     """Forward this rank's slice of `batch` (every rank of `group` holds the same full batch).
 
     Args:
@@ -33,6 +34,8 @@ def sharded_causal_lm_loss(model: nn.Module, batch: Mapping[str, Any], *, group:
             (`install_ulysses_attention`); it must return `logits`.
         batch: `input_ids` `[B, S]`, `labels` (unshifted; required), optional `attention_mask`, `position_ids`.
         group: the SP group (default: the world).
+        keep_active: leave the batch active after the forward (`activate_batch`), so a checkpointed
+            backward recomputes the same sharded attention; the caller ends it (`deactivate_batch`).
 
     Returns:
         `(loss_sum, outputs)`: this rank's summed cross-entropy (fp32 scalar, 0 for a shard without a
@@ -45,7 +48,11 @@ def sharded_causal_lm_loss(model: nn.Module, batch: Mapping[str, Any], *, group:
                         attention_mask=batch.get("attention_mask"), position_ids=batch.get("position_ids"),
                         pad_token_id=pad_token_id, pad_to_multiple=pad_to_multiple)
     extra = {k: v for k, v in batch.items() if k not in ("input_ids", "labels", "attention_mask", "position_ids")}
-    with sequence_parallel_batch(shard.documents, group):
+    if keep_active:
+        activate_batch(shard.documents, group)
         outputs = model(input_ids=shard.input_ids, position_ids=shard.position_ids, use_cache=False, **extra)
+    else:
+        with sequence_parallel_batch(shard.documents, group):
+            outputs = model(input_ids=shard.input_ids, position_ids=shard.position_ids, use_cache=False, **extra)
     assert shard.shift_labels is not None
     return shard_loss_sum(outputs.logits, shard.shift_labels), outputs

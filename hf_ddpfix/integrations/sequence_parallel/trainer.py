@@ -12,6 +12,9 @@ Per training micro-batch (the Trainer's `compute_loss`, on the instance):
      processes, as stock's `compute_loss`, which turns DDP's mean into the exact sum), or, where the Trainer
      gives no count, by each batch's own valid-token count (stock's per-batch mean).
 
+The batch stays active after the forward (until the next micro-batch or the end of training), so the
+backward's recomputation under non-reentrant checkpointing runs the same sharded attention.
+
 Evaluation / prediction (`model.training` False), batches with other keys (images, ...), and a
 `compute_loss_func` / label smoother run stock `compute_loss` unsharded: counted as a fallback with its
 reason (feature "sequence_parallel") and logged once.
@@ -32,7 +35,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ...ops.feature_counts import record_amount, record_fallback
-from .attention import FEATURE, install_ulysses_attention
+from .attention import FEATURE, activate_batch, deactivate_batch, install_ulysses_attention
 from .model import sharded_causal_lm_loss
 
 __all__ = ["SequenceParallelGroups", "attach_sequence_parallel", "merge_batches"]
@@ -107,6 +110,7 @@ def attach_sequence_parallel(trainer: Any, model: nn.Module, *, sp_size: int, st
     groups = SequenceParallelGroups(sp_size)
     impl = getattr(getattr(model, "config", None), "_attn_implementation", None) or "sdpa"
     stack.callback(install_ulysses_attention(impl).remove)
+    stack.callback(deactivate_batch)
     stock = trainer.compute_loss
     warned: set[str] = set()
     pad_id = getattr(getattr(model, "config", None), "pad_token_id", None) or 0
@@ -114,6 +118,7 @@ def attach_sequence_parallel(trainer: Any, model: nn.Module, *, sp_size: int, st
     def compute_loss(model: nn.Module, inputs: dict[str, Any], return_outputs: bool = False,
                      num_items_in_batch: Any = None) -> Any:
         reason = _fallback_reason(trainer, model, inputs)
+        deactivate_batch()  # the previous micro-batch's (kept for its checkpointed backward)
         if reason is not None:
             record_fallback(FEATURE, reason)
             if reason not in warned and trainer.is_world_process_zero():
@@ -128,7 +133,8 @@ def attach_sequence_parallel(trainer: Any, model: nn.Module, *, sp_size: int, st
         normalised = num_items_in_batch is not None and bool(getattr(trainer, "model_accepts_loss_kwargs", False))
         if normalised:
             merged = merge_batches(batches)
-            loss_sum, outputs = sharded_causal_lm_loss(model, merged, group=groups.group, pad_token_id=pad_id)
+            loss_sum, outputs = sharded_causal_lm_loss(model, merged, group=groups.group, pad_token_id=pad_id,
+                                                       keep_active=True)
             loss = loss_sum / num_items_in_batch
             if trainer.args.average_tokens_across_devices:
                 loss = loss * trainer.accelerator.num_processes  # stock's scale: DDP's mean becomes the sum
@@ -166,13 +172,12 @@ def _per_row_loss(model: nn.Module, merged: dict[str, torch.Tensor], groups: Seq
     import torch.nn.functional as F
 
     from ...ops.sequence_parallel.inputs import shard_batch
-    from .attention import sequence_parallel_batch
 
     shard = shard_batch(merged["input_ids"], sp_size=groups.size, sp_rank=groups.rank, labels=merged["labels"],
                         attention_mask=merged["attention_mask"], position_ids=merged["position_ids"],
                         pad_token_id=pad_id)
-    with sequence_parallel_batch(shard.documents, groups.group):
-        outputs = model(input_ids=shard.input_ids, position_ids=shard.position_ids, use_cache=False)
+    activate_batch(shard.documents, groups.group)  # stays active for a checkpointed backward
+    outputs = model(input_ids=shard.input_ids, position_ids=shard.position_ids, use_cache=False)
     logits = outputs.logits.float()
     assert shard.shift_labels is not None
     per_token = F.cross_entropy(logits.transpose(1, 2), shard.shift_labels, ignore_index=-100, reduction="none")

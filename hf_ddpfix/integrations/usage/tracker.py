@@ -40,10 +40,10 @@ all-gather of ``n_trainable`` bytes per synchronising forward. Reentrant checkpo
 
 Trainer wiring (transformers 5.23): attach before ``Trainer.train`` wraps the model (or after; hooks go
 on the unwrapped module), call :meth:`~ParameterUsage.finalize` before ``Trainer._clip_grad_norm`` /
-``_get_grad_norm`` (see :mod:`hf_ddpfix.integrations.stabilizer` for why not ``on_pre_optimizer_step``).
+``_get_grad_norm`` (see :mod:`hf_ddpfix.integrations.vision.stabilizer` for why not ``on_pre_optimizer_step``).
 
-Layout: slots and scopes (FSDP2 units) in ``usage_scopes.py``, the reentrant-checkpoint observation in
-``usage_regions.py``, the cross-rank guard table and finalize mask in ``usage_agreement.py``; this
+Layout: slots and scopes (FSDP2 units) in ``scopes.py``, the reentrant-checkpoint observation in
+``regions.py``, the cross-rank guard table and finalize mask in ``agreement.py``; this
 module is the per-forward observe-and-tie and the per-step bookkeeping.
 
 Guarantees: with fu=False (and static graph at accumulation 1) every zoo family trains to the weights
@@ -62,14 +62,14 @@ from typing import Any
 import torch
 from torch import nn
 
-from .._compat import ddp_syncs_grads, is_ddp_sink_node, unwrap_parallel
-from ..ops import feature_counts
-from ..ops.autograd_reach import output_tensors, reachable_leaf_ids, reachable_leaf_ids_split
-from ..ops.zero_tie import ZeroTie, is_zero_tie_node
+from ..._compat import ddp_syncs_grads, is_ddp_sink_node, unwrap_parallel
+from ...ops import feature_counts
+from ...ops.autograd_reach import output_tensors, reachable_leaf_ids, reachable_leaf_ids_split
+from ...ops.zero_tie import ZeroTie, is_zero_tie_node
+from .agreement import UNUSED_FIX, agree_used, gather_missing, raise_if_missing
 from .hang_guard import UnusedParametersError
-from .usage_agreement import UNUSED_FIX, agree_used, gather_missing, raise_if_missing
-from .usage_regions import ReentrantRegions
-from .usage_scopes import Scope, build_scopes, collect_slots, unit_pre_hook
+from .regions import ReentrantRegions
+from .scopes import Scope, build_scopes, collect_slots, unit_pre_hook
 
 __all__ = ["ParameterUsage", "UsageRecord", "reachable_leaf_ids", "UnusedParametersError"]
 

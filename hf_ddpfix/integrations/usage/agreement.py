@@ -1,7 +1,7 @@
 """What the ranks agree on about parameter usage: the guard's table and the step's "used" mask.
 
 Two collectives of one byte per trainable parameter, used by ``ParameterUsage``
-(``integrations/usage.py``):
+(``integrations/usage/tracker.py``):
 
 - :func:`gather_missing` + :func:`raise_if_missing` (the guard, before a synchronising backward):
   all-gather "gets no gradient here" per parameter; if any rank has one, every rank raises the same
@@ -23,9 +23,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ..ops.dist import collective_device, dist_ready, gather_flags
+from ...ops.dist import collective_device, dist_ready, gather_flags
 from .hang_guard import UnusedParametersError
-from .usage_scopes import ParamSlot
+from .scopes import ParamSlot
 
 __all__ = ["UNUSED_FIX", "agree_used", "gather_missing", "raise_if_missing"]
 

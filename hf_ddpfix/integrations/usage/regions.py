@@ -1,7 +1,7 @@
 """Which trainable parameters a reentrant checkpointed layer reads (its forward builds no graph).
 
 Reentrant checkpointing runs a layer's forward under ``no_grad``: the autograd graph then holds only
-the checkpoint node, so ``ParameterUsage``'s graph walk (``integrations/usage.py``) cannot see the
+the checkpoint node, so ``ParameterUsage``'s graph walk (``integrations/usage/tracker.py``) cannot see the
 parameters inside. :class:`ReentrantRegions` wraps each checkpointing layer's checkpoint function so
 that, during an observed training forward, every reentrant checkpoint call runs under a
 ``ParamReadMode`` recording which watched tensors its ops read. The recompute in backward is not
@@ -25,16 +25,16 @@ from typing import Any
 
 from torch import nn
 
-from .._compat import (
+from ..._compat import (
     checkpointable_layers,
     is_checkpointing,
     layer_checkpoint_func,
     set_layer_checkpoint_func,
 )
-from ..ops.autograd_reach import ParamReadMode, output_tensors
-from .checkpointing import _use_reentrant_of
+from ...ops.autograd_reach import ParamReadMode, output_tensors
+from ..checkpointing import _use_reentrant_of
 from .hang_guard import UnusedParametersError
-from .usage_scopes import ParamSlot
+from .scopes import ParamSlot
 
 __all__ = ["ReentrantRegions"]
 

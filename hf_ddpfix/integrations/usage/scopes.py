@@ -1,6 +1,6 @@
 """Where each trainable parameter lives, and which forward output receives its tie (FSDP2 units).
 
-``ParameterUsage`` (``integrations/usage.py``) addresses a trainable parameter by *slot*: the module
+``ParameterUsage`` (``integrations/usage/tracker.py``) addresses a trainable parameter by *slot*: the module
 and attribute that hold it, not the tensor object, because FSDP2 swaps the unsharded and the sharded
 tensor in and out of the same attribute. A *scope* is a module whose forward output receives the ties
 for the slots it owns: the root module alone, or one per FSDP2 unit (a module passed to
@@ -26,8 +26,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from .._compat import module_parameter_slots
-from ..ops.autograd_reach import output_tensors
+from ..._compat import module_parameter_slots
+from ...ops.autograd_reach import output_tensors
 
 __all__ = ["ParamSlot", "Scope", "build_scopes", "collect_slots", "unit_pre_hook"]
 
