@@ -26,6 +26,7 @@ from ._compat import around_backward, before_gradient_clipping, checkpointing_ar
 from .integrations.checkpointing import (
     apply_checkpointing,
     checkpoint_kwargs_without_mode,
+    installed_checkpoint_functions,
     keep_tool_checkpointing,
     tool_checkpoint_functions,
 )
@@ -74,7 +75,8 @@ def attach_runtime(trainer: Any, model: nn.Module, plan: Plan, stack: ExitStack)
                                                  keep_on_device="auto")  # N from the budget, each step
         rt.step_contexts.append(_logged_offload_steps(trainer, rt.offload))
         stack.callback(rt.offload.clear_pool)
-    _apply_checkpointing(trainer, model, plan, offload)
+    if _apply_checkpointing(trainer, model, plan, offload):
+        _keep_plan_checkpointing(trainer, model, plan, offload, stack)
     if plan.parallel == "deepspeed":  # before deepspeed.initialize (inside the stock loop): see deepspeed.py
         leaf = plan.zero3_leaf_modules.value  # "A,B" or False / None
         rt.zero_vision = attach_deepspeed(model, stabilize=bool(plan.vlm_stabilizer.value), stack=stack,
@@ -277,15 +279,16 @@ def _device_type(trainer: Any) -> str:
     return torch.device(trainer.args.device).type
 
 
-def _apply_checkpointing(trainer: Any, model: nn.Module, plan: Plan, offload: Any) -> None:
+def _apply_checkpointing(trainer: Any, model: nn.Module, plan: Plan, offload: Any) -> bool:
+    """Install the plan's checkpoint function; True when hf_ddpfix's own function was installed."""
     mode = plan.checkpointing.value
     if not mode:
-        return
+        return False
     kept = keep_tool_checkpointing(model, use_reentrant=mode == "reentrant", offload=offload is not None)
     if kept:  # a trainer's / tool's function that already runs the plan's variant: its own features stay
         feature_counts.record_amount("checkpointing", "tool_functions_kept", 1)
         _log_rank0(trainer, "checkpointing: %s", kept)
-        return
+        return False
     replaced = tool_checkpoint_functions(model)
     if replaced:
         feature_counts.record_amount("checkpointing", "tool_functions_replaced", len(replaced))
@@ -297,3 +300,38 @@ def _apply_checkpointing(trainer: Any, model: nn.Module, plan: Plan, offload: An
     n = apply_checkpointing(model, use_reentrant=mode == "reentrant", offload=offload, **extra)
     if n == 0:
         logger.warning("checkpointing is %s in the plan but the model has no checkpointed layers", mode)
+    return n > 0
+
+
+def _keep_plan_checkpointing(trainer: Any, model: nn.Module, plan: Plan, offload: Any, stack: ExitStack) -> None:
+    """Re-install the plan's checkpoint function before a training forward where something replaced it.
+
+    The plan (the checkpoint variant, and from it find_unused / static_graph) holds only while every
+    checkpointed layer runs the function installed at the start. A trainer may re-enable checkpointing
+    mid-run with the user's arguments (TRL's ``disable_gradient_checkpointing`` around its reference
+    forward calls ``gradient_checkpointing_enable(args.gradient_checkpointing_kwargs)`` after it), which
+    puts the uncorrected variant back from the next step on: under ``static_graph`` DDP then fails with
+    "Your training graph has changed". Checked at each training forward of the root (a walk over the
+    checkpointable layers); each forward it re-installs before is counted (``checkpointing`` / ``reinstalled``)
+    and the first is logged.
+    """
+    mode = plan.checkpointing.value
+    extra = checkpoint_kwargs_without_mode(checkpointing_args(trainer.args)[1])
+    warned: list[bool] = []
+
+    def pre_hook(module: nn.Module, args: Any) -> None:
+        if not (module.training and torch.is_grad_enabled()):
+            return
+        if not installed_checkpoint_functions(model):  # every checkpointing layer still calls ours
+            return
+        apply_checkpointing(model, use_reentrant=mode == "reentrant", offload=offload, **extra)
+        feature_counts.record_amount("checkpointing", "reinstalled", 1)
+        if not warned:
+            warned.append(True)
+            logger.warning("checkpointing: the model's checkpoint function was replaced during training (e.g. a "
+                           "trainer re-enabled checkpointing with its own arguments); the plan's %s function is "
+                           "re-installed before each training forward that needs it", mode)
+
+    handle = model.register_forward_pre_hook(pre_hook, prepend=True)
+    stack.callback(handle.remove)
+

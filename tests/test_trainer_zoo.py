@@ -10,7 +10,8 @@ import re
 
 from launch import torchrun
 
-CASES = ("sft_vlm", "sft_text", "sft_text_unfused", "sft_packing", "dpo_text", "reward_text", "grpo_text")
+CASES = ("sft_vlm", "sft_text", "sft_text_unfused", "sft_packing", "sft_reenable", "dpo_text", "reward_text",
+         "grpo_text")
 
 
 def test_trl_trainers_train_bit_equal_to_stock_with_find_unused_off() -> None:
@@ -24,3 +25,6 @@ def test_trl_trainers_train_bit_equal_to_stock_with_find_unused_off() -> None:
     # the image rank tied none. Counts and the expectation (steps x tensors): trainer_zoo._check_vlm_ties
     tied = dict(re.findall(r"\[rank (\d)\] sft_vlm: vision tensors tied into the backward loss (\d+) = ", done.stdout))
     assert tied.get("0") == "0" and int(tied.get("1", 0)) > 0, done.stdout[-4000:]
+    # a trainer that re-enables checkpointing with the user's (reentrant) arguments every step: the plan's
+    # function is put back before each step's training forward, and the run stays bit-equal
+    assert len(re.findall(r"sft_reenable: checkpoint function re-installed [1-9]", done.stdout)) == 2, done.stdout[-4000:]

@@ -1,7 +1,7 @@
 """TRL trainers under 2-process DDP: hf_ddpfix (``patch_trainer()``) vs stock, same data, one process group.
 
 Run:  OMP_NUM_THREADS=1 python -m torch.distributed.run --standalone --nproc_per_node=2 \
-          tests/scripts/trainer_zoo.py [--cases sft_vlm,sft_text,sft_text_unfused,sft_packing,dpo_text,reward_text]
+          tests/scripts/trainer_zoo.py [--cases sft_vlm,sft_text,sft_text_unfused,sft_packing,sft_reenable,...]
 
 Stock is the setting that trains: non-reentrant checkpointing, ``find_unused_parameters=True`` (what the
 stock Trainer picks for a PeftModel). The hf_ddpfix run asks for reentrant checkpointing (the plan corrects
@@ -14,6 +14,8 @@ with weight decay and gradient clipping; lengths vary between batches.
   rank 1 text-only every step (issue: a gloo size mismatch at step 2 before the tie moved to the loss).
 - ``sft_text`` / ``sft_text_unfused`` (``compute_loss_func``: the loss from the model's logits) /
   ``sft_packing`` (``packing=True``: BFD packing, padding-free rows with ``position_ids``) on a tiny Llama.
+- ``sft_reenable``: a trainer that switches checkpointing off and back on with the user's arguments
+  around a reference forward every step (TRL >= 1.0's DPOTrainer does): see :func:`sft_reenable`.
 - ``dpo_text``: ``DPOTrainer`` (the reference model is the adapter disabled); ``reward_text``:
   ``RewardTrainer`` (sequence classification head, trained through ``modules_to_save``).
 Prints ``TRAINER_ZOO_OK`` after all cases.
@@ -116,6 +118,32 @@ def _sft_text(out: str, patched: bool, **cfg: Any) -> Any:
                       train_dataset=HFDataset.from_dict({"text": _sentences(24)}), **extra)
 
 
+def sft_reenable(out: str, patched: bool) -> Any:
+    """SFT whose ``compute_loss`` first runs a no-grad reference forward with checkpointing switched off
+    and back on with the user's arguments (what TRL >= 1.0's DPOTrainer does around its reference
+    forward): the hf_ddpfix run's corrected checkpoint function is replaced by the user's reentrant one
+    every step, which hf_ddpfix must re-install before the training forward (trl 1.0 + transformers 5.0
+    failed with static_graph's "Your training graph has changed" at step 2 without it)."""
+    from datasets import Dataset as HFDataset
+    from trl import SFTConfig, SFTTrainer
+
+    from hf_ddpfix._compat import checkpointing_args, disable_model_checkpointing, enable_model_checkpointing
+
+    class Reenables(SFTTrainer):
+        def compute_loss(self, model: Any, inputs: Any, *args: Any, **kwargs: Any) -> Any:
+            inner = self.accelerator.unwrap_model(model)
+            with torch.no_grad():
+                disable_model_checkpointing(inner)
+                inner(input_ids=inputs["input_ids"])
+                enable_model_checkpointing(inner, checkpointing_args(self.args)[1])
+            return super().compute_loss(model, inputs, *args, **kwargs)
+
+    tok = build_tokenizer()
+    args = SFTConfig(output_dir=out, max_length=32, **_ckpt(patched), **COMMON)
+    return Reenables(model=_tiny_llama(tok), args=args, processing_class=tok, peft_config=_lora(),
+                     train_dataset=HFDataset.from_dict({"text": _sentences(24)}))
+
+
 def dpo_text(out: str, patched: bool) -> Any:
     from datasets import Dataset as HFDataset
     from trl import DPOConfig, DPOTrainer
@@ -162,6 +190,7 @@ CASES: dict[str, Callable[[str, bool], Any]] = {
     "sft_text": lambda out, p: _sft_text(out, p),
     "sft_text_unfused": lambda out, p: _sft_text(out, p, unfused=True),
     "sft_packing": lambda out, p: _sft_text(out, p, packing=True),
+    "sft_reenable": sft_reenable,
     "dpo_text": dpo_text,
     "reward_text": reward_text,
     "grpo_text": grpo_text,
@@ -223,6 +252,11 @@ def main() -> None:
             assert counts is not None and counts.ran >= STEPS and not counts.fallbacks, counts
             if case == "sft_vlm":
                 _check_vlm_ties(rank, [k for k in fixed if ".visual." in k], counts.amounts)
+            if case == "sft_reenable":  # re-installed before each step's training forward
+                ckpt = feature_counts.snapshot().get("checkpointing")
+                reinstalled = ckpt.amounts.get("reinstalled", 0) if ckpt else 0
+                assert reinstalled == STEPS, (reinstalled, ckpt)
+                print(f"[rank {rank}] sft_reenable: checkpoint function re-installed {reinstalled} times", flush=True)
     print(f"[rank {rank}] TRAINER_ZOO_OK", flush=True)
     teardown()
 
