@@ -95,9 +95,7 @@ def test_lower_layers_import_nothing_above_them(layer):
 
 def test_the_vision_folder_imports_only_itself_and_the_layers_below():
     """integrations/vision/ (families, adapter, stabilisers, ZeRO dummy, FSDP2 wrap plan) is one feature: its
-    modules import `_compat`, `ops` and each other, nothing else of `integrations/`; the old flat module
-    paths are aliases of its modules (the same objects)."""
-    import importlib
+    modules import `_compat`, `ops` and each other, nothing else of `integrations/`."""
 
     for path in sorted((PKG / "integrations" / "vision").glob("*.py")):
         here = path.relative_to(PKG.parent).with_suffix("").parts
@@ -106,10 +104,6 @@ def test_the_vision_folder_imports_only_itself_and_the_layers_below():
                 parts = list(here[: len(here) - node.level]) + (node.module.split(".") if node.module else [])
                 if parts[:2] == ["hf_ddpfix", "integrations"]:
                     assert parts[2:3] == ["vision"], f"integrations/vision/{path.name} imports {'.'.join(parts)}"
-    for old, new in [("families", "families"), ("vision_family", "family"), ("vision_adapter", "adapter"),
-                     ("stabilizer", "stabilizer"), ("zero_vision", "zero"), ("fsdp_wrap", "fsdp_wrap")]:
-        assert importlib.import_module(f"hf_ddpfix.integrations.{old}") is importlib.import_module(
-            f"hf_ddpfix.integrations.vision.{new}"), old
 
 
 def test_plan_types_import_no_rule():

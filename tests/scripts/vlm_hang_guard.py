@@ -26,7 +26,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))  # tests/: fixtures
 from fixtures import add_lora, build_qwen2_5_vl, make_batch, teardown  # noqa: E402
 
-from hf_ddpfix.integrations.hang_guard import HangGuard, UnusedParametersError  # noqa: E402
+from hf_ddpfix.integrations.usage.hang_guard import HangGuard, UnusedParametersError  # noqa: E402
 
 
 def main() -> None:

@@ -10,9 +10,6 @@
   the evaluation / generation sync for ZeRO-3 (:class:`GenerateSync`).
 - :mod:`.fsdp_wrap` — which modules to ``fully_shard`` so ranks with and without images issue the same
   collectives.
-
-The old module paths (``hf_ddpfix.integrations.families``, ``.stabilizer``, ``.zero_vision``, ``.fsdp_wrap``,
-``.vision_family``, ``.vision_adapter``) stay importable as aliases of these modules.
 """
 
 from .adapter import VisionAdapter

@@ -41,7 +41,7 @@ in the last bit: measured, 57 of 200 random cases), e.g. by wrapping both method
 ``TrainerCallback.on_pre_optimizer_step`` exists but fires *after* clipping, so use it only as a
 backstop: a second call in the same step is a no-op (no forward ran since the previous call).
 
-Families: :mod:`hf_ddpfix.integrations.vision.families`. Hang guard: :mod:`hf_ddpfix.integrations.hang_guard`.
+Families: :mod:`hf_ddpfix.integrations.vision.families`. Hang guard: :mod:`hf_ddpfix.integrations.usage.hang_guard`.
 """
 
 from __future__ import annotations

@@ -1,7 +1,0 @@
-"""Moved to :mod:`hf_ddpfix.integrations.vision.family`; this path stays importable as an alias of that module
-(the same module object: attributes, private names and monkeypatches are shared)."""
-
-import importlib
-import sys
-
-sys.modules[__name__] = importlib.import_module(".vision.family", __package__)
