@@ -554,6 +554,11 @@ def test_generate_pre_encodes_images_exactly_when_the_contract_says_so():
         lambda mod, args, kwargs: calls.append({k for k, v in kwargs.items() if v is not None}), with_kwargs=True)
     batch = make_batch(True, seed=1)
     batch.pop("labels")
+    # only the inputs this release's forward names (5.0's Qwen2.5-VL takes no mm_token_type_ids, and its
+    # generate rejects keywords the forward does not name)
+    named = set(inspect.signature(model.forward).parameters)
+    batch = {k: v for k, v in batch.items() if k in named}
+    assert {"input_ids", "pixel_values", "image_grid_thw"} <= set(batch), sorted(batch)
     with torch.no_grad():
         model.generate(**batch, max_new_tokens=2, min_new_tokens=2, do_sample=False)
     handle.remove()
@@ -563,3 +568,32 @@ def test_generate_pre_encodes_images_exactly_when_the_contract_says_so():
     else:
         assert "pixel_values" in calls[0], _broken(f"prefill forward without pixels: {sorted(calls[0])}")
     assert all("pixel_values" not in c and _compat.MM_ENCODER_OUTPUTS_KWARG not in c for c in calls[1:])
+
+
+@pytest.mark.parametrize("family", ["llava", "gemma3", "internvl", "mistral3", "idefics3", "smolvlm"])
+def test_image_features_reads_what_the_model_forward_uses(family):
+    """`_compat.image_features` returns what the model's own forward takes from `get_image_features`
+    (`.pooler_output`, read as an attribute): on 5.0 it is set after the fact and, on a `BaseModelOutput`
+    or a `pooler_output=None` output, is an attribute only (not a key); on 5.23 / 5.24 it is a key."""
+    from zoo import ZERO_DISCOVERED, ZOO
+
+    from hf_ddpfix.integrations.vision.zero import ZeroVisionStabilizer
+
+    entry = {**ZOO, **ZERO_DISCOVERED}[family]
+    model = entry.model(0).eval()
+    adapter = ZeroVisionStabilizer(model).adapter  # builds and verifies the dummy layout
+    adapter.verify()
+    pv, grid = adapter.dummy_inputs()
+    with torch.no_grad():
+        out = adapter.run_tower(pv, grid)
+    feats = _compat.image_features(out)
+    assert feats is not None and feats is out.pooler_output, _broken(
+        f"{family}: get_image_features' features are no longer its output's pooler_output ({type(out).__name__})")
+    tensors = [feats] if isinstance(feats, torch.Tensor) else list(feats)
+    assert tensors and all(isinstance(t, torch.Tensor) and t.numel() > 0 for t in tensors)
+    # the other shapes a release may return: the features themselves
+    t = torch.ones(2, 3)
+    assert _compat.image_features(t) is t
+    pair = (t, t)
+    assert _compat.image_features(pair) is pair
+    assert _compat.image_features({"last_hidden_state": t}) is None and _compat.image_features(None) is None

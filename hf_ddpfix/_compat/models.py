@@ -131,6 +131,48 @@ def forward_source(cls: type) -> str:
 
 
 # --------------------------------------------------------------------------------------------------
+# Image features of vision-language models
+# --------------------------------------------------------------------------------------------------
+
+
+def output_field(out: Any, name: str) -> Any:
+    """Field ``name`` of a model output, whether the release stored it as a ``ModelOutput`` key or only as
+    an attribute; ``None`` when absent.
+
+    transformers 5.0 (to at least 5.2) ``get_image_features`` assigns ``outputs.pooler_output = features``
+    on the tower's output after the fact: on a ``BaseModelOutput`` (no such field) or one whose
+    ``pooler_output`` was ``None``, ``ModelOutput.__setattr__`` keeps it as a plain attribute, not a key,
+    so ``out.get("pooler_output")`` / ``out.keys()`` miss it while the model's own forward (which reads
+    ``.pooler_output``) sees it. 5.23 / 5.24 return it as a key. Reads the attribute, then the key.
+    """
+    if not isinstance(out, dict):  # ModelOutput is an OrderedDict
+        return None
+    if out.get(name) is not None:
+        return out[name]
+    return getattr(out, name, None)
+
+
+def image_features(out: Any) -> Any:
+    """The projected image features a ``get_image_features(pixel_values=..., return_dict=True)`` call
+    returned, as the model's forward uses them (a tensor, or one tensor per image), or ``None``.
+
+    5.x: the output's ``pooler_output`` (:func:`output_field`: a key on 5.23 / 5.24, possibly only an
+    attribute on 5.0). A bare tensor or a list / tuple of tensors (releases whose ``get_image_features``
+    returns the features themselves) is the features.
+
+    Guarantees: equal to ``get_image_features(...).pooler_output`` of the installed release
+    (tests/test_upstream_contracts.py::test_image_features_reads_what_the_model_forward_uses).
+    """
+    import torch
+
+    if isinstance(out, torch.Tensor):
+        return out
+    if isinstance(out, (list, tuple)) and not isinstance(out, dict):
+        return out if out and all(isinstance(t, torch.Tensor) for t in out) else None
+    return output_field(out, "pooler_output")
+
+
+# --------------------------------------------------------------------------------------------------
 # Generation of vision-language models
 # --------------------------------------------------------------------------------------------------
 

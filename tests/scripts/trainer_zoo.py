@@ -9,8 +9,8 @@ it) and must end within 1e-6 of stock on every rank (bit-equal here: the math is
 ``parameter_usage`` counts showing every loss was seen at ``accelerator.backward``. Every case uses AdamW
 with weight decay and gradient clipping; lengths vary between batches.
 
-- ``sft_vlm``: TRL 1.16 ``SFTTrainer`` (its fused LM head: the loss is ``-log_probs``, not the model's
-  logits) on a tiny Qwen2-VL, LoRA on every linear layer incl. the vision tower, rank 0 with an image and
+- ``sft_vlm``: ``SFTTrainer`` (TRL 1.x: its fused LM head, the loss is ``-log_probs``, not the model's
+  logits; TRL 0.24: the model's own ``loss``) on a tiny Qwen2-VL, LoRA on every linear layer incl. the vision tower, rank 0 with an image and
   rank 1 text-only every step (issue: a gloo size mismatch at step 2 before the tie moved to the loss).
 - ``sft_text`` / ``sft_text_unfused`` (``compute_loss_func``: the loss from the model's logits) /
   ``sft_packing`` (``packing=True``: BFD packing, padding-free rows with ``position_ids``) on a tiny Llama.
@@ -188,6 +188,20 @@ def run(case: str, patched: bool, out: str) -> tuple[dict[str, torch.Tensor], bo
     return weights, fu
 
 
+def _check_vlm_ties(rank: int, vision: list[str], amounts: dict[str, int]) -> None:
+    """Every step the loss given to backward on the text-only rank (1) must hold a zero tie of every
+    vision tensor the loss does not reach, and rank 0's (with an image) none. Where that tie is made
+    depends on the TRL release: when the loss is the model's own ``loss`` output (trl 0.24: labels go to
+    the model) the tie made at the output is already in it (``output_ties_in_loss``); when TRL computes
+    the loss itself from hidden states (trl 1.x fused LM head) the output tie is not in it and the tie
+    at the loss adds it (``ties_at_loss``). Either way the sum is steps x unused tensors."""
+    expected = STEPS * len(vision) if rank == 1 else 0
+    in_loss = amounts.get("ties_at_loss", 0) + amounts.get("output_ties_in_loss", 0)
+    assert vision and in_loss == expected, (rank, len(vision), amounts)
+    print(f"[rank {rank}] sft_vlm: vision tensors tied into the backward loss {in_loss} = {STEPS} steps x "
+          f"{len(vision) if rank == 1 else 0} unused", flush=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--cases", default=",".join(CASES))
@@ -207,6 +221,8 @@ def main() -> None:
             assert diff <= 1e-6, f"{case}: hf_ddpfix vs stock differ by {diff:.2e}"
             assert stock_fu and not fixed_fu, (stock_fu, fixed_fu)
             assert counts is not None and counts.ran >= STEPS and not counts.fallbacks, counts
+            if case == "sft_vlm":
+                _check_vlm_ties(rank, [k for k in fixed if ".visual." in k], counts.amounts)
     print(f"[rank {rank}] TRAINER_ZOO_OK", flush=True)
     teardown()
 

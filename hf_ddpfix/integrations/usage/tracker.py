@@ -318,13 +318,16 @@ class ParameterUsage:
         region = self._pending_regions
         used = torch.zeros(len(self.slots), dtype=torch.bool)
         missing: list[int] = []
+        tied_before = 0  # reached only through a tie the loss already holds (e.g. one made at the output)
         for i, slot in enumerate(self.slots):
             t = slot.tensor()
             if t is None:
                 continue
             if id(t) in real or id(t) in region:
                 used[i] = True
-            elif id(t) not in tied_only:
+            elif id(t) in tied_only:
+                tied_before += 1
+            else:
                 missing.append(i)
         self._step_used |= used
         self._pending_used.zero_()
@@ -332,6 +335,8 @@ class ParameterUsage:
         self._pending_forwards = 0
         self.losses += 1
         feature_counts.record_ran("parameter_usage")
+        if tied_before:
+            feature_counts.record_amount("parameter_usage", "output_ties_in_loss", tied_before)
         if self.guard and not self.tie:
             self._check(missing)
         if self.tie and missing:

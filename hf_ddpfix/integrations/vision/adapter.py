@@ -30,6 +30,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..._compat import image_features, output_field
 from .family import VisionFamily
 
 __all__ = ["EXTRA_INPUT_BUILDERS", "VISUAL_INPUT_NAMES", "VisionAdapter", "get_submodule", "image_size_hw",
@@ -220,7 +221,7 @@ class VisionAdapter:
             except Exception as err:  # noqa: BLE001 - a trial: any failure means "not this layout"
                 errors.append(f"{ndim}-D: {type(err).__name__}: {str(err)[:120]}")
                 continue
-            pooled = out.get("pooler_output") if isinstance(out, dict) else None
+            pooled = image_features(out)
             tensors = output_tensors(pooled) if pooled is not None else []
             if tensors and all(t.numel() > 0 for t in tensors):
                 self.verified = True
@@ -251,7 +252,7 @@ class VisionAdapter:
         as on an image rank. Tying where real features enter keeps the autograd graph's shape the same
         on image and text ranks, so FSDP2 / ZeRO issue their backward collectives in the same order.
         """
-        pooled = out.get("pooler_output") if isinstance(out, dict) else None
+        pooled = image_features(out) if self.kind == "image" else output_field(out, "pooler_output")
         if isinstance(pooled, torch.Tensor):
             pooled_list = [pooled]
         elif isinstance(pooled, (list, tuple)) and pooled and all(isinstance(t, torch.Tensor) for t in pooled):
@@ -264,7 +265,7 @@ class VisionAdapter:
         except (AttributeError, NotImplementedError):
             emb = None
         ties: list[tuple[nn.Module | None, list[torch.Tensor]]] = [(emb, pooled_list)]
-        deep = out.get("deepstack_features") or []
+        deep = output_field(out, "deepstack_features") or []
         layers: nn.Module | None = None
         for path in self.family.deepstack_layer_paths:
             layers = get_submodule(self.root, path)
