@@ -36,8 +36,10 @@ upstream=("tests/test_vlm.py::test_dummy_reaches_every_vision_param_for_every_ou
 echo "oldest stack: NOT RUN (the stock model cannot run it on this transformers): ${upstream[*]}"
 "${py[@]}" tests -m "not multiprocess" "${upstream[@]/#/--deselect=}"
 # 2-process cells (gloo): the reentrant-checkpointing fix vs a single-process reference (exact), stock's
-# failure on this stack, and matrix cells for text / VLM with gradient accumulation.
+# failure on this stack, matrix cells for text / VLM with gradient accumulation, and sequence parallelism
+# through the Trainer (2 and 4 processes: this stack's inline clipping and grad_norm logging).
 "${py[@]}" \
+  "tests/test_sequence_parallel.py::test_trainer_with_sequence_parallel_equals_the_run_without_it_and_one_process" \
   "tests/test_trainer_entry_points.py::test_ddp_with_reentrant_checkpointing_matches_single_process[patch]" \
   "tests/test_trainer_entry_points.py::test_stock_ddp_with_reentrant_checkpointing_fails" \
   "tests/test_matrix.py::test_cell_trains_in_sync_with_stock_loss[text-ckpt-reentrant-find-unused-auto]" \

@@ -48,6 +48,16 @@ def collate(batch):
     return {"input_ids": ids, "attention_mask": mask, "labels": labels}
 
 
+def hist_diff(a: list, b: list, i: int) -> float:
+    """Largest difference of logged value `i` (0: loss, 1: grad_norm) between two runs' histories; a value
+    one run logged and the other did not is a mismatch (inf). transformers < 5.3 logs no grad_norm when
+    max_grad_norm is 0 (it measures the norm only to clip): absent in both runs, there is nothing to compare
+    (the SGD weights, lr * gradient, still are)."""
+    diffs = [0.0 if x[i] is None and y[i] is None else float("inf") if x[i] is None or y[i] is None
+             else abs(x[i] - y[i]) for x, y in zip(a, b, strict=True)]
+    return max(diffs, default=0.0)
+
+
 def run(optim: str, ga: int, out: str, sp: int | None, via_env: bool, batch: int = 2, compose: bool = False) -> dict:
     unpatch_trainer()
     os.environ.pop("HF_DDPFIX_SEQUENCE_PARALLEL", None)
@@ -116,12 +126,12 @@ def main() -> None:
                   compose=optim.endswith("_ckpt_tiled"))
         one = single[optim] if single else None
         one_w = max((one["weights"][k] - got["weights"][k]).abs().max().item() for k in one["weights"]) if one else None
-        one_l = max(abs(x[0] - y[0]) for x, y in zip(one["hist"], got["hist"], strict=True)) if one else None
-        one_g = max(abs(x[1] - y[1]) for x, y in zip(one["hist"], got["hist"], strict=True)) if one else None
+        one_l = hist_diff(one["hist"], got["hist"], 0) if one else None
+        one_g = hist_diff(one["hist"], got["hist"], 1) if one else None
         one_e = abs(one["eval"] - got["eval"]) if one else None
         wdiff = max((ref["weights"][k] - got["weights"][k]).abs().max().item() for k in ref["weights"])
-        ldiff = max(abs(x[0] - y[0]) for x, y in zip(ref["hist"], got["hist"], strict=True))
-        gdiff = max(abs((x[1] or 0) - (y[1] or 0)) for x, y in zip(ref["hist"], got["hist"], strict=True))
+        ldiff = hist_diff(ref["hist"], got["hist"], 0)
+        gdiff = hist_diff(ref["hist"], got["hist"], 1)
         c = got["counts"] or {"ran": 0, "fallbacks": {}, "amounts": {}}
         ok = (wdiff <= TOL and ldiff <= TOL and gdiff <= TOL and abs(ref["eval"] - got["eval"]) <= TOL
               and c["ran"] > 0 and c["amounts"].get("sharded_batches", 0) > 0
@@ -129,6 +139,7 @@ def main() -> None:
         v.add({"case": f"trainer/{optim}", "world": world, "sp": a.sp, "ga": a.ga, "via": "env" if via_env else
                "patch_trainer", "plan": got["plan"], "weight_diff": wdiff, "loss_diff": ldiff, "grad_norm_diff": gdiff,
                "losses_ref": [h[0] for h in ref["hist"]], "losses_sp": [h[0] for h in got["hist"]],
+               "grad_norms_sp": [h[1] for h in got["hist"]],
                "eval_ref": ref["eval"], "eval_sp": got["eval"], "attention_calls": c["ran"], "tiled_mlp_calls": got["tiled_mlp_calls"],
                "sharded_batches": c["amounts"].get("sharded_batches"), "fallbacks": c["fallbacks"], "one_process": None if one is None else {
                    "weight_diff": one_w, "loss_diff": one_l, "grad_norm_diff": one_g, "eval_diff": one_e,
