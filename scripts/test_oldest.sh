@@ -2,16 +2,17 @@
 # CI, second stack: the unit tests (not multiprocess) and a few 2-process cells on the OLDEST supported
 # stack (constraints-oldest.txt, = pyproject.toml's lower bounds), in a venv of its own.
 #
-# The venv is cached under ~/.cache/hf_ddpfix/ (or $XDG_CACHE_HOME), keyed by this script and the
-# constraints file, so a machine that ran CI before only reinstalls hf_ddpfix itself (editable; its
-# requirements are already met). A venv is used only when its install finished (.complete marker).
+# The venv is cached under ~/.cache/hf_ddpfix/ (or $XDG_CACHE_HOME), keyed by the constraints file and this
+# script's install lines (between the INSTALL markers: editing the list of cells does not rebuild it), so a
+# machine that ran CI before only reinstalls hf_ddpfix itself (editable; its requirements are already met). A venv is used only when its install finished (.complete marker).
 # Override the place with HF_DDPFIX_OLDEST_VENV.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-key=$(cat constraints-oldest.txt scripts/test_oldest.sh | sha256sum | cut -c1-12)
+key=$(cat constraints-oldest.txt <(sed -n '/^# INSTALL-BEGIN/,/^# INSTALL-END/p' scripts/test_oldest.sh) | sha256sum | cut -c1-12)
 venv=${HF_DDPFIX_OLDEST_VENV:-${XDG_CACHE_HOME:-${HOME:-/tmp}/.cache}/hf_ddpfix/venv-oldest-$key}
 pip_q=(--quiet --disable-pip-version-check)
+# INSTALL-BEGIN
 if [[ ! -f "$venv/.complete" ]]; then
   rm -rf "$venv"
   python -m venv "$venv"  # a plain venv: it must not see the pinned stack of the main environment
@@ -21,6 +22,7 @@ if [[ ! -f "$venv/.complete" ]]; then
     transformers accelerate peft trl datasets evaluate pillow pytest pytest-timeout
   touch "$venv/.complete"
 fi
+# INSTALL-END
 # hf_ddpfix with its declared lower bounds: pip checks pyproject.toml's requirements against this stack
 "$venv/bin/python" -m pip install "${pip_q[@]}" -c constraints-oldest.txt -e .
 "$venv/bin/python" -m pip check >/dev/null
