@@ -27,7 +27,10 @@ def stock_loss(model: str, ga: int) -> float:
     if (model, ga) not in _stock_runs:
         res, out = run_cell(model, "--ckpt", "off", "--find-unused", "auto", *(("--ga", str(ga)) if ga > 1 else ()),
                             fix=0)
-        assert res["ok"] and res["in_sync"] and res["exit_status"] == 0, f"stock reference cell failed: {res}\n{out[-4000:]}"
+        # the reference is only its loss: stock torch 2.13 + gloo itself aborts at exit now and then ("terminate
+        # called without an active exception", seen once in a stock cell that destroyed its group), which is
+        # not what this reference measures; hf_ddpfix's own cells still must exit 0
+        assert res["ok"] and res["in_sync"], f"stock reference cell failed: {res}\n{out[-4000:]}"
         _stock_runs[(model, ga)] = res["loss"]
     return _stock_runs[(model, ga)]
 
