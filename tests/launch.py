@@ -20,19 +20,16 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def accelerate_launch(config: str, script: str | Path, *args: str, timeout: float = 300,
-                      env: dict[str, str] | None = None, check: bool = True) -> subprocess.CompletedProcess:
-    """Run `accelerate launch --config_file accelerate_configs/<config> <script> <args>` from the repository
-    root, as the README tells a user to, with a hard timeout (same contract as :func:`torchrun`). Only a free
-    `--main_process_port` is added, so that two test runs on one machine do not collide."""
+def _run(cmd: list[str], label: str, timeout: float, env: dict[str, str] | None,
+         check: bool) -> subprocess.CompletedProcess:
+    """Run `cmd` from the repository root in its own session with the test environment and a hard timeout:
+    past `timeout` seconds the whole process group is killed and the test fails with the output so far; with
+    `check`, a non-zero exit fails the test with the full output."""
     import pytest
 
     full_env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false",
                 "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
                 **(env or {})}
-    launcher = Path(sys.executable).with_name("accelerate")
-    cmd = [str(launcher) if launcher.exists() else "accelerate", "launch", "--config_file",
-           f"accelerate_configs/{config}", "--main_process_port", str(free_port()), str(script), *args]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=full_env,
                             start_new_session=True, cwd=str(ROOT))
     try:
@@ -40,12 +37,22 @@ def accelerate_launch(config: str, script: str | Path, *args: str, timeout: floa
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, 9)
         out, _ = proc.communicate()
-        pytest.fail(f"accelerate launch {config} {script} {' '.join(args)}: no result after {timeout:.0f}s "
-                    f"(hang?)\n{out[-6000:]}")
+        pytest.fail(f"{label}: no result after {timeout:.0f}s (hang?)\n{out[-6000:]}")
     done = subprocess.CompletedProcess(cmd, proc.returncode, out, "")
     if check and proc.returncode != 0:
-        pytest.fail(f"accelerate launch {config} {script} {' '.join(args)} exited {proc.returncode}\n{out[-8000:]}")
+        pytest.fail(f"{label} exited {proc.returncode}\n{out[-8000:]}")
     return done
+
+
+def accelerate_launch(config: str, script: str | Path, *args: str, timeout: float = 300,
+                      env: dict[str, str] | None = None, check: bool = True) -> subprocess.CompletedProcess:
+    """Run `accelerate launch --config_file accelerate_configs/<config> <script> <args>` from the repository
+    root, as the README tells a user to, with a hard timeout (same contract as :func:`torchrun`). Only a free
+    `--main_process_port` is added, so that two test runs on one machine do not collide."""
+    launcher = Path(sys.executable).with_name("accelerate")
+    cmd = [str(launcher) if launcher.exists() else "accelerate", "launch", "--config_file",
+           f"accelerate_configs/{config}", "--main_process_port", str(free_port()), str(script), *args]
+    return _run(cmd, f"accelerate launch {config} {script} {' '.join(args)}", timeout, env, check)
 
 
 def torchrun(script: str | Path, *args: str, nproc: int = 2, timeout: float = 180,
@@ -55,22 +62,6 @@ def torchrun(script: str | Path, *args: str, nproc: int = 2, timeout: float = 18
     A hang fails fast: past `timeout` seconds the whole process group is killed and the test fails with
     every rank's output so far. With `check`, a non-zero exit fails the test with the full output.
     """
-    import pytest
-
-    full_env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false",
-                "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
-                **(env or {})}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
            str(SCRIPTS / script if not Path(script).is_absolute() else script), *args]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=full_env,
-                            start_new_session=True, cwd=str(ROOT))
-    try:
-        out, _ = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, 9)
-        out, _ = proc.communicate()
-        pytest.fail(f"{script} {' '.join(args)}: no result after {timeout:.0f}s (hang?)\n{out[-6000:]}")
-    done = subprocess.CompletedProcess(cmd, proc.returncode, out, "")
-    if check and proc.returncode != 0:
-        pytest.fail(f"{script} {' '.join(args)} exited {proc.returncode}\n{out[-8000:]}")
-    return done
+    return _run(cmd, f"{script} {' '.join(args)}", timeout, env, check)
