@@ -30,6 +30,7 @@ Use ``--model-path`` for real weights (``AutoModelForCausalLM.from_pretrained``)
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import warnings
@@ -129,5 +130,6 @@ if __name__ == "__main__":
     try:
         main()
     finally:  # end the process group here: one left to interpreter shutdown can abort a finished run (gloo)
+        gc.collect()  # a Trainer kept alive by a reference cycle holds DDP's reducer, which must go first
         if torch.distributed.is_initialized():
             torch.distributed.destroy_process_group()

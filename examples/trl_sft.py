@@ -14,6 +14,7 @@ CPU only: both commands run as 2 gloo processes (`use_cpu=True` below); on GPUs 
 """
 
 import argparse
+import gc
 import os
 
 import torch
@@ -81,5 +82,6 @@ if __name__ == "__main__":
     try:
         main()
     finally:  # end the process group here: one left to interpreter shutdown can abort a finished run (gloo)
+        gc.collect()  # a Trainer kept alive by a reference cycle holds DDP's reducer, which must go first
         if torch.distributed.is_initialized():
             torch.distributed.destroy_process_group()

@@ -14,6 +14,7 @@ Teardown inventory (what hf_ddpfix starts, and where it ends):
 from __future__ import annotations
 
 import atexit
+import gc
 import logging
 import os
 from typing import Any
@@ -102,6 +103,9 @@ def _destroy_at_exit() -> None:
     if _exit_teardown_pid != os.getpid():  # inherited through fork: the group belongs to the parent
         return
     try:
+        # DDP's reducer holds the group: one that a reference cycle (a Trainer and its callbacks) keeps
+        # alive past the group is what aborts at exit, so free unreachable objects before the group goes
+        gc.collect()
         destroy_default_group()
     except Exception as err:  # at exit: report, never turn a finished run into a failure
         logger.warning("could not destroy the process group at exit: %s: %s", type(err).__name__, err)

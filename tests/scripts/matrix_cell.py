@@ -2,6 +2,7 @@
 harness): a tiny LoRA fine-tune under the stock HF Trainer, or with hf_ddpfix.patch_trainer() when
 --fix 1, launched by torchrun. Prints one line `CELL <json>` from rank 0."""
 import argparse
+import gc
 import hashlib
 import json
 import os
@@ -109,5 +110,10 @@ except Exception as e:
     res.update(ok=False, error=type(e).__name__ + ": " + msg)
 if rank == 0:
     print("CELL " + json.dumps(res), flush=True)
-if dist.is_initialized():  # a gloo group left to interpreter shutdown can abort the process at exit
+# drop the Trainer and the DDP wrapper (its reducer holds the group) before the group goes: a reducer that
+# outlives its gloo group aborts the process at exit now and then ("terminate called without an active exception")
+for name in ("tr", "w", "model", "out"):
+    globals().pop(name, None)
+gc.collect()
+if dist.is_initialized():
     dist.destroy_process_group()
