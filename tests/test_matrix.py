@@ -52,7 +52,7 @@ def matrix_cells():
 
 def run_cell(model, *args, fix, env=None):
     done = torchrun("matrix_cell.py", "--fix", str(fix), "--model", model, *args, timeout=150, env=env,
-                    check=False)
+                    check=False, retry_exit_abort=True)
     out = done.stdout
     lines = [line for line in out.splitlines() if line.startswith("CELL ")]
     assert lines, f"no CELL line (crash or hang):\n{out[-6000:]}"
