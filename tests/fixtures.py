@@ -425,3 +425,45 @@ def image_collate(batch: Sequence[dict[str, Any]]) -> dict[str, torch.Tensor]:
         out["pixel_values"] = torch.cat([torch.tensor(b["pixel_values"]) for b in imgs])
         out["image_grid_thw"] = torch.cat([torch.tensor(b["image_grid_thw"]) for b in imgs])
     return out
+
+
+def sp_vlm_batches(patch_dim: int) -> dict[str, dict[str, torch.Tensor]]:
+    """Qwen-VL batches: an image whose 4 tokens straddle the middle shard border (positions 6..9 of 16), a
+    text-only row, two rows with images of different grids (the grids must stay in token order), and a
+    prompt-masked mixed batch of length 15 (not divisible by N) with right padding."""
+    g = torch.Generator().manual_seed(11)
+
+    def row(s: int, images: list[tuple[int, int]]) -> tuple[torch.Tensor, list[torch.Tensor], list[list[int]]]:
+        ids = torch.randint(1, 240, (s,), generator=g)
+        pix, grids = [], []
+        for start, (h, w) in images:  # an h x w patch grid: h*w/4 merged tokens
+            k = h * w // 4
+            ids[start - 1], ids[start:start + k], ids[start + k] = VSTART, IMAGE, VEND
+            pix.append(torch.randn(h * w, patch_dim, generator=g))
+            grids.append([1, h, w])
+        return ids, pix, grids
+
+    def batch(rows: list[tuple[int, list[tuple[int, int]]]], prompt: int = 0) -> dict[str, torch.Tensor]:
+        built = [row(s, im) for s, im in rows]
+        length = max(s for s, _ in rows)
+        ids = torch.zeros(len(rows), length, dtype=torch.long)
+        mask = torch.zeros_like(ids)
+        for i, (r, _, _) in enumerate(built):
+            ids[i, :len(r)], mask[i, :len(r)] = r, 1
+        labels = ids.masked_fill(mask == 0, -100)
+        labels[:, :prompt] = -100
+        out = {"input_ids": ids, "labels": labels, "mm_token_type_ids": (ids == IMAGE).long()}
+        if not bool(mask.all()):
+            out["attention_mask"] = mask
+        pix = [p for _, ps, _ in built for p in ps]
+        if pix:
+            out["pixel_values"] = torch.cat(pix)
+            out["image_grid_thw"] = torch.tensor([gr for _, _, gs in built for gr in gs])
+        return out
+
+    return {
+        "image_across_shards": batch([(16, [(6, (4, 4))])]),
+        "text_only": batch([(16, [])]),
+        "two_grids": batch([(16, [(2, (2, 4))]), (16, [(9, (4, 4))])]),
+        "mixed_padded_prompt_masked": batch([(15, [(3, (4, 4))]), (11, [])], prompt=9),
+    }

@@ -111,6 +111,12 @@ def test_attention_wrapper_falls_back_unchanged_outside_a_batch_counts_it_and_un
         install_ulysses_attention("eager")
 
 
+def _has(name: str) -> bool:
+    import transformers
+
+    return hasattr(transformers, name)
+
+
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("nproc", [2, 4])
 def test_ulysses_attention_and_a_lora_llama_match_one_process_on_the_full_sequence(tmp_path, nproc):
@@ -126,6 +132,11 @@ def test_ulysses_attention_and_a_lora_llama_match_one_process_on_the_full_sequen
     assert all(r["ok"] for r in records), [r for r in records if not r["ok"]]
     masked = next(r for r in records if r["case"] == "model/prompt_masked")
     assert 0 in masked["shards_with_loss"] and not masked["nan"]  # an all-masked shard really ran
+    # VLMs (vision LoRA included): the tower, image merge and 3-D positions on the full sequence
+    vlm = {f"vlm/qwen2_5_vl/{c}" for c in ("image_across_shards", "text_only", "two_grids", "mixed_padded_prompt_masked")}
+    assert vlm <= cases
+    assert any(c.startswith("vlm/qwen3_vl/") for c in cases) or not _has("Qwen3VLForConditionalGeneration")
+    assert all(r["vision_lora_grads"] > 0 for r in records if r["case"].startswith("vlm/") and "text_only" not in r["case"])
 
 
 # ------------------------------------------------------------------------------------------------ the plan
@@ -196,22 +207,28 @@ def test_trainer_with_sequence_parallel_equals_the_run_without_it_and_one_proces
     from launch import torchrun
 
     one, out = tmp_path / "one.pt", tmp_path / "spt.json"
-    compose = ("--compose",) if nproc == 2 else ()  # + non-reentrant checkpointing and tiled MLP under SP
+    # world 2: + non-reentrant checkpointing and tiled MLP under SP, + Qwen2.5-VL (images on some ranks only)
+    compose = ("--compose", "--vlm") if nproc == 2 else ()
     torchrun("sp_trainer.py", str(one), "--ga", str(ga), "--single-for", str(nproc), *compose, nproc=1, timeout=200)
     torchrun("sp_trainer.py", str(out), "--sp", "2", "--ga", str(ga), "--single", str(one), *compose, nproc=nproc,
              timeout=400)
     records = json.loads(out.read_text())
     assert {r["case"] for r in records} == {"trainer/sgd", "trainer/adamw_clip"} | (
-        {"trainer/sgd_ckpt_tiled"} if compose else set())
+        {"trainer/sgd_ckpt_tiled", "trainer/vlm_adamw_clip"} if compose else set())
     assert {r["via"] for r in records} == {"env", "patch_trainer"}
     assert all(r["ok"] for r in records), records
     for r in records:
         assert r["plan"] == f"N=2 DP={nproc // 2}" and r["attention_calls"] > 0
-        assert r["sharded_batches"] == 2 * 2 * ga  # both batches of the group, every micro-batch of 2 steps
+        steps = 3 if r["case"].startswith("trainer/vlm_") else 2
+        assert r["sharded_batches"] == 2 * steps * ga  # both batches of the group, every micro-batch of every step
         assert r["one_process"] is not None and r["one_process"]["weight_diff"] <= 1e-5  # vs one process too
     # clipping measures the norm on every release, so its logged grad norms were compared (< 5.3 logs none
     # without clipping: hist_diff then requires both runs to log none)
     assert all(g is not None for r in records if r["case"] == "trainer/adamw_clip" for g in r["grad_norms_sp"])
+    if compose:  # the decoder sharded after the image merge; text-only micro-batches tied by parameter_usage
+        vlm = next(r for r in records if r["case"] == "trainer/vlm_adamw_clip")
+        assert vlm["vision_sharded_forwards"] == 3 * ga and vlm["find_unused_parameters"] is False
+        assert vlm["usage"]["grads_reset"] > 0 and vlm["vision_weights_moved"] == vlm["ref_vision_weights_moved"] > 0
     if compose:  # the checkpointed backward recomputed the sharded attention (without it: CheckpointError)
         ck = next(r for r in records if r["case"] == "trainer/sgd_ckpt_tiled")
         plain = next(r for r in records if r["case"] == "trainer/sgd")

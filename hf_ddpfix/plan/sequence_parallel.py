@@ -9,6 +9,7 @@ Pure: facts in, a `Decision` out, or a `PlanError` before training when the comb
 | attention "eager" (or not through the interface)| eager is called directly, never wrapped    | attn_implementation="sdpa"  |
 | H % N != 0 / KV heads neither divisible nor replicable | heads are what the all-to-all splits | N dividing the head count   |
 | FSDP / single process                           | not built here (DDP only today)            | DDP, or DeepSpeed's engine  |
+| a VLM outside `SEQUENCE_PARALLEL_VISION_FAMILIES`| its image tokens / mask / positions would be cut blindly | train it without SP |
 
 DeepSpeed with `ParallelismConfig(sp_size=N)` is DeepSpeed's own engine: the plan records it ("deepspeed")
 and changes nothing (hf_ddpfix's loss fixes there are not built yet). accelerate 1.15 knows only
@@ -66,6 +67,9 @@ def decide_sequence_parallel(facts: RunFacts, config: DDPFixConfig) -> Decision:
     if facts.world_size % n:
         raise PlanError(f"{where}: the world size {facts.world_size} is not a multiple of {n}; "
                         f"use a sequence_parallel that divides {facts.world_size}")
+    if sp is not None and sp.vision_refusal:
+        raise PlanError(f"{where}: {sp.vision_refusal}; train it without sequence parallelism (or with DeepSpeed's "
+                        "engine, which does not keep image tokens whole either)")
     impl = sp.attn_implementation if sp else None
     if impl != "sdpa":
         raise PlanError(f"{where}: attention implementation {impl!r} cannot be sharded (eager attention is called "
@@ -82,5 +86,7 @@ def decide_sequence_parallel(facts: RunFacts, config: DDPFixConfig) -> Decision:
         raise PlanError(f"{where}: {err}; choose a sequence_parallel that divides {heads}") from err
     dp = facts.world_size // n
     kv_text = f"{kv} KV heads replicated x{f}" if f > 1 else f"{kv * 1 // n} KV heads/rank"
+    vision = (f"; {sp.vision_family}: vision tower, image merge and 3-D position ids on the full sequence, "
+              "the text decoder sharded") if sp is not None and sp.vision_family else ""
     return Decision(f"N={n} DP={dp}", f"{source}: {heads // n} of {heads} heads/rank ({kv_text}) on the full "
-                    f"sequence, L/{n} tokens/rank elsewhere; {dp} data-parallel group(s)", changed=True)
+                    f"sequence, L/{n} tokens/rank elsewhere; {dp} data-parallel group(s){vision}", changed=True)

@@ -205,18 +205,105 @@ def model_cases(v: Verdicts, n: int, r: int) -> None:
         handle.remove()
 
 
+def vlm_cases(v: Verdicts, n: int, r: int, families: tuple[str, ...] = ("qwen2_5_vl", "qwen3_vl", "qwen2_vl")) -> None:
+    """LoRA on every linear layer, vision tower included: the SP group's loss and summed gradients vs the
+    model's own loss on the full sequence; the 3-D position ids really matter (a run without
+    `mm_token_type_ids` gives another loss) and the tower's attention ran unsharded."""
+    from fixtures import BUILDERS, PATCH_DIM, add_lora, sp_vlm_batches
+
+    from hf_ddpfix.integrations.sequence_parallel.attention import deactivate_batch
+    from hf_ddpfix.integrations.sequence_parallel.vision import (
+        VisionSequenceSharding,
+        vision_sequence_parallel_support,
+    )
+
+    handle = install_ulysses_attention("sdpa")
+    try:
+        for fam_name in families:
+            base = BUILDERS[fam_name](0)
+            if base is None:
+                continue
+            model = add_lora(base)
+            family, refusal = vision_sequence_parallel_support(model)
+            assert family is not None, refusal
+            sharding = VisionSequenceSharding(model, family).attach()
+            params = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
+            layers = base.config.text_config.num_hidden_layers
+            tower_calls: dict[str, int] = {}
+            batches = sp_vlm_batches(PATCH_DIM[fam_name])
+            # + non-reentrant checkpointing: the backward recomputes the tower (its attention must stay unsharded
+            # while the decoder's batch is active) and the decoder layers (sharded again)
+            for case, batch in [*batches.items(), ("image_across_shards_checkpointed", batches["image_across_shards"])]:
+                checkpointed = case.endswith("_checkpointed")
+                if checkpointed:
+                    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+                model.zero_grad(set_to_none=True)
+                ref = model(**batch, use_cache=False).loss
+                ref.backward()
+                ref_grads = {name: p.grad.clone() for name, p in params if p.grad is not None}
+                with torch.no_grad():  # 1-D positions instead of the model's 3-D ones: another loss
+                    ids = batch["input_ids"]
+                    flat = model(**batch, position_ids=torch.arange(ids.shape[1]).expand_as(ids), use_cache=False).loss
+                model.zero_grad(set_to_none=True)
+                feature_counts.reset()
+                rows, out = sharding.forward_rows(model, batch)
+                loss = rows.sum() / valid_target_count(batch["labels"], batch.get("attention_mask"))
+                loss.backward()
+                deactivate_batch()  # kept active by the hook for a checkpointed backward; the next reference is unsharded
+                snap = feature_counts.snapshot().get("sequence_parallel")
+                total = loss.detach().clone()
+                dist.all_reduce(total)
+                gdiff = 0.0
+                for name, p in params:
+                    gr = p.grad.clone() if p.grad is not None else torch.zeros_like(p)
+                    dist.all_reduce(gr)
+                    want = ref_grads.get(name)
+                    if want is None:  # unused in the reference (no image): must be unused or zero here
+                        gdiff = max(gdiff, gr.abs().max().item())
+                    else:
+                        gdiff = max(gdiff, (gr - want).abs().max().item())
+                vision_grads = [name for name in ref_grads if "visual" in name]
+                ldiff = abs(total.item() - ref.item())
+                amounts = snap.amounts if snap else {}
+                has_image = "pixel_values" in batch
+                if checkpointed:
+                    model.gradient_checkpointing_disable()
+                calls = tower_calls[case] = amounts.get("full_sequence_attention_calls", 0)
+                ok = (ldiff <= TOL_MODEL and gdiff <= TOL_MODEL and snap is not None
+                      and snap.ran == layers * (2 if checkpointed else 1)
+                      and amounts.get("vision_sharded_forwards") == 1 and not snap.fallbacks
+                      and (calls > 0) == has_image
+                      # recomputed in the backward, unsharded again (never through Ulysses)
+                      and (not checkpointed or calls == 2 * tower_calls["image_across_shards"])
+                      and (bool(vision_grads) == has_image)
+                      and (not has_image or abs(flat.item() - ref.item()) > 1e-4)
+                      and tuple(out.logits.shape[:2]) == (batch["input_ids"].shape[0], -(-batch["input_ids"].shape[1] // n)))
+                v.add({"case": f"vlm/{fam_name}/{case}", "n": n, "loss": total.item(), "ref_loss": ref.item(),
+                       "loss_diff": ldiff, "grad_diff": gdiff, "vision_lora_grads": len(vision_grads),
+                       "loss_without_3d_positions": flat.item(), "sharded_attention_calls": snap.ran if snap else 0,
+                       "full_sequence_attention_calls": amounts.get("full_sequence_attention_calls", 0),
+                       "fallbacks": snap.fallbacks if snap else {}, "ok": ok})
+            sharding.remove()
+    finally:
+        handle.remove()
+
+
 def main() -> None:
     r, n = init_gloo()
     log = rank_log()
     v = Verdicts("SP", sys.argv[1] if len(sys.argv) > 1 else None)
-    for heads, kv in ((4, 4), (8, 4), (8, 2), (4, 1)):
+    for heads, kv in ((4, 4), (8, 4), (8, 2), (4, 1)) if os.environ.get("SP_PARITY_ONLY") != "vlm" else ():
         if heads % n == 0:
             for masked in (False, True):
                 attention_case(v, n, r, heads, kv, masked)
-    gradcheck_case(v, n, r)
+    if os.environ.get("SP_PARITY_ONLY") != "vlm":
+        gradcheck_case(v, n, r)
     log("attention done")
-    model_cases(v, n, r)
-    log("model done")
+    if os.environ.get("SP_PARITY_ONLY") != "vlm":
+        model_cases(v, n, r)
+        log("model done")
+    vlm_cases(v, n, r)
+    log("vlm done")
     v.finish()
 
 

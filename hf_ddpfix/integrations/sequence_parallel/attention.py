@@ -17,7 +17,7 @@ whenever no batch is active (tests/test_sequence_parallel_ops.py).
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -25,13 +25,12 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ...ops.feature_counts import record_fallback, record_ran
+from ...ops.feature_counts import record_amount, record_fallback, record_ran
 from ...ops.sequence_parallel.inputs import attention_mask_from_documents
 from ...ops.sequence_parallel.ulysses import ulysses_attention
 
 __all__ = ["FEATURE", "SUPPORTED_IMPLEMENTATIONS", "UlyssesAttentionHandle", "activate_batch", "active_batch",
-           "deactivate_batch",
-           "install_ulysses_attention", "sequence_parallel_batch"]
+           "deactivate_batch", "install_ulysses_attention", "keep_full_sequence", "sequence_parallel_batch"]
 
 FEATURE = "sequence_parallel"
 #: attention implementations the wrapper reaches: eager is called directly by the models (never through the
@@ -39,6 +38,17 @@ FEATURE = "sequence_parallel"
 SUPPORTED_IMPLEMENTATIONS = ("sdpa",)
 
 _state = threading.local()
+#: ids of modules whose attention always runs as given (a VLM's vision tower: it sees whole images, never a
+#: slice of the text sequence), even while a batch is active (a checkpointed backward recomputes them then).
+_FULL_SEQUENCE: set[int] = set()
+
+
+def keep_full_sequence(modules: Iterable[torch.nn.Module]) -> Callable[[], None]:
+    """Attention called by any of `modules` runs the wrapped function unchanged (counted as the amount
+    `full_sequence_attention_calls`, not as a fallback). Returns the undo."""
+    ids = {id(m) for m in modules} - _FULL_SEQUENCE
+    _FULL_SEQUENCE.update(ids)
+    return lambda: _FULL_SEQUENCE.difference_update(ids)
 
 
 @dataclass
@@ -82,6 +92,9 @@ def _wrap(inner: Callable[..., Any]) -> Callable[..., Any]:
     def ulysses_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
                                   value: torch.Tensor, attention_mask: torch.Tensor | None, *args: Any,
                                   **kwargs: Any) -> tuple[torch.Tensor, None]:
+        if id(module) in _FULL_SEQUENCE:
+            record_amount(FEATURE, "full_sequence_attention_calls", 1)
+            return inner(module, query, key, value, attention_mask, *args, **kwargs)
         batch = active_batch()
         if batch is None:
             record_fallback(FEATURE, "no sequence-parallel batch active (unsharded forward)")

@@ -9,6 +9,8 @@ from typing import Any
 
 from torch import nn
 
+from .vision import vision_sequence_parallel_support
+
 __all__ = ["SequenceParallelFacts", "gather_sequence_parallel_facts"]
 
 
@@ -19,6 +21,8 @@ class SequenceParallelFacts:
         num_heads / num_kv_heads: the text model's attention heads, None when the config does not say.
         parallelism_sp_size: `TrainingArguments.parallelism_config.sp_size` (None: no parallelism config).
         parallelism_sp_backend: its `sp_backend` ("deepspeed" is DeepSpeed's own Ulysses engine).
+        vision_family: a VLM whose text decoder hf_ddpfix shards after the image merge (e.g. "qwen2_5_vl").
+        vision_refusal: why a VLM cannot be sharded (`vision.vision_sequence_parallel_support`), else None.
     """
 
     attn_implementation: str | None = None
@@ -26,6 +30,8 @@ class SequenceParallelFacts:
     num_kv_heads: int | None = None
     parallelism_sp_size: int | None = None
     parallelism_sp_backend: str | None = None
+    vision_family: str | None = None
+    vision_refusal: str | None = None
 
 
 def _text_config(model: nn.Module) -> Any:
@@ -45,7 +51,9 @@ def gather_sequence_parallel_facts(trainer: Any, model: nn.Module) -> SequencePa
                                                                  "_attn_implementation", None)
     pc = getattr(getattr(trainer, "args", None), "parallelism_config", None)
     sp = getattr(pc, "sp_size", None) if pc is not None else None
+    family, refusal = vision_sequence_parallel_support(model)
     return SequenceParallelFacts(
+        vision_family=family.name if family is not None else None, vision_refusal=refusal or None,
         attn_implementation=impl, num_heads=heads, num_kv_heads=kv,
         parallelism_sp_size=int(sp) if sp else None,
         parallelism_sp_backend=getattr(pc, "sp_backend", None) if pc is not None else None,

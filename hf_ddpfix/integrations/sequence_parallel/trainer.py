@@ -15,7 +15,12 @@ Per training micro-batch (the Trainer's `compute_loss`, on the instance):
 The batch stays active after the forward (until the next micro-batch or the end of training), so the
 backward's recomputation under non-reentrant checkpointing runs the same sharded attention.
 
-Evaluation / prediction (`model.training` False), batches with other keys (images, ...), and a
+Vision-language models (Qwen2-VL, Qwen2.5-VL, Qwen3-VL): step 2 also concatenates the images
+(`vision.merge_vision_batches`) and step 3 runs the model on the whole batch with only its text decoder
+on this rank's slice (`vision.VisionSequenceSharding`: the tower, image merge and 3-D position ids see
+the full sequence).
+
+Evaluation / prediction (`model.training` False), batches with other keys, and a
 `compute_loss_func` / label smoother run stock `compute_loss` unsharded: counted as a fallback with its
 reason (feature "sequence_parallel") and logged once.
 
@@ -37,6 +42,7 @@ from torch import nn
 from ...ops.feature_counts import record_amount, record_fallback
 from .attention import FEATURE, activate_batch, deactivate_batch, install_ulysses_attention
 from .model import sharded_causal_lm_loss
+from .vision import BATCH_KEYS, VisionSequenceSharding, merge_vision_batches, vision_sequence_parallel_support
 
 __all__ = ["SequenceParallelGroups", "attach_sequence_parallel", "merge_batches"]
 
@@ -85,12 +91,12 @@ def merge_batches(batches: list[Mapping[str, torch.Tensor]]) -> dict[str, torch.
     return {k: torch.cat(v, 0) for k, v in out.items()}
 
 
-def _fallback_reason(trainer: Any, model: nn.Module, inputs: Mapping[str, Any]) -> str | None:
+def _fallback_reason(trainer: Any, model: nn.Module, inputs: Mapping[str, Any], vision: bool = False) -> str | None:
     if not model.training:
         return "evaluation/prediction runs unsharded (same loss as without sequence parallelism)"
     if getattr(trainer, "compute_loss_func", None) is not None or getattr(trainer, "label_smoother", None) is not None:
         return "compute_loss_func / label smoothing: the loss is not the causal-LM token sum"
-    extra = sorted(set(inputs) - set(_KEYS))
+    extra = sorted(set(inputs) - set(BATCH_KEYS if vision else _KEYS))
     if extra:
         return f"batch keys {extra} are not sharded (text-only batches are)"
     if inputs.get("labels") is None:
@@ -114,24 +120,46 @@ def attach_sequence_parallel(trainer: Any, model: nn.Module, *, sp_size: int, st
     stock = trainer.compute_loss
     warned: set[str] = set()
     pad_id = getattr(getattr(model, "config", None), "pad_token_id", None) or 0
+    family, refusal = vision_sequence_parallel_support(model)
+    if refusal:  # the plan refuses it first (PlanError); this guards a direct call
+        raise ValueError(f"sequence parallelism: {refusal}")
+    vision = VisionSequenceSharding(model, family, groups.group).attach() if family is not None else None
+    if vision is not None:
+        stack.callback(vision.remove)
+
+    def fall_back(reason: str, model: nn.Module, inputs: dict[str, Any], return_outputs: bool,
+                  num_items_in_batch: Any) -> Any:
+        record_fallback(FEATURE, reason)
+        if reason not in warned and trainer.is_world_process_zero():
+            warned.add(reason)
+            logger.info("sequence_parallel: %s", reason)
+        return stock(model, inputs, return_outputs=return_outputs, num_items_in_batch=num_items_in_batch)
 
     def compute_loss(model: nn.Module, inputs: dict[str, Any], return_outputs: bool = False,
                      num_items_in_batch: Any = None) -> Any:
-        reason = _fallback_reason(trainer, model, inputs)
+        reason = _fallback_reason(trainer, model, inputs, vision is not None)
         deactivate_batch()  # the previous micro-batch's (kept for its checkpointed backward)
         if reason is not None:
-            record_fallback(FEATURE, reason)
-            if reason not in warned and trainer.is_world_process_zero():
-                warned.add(reason)
-                logger.info("sequence_parallel: %s", reason)
-            return stock(model, inputs, return_outputs=return_outputs, num_items_in_batch=num_items_in_batch)
+            return fall_back(reason, model, inputs, return_outputs, num_items_in_batch)
         mine = {k: inputs[k].detach().cpu() if torch.is_tensor(inputs[k]) else inputs[k] for k in inputs}
         gathered: list[Any] = [None] * groups.size
         dist.all_gather_object(gathered, mine, group=groups.group)
         device = inputs["input_ids"].device
         batches = [{k: v.to(device) for k, v in b.items()} for b in gathered]
         normalised = num_items_in_batch is not None and bool(getattr(trainer, "model_accepts_loss_kwargs", False))
-        if normalised:
+        if vision is not None:  # the vision tower, image merge and 3-D positions on the full sequence
+            try:
+                merged = merge_vision_batches(batches, pad_id)
+            except ValueError as err:  # every rank of the group holds the same batches: all fall back
+                return fall_back(str(err), model, inputs, return_outputs, num_items_in_batch)
+            loss_rows, outputs = vision.forward_rows(model, merged, pad_id)
+            if normalised:
+                loss = loss_rows.sum() / num_items_in_batch
+                if trainer.args.average_tokens_across_devices:
+                    loss = loss * trainer.accelerator.num_processes
+            else:
+                loss = _per_batch_means(loss_rows, batches)
+        elif normalised:
             merged = merge_batches(batches)
             loss_sum, outputs = sharded_causal_lm_loss(model, merged, group=groups.group, pad_token_id=pad_id,
                                                        keep_active=True)
@@ -140,10 +168,8 @@ def attach_sequence_parallel(trainer: Any, model: nn.Module, *, sp_size: int, st
                 loss = loss * trainer.accelerator.num_processes  # stock's scale: DDP's mean becomes the sum
         else:  # stock: each rank's batch mean, averaged by DDP (and divided by GA by the Trainer)
             merged = merge_batches(batches)
-            rows = [int(b["input_ids"].shape[0]) for b in batches]
             loss_rows, outputs = _per_row_loss(model, merged, groups, pad_id)
-            loss = sum(part.sum() / max(_count(b), 1)
-                       for part, b in zip(loss_rows.split(rows), batches, strict=True))
+            loss = _per_batch_means(loss_rows, batches)
         record_amount(FEATURE, "sharded_batches", len(batches))
         return (loss, outputs) if return_outputs else loss
 
@@ -158,6 +184,13 @@ def attach_sequence_parallel(trainer: Any, model: nn.Module, *, sp_size: int, st
 
     stack.callback(restore)
     return groups
+
+
+def _per_batch_means(loss_rows: torch.Tensor, batches: list[Mapping[str, torch.Tensor]]) -> torch.Tensor:
+    """Sum over the group's batches of this rank's share of each batch's token mean (stock's per-rank mean,
+    which DDP averages): `loss_rows` `[B]` holds the rows of `batches` in order."""
+    rows = [int(b["input_ids"].shape[0]) for b in batches]
+    return sum(part.sum() / max(_count(b), 1) for part, b in zip(loss_rows.split(rows), batches, strict=True))
 
 
 def _count(batch: Mapping[str, torch.Tensor]) -> int:

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 
 from .inputs import IGNORE_INDEX
 
-__all__ = ["ddp_loss_scale", "shard_loss_sum", "valid_target_count"]
+__all__ = ["ddp_loss_scale", "shard_loss_rows", "shard_loss_sum", "valid_target_count"]
 
 
 def valid_target_count(labels: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
@@ -31,6 +31,14 @@ def shard_loss_sum(logits: torch.Tensor, shift_labels: torch.Tensor) -> torch.Te
     (already shifted on the full sequence). Computed in fp32; 0 when no label is valid."""
     return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), shift_labels.reshape(-1).to(logits.device),
                            ignore_index=IGNORE_INDEX, reduction="sum")
+
+
+def shard_loss_rows(logits: torch.Tensor, shift_labels: torch.Tensor) -> torch.Tensor:
+    """`[B]` summed cross-entropy of each row of a shard (fp32; 0 for a row without a valid label):
+    `logits` `[B, s, V]`, `shift_labels` `[B, s]` already shifted on the full sequence."""
+    per_token = F.cross_entropy(logits.float().transpose(1, 2), shift_labels.to(logits.device),
+                                ignore_index=IGNORE_INDEX, reduction="none")
+    return per_token.sum(1)
 
 
 def ddp_loss_scale(world_size: int) -> float:

@@ -1,0 +1,283 @@
+"""Sequence parallelism for vision-language models: the vision tower, the image merge and the 3-D (M-RoPE)
+position ids run on the full sequence, only the text decoder runs on this rank's slice.
+
+How (Qwen2-VL, Qwen2.5-VL, Qwen3-VL; transformers 5.x layout `model.language_model`):
+  - every rank of an SP group calls the model on the *whole* merged batch (`input_ids`, `pixel_values`,
+    `image_grid_thw`, `mm_token_type_ids`, ...). The model's own forward embeds the tokens, runs the
+    vision tower on every image, scatters the features into the embeddings (so an image's tokens are
+    never split from its features: ms-swift#3215's "Image features and image tokens do not match") and
+    computes the 3-D position ids with its own `get_rope_index` on the full sequence (verl#1739: ids
+    computed per shard are wrong). hf_ddpfix calls no private model method for that;
+  - a forward pre-hook on the text decoder cuts its inputs to this rank's slice
+    (`ops.sequence_parallel.multimodal.shard_language_model_inputs`: embeddings, position ids,
+    Qwen3-VL's visual mask and deepstack features), drops the 2-D mask (attention gets the
+    full-sequence mask from the documents instead) and activates Ulysses attention for the decoder;
+  - the vision tower's own attention (it goes through the same attention interface) always runs as
+    given (`keep_full_sequence`), also when a checkpointed backward recomputes it;
+  - the logits are this rank's slice; the caller takes the cross-entropy against labels shifted on the
+    full sequence (`shard_batch`).
+
+Vision parameters under DDP: every rank of a group runs the tower on every image of the group's batch,
+its gradient the share of this rank's tokens (the image features of other ranks' tokens get zeros
+through the slice), so the parameters are used on every rank of a group that has an image; a group
+without one is the stabiliser's text-only micro-batch (`integrations/vision/stabilizer.py`: dummy image
+tied with zero gradients, grads `None` when no rank saw an image in the step), which needs no change.
+
+What the plan refuses (`vision_sequence_parallel_support`), naming the reason: VLMs of other families (other
+attention masks, e.g. Gemma 3's bidirectional image attention, or unknown decoder inputs), a family whose
+decoder is not found where the table says, or whose decoder forward lacks the keywords we cut. At run time
+a decoder call with an input we do not know how to cut raises (never a silently wrong result).
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ..._compat import unwrap_model
+from ...ops.feature_counts import record_amount
+from ...ops.sequence_parallel.inputs import IGNORE_INDEX, shard_batch
+from ...ops.sequence_parallel.loss import shard_loss_rows
+from ...ops.sequence_parallel.multimodal import shard_language_model_inputs
+from ..vision.families import find_vision_adapter, get_submodule, is_vision_language_model
+from .attention import FEATURE, activate_batch, keep_full_sequence
+
+__all__ = ["PER_ITEM_KEYS", "PER_TOKEN_KEYS", "SEQUENCE_PARALLEL_VISION_FAMILIES", "VisionSequenceParallelFamily",
+           "VisionSequenceSharding", "merge_vision_batches", "vision_sequence_parallel_support"]
+
+
+@dataclass(frozen=True)
+class VisionSequenceParallelFamily:
+    """How a VLM family's text decoder is found and called (data; the code is `VisionSequenceSharding`).
+
+    Args:
+        name: the vision family's name (`integrations/vision/families.py`).
+        language_model_paths: where the text decoder lives inside the HF model, tried in order.
+        text_positions_from_2d: the decoder reads 2-D `position_ids` as text positions (and finds packed
+            documents in them when no mask is given): Qwen3-VL expands them to 4 rows, text first;
+            Qwen2-VL / Qwen2.5-VL expand them to 3 rotary rows and read no documents (5.23 modeling).
+        cut_keywords: per-token decoder inputs besides `inputs_embeds` / `position_ids` / `attention_mask`
+            that are cut (`visual_pos_masks`, `deepstack_visual_embeds`: Qwen3-VL).
+    """
+
+    name: str
+    language_model_paths: tuple[str, ...] = ("model.language_model", "language_model")
+    text_positions_from_2d: bool = False
+    cut_keywords: tuple[str, ...] = ()
+
+
+#: The families whose parity with one process is tested (tests/scripts/sp_parity.py, "vlm/*" cases).
+#: Qwen3-VL-MoE is left out: not tested under sequence parallelism here.
+SEQUENCE_PARALLEL_VISION_FAMILIES: dict[str, VisionSequenceParallelFamily] = {
+    "qwen2_vl": VisionSequenceParallelFamily("qwen2_vl"),
+    "qwen2_5_vl": VisionSequenceParallelFamily("qwen2_5_vl"),
+    "qwen3_vl": VisionSequenceParallelFamily("qwen3_vl", text_positions_from_2d=True,
+                                             cut_keywords=("visual_pos_masks", "deepstack_visual_embeds")),
+}
+
+#: `[B, S]` batch keys: right-padded with 0 (text) and concatenated over the group's batches.
+PER_TOKEN_KEYS = ("mm_token_type_ids", "token_type_ids")
+#: per-image / per-video batch keys (flattened patches, grids, frame times): concatenated along dim 0 in
+#: batch order, which is the order their tokens appear in the merged rows.
+PER_ITEM_KEYS = ("pixel_values", "image_grid_thw", "pixel_values_videos", "video_grid_thw", "second_per_grid_ts")
+_TEXT_KEYS = ("input_ids", "labels", "attention_mask", "position_ids")
+BATCH_KEYS = _TEXT_KEYS + PER_TOKEN_KEYS + PER_ITEM_KEYS
+#: decoder call keywords the hook passes on unchanged (no per-token content)
+_PASS_KEYWORDS = ("input_ids", "past_key_values", "use_cache", "cache_position", "output_attentions",
+                  "output_hidden_states", "return_dict")
+_CUT = ("inputs_embeds", "position_ids", "attention_mask")
+
+
+def vision_sequence_parallel_support(model: nn.Module) -> tuple[VisionSequenceParallelFamily | None, str]:
+    """`(family, "")` for a VLM hf_ddpfix shards, `(None, reason)` for a VLM it refuses, `(None, "")` for a
+    model without a vision config. Pure: reads the model's structure and forward signatures."""
+    hf = unwrap_model(model)
+    if not is_vision_language_model(hf):
+        return None, ""
+    supported = ", ".join(SEQUENCE_PARALLEL_VISION_FAMILIES)
+    adapter = find_vision_adapter(hf)
+    name = adapter.family.name if adapter is not None else None
+    fam = SEQUENCE_PARALLEL_VISION_FAMILIES.get(name) if name else None
+    if fam is None:
+        what = f"vision family {name}" if name else f"model_type {getattr(hf.config, 'model_type', None)!r}"
+        return None, (f"{type(hf).__name__} ({what}) is a vision-language model whose "
+                      "image tokens, attention mask and position ids hf_ddpfix does not know how to keep whole "
+                      f"across sequence shards (supported: {supported})")
+    lm = next((m for m in (get_submodule(hf, p) for p in fam.language_model_paths) if m is not None), None)
+    if lm is None:
+        return None, (f"{type(hf).__name__}: no text decoder at {' / '.join(fam.language_model_paths)} (the "
+                      "layout sequence parallelism cuts at)")
+    params = set(inspect.signature(lm.forward).parameters)
+    missing = sorted(set(_CUT + fam.cut_keywords) - params)
+    if missing:
+        return None, f"{type(hf).__name__}: its text decoder's forward takes no {missing} (the inputs that are cut)"
+    return fam, ""
+
+
+def _pad_right(t: torch.Tensor, length: int, value: int | float) -> torch.Tensor:
+    pad = length - t.shape[-1]
+    if not pad:
+        return t
+    return torch.cat([t, t.new_full((*t.shape[:-1], pad), value)], -1)
+
+
+def merge_vision_batches(batches: list[Mapping[str, torch.Tensor]], pad_token_id: int = 0) -> dict[str, torch.Tensor]:
+    """One batch of the group's batches for a VLM: rows right-padded to the longest and concatenated,
+    per-image tensors concatenated in batch order.
+
+    `labels` -100 and `attention_mask` 0 on the padding (a mask is made only when some batch has one:
+    right padding is invisible to every real token under causal attention); `position_ids` (2-D, or 3-D
+    `[K, B, S]` precomputed by a collator) continue each row's last id; `PER_TOKEN_KEYS` pad with 0.
+
+    Raises:
+        ValueError: a batch key outside `BATCH_KEYS`, or a key present in some batches and not in others
+            where filling it in would change the result (`position_ids`, `mm_token_type_ids`: an image
+            typed as text in one batch would take another batch's grid), or images without their grid.
+    """
+    unknown = sorted({k for b in batches for k in b} - set(BATCH_KEYS))
+    if unknown:
+        raise ValueError(f"batch keys {unknown} are not sharded (known: {list(BATCH_KEYS)})")
+    for key in ("position_ids", *PER_TOKEN_KEYS):
+        have = [key in b and b[key] is not None for b in batches]
+        if any(have) and not all(have):
+            raise ValueError(f"{key} is in some batches of the group and not in others")
+    for pv, grid in (("pixel_values", "image_grid_thw"), ("pixel_values_videos", "video_grid_thw")):
+        if any((b.get(pv) is None) != (b.get(grid) is None) for b in batches):
+            raise ValueError(f"a batch has {pv} without {grid} (or the reverse)")
+    length = max(int(b["input_ids"].shape[1]) for b in batches)
+    with_mask = any(b.get("attention_mask") is not None for b in batches)
+    out: dict[str, list[torch.Tensor]] = {}
+
+    def add(key: str, t: torch.Tensor) -> None:
+        out.setdefault(key, []).append(t)
+
+    for b in batches:
+        ids = b["input_ids"]
+        rows, s = ids.shape[:2]
+        add("input_ids", _pad_right(ids, length, pad_token_id))
+        add("labels", _pad_right(b["labels"], length, IGNORE_INDEX))
+        if with_mask:
+            mask = b.get("attention_mask")
+            mask = torch.ones(rows, s, dtype=torch.long, device=ids.device) if mask is None else mask.long()
+            add("attention_mask", _pad_right(mask, length, 0))
+        pos = b.get("position_ids")
+        if pos is not None:
+            pos = pos.expand(*pos.shape[:-2], rows, s)
+            tail = pos[..., -1:] + torch.arange(1, length - s + 1, device=pos.device, dtype=pos.dtype)
+            add("position_ids", torch.cat([pos, tail], -1))
+        for key in PER_TOKEN_KEYS:
+            if b.get(key) is not None:
+                add(key, _pad_right(b[key], length, 0))
+        for key in PER_ITEM_KEYS:
+            if b.get(key) is not None:
+                add(key, b[key])
+    merged = {k: torch.cat(v, 1 if k == "position_ids" and v[0].dim() == 3 else 0) for k, v in out.items()}
+    return merged
+
+
+class VisionSequenceSharding:
+    """The decoder hook and the sharded forward of one VLM under sequence parallelism (module docstring).
+
+    Args:
+        model: the model being trained (any wrapper; the HF model inside is hooked).
+        family: from `vision_sequence_parallel_support`.
+        group: the SP process group.
+
+    Guarantees (tests/scripts/sp_parity.py "vlm/*"): the SP group's summed loss and gradients, vision LoRA
+    included, equal one process on the full sequence to <= 1e-5, for image, text-only and mixed batches.
+    """
+
+    def __init__(self, model: nn.Module, family: VisionSequenceParallelFamily, group: Any = None) -> None:
+        hf = unwrap_model(model)
+        lm = next((m for m in (get_submodule(hf, p) for p in family.language_model_paths) if m is not None), None)
+        adapter = find_vision_adapter(hf)
+        if lm is None or adapter is None:
+            raise ValueError(f"{type(hf).__name__}: no text decoder / vision tower for family {family.name}")
+        self.family, self.group, self.language_model, self.tower = family, group, lm, adapter.tower
+        self.size, self.rank = dist.get_world_size(group), dist.get_rank(group)
+        self._expect: tuple[int, int] | None = None  # (length, padded length) of the pending sharded call
+        self._undo: list[Callable[[], None]] = []
+
+    def attach(self) -> VisionSequenceSharding:
+        """Hook the decoder, keep the tower's attention on the full sequence (idempotent)."""
+        if not self._undo:
+            handle = self.language_model.register_forward_pre_hook(self._pre_hook, with_kwargs=True)
+            self._undo = [handle.remove, keep_full_sequence(self.tower.modules())]
+        return self
+
+    def remove(self) -> None:
+        """Undo `attach` (idempotent)."""
+        for undo in self._undo:
+            undo()
+        self._undo = []
+        self._expect = None
+
+    def forward_rows(self, model: nn.Module, merged: Mapping[str, torch.Tensor],
+                     pad_token_id: int = 0) -> tuple[torch.Tensor, Any]:
+        """Run `model` on the whole `merged` batch with the decoder on this rank's slice.
+
+        Returns:
+            `(loss_rows, outputs)`: `[B]` this rank's summed cross-entropy per row (fp32; labels shifted on
+            the full sequence) and the model's outputs (logits `[B, S_pad/N, V]`).
+
+        Raises:
+            RuntimeError: the decoder was not called on the full sequence by the model's forward.
+        """
+        labels = merged["labels"]
+        shard = shard_batch(merged["input_ids"], sp_size=self.size, sp_rank=self.rank, labels=labels,
+                            attention_mask=merged.get("attention_mask"), pad_token_id=pad_token_id)
+        inputs = {k: v for k, v in merged.items() if k != "labels"}
+        self._expect = (shard.length, shard.padded_length)
+        try:
+            outputs = model(**inputs, use_cache=False)
+        finally:
+            expect, self._expect = self._expect, None
+        if expect is not None:
+            raise RuntimeError(f"sequence parallelism: {type(unwrap_model(model)).__name__}'s forward did not call its "
+                               "text decoder with the full sequence's embeddings; nothing was sharded")
+        assert shard.shift_labels is not None
+        return shard_loss_rows(outputs.logits, shard.shift_labels), outputs
+
+    def _pre_hook(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        expect = self._expect
+        if expect is None:  # an unsharded call: evaluation, generation, a forward outside the Trainer
+            return None
+        self._expect = None
+        embeds = kwargs.get("inputs_embeds")
+        if args or embeds is None or kwargs.get("input_ids") is not None:
+            raise NotImplementedError("sequence parallelism: the text decoder was called without inputs_embeds "
+                                      "(keywords); its inputs cannot be cut after the image merge")
+        if kwargs.get("past_key_values") is not None:
+            raise NotImplementedError("sequence parallelism: a decoder call with a KV cache is not sharded")
+        unknown = sorted(k for k, v in kwargs.items() if v is not None and k not in
+                         (*_CUT, *self.family.cut_keywords, *_PASS_KEYWORDS))
+        if unknown:
+            raise NotImplementedError(f"sequence parallelism: the text decoder of {self.family.name} was called with "
+                                      f"{unknown}, which hf_ddpfix does not know how to cut")
+        mask = kwargs.get("attention_mask")
+        if mask is not None and not (torch.is_tensor(mask) and mask.dim() == 2):
+            raise NotImplementedError("sequence parallelism: the decoder got a prepared (non 2-D) attention mask")
+        if embeds.shape[1] != expect[0]:
+            raise RuntimeError(f"sequence parallelism: the decoder got {embeds.shape[1]} tokens, the batch has "
+                               f"{expect[0]}")
+        cut = shard_language_model_inputs(
+            embeds, sp_size=self.size, sp_rank=self.rank, position_ids=kwargs.get("position_ids"),
+            attention_mask=mask, visual_pos_masks=kwargs.get("visual_pos_masks"),
+            deepstack_visual_embeds=kwargs.get("deepstack_visual_embeds"),
+            text_positions_from_2d=self.family.text_positions_from_2d)
+        if cut.padded_length != expect[1]:
+            raise RuntimeError(f"sequence parallelism: padded to {cut.padded_length} tokens, labels to {expect[1]}")
+        activate_batch(cut.documents, self.group)  # stays active for a checkpointed backward
+        new = dict(kwargs, inputs_embeds=cut.inputs_embeds, position_ids=cut.position_ids, attention_mask=None)
+        if "visual_pos_masks" in kwargs:
+            new["visual_pos_masks"] = cut.visual_pos_masks
+        if "deepstack_visual_embeds" in kwargs:
+            new["deepstack_visual_embeds"] = cut.deepstack_visual_embeds
+        record_amount(FEATURE, "vision_sharded_forwards", 1)
+        return args, new

@@ -1,0 +1,231 @@
+"""Sequence parallelism for vision-language models, one process: cutting the decoder's inputs after the
+image merge, merging a group's image batches, which VLMs are sharded or refused (plan), the vision tower's
+attention left on the full sequence, and the decoder call contract the hook relies on. The 2- and 4-process
+parity (loss and every gradient, vision LoRA included) is in tests/scripts/sp_parity.py ("vlm/*"), the
+Trainer run in tests/scripts/sp_trainer.py (--vlm)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hf_ddpfix.ops.sequence_parallel import language_model_documents, shard_language_model_inputs
+
+torch.set_num_threads(1)
+
+
+def _shards(n: int, **kw):
+    return [shard_language_model_inputs(sp_size=n, sp_rank=r, **kw) for r in range(n)]
+
+
+def test_cut_after_the_merge_concatenates_to_the_padded_inputs_with_3d_positions_and_deepstack_rows():
+    b, s, e, n = 2, 7, 3, 4  # 7 tokens over 4 ranks: 1 pad token
+    embeds = torch.randn(b, s, e)
+    pos = torch.randint(0, 9, (3, b, s))
+    visual = torch.zeros(b, s, dtype=torch.bool)
+    visual[0, 2:5] = True  # an image across the borders of ranks 0 | 1 | 2 (2 tokens per rank)
+    visual[1, 1] = True
+    deep = [torch.arange(4.0)[:, None].expand(4, e).clone()]  # row k = the k-th visual token (row-major)
+    shards = _shards(n, inputs_embeds=embeds, position_ids=pos, visual_pos_masks=visual, deepstack_visual_embeds=deep)
+    assert torch.equal(torch.cat([x.inputs_embeds for x in shards], 1), torch.cat([embeds, torch.zeros(b, 1, e)], 1))
+    got_pos = torch.cat([x.position_ids for x in shards], -1)
+    assert torch.equal(got_pos[..., :s], pos) and torch.equal(got_pos[..., s], pos[..., -1] + 1)
+    assert torch.equal(torch.cat([x.visual_pos_masks for x in shards], 1)[:, :s], visual)
+    # each rank keeps the deepstack rows of exactly its visual tokens, in row-major order
+    rows = [x.deepstack_visual_embeds[0][:, 0].tolist() for x in shards]
+    assert rows == [[3.0], [0.0, 1.0], [2.0], []]  # rank 0: row 1's token 1 (feature 3); rank 1: row 0's 2, 3 ...
+    assert all(x.padded_length == 8 and x.length == 7 for x in shards)
+    assert shards[0].documents[:, -1].tolist() == [-1, -1]  # the pad token is never a key
+
+
+def test_default_positions_are_the_full_sequence_arange_not_the_shards():
+    shards = _shards(2, inputs_embeds=torch.randn(1, 6, 2))
+    assert [x.position_ids.tolist() for x in shards] == [[[0, 1, 2]], [[3, 4, 5]]]
+
+
+def test_documents_follow_the_decoders_mask_rule():
+    text = torch.tensor([[0, 1, 2, 0, 1, 2]])
+    four = torch.cat([text[None], torch.zeros(3, 1, 6, dtype=torch.long)])
+    kw = dict(batch=1, length=6, text_positions_from_2d=False)
+    # packed documents only from 4-row positions (text row first) and only without a 2-D mask
+    assert language_model_documents(four, None, **kw).tolist() == [[0, 0, 0, 1, 1, 1]]
+    assert language_model_documents(four, torch.ones(1, 6), **kw).tolist() == [[0] * 6]
+    # 3 rotary rows carry no text positions; 2-D ones do only where the decoder reads them so (Qwen3-VL)
+    assert language_model_documents(four[1:], None, **kw).tolist() == [[0] * 6]
+    assert language_model_documents(text, None, **kw).tolist() == [[0] * 6]
+    assert language_model_documents(text, None, **{**kw, "text_positions_from_2d": True}).tolist() == [[0, 0, 0, 1, 1, 1]]
+    assert language_model_documents(None, torch.tensor([[1, 1, 1, 1, 0, 0]]), **kw).tolist() == [[0, 0, 0, 0, -1, -1]]
+
+
+def test_a_deepstack_feature_of_the_wrong_length_raises():
+    visual = torch.tensor([[True, False, True, False]])
+    with pytest.raises(ValueError, match="3 rows for 2 visual tokens"):
+        shard_language_model_inputs(torch.randn(1, 4, 2), sp_size=2, sp_rank=0, visual_pos_masks=visual,
+                                    deepstack_visual_embeds=[torch.randn(3, 2)])
+
+
+def test_merge_keeps_images_in_token_order_and_pads_rows():
+    from hf_ddpfix.integrations.sequence_parallel.vision import merge_vision_batches
+
+    a = {"input_ids": torch.ones(1, 5, dtype=torch.long), "labels": torch.ones(1, 5, dtype=torch.long),
+         "pixel_values": torch.zeros(16, 3), "image_grid_thw": torch.tensor([[1, 4, 4]]),
+         "mm_token_type_ids": torch.tensor([[0, 1, 1, 0, 0]])}
+    b = {"input_ids": torch.full((2, 3), 2), "labels": torch.full((2, 3), 2), "mm_token_type_ids": torch.zeros(2, 3, dtype=torch.long)}
+    c = {"input_ids": torch.full((1, 4), 3), "labels": torch.full((1, 4), 3), "pixel_values": torch.ones(8, 3),
+         "image_grid_thw": torch.tensor([[1, 2, 4]]), "mm_token_type_ids": torch.tensor([[1, 1, 0, 0]])}
+    m = merge_vision_batches([a, b, c])
+    assert m["input_ids"].shape == (4, 5) and "attention_mask" not in m  # no batch had a mask: right padding is causal-invisible
+    assert m["labels"][1].tolist() == [2, 2, 2, -100, -100]
+    assert m["pixel_values"][:16].sum() == 0 and m["pixel_values"][16:].sum() == 24  # a's image, then c's
+    assert m["image_grid_thw"].tolist() == [[1, 4, 4], [1, 2, 4]]
+    assert m["mm_token_type_ids"][3].tolist() == [1, 1, 0, 0, 0]
+    a2 = dict(a, attention_mask=torch.ones(1, 5, dtype=torch.long))
+    assert merge_vision_batches([a2, b])["attention_mask"][1].tolist() == [1, 1, 1, 0, 0]
+
+
+@pytest.mark.parametrize(("change", "match"), [
+    (lambda b: b.update(cross_attention_mask=torch.ones(1)), "not sharded"),
+    (lambda b: b.pop("mm_token_type_ids"), "mm_token_type_ids is in some batches"),
+    (lambda b: b.update(pixel_values=torch.zeros(4, 3)), "pixel_values without image_grid_thw"),
+])
+def test_merge_refuses_what_it_cannot_keep_exact(change, match):
+    from hf_ddpfix.integrations.sequence_parallel.vision import merge_vision_batches
+
+    batches = [{"input_ids": torch.ones(1, 3, dtype=torch.long), "labels": torch.ones(1, 3, dtype=torch.long),
+                "mm_token_type_ids": torch.zeros(1, 3, dtype=torch.long)} for _ in range(2)]
+    change(batches[1])
+    with pytest.raises(ValueError, match=match):
+        merge_vision_batches(batches)
+
+
+# ------------------------------------------------------------------------------------- support and plan
+
+
+@pytest.mark.parametrize("family", ["qwen2_vl", "qwen2_5_vl", "qwen3_vl"])
+def test_tested_qwen_families_are_sharded(family):
+    from fixtures import BUILDERS
+
+    from hf_ddpfix.integrations.sequence_parallel.vision import vision_sequence_parallel_support
+
+    model = BUILDERS[family](0)
+    if model is None:
+        pytest.skip(f"this transformers has no {family}")
+    fam, reason = vision_sequence_parallel_support(model)
+    assert fam is not None and fam.name == family and reason == ""
+
+
+def test_other_vlms_and_text_models():
+    from fixtures import build_qwen3_vl_moe, tiny_llama
+    from zoo import _llava
+
+    from hf_ddpfix.integrations.sequence_parallel.vision import vision_sequence_parallel_support
+
+    assert vision_sequence_parallel_support(tiny_llama()) == (None, "")
+    for model in (_llava(0), build_qwen3_vl_moe(0)):
+        if model is None:
+            continue
+        fam, reason = vision_sequence_parallel_support(model)
+        assert fam is None and "supported: qwen2_vl, qwen2_5_vl, qwen3_vl" in reason and type(model).__name__ in reason
+
+
+def _facts(**sp):
+    from hf_ddpfix.integrations.sequence_parallel.facts import SequenceParallelFacts
+    from hf_ddpfix.plan.types import RunFacts
+
+    return RunFacts(parallel="ddp", world_size=2, sequence_parallel=SequenceParallelFacts(
+        attn_implementation="sdpa", num_heads=4, num_kv_heads=2, **sp))
+
+
+def test_plan_refuses_a_vlm_it_cannot_shard_naming_the_reason_and_says_so_for_one_it_can():
+    from hf_ddpfix.config import DDPFixConfig
+    from hf_ddpfix.plan.resolve import resolve_plan
+    from hf_ddpfix.plan.types import PlanError
+
+    cfg = DDPFixConfig.from_env({}, sequence_parallel=2)
+    with pytest.raises(PlanError, match="sequence_parallel=2 .*LlavaForConditionalGeneration .*keep whole"):
+        resolve_plan(_facts(vision_refusal="LlavaForConditionalGeneration (vision family llava) is a vision-language "
+                            "model whose image tokens ... keep whole across sequence shards"), cfg)
+    d = resolve_plan(_facts(vision_family="qwen2_5_vl"), cfg).sequence_parallel
+    assert d.value == "N=2 DP=1" and "qwen2_5_vl: vision tower, image merge and 3-D position ids on the full" in d.reason
+    off = resolve_plan(_facts(vision_refusal="x"), DDPFixConfig()).sequence_parallel  # not asked for: no error
+    assert off.value is None
+
+
+def test_facts_read_the_vision_family_from_the_model():
+    from fixtures import add_lora, build_qwen2_5_vl
+    from zoo import _llava
+
+    from hf_ddpfix.integrations.sequence_parallel.facts import gather_sequence_parallel_facts
+
+    got = gather_sequence_parallel_facts(None, add_lora(build_qwen2_5_vl(0)))
+    assert got.vision_family == "qwen2_5_vl" and got.vision_refusal is None
+    assert "llava" in (gather_sequence_parallel_facts(None, _llava(0)).vision_refusal or "")
+
+
+# ------------------------------------------------------------------------------------ the tower's attention
+
+
+def test_the_towers_attention_runs_unchanged_while_a_sharded_batch_is_active():
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    from hf_ddpfix.integrations.sequence_parallel.attention import (
+        activate_batch,
+        deactivate_batch,
+        install_ulysses_attention,
+        keep_full_sequence,
+    )
+    from hf_ddpfix.ops import feature_counts
+
+    handle = install_ulysses_attention("sdpa")
+    tower = torch.nn.Module()
+    undo = keep_full_sequence([tower])
+    try:
+        feature_counts.reset()
+        activate_batch(torch.zeros(1, 8, dtype=torch.long))  # a sharded batch is active (no group needed here)
+        q = torch.randn(1, 2, 5, 4)
+        out, _ = ALL_ATTENTION_FUNCTIONS["sdpa"](tower, q, q, q, None, scaling=0.5)
+        ref, _ = ALL_ATTENTION_FUNCTIONS["sdpa"].__wrapped__(tower, q, q, q, None, scaling=0.5)
+        assert torch.equal(out, ref)
+        c = feature_counts.snapshot()["sequence_parallel"]
+        assert c.amounts == {"full_sequence_attention_calls": 1} and not c.fallbacks and c.ran == 0
+    finally:
+        deactivate_batch()
+        undo()
+        handle.remove()
+
+
+# ------------------------------------------------------------------------------- the decoder call contract
+
+
+@pytest.mark.parametrize("family", ["qwen2_vl", "qwen2_5_vl", "qwen3_vl"])
+def test_the_decoder_is_called_once_with_the_merged_embeddings_and_only_keywords_the_hook_cuts_or_passes(family):
+    """What the hook relies on (transformers 5.x): the VLM calls its text decoder once, by keywords, with
+    `inputs_embeds` [B, S, E] that already hold the image features (not `input_ids`), and nothing per-token
+    besides what `VisionSequenceSharding` cuts."""
+    from fixtures import BUILDERS, PATCH_DIM, sp_vlm_batches
+
+    from hf_ddpfix.integrations.sequence_parallel import vision as v
+
+    model = BUILDERS[family](0)
+    if model is None:
+        pytest.skip(f"this transformers has no {family}")
+    fam, _ = v.vision_sequence_parallel_support(model)
+    lm = model.get_submodule(fam.language_model_paths[0])
+    calls = []
+    handle = lm.register_forward_pre_hook(lambda m, a, k: calls.append((a, dict(k))), with_kwargs=True)
+    try:
+        batch = sp_vlm_batches(PATCH_DIM[family])["image_across_shards"]
+        with torch.no_grad():
+            model(**batch, use_cache=False)
+    finally:
+        handle.remove()
+    assert len(calls) == 1
+    args, kw = calls[0]
+    assert args == () and kw.get("input_ids") is None and kw["inputs_embeds"].shape[:2] == batch["input_ids"].shape
+    passed = {k for k, x in kw.items() if x is not None}
+    assert passed <= set(v._CUT) | set(fam.cut_keywords) | set(v._PASS_KEYWORDS), passed
+    pos = kw["position_ids"]
+    assert pos is not None and pos.dim() == 3 and pos.shape[-1] == batch["input_ids"].shape[1]  # 3-D, full sequence
+    emb = model.get_input_embeddings()(batch["input_ids"])
+    image = batch["input_ids"] == model.config.image_token_id
+    assert not torch.equal(kw["inputs_embeds"][image], emb[image])  # image features already scattered in
