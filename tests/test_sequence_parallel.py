@@ -133,9 +133,12 @@ def test_ulysses_attention_and_a_lora_llama_match_one_process_on_the_full_sequen
     masked = next(r for r in records if r["case"] == "model/prompt_masked")
     assert 0 in masked["shards_with_loss"] and not masked["nan"]  # an all-masked shard really ran
     # VLMs (vision LoRA included): the tower, image merge and 3-D positions on the full sequence
-    vlm = {f"vlm/qwen2_5_vl/{c}" for c in ("image_across_shards", "text_only", "two_grids", "mixed_padded_prompt_masked")}
+    vlm = {f"vlm/qwen2_5_vl/{c}" for c in ("image_across_shards", "text_only", "two_grids", "mixed_padded_prompt_masked",
+                                           "image_across_shards_checkpointed")}
     assert vlm <= cases
-    assert any(c.startswith("vlm/qwen3_vl/") for c in cases) or not _has("Qwen3VLForConditionalGeneration")
+    if nproc == 2:  # the other tested families (the 4-process launch runs Qwen2.5-VL only)
+        assert any(c.startswith("vlm/qwen2_vl/") for c in cases)
+        assert any(c.startswith("vlm/qwen3_vl/") for c in cases) or not _has("Qwen3VLForConditionalGeneration")
     assert all(r["vision_lora_grads"] > 0 for r in records if r["case"].startswith("vlm/") and "text_only" not in r["case"])
 
 
