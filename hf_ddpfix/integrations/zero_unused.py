@@ -27,9 +27,14 @@ are the default) gives the run stock DDP's semantics:
 Cost per optimizer step: one all-reduce of ``n_trainable`` bytes; a copy of the unused parameters' slices
 (weights and two moments); per micro-batch, the graph walks of ``ParameterUsage`` (forward and loss).
 
-Stands down (stock DeepSpeed semantics, a warning on rank 0 and ``feature_counts["zero_skip_unused"]``
-``fell_back`` with the reason) when the optimizer is not ``torch.optim.Adam/AdamW`` or the ZeRO layout is not
-the one checked (NVMe optimizer swap, partial offload, another optimizer class).
+Stands down (stock DeepSpeed semantics; ``feature_counts["zero_skip_unused"]`` ``fell_back`` with the
+reason, which the feature report logs on rank 0 and strict mode raises) when the optimizer is not
+``torch.optim.Adam/AdamW`` or the ZeRO layout is not the one checked (NVMe optimizer swap, partial offload,
+another optimizer class).
+
+Limit: the per-parameter count of skipped steps lives in this object, not in checkpoints; after a resume
+every parameter starts level with its partition's step count (a parameter that had skipped steps before the
+checkpoint then gets the partition's bias correction, as in stock DeepSpeed).
 
 Guarantees: Qwen2.5-VL with LoRA on every linear including the vision tower, steps where no rank has an
 image and steps where one does, AdamW with weight decay and clipping: ZeRO-2 and ZeRO-3 end within 1e-5 of
@@ -38,7 +43,6 @@ stock DDP (tests/test_deepspeed.py, ``--suite skip_unused``).
 
 from __future__ import annotations
 
-import logging
 from contextlib import ExitStack
 from typing import Any
 
@@ -57,8 +61,6 @@ __all__ = ["FEATURE", "ZeroSkipUnused", "attach_zero_skip_unused"]
 #: ``restored_elements`` (fp32 elements written back), ``recomputed_elements`` (elements whose bias
 #: correction used their own step count), ``skipped_params`` (parameters left out of a step, summed).
 FEATURE = "zero_skip_unused"
-
-logger = logging.getLogger("hf_ddpfix")
 
 
 class ZeroSkipUnused:
@@ -151,9 +153,7 @@ class _EngineReady(TrainerCallback):
             feature_counts.record_fallback(FEATURE, f"stock DeepSpeed semantics kept: {self.skip.reason}")
             self.skip.remove()
             return
-        if not self.skip.attach_engine(engine) and self.trainer.is_world_process_zero():
-            logger.warning("zero_skip_unused: not applied (%s); parameters no rank used in a step are stepped "
-                           "with zero gradients, as in stock DeepSpeed", self.skip.reason)
+        self.skip.attach_engine(engine)  # a refusal is a recorded fallback: FallbackWatch warns (strict: raises)
 
 
 def attach_zero_skip_unused(trainer: Any, model: nn.Module, stack: ExitStack) -> ZeroSkipUnused:
