@@ -121,7 +121,9 @@ def test_ulysses_attention_and_a_lora_llama_match_one_process_on_the_full_sequen
     records = json.loads(out.read_text())
     cases = {r["case"] for r in records}
     assert {"model/plain", "model/right_padded", "model/prompt_masked", "model/packed", "model/not_divisible",
-            "model/batch2", "gradcheck/all_to_all_fp64"} <= cases
+            "model/batch2", "gradcheck/all_to_all_fp64", "fsdp2/right_padded", "fsdp2/packed",
+            "fsdp2/not_divisible"} <= cases
+    assert all(r["params_sharded"] for r in records if r["case"].startswith("fsdp2/"))  # FSDP2 really sharded
     assert sum(c.startswith("attention/") for c in cases) >= 6
     assert all(r["ok"] for r in records), [r for r in records if not r["ok"]]
     masked = next(r for r in records if r["case"] == "model/prompt_masked")
@@ -243,3 +245,33 @@ def test_sequence_parallel_one_is_off_with_a_reason():
 
     d = resolve_plan(_facts(), DDPFixConfig.from_env({}, sequence_parallel=1)).sequence_parallel
     assert d.value is False and "whole sequences" in d.reason
+
+
+# ------------------------------------------------------------------------------------------------ projection
+
+
+def test_projection_is_the_one_gpu_budget_at_l_over_n_plus_the_all_to_all_buffers():
+    from hf_ddpfix.ops.offload.budget import max_tokens
+    from hf_ddpfix.ops.sequence_parallel.memory import project_sequence_parallel, ulysses_buffer_bytes_per_token
+
+    gib = 1 << 30
+    shape = dict(layers=32, hidden=4096, heads=32, kv_heads=8)
+    budget = dict(working_bytes_per_token=100 * 1024, fixed_device_bytes=18 * gib, device_budget_bytes=80 * gib,
+                  host_budget_bytes=128 * gib)
+    # Llama-8B bf16: q and the output 8 KiB, k and v 2 KiB each per token; send + receive of both exchanges
+    assert ulysses_buffer_bytes_per_token(hidden=4096, heads=32, kv_heads=8, sp=8) == 2 * (8 + 2 + 2 + 8) * 1024
+    assert ulysses_buffer_bytes_per_token(hidden=4096, heads=32, kv_heads=8, sp=1) == 0
+    # KV heads fewer than N: replicated, so the k/v buffers grow
+    assert ulysses_buffer_bytes_per_token(hidden=512, heads=8, kv_heads=2, sp=4) == 2 * (1024 + 2 * 2 * 256 + 1024)
+    one = project_sequence_parallel(sp=1, **shape, **budget)
+    assert one.tokens_per_rank == max_tokens(layers=32, bytes_per_token_per_layer=8192, **budget)
+    rows = [project_sequence_parallel(sp=n, **shape, **budget) for n in (2, 4, 8)]
+    for r in rows:
+        assert r.sequence_tokens == r.sp * r.tokens_per_rank
+        assert 0 < r.tokens_per_rank < one.tokens_per_rank  # the buffers cost tokens per GPU
+        assert r.device_gib_per_rank <= 80 and r.host_gib_per_rank <= 128
+    assert rows[-1].sequence_tokens > 7 * one.tokens_per_rank * 0.8
+    with pytest.raises(ValueError, match="sp=0"):
+        ulysses_buffer_bytes_per_token(hidden=4096, heads=32, kv_heads=8, sp=0)
+    with pytest.raises(ValueError, match="not divisible"):
+        project_sequence_parallel(sp=3, **shape, **budget)
