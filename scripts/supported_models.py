@@ -120,7 +120,8 @@ def readme_block(text: str) -> str:
 
 
 def with_block(text: str, block: str) -> str:
-    """``text`` with the generated block replaced by ``block``."""
+    """``text`` with the generated block replaced by ``block`` (ValueError when the markers are missing)."""
+    readme_block(text)
     head, rest = text.split(BEGIN, 1)
     return head + BEGIN + "\n" + block + END + rest.split(END, 1)[1]
 
@@ -139,9 +140,9 @@ def main() -> None:
     text = table(report, load_fsdp2_results(a.fsdp2))
     if a.readme:
         with open(README) as f:
-            old = f.read()
+            new = with_block(f.read(), text)  # raises before writing when the markers are missing
         with open(README, "w") as f:
-            f.write(with_block(old, text))
+            f.write(new)
     elif a.out:
         with open(a.out, "w") as f:
             f.write(text)
