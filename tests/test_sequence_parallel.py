@@ -252,7 +252,10 @@ def test_sequence_parallel_one_is_off_with_a_reason():
 
 def test_projection_is_the_one_gpu_budget_at_l_over_n_plus_the_all_to_all_buffers():
     from hf_ddpfix.ops.offload.budget import max_tokens
-    from hf_ddpfix.ops.sequence_parallel.memory import project_sequence_parallel, ulysses_buffer_bytes_per_token
+    from hf_ddpfix.ops.sequence_parallel.memory import (
+        project_sequence_parallel,
+        ulysses_buffer_bytes_per_token,
+    )
 
     gib = 1 << 30
     shape = dict(layers=32, hidden=4096, heads=32, kv_heads=8)
