@@ -10,6 +10,12 @@ Cases (each a record with "ok"):
   model/*: LoRA Llama (trainable LoRA, embeddings, head): the SP group's loss and summed gradients vs the
       stock model's loss on the full sequence (HF's own loss), plain / right-padded / prompt-masked with an
       all-masked shard / packed documents / length not divisible by N / batch 2: <= 1e-5.
+  fsdp2/*: the same model under FSDP2 (`fully_shard` over the whole world) with Ulysses attention: loss and the
+      gathered gradients vs one process (right-padded, packed, length not divisible by N): <= 1e-5.
+  vlm/*: LoRA Qwen2.5-VL / Qwen3-VL / Qwen2-VL (vision tower included; N = 4: Qwen2.5-VL): the vision tower,
+      image merge and 3-D position ids on the full sequence, the decoder on the slice; loss and every gradient
+      vs the model on the full sequence (an image across a shard border, text only, two grids, prompt-masked
+      mixed batch of length 15, and non-reentrant checkpointing): <= 1e-5.
 """
 
 from __future__ import annotations
@@ -22,12 +28,13 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
-from fixtures import Verdicts, init_gloo, lora_llama, rank_log  # noqa: E402
+from fixtures import Verdicts, init_gloo, lora_llama, rank_log, shard_decoder  # noqa: E402
 
 from hf_ddpfix.integrations.sequence_parallel import install_ulysses_attention, sharded_causal_lm_loss  # noqa: E402
 from hf_ddpfix.ops import feature_counts  # noqa: E402
 from hf_ddpfix.ops.sequence_parallel import (  # noqa: E402
     attention_mask_from_documents,
+    ddp_loss_scale,
     document_ids,
     heads_to_sequence,
     sequence_to_heads,
@@ -288,20 +295,71 @@ def vlm_cases(v: Verdicts, n: int, r: int, families: tuple[str, ...] = ("qwen2_5
         handle.remove()
 
 
+def fsdp2_cases(v: Verdicts, n: int, r: int) -> None:
+    """FSDP2 (`fully_shard` per decoder layer + root over the whole world: the mesh is DP x SP, every rank holds
+    1/world of each parameter) with Ulysses attention: the loss and the full (gathered) gradient of every
+    trainable parameter vs one process on the full sequence. FSDP2 averages gradients over the mesh, so the
+    loss is scaled by the world size (as under DDP: `ddp_loss_scale`)."""
+    from torch.distributed.tensor import DTensor
+
+    model = lora_llama(attn_implementation="sdpa")
+    base = model.get_base_model()
+    for p in (base.model.embed_tokens.weight, base.lm_head.weight):
+        p.requires_grad_(True)
+    names = [name for name, p in model.named_parameters() if p.requires_grad]
+    cases = {k: b for k, b in batches(n).items() if k in ("right_padded", "packed", "not_divisible")}
+    refs = {}
+    for case, batch in cases.items():  # one process, before sharding: the reference
+        model.zero_grad(set_to_none=True)
+        ref = model(**batch, use_cache=False).loss
+        ref.backward()
+        refs[case] = (ref.item(), {name: p.grad.clone() for name, p in model.named_parameters() if p.requires_grad})
+    model.zero_grad(set_to_none=True)
+    shard_decoder(model)
+    handle = install_ulysses_attention("sdpa")
+    try:
+        for case, batch in cases.items():
+            model.zero_grad(set_to_none=True)
+            feature_counts.reset()
+            loss_sum, _ = sharded_causal_lm_loss(model, batch)
+            loss = loss_sum / valid_target_count(batch["labels"], batch.get("attention_mask"))
+            (loss * ddp_loss_scale(n)).backward()
+            ran = feature_counts.snapshot().get("sequence_parallel")
+            total = loss.detach().clone()
+            dist.all_reduce(total)
+            params = dict(model.named_parameters())
+            sharded = all(isinstance(params[name], DTensor) for name in names)
+            gdiff = 0.0
+            for name in names:
+                g = params[name].grad
+                full = g.full_tensor() if isinstance(g, DTensor) else g
+                gdiff = max(gdiff, (full - refs[case][1][name]).abs().max().item())
+            ldiff = abs(total.item() - refs[case][0])
+            worst = torch.tensor([gdiff, ldiff])
+            dist.all_reduce(worst, op=dist.ReduceOp.MAX)
+            calls = torch.tensor([ran.ran if ran else 0])
+            dist.all_reduce(calls, op=dist.ReduceOp.MIN)
+            v.add({"case": f"fsdp2/{case}", "n": n, "mesh": "world (DP x SP)", "params_sharded": sharded,
+                   "loss_diff": worst[1].item(), "grad_diff": worst[0].item(), "min_sharded_attention_calls": int(calls),
+                   "ok": sharded and worst.max().item() <= TOL_MODEL and int(calls) == 2})
+    finally:
+        handle.remove()
+
+
 def main() -> None:
     r, n = init_gloo()
     log = rank_log()
     v = Verdicts("SP", sys.argv[1] if len(sys.argv) > 1 else None)
-    for heads, kv in ((4, 4), (8, 4), (8, 2), (4, 1)) if os.environ.get("SP_PARITY_ONLY") != "vlm" else ():
+    for heads, kv in ((4, 4), (8, 4), (8, 2), (4, 1)):
         if heads % n == 0:
             for masked in (False, True):
                 attention_case(v, n, r, heads, kv, masked)
-    if os.environ.get("SP_PARITY_ONLY") != "vlm":
-        gradcheck_case(v, n, r)
+    gradcheck_case(v, n, r)
     log("attention done")
-    if os.environ.get("SP_PARITY_ONLY") != "vlm":
-        model_cases(v, n, r)
-        log("model done")
+    model_cases(v, n, r)
+    log("model done")
+    fsdp2_cases(v, n, r)
+    log("fsdp2 done")
     # N = 2: every tested family; N = 4 (the costly launch): Qwen2.5-VL only
     vlm_cases(v, n, r, ("qwen2_5_vl", "qwen3_vl", "qwen2_vl") if n == 2 else ("qwen2_5_vl",))
     log("vlm done")
