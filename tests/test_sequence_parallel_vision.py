@@ -223,8 +223,8 @@ def test_the_decoder_is_called_once_with_the_merged_embeddings_and_only_keywords
     args, kw = calls[0]
     assert args == () and kw.get("input_ids") is None and kw["inputs_embeds"].shape[:2] == batch["input_ids"].shape
     passed = {k for k, x in kw.items() if x is not None}
-    assert passed <= set(v._CUT) | set(fam.cut_keywords) | set(v._PASS_KEYWORDS), passed
-    pos = kw["position_ids"]
+    assert passed <= set(v._CUT) | set(v._CUT_PER_TOKEN) | set(fam.cut_keywords) | set(v._PASS_KEYWORDS), passed
+    pos = kw["position_ids"]  # transformers 5.0: from input_ids; 5.2+: from mm_token_type_ids
     assert pos is not None and pos.dim() == 3 and pos.shape[-1] == batch["input_ids"].shape[1]  # 3-D, full sequence
     emb = model.get_input_embeddings()(batch["input_ids"])
     image = batch["input_ids"] == model.config.image_token_id

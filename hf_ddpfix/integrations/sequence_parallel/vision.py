@@ -92,6 +92,9 @@ BATCH_KEYS = _TEXT_KEYS + PER_TOKEN_KEYS + PER_ITEM_KEYS
 _PASS_KEYWORDS = ("input_ids", "past_key_values", "use_cache", "cache_position", "output_attentions",
                   "output_hidden_states", "return_dict")
 _CUT = ("inputs_embeds", "position_ids", "attention_mask")
+#: `[B, S]` batch keys a VLM forward may hand on to its decoder through `**kwargs` (transformers 5.0's Qwen-VL
+#: takes no `mm_token_type_ids` and passes it down unused): cut like the tokens, never passed at full length
+_CUT_PER_TOKEN = PER_TOKEN_KEYS
 
 
 def vision_sequence_parallel_support(model: nn.Module) -> tuple[VisionSequenceParallelFamily | None, str]:
@@ -256,7 +259,7 @@ class VisionSequenceSharding:
         if kwargs.get("past_key_values") is not None:
             raise NotImplementedError("sequence parallelism: a decoder call with a KV cache is not sharded")
         unknown = sorted(k for k, v in kwargs.items() if v is not None and k not in
-                         (*_CUT, *self.family.cut_keywords, *_PASS_KEYWORDS))
+                         (*_CUT, *_CUT_PER_TOKEN, *self.family.cut_keywords, *_PASS_KEYWORDS))
         if unknown:
             raise NotImplementedError(f"sequence parallelism: the text decoder of {self.family.name} was called with "
                                       f"{unknown}, which hf_ddpfix does not know how to cut")
@@ -279,5 +282,13 @@ class VisionSequenceSharding:
             new["visual_pos_masks"] = cut.visual_pos_masks
         if "deepstack_visual_embeds" in kwargs:
             new["deepstack_visual_embeds"] = cut.deepstack_visual_embeds
+        part = cut.padded_length // self.size
+        for key in _CUT_PER_TOKEN:
+            t = kwargs.get(key)
+            if t is not None:
+                if tuple(t.shape) != tuple(embeds.shape[:2]):
+                    raise NotImplementedError(f"sequence parallelism: the decoder got {key} of shape {tuple(t.shape)}")
+                t = torch.cat([t, t.new_zeros(t.shape[0], cut.padded_length - t.shape[1])], 1)
+                new[key] = t[:, self.rank * part:(self.rank + 1) * part]
         record_amount(FEATURE, "vision_sharded_forwards", 1)
         return args, new
