@@ -235,11 +235,16 @@ def test_trainer_with_sequence_parallel_equals_the_run_without_it_and_one_proces
         micro = (3 if vlm else 2) * ga
         assert r["sharded_batches"] == 2 * micro  # both batches of the group, every micro-batch
         assert r["ddp_find_unused_false"] == micro  # every sharded forward ran under DDP(find_unused_parameters=False)
+        # transformers 5.0's Qwen-VL returns rope_deltas beside the logits, one per row of the group's padded
+        # batch: its predict() runs unsharded (counted with that reason), its evaluate() sharded
+        rope = {k for k in r["sp_fallbacks"] if vlm and k.startswith("prediction outputs ['rope_deltas']")}
         # evaluate() + predict(), both batches of the group each
-        assert r["eval_sharded_batches"] == 2 * 2 * (4 // nproc if vlm else 8 // (2 * nproc))
+        assert r["eval_sharded_batches"] == (1 if rope else 2) * 2 * (4 // nproc if vlm else 8 // (2 * nproc))
         assert r["one_process"] is not None and max(r["one_process"][k] for k in (
             "weight_diff", "loss_diff", "eval_diff", "logits_diff")) <= 1e-5  # vs one process too
-        assert not r["sp_fallbacks"], r["sp_fallbacks"]  # nothing ran unsharded: eval and predict included
+        if rope:  # the unsharded prediction's attention calls, counted by the wrapper
+            rope.add("no sequence-parallel batch active (unsharded forward)")
+        assert set(r["sp_fallbacks"]) == rope, r["sp_fallbacks"]  # nothing else ran unsharded
     # clipping measures the norm on every release, so its logged grad norms were compared (< 5.3 logs none
     # without clipping: hist_diff then requires both runs to log none)
     assert all(g is not None for g in by_case["trainer/adamw_clip"]["grad_norms_sp"])

@@ -195,13 +195,15 @@ def run(optim: str, ga: int, out: str, sp: int | None, via: str, batch: int = 2,
         trainer.train()
     ev = trainer.evaluate()
     pred = trainer.predict(eval_ds)
+    # the logits; transformers 5.0's Qwen-VL adds rope_deltas after them (a tuple of arrays)
+    logits = pred.predictions[0] if isinstance(pred.predictions, tuple) else pred.predictions
     snap = {k: c.as_dict() for k, c in feature_counts.snapshot().items()}
     hist = [(h["loss"], h.get("grad_norm")) for h in trainer.state.log_history if "loss" in h]
     plan = getattr(trainer, "hf_ddpfix_plan", None)
     weights = trainable_weights(model)
     text_config = getattr(model.config, "text_config", model.config)
     res = {"weights": weights, "hist": hist, "eval": ev["eval_loss"], "predict_loss":
-           pred.metrics["test_loss"], "pred": list(pred.predictions), "lengths": real_lengths(eval_ds),
+           pred.metrics["test_loss"], "pred": list(logits), "lengths": real_lengths(eval_ds),
            "counts": snap, "patched_at_start": patched_at_start, "layers": text_config.num_hidden_layers,
            "vision_moved": sum(int(not torch.equal(weights[k], start[k])) for k in start if "visual" in k),
            "find_unused": plan.find_unused_parameters.value if plan is not None else None,

@@ -181,6 +181,11 @@ def attach_sequence_parallel(trainer: Any, model: nn.Module, *, sp_size: int, st
         normalised = num_items_in_batch is not None and bool(getattr(trainer, "model_accepts_loss_kwargs", False))
         if not model.training:
             loss, outputs = _evaluate_sharded(model, merged, batches, groups, pad_id, want_logits[0], forward)
+            extra = sorted(k for k, x in outputs.items() if torch.is_tensor(x) and k not in ("loss", "logits"))
+            if want_logits[0] and extra:  # e.g. transformers 5.0's Qwen-VL rope_deltas: one per merged row, of
+                # the padded group batch; prediction_step returns them beside the logits, so stock's are needed
+                return fall_back(f"prediction outputs {extra} describe the group's padded batch, not this rank's: "
+                                 "the prediction runs unsharded", model, inputs, return_outputs, num_items_in_batch)
             loss = loss / (num_items_in_batch if normalised else _count(batches[groups.rank]))
             if normalised and trainer.args.average_tokens_across_devices:
                 loss = loss * trainer.accelerator.num_processes  # stock compute_loss's scale
