@@ -176,7 +176,7 @@ def test_plan_reads_the_env_variable_and_parallelism_config():
     (dict(attn_implementation="eager"), 2, "attn_implementation='sdpa'"),
     (dict(num_heads=6, num_kv_heads=6), 4, "6 attention heads are not divisible by sequence_parallel=4"),
     (dict(world_size=6), 4, "world size 6 is not a multiple of 4"),
-    (dict(parallel="fsdp"), 2, "DDP only"),
+    (dict(parallel="fsdp"), 2, "DDP only.*fully_shard over all ranks"),
     (dict(parallelism_sp_size=4, parallelism_sp_backend="torch"), 2, "contradicts ParallelismConfig"),
     (dict(parallelism_sp_size=2, parallelism_sp_backend="deepspeed"), 2, "drop the parallelism_config"),
 ])

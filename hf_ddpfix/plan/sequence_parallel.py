@@ -8,7 +8,16 @@ Pure: facts in, a `Decision` out, or a `PlanError` before training when the comb
 | world size not a multiple of N                  | SP groups of N ranks tile the world        | N dividing the world size   |
 | attention "eager" (or not through the interface)| eager is called directly, never wrapped    | attn_implementation="sdpa"  |
 | H % N != 0 / KV heads neither divisible nor replicable | heads are what the all-to-all splits | N dividing the head count   |
-| FSDP / single process                           | not built here (DDP only today)            | DDP, or DeepSpeed's engine  |
+| FSDP / single process                           | Trainer path tested under DDP only (below) | DDP, or DeepSpeed's engine  |
+
+FSDP2: the Ulysses attention and the token-sum loss are exact under torch's `fully_shard` (tests/scripts/
+sp_parity.py: loss and gathered gradients vs one process <= 1e-7, 2 and 4 gloo ranks), with parameters
+sharded over the whole world (DP x SP, one flat mesh): SP ranks hold different tokens of the same samples, so
+their gradients are summed exactly as DP ranks' are, and one reduce-scatter over all ranks does both (a
+DP-only mesh would replicate every shard N times and need a second all-reduce over the SP group). The
+Trainer path under FSDP is not built: accelerate runs FSDP only with an accelerator, so it cannot be tested
+here, and the rule is not to switch on what is not checked. The PlanError says so and names the loop-level
+route (`fully_shard` + `sharded_causal_lm_loss`).
 
 DeepSpeed with `ParallelismConfig(sp_size=N)` is DeepSpeed's own engine: the plan records it ("deepspeed")
 and changes nothing (hf_ddpfix's loss fixes there are not built yet). accelerate 1.15 knows only
@@ -60,9 +69,12 @@ def decide_sequence_parallel(facts: RunFacts, config: DDPFixConfig) -> Decision:
         return Decision(False, f"sequence_parallel=1 ({source}): every rank holds whole sequences")
     where = f"sequence_parallel={n} ({source})"
     if facts.parallel != "ddp":
-        raise PlanError(f"{where}: hf_ddpfix's Ulysses sequence parallelism runs under DDP only (this run: "
-                        f"{facts.parallel}, world size {facts.world_size}); launch with torchrun on N or more "
-                        "processes without FSDP, or use DeepSpeed's engine (ParallelismConfig(sp_backend='deepspeed'))")
+        fsdp = (" (under FSDP2 the attention and loss are exact in your own loop: torch's fully_shard over all "
+                "ranks + hf_ddpfix.integrations.sequence_parallel.sharded_causal_lm_loss; the Trainer path under "
+                "FSDP is not tested, so not switched on)") if facts.parallel == "fsdp" else ""
+        raise PlanError(f"{where}: hf_ddpfix's Ulysses sequence parallelism runs in the Trainer under DDP only (this "
+                        f"run: {facts.parallel}, world size {facts.world_size}){fsdp}; launch with torchrun on N or "
+                        "more processes without FSDP, or use DeepSpeed's engine (ParallelismConfig(sp_backend='deepspeed'))")
     if facts.world_size % n:
         raise PlanError(f"{where}: the world size {facts.world_size} is not a multiple of {n}; "
                         f"use a sequence_parallel that divides {facts.world_size}")
