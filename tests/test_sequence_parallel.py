@@ -122,7 +122,7 @@ def test_ulysses_attention_and_a_lora_llama_match_one_process_on_the_full_sequen
     cases = {r["case"] for r in records}
     assert {"model/plain", "model/right_padded", "model/prompt_masked", "model/packed", "model/not_divisible",
             "model/batch2", "gradcheck/all_to_all_fp64", "fsdp2/right_padded", "fsdp2/packed",
-            "fsdp2/not_divisible"} <= cases
+            "fsdp2/not_divisible", "model/backward_on_another_thread"} <= cases
     assert all(r["params_sharded"] for r in records if r["case"].startswith("fsdp2/"))  # FSDP2 really sharded
     assert sum(c.startswith("attention/") for c in cases) >= 6
     assert all(r["ok"] for r in records), [r for r in records if not r["ok"]]
