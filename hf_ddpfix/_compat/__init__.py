@@ -38,6 +38,11 @@ from .models import (
     unwrap_model,
     unwrap_parallel,
 )
+from .sequence_parallel import (
+    parallelism_config_available,
+    parallelism_sp_settings,
+    stand_down_accelerate_sequence_parallel,
+)
 from .torch_internals import (
     FLASH_CPU_BACKWARD_OP,
     checkpoint_recompute_is_last,
@@ -117,9 +122,12 @@ __all__ = [
     "module_parameter_slots",
     "output_cache",
     "output_field",
+    "parallelism_config_available",
+    "parallelism_sp_settings",
     "set_ddp_kwargs",
     "set_layer_checkpoint_func",
     "is_ddp_sink_node",
+    "stand_down_accelerate_sequence_parallel",
     "storage_weak_ref",
     "trainer_callbacks",
     "unwrap_model",

@@ -1,4 +1,4 @@
-"""Sequence parallelism inside the stock `Trainer` loop under DDP (`attach_sequence_parallel`).
+"""Sequence parallelism inside the stock `Trainer` loop under DDP or DeepSpeed ZeRO (`attach_sequence_parallel`).
 
 Per training micro-batch (the Trainer's `compute_loss`, on the instance):
   1. the N ranks of an SP group (ranks `k*N .. k*N+N-1`) exchange their batches (`all_gather_object`):
@@ -34,6 +34,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ..._compat import stand_down_accelerate_sequence_parallel
 from ...ops.feature_counts import record_amount, record_fallback
 from .attention import FEATURE, activate_batch, deactivate_batch, install_ulysses_attention
 from .model import sharded_causal_lm_loss
@@ -98,15 +99,22 @@ def _fallback_reason(trainer: Any, model: nn.Module, inputs: Mapping[str, Any]) 
     return None
 
 
-def attach_sequence_parallel(trainer: Any, model: nn.Module, *, sp_size: int, stack: ExitStack) -> SequenceParallelGroups:
+def attach_sequence_parallel(trainer: Any, model: nn.Module, *, sp_size: int, stack: ExitStack,
+                             stand_down_accelerate: bool = False) -> SequenceParallelGroups:
     """Make `trainer` train `model` with Ulysses sequence parallelism over groups of `sp_size` ranks.
 
     Args:
-        trainer: a `transformers.Trainer` about to run its training loop under DDP.
+        trainer: a `transformers.Trainer` about to run its training loop under DDP or DeepSpeed ZeRO (which
+            then sees plain data parallelism over the world: same loss scale as DDP).
         model: the unwrapped model (its attention implementation is wrapped).
         sp_size: N, dividing the world size.
         stack: the undo of every change goes here (the attention wrapper, `compute_loss`).
+        stand_down_accelerate: the run asked for SP through `ParallelismConfig(sp_size=N)`: accelerate's and
+            the Trainer's DeepSpeed-SP paths stand down for this training loop
+            (`_compat.stand_down_accelerate_sequence_parallel`), so the batch is split once, here.
     """
+    if stand_down_accelerate:
+        stack.callback(stand_down_accelerate_sequence_parallel(trainer))
     groups = SequenceParallelGroups(sp_size)
     impl = getattr(getattr(model, "config", None), "_attn_implementation", None) or "sdpa"
     stack.callback(install_ulysses_attention(impl).remove)
