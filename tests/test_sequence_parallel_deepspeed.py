@@ -63,9 +63,14 @@ def test_stock_deepspeed_sp_updates_are_sp_size_times_too_large_and_its_loss_a_m
     reduce-scatter, x1 with it) and far from the token mean of the same data; its logged loss is the mean of
     means."""
     out = tmp_path / "spds2.json"
-    torchrun("sp_deepspeed.py", str(out), "--ga", "3", "--zero", "", nproc=2, timeout=300, env=DS_ENV)
+    torchrun("sp_deepspeed.py", str(out), "--ga", "3", "--zero", "", "--check-leftover-mpu", nproc=2, timeout=300,
+             env=DS_ENV)
     records = {r["case"]: r for r in json.loads(out.read_text())}
-    assert set(records) == {"stock/zero2/sgd", "stock/zero3_rs/sgd", "stock/zero3_no_rs/sgd"}
+    assert set(records) == {"stock/zero2/sgd", "stock/zero3_rs/sgd", "stock/zero3_no_rs/sgd",
+                            "hf_ddpfix/zero2/leftover_sp_engine"}
+    # hf_ddpfix's run-time check: an engine that kept DeepSpeed's SP groups would scale the loss wrongly: refused
+    leftover = records.pop("hf_ddpfix/zero2/leftover_sp_engine")
+    assert leftover["ok"] and "sequence_parallel_size=2" in leftover["error"], leftover
     for r in records.values():
         assert r["ok"] and r["engine_sp"] == 2, r
         assert r["diff_to_stock_formula"] <= TOL and r["logged_loss_diff_to_mean_of_means"] <= TOL

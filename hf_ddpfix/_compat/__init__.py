@@ -18,6 +18,7 @@ Checked against: :data:`CHECKED_AGAINST` (newest) and :data:`OLDEST_SUPPORTED` (
 # One module per upstream area; this face re-exports every contract (import from `hf_ddpfix._compat`).
 from .deepspeed import (
     deepspeed_default_leaf_classes,
+    deepspeed_engine_sequence_parallel_size,
     z3_leaf_marked,
 )
 from .models import (
@@ -106,6 +107,7 @@ __all__ = [
     "ddp_kwargs_handler",
     "ddp_syncs_grads",
     "deepspeed_default_leaf_classes",
+    "deepspeed_engine_sequence_parallel_size",
     "disable_model_checkpointing",
     "enable_model_checkpointing",
     "fake_from_meta",

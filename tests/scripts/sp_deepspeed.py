@@ -223,6 +223,8 @@ def main() -> None:
     p.add_argument("--stock", default=",".join(ZERO),
                    help="ZeRO settings to run stock DeepSpeed SP on ('' none); world > 2: only its failure to start "
                         "with sp_size alone")
+    p.add_argument("--check-leftover-mpu", action="store_true",
+                   help="also: an engine built with DeepSpeed's SP groups left in the process is refused")
     a = p.parse_args()
     r, world = init_gloo()
     import deepspeed
@@ -295,6 +297,20 @@ def main() -> None:
             rec["ok"] = True
         v.add(rec)
         log(f"stock {zero}: {got['seconds']:.1f}s")
+    if a.check_leftover_mpu:  # an engine that inherits SP groups: hf_ddpfix's run-time check stops it
+        from deepspeed.runtime.sequence_parallel import parallel_state_sp
+        from deepspeed.utils import groups
+
+        parallel_state_sp.initialize_sequence_parallel(sequence_parallel_size=SP)
+        groups.mpu = parallel_state_sp  # what a DeepSpeed-SP engine earlier in the process leaves behind
+        try:
+            train("zero2", "sgd", "pc", a.ga)
+            error = ""
+        except RuntimeError as err:  # every rank, at its first sharded forward, before any collective of ours
+            error = str(err)
+        drop_stock_sp_state(sdpa)
+        v.add({"case": "hf_ddpfix/zero2/leftover_sp_engine", "world": world, "error": error[:300],
+               "ok": f"sequence_parallel_size={world}" in error and "does not average gradients" in error})
     dist.barrier()
     v.finish()
 

@@ -34,7 +34,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..._compat import stand_down_accelerate_sequence_parallel
+from ..._compat import deepspeed_engine_sequence_parallel_size, stand_down_accelerate_sequence_parallel
 from ...ops.feature_counts import record_amount, record_fallback
 from .attention import FEATURE, activate_batch, deactivate_batch, install_ulysses_attention
 from .model import sharded_causal_lm_loss
@@ -121,6 +121,7 @@ def attach_sequence_parallel(trainer: Any, model: nn.Module, *, sp_size: int, st
     stack.callback(deactivate_batch)
     stock = trainer.compute_loss
     warned: set[str] = set()
+    checked: list[bool] = []
     pad_id = getattr(getattr(model, "config", None), "pad_token_id", None) or 0
 
     def compute_loss(model: nn.Module, inputs: dict[str, Any], return_outputs: bool = False,
@@ -133,6 +134,9 @@ def attach_sequence_parallel(trainer: Any, model: nn.Module, *, sp_size: int, st
                 warned.add(reason)
                 logger.info("sequence_parallel: %s", reason)
             return stock(model, inputs, return_outputs=return_outputs, num_items_in_batch=num_items_in_batch)
+        if not checked:
+            _check_plain_data_parallel(trainer, sp_size)
+            checked.append(True)
         mine = {k: inputs[k].detach().cpu() if torch.is_tensor(inputs[k]) else inputs[k] for k in inputs}
         gathered: list[Any] = [None] * groups.size
         dist.all_gather_object(gathered, mine, group=groups.group)
@@ -166,6 +170,23 @@ def attach_sequence_parallel(trainer: Any, model: nn.Module, *, sp_size: int, st
 
     stack.callback(restore)
     return groups
+
+
+def _check_plain_data_parallel(trainer: Any, sp_size: int) -> None:
+    """The loss scale (x world size) is exact only when the engine averages gradients over the whole world, as
+    DDP does. A DeepSpeed engine built with sequence-parallel groups does not (it sums over each SP group):
+    checked at the first sharded forward, where the engine exists.
+
+    Raises:
+        RuntimeError: the DeepSpeed engine has sequence_parallel_size > 1, naming it and the likely cause.
+    """
+    size = deepspeed_engine_sequence_parallel_size(getattr(trainer, "model_wrapped", None))
+    if size is not None and size > 1:
+        raise RuntimeError(
+            f"sequence_parallel={sp_size}: the DeepSpeed engine was built with its own sequence-parallel groups "
+            f"(sequence_parallel_size={size}), so it does not average gradients over the world and hf_ddpfix's "
+            "token-sum loss would be off by that factor. Build the engine without an SP mpu (an engine with "
+            "DeepSpeed's Ulysses made earlier in this process leaves deepspeed.utils.groups.mpu set)")
 
 
 def _count(batch: Mapping[str, torch.Tensor]) -> int:
