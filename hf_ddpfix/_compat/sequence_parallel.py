@@ -18,8 +18,6 @@ Part of the contract layer (:mod:`hf_ddpfix._compat`): torch-only at module leve
 
 from __future__ import annotations
 
-import dataclasses
-import inspect
 from collections.abc import Callable
 from typing import Any
 
@@ -29,6 +27,8 @@ __all__ = ["parallelism_config_available", "parallelism_sp_settings", "stand_dow
 def parallelism_config_available() -> bool:
     """True when the installed accelerate has ``ParallelismConfig`` with ``sp_size`` (>= 1.12) and
     ``TrainingArguments`` takes ``parallelism_config``."""
+    import dataclasses
+
     try:
         from accelerate.parallelism_config import ParallelismConfig
         from transformers import TrainingArguments
@@ -53,6 +53,8 @@ def parallelism_sp_settings(trainer: Any) -> tuple[int | None, str | None, str |
 def _accepts_loss_kwargs(trainer: Any) -> bool:
     """What ``Trainer.__init__`` sets ``model_accepts_loss_kwargs`` to before its SP override (5.23: the
     unwrapped model's ``accepts_loss_kwargs``, else whether ``forward`` takes ``**kwargs``)."""
+    import inspect
+
     from transformers.trainer import unwrap_peft_model
 
     model = unwrap_peft_model(trainer.accelerator.unwrap_model(trainer.model))
@@ -68,6 +70,8 @@ def stand_down_accelerate_sequence_parallel(trainer: Any) -> Callable[[], None]:
     dataloader adapter, no ``deepspeed_sp_compute_loss``, batch sizes undivided), and
     ``trainer.model_accepts_loss_kwargs`` gets back the value ``Trainer.__init__`` computed before its SP
     override. Returns the undo (both restored). The user's ``TrainingArguments`` are never changed."""
+    import dataclasses
+
     state = trainer.accelerator.state
     original = state.parallelism_config
     accepts = trainer.model_accepts_loss_kwargs
