@@ -139,12 +139,39 @@ def test_plan_is_safe_for_what_the_zoo_leaves_unused(name: str) -> None:
 # --- multi-process ----------------------------------------------------------------------------------
 
 
+# What hf_ddpfix's old plan (DDP fu=False + static graph, no tie) does to the families that can leave parameters
+# unused, per rank (usage_zoo.py --old-plan): the error itself, or a hang (a collective timed out).
+OLD_PLAN_OUTCOMES = {
+    "bart_layerdrop": {
+        0: r"RuntimeError after \d+s: Your training graph has changed in this iteration, e\.g\., one parameter is "
+           r"unused in first iteration, but then got used in the second iteration\. this is not compatible with "
+           r"static_graph set to True\.",
+        1: r"RuntimeError after \d+s: Your training graph has changed in this iteration, e\.g\., one parameter is "
+           r"unused in first iteration, but then got used in the second iteration\.",
+    },
+    "mllama": {  # rank 0 (image at step 1) finds its reduction unfinished; rank 1 waits in its all-reduce
+        0: r"RuntimeError after \d+s: Expected to have finished reduction in the prior iteration before starting a "
+           r"new one\. This error indicates that your training graph has changed",
+        1: r"hang after 1[5-9]s: .*Timed out waiting 15000ms",
+    },
+}
+
+
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("ga", [1, 2])
 def test_zoo_trains_like_stock_find_unused_under_reentrant_checkpointing(ga: int, tmp_path) -> None:
+    """Every family, hf_ddpfix (fu=False, ties) vs stock fu=True; at ga 1 the old plan beside the fix for
+    LayerDrop (README row "Your training graph has changed": static graph + a changing graph) and Mllama."""
     report = tmp_path / "zoo.json"
-    done = torchrun("usage_zoo.py", "--ga", str(ga), "--report", str(report), timeout=420)
+    old = ["--old-plan", ",".join(OLD_PLAN_OUTCOMES)] if ga == 1 else []
+    done = torchrun("usage_zoo.py", "--ga", str(ga), "--report", str(report), *old, timeout=420)
     assert done.stdout.count("USAGE_ZOO_OK") == 2, done.stdout[-3000:]
+    for name, ranks in OLD_PLAN_OUTCOMES.items() if ga == 1 else ():
+        for rank, outcome in ranks.items():
+            line = re.search(rf"\[rank {rank} .*\] {name} old plan \(fu=False \+ static graph, no tie\): (.*)",
+                             done.stdout)
+            assert line, (name, rank, done.stdout[-3000:])
+            assert re.match(outcome, line.group(1)), (name, rank, line.group(1))
     data = json.loads(report.read_text())
     assert set(data) == set(ZOO)
     for name, row in data.items():
@@ -231,7 +258,7 @@ def test_the_fsdp2_column_shows_each_family_verdict_and_number_from_the_results_
 @pytest.mark.multiprocess
 def test_trainer_runs_mllama_and_layerdrop_with_fu_false_like_stock(tmp_path) -> None:
     """The issue's headline: stock's old plan picked fu=False + static graph for LoRA Mllama (text-only
-    steps skip the cross-attention layers) and LayerDrop models, which DDP cannot train; under
-    patch_trainer they train with fu=False to the stock Trainer's weights."""
+    steps skip the cross-attention layers) and LayerDrop models, which DDP cannot train (shown failing in
+    the ga 1 zoo test above); under patch_trainer they train with fu=False to the stock Trainer's weights."""
     done = torchrun("usage_trainer.py", "--families", "mllama,bart_layerdrop", "--out", str(tmp_path), timeout=300)
     assert done.stdout.count("USAGE_TRAINER_OK") == 2, done.stdout[-3000:]
