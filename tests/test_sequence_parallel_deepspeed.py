@@ -38,7 +38,8 @@ def test_dp2_sp2_zero2_zero3_both_reduce_scatter_settings_equal_one_process(tmp_
     """4 processes, gradient accumulation 3, micro-batches with different valid-token counts, 2 optimizer steps:
     weights and logged losses within 1e-5 of one process on the whole batch, under SGD without clipping and
     AdamW with clipping, on ZeRO-2 and ZeRO-3 (reduce_scatter true and false). DeepSpeed sees plain data
-    parallelism (its engine's sequence_parallel_size is 1); the sharded attention really ran."""
+    parallelism (its engine's sequence_parallel_size is 1); the sharded attention really ran. After training,
+    `evaluate()` sharded over the SP group equals stock's unsharded evaluation on the same engine."""
     out = tmp_path / "spds4.json"
     torchrun("sp_deepspeed.py", str(out), "--ga", "3", "--stock", "zero2", nproc=4, timeout=480, env=DS_ENV)
     records = {r["case"]: r for r in json.loads(out.read_text())}
@@ -49,6 +50,8 @@ def test_dp2_sp2_zero2_zero3_both_reduce_scatter_settings_equal_one_process(tmp_
         assert r["ok"] and r["weight_diff"] <= TOL and r["loss_diff"] <= TOL, r
         assert r["plan"].startswith("N=2 DP=2") and r["engine_sp"] == 1
         assert r["attention_calls"] > 0 and r["sharded_batches"] == 2 * 2 * 3 and not r["fallbacks"]
+        if name.endswith("/sgd"):  # evaluate() on the trained engine: sharded (hf_ddpfix) = unsharded (stock)
+            assert r["eval_diff"] <= TOL and r["eval_sharded_batches"] > 0, r
     assert {records[n]["via"] for n in ours} == {"pc", "arg"}  # both switches
     assert records["hf_ddpfix/zero3_rs/sgd"]["plan"] == "N=2 DP=2 via parallelism_config"
     # stock with ParallelismConfig(sp_size=2) alone on 4 processes: DeepSpeed refuses accelerate's batch size

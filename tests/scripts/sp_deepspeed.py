@@ -132,15 +132,24 @@ def train(zero: str, optim: str, mode: str, ga: int, dp_replicate: int | None = 
                              save_strategy="no", remove_unused_columns=False, disable_tqdm=True, seed=0,
                              logging_steps=1, deepspeed=ds_config(stage, rs), parallelism_config=pc, **OPTIM[optim])
     t0 = time.time()
-    trainer = Trainer(model=model, args=args, train_dataset=dataset(96, 1), data_collator=rec)
+    trainer = Trainer(model=model, args=args, train_dataset=dataset(96, 1), eval_dataset=dataset(8, 2),
+                      data_collator=rec)
     trainer.train()
     counts = feature_counts.snapshot().get("sequence_parallel")
+    evals = {}
+    if mode != "stock" and optim == "sgd":  # evaluate() on the trained engine: sharded (patched), then stock
+        feature_counts.reset()
+        evals["sharded"] = trainer.evaluate()["eval_loss"]
+        ev = feature_counts.snapshot().get("sequence_parallel")
+        evals["eval_sharded_batches"] = ev.amounts.get("eval_sharded_batches", 0) if ev else 0
+        unpatch_trainer()
+        evals["stock"] = trainer.evaluate()["eval_loss"]
     plan = getattr(trainer, "hf_ddpfix_plan", None)
     out = {"weights": weights_of(model, stage), "seconds": time.time() - t0,
            "losses": [h["loss"] for h in trainer.state.log_history if "loss" in h],
            "counts": counts.as_dict() if counts else {"ran": 0, "fallbacks": {}, "amounts": {}},
            "plan": plan.sequence_parallel.value if plan is not None else None,
-           "engine_sp": getattr(trainer.model_wrapped, "sequence_parallel_size", None)}
+           "engine_sp": getattr(trainer.model_wrapped, "sequence_parallel_size", None), "evals": evals}
     gathered: list = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, rec.batches)
     out["batches"] = gathered
@@ -250,12 +259,17 @@ def main() -> None:
                    "plan": got["plan"], "engine_sp": got["engine_sp"], "seconds": round(got["seconds"], 1),
                    "attention_calls": c["ran"], "sharded_batches": c["amounts"].get("sharded_batches", 0),
                    "fallbacks": c["fallbacks"], "losses": got["losses"]}
+            ev = got["evals"]
+            if ev:
+                rec.update(eval_sharded=ev["sharded"], eval_stock=ev["stock"], eval_diff=abs(ev["sharded"] - ev["stock"]),
+                           eval_sharded_batches=ev["eval_sharded_batches"])
             if r == 0:
                 rec.update(weight_diff=wdiff(got["weights"], ref["weights"]), ref_losses=ref["losses"],
                            loss_diff=max(abs(x - y) for x, y in zip(got["losses"], ref["losses"], strict=True)))
                 rec["ok"] = (rec["weight_diff"] <= TOL and rec["loss_diff"] <= TOL and c["ran"] > 0
                              and rec["sharded_batches"] == SP * STEPS * a.ga and got["engine_sp"] in (None, 1)
-                             and str(got["plan"]).startswith(f"N={SP} DP={world // SP}"))
+                             and str(got["plan"]).startswith(f"N={SP} DP={world // SP}")
+                             and (not ev or (rec["eval_diff"] <= TOL and rec["eval_sharded_batches"] > 0)))
             else:
                 rec["ok"] = True
             v.add(rec)
