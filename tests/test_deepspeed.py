@@ -10,12 +10,11 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 
 import pytest
 import torch
-from fixtures import BUILDERS, add_lora, make_batch
+from fixtures import BUILDERS, add_lora, build_deepspeed_shm_op, make_batch
 from launch import torchrun
 
 from hf_ddpfix.integrations.deepspeed import (
@@ -256,15 +255,8 @@ def test_zero_dummy_image_runs_after_the_embedding_and_changes_no_number(family)
 
 @pytest.fixture(scope="module")
 def _shm_op():
-    """Build deepspeed's CPU shared-memory op once (cached in TORCH_EXTENSIONS_DIR / ~/.cache/torch_extensions)."""
-    pytest.importorskip("deepspeed", reason="test extra: DS_BUILD_OPS=0 pip install deepspeed==0.19.8")
-    code = "from deepspeed.comm.torch import build_shm_op; build_shm_op()"
-    try:
-        subprocess.run([sys.executable, "-c", code], env={**os.environ, **DS_ENV}, check=True, timeout=900,
-                       capture_output=True)
-    except subprocess.TimeoutExpired:
-        pytest.fail("building deepspeed_shm_comm took > 900 s: a killed earlier build leaves a stale 'lock' file "
-                    "in ~/.cache/torch_extensions/*/deepspeed_shm_comm/ - delete it")
+    """Build deepspeed's CPU shared-memory op once (fixtures.build_deepspeed_shm_op)."""
+    build_deepspeed_shm_op()
 
 
 def _suite(tmp_path, suite: str, timeout: float) -> dict:
