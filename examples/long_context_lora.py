@@ -30,7 +30,6 @@ Use ``--model-path`` for real weights (``AutoModelForCausalLM.from_pretrained``)
 from __future__ import annotations
 
 import argparse
-import gc
 import json
 import os
 import warnings
@@ -40,6 +39,7 @@ from peft import LoraConfig, get_peft_model
 from transformers import LlamaConfig, LlamaForCausalLM, TrainingArguments
 
 from hf_ddpfix import DDPFixConfig, DDPFixTrainer
+from hf_ddpfix.ops.dist import destroy_default_group
 from hf_ddpfix.ops.offload.budget import plan_offload_budget
 from hf_ddpfix.ops.offload.host_pool import default_max_bytes
 
@@ -130,6 +130,4 @@ if __name__ == "__main__":
     try:
         main()
     finally:  # end the process group here: one left to interpreter shutdown can abort a finished run (gloo)
-        gc.collect()  # a Trainer kept alive by a reference cycle holds DDP's reducer, which must go first
-        if torch.distributed.is_initialized():
-            torch.distributed.destroy_process_group()
+        destroy_default_group()

@@ -46,7 +46,6 @@ The offline base model is random but seeded: the same `--seed` rebuilds it, so t
 from __future__ import annotations
 
 import argparse
-import gc
 import json
 import os
 import sys
@@ -388,6 +387,6 @@ if __name__ == "__main__":
     try:
         main()
     finally:  # end the process group here: one left to interpreter shutdown can abort a finished run (gloo)
-        gc.collect()  # a Trainer kept alive by a reference cycle holds DDP's reducer, which must go first
-        if torch.distributed.is_initialized():
-            torch.distributed.destroy_process_group()
+        from hf_ddpfix.ops.dist import destroy_default_group  # ends the group only; patches nothing
+
+        destroy_default_group()

@@ -14,7 +14,6 @@ CPU only: both commands run as 2 gloo processes (`use_cpu=True` below); on GPUs 
 """
 
 import argparse
-import gc
 import os
 
 import torch
@@ -23,6 +22,8 @@ from peft import LoraConfig
 from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 from trl import SFTConfig, SFTTrainer
+
+from hf_ddpfix.ops.dist import destroy_default_group  # ends the group only; patches nothing
 
 WORDS = ("the a cat dog bird sat ran flew on under over mat rug tree and then quickly slowly home "
          "red blue green big small").split()
@@ -82,6 +83,4 @@ if __name__ == "__main__":
     try:
         main()
     finally:  # end the process group here: one left to interpreter shutdown can abort a finished run (gloo)
-        gc.collect()  # a Trainer kept alive by a reference cycle holds DDP's reducer, which must go first
-        if torch.distributed.is_initialized():
-            torch.distributed.destroy_process_group()
+        destroy_default_group()

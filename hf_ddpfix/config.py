@@ -233,6 +233,12 @@ class DDPFixConfig:
         "Tie every trainable parameter a forward did not use into the loss with an exact-zero gradient (observed "
         "each forward), so DDP runs with find_unused_parameters=False for any model (auto: on under DDP).",
     )
+    zero_skip_unused: bool | None = option(
+        _bool,
+        "DeepSpeed ZeRO-1/2/3: 1 gives parameters no rank used in an optimizer step back their weights and AdamW "
+        "state after the step (stock DDP's semantics: AdamW skips them); 0/auto: DeepSpeed's own (zero gradient: "
+        "weight decay and momentum move them). torch Adam/AdamW only.",
+    )
     tiled_mlp: str | None = option(
         _tiled_mlp,
         "TiledMLP: off, auto (no tiling below 8K tokens, then 2K tokens per shard), N shards, arctic "

@@ -57,6 +57,7 @@ class Runtime:
     hang_guard: HangGuard | None = None
     usage: ParameterUsage | None = None
     zero_vision: Any = None  # ZeroVisionStabilizer under DeepSpeed ZeRO-2/3
+    zero_skip_unused: Any = None  # ZeroSkipUnused under DeepSpeed ZeRO-1/2/3 (plan.zero_skip_unused)
     tiled_mlp: TiledMLPHandle | None = None
     tiled_loss: TiledLossHandle | None = None
     long_context: LongContextHandle | None = None
@@ -85,6 +86,10 @@ def attach_runtime(trainer: Any, model: nn.Module, plan: Plan, stack: ExitStack)
                                           sync_eval=bool(plan.vlm_eval_sync.value))
     elif plan.vlm_stabilizer.value:
         rt.stabilizer = _attach_stabilizer(trainer, model, plan, stack)
+    if plan.zero_skip_unused.value:  # observe from the first forward; the optimizer is hooked at train begin
+        from .integrations.zero_unused import attach_zero_skip_unused
+
+        rt.zero_skip_unused = attach_zero_skip_unused(trainer, model, stack)
     if plan.parameter_usage.value:
         # a parameter read by two reentrant layers fires its DDP hook twice: fine only with static graph
         usage = ParameterUsage(model, allow_region_reuse=bool(plan.static_graph.value))

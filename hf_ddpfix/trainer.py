@@ -31,10 +31,12 @@ from .config import DDPFixConfig
 from .errors import readable_ddp_errors
 from .facts import gather_facts
 from .feature_report import FallbackWatch, feature_metrics
+from .integrations.sequence_parallel.trainer import attach_sequence_parallel
 from .integrations.trainer_hooks import TrainerPatchLayer
 from .ops.dist import destroy_default_group_at_exit
 from .ops.feature_counts import reset as reset_feature_counts
 from .plan.resolve import resolve_plan
+from .plan.sequence_parallel import decide_sequence_parallel, sp_size_of
 from .plan.types import Plan
 from .plan.vision import decide_eval_sync
 from .runtime import attach_eval_sync, attach_runtime
@@ -141,14 +143,31 @@ def run_evaluation_with_plan(trainer: Trainer, eval_loop: Callable[..., Any], *a
         if trainer.is_world_process_zero():
             _ensure_log_handler()
             logger.info("vlm_eval_sync = %s  %s", decision.text, decision.reason)
+    sp = _eval_sequence_parallel(trainer, facts)
     trainer._hf_ddpfix_eval_active = True
     try:
         with ExitStack() as stack:
             trainer.hf_ddpfix_eval_sync = attach_eval_sync(unwrap_parallel(trainer.model), decision,
                                                            facts.parallel, stack)
+            if sp > 1:  # sharded evaluation, as inside train() (integrations/sequence_parallel/trainer.py)
+                attach_sequence_parallel(trainer, unwrap_parallel(trainer.model), sp_size=sp, stack=stack)
             return eval_loop(*args, **kwargs)
     finally:
         trainer._hf_ddpfix_eval_active = False
+
+
+def _eval_sequence_parallel(trainer: Trainer, facts: Any) -> int:
+    """N for an evaluation outside `train()` from the plan's `sequence_parallel` decision (1: off). A
+    combination the plan refuses runs stock evaluation with the reason logged (evaluation never fails
+    where stock's runs)."""
+    try:
+        decision = decide_sequence_parallel(facts, _trainer_config(trainer))
+    except Exception as err:  # noqa: BLE001 - PlanError: training would refuse; evaluation runs stock
+        if trainer.is_world_process_zero():
+            _ensure_log_handler()
+            logger.warning("sequence_parallel: evaluation runs unsharded (%s)", err)
+        return 1
+    return sp_size_of(decision.value) if decision.value != "deepspeed" else 1
 
 
 def resolve_resume(trainer: Trainer, resume_from_checkpoint: str | bool | None) -> str | bool | None:

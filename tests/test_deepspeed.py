@@ -284,13 +284,75 @@ def test_qwen2_5_vl_and_llava_mixed_batches_train_under_zero2_and_zero3_like_sto
     LLaVA, and Qwen2.5-VL with gradient accumulation 2 under ZeRO-3 (image and text micro-batches on
     every rank): within 1e-5 of stock DDP (same accumulation); all ranks text-only: equal to stock ZeRO-3
     (zero-filled vision gradients)."""
-    r = _suite(tmp_path, "vlm", timeout=420)
+    r = _suite(tmp_path, "vlm", timeout=480)
     cases = r["cases"]
+    skip = {"zero2_vlm_skip_on", "zero3_vlm_skip_on", "zero2_vlm_skip_off"}
     assert set(cases) == {"zero2_vlm_mixed", "zero3_vlm_mixed", "zero2_llava_mixed", "zero3_llava_mixed",
-                          "zero3_vlm_mixed_ga2", "zero3_vlm_text_fixed"} and not r["failures"]
+                          "zero3_vlm_mixed_ga2", "zero3_vlm_text_fixed"} | skip and not r["failures"], r["failures"]
     for name, case in cases.items():
+        if name == "zero2_vlm_skip_off":
+            continue
         assert case["max_diff"] <= 1e-5 and case["moved"] > 1e-3, (name, case)
         assert case["stabilizer"] is True, name
+    _assert_skip_unused(cases)
+
+
+def _assert_skip_unused(cases: dict) -> None:
+    """The ``zero_skip_unused`` cases of the vlm suite (Qwen2.5-VL, LoRA incl. the tower; 4 steps: an image on
+    rank 0 at step 0, on no rank at steps 1-2, on rank 1 at step 3)."""
+    for stage in (2, 3):
+        on = cases[f"zero{stage}_vlm_skip_on"]
+        # with the option: stock DDP's weights (vision LoRA included), and it really ran on every step
+        assert on["max_diff"] <= 1e-5 and on["vision_diff"] <= 1e-5 and on["skip_unused"] is True, on
+        counts = on["skip_counts"]
+        assert counts["ran"] == 4 and counts["fell_back"] == 0, counts
+        assert counts["skipped_params"] > 0 and counts["restored_elements"] > 0, counts  # steps 1-2: restored
+        assert counts["recomputed_elements"] > 0, counts  # step 3: own step count for the bias correction
+    off = cases["zero2_vlm_skip_off"]
+    # without it: DeepSpeed's own semantics, the vision LoRA moved where DDP left it (measured 0.0114)
+    assert off["skip_unused"] is False and off["skip_counts"] is None, off
+    assert off["vision_diff"] > 1e-3 and off["max_diff"] == off["vision_diff"], off
+
+
+@pytest.mark.parametrize("stage, asked, source, value, changed", [
+    (2, None, "default", False, False), (3, False, "HF_DDPFIX_ZERO_SKIP_UNUSED", False, False),
+    (2, True, "argument", True, True), (3, True, "HF_DDPFIX_ZERO_SKIP_UNUSED", True, True),
+    (1, True, "argument", True, True), (0, True, "argument", False, False), (None, True, "argument", False, False),
+    (0, None, "default", None, False)])
+def test_skip_unused_is_off_unless_asked_and_says_what_differs_from_ddp(stage, asked, source, value, changed):
+    from hf_ddpfix.plan.deepspeed import skip_unused_decision
+
+    got, reason, ch = skip_unused_decision(stage, asked, source)
+    assert (got, ch) == (value, changed), reason
+    if value is False and stage:
+        assert "stock DDP leaves it" in reason and "HF_DDPFIX_ZERO_SKIP_UNUSED=1" in reason
+        assert ("default" in reason) == (asked is None)
+    if value is True:
+        assert source in reason and "own step count" in reason
+    if value is False and not stage:
+        assert "stock behaviour kept" in reason
+
+
+def test_skip_unused_is_an_option_of_patch_trainer_and_the_environment():
+    from hf_ddpfix.config import DDPFixConfig
+
+    facts = RunFacts(parallel="deepspeed", world_size=2, zero_stage=3, deepspeed=_ds(3))
+    assert resolve_plan(facts).zero_skip_unused.value is False
+    env = DDPFixConfig.from_env({"HF_DDPFIX_ZERO_SKIP_UNUSED": "1"})
+    plan = resolve_plan(facts, env)
+    assert plan.zero_skip_unused.value is True and "HF_DDPFIX_ZERO_SKIP_UNUSED" in plan.zero_skip_unused.reason
+    assert "zero_skip_unused" in plan.report()
+    arg = DDPFixConfig.from_env({"HF_DDPFIX_ZERO_SKIP_UNUSED": "1"}, zero_skip_unused=False)  # argument wins
+    assert resolve_plan(facts, arg).zero_skip_unused.value is False
+    with pytest.raises(ValueError, match=r"HF_DDPFIX_ZERO_SKIP_UNUSED='maybe'.*allowed: 1/true/yes/on"):
+        DDPFixConfig.from_env({"HF_DDPFIX_ZERO_SKIP_UNUSED": "maybe"})
+    with pytest.raises(ValueError, match="zero_skip_unused"):
+        from hf_ddpfix import patch_trainer
+
+        patch_trainer(zero_skip_unused="sometimes")
+    ddp = resolve_plan(RunFacts(parallel="ddp", world_size=2), env).zero_skip_unused
+    assert ddp.value is False and "not DeepSpeed" in ddp.reason
+    assert resolve_plan(RunFacts(parallel="ddp", world_size=2)).zero_skip_unused.value is None
 
 
 @pytest.mark.multiprocess

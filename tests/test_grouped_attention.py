@@ -39,3 +39,23 @@ def test_group_count_rule():
     assert kv_groups_for(8) == 8 and kv_groups_for(8, 3) == 2 and kv_groups_for(8, 100) == 8
     with pytest.raises(ValueError, match="groups"):
         kv_groups_for(8, 0)
+
+
+def test_self_check_adds_nothing_to_the_callers_graph():
+    """The one-time kernel self-check runs inside the first (checkpointed, offloaded) layer forward. Found
+    on an H100 (2026-11-25): run in the caller's thread its saved tensors went into the checkpoint, the
+    recompute (check cached) saved 7 fewer and torch raised CheckpointError. It must pack nothing there."""
+    from hf_ddpfix.ops import grouped_attention as ga
+
+    ga._CUDA_OK.clear()
+    q, k = torch.randn(1, 4, 8, 16), torch.randn(1, 2, 8, 16)
+    packed: list[torch.Size] = []
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        packed.append(t.shape)
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        assert ga._cuda_checked(q, k, 2) is True  # the same check the CUDA path runs; exact on CPU
+    assert packed == []
+    ga._CUDA_OK.clear()

@@ -96,6 +96,10 @@ STOCK_FAILURES = [
     (("vlm", "--ckpt", "nonreentrant", "--find-unused", "0"), "Expected to have finished reduction"),
     (("text", "--ckpt", "nonreentrant", "--static", "1", "--ga", "2"), "expect_autograd_hooks_"),
     (("text", "--ckpt", "nonreentrant", "--offload", "1"), "pin_memory"),
+    # README's "static_graph + a changing graph" row on the VLM (image/text ranks change step to step); the
+    # LayerDrop form ("Your training graph has changed in this iteration") is in tests/test_usage.py
+    (("vlm", "--ckpt", "nonreentrant", "--static", "1"), "Expected to have finished reduction in the prior iteration "
+     "before starting a new one. This error indicates that your training graph has changed"),
 ]
 
 

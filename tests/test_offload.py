@@ -368,6 +368,12 @@ def test_auto_keep_on_device_asks_the_budget_with_the_previous_steps_memory():
     assert off.stats.keep_on_device == 1  # nothing known before the first step
     _four_layer_step(off)
     assert off.stats.keep_on_device == 3 and off.stats.kept_tensors == 3 and off.stats.offloaded_tensors == 1
+    assert off.stats.pool_bytes > 0  # the offloaded input's slab is held for the next step
+    total["bytes"] = int((fixed + 4.5 * layer) / 0.9)  # all four fit: nothing is copied any more ...
+    _four_layer_step(off)
+    _four_layer_step(off)
+    assert off.stats.keep_on_device == 4 and off.stats.offloaded_tensors == 0
+    assert off.stats.pool_bytes == 0  # ... and the pool gave its idle slabs back
     total["bytes"] = int((fixed + 1.2 * layer) / 0.9)  # the device shrank: only one fits
     _four_layer_step(off)
     _four_layer_step(off)

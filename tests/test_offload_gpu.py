@@ -11,6 +11,7 @@ from torch import nn
 
 from hf_ddpfix.integrations.checkpointing import CheckpointFunction, apply_checkpointing
 from hf_ddpfix.ops.offload import ActivationOffload
+from hf_ddpfix.ops.offload.host_memory import release_torch_host_cache
 
 pytestmark = [
     pytest.mark.gpu,
@@ -70,7 +71,7 @@ def test_cuda_variable_lengths_bit_identical_and_pinned_pool_bounded():
         install(model, mode)
         if mode is not None:
             torch.cuda.synchronize()
-            torch.accelerator.empty_host_cache()
+            release_torch_host_cache()  # torch >= 2.6: empty_host_cache is newer
             torch.cuda.reset_peak_host_memory_stats()
             base = torch.cuda.host_memory_stats().get("allocated_bytes.current", 0)
         steps = []

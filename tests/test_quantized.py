@@ -10,6 +10,7 @@ what it refuses really fails in stock.
 from __future__ import annotations
 
 import os
+import re
 from types import SimpleNamespace
 
 import pytest
@@ -296,11 +297,15 @@ def test_plan_command_dry_runs_the_qlora_guardrails(capsys):
 @pytest.mark.multiprocess
 def test_qlora_ddp_kbit_defaults_match_stock_non_reentrant_and_placement_guard(tiny_dir, tmp_path):
     """prepare_model_for_kbit_training defaults (reentrant) under patch_trainer == stock non-reentrant fu=True
-    to 1e-6 (bit-equal measured), replicas equal; a spread placement raises PlacementError before step 1."""
+    to 1e-6 (bit-equal measured), replicas equal; a spread placement raises PlacementError before step 1; the
+    stock Trainer on the same kbit defaults fails on every rank with DDP's "ready only once" at step 0."""
     pytest.importorskip("bitsandbytes")
     out = torchrun("qlora_ddp.py", "--model-dir", tiny_dir, "--out", str(tmp_path / "run"), timeout=300)
     assert out.stdout.count("QLORA_DDP_OK") == 2, out.stdout[-3000:]
     assert "max |w - stock| = " in out.stdout and "PlacementError before step 1" in out.stdout
+    for rank in (0, 1):
+        assert re.search(rf"\[rank {rank} .*\] stock kbit defaults \(reentrant, fu=True\): RuntimeError at step 0: "
+                         r"Expected to mark a variable ready only once\. ", out.stdout), (rank, out.stdout[-3000:])
 
 
 @pytest.mark.multiprocess

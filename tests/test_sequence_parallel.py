@@ -121,7 +121,9 @@ def test_ulysses_attention_and_a_lora_llama_match_one_process_on_the_full_sequen
     records = json.loads(out.read_text())
     cases = {r["case"] for r in records}
     assert {"model/plain", "model/right_padded", "model/prompt_masked", "model/packed", "model/not_divisible",
-            "model/batch2", "gradcheck/all_to_all_fp64"} <= cases
+            "model/batch2", "gradcheck/all_to_all_fp64", "fsdp2/right_padded", "fsdp2/packed",
+            "fsdp2/not_divisible"} <= cases
+    assert all(r["params_sharded"] for r in records if r["case"].startswith("fsdp2/"))  # FSDP2 really sharded
     assert sum(c.startswith("attention/") for c in cases) >= 6
     assert all(r["ok"] for r in records), [r for r in records if not r["ok"]]
     masked = next(r for r in records if r["case"] == "model/prompt_masked")
@@ -191,31 +193,50 @@ def test_combinations_that_cannot_work_are_a_plan_error_naming_setting_and_fix(f
 @pytest.mark.multiprocess
 @pytest.mark.parametrize(("nproc", "ga"), [(2, 2), (4, 3)])
 def test_trainer_with_sequence_parallel_equals_the_run_without_it_and_one_process(tmp_path, nproc, ga):
-    """One process with the whole global batch, and the same world without SP, are the references. World 2: N=2; world 4: DP2 x SP2 with gradient accumulation 3 and unequal token counts; SGD without
-    clipping and AdamW with clipping; patch_trainer(sequence_parallel=2) and HF_DDPFIX_SEQUENCE_PARALLEL=2."""
-    from launch import torchrun
+    """One process with the whole global batch, and the same world without SP, are the references. World 2: N=2;
+    world 4: DP2 x SP2 with gradient accumulation 3 and unequal token counts; SGD without clipping and AdamW with
+    clipping; patch_trainer(sequence_parallel=2) and HF_DDPFIX_SEQUENCE_PARALLEL=2. evaluate() and predict() run
+    sharded. World 2 also: tiled MLP + tiled loss + non-reentrant checkpointing + activation offload under SP, and
+    the zero-code route (patches/ on PYTHONPATH, HF_DDPFIX_SEQUENCE_PARALLEL=2, a plain Trainer)."""
+    import os
+
+    from launch import ROOT, torchrun
 
     one, out = tmp_path / "one.pt", tmp_path / "spt.json"
-    compose = ("--compose",) if nproc == 2 else ()  # + non-reentrant checkpointing and tiled MLP under SP
-    torchrun("sp_trainer.py", str(one), "--ga", str(ga), "--single-for", str(nproc), *compose, nproc=1, timeout=200)
+    compose = ("--compose",) if nproc == 2 else ()
+    env = {"PYTHONPATH": os.pathsep.join([str(ROOT / "patches"), str(ROOT)])} if compose else None
+    torchrun("sp_trainer.py", str(one), "--ga", str(ga), "--single-for", str(nproc), *compose, nproc=1, timeout=300)
     torchrun("sp_trainer.py", str(out), "--sp", "2", "--ga", str(ga), "--single", str(one), *compose, nproc=nproc,
-             timeout=400)
+             timeout=500, env=env)
     records = json.loads(out.read_text())
-    assert {r["case"] for r in records} == {"trainer/sgd", "trainer/adamw_clip"} | (
-        {"trainer/sgd_ckpt_tiled"} if compose else set())
-    assert {r["via"] for r in records} == {"env", "patch_trainer"}
+    by_case = {r["case"]: r for r in records}
+    assert set(by_case) == {"trainer/sgd", "trainer/adamw_clip"} | (
+        {"trainer/compose", "trainer/patches"} if compose else set())
     assert all(r["ok"] for r in records), records
+    micro = 2 * ga  # micro-batches per run: 2 optimizer steps x gradient accumulation
     for r in records:
         assert r["plan"] == f"N=2 DP={nproc // 2}" and r["attention_calls"] > 0
-        assert r["sharded_batches"] == 2 * 2 * ga  # both batches of the group, every micro-batch of 2 steps
-        assert r["one_process"] is not None and r["one_process"]["weight_diff"] <= 1e-5  # vs one process too
+        assert r["sharded_batches"] == 2 * micro  # both batches of the group, every micro-batch
+        assert r["ddp_find_unused_false"] == micro  # every sharded forward ran under DDP(find_unused_parameters=False)
+        assert r["eval_sharded_batches"] == 2 * 2 * (8 // (2 * nproc))  # evaluate() + predict(), both batches each
+        assert r["one_process"] is not None and max(r["one_process"][k] for k in (
+            "weight_diff", "loss_diff", "eval_diff", "logits_diff")) <= 1e-5  # vs one process too
+        assert not r["sp_fallbacks"], r["sp_fallbacks"]  # nothing ran unsharded: eval and predict included
     # clipping measures the norm on every release, so its logged grad norms were compared (< 5.3 logs none
     # without clipping: hist_diff then requires both runs to log none)
-    assert all(g is not None for r in records if r["case"] == "trainer/adamw_clip" for g in r["grad_norms_sp"])
-    if compose:  # the checkpointed backward recomputed the sharded attention (without it: CheckpointError)
-        ck = next(r for r in records if r["case"] == "trainer/sgd_ckpt_tiled")
-        plain = next(r for r in records if r["case"] == "trainer/sgd")
-        assert ck["attention_calls"] == 2 * plain["attention_calls"] and ck["tiled_mlp_calls"] > 0
+    assert all(g is not None for g in by_case["trainer/adamw_clip"]["grad_norms_sp"])
+    if compose:
+        ck, plain = by_case["trainer/compose"], by_case["trainer/sgd"]
+        # the checkpointed backward recomputed the sharded attention of every layer of every micro-batch
+        # (without the kept batch: CheckpointError); evaluation's forwards are the same in both runs
+        assert ck["attention_calls"] - plain["attention_calls"] == micro * ck["layers"]
+        tiled_loss, tiled_mlp, offload = (ck["counts"][k] for k in ("tiled_loss", "tiled_mlp", "offload"))
+        assert tiled_loss["ran"] == micro and not tiled_loss["fallbacks"]  # the loss head ran on every shard
+        assert tiled_mlp["ran"] > 0 and not tiled_mlp["fallbacks"]
+        assert ck["plan_offload"] is True and offload["ran"] == micro and offload["amounts"]["copies"] > 0
+        assert not offload["fallbacks"]
+        patches = by_case["trainer/patches"]
+        assert patches["patched_at_start"] and patches["via"] == "patches"  # the sitecustomize's own patch
 
 
 def test_sequence_parallel_one_is_off_with_a_reason():
@@ -224,3 +245,36 @@ def test_sequence_parallel_one_is_off_with_a_reason():
 
     d = resolve_plan(_facts(), DDPFixConfig.from_env({}, sequence_parallel=1)).sequence_parallel
     assert d.value is False and "whole sequences" in d.reason
+
+
+# ------------------------------------------------------------------------------------------------ projection
+
+
+def test_projection_is_the_one_gpu_budget_at_l_over_n_plus_the_all_to_all_buffers():
+    from hf_ddpfix.ops.offload.budget import max_tokens
+    from hf_ddpfix.ops.sequence_parallel.memory import (
+        project_sequence_parallel,
+        ulysses_buffer_bytes_per_token,
+    )
+
+    gib = 1 << 30
+    shape = dict(layers=32, hidden=4096, heads=32, kv_heads=8)
+    budget = dict(working_bytes_per_token=100 * 1024, fixed_device_bytes=18 * gib, device_budget_bytes=80 * gib,
+                  host_budget_bytes=128 * gib)
+    # Llama-8B bf16: q and the output 8 KiB, k and v 2 KiB each per token; send + receive of both exchanges
+    assert ulysses_buffer_bytes_per_token(hidden=4096, heads=32, kv_heads=8, sp=8) == 2 * (8 + 2 + 2 + 8) * 1024
+    assert ulysses_buffer_bytes_per_token(hidden=4096, heads=32, kv_heads=8, sp=1) == 0
+    # KV heads fewer than N: replicated, so the k/v buffers grow
+    assert ulysses_buffer_bytes_per_token(hidden=512, heads=8, kv_heads=2, sp=4) == 2 * (1024 + 2 * 2 * 256 + 1024)
+    one = project_sequence_parallel(sp=1, **shape, **budget)
+    assert one.tokens_per_rank == max_tokens(layers=32, bytes_per_token_per_layer=8192, **budget)
+    rows = [project_sequence_parallel(sp=n, **shape, **budget) for n in (2, 4, 8)]
+    for r in rows:
+        assert r.sequence_tokens == r.sp * r.tokens_per_rank
+        assert 0 < r.tokens_per_rank < one.tokens_per_rank  # the buffers cost tokens per GPU
+        assert r.device_gib_per_rank <= 80 and r.host_gib_per_rank <= 128
+    assert rows[-1].sequence_tokens > 7 * one.tokens_per_rank * 0.8
+    with pytest.raises(ValueError, match="sp=0"):
+        ulysses_buffer_bytes_per_token(hidden=4096, heads=32, kv_heads=8, sp=0)
+    with pytest.raises(ValueError, match="not divisible"):
+        project_sequence_parallel(sp=3, **shape, **budget)

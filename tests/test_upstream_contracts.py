@@ -542,6 +542,57 @@ def test_deepspeed_leaf_flag_and_default_leaf_classes():
         "deepspeed's DEFAULT_LEAF_MODULE_CLASSES moved or changed")
 
 
+def test_zero_flat_slices_reads_the_attributes_deepspeed_sets():
+    """`_compat.zero_flat_slices` / `deepspeed_engine` read ZeRO-1/2/3 private state (deepspeed 0.19.8, accelerate
+    1.15). Behaviour is checked end to end by tests/scripts/deepspeed_train.py (`zero_skip_unused` cases: the
+    slices mirror the weights, the inner optimizer's step hooks fire); here, cheaply, that every name it reads
+    is still where it was, and that ZeRO still steps the inner torch optimizer through `optimizer.step()` (the
+    hooks `ZeroSkipUnused` registers) and copies the fp32 partitions into the model weights *after* it."""
+    pytest.importorskip("deepspeed", reason="test extra: deepspeed")
+    import dataclasses
+
+    from accelerate import Accelerator
+    from accelerate.utils.deepspeed import DeepSpeedEngineWrapper
+    from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
+    from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
+    from deepspeed.utils.tensor_fragment import fragment_address, tensor_fragment
+
+    def source(fn) -> str:
+        while fn.__name__ == "wrapped_fn":  # deepspeed's instrument_w_nvtx decorator (no functools.wraps)
+            fn = dict(zip(fn.__code__.co_freevars, fn.__closure__, strict=True))["func"].cell_contents
+        return inspect.getsource(fn)
+
+    z12 = source(DeepSpeedZeroOptimizer)
+    for name in ("self.bit16_groups", "self.single_partition_of_fp32_groups", "_hp_mapping"):
+        assert name in z12, _broken(f"DeepSpeedZeroOptimizer no longer uses {name}")
+    assert {"hp_fragment_address", "lp_fragment_address"} <= {f.name for f in dataclasses.fields(tensor_fragment)}, \
+        _broken("tensor_fragment lost hp_fragment_address / lp_fragment_address")
+    assert {f.name for f in dataclasses.fields(fragment_address)} == {"numel", "start"}, _broken("fragment_address")
+    step12 = source(DeepSpeedZeroOptimizer.step)
+    assert step12.index("self._optimizer_step(i)") < step12.index("bit16_partitions[partition_id].data.copy_("), \
+        _broken("ZeRO-1/2 no longer copies the fp32 partition into the weights after the inner step")
+    assert "self.optimizer.step()" in source(DeepSpeedZeroOptimizer._optimizer_step), _broken("ZeRO-1/2 inner step")
+    z3 = source(DeepSpeedZeroOptimizer_Stage3)
+    for name in ("self.fp16_groups", "self.fp32_partitioned_groups_flat", "self.grad_position", "def get_param_id",
+                 "self.swap_optimizer", "self.backup_optimizer", "ds_tensor"):
+        assert name in z3, _broken(f"DeepSpeedZeroOptimizer_Stage3 no longer has {name}")
+    assert "self.grad_position[param_id] = [int(i), int(current_offset), int(num_elements)]" in source(
+        DeepSpeedZeroOptimizer_Stage3.set_grad_positions), _broken("ZeRO-3 grad_position layout")
+    assert "optimizer.step()" in source(DeepSpeedZeroOptimizer_Stage3._optimizer_step), _broken("ZeRO-3 inner step")
+    step3 = source(DeepSpeedZeroOptimizer_Stage3.step)
+    assert step3.index("self._optimizer_step(sub_group_id)") < step3.index(
+        "self._reassign_or_swap_out_partitioned_parameters(sub_group_id)"), _broken("ZeRO-3 step order")
+    assert "self.deepspeed_engine_wrapped" in source(Accelerator), _broken("Accelerator.deepspeed_engine_wrapped")
+    assert "self.engine = engine" in source(DeepSpeedEngineWrapper.__init__), _broken("DeepSpeedEngineWrapper.engine")
+
+    class Wrapped:  # what deepspeed_engine reads
+        deepspeed_engine_wrapped = type("W", (), {"engine": "E"})()
+
+    assert _compat.deepspeed_engine(Wrapped()) == "E" and _compat.deepspeed_engine(object()) is None
+    with pytest.raises(ValueError, match="not a ZeRO optimizer"):
+        _compat.zero_flat_slices(type("Engine", (), {"optimizer": torch.optim.SGD([nn.Parameter(torch.ones(1))], 1.0)}))
+
+
 def test_generate_pre_encodes_images_exactly_when_the_contract_says_so():
     """transformers 5.23 `generate` runs the vision tower before the prefill forward and passes
     `mm_encoder_outputs` (the eval sync then agrees at `generate`'s entry); where the contract says it does

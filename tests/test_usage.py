@@ -139,12 +139,39 @@ def test_plan_is_safe_for_what_the_zoo_leaves_unused(name: str) -> None:
 # --- multi-process ----------------------------------------------------------------------------------
 
 
+# What hf_ddpfix's old plan (DDP fu=False + static graph, no tie) does to the families that can leave parameters
+# unused, per rank (usage_zoo.py --old-plan): the error itself, or a hang (a collective timed out).
+OLD_PLAN_OUTCOMES = {
+    "bart_layerdrop": {
+        0: r"RuntimeError after \d+s: Your training graph has changed in this iteration, e\.g\., one parameter is "
+           r"unused in first iteration, but then got used in the second iteration\. this is not compatible with "
+           r"static_graph set to True\.",
+        1: r"RuntimeError after \d+s: Your training graph has changed in this iteration, e\.g\., one parameter is "
+           r"unused in first iteration, but then got used in the second iteration\.",
+    },
+    "mllama": {  # rank 0 (image at step 1) finds its reduction unfinished; rank 1 waits in its all-reduce
+        0: r"RuntimeError after \d+s: Expected to have finished reduction in the prior iteration before starting a "
+           r"new one\. This error indicates that your training graph has changed",
+        1: r"hang after 1[5-9]s: .*Timed out waiting 15000ms",
+    },
+}
+
+
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("ga", [1, 2])
 def test_zoo_trains_like_stock_find_unused_under_reentrant_checkpointing(ga: int, tmp_path) -> None:
+    """Every family, hf_ddpfix (fu=False, ties) vs stock fu=True; at ga 1 the old plan beside the fix for
+    LayerDrop (README row "Your training graph has changed": static graph + a changing graph) and Mllama."""
     report = tmp_path / "zoo.json"
-    done = torchrun("usage_zoo.py", "--ga", str(ga), "--report", str(report), timeout=420)
+    old = ["--old-plan", ",".join(OLD_PLAN_OUTCOMES)] if ga == 1 else []
+    done = torchrun("usage_zoo.py", "--ga", str(ga), "--report", str(report), *old, timeout=420)
     assert done.stdout.count("USAGE_ZOO_OK") == 2, done.stdout[-3000:]
+    for name, ranks in OLD_PLAN_OUTCOMES.items() if ga == 1 else ():
+        for rank, outcome in ranks.items():
+            line = re.search(rf"\[rank {rank} .*\] {name} old plan \(fu=False \+ static graph, no tie\): (.*)",
+                             done.stdout)
+            assert line, (name, rank, done.stdout[-3000:])
+            assert re.match(outcome, line.group(1)), (name, rank, line.group(1))
     data = json.loads(report.read_text())
     assert set(data) == set(ZOO)
     for name, row in data.items():
@@ -169,20 +196,69 @@ def test_a_disconnected_module_is_tied_in_and_trains_like_stock() -> None:
     assert done.stdout.count("USAGE_TIE_OK") == 2
 
 
+FSDP2_RESULTS = os.path.join(os.path.dirname(HERE), "tests", "results", "fsdp2_parity.json")
+
+
+def _supported_models():
+    """scripts/supported_models.py as a module."""
+    import importlib.util
+
+    path = os.path.join(os.path.dirname(HERE), "scripts", "supported_models.py")
+    spec = importlib.util.spec_from_file_location("supported_models", path)
+    module = importlib.util.module_from_spec(spec)
+    assert spec.loader is not None
+    spec.loader.exec_module(module)
+    return module
+
+
 @pytest.mark.multiprocess
-def test_fsdp2_mixed_batches_finish_with_the_ddp_weights_for_every_vlm() -> None:
-    """fully_shard on gloo, no dummy image: folded skippable subtrees + per-unit ties; 1e-5 vs DDP."""
-    done = torchrun("usage_fsdp.py", timeout=420)
+def test_fsdp2_mixed_batches_match_stock_ddp_with_the_committed_verdicts(tmp_path) -> None:
+    """fully_shard on gloo, no dummy image: folded skippable subtrees + per-unit ties, against stock DDP
+    (find_unused_parameters=True, non-reentrant checkpointing) on the same data, every VLM in one process
+    group. The fresh per-family verdicts (max |dW| <= tol) must be the committed ones, which the README's
+    FSDP2 column is rendered from."""
+    report = tmp_path / "fsdp2.json"
+    done = torchrun("usage_fsdp.py", "--report", str(report), timeout=300)
     assert done.stdout.count("USAGE_FSDP_OK") == 2, done.stdout[-3000:]
-    for name, entry in ZOO.items():
-        if entry.vlm:
-            assert f"] {name}: FSDP2" in done.stdout, name
+    fresh = json.loads(report.read_text())["families"]
+    committed = json.loads(open(FSDP2_RESULTS).read())["families"]
+    vlms = {name for name, entry in ZOO.items() if entry.vlm}
+    assert set(fresh) == set(committed) == vlms
+    for name in sorted(vlms):
+        got, want = fresh[name], committed[name]
+        assert (got["setup"], got["tol"], got["pass"]) == (want["setup"], want["tol"], want["pass"]), (
+            f"{name}: fresh {got} vs committed {want}: rerun usage_fsdp.py --report {FSDP2_RESULTS} and "
+            "scripts/supported_models.py --readme")
+        assert got["max_dw"] <= got["tol"] if got["pass"] else got["max_dw"] > got["tol"], got
+        for rank in (0, 1):
+            assert re.search(rf"\[rank {rank} .*\] {name}: FSDP2 \d+ units, \d+ ties", done.stdout), (name, rank)
+
+
+def test_readme_supported_models_table_is_rendered_from_the_committed_results() -> None:
+    """The README block between the markers is exactly what scripts/supported_models.py renders from
+    tests/zoo.py and the committed tests/results/fsdp2_parity.json (no hand-written cell)."""
+    sm = _supported_models()
+    with open(sm.README) as f:
+        block = sm.readme_block(f.read())
+    assert block == sm.table(), "README's supported-models table is stale: run scripts/supported_models.py --readme"
+
+
+def test_the_fsdp2_column_shows_each_family_verdict_and_number_from_the_results_file() -> None:
+    sm = _supported_models()
+    results = {"families": {"llava": {"setup": "s", "max_dw": 3e-8, "tol": 2e-7, "pass": True},
+                            "gemma3": {"setup": "s", "max_dw": 4e-4, "tol": 2e-7, "pass": False},
+                            "qwen2_vl": {"setup": "s", "max_dw": 0.0, "tol": 2e-7, "pass": True}}}
+    assert sm.fsdp2_cell("llava", True, results) == "weights equal stock DDP: max diff 3.0e-08 (tol 2e-07)"
+    assert sm.fsdp2_cell("gemma3", True, results).startswith("FAILS: weights differ from stock DDP: max diff 4.0e-04")
+    assert sm.fsdp2_cell("qwen2_vl", True, results) == "weights equal stock DDP: bit-equal (tol 2e-07)"
+    assert sm.fsdp2_cell("mllama", True, results).startswith("not measured")
+    assert sm.fsdp2_cell("llama", False, results) == "—"
 
 
 @pytest.mark.multiprocess
 def test_trainer_runs_mllama_and_layerdrop_with_fu_false_like_stock(tmp_path) -> None:
     """The issue's headline: stock's old plan picked fu=False + static graph for LoRA Mllama (text-only
-    steps skip the cross-attention layers) and LayerDrop models, which DDP cannot train; under
-    patch_trainer they train with fu=False to the stock Trainer's weights."""
+    steps skip the cross-attention layers) and LayerDrop models, which DDP cannot train (shown failing in
+    the ga 1 zoo test above); under patch_trainer they train with fu=False to the stock Trainer's weights."""
     done = torchrun("usage_trainer.py", "--families", "mllama,bart_layerdrop", "--out", str(tmp_path), timeout=300)
     assert done.stdout.count("USAGE_TRAINER_OK") == 2, done.stdout[-3000:]

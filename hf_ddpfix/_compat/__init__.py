@@ -18,7 +18,9 @@ Checked against: :data:`CHECKED_AGAINST` (newest) and :data:`OLDEST_SUPPORTED` (
 # One module per upstream area; this face re-exports every contract (import from `hf_ddpfix._compat`).
 from .deepspeed import (
     deepspeed_default_leaf_classes,
+    deepspeed_engine,
     z3_leaf_marked,
+    zero_flat_slices,
 )
 from .models import (
     CACHE_KEYWORDS,
@@ -101,6 +103,7 @@ __all__ = [
     "ddp_kwargs_handler",
     "ddp_syncs_grads",
     "deepspeed_default_leaf_classes",
+    "deepspeed_engine",
     "disable_model_checkpointing",
     "enable_model_checkpointing",
     "fake_from_meta",
@@ -126,5 +129,6 @@ __all__ = [
     "unwrap_parallel",
     "view_base",
     "z3_leaf_marked",
+    "zero_flat_slices",
     "when_ready_to_prepare",
 ]

@@ -57,7 +57,11 @@ def gather_flags(flags: list[bool], group: Any = None) -> list[list[bool]]:
 
 
 def destroy_default_group() -> bool:
-    """Destroy the default process group (and with it every subgroup) when one is initialised.
+    """Destroy the default process group (and with it every subgroup) when one is initialised, after
+    freeing unreachable objects: DDP's reducer holds the group, and one that a reference cycle (a Trainer
+    and its callbacks) keeps alive past the group is what aborts a finished gloo run at exit.
+
+    Call it at the end of a script (the examples do, in a ``finally:``); hf_ddpfix also calls it at exit.
 
     Returns:
         True when a group was destroyed; False when none was initialised (idempotent: a second call, or a
@@ -68,6 +72,7 @@ def destroy_default_group() -> bool:
     """
     if not (dist.is_available() and dist.is_initialized()):
         return False
+    gc.collect()
     dist.destroy_process_group()
     return True
 
@@ -103,9 +108,6 @@ def _destroy_at_exit() -> None:
     if _exit_teardown_pid != os.getpid():  # inherited through fork: the group belongs to the parent
         return
     try:
-        # DDP's reducer holds the group: one that a reference cycle (a Trainer and its callbacks) keeps
-        # alive past the group is what aborts at exit, so free unreachable objects before the group goes
-        gc.collect()
         destroy_default_group()
     except Exception as err:  # at exit: report, never turn a finished run into a failure
         logger.warning("could not destroy the process group at exit: %s: %s", type(err).__name__, err)

@@ -13,7 +13,11 @@ on CUDA, ``aten._scaled_dot_product_flash_attention_for_cpu`` on CPU and meta), 
 heads never interact, so every head's output, log-sum-exp and gradients are those of the full call.
 On CUDA the first call per (device, dtype, heads, head_dim) checks the grouped path against
 ``F.scaled_dot_product_attention`` on a small random input (values and gradients); a mismatch or a
-kernel error makes :func:`grouped_flash_attention` return ``None`` so the caller keeps sdpa.
+kernel error makes :func:`grouped_flash_attention` return ``None`` so the caller keeps sdpa. The check
+runs in a thread of its own: the first call usually happens inside a checkpointed (and possibly
+offloaded) layer forward, whose saved-tensor hooks are thread-local; run there, the check's own saved
+tensors would be packed into the checkpoint, which then sees a different number of saved tensors in
+the recompute (where the check is cached) and raises ``CheckpointError``.
 
 Guarantees: output and gradients equal one fused call on all heads (tests/test_grouped_attention.py,
 exact on CPU); only causal, unmasked, dropout-free attention is handled (anything else: ``None``).
@@ -21,7 +25,9 @@ exact on CPU); only causal, unmasked, dropout-free attention is handled (anythin
 
 from __future__ import annotations
 
-from typing import Any
+import threading
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 import torch
 import torch.nn.functional as F
@@ -31,6 +37,27 @@ from .._compat import flash_attention_backward, flash_attention_forward
 __all__ = ["grouped_flash_attention", "kv_groups_for"]
 
 _CUDA_OK: dict[tuple[Any, ...], bool] = {}
+_T = TypeVar("_T")
+
+
+def _in_own_thread(fn: Callable[[], _T]) -> _T:
+    """``fn()`` run in a new thread and joined: it sees none of the caller's thread-local autograd state
+    (saved-tensor hooks of checkpointing and offload, grad mode, autocast), so it adds nothing to the
+    graph the caller is building. Exceptions propagate to the caller."""
+    box: dict[str, Any] = {}
+
+    def target() -> None:
+        try:
+            box["value"] = fn()
+        except BaseException as exc:  # noqa: BLE001 - re-raised in the caller's thread
+            box["error"] = exc
+
+    thread = threading.Thread(target=target, name="hf_ddpfix-attention-self-check")
+    thread.start()
+    thread.join()
+    if "error" in box:
+        raise box["error"]
+    return box["value"]
 
 
 def kv_groups_for(kv_heads: int, groups: int | str = "auto") -> int:
@@ -96,29 +123,34 @@ class _GroupedFlash(torch.autograd.Function):
 
 
 def _cuda_checked(q: torch.Tensor, k: torch.Tensor, groups: int) -> bool:
+    """Whether the grouped path matches ``F.scaled_dot_product_attention`` for ``q``/``k``'s device, dtype
+    and head layout (values and gradients on a small random input); computed once per key, in a thread
+    of its own (see the module docstring), then cached."""
     key = (q.device, q.dtype, q.shape[1], k.shape[1], q.shape[-1], groups)
-    if key in _CUDA_OK:
-        return _CUDA_OK[key]
-    ok = False
+    if key not in _CUDA_OK:
+        _CUDA_OK[key] = _in_own_thread(lambda: _self_check(q.device, q.dtype, q.shape[1], k.shape[1], q.shape[-1],
+                                                           groups))
+    return _CUDA_OK[key]
+
+
+def _self_check(device: torch.device, dtype: torch.dtype, hq: int, hk: int, d: int, groups: int) -> bool:
     try:
-        gen = torch.Generator(device=q.device).manual_seed(0)
-        shape_q = (1, q.shape[1], 256, q.shape[-1])
-        shape_k = (1, k.shape[1], 256, q.shape[-1])
-        tq = torch.randn(shape_q, generator=gen, device=q.device, dtype=q.dtype).requires_grad_()
-        tk = torch.randn(shape_k, generator=gen, device=q.device, dtype=q.dtype).requires_grad_()
-        tv = torch.randn(shape_k, generator=gen, device=q.device, dtype=q.dtype).requires_grad_()
-        tg = torch.randn(shape_q, generator=gen, device=q.device, dtype=q.dtype)
-        scale = q.shape[-1] ** -0.5
+        gen = torch.Generator(device=device).manual_seed(0)
+        shape_q, shape_k = (1, hq, 256, d), (1, hk, 256, d)
+        tq = torch.randn(shape_q, generator=gen, device=device, dtype=dtype).requires_grad_()
+        tk = torch.randn(shape_k, generator=gen, device=device, dtype=dtype).requires_grad_()
+        tv = torch.randn(shape_k, generator=gen, device=device, dtype=dtype).requires_grad_()
+        tg = torch.randn(shape_q, generator=gen, device=device, dtype=dtype)
+        scale = d**-0.5
         ref = F.scaled_dot_product_attention(tq, tk, tv, is_causal=True, scale=scale, enable_gqa=True)
         ref_g = torch.autograd.grad(ref, (tq, tk, tv), tg)
         got = _GroupedFlash.apply(tq, tk, tv, scale, groups)
         got_g = torch.autograd.grad(got, (tq, tk, tv), tg)
         tol = dict(rtol=2e-2, atol=2e-2)
-        ok = torch.allclose(ref, got, **tol) and all(torch.allclose(a, b, **tol) for a, b in zip(ref_g, got_g, strict=True))
+        return torch.allclose(ref, got, **tol) and all(
+            torch.allclose(a, b, **tol) for a, b in zip(ref_g, got_g, strict=True))
     except Exception:  # noqa: BLE001 - any kernel refusal means: keep sdpa
-        ok = False
-    _CUDA_OK[key] = ok
-    return ok
+        return False
 
 
 def grouped_flash_attention(

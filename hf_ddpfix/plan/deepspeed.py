@@ -22,6 +22,8 @@ __all__ = [
     "checkpointing",
     "engine",
     "leaf_modules",
+    "skip_unused",
+    "skip_unused_decision",
     "stabilizer",
     "zero3_unverified",
     "checkpointing_decision",
@@ -132,6 +134,55 @@ def leaf_modules_decision(ds: DeepSpeedFacts, disabled: str | None = None) -> tu
     return tuple(ds.moe_blocks), (f"{names}: ranks routing tokens to different experts would all-gather "
                                   "different experts (hang / ~10x slower); gathered as one leaf, unused "
                                   "experts get zero gradients"), True
+
+
+def skip_unused_decision(stage: int | None, asked: bool | None, source: str) -> tuple[bool | None, str, bool]:
+    """Whether parameters no rank used in an optimizer step get their weights and AdamW state back after it.
+
+    Stock DDP (``find_unused_parameters=True``) leaves such a parameter's gradient ``None`` and AdamW
+    skips it; ZeRO-1/2/3 zero-fill it and step it (weight decay, momentum, the partition's step count).
+    Default: off, DeepSpeed's own semantics. A run stock DeepSpeed trains (every rank text-only in a step,
+    or an image on every rank; a head whose output never reaches the loss) would otherwise end with other
+    weights than stock DeepSpeed's, which the rule "never a silently different result" forbids; the
+    difference from DDP is stated in the plan instead, and one setting matches DDP.
+
+    Args:
+        stage: the ZeRO stage (``None``: unknown).
+        asked: the ``zero_skip_unused`` setting (``None``: unset).
+        source: where the setting came from (``HF_DDPFIX_ZERO_SKIP_UNUSED``, "argument").
+
+    Returns:
+        ``(value or None when it does not arise, reason, changed_from_stock)``.
+    """
+    if stage is None or stage < 1:
+        if asked:
+            return False, (f"requested ({source}) but {'ZeRO stage unknown' if stage is None else 'ZeRO-0'}: no "
+                           "flat partitions known to hf_ddpfix; stock behaviour kept"), False
+        return None, "", False
+    if not asked:
+        why = f"off ({source})" if asked is False else "default: stock DeepSpeed"
+        return False, (f"{why}: in an optimizer step where no rank used a parameter (vision tower without an image "
+                       "on any rank, a head outside the loss) ZeRO steps it with a zero gradient, so AdamW's weight "
+                       "decay and momentum move it where stock DDP leaves it (measured 1e-3 to 1e-2 after a few "
+                       "steps, README); kept as stock DeepSpeed so runs stock DeepSpeed trains keep their weights; "
+                       "HF_DDPFIX_ZERO_SKIP_UNUSED=1 matches DDP"), False
+    return True, (f"requested ({source}): after each optimizer step the "
+                  "parameters no rank used get back their fp32 weights and AdamW moments, and a parameter used "
+                  "again gets AdamW's bias correction with its own step count (stock DDP's semantics; torch "
+                  "Adam/AdamW only, else stock with the reason); cost: one all-reduce of 1 byte per trainable "
+                  "tensor per step, graph walks per forward and loss"), True
+
+
+def skip_unused(facts: RunFacts, c: DDPFixConfig) -> Decision:
+    """The plan's ``zero_skip_unused`` decision (:func:`skip_unused_decision`)."""
+    if facts.parallel != "deepspeed":
+        if c.zero_skip_unused:
+            return Decision(False, f"requested ({c.source('zero_skip_unused')}) but the run is not DeepSpeed: "
+                            "DDP/FSDP already skip parameters no rank used (nothing to do)")
+        return Decision(None, "")
+    stage = facts.deepspeed.stage if facts.deepspeed is not None else facts.zero_stage
+    value, reason, changed = skip_unused_decision(stage, c.zero_skip_unused, c.source("zero_skip_unused"))
+    return Decision(value, reason, changed=changed)
 
 
 def adapter_dtype_note(ds: DeepSpeedFacts) -> str | None:

@@ -87,6 +87,7 @@ def resolve_plan(facts: RunFacts, config: DDPFixConfig | None = None) -> Plan:
         parameter_usage=usage,
         deepspeed=ds_rules.engine(facts),
         zero3_leaf_modules=ds_rules.leaf_modules(facts),
+        zero_skip_unused=ds_rules.skip_unused(facts, c),
         corrections=tuple(corrections),
         config_lines=tuple(c.describe()),
         offload_min_layer_bytes=memory.offload_min_layer_bytes(c),

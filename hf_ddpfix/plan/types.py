@@ -168,6 +168,7 @@ class Plan:
     long_context: Decision = Decision(None, "")
     sequence_parallel: Decision = Decision(None, "")
     vlm_eval_sync: Decision = Decision(None, "")
+    zero_skip_unused: Decision = Decision(None, "")
     corrections: tuple[str, ...] = ()
     config_lines: tuple[str, ...] = field(default=())
     offload_min_layer_bytes: int = 0  # the offload policy's threshold (ActivationOffload(min_layer_bytes=))
@@ -199,6 +200,7 @@ class Plan:
             "quantization": self.quantization,
             "deepspeed": self.deepspeed,
             "zero3_leaf_modules": self.zero3_leaf_modules,
+            "zero_skip_unused": self.zero_skip_unused,
         }
 
     def report(self) -> str:

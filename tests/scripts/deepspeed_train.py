@@ -66,6 +66,7 @@ from hf_ddpfix._compat import checkpointing_training_args  # noqa: E402
 
 TOL = 1e-5
 STEPS = 3
+SKIP_STEPS = 4  # the skip_unused cases: an image on rank 0 at step 0, none at steps 1-2, on rank 1 at step 3
 ACCUM = int(os.environ.get("DS_TEST_GRAD_ACCUM", "1"))  # manual checks with accumulation
 
 
@@ -186,10 +187,12 @@ def text_collate(batch):
 
 def vlm_rows(n: int, layout: str) -> list[dict]:
     """``mixed``: even samples (rank 0) with an image; ``text``: none; ``ga`` (2 processes, accumulation
-    2: sample i is micro-batch (i // 2) % 2 of step i // 4 on rank i % 2): samples 0, 5, 10."""
+    2: sample i is micro-batch (i // 2) % 2 of step i // 4 on rank i % 2): samples 0, 5, 10; ``skip``
+    (2 processes, 4 steps): the first and the last sample (step 0 rank 0, step 3 rank 1; none in steps 1-2)."""
     rows = []
     for i in range(n):
-        has_image = (layout == "mixed" and i % 2 == 0) or (layout == "ga" and i % 5 == 0)
+        has_image = ((layout == "mixed" and i % 2 == 0) or (layout == "ga" and i % 5 == 0)
+                     or (layout == "skip" and i in (0, n - 1)))
         b = make_batch(has_image, seed=i)
         ids = b["input_ids"][0].tolist()
         if not has_image:
@@ -248,22 +251,28 @@ def trainable_weights(model: nn.Module, stage: int | None) -> dict[str, torch.Te
 
 
 def run(name: str, model: nn.Module, rows: list[dict], collate, *, stage: int | None, fixed: bool,
-        ckpt: str = "off", accum: int = ACCUM) -> dict:
-    """Train ``STEPS`` optimizer steps; returns weights, plan report and timing."""
+        ckpt: str = "off", accum: int = ACCUM, steps: int = STEPS, options: dict | None = None) -> dict:
+    """Train ``steps`` optimizer steps (hf_ddpfix ``options`` as DDPFixConfig fields); returns weights, plan
+    report, timing and the ``zero_skip_unused`` feature counts."""
+    from hf_ddpfix.config import DDPFixConfig
+    from hf_ddpfix.ops import feature_counts
+
     t0 = time.time()
     kw: dict = {}
     if stage is not None:
         kw["deepspeed"] = ds_config(stage)
     if ckpt != "off":
         kw.update(checkpointing_training_args(True, {"use_reentrant": ckpt == "reentrant"}))
-    args = TrainingArguments(output_dir=f"/tmp/hf_ddpfix_ds_{name}", per_device_train_batch_size=1, max_steps=STEPS,
+    args = TrainingArguments(output_dir=f"/tmp/hf_ddpfix_ds_{name}", per_device_train_batch_size=1, max_steps=steps,
                              gradient_accumulation_steps=accum,
                              report_to=[], use_cpu=True, save_strategy="no", learning_rate=1e-2, weight_decay=0.1,
                              max_grad_norm=1.0, remove_unused_columns=False, disable_tqdm=True, seed=0,
                              logging_steps=1, **kw)
+    extra = {"ddpfix_config": DDPFixConfig(**options)} if options else {}
     cls = Fixed if fixed else Stock
-    trainer = cls(model=model, args=args, train_dataset=Dataset.from_list(rows), data_collator=collate)
+    trainer = cls(model=model, args=args, train_dataset=Dataset.from_list(rows), data_collator=collate, **extra)
     trainer.train()
+    skip = feature_counts.snapshot().get("zero_skip_unused")
     plan = getattr(trainer, "hf_ddpfix_plan", None)
     rt = getattr(trainer, "hf_ddpfix_runtime", None)
     zv = getattr(rt, "zero_vision", None)
@@ -272,7 +281,9 @@ def run(name: str, model: nn.Module, rows: list[dict], collate, *, stage: int | 
            "checkpointing": plan.checkpointing.value if plan is not None else None,
            "stabilizer": plan.vlm_stabilizer.value if plan is not None else None,
            "leaf": plan.zero3_leaf_modules.value if plan is not None else None,
-           "dummy_runs": zv.dummy_runs if zv is not None else 0}
+           "dummy_runs": zv.dummy_runs if zv is not None else 0,
+           "skip_unused": plan.zero_skip_unused.value if plan is not None else None,
+           "skip_counts": ({"ran": skip.ran, "fell_back": skip.fell_back, **skip.amounts} if skip else None)}
     dist.barrier()
     del trainer
     gc.collect()
@@ -364,7 +375,7 @@ def moved(a: dict[str, torch.Tensor], before: dict[str, torch.Tensor]) -> float:
 
 def main() -> None:
     p = argparse.ArgumentParser()
-    p.add_argument("--suite", choices=["text", "vlm", "stock_mixed", "eval", "stock_eval", "discovered",
+    p.add_argument("--suite", choices=["text", "vlm", "skip_unused", "stock_mixed", "eval", "stock_eval", "discovered",
                                        "stock_discovered"], required=True)
     p.add_argument("--out", required=True)
     a = p.parse_args()
@@ -376,7 +387,7 @@ def main() -> None:
     summary: dict = {"suite": a.suite, "cases": {}}
     failures: list[str] = []
 
-    def compare(name: str, got: dict, ref: dict, start: dict, split_unused: bool = False) -> None:
+    def compare(name: str, got: dict, ref: dict, start: dict, split_unused: bool = False, check: bool = True) -> None:
         """Weights within TOL of the reference; with ``split_unused``, the trainable tensors the DDP reference
         never moved (no rank ever gave them a gradient: AdamW skipped them) are reported apart (DeepSpeed
         steps them with zero gradients: weight decay; README, DeepSpeed section) and left out of TOL."""
@@ -389,11 +400,34 @@ def main() -> None:
                                                           for k in unused) if unused else 0.0)
         print(f"DS_CASE {name} max|w - ref| = {d:.3g} (weights moved {summary['cases'][name]['moved']:.3g})",
               flush=True)
-        if not d <= TOL:
+        if check and not d <= TOL:
             worst = sorted(((got["weights"][k].float() - ref["weights"][k].float()).abs().max().item(), k)
                            for k in keep)[-3:]
             failures.append(f"{name}: max diff {d:.3g} > {TOL} (worst: {worst})")
 
+    skip_rows = vlm_rows(SKIP_STEPS * world * ACCUM, "skip")
+
+    def skip_unused_ref(model: nn.Module) -> dict:
+        """Stock DDP on the ``skip`` layout (before any DeepSpeed TrainingArguments exists)."""
+        return run("ddp_ref_vlm_skip", model, skip_rows, vlm_collate, stage=None, fixed=False, steps=SKIP_STEPS)
+
+    def skip_unused_cases(skip_models: list[nn.Module], start: dict, skip_ref: dict) -> None:
+        """Steps where no rank has an image between steps where one has (layout ``skip``): stock DDP vs hf_ddpfix
+        ZeRO-2 and ZeRO-3 with ``zero_skip_unused`` (within TOL, counts checked) and ZeRO-2 without (the gap)."""
+        for i, (stage, on) in enumerate(((2, True), (3, True), (2, False)), start=1):
+            name = f"zero{stage}_vlm_skip_{'on' if on else 'off'}"
+            got = run(name, skip_models[i], skip_rows, vlm_collate, stage=stage, fixed=True, steps=SKIP_STEPS,
+                      options={"zero_skip_unused": True} if on else None)
+            compare(name, got, skip_ref, start, check=on)  # off: the gap is asserted by the test
+            summary["cases"][name]["vision_diff"] = max_diff(
+                {k: v for k, v in got["weights"].items() if ".visual." in k},
+                {k: v for k, v in skip_ref["weights"].items() if ".visual." in k})
+            counts = got["skip_counts"] or {}
+            if on and not (got["skip_unused"] is True and counts.get("ran") == SKIP_STEPS and not counts.get(
+                    "fell_back") and counts.get("restored_elements", 0) > 0 and counts.get("recomputed_elements", 0) > 0):
+                failures.append(f"{name}: plan {got['skip_unused']}, counts {counts} on rank {rank}")
+            if not on and (got["skip_unused"] is not False or counts):
+                failures.append(f"{name}: plan {got['skip_unused']}, counts {counts} (expected off, nothing run)")
     if a.suite == "text":
         rows = [{"input_ids": ids} for ids in variable_length_ids(n, lengths=(6, 11, 8, 14, 9, 12))]
         start = trainable_weights(lora(tiny_llama(0)), None)
@@ -420,6 +454,7 @@ def main() -> None:
         # builds models under zero.Init (partitioned), and peft then refuses LoRA on the tower's Conv3d
         # ("Conv3d layer kernel must have 5 dimensions, not 1") - stock behaviour, not ours.
         models = [add_lora(build_qwen2_5_vl(0)) for _ in range(7)]
+        skip_models = [add_lora(build_qwen2_5_vl(0)) for _ in range(4)]  # DDP ref, ZeRO-2 on, ZeRO-3 on, ZeRO-2 off
         llava = [ZOO["llava"].model(0) for _ in range(3)]
         start, llava_start = trainable_weights(models[0], None), trainable_weights(llava[0], None)
         ga_rows = vlm_rows(STEPS * world * 2, "ga")
@@ -429,6 +464,7 @@ def main() -> None:
                         ckpt="non_reentrant")
         ga_ref = run("ddp_ref_vlm_ga2", models[5], ga_rows, vlm_collate, stage=None, fixed=False,
                      ckpt="non_reentrant", accum=2)
+        skip_ref = skip_unused_ref(skip_models[0])
 
         def check_dummy(name: str, got: dict, runs: int) -> None:
             if got["stabilizer"] is not True or got["dummy_runs"] != runs:
@@ -449,12 +485,17 @@ def main() -> None:
                   accum=2)
         compare("zero3_vlm_mixed_ga2", got, ga_ref, start)
         check_dummy("zero3_vlm_mixed_ga2", got, 2 * STEPS - (2 if rank == 0 else 1))
+        skip_unused_cases(skip_models, start, skip_ref)
         text_rows = vlm_rows(n, "text")
         stock = run("zero3_vlm_text_stock", models[3], text_rows, vlm_collate, stage=3, fixed=False)
         got = run("zero3_vlm_text_fixed", models[4], text_rows, vlm_collate, stage=3, fixed=True)
         compare("zero3_vlm_text_fixed", got, stock, start)
         if got["dummy_runs"] != STEPS * ACCUM:
             failures.append(f"zero3_vlm_text_fixed: {got['dummy_runs']} dummy runs on rank {rank}")
+    elif a.suite == "skip_unused":  # the vlm suite's skip_unused cases alone (by hand)
+        skip_models = [add_lora(build_qwen2_5_vl(0)) for _ in range(4)]
+        skip_start = trainable_weights(skip_models[0], None)
+        skip_unused_cases(skip_models, skip_start, skip_unused_ref(skip_models[0]))
     elif a.suite == "eval":
         rows = vlm_rows(n, "mixed")
         eval_rows = [dict(r) for r in vlm_rows(2 * world, "mixed")]  # eval sample i -> rank i % 2: 0 image, 1 text

@@ -1,4 +1,4 @@
-"""QLoRA (bitsandbytes NF4 base + LoRA) under 2-process gloo DDP with the HF Trainer, three cases in one launch.
+"""QLoRA (bitsandbytes NF4 base + LoRA) under 2-process gloo DDP with the HF Trainer, four cases in one launch.
 
 Run:  OMP_NUM_THREADS=1 python -m torch.distributed.run --standalone --nproc_per_node=2 \
           tests/scripts/qlora_ddp.py --model-dir DIR
@@ -15,6 +15,8 @@ is 4-bit (`Linear4bit`, uint8 storage).
 3. placement guard: the same model claiming `hf_device_map` over two devices (what
    `device_map="auto"` does on a multi-GPU rank). Under `patch_trainer()` it must raise `PlacementError`
    before any step; the stock Trainer also fails on it (accelerate refuses it in `prepare`, without the fix).
+4. stock on run 2's set-up (kbit defaults, stock Trainer): must fail on every rank with "Expected to mark
+   a variable ready only once" (the failure the plan's switch to non-reentrant removes).
 
 Variable sequence lengths (padding, -100 labels), AdamW weight_decay=0.1, max_grad_norm=0.2 (clips),
 LoRA dropout 0.1 (checkpoint recompute must replay it). Prints ``QLORA_DDP_OK``.
@@ -148,6 +150,24 @@ def main() -> None:
     else:
         raise AssertionError("stock trained a 4-bit model spread over two devices under DDP?")
     del trainer, model
+    gc.collect()
+
+    # 4. stock Trainer on run 2's set-up (prepare_model_for_kbit_training defaults: reentrant checkpointing,
+    # fu=True for a PeftModel): the failure hf_ddpfix's plan removes, from every rank (the same set-up on both,
+    # so both fail in the same backward and the group stays in step)
+    model = load_qlora(a.model_dir, reentrant=None)
+    trainer = make_trainer(model, a.out)
+    try:
+        trainer.train()
+    except RuntimeError as err:
+        first = str(err).strip().splitlines()[0]
+        assert first.startswith("Expected to mark a variable ready only once."), first
+        log(f"stock kbit defaults (reentrant, fu=True): RuntimeError at step {trainer.state.global_step}: "
+            f"{first[:120]}")
+    else:
+        raise AssertionError("stock DDP trained prepare_model_for_kbit_training's reentrant checkpointing")
+    del trainer, model
+    gc.collect()
     log("QLORA_DDP_OK")
     teardown()
 

@@ -10,6 +10,8 @@ Cases (each a record with "ok"):
   model/*: LoRA Llama (trainable LoRA, embeddings, head): the SP group's loss and summed gradients vs the
       stock model's loss on the full sequence (HF's own loss), plain / right-padded / prompt-masked with an
       all-masked shard / packed documents / length not divisible by N / batch 2: <= 1e-5.
+  fsdp2/*: the same model under FSDP2 (`fully_shard` over the whole world) with Ulysses attention: loss and the
+      gathered gradients vs one process (right-padded, packed, length not divisible by N): <= 1e-5.
 """
 
 from __future__ import annotations
@@ -22,12 +24,13 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
-from fixtures import Verdicts, init_gloo, lora_llama, rank_log  # noqa: E402
+from fixtures import Verdicts, init_gloo, lora_llama, rank_log, shard_decoder  # noqa: E402
 
 from hf_ddpfix.integrations.sequence_parallel import install_ulysses_attention, sharded_causal_lm_loss  # noqa: E402
 from hf_ddpfix.ops import feature_counts  # noqa: E402
 from hf_ddpfix.ops.sequence_parallel import (  # noqa: E402
     attention_mask_from_documents,
+    ddp_loss_scale,
     document_ids,
     heads_to_sequence,
     sequence_to_heads,
@@ -205,6 +208,57 @@ def model_cases(v: Verdicts, n: int, r: int) -> None:
         handle.remove()
 
 
+def fsdp2_cases(v: Verdicts, n: int, r: int) -> None:
+    """FSDP2 (`fully_shard` per decoder layer + root over the whole world: the mesh is DP x SP, every rank holds
+    1/world of each parameter) with Ulysses attention: the loss and the full (gathered) gradient of every
+    trainable parameter vs one process on the full sequence. FSDP2 averages gradients over the mesh, so the
+    loss is scaled by the world size (as under DDP: `ddp_loss_scale`)."""
+    from torch.distributed.tensor import DTensor
+
+    model = lora_llama(attn_implementation="sdpa")
+    base = model.get_base_model()
+    for p in (base.model.embed_tokens.weight, base.lm_head.weight):
+        p.requires_grad_(True)
+    names = [name for name, p in model.named_parameters() if p.requires_grad]
+    cases = {k: b for k, b in batches(n).items() if k in ("right_padded", "packed", "not_divisible")}
+    refs = {}
+    for case, batch in cases.items():  # one process, before sharding: the reference
+        model.zero_grad(set_to_none=True)
+        ref = model(**batch, use_cache=False).loss
+        ref.backward()
+        refs[case] = (ref.item(), {name: p.grad.clone() for name, p in model.named_parameters() if p.requires_grad})
+    model.zero_grad(set_to_none=True)
+    shard_decoder(model)
+    handle = install_ulysses_attention("sdpa")
+    try:
+        for case, batch in cases.items():
+            model.zero_grad(set_to_none=True)
+            feature_counts.reset()
+            loss_sum, _ = sharded_causal_lm_loss(model, batch)
+            loss = loss_sum / valid_target_count(batch["labels"], batch.get("attention_mask"))
+            (loss * ddp_loss_scale(n)).backward()
+            ran = feature_counts.snapshot().get("sequence_parallel")
+            total = loss.detach().clone()
+            dist.all_reduce(total)
+            params = dict(model.named_parameters())
+            sharded = all(isinstance(params[name], DTensor) for name in names)
+            gdiff = 0.0
+            for name in names:
+                g = params[name].grad
+                full = g.full_tensor() if isinstance(g, DTensor) else g
+                gdiff = max(gdiff, (full - refs[case][1][name]).abs().max().item())
+            ldiff = abs(total.item() - refs[case][0])
+            worst = torch.tensor([gdiff, ldiff])
+            dist.all_reduce(worst, op=dist.ReduceOp.MAX)
+            calls = torch.tensor([ran.ran if ran else 0])
+            dist.all_reduce(calls, op=dist.ReduceOp.MIN)
+            v.add({"case": f"fsdp2/{case}", "n": n, "mesh": "world (DP x SP)", "params_sharded": sharded,
+                   "loss_diff": worst[1].item(), "grad_diff": worst[0].item(), "min_sharded_attention_calls": int(calls),
+                   "ok": sharded and worst.max().item() <= TOL_MODEL and int(calls) == 2})
+    finally:
+        handle.remove()
+
+
 def main() -> None:
     r, n = init_gloo()
     log = rank_log()
@@ -217,6 +271,8 @@ def main() -> None:
     log("attention done")
     model_cases(v, n, r)
     log("model done")
+    fsdp2_cases(v, n, r)
+    log("fsdp2 done")
     v.finish()
 
 

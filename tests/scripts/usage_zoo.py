@@ -11,6 +11,13 @@ AdamW(weight_decay=0.1) and clip_grad_norm_(1.0) make a zero gradient and a miss
 Stock fu=True with reentrant checkpointing fails ("mark a variable ready only once"), so the stock
 side uses non-reentrant; hf_ddpfix runs twice: non-reentrant (bit-equal to stock) and reentrant (1e-6). Prints ``USAGE_ZOO_OK`` on every rank; ``--report`` writes, per family, the
 parameters observed unused on a text-only step and the max weight difference (rank 0).
+
+``--old-plan mllama,bart_layerdrop`` (at ``--ga 1``) also runs, beside each of those families' fixed run, the
+plan hf_ddpfix used to pick for them: the same DDP(fu=False, static graph) and data without the tie, on a
+process group of its own whose collectives time out after ``OLD_PLAN_TIMEOUT`` s (a hang ends there, the
+default group stays in step). Each rank prints ``<family> old plan (...): <outcome>``: LayerDrop fails
+with "Your training graph has changed in this iteration" (a layer dropped at step 1 is used later), Mllama
+hangs on one rank (a timed-out collective) while the other raises "Expected to have finished reduction".
 """
 
 from __future__ import annotations
@@ -19,8 +26,10 @@ import argparse
 import gc
 import json
 import os
+import re
 import sys
 import time
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -57,15 +66,17 @@ def enable_checkpointing(model: nn.Module, reentrant: bool) -> None:
     apply_checkpointing(model, use_reentrant=reentrant)
 
 
-def train(entry: ZooEntry, *, fix: bool, ga: int, reentrant: bool = False
-          ) -> tuple[dict[str, torch.Tensor], ParameterUsage | None, float]:
-    """Stock (``fix=False``): DDP(fu=True). Fixed: ParameterUsage + DDP(fu=False, static graph at ga 1)."""
+def train(entry: ZooEntry, *, fix: bool, ga: int, reentrant: bool = False, tie: bool = True,
+          group: dist.ProcessGroup | None = None) -> tuple[dict[str, torch.Tensor], ParameterUsage | None, float]:
+    """Stock (``fix=False``): DDP(fu=True). Fixed: ParameterUsage + DDP(fu=False, static graph at ga 1);
+    ``tie=False`` drops ParameterUsage: hf_ddpfix's old plan (fu=False + static graph on its own)."""
     rank = dist.get_rank()
     pattern = PATTERN_GA1 if ga == 1 else PATTERN_GA2
     model = entry.model(0)
     enable_checkpointing(model, reentrant=reentrant)
-    usage = ParameterUsage(model).attach() if fix else None
-    ddp = nn.parallel.DistributedDataParallel(model, find_unused_parameters=not fix, static_graph=fix and ga == 1)
+    usage = ParameterUsage(model).attach() if fix and tie else None
+    ddp = nn.parallel.DistributedDataParallel(model, find_unused_parameters=not fix, static_graph=fix and ga == 1,
+                                              process_group=group)
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=LR, weight_decay=0.1)
     torch.manual_seed(1234 + rank)  # LayerDrop draws: the same stream in both runs
@@ -87,6 +98,29 @@ def train(entry: ZooEntry, *, fix: bool, ga: int, reentrant: bool = False
     return weights, usage, seconds
 
 
+OLD_PLAN_TIMEOUT = 15  # seconds a collective of the old-plan run may wait before it counts as a hang
+
+
+def old_plan_failure(entry: ZooEntry) -> str:
+    """Run hf_ddpfix's old plan for a family that can leave parameters unused: DDP(fu=False, static graph),
+    non-reentrant checkpointing, no tie, the same data as :func:`train`, on a group of its own whose
+    collectives time out after OLD_PLAN_TIMEOUT s (a hang then ends there and leaves the default group in
+    step). Returns this rank's outcome: ``"trained"``, ``"hang: ..."`` (a collective timed out) or the
+    error's type and first line."""
+    group = dist.new_group(backend="gloo", timeout=timedelta(seconds=OLD_PLAN_TIMEOUT))
+    t0 = time.perf_counter()
+    try:
+        train(entry, fix=True, ga=1, tie=False, group=group)
+        outcome = "trained"
+    except Exception as err:  # noqa: BLE001 - the outcome is the test's subject
+        first = str(err).strip().splitlines()[0] if str(err).strip() else ""
+        kind = "hang" if re.search(r"timed out|timeout", first, re.I) else type(err).__name__
+        outcome = f"{kind} after {time.perf_counter() - t0:.0f}s: {first}"
+    gc.collect()
+    dist.barrier()  # on the default group: both ranks are past the old-plan run
+    return outcome
+
+
 def text_step_unused(entry: ZooEntry) -> list[str]:
     """Trainable parameters a text-only training forward leaves without a gradient (observed)."""
     model = entry.model(0)
@@ -103,6 +137,8 @@ def main() -> None:
     ap.add_argument("--ga", type=int, choices=[1, 2], default=1)
     ap.add_argument("--families", default=",".join(ZOO))
     ap.add_argument("--report", default="")
+    ap.add_argument("--old-plan", default="", help="families to also run under the old plan (fu=False + static "
+                    "graph, no tie) at --ga 1; each rank prints its outcome")
     a = ap.parse_args()
     rank, _ = init_gloo()
     t0 = time.time()
@@ -125,6 +161,9 @@ def main() -> None:
         print(f"[rank {rank} {time.time() - t0:5.1f}s] {name} ga={a.ga}: non-reentrant bit-equal; reentrant max |fix - stock| = {diff:.1e}, "
               f"{moved}/{len(stock)} tensors moved, {usage.ties} ties, {usage.seconds / usage.forwards * 1e3:.2f} "
               f"ms/forward observing, step time fix/stock {t_fix:.2f}/{t_stock:.2f}s", flush=True)
+        if name in a.old_plan.split(",") and a.ga == 1:
+            print(f"[rank {rank} {time.time() - t0:5.1f}s] {name} old plan (fu=False + static graph, no tie): "
+                  f"{old_plan_failure(entry)}", flush=True)
         report[name] = {"max_diff": diff, "ties": usage.ties, "text_step_unused": text_step_unused(entry),
                         "ms_per_forward": usage.seconds / usage.forwards * 1e3, "moved": moved, "n": len(stock)}
         gc.collect()

@@ -16,7 +16,6 @@ whenever no batch is active (tests/test_sequence_parallel_ops.py).
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -38,7 +37,15 @@ FEATURE = "sequence_parallel"
 #: interface) and flex / paged need their own block masks.
 SUPPORTED_IMPLEMENTATIONS = ("sdpa",)
 
-_state = threading.local()
+class _State:
+    """The active batch, process-wide. Not thread-local: on CUDA the autograd engine runs the backward (and so
+    the recomputation of a checkpointed layer) on its own device thread, which must see the batch the
+    forward ran with (a thread-local batch left the recomputed attention unsharded: CheckpointError)."""
+
+    batch: _Batch | None = None
+
+
+_state = _State()
 
 
 @dataclass
@@ -48,8 +55,8 @@ class _Batch:
 
 
 def active_batch() -> _Batch | None:
-    """The sequence-parallel batch being run by this thread, or `None`."""
-    return getattr(_state, "batch", None)
+    """The sequence-parallel batch being run (process-wide), or `None`."""
+    return _state.batch
 
 
 def activate_batch(documents: torch.Tensor, group: dist.ProcessGroup | None = None) -> None:

@@ -1,6 +1,12 @@
 """One sequence-sharded forward of a causal LM: shard the batch (`ops.sequence_parallel.shard_batch`),
 run the model on this rank's slice with Ulysses attention active, and return the summed loss of this
-rank's tokens (`shard_loss_sum`) for the caller to divide by the global count of valid tokens.
+rank's tokens for the caller to divide by the global count of valid tokens.
+
+With `model_loss=True` the model computes that sum itself: it is called with `labels` and
+`shift_labels` (the labels shifted on the full sequence, this rank's slice) and `num_items_in_batch=1`,
+so transformers' `ForCausalLMLoss` (or hf_ddpfix's tiled loss head, when `patch_model_loss` is on the
+model: the full `[tokens, vocab]` logits of the shard never exist) returns the token sum. Without it the
+logits are taken and `shard_loss_sum` sums them (the same fp32 cross-entropy).
 
 Guarantees (tests/scripts/sp_model.py, 2 and 4 gloo processes): the sum over the SP group of
 `sharded_causal_lm_loss(...) / count` and the summed gradients equal one process on the full sequence to
@@ -26,7 +32,7 @@ __all__ = ["sharded_causal_lm_loss"]
 
 def sharded_causal_lm_loss(model: nn.Module, batch: Mapping[str, Any], *, group: dist.ProcessGroup | None = None,
                            pad_token_id: int = 0, pad_to_multiple: bool = True,
-                           keep_active: bool = False) -> tuple[torch.Tensor, Any]:
+                           keep_active: bool = False, model_loss: bool = False) -> tuple[torch.Tensor, Any]:
     """Forward this rank's slice of `batch` (every rank of `group` holds the same full batch).
 
     Args:
@@ -36,6 +42,9 @@ def sharded_causal_lm_loss(model: nn.Module, batch: Mapping[str, Any], *, group:
         group: the SP group (default: the world).
         keep_active: leave the batch active after the forward (`activate_batch`), so a checkpointed
             backward recomputes the same sharded attention; the caller ends it (`deactivate_batch`).
+        model_loss: let the model's own loss (or the tiled loss head patched on it) sum the shard's
+            cross-entropy (the model's forward must take transformers' loss keywords); `outputs.logits` is
+            then `None` under the tiled loss.
 
     Returns:
         `(loss_sum, outputs)`: this rank's summed cross-entropy (fp32 scalar, 0 for a shard without a
@@ -48,6 +57,9 @@ def sharded_causal_lm_loss(model: nn.Module, batch: Mapping[str, Any], *, group:
                         attention_mask=batch.get("attention_mask"), position_ids=batch.get("position_ids"),
                         pad_token_id=pad_token_id, pad_to_multiple=pad_to_multiple)
     extra = {k: v for k, v in batch.items() if k not in ("input_ids", "labels", "attention_mask", "position_ids")}
+    if model_loss:  # the model sums: num_items_in_batch=1 turns ForCausalLMLoss's division into the identity
+        target = shard.shift_labels.contiguous()  # ForCausalLMLoss views it flat
+        extra.update(labels=target, shift_labels=target, num_items_in_batch=1)
     if keep_active:
         activate_batch(shard.documents, group)
         outputs = model(input_ids=shard.input_ids, position_ids=shard.position_ids, use_cache=False, **extra)
@@ -55,4 +67,6 @@ def sharded_causal_lm_loss(model: nn.Module, batch: Mapping[str, Any], *, group:
         with sequence_parallel_batch(shard.documents, group):
             outputs = model(input_ids=shard.input_ids, position_ids=shard.position_ids, use_cache=False, **extra)
     assert shard.shift_labels is not None
+    if model_loss:
+        return outputs.loss, outputs
     return shard_loss_sum(outputs.logits, shard.shift_labels), outputs

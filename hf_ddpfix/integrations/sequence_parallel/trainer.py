@@ -7,20 +7,34 @@ Per training micro-batch (the Trainer's `compute_loss`, on the instance):
      Trainer's `num_items_in_batch` are exactly stock DDP's;
   2. the batches are right-padded to one length (attention_mask 0, labels -100) and concatenated;
   3. `sharded_causal_lm_loss`: labels shifted and position ids / documents taken on the full sequence,
-     this rank's 1/N slice forwarded with Ulysses attention, its token-sum cross-entropy;
+     this rank's 1/N slice forwarded with Ulysses attention, its token-sum cross-entropy computed by the
+     model's own loss (so hf_ddpfix's tiled loss head, when on, runs on the shard);
   4. the loss is normalised as stock's: by the Trainer's global `num_items_in_batch` (times the number of
      processes, as stock's `compute_loss`, which turns DDP's mean into the exact sum), or, where the Trainer
-     gives no count, by each batch's own valid-token count (stock's per-batch mean).
+     gives no count, by each batch's own valid-token count (stock's per-batch mean; this needs per-row
+     sums, so a tiled loss head stands down there, counted as its fallback).
 
 The batch stays active after the forward (until the next micro-batch or the end of training), so the
 backward's recomputation under non-reentrant checkpointing runs the same sharded attention.
 
-Evaluation / prediction (`model.training` False), batches with other keys (images, ...), and a
-`compute_loss_func` / label smoother run stock `compute_loss` unsharded: counted as a fallback with its
-reason (feature "sequence_parallel") and logged once.
+Evaluation / prediction (`model.training` False, the Trainer's `prediction_step` -> `compute_loss`) is
+sharded too (a 100K-token evaluation fits where the training step fits): the group exchanges its batches
+as in training, every rank forwards its slice of all of them under `no_grad`, the per-row token sums are
+summed over the group (one `all_reduce` of `[rows]` floats), and each rank returns the loss of *its own*
+batch exactly as stock `compute_loss` computes it (the Trainer's `num_items_in_batch` and scale, or the
+batch's mean). When the caller wants logits (`prediction_loss_only=False`), the slices' logits are gathered
+over the group and each rank returns its own rows at its own length: equal to stock at every real token
+(a padding position's logits are those of a pad token that attends to itself only; stock's attend to the
+real tokens before them; neither carries a label). Counted as `sequence_parallel/eval_sharded_batches`.
 
-Guarantees (tests/scripts/sp_trainer.py): logged losses and trained LoRA weights equal the same run
-without sequence parallelism (world 2: N=2; world 4: DP2 x SP2 with gradient accumulation).
+Batches with other keys (images, ...), batches without labels, and a `compute_loss_func` / label smoother
+run stock `compute_loss` unsharded: counted as a fallback with its reason (feature "sequence_parallel")
+and logged once. Under DDP with `find_unused_parameters=False` each sharded training forward is counted
+(`sequence_parallel/ddp_find_unused_false`).
+
+Guarantees (tests/scripts/sp_trainer.py): logged losses, evaluation loss, prediction logits and trained
+LoRA weights equal the same run without sequence parallelism and one process (world 2: N=2; world 4:
+DP2 x SP2 with gradient accumulation).
 """
 
 from __future__ import annotations
@@ -86,8 +100,6 @@ def merge_batches(batches: list[Mapping[str, torch.Tensor]]) -> dict[str, torch.
 
 
 def _fallback_reason(trainer: Any, model: nn.Module, inputs: Mapping[str, Any]) -> str | None:
-    if not model.training:
-        return "evaluation/prediction runs unsharded (same loss as without sequence parallelism)"
     if getattr(trainer, "compute_loss_func", None) is not None or getattr(trainer, "label_smoother", None) is not None:
         return "compute_loss_func / label smoothing: the loss is not the causal-LM token sum"
     extra = sorted(set(inputs) - set(_KEYS))
@@ -98,22 +110,33 @@ def _fallback_reason(trainer: Any, model: nn.Module, inputs: Mapping[str, Any]) 
     return None
 
 
+def _groups_for(trainer: Any, sp_size: int) -> SequenceParallelGroups:
+    """The trainer's SP groups (made once per trainer and size: `new_group` is collective)."""
+    cached = getattr(trainer, "_hf_ddpfix_sp_groups", None)
+    if cached is None or cached.size != sp_size:
+        cached = SequenceParallelGroups(sp_size)
+        trainer._hf_ddpfix_sp_groups = cached
+    return cached
+
+
 def attach_sequence_parallel(trainer: Any, model: nn.Module, *, sp_size: int, stack: ExitStack) -> SequenceParallelGroups:
-    """Make `trainer` train `model` with Ulysses sequence parallelism over groups of `sp_size` ranks.
+    """Make `trainer` train and evaluate `model` with Ulysses sequence parallelism over groups of `sp_size` ranks.
 
     Args:
-        trainer: a `transformers.Trainer` about to run its training loop under DDP.
+        trainer: a `transformers.Trainer` about to run its training or evaluation loop under DDP.
         model: the unwrapped model (its attention implementation is wrapped).
         sp_size: N, dividing the world size.
-        stack: the undo of every change goes here (the attention wrapper, `compute_loss`).
+        stack: the undo of every change goes here (the attention wrapper, `compute_loss`, `prediction_step`).
     """
-    groups = SequenceParallelGroups(sp_size)
+    groups = _groups_for(trainer, sp_size)
     impl = getattr(getattr(model, "config", None), "_attn_implementation", None) or "sdpa"
     stack.callback(install_ulysses_attention(impl).remove)
     stack.callback(deactivate_batch)
     stock = trainer.compute_loss
+    stock_prediction_step = trainer.prediction_step
     warned: set[str] = set()
     pad_id = getattr(getattr(model, "config", None), "pad_token_id", None) or 0
+    want_logits = [False]  # set by prediction_step for the compute_loss call inside it
 
     def compute_loss(model: nn.Module, inputs: dict[str, Any], return_outputs: bool = False,
                      num_items_in_batch: Any = None) -> Any:
@@ -130,34 +153,88 @@ def attach_sequence_parallel(trainer: Any, model: nn.Module, *, sp_size: int, st
         dist.all_gather_object(gathered, mine, group=groups.group)
         device = inputs["input_ids"].device
         batches = [{k: v.to(device) for k, v in b.items()} for b in gathered]
+        merged = merge_batches(batches)
         normalised = num_items_in_batch is not None and bool(getattr(trainer, "model_accepts_loss_kwargs", False))
+        if not model.training:
+            loss, outputs = _evaluate_sharded(model, merged, batches, groups, pad_id, want_logits[0])
+            loss = loss / (num_items_in_batch if normalised else _count(batches[groups.rank]))
+            if normalised and trainer.args.average_tokens_across_devices:
+                loss = loss * trainer.accelerator.num_processes  # stock compute_loss's scale
+            outputs["loss"] = loss
+            record_amount(FEATURE, "eval_sharded_batches", len(batches))
+            return (loss, outputs) if return_outputs else loss
+        if isinstance(model, nn.parallel.DistributedDataParallel) and not model.find_unused_parameters:
+            record_amount(FEATURE, "ddp_find_unused_false", 1)
         if normalised:
-            merged = merge_batches(batches)
             loss_sum, outputs = sharded_causal_lm_loss(model, merged, group=groups.group, pad_token_id=pad_id,
-                                                       keep_active=True)
+                                                       keep_active=True, model_loss=True)
             loss = loss_sum / num_items_in_batch
             if trainer.args.average_tokens_across_devices:
                 loss = loss * trainer.accelerator.num_processes  # stock's scale: DDP's mean becomes the sum
         else:  # stock: each rank's batch mean, averaged by DDP (and divided by GA by the Trainer)
-            merged = merge_batches(batches)
+            if _has_tiled_loss(model):
+                record_fallback("tiled_loss", "sequence parallelism without num_items_in_batch: the per-batch "
+                                "mean needs per-row sums (logits)")
             rows = [int(b["input_ids"].shape[0]) for b in batches]
-            loss_rows, outputs = _per_row_loss(model, merged, groups, pad_id)
+            loss_rows, outputs = _per_row_loss(model, merged, groups, pad_id, keep_active=True)
             loss = sum(part.sum() / max(_count(b), 1)
                        for part, b in zip(loss_rows.split(rows), batches, strict=True))
         record_amount(FEATURE, "sharded_batches", len(batches))
         return (loss, outputs) if return_outputs else loss
 
-    had_own = "compute_loss" in vars(trainer)
+    def prediction_step(model: nn.Module, inputs: dict[str, Any], prediction_loss_only: bool,
+                        ignore_keys: list[str] | None = None) -> Any:
+        want_logits[0] = not prediction_loss_only
+        try:
+            return stock_prediction_step(model, inputs, prediction_loss_only, ignore_keys=ignore_keys)
+        finally:
+            want_logits[0] = False
+            deactivate_batch()
+
+    had_own = {name: name in vars(trainer) for name in ("compute_loss", "prediction_step")}
     trainer.compute_loss = compute_loss
+    trainer.prediction_step = prediction_step
 
     def restore() -> None:
-        if had_own:
-            trainer.compute_loss = stock
-        else:
-            del trainer.compute_loss
+        for name, original in (("compute_loss", stock), ("prediction_step", stock_prediction_step)):
+            if had_own[name]:
+                setattr(trainer, name, original)
+            else:
+                vars(trainer).pop(name, None)
 
     stack.callback(restore)
     return groups
+
+
+def _has_tiled_loss(model: nn.Module) -> bool:
+    from ..._compat import unwrap_model
+    from ..loss_patch import _TiledLossForward
+
+    target = unwrap_model(getattr(model, "module", model))
+    return isinstance(target.__dict__.get("forward"), _TiledLossForward)
+
+
+def _evaluate_sharded(model: nn.Module, merged: dict[str, torch.Tensor], batches: list[Mapping[str, torch.Tensor]],
+                      groups: SequenceParallelGroups, pad_id: int, want_logits: bool) -> tuple[torch.Tensor, Any]:
+    """This rank's own batch's token-sum loss (fp32 scalar) and the outputs, from a sharded forward of the
+    group's `merged` batches; `outputs.logits` is this rank's own rows `[B_r, S_r, V]` (gathered over the
+    group) when `want_logits`, else `None`."""
+    rows = [int(b["input_ids"].shape[0]) for b in batches]
+    start = sum(rows[: groups.rank])
+    own = slice(start, start + rows[groups.rank])
+    loss_rows, outputs = _per_row_loss(model, merged, groups, pad_id, keep_active=False)
+    total = loss_rows.detach().clone()
+    dist.all_reduce(total, group=groups.group)  # each row's sum over every slice
+    loss = total[own].sum()
+    logits = None
+    if want_logits:
+        part = outputs.logits.detach().contiguous()
+        parts = [torch.empty_like(part) for _ in range(groups.size)]
+        dist.all_gather(parts, part, group=groups.group)
+        length = int(batches[groups.rank]["input_ids"].shape[1])
+        logits = torch.cat(parts, dim=1)[own, :length]
+    outputs["logits"] = logits
+    return loss, outputs
 
 
 def _count(batch: Mapping[str, torch.Tensor]) -> int:
@@ -167,8 +244,9 @@ def _count(batch: Mapping[str, torch.Tensor]) -> int:
 
 
 def _per_row_loss(model: nn.Module, merged: dict[str, torch.Tensor], groups: SequenceParallelGroups,
-                  pad_id: int) -> tuple[torch.Tensor, Any]:
-    """This rank's token-sum cross-entropy per row of `merged` (`[B]`)."""
+                  pad_id: int, keep_active: bool) -> tuple[torch.Tensor, Any]:
+    """This rank's token-sum cross-entropy per row of `merged` (`[B]`), from the logits of its slice;
+    `keep_active`: the batch stays active for a checkpointed backward (else it ends with the forward)."""
     import torch.nn.functional as F
 
     from ...ops.sequence_parallel.inputs import shard_batch
@@ -177,7 +255,11 @@ def _per_row_loss(model: nn.Module, merged: dict[str, torch.Tensor], groups: Seq
                         attention_mask=merged["attention_mask"], position_ids=merged["position_ids"],
                         pad_token_id=pad_id)
     activate_batch(shard.documents, groups.group)  # stays active for a checkpointed backward
-    outputs = model(input_ids=shard.input_ids, position_ids=shard.position_ids, use_cache=False)
+    try:
+        outputs = model(input_ids=shard.input_ids, position_ids=shard.position_ids, use_cache=False)
+    finally:
+        if not keep_active:
+            deactivate_batch()
     logits = outputs.logits.float()
     assert shard.shift_labels is not None
     per_token = F.cross_entropy(logits.transpose(1, 2), shard.shift_labels, ignore_index=-100, reduction="none")

@@ -376,6 +376,25 @@ class ParameterUsage:
             The number of parameters reset to ``None``; ``None`` (and no collective) when no training
             forward ran since the previous call, so a second call in one step is a no-op.
         """
+        used = self.agreed_step_usage(process_group)
+        if used is None:
+            return None
+        reset = 0
+        for i in (~used).nonzero().flatten().tolist():
+            t = self.slots[i].tensor()
+            if t is not None and t.grad is not None:
+                t.grad = None
+                reset += 1
+        self.resets += reset
+        if reset:
+            feature_counts.record_amount("parameter_usage", "grads_reset", reset)
+        return reset
+
+    def agreed_step_usage(self, process_group: Any = None) -> torch.Tensor | None:
+        """The "some rank used it in this optimizer step" mask (bool, one per slot), agreed across ranks
+        with one all-reduce(MAX); the step's record is then cleared. ``None`` (and no collective) when no
+        training forward ran since the previous call. Call on every rank at the same point (after the last
+        backward of the step)."""
         if self._step_forwards == 0:
             return None
         group = self.process_group if process_group is None else process_group
@@ -392,17 +411,7 @@ class ParameterUsage:
                         self._pending_forwards)
         used = self._step_used.clone()
         self.reset_step()
-        used = agree_used(used, group)
-        reset = 0
-        for i in (~used).nonzero().flatten().tolist():
-            t = self.slots[i].tensor()
-            if t is not None and t.grad is not None:
-                t.grad = None
-                reset += 1
-        self.resets += reset
-        if reset:
-            feature_counts.record_amount("parameter_usage", "grads_reset", reset)
-        return reset
+        return agree_used(used, group)
 
     # -- reporting ----------------------------------------------------------------------------------
     def describe(self) -> str:

@@ -260,6 +260,10 @@ class ActivationOffload:
         self._scopes = []
         if self.keep_auto:
             self.keep_on_device = self._auto_keep()
+            if self._last_facts is not None and self.keep_on_device >= self._last_facts[0]:
+                # every layer input now stays on the device: no copy this step, so the pinned slabs an
+                # earlier step needed would sit idle (33 GB at 128K Llama-8B tokens on an H100)
+                self._transfers.clear()
         self.stats.keep_on_device = self.keep_on_device
         self._sampled = None
         self._active = True
