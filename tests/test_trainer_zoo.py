@@ -54,7 +54,7 @@ def zoo(tmp_path_factory) -> dict:
     assert done.stdout.count("TRAINER_ZOO_OK") == 2, done.stdout[-4000:]
     assert done.stdout.count("Trainer patched at import by") == 2, done.stdout[-4000:]  # the hook, no call
     results = json.loads(out.read_text())
-    if os.environ.get("HF_DDPFIX_WRITE_RESULTS") == "1":  # refresh the committed results (then --write the README)
+    if os.environ.get("HF_DDPFIX_WRITE_RESULTS") == "1":  # refresh the committed results (then scripts/trainers_table.py --readme)
         RESULTS.write_text(json.dumps(results, indent=1) + "\n")
     return {"results": results, "by": {(r["case"], r["column"], r["route"]): r for r in results["records"]}}
 
@@ -114,15 +114,14 @@ def test_fresh_results_land_every_table_cell_in_the_committed_class(zoo) -> None
         fresh = {k: v for k, v in fresh.items() if "ZeRO" not in k}
     moved = {k: (committed[k], fresh[k]) for k in committed if committed[k] != fresh[k]}
     assert not moved, f"cells moved (committed, fresh): {moved}; if intended: HF_DDPFIX_WRITE_RESULTS=1 and " \
-                      "python scripts/trainers_table.py --write"
+                      "python scripts/trainers_table.py --readme"
     assert "FAILED" not in fresh.values()
 
 
 def test_readme_trainers_table_is_rendered_from_the_committed_results() -> None:
     table = _table()
-    block = table.readme_block((ROOT / "README.md").read_text())
-    assert block is not None, "README.md lost the generated Trainers table markers"
+    block = table.readme_block((ROOT / "README.md").read_text())  # ValueError without the markers
     assert block == table.render(table.load(str(RESULTS))), "README Trainers table is stale: python " \
-                                                            "scripts/trainers_table.py --write"
+                                                            "scripts/trainers_table.py --readme"
     classes = table.cell_classes(table.load(str(RESULTS)))
     assert "FAILED" not in classes.values() and classes["dpo_vlm / DDP"] == "bit-equal"
