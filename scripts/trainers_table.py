@@ -43,6 +43,12 @@ ROWS: dict[str, tuple[str, str]] = {
                 "image / one text-only", ""),
     "reward_text": ("TRL `RewardTrainer` text (sequence classification)", ""),
     "grpo_text": ("TRL `GRPOTrainer` text (rule-based reward, generation on CPU)", ""),
+    "head_in_forward": ("`Trainer`, `compute_loss` from a head on `hidden_states` inside the forward, LoRA also "
+                        "on `lm_head`", "hf_ddpfix before the tie moved to the loss: DDPFixError"),
+    "head_in_compute_loss": ("`Trainer`, head called in `compute_loss` (outside the forward); stock reference "
+                             "fu=False (stock fu=True fails)",
+                             "hf_ddpfix before: the head never trained, 2.5e-2 off"),
+    "some_outputs": ("`Trainer`, `compute_loss` from part of the logits", ""),
 }
 ROUTES = {"patches": "`patches/`", "patch_trainer": "`patch_trainer()`"}
 

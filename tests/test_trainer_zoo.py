@@ -1,4 +1,4 @@
-"""The TRL trainer zoo, one 2-process launch (tests/scripts/trainer_zoo.py, started the zero-code way: ``patches/``
+"""The trainer zoo (TRL's trainers, the plain Trainer with losses of its own), one 2-process launch (tests/scripts/trainer_zoo.py, started the zero-code way: ``patches/``
 first on PYTHONPATH): hf_ddpfix vs stock on the same data under DDP through ``patches/`` (every case) and
 ``patch_trainer()`` (one case per trainer class), under DeepSpeed ZeRO-2/3 against stock DDP, and what an FSDP2
 request becomes without an accelerator. The README's "Trainers" table is rendered from the committed results
@@ -10,8 +10,8 @@ TRL's trainer classes exist, with no call in the script) — so every case runs 
 explicit call (after TRL's classes exist) is run for one case per trainer class and for every ZeRO run, in the
 same process: one interpreter start, one TRL / DeepSpeed import.
 
-What each case is and why stock's setting is the reference: the script's docstring; the plain ``Trainer`` with
-hidden-state heads: tests/test_usage_at_loss.py.
+What each case is and why stock's setting is the reference: the script's docstring (the plain ``Trainer``
+cases: tests/scripts/trainer_heads.py).
 """
 
 from __future__ import annotations
@@ -24,7 +24,9 @@ from launch import ROOT, torchrun
 
 RESULTS = ROOT / "tests" / "results" / "trainer_zoo.json"
 CASES = ("sft_vlm", "sft_text", "sft_text_unfused", "sft_packing", "sft_reenable", "dpo_text", "dpo_vlm",
-         "reward_text", "grpo_text")
+         "reward_text", "grpo_text", "head_in_forward", "head_in_compute_loss", "some_outputs")
+# the stock setting that trains: find_unused_parameters=True, except a head called in compute_loss (outside the
+# forward), where stock fu=True fails ("ready only once") and fu=False trains
 ZERO_CASES = ("sft_text", "sft_vlm", "dpo_text", "dpo_vlm", "reward_text")
 
 
@@ -63,13 +65,16 @@ def zoo(tmp_path_factory) -> dict:
 def test_every_trl_trainer_trains_bit_equal_to_stock_through_patches_and_patch_trainer(zoo) -> None:
     by = zoo["by"]
     explicit = [c for c in CASES if (c, "DDP", "patch_trainer") in by]
-    assert {"sft_vlm", "dpo_vlm", "reward_text", "grpo_text"} <= set(explicit), explicit  # SFT, DPO, Reward, GRPO
+    # one per trainer class: SFT, DPO, Reward, GRPO, the plain Trainer
+    assert {"sft_vlm", "dpo_vlm", "reward_text", "grpo_text", "head_in_compute_loss"} <= set(explicit), explicit
     for case in CASES:
         for route in ("patches", "patch_trainer") if case in explicit else ("patches",):
             rec = by[(case, "DDP", route)]
             # the script asserted stock fu=True, hf_ddpfix fu=False and the parameter_usage counts on each rank
-            assert rec["max_diff"] == 0.0 and rec["moved"] == rec["tensors"], rec
-            assert rec["stock_fu"] is True and rec["fixed_fu"] is False, rec
+            # every trainable tensor moved, but lm_head's LoRA A and B in head_in_forward (the loss never
+            # reaches them: stock leaves them, so must hf_ddpfix)
+            assert rec["max_diff"] == 0.0 and rec["moved"] == rec["tensors"] - 2 * (case == "head_in_forward"), rec
+            assert rec["stock_fu"] is (case != "head_in_compute_loss") and rec["fixed_fu"] is False, rec
     # the text-only rank tied every vision LoRA tensor into the loss given to backward, every step (SFT: TRL's
     # fused head computes the loss from hidden states; DPO: from log-probs), counted on rank 1 (rank 0: none)
     for case in ("sft_vlm", "dpo_vlm"):
@@ -78,6 +83,10 @@ def test_every_trl_trainer_trains_bit_equal_to_stock_through_patches_and_patch_t
     # a trainer that re-enables checkpointing with the user's (reentrant) arguments every step: the plan's
     # function is put back before each step's training forward, through either entry point
     assert by[("sft_reenable", "DDP", "patches")]["reinstalled"] == 3
+    # lm_head's LoRA (A and B), which the head loss never reaches, tied at the loss every step (4 steps); a
+    # head outside the forward and a loss from part of the logits need no tie (trainer_heads.check_counts)
+    assert by[("head_in_forward", "DDP", "patches")]["ties_at_loss"] == 2 * 4
+    assert by[("head_in_compute_loss", "DDP", "patches")]["ties_at_loss"] == 0
 
 
 @pytest.mark.multiprocess

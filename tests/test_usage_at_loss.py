@@ -1,7 +1,8 @@
 """Parameter usage observed at the loss given to backward (`ParameterUsage.tie_loss`), not at the model output.
 
 Single-process checks of the tie's bookkeeping and of the plan's fact about where the loss is
-back-propagated; the 2-process Trainer runs (hidden-state heads, TRL) are tests/scripts/trainer_heads.py.
+back-propagated; the 2-process Trainer runs (hidden-state heads, TRL) are
+tests/test_trainer_zoo.py (cases in tests/scripts/trainer_zoo.py and trainer_heads.py).
 """
 
 from __future__ import annotations
@@ -122,17 +123,6 @@ def test_plan_keeps_stock_find_unused_where_the_loss_cannot_be_seen() -> None:
     assert seen.parameter_usage.value is True and seen.find_unused_parameters.value is False
     assert "accelerator.backward" in seen.parameter_usage.reason
     assert "loss given to backward" in seen.find_unused_parameters.reason
-
-
-def test_hidden_state_heads_and_partial_outputs_train_like_stock_under_ddp(tmp_path) -> None:
-    """2 gloo processes, one process group: a head inside the forward with LoRA on lm_head (stock fu=True),
-    a head called in compute_loss (stock fu=False; fu=True fails there), a loss from some logits only."""
-    from launch import torchrun
-
-    done = torchrun("trainer_heads.py", "--out", str(tmp_path), timeout=400)
-    assert done.stdout.count("TRAINER_HEADS_OK") == 2, done.stdout[-4000:]
-    assert "head_in_forward: fu=False max |fix - stock| = 0.0e+00" in done.stdout
-    assert "head_in_compute_loss: fu=False max |fix - stock| = 0.0e+00" in done.stdout
 
 
 def test_an_accelerate_loop_gets_the_plan_through_one_call_and_trains_like_stock() -> None:

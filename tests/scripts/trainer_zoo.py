@@ -1,4 +1,4 @@
-"""TRL trainers, 2 gloo processes, one process group: hf_ddpfix vs stock on the same data, through both entry
+"""TRL trainers and the plain Trainer with losses of its own, 2 gloo processes, one process group: hf_ddpfix vs stock on the same data, through both entry
 points, under DDP and DeepSpeed ZeRO-2/3, and what an FSDP2 request becomes on a CPU-only machine.
 
 Run (the zero-code route: ``patches/`` first on PYTHONPATH, as the README tells a user):
@@ -7,7 +7,7 @@ Run (the zero-code route: ``patches/`` first on PYTHONPATH, as the README tells 
 Without ``patches/`` on the path use ``--route patch_trainer`` (DDP runs through ``patch_trainer()`` only).
 
 Stock is the setting that trains: non-reentrant checkpointing, ``find_unused_parameters=True`` (what the
-stock Trainer picks for a PeftModel). The hf_ddpfix runs ask for reentrant checkpointing (the plan corrects
+stock Trainer picks for a PeftModel; False for ``head_in_compute_loss``, where True fails: STOCK_FU). The hf_ddpfix runs ask for reentrant checkpointing (the plan corrects
 it under DDP) and must end within 1e-6 of stock DDP on every rank (bit-equal here: the math is unchanged),
 with the ``parameter_usage`` counts showing every loss was seen at ``accelerator.backward``; under ZeRO-2/3
 within 1e-5 of stock DDP (DeepSpeed's own reduction and optimizer arithmetic). Every case uses AdamW with
@@ -41,6 +41,8 @@ Cases:
   with an image, rank 1's text-only), LoRA incl. the vision tower; ``reward_text``: ``RewardTrainer``
   (sequence classification head, trained through ``modules_to_save``); ``grpo_text``: GRPO with a rule reward
   and generation on CPU.
+- ``head_in_forward``, ``head_in_compute_loss``, ``some_outputs``: the plain ``Trainer`` with a ``compute_loss``
+  of its own (trainer_heads.py; stock's setting that trains: trainer_heads.STOCK_FU).
 
 Every rank prints one ``ZOO {json}`` line per comparison; rank 0 writes them all to ``--out`` (the results
 the README's Trainers table is rendered from: scripts/trainers_table.py). Prints ``TRAINER_ZOO_OK`` after
@@ -66,6 +68,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(HERE)), "examples"))
 
+import trainer_heads  # noqa: E402
 from fixtures import BUILDERS, add_lora, make_batch, teardown, trainable_weights, zero_config  # noqa: E402
 from trl_sft import WORDS, build_tokenizer  # noqa: E402
 
@@ -91,7 +94,7 @@ FP32 = {"bf16": False}
 SGD = {"optim": "sgd"}
 SGD_TOL, ADAM_TOL = 1e-7, 5e-5
 # the DDP runs through patch_trainer() next to patches/ (--route patches): one case per trainer class
-EXPLICIT_CASES = ("sft_vlm", "dpo_vlm", "reward_text", "grpo_text")
+EXPLICIT_CASES = ("sft_vlm", "dpo_vlm", "reward_text", "grpo_text", "head_in_compute_loss")
 
 
 def _ckpt(patched: bool) -> dict[str, Any]:
@@ -294,8 +297,11 @@ CASES: dict[str, Callable[[str, bool, dict], Any]] = {
     "dpo_vlm": dpo_vlm,
     "reward_text": reward_text,
     "grpo_text": grpo_text,
+    # the plain Trainer with a loss that is not the model's output (trainer_heads.py)
+    **{name: (lambda out, p, x, name=name: trainer_heads.build_trainer(name, out, p, x)) for name in trainer_heads.STOCK_FU},
 }
 VLM_CASES = ("sft_vlm", "dpo_vlm")
+STOCK_FU = {**{case: True for case in CASES}, **trainer_heads.STOCK_FU}  # the stock setting that trains
 
 
 class Run:
@@ -356,8 +362,11 @@ def compare(case: str, column: str, route: str, stock: Run, fixed: Run, rank: in
                            "moved": fixed.moved, "stock_fu": stock.fu, "fixed_fu": fixed.fu, "plan": fixed.plan}
     assert diff <= tol, f"{case} {column} {route}: hf_ddpfix vs stock differ by {diff:.2e} (> {tol:.0e})"
     if column == "DDP":
-        assert stock.fu and fixed.fu is False, (case, stock.fu, fixed.fu)
+        assert stock.fu is STOCK_FU[case] and fixed.fu is False, (case, stock.fu, fixed.fu)
         assert usage is not None and usage.ran >= STEPS and not usage.fallbacks, (case, route, usage)
+        if case in trainer_heads.STOCK_FU:
+            trainer_heads.check_counts(case, usage.amounts)
+            rec["ties_at_loss"] = usage.amounts.get("ties_at_loss", 0)
         if case in VLM_CASES:
             vision = [k for k in fixed.weights if ".visual." in k]
             rec["vision_ties_in_loss"] = int(_max_over_ranks(_check_vlm_ties(rank, case, vision, usage.amounts)))
