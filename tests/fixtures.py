@@ -10,7 +10,8 @@ scripts under ``tests/scripts`` insert it themselves (``sys.path.insert(0, <test
 - VLMs (Qwen family, the stabiliser's adapters): :data:`BUILDERS`, :data:`PATCH_DIM`, :func:`add_lora`,
   :func:`make_batch`, :func:`image_collate`; the Qwen-VL configs once, :func:`qwen_vl` (``tests/zoo.py``
   builds its Qwen entries with it). The wider model zoo of the usage tests is ``tests/zoo.py``.
-- Processes: :func:`init_gloo`, :func:`rank_log`, :func:`teardown`; comparing ranks and references:
+- Processes: :func:`init_gloo`, :func:`rank_log`, :func:`teardown`, DeepSpeed's CPU op
+  :func:`build_deepspeed_shm_op`; comparing ranks and references:
   :func:`trainable_weights`, :func:`flat_trainable`, :func:`weights_digest`, :func:`max_diff_across_ranks`,
   :func:`assert_same_across_ranks`, :func:`assert_weights_equal`;
   FSDP2 and tiling: :func:`shard_decoder`, :func:`tiled_stats`; DDP micro-batches: :func:`accumulate`;
@@ -139,6 +140,18 @@ def init_gloo() -> tuple[int, int]:
     if not dist.is_initialized():
         dist.init_process_group("gloo")
     return dist.get_rank(), dist.get_world_size()
+
+
+def build_deepspeed_shm_op(timeout: float = 900) -> None:
+    """Build DeepSpeed's CPU shared-memory op once (cached in ``~/.cache/torch_extensions``; 45-210 s the first
+    time), outside any launch's hard timeout. Raises ``subprocess.TimeoutExpired`` naming nothing: callers say
+    what to delete (a killed build leaves a stale ``lock`` file in ``.../deepspeed_shm_comm/``)."""
+    import subprocess
+    import sys
+
+    code = "from deepspeed.comm.torch import build_shm_op; build_shm_op()"
+    subprocess.run([sys.executable, "-c", code], env={**os.environ, "DS_ACCELERATOR": "cpu"}, check=True,
+                   timeout=timeout, capture_output=True)
 
 
 def rank_log(rank: int | None = None) -> Callable[[str], None]:
