@@ -10,7 +10,8 @@ scripts under ``tests/scripts`` insert it themselves (``sys.path.insert(0, <test
 - VLMs (Qwen family, the stabiliser's adapters): :data:`BUILDERS`, :data:`PATCH_DIM`, :func:`add_lora`,
   :func:`make_batch`, :func:`image_collate`; the Qwen-VL configs once, :func:`qwen_vl` (``tests/zoo.py``
   builds its Qwen entries with it). The wider model zoo of the usage tests is ``tests/zoo.py``.
-- Processes: :func:`init_gloo`, :func:`rank_log`, :func:`teardown`; comparing ranks and references:
+- Processes: :func:`init_gloo`, :func:`rank_log`, :func:`teardown`, DeepSpeed's CPU op
+  :func:`build_deepspeed_shm_op`; comparing ranks and references:
   :func:`trainable_weights`, :func:`flat_trainable`, :func:`weights_digest`, :func:`max_diff_across_ranks`,
   :func:`assert_same_across_ranks`, :func:`assert_weights_equal`;
   FSDP2 and tiling: :func:`shard_decoder`, :func:`tiled_stats`; DDP micro-batches: :func:`accumulate`;
@@ -141,6 +142,18 @@ def init_gloo() -> tuple[int, int]:
     return dist.get_rank(), dist.get_world_size()
 
 
+def build_deepspeed_shm_op(timeout: float = 900) -> None:
+    """Build DeepSpeed's CPU shared-memory op once (cached in ``~/.cache/torch_extensions``; 45-210 s the first
+    time), outside any launch's hard timeout. Raises ``subprocess.TimeoutExpired`` naming nothing: callers say
+    what to delete (a killed build leaves a stale ``lock`` file in ``.../deepspeed_shm_comm/``)."""
+    import subprocess
+    import sys
+
+    code = "from deepspeed.comm.torch import build_shm_op; build_shm_op()"
+    subprocess.run([sys.executable, "-c", code], env={**os.environ, "DS_ACCELERATOR": "cpu"}, check=True,
+                   timeout=timeout, capture_output=True)
+
+
 def rank_log(rank: int | None = None) -> Callable[[str], None]:
     """A ``print`` that prefixes ``[rank R   S.Ss]`` (seconds since this call) and flushes; ``rank``
     defaults to this process's rank in the default group."""
@@ -215,25 +228,6 @@ def trainable_weights(model: nn.Module) -> dict[str, torch.Tensor]:
         with deepspeed.zero.GatheredParameters([p for _, p in params]):
             return {n: p.detach().clone() for n, p in params}
     return {n: _full(p).clone() for n, p in params}
-
-
-def build_deepspeed_shm_op() -> None:
-    """Build deepspeed's CPU shared-memory op once (cached in TORCH_EXTENSIONS_DIR / ~/.cache/torch_extensions),
-    so that no multi-process launch pays the 45-210 s compile under its hard timeout. Skips the calling test
-    when deepspeed is not installed (a test extra: ``DS_BUILD_OPS=0 pip install deepspeed==0.19.8``)."""
-    import subprocess
-    import sys
-
-    import pytest
-
-    pytest.importorskip("deepspeed", reason="test extra: DS_BUILD_OPS=0 pip install deepspeed==0.19.8")
-    code = "from deepspeed.comm.torch import build_shm_op; build_shm_op()"
-    try:
-        subprocess.run([sys.executable, "-c", code], env={**os.environ, "DS_ACCELERATOR": "cpu"}, check=True,
-                       timeout=900, capture_output=True)
-    except subprocess.TimeoutExpired:
-        pytest.fail("building deepspeed_shm_comm took > 900 s: a killed earlier build leaves a stale 'lock' file "
-                    "in ~/.cache/torch_extensions/*/deepspeed_shm_comm/ - delete it")
 
 
 def zero_config(stage: int) -> dict[str, Any]:
