@@ -160,3 +160,33 @@ def test_prepare_accelerate_loop_refuses_a_wrapped_model_and_detaches_on_close()
     with prepare_accelerate_loop(acc, model) as run:
         assert run.plan.parallel == "single" and run.usage is None
     assert "backward" not in vars(acc)
+
+
+def test_reentrant_layers_reached_only_through_a_zero_tie_count_as_unused() -> None:
+    """The ZeRO dummy image runs the tower's reentrant checkpointed blocks on a text-only micro-batch; their
+    output reaches the loss only through the exact-zero tie, so the step's usage must call the tower unused
+    (as the graph walk does without checkpointing), and used when the batch has an image: what
+    `zero_skip_unused` restores by (tests/scripts/deepspeed_train.py, DS_SKIP_CKPT=reentrant by hand)."""
+    from fixtures import add_lora, build_qwen2_5_vl, make_batch
+
+    from hf_ddpfix.integrations.checkpointing import apply_checkpointing
+    from hf_ddpfix.integrations.vision.zero import ZeroVisionStabilizer
+
+    model = add_lora(build_qwen2_5_vl(0))
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": True})
+    assert apply_checkpointing(model, use_reentrant=True) > 0
+    model.train()
+    stab = ZeroVisionStabilizer(model).attach()
+    usage = ParameterUsage(model, tie=False, guard=False).attach()
+    usage.at_loss = True
+    tower = [i for i, s in enumerate(usage.slots) if ".visual." in s.name]
+    assert tower and len(tower) < len(usage.slots)
+    for has_image in (False, True):
+        loss = usage.tie_loss(model(**make_batch(has_image, seed=2)).loss)
+        loss.backward()
+        used = usage.agreed_step_usage()
+        assert used is not None and bool(used[tower].all()) is has_image and bool(used[tower].any()) is has_image
+        assert all(used[i] for i in range(len(usage.slots)) if i not in tower)
+    assert stab.dummy_runs == 1 and usage._regions is not None
+    usage.remove()
+    stab.remove()

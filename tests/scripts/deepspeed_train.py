@@ -67,6 +67,7 @@ from hf_ddpfix._compat import checkpointing_training_args  # noqa: E402
 TOL = 1e-5
 STEPS = 3
 SKIP_STEPS = 4  # the skip_unused cases: an image on rank 0 at step 0, none at steps 1-2, on rank 1 at step 3
+SKIP_CKPT = os.environ.get("DS_SKIP_CKPT", "off")  # by hand: the skip_unused cases with (non_)reentrant checkpointing
 ACCUM = int(os.environ.get("DS_TEST_GRAD_ACCUM", "1"))  # manual checks with accumulation
 
 
@@ -409,7 +410,8 @@ def main() -> None:
 
     def skip_unused_ref(model: nn.Module) -> dict:
         """Stock DDP on the ``skip`` layout (before any DeepSpeed TrainingArguments exists)."""
-        return run("ddp_ref_vlm_skip", model, skip_rows, vlm_collate, stage=None, fixed=False, steps=SKIP_STEPS)
+        return run("ddp_ref_vlm_skip", model, skip_rows, vlm_collate, stage=None, fixed=False, steps=SKIP_STEPS,
+                   ckpt="non_reentrant" if SKIP_CKPT != "off" else "off")
 
     def skip_unused_cases(skip_models: list[nn.Module], start: dict, skip_ref: dict) -> None:
         """Steps where no rank has an image between steps where one has (layout ``skip``): stock DDP vs hf_ddpfix
@@ -417,7 +419,7 @@ def main() -> None:
         for i, (stage, on) in enumerate(((2, True), (3, True), (2, False)), start=1):
             name = f"zero{stage}_vlm_skip_{'on' if on else 'off'}"
             got = run(name, skip_models[i], skip_rows, vlm_collate, stage=stage, fixed=True, steps=SKIP_STEPS,
-                      options={"zero_skip_unused": True} if on else None)
+                      options={"zero_skip_unused": True} if on else None, ckpt=SKIP_CKPT)
             compare(name, got, skip_ref, start, check=on)  # off: the gap is asserted by the test
             summary["cases"][name]["vision_diff"] = max_diff(
                 {k: v for k, v in got["weights"].items() if ".visual." in k},
