@@ -219,8 +219,25 @@ def _full(t: torch.Tensor) -> torch.Tensor:
 
 
 def trainable_weights(model: nn.Module) -> dict[str, torch.Tensor]:
-    """Name -> a copy of every trainable parameter (FSDP2 shards gathered: call it on every rank)."""
-    return {n: _full(p).clone() for n, p in model.named_parameters() if p.requires_grad}
+    """Name -> a copy of every trainable parameter (FSDP2 shards and DeepSpeed ZeRO-3 partitions
+    gathered: call it on every rank)."""
+    params = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    if any(hasattr(p, "ds_id") for _, p in params):  # ZeRO-3 partitions: gather them (a collective)
+        import deepspeed
+
+        with deepspeed.zero.GatheredParameters([p for _, p in params]):
+            return {n: p.detach().clone() for n, p in params}
+    return {n: _full(p).clone() for n, p in params}
+
+
+def zero_config(stage: int) -> dict[str, Any]:
+    """The smallest DeepSpeed ZeRO config the Trainer fills in ("auto"); threshold 0 so that ZeRO-3 shards
+    the tiny test parameters too (else it keeps them whole and shards nothing)."""
+    zero: dict[str, Any] = {"stage": stage}
+    if stage == 3:
+        zero.update(stage3_param_persistence_threshold=0)
+    return {"train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto",
+            "gradient_clipping": "auto", "zero_optimization": zero}
 
 
 def flat_trainable(model: nn.Module) -> torch.Tensor:

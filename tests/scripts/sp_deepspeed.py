@@ -9,7 +9,9 @@ Ulysses engine) beside it with its gaps predicted to the number.
 One process group, several engines in turn (one interpreter start and DeepSpeed import): ZeRO-2, ZeRO-3 with
 `reduce_scatter` true and false; SGD without clipping and AdamW with clipping and weight decay; tiny LoRA Llama
 (sdpa), variable lengths, right padding, prompt-masked labels (different valid-token counts per micro-batch),
-2 optimizer steps. World 4: DP 2 x SP 2; world 2: SP 2.
+2 optimizer steps. hf_ddpfix: SP 2 (world 4: DP 2 x SP 2). Stock: SP = the world (DP 1): on gloo its
+loss's differentiable `all_gather` fails in backward on any SP group without global rank 0 ("Global rank 0 is
+not part of group"), so DP > 1 cannot run there; at world 4 its failure to start with `sp_size=2` alone is shown.
 
 References (computed here, in one process, from the batches each rank's data loader really produced):
 - hf_ddpfix: every rank's micro-batch m of step k belongs to step k; the loss is the token mean over all of
@@ -46,7 +48,7 @@ from hf_ddpfix.ops import feature_counts  # noqa: E402
 TOL = 1e-5
 SP = 2
 STEPS = 2
-FIXED_LENGTH = 18  # >= the longest sample of sp_trainer.dataset (17 tokens), a multiple of SP
+FIXED_LENGTH = 20  # >= the longest sample of sp_trainer.dataset (17 tokens), a multiple of 2 and 4
 ZERO = {"zero2": (2, None), "zero3_rs": (3, True), "zero3_no_rs": (3, False)}
 OPTIM = {"sgd": dict(optim="sgd", max_grad_norm=0.0, weight_decay=0.0, learning_rate=5e-2),
          "adamw_clip": dict(optim="adamw_torch", max_grad_norm=0.05, weight_decay=0.1, learning_rate=2e-4)}
@@ -109,7 +111,7 @@ def drop_stock_sp_state(sdpa) -> None:
     groups.mpu = None
 
 
-def train(zero: str, optim: str, mode: str, ga: int, dp_replicate: int | None = None) -> dict:
+def train(zero: str, optim: str, mode: str, ga: int, dp_replicate: int | None = None, sp: int = SP) -> dict:
     """mode: "pc" (ParallelismConfig, patched), "arg" (patch_trainer(sequence_parallel=2)), "stock".
     dp_replicate: `ParallelismConfig.dp_replicate_size` (None: unset, as a user writes `sp_size=N` alone)."""
     from accelerate.parallelism_config import ParallelismConfig
@@ -125,7 +127,7 @@ def train(zero: str, optim: str, mode: str, ga: int, dp_replicate: int | None = 
     model = lora_llama(attn_implementation="sdpa")
     rec = Recorder(collate_stock if mode == "stock" else collate)
     pc = None if mode == "arg" else ParallelismConfig(
-        sp_size=SP, sp_backend="deepspeed", sp_handler=DeepSpeedSequenceParallelConfig(sp_attn_implementation="sdpa"),
+        sp_size=sp, sp_backend="deepspeed", sp_handler=DeepSpeedSequenceParallelConfig(sp_attn_implementation="sdpa"),
         **({"dp_replicate_size": dp_replicate} if dp_replicate else {}))
     args = TrainingArguments(output_dir=f"/tmp/hf_ddpfix_spds_{zero}_{optim}_{mode}", per_device_train_batch_size=2,
                              gradient_accumulation_steps=ga, max_steps=STEPS, report_to=[], use_cpu=True,
@@ -165,11 +167,11 @@ def ours_steps(batches: list[list[dict]], ga: int) -> list[list[list[dict]]]:
     return [[[b[k * ga + m] for b in batches for m in range(ga)]] for k in range(STEPS)]
 
 
-def stock_steps(batches: list[list[dict]], ga: int) -> list[list[list[dict]]]:
-    """DeepSpeed's adapter layout: SP group g (ranks g*SP ..) runs rank g*SP+j%SP's batch j//SP as its micro-batch
+def stock_steps(batches: list[list[dict]], ga: int, sp: int) -> list[list[list[dict]]]:
+    """DeepSpeed's adapter layout: SP group g (ranks g*sp ..) runs rank g*sp+j%sp's batch j//sp as its micro-batch
     j; step k = micro-batches k*ga .. k*ga+ga-1 of every group. Returned per step: one list per micro-batch."""
-    groups = len(batches) // SP
-    return [[[batches[g * SP + j % SP][j // SP]] for g in range(groups) for j in range(k * ga, k * ga + ga)]
+    groups = len(batches) // sp
+    return [[[batches[g * sp + j % sp][j // sp]] for g in range(groups) for j in range(k * ga, k * ga + ga)]
             for k in range(STEPS)]
 
 
@@ -230,8 +232,8 @@ def main() -> None:
     p.add_argument("--ga", type=int, default=3)
     p.add_argument("--zero", default=",".join(ZERO))
     p.add_argument("--stock", default=",".join(ZERO),
-                   help="ZeRO settings to run stock DeepSpeed SP on ('' none); world > 2: only its failure to start "
-                        "with sp_size alone")
+                   help="ZeRO settings to run stock DeepSpeed SP on, with sp_size = the world ('' none); world > 2: "
+                        "also its failure to start with sp_size=2 alone")
     p.add_argument("--check-leftover-mpu", action="store_true",
                    help="also: an engine built with DeepSpeed's SP groups left in the process is refused")
     a = p.parse_args()
@@ -286,16 +288,16 @@ def main() -> None:
         want = ("train_batch_size is not equal to micro_batch_per_gpu * gradient_acc_step * world_size "
                 f"{2 * a.ga} != 2 * {a.ga} * {world // SP}")
         v.add({"case": "stock/zero2/sp_size_alone", "world": world, "error": error[-200:], "ok": want in error})
-    # DP > 1: stock's own loss cannot run on gloo (its differentiable all_gather fails in backward on the ranks
-    # of the second SP group: "Global rank 0 is not part of group"), so only its start is shown there
-    for zero in filter(None, a.stock.split(",") if world == SP else ()):
-        got = train(zero, "sgd", "stock", a.ga)
+    # stock with DP 1 (sp_size = world): with DP > 1 its loss's differentiable all_gather fails in backward on
+    # gloo on the ranks of the second SP group ("Global rank 0 is not part of group")
+    for zero in filter(None, a.stock.split(",")):
+        got = train(zero, "sgd", "stock", a.ga, sp=world)
         drop_stock_sp_state(sdpa)
-        rec = {"case": f"stock/{zero}/sgd", "world": world, "sp": SP, "ga": a.ga, "via": "stock",
+        rec = {"case": f"stock/{zero}/sgd", "world": world, "sp": world, "ga": a.ga, "via": "stock",
                "engine_sp": got["engine_sp"], "seconds": round(got["seconds"], 1), "losses": got["losses"]}
         if r == 0:
-            steps = stock_steps(got["batches"], a.ga)
-            factor = 1.0 if ZERO[zero] == (3, True) else float(SP)
+            steps = stock_steps(got["batches"], a.ga, world)
+            factor = 1.0 if ZERO[zero] == (3, True) else float(world)
             exact = reference(steps, "sgd", "token_mean")
             model_of_stock = reference(steps, "sgd", "mean_of_means", factor)
             rec.update(factor=factor, diff_to_token_mean=wdiff(got["weights"], exact["weights"]),
@@ -306,7 +308,7 @@ def main() -> None:
             rec["logged_loss_diff_to_mean_of_means"] = max(
                 abs(x - y) for x, y in zip(got["losses"], model_of_stock["losses"], strict=True))
             rec["ok"] = (rec["diff_to_stock_formula"] <= TOL and rec["diff_to_token_mean"] > 100 * TOL
-                         and rec["logged_loss_diff_to_mean_of_means"] <= TOL and got["engine_sp"] == SP)
+                         and rec["logged_loss_diff_to_mean_of_means"] <= TOL and got["engine_sp"] == world)
         else:
             rec["ok"] = True
         v.add(rec)
@@ -324,7 +326,7 @@ def main() -> None:
             error = str(err)
         drop_stock_sp_state(sdpa)
         v.add({"case": "hf_ddpfix/zero2/leftover_sp_engine", "world": world, "error": error[:300],
-               "ok": f"sequence_parallel_size={world}" in error and "does not average gradients" in error})
+               "ok": f"sequence_parallel_size={SP}" in error and "does not average gradients" in error})
     dist.barrier()
     v.finish()
 
