@@ -108,8 +108,9 @@ def attach_runtime(trainer: Any, model: nn.Module, plan: Plan, stack: ExitStack)
     if plan.tiled_loss.value:
         rt.tiled_loss = _apply_tiled_loss(trainer, model, plan, stack)
     if plan.sequence_parallel.value and plan.sequence_parallel.value != "deepspeed":  # deepspeed: its own engine
-        rt.sequence_parallel = attach_sequence_parallel(trainer, model, stack=stack,
-                                                        sp_size=sp_size_of(plan.sequence_parallel.value))
+        rt.sequence_parallel = attach_sequence_parallel(
+            trainer, model, stack=stack, sp_size=sp_size_of(plan.sequence_parallel.value),
+            stand_down_accelerate="parallelism_config" in str(plan.sequence_parallel.value))
     if rt.step_contexts:
         _override(trainer, "training_step", lambda inner: _within(rt.step_contexts, inner), stack)
     _align_buffer_order(trainer, model, plan)

@@ -150,7 +150,8 @@ def run_evaluation_with_plan(trainer: Trainer, eval_loop: Callable[..., Any], *a
             trainer.hf_ddpfix_eval_sync = attach_eval_sync(unwrap_parallel(trainer.model), decision,
                                                            facts.parallel, stack)
             if sp > 1:  # sharded evaluation, as inside train() (integrations/sequence_parallel/trainer.py)
-                attach_sequence_parallel(trainer, unwrap_parallel(trainer.model), sp_size=sp, stack=stack)
+                attach_sequence_parallel(trainer, unwrap_parallel(trainer.model), sp_size=sp, stack=stack,
+                                         stand_down_accelerate=True)  # no-op without ParallelismConfig(sp_size>1)
             return eval_loop(*args, **kwargs)
     finally:
         trainer._hf_ddpfix_eval_active = False

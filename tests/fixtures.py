@@ -10,7 +10,8 @@ scripts under ``tests/scripts`` insert it themselves (``sys.path.insert(0, <test
 - VLMs (Qwen family, the stabiliser's adapters): :data:`BUILDERS`, :data:`PATCH_DIM`, :func:`add_lora`,
   :func:`make_batch`, :func:`image_collate`; the Qwen-VL configs once, :func:`qwen_vl` (``tests/zoo.py``
   builds its Qwen entries with it). The wider model zoo of the usage tests is ``tests/zoo.py``.
-- Processes: :func:`init_gloo`, :func:`rank_log`, :func:`teardown`; comparing ranks and references:
+- Processes: :func:`init_gloo`, :func:`rank_log`, :func:`teardown`, DeepSpeed's CPU op
+  :func:`build_deepspeed_shm_op`; comparing ranks and references:
   :func:`trainable_weights`, :func:`flat_trainable`, :func:`weights_digest`, :func:`max_diff_across_ranks`,
   :func:`assert_same_across_ranks`, :func:`assert_weights_equal`;
   FSDP2 and tiling: :func:`shard_decoder`, :func:`tiled_stats`; DDP micro-batches: :func:`accumulate`;
@@ -141,6 +142,18 @@ def init_gloo() -> tuple[int, int]:
     return dist.get_rank(), dist.get_world_size()
 
 
+def build_deepspeed_shm_op(timeout: float = 900) -> None:
+    """Build DeepSpeed's CPU shared-memory op once (cached in ``~/.cache/torch_extensions``; 45-210 s the first
+    time), outside any launch's hard timeout. Raises ``subprocess.TimeoutExpired`` naming nothing: callers say
+    what to delete (a killed build leaves a stale ``lock`` file in ``.../deepspeed_shm_comm/``)."""
+    import subprocess
+    import sys
+
+    code = "from deepspeed.comm.torch import build_shm_op; build_shm_op()"
+    subprocess.run([sys.executable, "-c", code], env={**os.environ, "DS_ACCELERATOR": "cpu"}, check=True,
+                   timeout=timeout, capture_output=True)
+
+
 def rank_log(rank: int | None = None) -> Callable[[str], None]:
     """A ``print`` that prefixes ``[rank R   S.Ss]`` (seconds since this call) and flushes; ``rank``
     defaults to this process's rank in the default group."""
@@ -206,8 +219,25 @@ def _full(t: torch.Tensor) -> torch.Tensor:
 
 
 def trainable_weights(model: nn.Module) -> dict[str, torch.Tensor]:
-    """Name -> a copy of every trainable parameter (FSDP2 shards gathered: call it on every rank)."""
-    return {n: _full(p).clone() for n, p in model.named_parameters() if p.requires_grad}
+    """Name -> a copy of every trainable parameter (FSDP2 shards and DeepSpeed ZeRO-3 partitions
+    gathered: call it on every rank)."""
+    params = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    if any(hasattr(p, "ds_id") for _, p in params):  # ZeRO-3 partitions: gather them (a collective)
+        import deepspeed
+
+        with deepspeed.zero.GatheredParameters([p for _, p in params]):
+            return {n: p.detach().clone() for n, p in params}
+    return {n: _full(p).clone() for n, p in params}
+
+
+def zero_config(stage: int) -> dict[str, Any]:
+    """The smallest DeepSpeed ZeRO config the Trainer fills in ("auto"); threshold 0 so that ZeRO-3 shards
+    the tiny test parameters too (else it keeps them whole and shards nothing)."""
+    zero: dict[str, Any] = {"stage": stage}
+    if stage == 3:
+        zero.update(stage3_param_persistence_threshold=0)
+    return {"train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto",
+            "gradient_clipping": "auto", "zero_optimization": zero}
 
 
 def flat_trainable(model: nn.Module) -> torch.Tensor:

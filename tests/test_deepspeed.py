@@ -15,7 +15,7 @@ import sys
 
 import pytest
 import torch
-from fixtures import BUILDERS, add_lora, make_batch
+from fixtures import BUILDERS, add_lora, build_deepspeed_shm_op, make_batch
 from launch import torchrun
 
 from hf_ddpfix.integrations.deepspeed import (
@@ -258,10 +258,8 @@ def test_zero_dummy_image_runs_after_the_embedding_and_changes_no_number(family)
 def _shm_op():
     """Build deepspeed's CPU shared-memory op once (cached in TORCH_EXTENSIONS_DIR / ~/.cache/torch_extensions)."""
     pytest.importorskip("deepspeed", reason="test extra: DS_BUILD_OPS=0 pip install deepspeed==0.19.8")
-    code = "from deepspeed.comm.torch import build_shm_op; build_shm_op()"
     try:
-        subprocess.run([sys.executable, "-c", code], env={**os.environ, **DS_ENV}, check=True, timeout=900,
-                       capture_output=True)
+        build_deepspeed_shm_op()
     except subprocess.TimeoutExpired:
         pytest.fail("building deepspeed_shm_comm took > 900 s: a killed earlier build leaves a stale 'lock' file "
                     "in ~/.cache/torch_extensions/*/deepspeed_shm_comm/ - delete it")

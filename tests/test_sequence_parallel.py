@@ -128,7 +128,7 @@ def test_ulysses_attention_and_a_lora_llama_match_one_process_on_the_full_sequen
     cases = {r["case"] for r in records}
     assert {"model/plain", "model/right_padded", "model/prompt_masked", "model/packed", "model/not_divisible",
             "model/batch2", "gradcheck/all_to_all_fp64", "fsdp2/right_padded", "fsdp2/packed",
-            "fsdp2/not_divisible"} <= cases
+            "fsdp2/not_divisible", "model/backward_on_another_thread"} <= cases
     assert all(r["params_sharded"] for r in records if r["case"].startswith("fsdp2/"))  # FSDP2 really sharded
     assert sum(c.startswith("attention/") for c in cases) >= 6
     assert all(r["ok"] for r in records), [r for r in records if not r["ok"]]
@@ -152,7 +152,8 @@ def _facts(**kw):
     from hf_ddpfix.plan.types import RunFacts
 
     sp = {k: kw.pop(k) for k in ("attn_implementation", "num_heads", "num_kv_heads", "parallelism_sp_size",
-                                 "parallelism_sp_backend") if k in kw}
+                                 "parallelism_sp_backend", "parallelism_sp_attn", "parallelism_config_available")
+          if k in kw}
     base = dict(attn_implementation="sdpa", num_heads=32, num_kv_heads=8)
     return RunFacts(**{"parallel": "ddp", "world_size": 8, **kw}, sequence_parallel=SequenceParallelFacts(**{**base, **sp}))
 
@@ -176,12 +177,8 @@ def test_plan_reads_the_env_variable_and_parallelism_config():
     cfg = DDPFixConfig.from_env({"HF_DDPFIX_SEQUENCE_PARALLEL": "2"})
     assert resolve_plan(_facts(), cfg).sequence_parallel.value == "N=2 DP=4"
     got = resolve_plan(_facts(parallelism_sp_size=8, parallelism_sp_backend="torch"), DDPFixConfig())
-    assert got.sequence_parallel.value == "N=8 DP=1" and "ParallelismConfig" in got.sequence_parallel.reason
-    ds = resolve_plan(_facts(parallel="deepspeed", parallelism_sp_size=2, parallelism_sp_backend="deepspeed"),
-                      DDPFixConfig())
-    assert ds.sequence_parallel.value == "deepspeed"  # DeepSpeed's own engine: recorded, left as stock
-    ddp = resolve_plan(_facts(parallelism_sp_size=2, parallelism_sp_backend="deepspeed"), DDPFixConfig())
-    assert ddp.sequence_parallel.value is False and "HF_DDPFIX_SEQUENCE_PARALLEL=2" in ddp.sequence_parallel.reason
+    assert got.sequence_parallel.value == "N=8 DP=1 via parallelism_config"
+    assert "ParallelismConfig" in got.sequence_parallel.reason and "stand down" in got.sequence_parallel.reason
     with pytest.raises(ValueError, match="HF_DDPFIX_SEQUENCE_PARALLEL='x'"):
         DDPFixConfig.from_env({"HF_DDPFIX_SEQUENCE_PARALLEL": "x"})
 
@@ -190,9 +187,10 @@ def test_plan_reads_the_env_variable_and_parallelism_config():
     (dict(attn_implementation="eager"), 2, "attn_implementation='sdpa'"),
     (dict(num_heads=6, num_kv_heads=6), 4, "6 attention heads are not divisible by sequence_parallel=4"),
     (dict(world_size=6), 4, "world size 6 is not a multiple of 4"),
-    (dict(parallel="fsdp"), 2, "DDP only"),
+    (dict(parallel="fsdp"), 2, "DDP and DeepSpeed only.*fully_shard over all ranks"),
     (dict(parallelism_sp_size=4, parallelism_sp_backend="torch"), 2, "contradicts ParallelismConfig"),
-    (dict(parallelism_sp_size=2, parallelism_sp_backend="deepspeed"), 2, "drop the parallelism_config"),
+    (dict(parallelism_sp_size=4, parallelism_sp_backend="deepspeed", parallel="deepspeed"), 2,
+     r"sequence_parallel=2 \(argument\) contradicts ParallelismConfig\(sp_size=4\)"),
 ])
 def test_combinations_that_cannot_work_are_a_plan_error_naming_setting_and_fix(facts, n, match):
     from hf_ddpfix.config import DDPFixConfig
@@ -265,6 +263,30 @@ def test_trainer_with_sequence_parallel_equals_the_run_without_it_and_one_proces
         assert not offload["fallbacks"]
         patches = by_case["trainer/patches"]
         assert patches["patched_at_start"] and patches["via"] == "patches"  # the sitecustomize's own patch
+
+
+def test_parallelism_config_means_hf_ddpfix_ulysses_under_ddp_and_deepspeed_and_names_deepspeed_gaps():
+    from hf_ddpfix.config import DDPFixConfig
+    from hf_ddpfix.plan.resolve import resolve_plan
+
+    pc = dict(parallelism_sp_size=2, parallelism_sp_backend="deepspeed")
+    ddp = resolve_plan(_facts(**pc), DDPFixConfig()).sequence_parallel
+    assert ddp.value == "N=2 DP=4 via parallelism_config" and "ParallelismConfig.sp_size" in ddp.reason
+    same = resolve_plan(_facts(**pc), DDPFixConfig.from_env({}, sequence_parallel=2)).sequence_parallel
+    assert same.value == "N=2 DP=4 via parallelism_config"  # the same N twice is no conflict
+    ds = resolve_plan(_facts(parallel="deepspeed", parallelism_sp_attn="sdpa", **pc), DDPFixConfig()).sequence_parallel
+    assert ds.value == "N=2 DP=4 via parallelism_config"
+    assert "replaces DeepSpeed's Ulysses engine" in ds.reason and "plain data parallelism over all 8" in ds.reason
+    # an attention hf_ddpfix cannot wrap: DeepSpeed's engine runs as stock, its gaps said
+    fa = resolve_plan(_facts(parallel="deepspeed", parallelism_sp_attn="flash_attention_2",
+                             attn_implementation="flash_attention_2", **pc), DDPFixConfig()).sequence_parallel
+    assert fa.value == "deepspeed" and "sp_size x too large" in fa.reason and "mean of" in fa.reason
+    fsdp = resolve_plan(_facts(parallel="fsdp", **pc), DDPFixConfig()).sequence_parallel
+    assert fsdp.value is False and "left to accelerate as stock" in fsdp.reason
+    plain_ds = resolve_plan(_facts(parallel="deepspeed"), DDPFixConfig.from_env({}, sequence_parallel=2))
+    assert plain_ds.sequence_parallel.value == "N=2 DP=4" and "every stage averages" in plain_ds.sequence_parallel.reason
+    old = resolve_plan(_facts(parallelism_config_available=False), DDPFixConfig.from_env({}, sequence_parallel=2))
+    assert "has no ParallelismConfig (needs >= 1.12)" in old.sequence_parallel.reason
 
 
 def test_sequence_parallel_one_is_off_with_a_reason():

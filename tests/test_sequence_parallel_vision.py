@@ -128,11 +128,11 @@ def test_other_vlms_and_text_models():
         assert fam is None and "supported: qwen2_vl, qwen2_5_vl, qwen3_vl" in reason and type(model).__name__ in reason
 
 
-def _facts(**sp):
+def _facts(parallel="ddp", **sp):
     from hf_ddpfix.integrations.sequence_parallel.facts import SequenceParallelFacts
     from hf_ddpfix.plan.types import RunFacts
 
-    return RunFacts(parallel="ddp", world_size=2, sequence_parallel=SequenceParallelFacts(
+    return RunFacts(parallel=parallel, world_size=2, sequence_parallel=SequenceParallelFacts(
         attn_implementation="sdpa", num_heads=4, num_kv_heads=2, **sp))
 
 
@@ -147,6 +147,8 @@ def test_plan_refuses_a_vlm_it_cannot_shard_naming_the_reason_and_says_so_for_on
                             "model whose image tokens ... keep whole across sequence shards"), cfg)
     d = resolve_plan(_facts(vision_family="qwen2_5_vl"), cfg).sequence_parallel
     assert d.value == "N=2 DP=1" and "qwen2_5_vl: vision tower, image merge and 3-D position ids on the full" in d.reason
+    with pytest.raises(PlanError, match="qwen2_5_vl under DeepSpeed ZeRO: .* tested under DDP only"):
+        resolve_plan(_facts(vision_family="qwen2_5_vl", parallel="deepspeed"), cfg)
     off = resolve_plan(_facts(vision_refusal="x"), DDPFixConfig()).sequence_parallel  # not asked for: no error
     assert off.value is None
 

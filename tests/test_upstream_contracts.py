@@ -648,3 +648,64 @@ def test_image_features_reads_what_the_model_forward_uses(family):
     pair = (t, t)
     assert _compat.image_features(pair) is pair
     assert _compat.image_features({"last_hidden_state": t}) is None and _compat.image_features(None) is None
+
+
+# ------------------------------------------------------------------------------------ sequence parallel
+
+
+def test_accelerate_and_the_trainer_read_deepspeed_sp_only_through_accelerator_parallelism_config():
+    """`stand_down_accelerate_sequence_parallel` swaps `accelerator.state.parallelism_config`: every DeepSpeed-SP
+    path must read it through the `Accelerator.parallelism_config` property, and `Trainer.__init__` must be where
+    `model_accepts_loss_kwargs` is forced off (the value the stand-down restores)."""
+    if not _compat.parallelism_config_available():
+        pytest.skip("this accelerate has no ParallelismConfig(sp_size=N) (>= 1.12): nothing to stand down")
+    from accelerate import Accelerator
+    from transformers import Trainer
+
+    prop = inspect.getsource(Accelerator.parallelism_config.fget)
+    assert "self.state.parallelism_config" in prop, _broken("Accelerator.parallelism_config reads the state")
+    for name in ("compute_loss", "_inner_training_loop", "_prepare_for_training", "get_sp_size"):
+        fn = getattr(Trainer, name, None)
+        if fn is None:
+            continue
+        src = inspect.getsource(fn)
+        if "sp_" in src:
+            assert "self.accelerator, \"parallelism_config\"" in src or "self.accelerator.parallelism_config" in src, \
+                _broken(f"Trainer.{name} reads the SP switch elsewhere")
+    init = inspect.getsource(Trainer.__init__) + inspect.getsource(Trainer)
+    assert 'pc.sp_backend == "deepspeed" and pc.sp_enabled' in init and "model_accepts_loss_kwargs = False" in init, \
+        _broken("Trainer forces model_accepts_loss_kwargs off for DeepSpeed SP")
+
+
+def test_stand_down_swaps_the_parallelism_config_for_one_loop_and_restores_it(tmp_path):
+    if not _compat.parallelism_config_available():
+        pytest.skip("this accelerate has no ParallelismConfig(sp_size=N) (>= 1.12): nothing to stand down")
+    from types import SimpleNamespace
+
+    from accelerate.parallelism_config import ParallelismConfig
+    from accelerate.utils import DeepSpeedSequenceParallelConfig
+    from transformers import Trainer, TrainingArguments
+
+    trainer = Trainer(model=_tiny_llama(), args=TrainingArguments(output_dir=str(tmp_path), use_cpu=True,
+                                                                  report_to=[]))
+    stock_accepts = trainer.model_accepts_loss_kwargs  # no SP: what Trainer.__init__ computes
+    assert _compat.sequence_parallel._accepts_loss_kwargs(trainer) == stock_accepts
+    pc = ParallelismConfig(sp_size=2, sp_handler=DeepSpeedSequenceParallelConfig(sp_attn_implementation="sdpa"))
+    fake = SimpleNamespace(accelerator=SimpleNamespace(state=SimpleNamespace(parallelism_config=pc),
+                                                       unwrap_model=lambda m: m),
+                           model=trainer.model, model_accepts_loss_kwargs=False)
+    undo = _compat.stand_down_accelerate_sequence_parallel(fake)
+    now = fake.accelerator.state.parallelism_config
+    assert now.sp_size == 1 and not now.sp_enabled and fake.model_accepts_loss_kwargs == stock_accepts
+    undo()
+    assert fake.accelerator.state.parallelism_config is pc and fake.model_accepts_loss_kwargs is False
+    assert _compat.parallelism_sp_settings(SimpleNamespace(args=SimpleNamespace(parallelism_config=pc))) == (
+        2, "deepspeed", "sdpa")
+
+
+def test_deepspeed_engine_records_its_sequence_parallel_size():
+    engine = pytest.importorskip("deepspeed.runtime.engine", reason="test extra: deepspeed")
+    src = inspect.getsource(engine.DeepSpeedEngine._configure_distributed_model)
+    assert "self.sequence_parallel_size = groups._get_sequence_parallel_world_size()" in src, \
+        _broken("DeepSpeedEngine.sequence_parallel_size")
+    assert _compat.deepspeed_engine_sequence_parallel_size(object()) is None  # not an engine: no check

@@ -1,7 +1,8 @@
 """Parameter usage observed at the loss given to backward (`ParameterUsage.tie_loss`), not at the model output.
 
 Single-process checks of the tie's bookkeeping and of the plan's fact about where the loss is
-back-propagated; the 2-process Trainer runs (hidden-state heads, TRL) are tests/scripts/trainer_heads.py.
+back-propagated; the 2-process Trainer runs (hidden-state heads, TRL) are
+tests/test_trainer_zoo.py (cases in tests/scripts/trainer_zoo.py and trainer_heads.py).
 """
 
 from __future__ import annotations
@@ -124,17 +125,6 @@ def test_plan_keeps_stock_find_unused_where_the_loss_cannot_be_seen() -> None:
     assert "loss given to backward" in seen.find_unused_parameters.reason
 
 
-def test_hidden_state_heads_and_partial_outputs_train_like_stock_under_ddp(tmp_path) -> None:
-    """2 gloo processes, one process group: a head inside the forward with LoRA on lm_head (stock fu=True),
-    a head called in compute_loss (stock fu=False; fu=True fails there), a loss from some logits only."""
-    from launch import torchrun
-
-    done = torchrun("trainer_heads.py", "--out", str(tmp_path), timeout=400)
-    assert done.stdout.count("TRAINER_HEADS_OK") == 2, done.stdout[-4000:]
-    assert "head_in_forward: fu=False max |fix - stock| = 0.0e+00" in done.stdout
-    assert "head_in_compute_loss: fu=False max |fix - stock| = 0.0e+00" in done.stdout
-
-
 def test_an_accelerate_loop_gets_the_plan_through_one_call_and_trains_like_stock() -> None:
     """prepare_accelerate_loop: reentrant requested, gradient accumulation 2, a head loss leaving lm_head's
     LoRA out; DDP built with find_unused_parameters=False, weights bit-equal to stock fu=True."""
@@ -160,3 +150,33 @@ def test_prepare_accelerate_loop_refuses_a_wrapped_model_and_detaches_on_close()
     with prepare_accelerate_loop(acc, model) as run:
         assert run.plan.parallel == "single" and run.usage is None
     assert "backward" not in vars(acc)
+
+
+def test_reentrant_layers_reached_only_through_a_zero_tie_count_as_unused() -> None:
+    """The ZeRO dummy image runs the tower's reentrant checkpointed blocks on a text-only micro-batch; their
+    output reaches the loss only through the exact-zero tie, so the step's usage must call the tower unused
+    (as the graph walk does without checkpointing), and used when the batch has an image: what
+    `zero_skip_unused` restores by (tests/scripts/deepspeed_train.py, DS_SKIP_CKPT=reentrant by hand)."""
+    from fixtures import add_lora, build_qwen2_5_vl, make_batch
+
+    from hf_ddpfix.integrations.checkpointing import apply_checkpointing
+    from hf_ddpfix.integrations.vision.zero import ZeroVisionStabilizer
+
+    model = add_lora(build_qwen2_5_vl(0))
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": True})
+    assert apply_checkpointing(model, use_reentrant=True) > 0
+    model.train()
+    stab = ZeroVisionStabilizer(model).attach()
+    usage = ParameterUsage(model, tie=False, guard=False).attach()
+    usage.at_loss = True
+    tower = [i for i, s in enumerate(usage.slots) if ".visual." in s.name]
+    assert tower and len(tower) < len(usage.slots)
+    for has_image in (False, True):
+        loss = usage.tie_loss(model(**make_batch(has_image, seed=2)).loss)
+        loss.backward()
+        used = usage.agreed_step_usage()
+        assert used is not None and bool(used[tower].all()) is has_image and bool(used[tower].any()) is has_image
+        assert all(used[i] for i in range(len(usage.slots)) if i not in tower)
+    assert stab.dummy_runs == 1 and usage._regions is not None
+    usage.remove()
+    stab.remove()

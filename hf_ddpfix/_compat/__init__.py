@@ -19,6 +19,7 @@ Checked against: :data:`CHECKED_AGAINST` (newest) and :data:`OLDEST_SUPPORTED` (
 from .deepspeed import (
     deepspeed_default_leaf_classes,
     deepspeed_engine,
+    deepspeed_engine_sequence_parallel_size,
     z3_leaf_marked,
     zero_flat_slices,
 )
@@ -39,6 +40,11 @@ from .models import (
     set_layer_checkpoint_func,
     unwrap_model,
     unwrap_parallel,
+)
+from .sequence_parallel import (
+    parallelism_config_available,
+    parallelism_sp_settings,
+    stand_down_accelerate_sequence_parallel,
 )
 from .torch_internals import (
     FLASH_CPU_BACKWARD_OP,
@@ -104,6 +110,7 @@ __all__ = [
     "ddp_syncs_grads",
     "deepspeed_default_leaf_classes",
     "deepspeed_engine",
+    "deepspeed_engine_sequence_parallel_size",
     "disable_model_checkpointing",
     "enable_model_checkpointing",
     "fake_from_meta",
@@ -120,9 +127,12 @@ __all__ = [
     "module_parameter_slots",
     "output_cache",
     "output_field",
+    "parallelism_config_available",
+    "parallelism_sp_settings",
     "set_ddp_kwargs",
     "set_layer_checkpoint_func",
     "is_ddp_sink_node",
+    "stand_down_accelerate_sequence_parallel",
     "storage_weak_ref",
     "trainer_callbacks",
     "unwrap_model",

@@ -33,6 +33,17 @@ def deepspeed_default_leaf_classes() -> frozenset[str]:
     return frozenset(str(c) for c in DEFAULT_LEAF_MODULE_CLASSES)
 
 
+def deepspeed_engine_sequence_parallel_size(engine: object) -> int | None:
+    """The sequence-parallel degree a ``DeepSpeedEngine`` averages its gradients with: its
+    ``sequence_parallel_size`` attribute (set from ``deepspeed.utils.groups`` in ``_configure_distributed_model``,
+    deepspeed 0.14-0.19.8; > 1 when an ``mpu`` with SP groups was given, or left in ``groups.mpu`` by an
+    earlier engine in the process). ``None`` when ``engine`` is not a DeepSpeed engine."""
+    if type(engine).__name__ != "DeepSpeedEngine":
+        return None
+    size = getattr(engine, "sequence_parallel_size", None)
+    return int(size) if size is not None else None
+
+
 def deepspeed_engine(accelerator: Any) -> Any:
     """The ``DeepSpeedEngine`` accelerate built in ``prepare`` (``accelerator.deepspeed_engine_wrapped.engine``,
     accelerate 1.0-1.15), or ``None`` before ``prepare`` / without DeepSpeed."""

@@ -72,6 +72,7 @@ def reachable_leaf_ids(roots: Iterable[torch.Tensor], stop: set[Any] | None = No
 def reachable_leaf_ids_split(
     roots: Iterable[torch.Tensor], side_inputs: Callable[[Any], bool],
     passthrough: Callable[[Any], bool] = lambda node: False,
+    real_nodes: set[Any] | None = None, side_nodes: set[Any] | None = None,
 ) -> tuple[set[int], set[int]]:
     """Leaves reached from ``roots``, split into those reached through real computation and those reached
     only through the side inputs of some nodes.
@@ -80,6 +81,9 @@ def reachable_leaf_ids_split(
         roots: tensors to start from (e.g. the loss given to ``backward``).
         side_inputs: true for a node whose inputs after the first carry no real gradient (an exact-zero
             tie, :class:`hf_ddpfix.ops.zero_tie.ZeroTie`): only its first input counts as real.
+        real_nodes / side_nodes: when given, filled with the autograd nodes the walk reached through real
+            computation / only through side inputs (e.g. to tell whether a reentrant checkpoint's output
+            node feeds the loss for real).
 
     Returns:
         ``(used, tied_only)``: ids of leaves some real path reaches, and ids of leaves reached only through
@@ -127,8 +131,13 @@ def reachable_leaf_ids_split(
                     stack.append(through(nxt, nr))
 
     walk(stack, used, True)
+    if real_nodes is not None:
+        real_nodes.update(seen)
+    before_side = set(seen) if side_nodes is not None else set()
     tied: set[int] = set()
     walk(side, tied, False)  # nodes already walked for real are not revisited: they stay "used"
+    if side_nodes is not None:
+        side_nodes.update(seen - before_side)
     return used, tied - used
 
 

@@ -8,19 +8,40 @@ Pure: facts in, a `Decision` out, or a `PlanError` before training when the comb
 | world size not a multiple of N                  | SP groups of N ranks tile the world        | N dividing the world size   |
 | attention "eager" (or not through the interface)| eager is called directly, never wrapped    | attn_implementation="sdpa"  |
 | H % N != 0 / KV heads neither divisible nor replicable | heads are what the all-to-all splits | N dividing the head count   |
-| FSDP / single process                           | not built here (DDP only today)            | DDP, or DeepSpeed's engine  |
+| FSDP / single process                           | Trainer path not built (below)             | DDP or DeepSpeed ZeRO       |
 | a VLM outside `SEQUENCE_PARALLEL_VISION_FAMILIES`| its image tokens / mask / positions would be cut blindly | train it without SP |
+| a VLM under DeepSpeed ZeRO                      | the VLM path is tested under DDP only      | DDP                         |
 
-DeepSpeed with `ParallelismConfig(sp_size=N)` is DeepSpeed's own engine: the plan records it ("deepspeed")
-and changes nothing (hf_ddpfix's loss fixes there are not built yet). accelerate 1.15 knows only
-`sp_backend="deepspeed"`: outside DeepSpeed the plan leaves it to accelerate (off, with the reason naming
-`HF_DDPFIX_SEQUENCE_PARALLEL`); a backend other than DeepSpeed's (a later accelerate) is honoured here.
+FSDP2: the Ulysses attention and the token-sum loss are exact under torch's `fully_shard` (tests/scripts/
+sp_parity.py: loss and gathered gradients vs one process, 2 and 4 gloo ranks), with parameters sharded over
+the whole world (DP x SP, one flat mesh): SP ranks hold different tokens of the same samples, so their
+gradients are summed exactly as DP ranks' are, and one reduce-scatter over all ranks does both (a DP-only
+mesh would replicate every shard N times and need a second all-reduce over the SP group). The Trainer path
+under FSDP is not built: accelerate runs FSDP only with an accelerator, so it cannot be tested here, and the
+rule is not to switch on what is not checked. The PlanError says so and names the loop-level route
+(`fully_shard` + `sharded_causal_lm_loss`).
+
+The switch is `sequence_parallel=N` (`patch_trainer`, `HF_DDPFIX_SEQUENCE_PARALLEL`) or the ecosystem's own,
+`TrainingArguments(parallelism_config=ParallelismConfig(sp_size=N))` (accelerate >= 1.12); both mean hf_ddpfix's
+Ulysses, and two different N are a `PlanError` naming both. Under DeepSpeed ZeRO hf_ddpfix's Ulysses replaces
+DeepSpeed's own engine (`sp_backend="deepspeed"`): DeepSpeed then sees plain data parallelism over the whole
+world, which every ZeRO stage and `reduce_scatter` setting averages the same way, so the token-sum loss is
+exact by the same argument as under DDP. DeepSpeed's engine divides its gradients by world/N on ZeRO-0/1/2
+and on ZeRO-3 without reduce-scatter but by the world on ZeRO-3 with it (every update N x too large on the
+former), and its loss is a mean of per-micro-batch means (tests/scripts/sp_deepspeed.py measures both).
+Only where hf_ddpfix's attention cannot reach the model's (not sdpa) is DeepSpeed's engine left to run as
+stock, with those gaps named in the reason. An accelerate without `ParallelismConfig` is said in the reason.
 """
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from ..config import DDPFixConfig
 from .types import Decision, PlanError, RunFacts
+
+if TYPE_CHECKING:
+    from ..integrations.sequence_parallel.facts import SequenceParallelFacts
 
 __all__ = ["decide_sequence_parallel", "sp_size_of"]
 
@@ -32,6 +53,15 @@ def sp_size_of(value: object) -> int:
     return int(value.split()[0].removeprefix("N="))
 
 
+_DS_GAPS = ("its updates are sp_size x too large on ZeRO-0/1/2 and on ZeRO-3 without reduce_scatter, and its "
+            "loss over gradient accumulation and data parallel is a mean of per-micro-batch means")
+
+
+def _reaches_attention(sp: SequenceParallelFacts) -> bool:
+    """hf_ddpfix's Ulysses wraps the model's attention: sdpa, and DeepSpeed's handler (if set) names it too."""
+    return sp.attn_implementation == "sdpa" and sp.parallelism_sp_attn in (None, "sdpa")
+
+
 def decide_sequence_parallel(facts: RunFacts, config: DDPFixConfig) -> Decision:
     """Raises:
         PlanError: sequence parallelism asked for in a combination that cannot work (table above), naming
@@ -39,37 +69,44 @@ def decide_sequence_parallel(facts: RunFacts, config: DDPFixConfig) -> Decision:
     """
     sp = facts.sequence_parallel
     n, source = config.sequence_parallel, config.source("sequence_parallel")
-    if sp is not None and sp.parallelism_sp_size and sp.parallelism_sp_size > 1:
-        if facts.parallel == "deepspeed":
-            return Decision("deepspeed", f"ParallelismConfig(sp_size={sp.parallelism_sp_size}, sp_backend="
-                            f"{sp.parallelism_sp_backend!r}): DeepSpeed's own Ulysses engine, left as stock")
-        if sp.parallelism_sp_backend == "deepspeed" and n is not None:
-            raise PlanError(f"sequence_parallel={n} ({source}) and ParallelismConfig(sp_size={sp.parallelism_sp_size}"
-                            ", sp_backend='deepspeed') both ask for sequence parallelism outside DeepSpeed; drop "
-                            "the parallelism_config (hf_ddpfix's Ulysses runs under DDP)")
-        if sp.parallelism_sp_backend == "deepspeed":  # accelerate 1.15 knows no other backend
-            return Decision(False, f"ParallelismConfig(sp_size={sp.parallelism_sp_size}) names DeepSpeed's engine "
-                            f"but the run is {facts.parallel}: left to accelerate as stock; for hf_ddpfix's "
-                            f"Ulysses under DDP set HF_DDPFIX_SEQUENCE_PARALLEL={sp.parallelism_sp_size} instead")
-        if n is not None and n != sp.parallelism_sp_size:
-            raise PlanError(f"sequence_parallel={n} ({source}) contradicts ParallelismConfig(sp_size="
-                            f"{sp.parallelism_sp_size}); set one of them")
-        n, source = sp.parallelism_sp_size, "ParallelismConfig.sp_size"
+    pc_n = sp.parallelism_sp_size if sp is not None and (sp.parallelism_sp_size or 1) > 1 else None
+    from_pc = False
+    if sp is not None and pc_n is not None:
+        if n is not None and n != pc_n:
+            raise PlanError(f"sequence_parallel={n} ({source}) contradicts ParallelismConfig(sp_size={pc_n}) "
+                            "(TrainingArguments.parallelism_config); both switch on hf_ddpfix's Ulysses: set one "
+                            "of them, or the same N in both")
+        if n is None and facts.parallel == "deepspeed" and not _reaches_attention(sp):
+            return Decision("deepspeed", f"ParallelismConfig(sp_size={pc_n}): DeepSpeed's own Ulysses engine left "
+                            f"as stock: hf_ddpfix's Ulysses wraps sdpa only (model attention "
+                            f"{sp.attn_implementation!r}, sp_attn_implementation {sp.parallelism_sp_attn!r}); "
+                            f"{_DS_GAPS}")
+        if n is None and facts.parallel not in ("ddp", "deepspeed"):
+            return Decision(False, f"ParallelismConfig(sp_size={pc_n}) on a {facts.parallel} run: left to "
+                            "accelerate as stock (hf_ddpfix's Ulysses runs under DDP and DeepSpeed)")
+        source = "ParallelismConfig.sp_size" if n is None else f"{source} and ParallelismConfig.sp_size"
+        n, from_pc = pc_n, True
     if n is None:
         return Decision(None, "")
     if n == 1:
         return Decision(False, f"sequence_parallel=1 ({source}): every rank holds whole sequences")
     where = f"sequence_parallel={n} ({source})"
-    if facts.parallel != "ddp":
-        raise PlanError(f"{where}: hf_ddpfix's Ulysses sequence parallelism runs under DDP only (this run: "
-                        f"{facts.parallel}, world size {facts.world_size}); launch with torchrun on N or more "
-                        "processes without FSDP, or use DeepSpeed's engine (ParallelismConfig(sp_backend='deepspeed'))")
+    if facts.parallel not in ("ddp", "deepspeed"):
+        fsdp = (" (under FSDP2 the attention and loss are exact in your own loop: torch's fully_shard over all "
+                "ranks + hf_ddpfix.integrations.sequence_parallel.sharded_causal_lm_loss; the Trainer path under "
+                "FSDP is not tested, so not switched on)") if facts.parallel == "fsdp" else ""
+        raise PlanError(f"{where}: hf_ddpfix's Ulysses sequence parallelism runs under DDP and DeepSpeed only (this "
+                        f"run: {facts.parallel}, world size {facts.world_size}){fsdp}; launch with torchrun on N or "
+                        "more processes without FSDP, or with a DeepSpeed ZeRO config")
     if facts.world_size % n:
         raise PlanError(f"{where}: the world size {facts.world_size} is not a multiple of {n}; "
                         f"use a sequence_parallel that divides {facts.world_size}")
     if sp is not None and sp.vision_refusal:
-        raise PlanError(f"{where}: {sp.vision_refusal}; train it without sequence parallelism (or with DeepSpeed's "
-                        "engine, which does not keep image tokens whole either)")
+        raise PlanError(f"{where}: {sp.vision_refusal}; train it without sequence parallelism")
+    if sp is not None and sp.vision_family and facts.parallel == "deepspeed":
+        raise PlanError(f"{where}: {sp.vision_family} under DeepSpeed ZeRO: hf_ddpfix's sequence parallelism for "
+                        "vision-language models (tower and image merge on the full sequence, the ZeRO dummy image) "
+                        "is tested under DDP only; launch it under DDP, or train without sequence parallelism")
     impl = sp.attn_implementation if sp else None
     if impl != "sdpa":
         raise PlanError(f"{where}: attention implementation {impl!r} cannot be sharded (eager attention is called "
@@ -86,7 +123,19 @@ def decide_sequence_parallel(facts: RunFacts, config: DDPFixConfig) -> Decision:
         raise PlanError(f"{where}: {err}; choose a sequence_parallel that divides {heads}") from err
     dp = facts.world_size // n
     kv_text = f"{kv} KV heads replicated x{f}" if f > 1 else f"{kv * 1 // n} KV heads/rank"
-    vision = (f"; {sp.vision_family}: vision tower, image merge and 3-D position ids on the full sequence, "
-              "the text decoder sharded") if sp is not None and sp.vision_family else ""
-    return Decision(f"N={n} DP={dp}", f"{source}: {heads // n} of {heads} heads/rank ({kv_text}) on the full "
-                    f"sequence, L/{n} tokens/rank elsewhere; {dp} data-parallel group(s){vision}", changed=True)
+    reason = (f"{source}: {heads // n} of {heads} heads/rank ({kv_text}) on the full sequence, L/{n} tokens/rank "
+              f"elsewhere; {dp} data-parallel group(s)")
+    if facts.parallel == "deepspeed":
+        reason += ("; under DeepSpeed ZeRO hf_ddpfix's Ulysses runs and DeepSpeed sees plain data parallelism over "
+                   f"all {facts.world_size} ranks (every stage averages over the world: the token-sum loss is exact)")
+        if from_pc:
+            reason += f"; it replaces DeepSpeed's Ulysses engine ({_DS_GAPS})"
+    if from_pc:
+        reason += "; accelerate's and the Trainer's DeepSpeed-SP paths stand down for the training loop"
+    if sp is not None and not sp.parallelism_config_available:
+        reason += ("; this accelerate has no ParallelismConfig (needs >= 1.12): only sequence_parallel / "
+                   "HF_DDPFIX_SEQUENCE_PARALLEL switch it on")
+    if sp is not None and sp.vision_family:
+        reason += (f"; {sp.vision_family}: vision tower, image merge and 3-D position ids on the full sequence, "
+                   "the text decoder sharded")
+    return Decision(f"N={n} DP={dp}" + (" via parallelism_config" if from_pc else ""), reason, changed=True)

@@ -20,6 +20,11 @@ DeepSpeed mode for the rest of the process):
   all-text; reference: stock DDP with accumulation 2 (no_sync). Then every rank text-only: stock ZeRO-3
   vs hf_ddpfix ZeRO-3 (what stock DeepSpeed does when no rank has an image: zero-filled vision
   gradients) within 1e-5.
+- ``vlm`` also runs the ``zero_skip_unused`` cases (``skip_unused`` alone, by hand; ``DS_SKIP_CKPT=reentrant`` /
+  ``non_reentrant`` with checkpointing): Qwen2.5-VL, 4 steps, an image on rank 0 at step 0, on no rank at
+  steps 1-2, on rank 1 at step 3; hf_ddpfix ZeRO-2 and ZeRO-3 with the option within 1e-5 of stock DDP, and
+  ZeRO-2 without it (the gap, asserted by the test). ``skip_unused_paligemma`` (by hand): PaliGemma's pooling
+  head, never in the loss, under ZeRO-3 with and without the option.
 - ``stock_mixed``: stock ZeRO-3 with the mixed layout; expected to FAIL (collective mismatch): the
   failure hf_ddpfix fixes.
 - ``eval``: Qwen2.5-VL LoRA (tower included) trained with the mixed layout, then ``trainer.evaluate()``,
@@ -67,6 +72,7 @@ from hf_ddpfix._compat import checkpointing_training_args  # noqa: E402
 TOL = 1e-5
 STEPS = 3
 SKIP_STEPS = 4  # the skip_unused cases: an image on rank 0 at step 0, none at steps 1-2, on rank 1 at step 3
+SKIP_CKPT = os.environ.get("DS_SKIP_CKPT", "off")  # by hand: the skip_unused cases with (non_)reentrant checkpointing
 ACCUM = int(os.environ.get("DS_TEST_GRAD_ACCUM", "1"))  # manual checks with accumulation
 
 
@@ -375,7 +381,7 @@ def moved(a: dict[str, torch.Tensor], before: dict[str, torch.Tensor]) -> float:
 
 def main() -> None:
     p = argparse.ArgumentParser()
-    p.add_argument("--suite", choices=["text", "vlm", "skip_unused", "stock_mixed", "eval", "stock_eval", "discovered",
+    p.add_argument("--suite", choices=["text", "vlm", "skip_unused", "skip_unused_paligemma", "stock_mixed", "eval", "stock_eval", "discovered",
                                        "stock_discovered"], required=True)
     p.add_argument("--out", required=True)
     a = p.parse_args()
@@ -409,7 +415,8 @@ def main() -> None:
 
     def skip_unused_ref(model: nn.Module) -> dict:
         """Stock DDP on the ``skip`` layout (before any DeepSpeed TrainingArguments exists)."""
-        return run("ddp_ref_vlm_skip", model, skip_rows, vlm_collate, stage=None, fixed=False, steps=SKIP_STEPS)
+        return run("ddp_ref_vlm_skip", model, skip_rows, vlm_collate, stage=None, fixed=False, steps=SKIP_STEPS,
+                   ckpt="non_reentrant" if SKIP_CKPT != "off" else "off")
 
     def skip_unused_cases(skip_models: list[nn.Module], start: dict, skip_ref: dict) -> None:
         """Steps where no rank has an image between steps where one has (layout ``skip``): stock DDP vs hf_ddpfix
@@ -417,7 +424,7 @@ def main() -> None:
         for i, (stage, on) in enumerate(((2, True), (3, True), (2, False)), start=1):
             name = f"zero{stage}_vlm_skip_{'on' if on else 'off'}"
             got = run(name, skip_models[i], skip_rows, vlm_collate, stage=stage, fixed=True, steps=SKIP_STEPS,
-                      options={"zero_skip_unused": True} if on else None)
+                      options={"zero_skip_unused": True} if on else None, ckpt=SKIP_CKPT)
             compare(name, got, skip_ref, start, check=on)  # off: the gap is asserted by the test
             summary["cases"][name]["vision_diff"] = max_diff(
                 {k: v for k, v in got["weights"].items() if ".visual." in k},
@@ -496,6 +503,18 @@ def main() -> None:
         skip_models = [add_lora(build_qwen2_5_vl(0)) for _ in range(4)]
         skip_start = trainable_weights(skip_models[0], None)
         skip_unused_cases(skip_models, skip_start, skip_unused_ref(skip_models[0]))
+    elif a.suite == "skip_unused_paligemma":  # by hand: a head outside the loss (SigLIP pooling), ZeRO-3
+        models = [ZOO_ALL["paligemma"].model(0) for _ in range(3)]
+        rows = zoo_rows("paligemma", n, set(range(0, n, 2)))
+        start = trainable_weights(models[0], None)
+        ref = run("ddp_ref_paligemma", models[0], rows, zoo_collate, stage=None, fixed=False)
+        for model, on in ((models[1], True), (models[2], False)):
+            name = f"zero3_paligemma_skip_{'on' if on else 'off'}"
+            got = run(name, model, rows, zoo_collate, stage=3, fixed=True,
+                      options={"zero_skip_unused": True} if on else None)
+            compare(name, got, ref, start, split_unused=True)
+            print(f"DS_CASE {name} never-used tensors {len(summary['cases'][name]['unused'])}: max diff "
+                  f"{summary['cases'][name]['unused_max_diff']:.3g}; counts {got['skip_counts']}", flush=True)
     elif a.suite == "eval":
         rows = vlm_rows(n, "mixed")
         eval_rows = [dict(r) for r in vlm_rows(2 * world, "mixed")]  # eval sample i -> rank i % 2: 0 image, 1 text

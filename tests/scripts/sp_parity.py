@@ -10,6 +10,8 @@ Cases (each a record with "ok"):
   model/*: LoRA Llama (trainable LoRA, embeddings, head): the SP group's loss and summed gradients vs the
       stock model's loss on the full sequence (HF's own loss), plain / right-padded / prompt-masked with an
       all-masked shard / packed documents / length not divisible by N / batch 2: <= 1e-5.
+  model/backward_on_another_thread: non-reentrant checkpointing, the backward run on another thread (as CUDA's
+      autograd engine does): the recomputation still runs the sharded attention; gradients <= 1e-5.
   fsdp2/*: the same model under FSDP2 (`fully_shard` over the whole world) with Ulysses attention: loss and the
       gathered gradients vs one process (right-padded, packed, length not divisible by N): <= 1e-5.
   vlm/*: LoRA Qwen2.5-VL / Qwen3-VL / Qwen2-VL (vision tower included; N = 4: Qwen2.5-VL): the vision tower,
@@ -295,6 +297,54 @@ def vlm_cases(v: Verdicts, n: int, r: int, families: tuple[str, ...] = ("qwen2_5
         handle.remove()
 
 
+def thread_case(v: Verdicts, n: int, r: int) -> None:
+    """The backward on another thread (as CUDA's autograd engine runs it, on its device thread) with
+    non-reentrant checkpointing: the recomputation must still run the sharded attention of the active batch.
+    A thread-local batch failed here (the H100 run's `CheckpointError`); loss and gradients vs one process."""
+    import threading
+
+    from hf_ddpfix.integrations.sequence_parallel.attention import deactivate_batch
+
+    model = lora_llama(attn_implementation="sdpa", checkpointing="non_reentrant")
+    params = [p for p in model.parameters() if p.requires_grad]
+    batch = batches(n)["right_padded"]
+    ref = model(**batch, use_cache=False).loss
+    ref.backward()
+    ref_grads = [p.grad.clone() for p in params]
+    model.zero_grad(set_to_none=True)
+    handle = install_ulysses_attention("sdpa")
+    errors: list[BaseException] = []
+    try:
+        feature_counts.reset()
+        loss_sum, _ = sharded_causal_lm_loss(model, batch, keep_active=True)
+        loss = loss_sum / valid_target_count(batch["labels"], batch.get("attention_mask"))
+
+        def backward() -> None:
+            try:
+                loss.backward()
+            except BaseException as err:  # noqa: BLE001 - reported in the verdict
+                errors.append(err)
+
+        t = threading.Thread(target=backward)
+        t.start()
+        t.join()
+        deactivate_batch()
+        ran = feature_counts.snapshot().get("sequence_parallel")
+        grads = [p.grad.clone() if p.grad is not None else torch.zeros_like(p) for p in params]
+        for gr in grads:
+            dist.all_reduce(gr)
+        gdiff = max((a - b).abs().max().item() for a, b in zip(grads, ref_grads, strict=True))
+        worst = torch.tensor([gdiff, float(bool(errors))])
+        dist.all_reduce(worst, op=dist.ReduceOp.MAX)
+        calls = ran.ran if ran else 0
+        v.add({"case": "model/backward_on_another_thread", "n": n, "grad_diff": worst[0].item(),
+               "error": repr(errors[0])[:300] if errors else None, "sharded_attention_calls": calls,
+               "ok": worst[1].item() == 0 and worst[0].item() <= TOL_MODEL and calls == 4})
+    finally:
+        deactivate_batch()
+        handle.remove()
+
+
 def fsdp2_cases(v: Verdicts, n: int, r: int) -> None:
     """FSDP2 (`fully_shard` per decoder layer + root over the whole world: the mesh is DP x SP, every rank holds
     1/world of each parameter) with Ulysses attention: the loss and the full (gathered) gradient of every
@@ -358,6 +408,7 @@ def main() -> None:
     log("attention done")
     model_cases(v, n, r)
     log("model done")
+    thread_case(v, n, r)
     fsdp2_cases(v, n, r)
     log("fsdp2 done")
     # N = 2: every tested family; N = 4 (the costly launch): Qwen2.5-VL only

@@ -1,7 +1,8 @@
-"""2-process Trainer runs whose loss is not the model's output: hf_ddpfix vs stock, same data.
+"""Cases of the trainer zoo (tests/scripts/trainer_zoo.py, which runs them): the plain ``Trainer`` with a
+loss that is not the model's output, hf_ddpfix vs stock, same data.
 
-Run:  OMP_NUM_THREADS=1 python -m torch.distributed.run --standalone --nproc_per_node=2 \
-          tests/scripts/trainer_heads.py [--cases head_in_forward,head_in_compute_loss,some_outputs]
+Run:  PYTHONPATH=patches:. OMP_NUM_THREADS=1 python -m torch.distributed.run --standalone --nproc_per_node=2 \
+          tests/scripts/trainer_zoo.py --route patches --cases head_in_forward,head_in_compute_loss,some_outputs
 
 Cases (LoRA on every linear layer, variable lengths, weight decay, clipping, 4 steps):
 - ``head_in_forward``: a trainable head on ``hidden_states[-1]`` applied inside the model's forward, LoRA also
@@ -13,16 +14,13 @@ Cases (LoRA on every linear layer, variable lengths, weight decay, clipping, 4 s
 - ``some_outputs``: the plain Trainer with a ``compute_loss`` that reads ``logits`` of the last half of the
   tokens only and adds nothing else: every parameter is used, nothing must be tied or reset.
 
-Each case is run stock (the stock setting that trains, non-reentrant checkpointing) and under
-``patch_trainer()`` (reentrant requested: the plan corrects it); weights must agree within 1e-6 on every
-rank, and the ``parameter_usage`` feature counts must show the loss was observed. Prints
-``TRAINER_HEADS_OK``.
+Each case is run stock (the stock setting that trains, non-reentrant checkpointing) and under hf_ddpfix
+(reentrant requested: the plan corrects it); weights must agree within 1e-6 on every rank, and the
+``parameter_usage`` feature counts must show the loss was observed (:func:`check_counts`).
 """
 
 from __future__ import annotations
 
-import argparse
-import gc
 import os
 import sys
 
@@ -35,10 +33,7 @@ from transformers.modeling_outputs import CausalLMOutputWithPast
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
 
-from fixtures import lora_llama, teardown, trainable_weights  # noqa: E402
-
-from hf_ddpfix import patch_trainer, unpatch_trainer  # noqa: E402
-from hf_ddpfix.ops import feature_counts  # noqa: E402
+from fixtures import lora_llama  # noqa: E402
 
 STEPS = 4
 LENGTHS = (7, 11, 5, 9)
@@ -121,12 +116,13 @@ def build(case: str) -> tuple[nn.Module, type[Trainer], bool]:
     raise ValueError(f"unknown case {case!r}")
 
 
-def run(case: str, patched: bool, out: str) -> tuple[dict[str, torch.Tensor], bool]:
+STOCK_FU = {"head_in_forward": True, "head_in_compute_loss": False, "some_outputs": True}
+
+
+def build_trainer(case: str, out: str, patched: bool, extra: dict | None = None) -> Trainer:
+    """The trainer of ``case``: hf_ddpfix's (``patched``: reentrant checkpointing requested) or stock's (the
+    stock setting that trains: non-reentrant, ``find_unused_parameters`` as in STOCK_FU)."""
     model, cls, stock_fu = build(case)
-    if patched:
-        patch_trainer()
-    else:
-        unpatch_trainer()
     ckpt = {}
     if hasattr(model, "gradient_checkpointing_enable"):
         ckpt = {"gradient_checkpointing": True, "gradient_checkpointing_kwargs": {"use_reentrant": patched}}
@@ -134,44 +130,15 @@ def run(case: str, patched: bool, out: str) -> tuple[dict[str, torch.Tensor], bo
         output_dir=out, per_device_train_batch_size=1, max_steps=STEPS, report_to=[], use_cpu=True,
         save_strategy="no", learning_rate=1e-2, weight_decay=0.1, max_grad_norm=0.5, remove_unused_columns=False,
         disable_tqdm=True, seed=0, logging_steps=1, ddp_find_unused_parameters=None if patched else stock_fu, **ckpt,
+        **(extra or {}),
     )
-    trainer = cls(model=model, args=args, train_dataset=Rows(), data_collator=collate)
-    trainer.train()
-    fu = bool(trainer.model_wrapped.find_unused_parameters)
-    weights = trainable_weights(model)
-    del trainer
-    unpatch_trainer()
-    return weights, fu
+    return cls(model=model, args=args, train_dataset=Rows(), data_collator=collate)
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--cases", default="head_in_forward,head_in_compute_loss,some_outputs")
-    ap.add_argument("--out", default="/tmp/trainer_heads")
-    a = ap.parse_args()
-    torch.set_num_threads(1)
-    rank = int(os.environ.get("RANK", 0))
-    for case in a.cases.split(","):
-        stock, _ = run(case, False, a.out)
-        feature_counts.reset()
-        fixed, fixed_fu = run(case, True, a.out)
-        counts = feature_counts.snapshot().get("parameter_usage")
-        amounts = counts.amounts if counts else {}
-        diffs = {k: (stock[k] - fixed[k]).abs().max().item() for k in stock}
-        diff = max(diffs.values())
-        worst = sorted(diffs, key=diffs.get)[-3:] if diff > 1e-6 else []
-        print(f"[rank {rank}] {case}: fu={fixed_fu} max |fix - stock| = {diff:.1e} counts={amounts} "
-              f"ran={counts.ran if counts else 0} fallbacks={counts.fallbacks if counts else {}} {worst}", flush=True)
-        assert diff <= 1e-6, f"{case}: hf_ddpfix vs stock differ by {diff:.2e}"
-        assert not fixed_fu and counts is not None and counts.ran == STEPS and not counts.fallbacks, counts
-        if case == "head_in_forward":  # lm_head's LoRA: tied at the loss, reset to None every step
-            assert amounts["ties_at_loss"] == 2 * STEPS and amounts["grads_reset"] == 2 * STEPS, amounts
-        else:
-            assert "ties_at_loss" not in amounts and "grads_reset" not in amounts, amounts
-        gc.collect()
-    print(f"[rank {rank}] TRAINER_HEADS_OK", flush=True)
-    teardown()
-
-
-if __name__ == "__main__":
-    main()
+def check_counts(case: str, amounts: dict[str, int]) -> None:
+    """The ``parameter_usage`` amounts of the hf_ddpfix run: lm_head's LoRA (A and B) tied at the loss and its
+    gradient reset to None every step in ``head_in_forward``; nothing tied or reset in the others."""
+    if case == "head_in_forward":
+        assert amounts.get("ties_at_loss") == 2 * STEPS and amounts.get("grads_reset") == 2 * STEPS, amounts
+    else:
+        assert "ties_at_loss" not in amounts and "grads_reset" not in amounts, amounts

@@ -9,6 +9,7 @@ from typing import Any
 
 from torch import nn
 
+from ..._compat import parallelism_config_available, parallelism_sp_settings
 from .vision import vision_sequence_parallel_support
 
 __all__ = ["SequenceParallelFacts", "gather_sequence_parallel_facts"]
@@ -21,6 +22,9 @@ class SequenceParallelFacts:
         num_heads / num_kv_heads: the text model's attention heads, None when the config does not say.
         parallelism_sp_size: `TrainingArguments.parallelism_config.sp_size` (None: no parallelism config).
         parallelism_sp_backend: its `sp_backend` ("deepspeed" is DeepSpeed's own Ulysses engine).
+        parallelism_sp_attn: its `sp_handler.sp_attn_implementation` (the attention DeepSpeed's engine wraps).
+        parallelism_config_available: the installed accelerate / transformers take
+            `TrainingArguments(parallelism_config=ParallelismConfig(sp_size=N))` (accelerate >= 1.12).
         vision_family: a VLM whose text decoder hf_ddpfix shards after the image merge (e.g. "qwen2_5_vl").
         vision_refusal: why a VLM cannot be sharded (`vision.vision_sequence_parallel_support`), else None.
     """
@@ -30,6 +34,8 @@ class SequenceParallelFacts:
     num_kv_heads: int | None = None
     parallelism_sp_size: int | None = None
     parallelism_sp_backend: str | None = None
+    parallelism_sp_attn: str | None = None
+    parallelism_config_available: bool = True
     vision_family: str | None = None
     vision_refusal: str | None = None
 
@@ -49,12 +55,11 @@ def gather_sequence_parallel_facts(trainer: Any, model: nn.Module) -> SequencePa
     kv = getattr(cfg, "num_key_value_heads", None) or heads
     impl = getattr(cfg, "_attn_implementation", None) or getattr(getattr(model, "config", None),
                                                                  "_attn_implementation", None)
-    pc = getattr(getattr(trainer, "args", None), "parallelism_config", None)
-    sp = getattr(pc, "sp_size", None) if pc is not None else None
+    sp, backend, attn = parallelism_sp_settings(trainer)
     family, refusal = vision_sequence_parallel_support(model)
     return SequenceParallelFacts(
         vision_family=family.name if family is not None else None, vision_refusal=refusal or None,
-        attn_implementation=impl, num_heads=heads, num_kv_heads=kv,
-        parallelism_sp_size=int(sp) if sp else None,
-        parallelism_sp_backend=getattr(pc, "sp_backend", None) if pc is not None else None,
+        attn_implementation=impl, num_heads=heads, num_kv_heads=kv, parallelism_sp_size=sp,
+        parallelism_sp_backend=backend, parallelism_sp_attn=attn,
+        parallelism_config_available=parallelism_config_available(),
     )

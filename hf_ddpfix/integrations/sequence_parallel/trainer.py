@@ -1,4 +1,4 @@
-"""Sequence parallelism inside the stock `Trainer` loop under DDP (`attach_sequence_parallel`).
+"""Sequence parallelism inside the stock `Trainer` loop under DDP or DeepSpeed ZeRO (`attach_sequence_parallel`).
 
 Per training micro-batch (the Trainer's `compute_loss`, on the instance):
   1. the N ranks of an SP group (ranks `k*N .. k*N+N-1`) exchange their batches (`all_gather_object`):
@@ -53,6 +53,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ..._compat import deepspeed_engine_sequence_parallel_size, stand_down_accelerate_sequence_parallel
 from ...ops.feature_counts import record_amount, record_fallback
 from .attention import FEATURE, activate_batch, deactivate_batch, install_ulysses_attention
 from .model import sharded_causal_lm_loss
@@ -125,15 +126,22 @@ def _groups_for(trainer: Any, sp_size: int) -> SequenceParallelGroups:
     return cached
 
 
-def attach_sequence_parallel(trainer: Any, model: nn.Module, *, sp_size: int, stack: ExitStack) -> SequenceParallelGroups:
+def attach_sequence_parallel(trainer: Any, model: nn.Module, *, sp_size: int, stack: ExitStack,
+                             stand_down_accelerate: bool = False) -> SequenceParallelGroups:
     """Make `trainer` train and evaluate `model` with Ulysses sequence parallelism over groups of `sp_size` ranks.
 
     Args:
-        trainer: a `transformers.Trainer` about to run its training or evaluation loop under DDP.
+        trainer: a `transformers.Trainer` about to run its training or evaluation loop under DDP or DeepSpeed
+            ZeRO (which then sees plain data parallelism over the world: the same loss scale as DDP).
         model: the unwrapped model (its attention implementation is wrapped).
         sp_size: N, dividing the world size.
         stack: the undo of every change goes here (the attention wrapper, `compute_loss`, `prediction_step`).
+        stand_down_accelerate: the run asked for SP through `ParallelismConfig(sp_size=N)`: accelerate's and
+            the Trainer's DeepSpeed-SP paths stand down for this loop
+            (`_compat.stand_down_accelerate_sequence_parallel`), so the batch is split once, here.
     """
+    if stand_down_accelerate:
+        stack.callback(stand_down_accelerate_sequence_parallel(trainer))
     groups = _groups_for(trainer, sp_size)
     impl = getattr(getattr(model, "config", None), "_attn_implementation", None) or "sdpa"
     stack.callback(install_ulysses_attention(impl).remove)
@@ -141,6 +149,7 @@ def attach_sequence_parallel(trainer: Any, model: nn.Module, *, sp_size: int, st
     stock = trainer.compute_loss
     stock_prediction_step = trainer.prediction_step
     warned: set[str] = set()
+    checked: list[bool] = []
     pad_id = getattr(getattr(model, "config", None), "pad_token_id", None) or 0
     want_logits = [False]  # set by prediction_step for the compute_loss call inside it
     family, refusal = vision_sequence_parallel_support(model)
@@ -164,6 +173,9 @@ def attach_sequence_parallel(trainer: Any, model: nn.Module, *, sp_size: int, st
         deactivate_batch()  # the previous micro-batch's (kept for its checkpointed backward)
         if reason is not None:
             return fall_back(reason, model, inputs, return_outputs, num_items_in_batch)
+        if not checked:
+            _check_plain_data_parallel(trainer, sp_size)
+            checked.append(True)
         mine = {k: inputs[k].detach().cpu() if torch.is_tensor(inputs[k]) else inputs[k] for k in inputs}
         gathered: list[Any] = [None] * groups.size
         dist.all_gather_object(gathered, mine, group=groups.group)
@@ -239,6 +251,23 @@ def attach_sequence_parallel(trainer: Any, model: nn.Module, *, sp_size: int, st
 
     stack.callback(restore)
     return groups
+
+
+def _check_plain_data_parallel(trainer: Any, sp_size: int) -> None:
+    """The loss scale (x world size) is exact only when the engine averages gradients over the whole world, as
+    DDP does. A DeepSpeed engine built with sequence-parallel groups does not (it sums over each SP group):
+    checked at the first sharded forward, where the engine exists.
+
+    Raises:
+        RuntimeError: the DeepSpeed engine has sequence_parallel_size > 1, naming it and the likely cause.
+    """
+    size = deepspeed_engine_sequence_parallel_size(getattr(trainer, "model_wrapped", None))
+    if size is not None and size > 1:
+        raise RuntimeError(
+            f"sequence_parallel={sp_size}: the DeepSpeed engine was built with its own sequence-parallel groups "
+            f"(sequence_parallel_size={size}), so it does not average gradients over the world and hf_ddpfix's "
+            "token-sum loss would be off by that factor. Build the engine without an SP mpu (an engine with "
+            "DeepSpeed's Ulysses made earlier in this process leaves deepspeed.utils.groups.mpu set)")
 
 
 def _has_tiled_loss(model: nn.Module) -> bool:

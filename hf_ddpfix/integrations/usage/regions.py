@@ -54,6 +54,7 @@ class ReentrantRegions:
         self._active = active
         self._watched = watched
         self.seen: list[set[int]] = []
+        self.outputs: list[set[Any]] = []  # per region (parallel to ``seen``): the autograd nodes of its outputs
         self._wrapped: dict[int, tuple[nn.Module, Callable[..., Any]]] = {}
 
     def attach(self, root: nn.Module) -> list[Any]:
@@ -75,6 +76,11 @@ class ReentrantRegions:
     def new_forward(self) -> None:
         """Forget the regions of the previous forward."""
         self.seen = []
+        self.outputs = []
+
+    def reads_with_outputs(self) -> list[tuple[set[Any], set[int]]]:
+        """Per region of the current forward: (the autograd nodes of its outputs, the watched ids it read)."""
+        return list(zip(self.outputs, self.seen, strict=True))
 
     def read_ids(self) -> set[int]:
         """Every watched tensor id read by some region of the current forward."""
@@ -121,6 +127,7 @@ class ReentrantRegions:
                 out = inner(function, *args, **kwargs)
             if any(t.requires_grad for t in output_tensors(out)):
                 self.seen.append(mode.seen)
+                self.outputs.append({t.grad_fn for t in output_tensors(out) if t.grad_fn is not None})
             return out
 
         checkpoint_observed._hf_ddpfix_usage = self  # type: ignore[attr-defined]

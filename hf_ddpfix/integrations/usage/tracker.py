@@ -158,6 +158,7 @@ class ParameterUsage:
         self._pending_forwards = 0  # training forwards since the last loss seen by `tie_loss`
         self._pending_used = torch.zeros(len(self.slots), dtype=torch.bool)
         self._pending_regions: set[int] = set()
+        self._pending_region_outputs: list[tuple[set[Any], set[int]]] = []  # (output nodes, reads) per region
         self._warned_unseen = False
         self.at_loss = False  # set by whoever routes every backward's loss through `tie_loss`
         self.last: UsageRecord | None = None
@@ -273,6 +274,7 @@ class ParameterUsage:
         used = self._forward_used.clone()
         self._pending_used |= used  # a prediction until the loss given to backward confirms it (`tie_loss`)
         self._pending_regions |= self._regions.read_ids()
+        self._pending_region_outputs += self._regions.reads_with_outputs()
         self._pending_forwards += 1
         self._step_forwards += 1
         self.forwards += 1
@@ -314,8 +316,18 @@ class ParameterUsage:
         if not isinstance(loss, torch.Tensor) or not loss.requires_grad or self._pending_forwards == 0:
             return loss
         t0 = time.perf_counter()
-        real, tied_only = reachable_leaf_ids_split([loss], is_zero_tie_node, is_ddp_sink_node)
-        region = self._pending_regions
+        real_nodes: set[Any] = set()
+        side_nodes: set[Any] = set()
+        real, tied_only = reachable_leaf_ids_split([loss], is_zero_tie_node, is_ddp_sink_node,
+                                                   real_nodes=real_nodes, side_nodes=side_nodes)
+        # a reentrant region's reads count as used unless its output reaches the loss only through an exact-zero
+        # tie (e.g. the ZeRO dummy image's tower layers): then, like a tied leaf, reached but not used
+        region: set[int] = set()
+        for nodes, ids in self._pending_region_outputs:
+            if nodes and not (nodes & real_nodes) and nodes & side_nodes:
+                tied_only |= ids - real
+            else:
+                region |= ids
         used = torch.zeros(len(self.slots), dtype=torch.bool)
         missing: list[int] = []
         tied_before = 0  # reached only through a tie the loss already holds (e.g. one made at the output)
@@ -332,6 +344,7 @@ class ParameterUsage:
         self._step_used |= used
         self._pending_used.zero_()
         self._pending_regions = set()
+        self._pending_region_outputs = []
         self._pending_forwards = 0
         self.losses += 1
         feature_counts.record_ran("parameter_usage")
@@ -363,6 +376,7 @@ class ParameterUsage:
         self._step_forwards = 0
         self._pending_used.zero_()
         self._pending_regions = set()
+        self._pending_region_outputs = []
         self._pending_forwards = 0
 
     def finalize(self, process_group: Any = None) -> int | None:

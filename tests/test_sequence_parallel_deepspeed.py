@@ -1,0 +1,82 @@
+"""Sequence parallelism under DeepSpeed ZeRO through the stock Trainer (tests/scripts/sp_deepspeed.py): hf_ddpfix's
+Ulysses, switched on by `TrainingArguments(parallelism_config=ParallelismConfig(sp_size=2))` or by
+`patch_trainer(sequence_parallel=2)`, equals one process on the same data; stock DeepSpeed SP beside it, its
+gaps predicted to the number (updates sp_size x too large, a mean of per-micro-batch means).
+
+One launch of 4 processes (one process group, engines built in turn): hf_ddpfix at DP 2 x SP 2 on ZeRO-2 and
+ZeRO-3 with both `reduce_scatter` settings, SGD and AdamW with clipping, then `evaluate()`; stock's failure to
+start with `sp_size=2` alone; stock DeepSpeed SP at SP 4 (DP 1) on the same three ZeRO settings; an engine left
+with DeepSpeed's SP groups, refused by hf_ddpfix's run-time check. Stock cannot run DP > 1 on gloo: with
+`dp_replicate_size=2` its loss's differentiable `all_gather` fails in backward on the ranks of the second SP
+group ("Global rank 0 is not part of group": torch's gloo all_gather backward uses global ranks).
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+
+import pytest
+from fixtures import build_deepspeed_shm_op
+from launch import torchrun
+
+DS_ENV = {"DS_ACCELERATOR": "cpu"}
+TOL = 1e-5
+ZEROS = ("zero2", "zero3_rs", "zero3_no_rs")
+
+
+@pytest.fixture(scope="module")
+def records(tmp_path_factory) -> dict[str, dict]:
+    """The launch (4 gloo processes, gradient accumulation 3), run once for this module's tests."""
+    pytest.importorskip("deepspeed", reason="test extra: DS_BUILD_OPS=0 pip install deepspeed==0.19.8")
+    try:
+        build_deepspeed_shm_op()
+    except subprocess.TimeoutExpired:
+        pytest.fail("building deepspeed_shm_comm took > 900 s: a killed earlier build leaves a stale 'lock' file "
+                    "in ~/.cache/torch_extensions/*/deepspeed_shm_comm/ - delete it")
+    out = tmp_path_factory.mktemp("spds") / "spds.json"
+    torchrun("sp_deepspeed.py", str(out), "--ga", "3", "--check-leftover-mpu", nproc=4, timeout=540, env=DS_ENV)
+    return {r["case"]: r for r in json.loads(out.read_text())}
+
+
+@pytest.mark.multiprocess
+def test_dp2_sp2_zero2_zero3_both_reduce_scatter_settings_equal_one_process(records):
+    """Micro-batches with different valid-token counts, 2 optimizer steps: weights and logged losses within 1e-5
+    of one process on the whole batch, under SGD without clipping and AdamW with clipping, on ZeRO-2 and ZeRO-3
+    (reduce_scatter true and false). DeepSpeed sees plain data parallelism (its engine's sequence_parallel_size
+    is 1); the sharded attention really ran. After training, `evaluate()` sharded over the SP group equals
+    stock's unsharded evaluation on the same engine."""
+    ours = {f"hf_ddpfix/{z}/{o}" for z in ZEROS for o in ("sgd", "adamw_clip")}
+    assert ours <= set(records)
+    for name in ours:
+        r = records[name]
+        assert r["ok"] and r["weight_diff"] <= TOL and r["loss_diff"] <= TOL, r
+        assert r["plan"].startswith("N=2 DP=2") and r["engine_sp"] == 1
+        assert r["attention_calls"] > 0 and r["sharded_batches"] == 2 * 2 * 3 and not r["fallbacks"]
+        if name.endswith("/sgd"):  # evaluate() on the trained engine: sharded (hf_ddpfix) = unsharded (stock)
+            assert r["eval_diff"] <= TOL and r["eval_sharded_batches"] > 0, r
+    assert {records[n]["via"] for n in ours} == {"pc", "arg"}  # both switches
+    assert records["hf_ddpfix/zero3_rs/sgd"]["plan"] == "N=2 DP=2 via parallelism_config"
+    # hf_ddpfix's run-time check: an engine that kept DeepSpeed's SP groups would scale the loss wrongly: refused
+    leftover = records["hf_ddpfix/zero2/leftover_sp_engine"]
+    assert leftover["ok"] and "sequence_parallel_size=2" in leftover["error"], leftover
+
+
+@pytest.mark.multiprocess
+def test_stock_deepspeed_sp_updates_are_sp_size_times_too_large_and_its_loss_a_mean_of_means(records):
+    """Stock with ParallelismConfig(sp_size=2) alone on 4 processes fails to start. Stock at SP 4 (SGD): its
+    weights land within 1e-5 on its own formula (the mean over micro-batches of each one's token mean, gradients
+    x4 = sp_size on ZeRO-2 and ZeRO-3 without reduce-scatter, x1 with it) and far from the token mean of the same
+    data; its logged loss is the mean of means."""
+    start = records["stock/zero2/sp_size_alone"]
+    assert start["ok"] and "train_batch_size is not equal to micro_batch_per_gpu" in start["error"], start
+    stock = {z: records[f"stock/{z}/sgd"] for z in ZEROS}
+    for r in stock.values():
+        assert r["ok"] and r["engine_sp"] == 4, r
+        assert r["diff_to_stock_formula"] <= TOL and r["logged_loss_diff_to_mean_of_means"] <= TOL
+        assert r["diff_to_token_mean"] > 1e-3  # 100x the tolerance our runs meet
+        assert abs(r["mean_of_means_losses"][0] - r["token_mean_losses"][0]) > 1e-3  # the logged loss too
+    assert stock["zero2"]["factor"] == stock["zero3_no_rs"]["factor"] == 4.0 and stock["zero3_rs"]["factor"] == 1.0
+    # the x4 shows in the size of the update (less the mean-of-means part); reduce-scatter's is near 1
+    assert stock["zero2"]["update_ratio_to_token_mean"] > 3
+    assert 0.8 < stock["zero3_rs"]["update_ratio_to_token_mean"] < 1.2
