@@ -100,12 +100,14 @@ class _Offload:
 def run(optim: str, ga: int, out: str, sp: int | None, via: str, batch: int = 2, compose: bool = False) -> dict:
     """One Trainer run: train 2 steps, evaluate, predict. `via`: "patch_trainer", "env" (HF_DDPFIX_SEQUENCE_PARALLEL
     + patch_trainer()), "patches" (the sitecustomize's own patch, no hf_ddpfix call), or "" (stock, unpatched)."""
+    # the patches case runs first: the sitecustomize's patch and the launch's HF_DDPFIX_SEQUENCE_PARALLEL
+    env_from_launch = os.environ.get("HF_DDPFIX_SEQUENCE_PARALLEL") == str(sp) if via == "patches" else None
     os.environ.pop("HF_DDPFIX_SEQUENCE_PARALLEL", None)
     patched_at_start = is_patched()
     if via != "patches":
         unpatch_trainer()
     extra = dict(tiled_mlp="2", tiled_loss="on", offload_activations=True) if compose else {}
-    if sp and via in ("env", "patches"):
+    if sp and via in ("env", "patches"):  # (patches: the launch's value, put back for a launch without it)
         os.environ["HF_DDPFIX_SEQUENCE_PARALLEL"] = str(sp)
     if sp and via == "env":
         patch_trainer(**extra)
@@ -134,7 +136,7 @@ def run(optim: str, ga: int, out: str, sp: int | None, via: str, batch: int = 2,
     plan = getattr(trainer, "hf_ddpfix_plan", None)
     res = {"weights": trainable_weights(model), "hist": hist, "eval": ev["eval_loss"], "predict_loss":
            pred.metrics["test_loss"], "pred": list(pred.predictions), "lengths": real_lengths(eval_ds),
-           "counts": snap, "patched_at_start": patched_at_start, "layers": model.config.num_hidden_layers,
+           "counts": snap, "patched_at_start": patched_at_start, "env_from_launch": env_from_launch, "layers": model.config.num_hidden_layers,
            "plan": plan.sequence_parallel.text if plan is not None else None,
            "plan_offload": plan.offload_activations.value if plan is not None else None}
     unpatch_trainer()
@@ -197,6 +199,7 @@ def main() -> None:
               and (got["plan"] or "").startswith(f"N={a.sp} DP={world // a.sp}"))
         v.add({"case": case, "world": world, "sp": a.sp, "ga": a.ga, "via": via, "plan": got["plan"], "layers": got["layers"],
                "plan_offload": got["plan_offload"], "patched_at_start": got["patched_at_start"],
+               "env_from_launch": got["env_from_launch"],
                "weight_diff": wdiff, "loss_diff": ldiff, "grad_norm_diff": gdiff, "eval_diff": ediff,
                "logits_diff": pdiff, "losses_ref": [h[0] for h in ref["hist"]], "losses_sp": [h[0] for h in got["hist"]],
                "grad_norms_sp": [h[1] for h in got["hist"]], "eval_ref": ref["eval"], "eval_sp": got["eval"],
