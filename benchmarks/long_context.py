@@ -120,6 +120,15 @@ def run_ledger(args: argparse.Namespace) -> dict[str, Any]:
             entry["target"] = f"{args.target_tokens} tokens do not fit: {e}"
         proj[name] = entry
     proj["tiled_mlp"]["measured_h100_bytes_per_token"] = 197 * KIB
+    # Sequence parallelism (Ulysses, N GPUs share one sequence): each GPU at L/N tokens under the same budget,
+    # plus the all-to-all buffers (hf_ddpfix.ops.sequence_parallel.memory; benchmarks/sequence_parallel.py)
+    from hf_ddpfix.ops.sequence_parallel.memory import project_sequence_parallel
+
+    for name in ("tiled_mlp", "hf_ddpfix"):
+        proj[name]["sequence_parallel"] = {n: project_sequence_parallel(
+            sp=n, layers=m["layers"], hidden=m["hidden"], heads=m["heads"], kv_heads=m["kv_heads"],
+            working_bytes_per_token=proj[name]["bytes_per_token"], fixed_device_bytes=fixed + int(rows[name]["constant_bytes"]),
+            device_budget_bytes=device, host_budget_bytes=host).sequence_tokens for n in (2, 4, 8)}
     return {"env": _env(), "shape": {k: v for k, v in m.items() if k != "vocab"}, "seqs": [args.seq1, args.seq2],
             "tokens_per_tile": args.tokens_per_tile, "rows": rows, "projection": proj,
             "projection_assumptions": {"device_gib": args.device_gib, "host_gib": args.host_gib,
@@ -156,6 +165,9 @@ def write_ledger(res: dict[str, Any], stem: Path) -> None:
                      f"the device{f', measured on an H100: {meas / KIB:.0f}' if meas else ''}; "
                      f"~{v['max_tokens_keep_last_only']} keeping only the last input on the device)"
                      f"{'; ' + v['target'] if 'target' in v else ''}")
+        if "sequence_parallel" in v:
+            lines.append("  - sequence parallel (Ulysses, per GPU as above at L/N tokens + all-to-all buffers): "
+                         + ", ".join(f"N={n}: ~{t} tokens" for n, t in v["sequence_parallel"].items()))
     stem.with_suffix(".md").write_text("\n".join(lines) + "\n")
     try:
         import matplotlib
@@ -394,6 +406,9 @@ def main() -> None:
               f"with keep-N and the exact-size host pool (a projection; ~{v['max_tokens_keep_last_only']} "
               "keeping only the last input on the device)"
               f"{'; ' + v['target'] if 'target' in v else ''}")
+        sp = v.get("sequence_parallel", {})
+        print(f"  projection {k} with sequence parallelism (per GPU at L/N tokens, {args.host_gib:g} GiB host per GPU): "
+              + ", ".join(f"N={n} ~{t} tokens" for n, t in sp.items()))
     print(f"ledger: stock {res['rows']['stock']['kib_per_token']:.1f} KiB/token, "
           f"hf_ddpfix {res['rows']['hf_ddpfix']['kib_per_token']:.1f} KiB/token")
 

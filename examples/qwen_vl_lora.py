@@ -46,6 +46,7 @@ The offline base model is random but seeded: the same `--seed` rebuilds it, so t
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
@@ -57,9 +58,22 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # for _offline_v
 
 import _offline_vlm as offline  # noqa: E402
 
+from hf_ddpfix import checkpointing_training_args  # noqa: E402  (importing hf_ddpfix patches nothing)
+
 # LoRA on every linear layer: language model, vision blocks and the vision->text merger (Qwen2.5-VL names).
 LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj",
                 "qkv", "attn.proj", "merger.mlp.0", "merger.mlp.2"]
+
+
+def sampling_training_args(strategy: str) -> dict:
+    """`TrainingArguments` keywords for the training sampler: `train_sampling_strategy` on transformers
+    5.23+, the older `group_by_length` flag on 5.0-5.22 (the same two behaviours)."""
+    from transformers import TrainingArguments
+
+    names = {f.name for f in dataclasses.fields(TrainingArguments)}
+    if "train_sampling_strategy" in names:
+        return {"train_sampling_strategy": strategy}
+    return {"group_by_length": strategy == "group_by_length"}
 
 
 def parse_args(argv=None):
@@ -337,12 +351,12 @@ def main(argv=None) -> dict:
         save_total_limit=2,  # the latest two checkpoints are enough to resume
         eval_strategy="steps" if args.eval_steps else "no",
         eval_steps=args.eval_steps or None,
-        activation_checkpointing=ckpt,  # (the v5 name of gradient_checkpointing)
-        activation_checkpointing_kwargs={"use_reentrant": args.checkpointing == "reentrant"} if ckpt else None,
+        # activation_checkpointing* on transformers 5.23+, gradient_checkpointing* before (the same switch)
+        **checkpointing_training_args(ckpt, {"use_reentrant": args.checkpointing == "reentrant"} if ckpt else None),
         # Synthetic data: text-only samples are shorter than image ones, so length grouping yields mostly
         # single-modality batches (as LLaVA's modality grouping does): some steps see no image on any rank.
         # (--dataset: random order; group_by_length would encode every row once at start-up to measure it.)
-        train_sampling_strategy="random" if args.dataset else "group_by_length",
+        **sampling_training_args("random" if args.dataset else "group_by_length"),
         remove_unused_columns=False,  # our collator builds the model inputs itself
         use_cpu=not on_accelerator,  # without it, CPU-only ranks would each think they train alone
         bf16=on_accelerator and torch.cuda.is_available() and torch.cuda.is_bf16_supported(),

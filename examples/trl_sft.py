@@ -23,7 +23,8 @@ from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 from trl import SFTConfig, SFTTrainer
 
-from hf_ddpfix.ops.dist import destroy_default_group  # ends the group only; patches nothing
+from hf_ddpfix import checkpointing_training_args  # importing hf_ddpfix patches nothing
+from hf_ddpfix.ops.dist import destroy_default_group
 
 WORDS = ("the a cat dog bird sat ran flew on under over mat rug tree and then quickly slowly home "
          "red blue green big small").split()
@@ -62,7 +63,7 @@ def main() -> None:
         pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id))
     args = SFTConfig(
         output_dir=a.output_dir, max_steps=a.steps, per_device_train_batch_size=2, learning_rate=1e-2,
-        activation_checkpointing=True, activation_checkpointing_kwargs={"use_reentrant": True},
+        **checkpointing_training_args(True, {"use_reentrant": True}),  # named for the installed transformers
         max_length=32, use_cpu=a.cpu, report_to=[], save_strategy="no", logging_steps=1, seed=0,
         disable_tqdm=True, dataloader_num_workers=0,
     )

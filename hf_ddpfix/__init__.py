@@ -16,6 +16,7 @@ decisions), ``runtime`` (applies a plan), ``trainer`` (the entry points), ``cli`
 ``__all__`` are public API; module paths below this package may change between releases.
 """
 
+from ._compat import checkpointing_training_args
 from .accelerate_loop import AccelerateLoopRun, prepare_accelerate_loop
 from .callbacks import MemoryThroughputCallback, PlanReportCallback, ReplicaSyncCallback, default_callbacks
 from .checkpoints import last_complete_checkpoint, save_model_atomic
@@ -57,6 +58,7 @@ __all__ = [
     "apply_long_context",
     "apply_tiled_mlp",
     "default_callbacks",
+    "checkpointing_training_args",
     "explain",
     "find_vision_adapter",
     "last_complete_checkpoint",

@@ -48,3 +48,4 @@ py=("$venv/bin/python" -m pytest -q -p no:cacheprovider)
   "tests/test_tiled.py::test_two_process_training_equals_single_process_reference[tiled_ddp.py-TILED_DDP]" \
   "tests/test_trainer_entry_points.py::test_ddp_with_reentrant_checkpointing_matches_single_process[patch]" \
   "tests/test_matrix.py::test_cell_trains_in_sync_with_stock_loss[vlm-ckpt-nonreentrant-ga-2]"
+bash scripts/run_examples.sh "$venv/bin/python"

@@ -46,3 +46,4 @@ echo "oldest stack: NOT RUN (the stock model cannot run it on this transformers)
   "tests/test_trainer_entry_points.py::test_stock_ddp_with_reentrant_checkpointing_fails" \
   "tests/test_matrix.py::test_cell_trains_in_sync_with_stock_loss[text-ckpt-reentrant-find-unused-auto]" \
   "tests/test_matrix.py::test_cell_trains_in_sync_with_stock_loss[vlm-ckpt-nonreentrant-ga-2]"
+bash scripts/run_examples.sh "$venv/bin/python"

@@ -217,7 +217,8 @@ def test_trainer_with_sequence_parallel_equals_the_run_without_it_and_one_proces
     one, out = tmp_path / "one.pt", tmp_path / "spt.json"
     # world 2: + composition and patches/, + Qwen2.5-VL LoRA (images on some ranks only, a step without any)
     compose = ("--compose", "--vlm") if nproc == 2 else ()
-    env = {"PYTHONPATH": os.pathsep.join([str(ROOT / "patches"), str(ROOT)])} if compose else None
+    env = {"PYTHONPATH": os.pathsep.join([str(ROOT / "patches"), str(ROOT)]),  # the zero-code route, as a user
+           "HF_DDPFIX_SEQUENCE_PARALLEL": "2"} if compose else None  # launches it (read by the first case)
     torchrun("sp_trainer.py", str(one), "--ga", str(ga), "--single-for", str(nproc), *compose, nproc=1, timeout=300)
     torchrun("sp_trainer.py", str(out), "--sp", "2", "--ga", str(ga), "--single", str(one), *compose, nproc=nproc,
              timeout=500, env=env)
@@ -262,7 +263,8 @@ def test_trainer_with_sequence_parallel_equals_the_run_without_it_and_one_proces
         assert ck["plan_offload"] is True and offload["ran"] == micro and offload["amounts"]["copies"] > 0
         assert not offload["fallbacks"]
         patches = by_case["trainer/patches"]
-        assert patches["patched_at_start"] and patches["via"] == "patches"  # the sitecustomize's own patch
+        # the sitecustomize's own patch, N from the launch's environment (no hf_ddpfix call in that case)
+        assert patches["patched_at_start"] and patches["env_from_launch"] and patches["via"] == "patches"
 
 
 def test_parallelism_config_means_hf_ddpfix_ulysses_under_ddp_and_deepspeed_and_names_deepspeed_gaps():

@@ -200,8 +200,11 @@ def checkpointing_args(args: Any) -> tuple[bool, dict[str, Any] | None]:
 
 
 def checkpointing_training_args(enabled: bool = True, kwargs: dict[str, Any] | None = None) -> dict[str, Any]:
-    """Keyword arguments for ``TrainingArguments(...)`` that request checkpointing with ``kwargs``, spelled
-    for the installed transformers (no deprecation warning on 5.23, no unknown argument on 5.0-5.22)."""
+    """Keyword arguments for ``TrainingArguments(...)`` (and subclasses such as TRL's configs) that request
+    checkpointing with ``kwargs``, spelled for the installed transformers: ``activation_checkpointing*``
+    where it has them (5.23+, no deprecation warning), ``gradient_checkpointing*`` on 5.0-5.22 (where the
+    new names are an unknown argument). Public as ``hf_ddpfix.checkpointing_training_args``:
+    ``TrainingArguments(..., **checkpointing_training_args(True, {"use_reentrant": False}))``."""
     flag, kw_name = checkpointing_arg_names()
     out: dict[str, Any] = {flag: enabled}
     if kwargs is not None:

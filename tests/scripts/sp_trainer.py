@@ -151,12 +151,14 @@ class _Offload:
 def run(optim: str, ga: int, out: str, sp: int | None, via: str, batch: int = 2, compose: bool = False) -> dict:
     """One Trainer run: train 2 steps, evaluate, predict. `via`: "patch_trainer", "env" (HF_DDPFIX_SEQUENCE_PARALLEL
     + patch_trainer()), "patches" (the sitecustomize's own patch, no hf_ddpfix call), or "" (stock, unpatched)."""
+    # the patches case runs first: the sitecustomize's patch and the launch's HF_DDPFIX_SEQUENCE_PARALLEL
+    env_from_launch = os.environ.get("HF_DDPFIX_SEQUENCE_PARALLEL") == str(sp) if via == "patches" else None
     os.environ.pop("HF_DDPFIX_SEQUENCE_PARALLEL", None)
     patched_at_start = is_patched()
     if via != "patches":
         unpatch_trainer()
     extra = dict(tiled_mlp="2", tiled_loss="on", offload_activations=True) if compose else {}
-    if sp and via in ("env", "patches"):
+    if sp and via in ("env", "patches"):  # (patches: the launch's value, put back for a launch without it)
         os.environ["HF_DDPFIX_SEQUENCE_PARALLEL"] = str(sp)
     if sp and via == "env":
         patch_trainer(**extra)
@@ -204,7 +206,7 @@ def run(optim: str, ga: int, out: str, sp: int | None, via: str, batch: int = 2,
     text_config = getattr(model.config, "text_config", model.config)
     res = {"weights": weights, "hist": hist, "eval": ev["eval_loss"], "predict_loss":
            pred.metrics["test_loss"], "pred": list(logits), "lengths": real_lengths(eval_ds),
-           "counts": snap, "patched_at_start": patched_at_start, "layers": text_config.num_hidden_layers,
+           "counts": snap, "patched_at_start": patched_at_start, "env_from_launch": env_from_launch, "layers": text_config.num_hidden_layers,
            "vision_moved": sum(int(not torch.equal(weights[k], start[k])) for k in start if "visual" in k),
            "find_unused": plan.find_unused_parameters.value if plan is not None else None,
            "plan": plan.sequence_parallel.text if plan is not None else None,
@@ -291,6 +293,7 @@ def main() -> None:
                   and usage.get("grads_reset", 0) > 0 and got["vision_moved"] > 0)
         v.add({**vision, "case": case, "world": world, "sp": a.sp, "ga": a.ga, "via": via, "plan": got["plan"], "layers": got["layers"],
                "plan_offload": got["plan_offload"], "patched_at_start": got["patched_at_start"],
+               "env_from_launch": got["env_from_launch"],
                "weight_diff": wdiff, "loss_diff": ldiff, "grad_norm_diff": gdiff, "eval_diff": ediff,
                "logits_diff": pdiff, "losses_ref": [h[0] for h in ref["hist"]], "losses_sp": [h[0] for h in got["hist"]],
                "grad_norms_sp": [h[1] for h in got["hist"]], "eval_ref": ref["eval"], "eval_sp": got["eval"],
