@@ -231,3 +231,39 @@ def test_the_decoder_is_called_once_with_the_merged_embeddings_and_only_keywords
     emb = model.get_input_embeddings()(batch["input_ids"])
     image = batch["input_ids"] == model.config.image_token_id
     assert not torch.equal(kw["inputs_embeds"][image], emb[image])  # image features already scattered in
+
+
+@pytest.mark.parametrize("family", ["qwen2_vl", "qwen2_5_vl", "qwen3_vl"])
+def test_the_documents_rule_is_the_installed_decoders_own(family):
+    """Without a 2-D mask the decoder finds packed documents in its text positions; which rows it reads them
+    from changed between releases (5.0's Qwen3-VL: row 0 of 3-row M-RoPE ids, where an image's tokens share
+    a temporal position). Observed on the installed decoder: the mask its attention gets for 3-row ids whose row
+    0 repeats, vs the documents `VisionSequenceSharding` uses."""
+    from fixtures import BUILDERS
+
+    from hf_ddpfix.integrations.sequence_parallel.vision import reads_text_positions_from_rotary_rows
+
+    model = BUILDERS[family](0)
+    if model is None:
+        pytest.skip(f"this transformers has no {family}")
+    lm = model.model.language_model
+    masks = []
+    attn = lm.layers[0].self_attn
+    handle = attn.register_forward_pre_hook(lambda m, a, k: masks.append(k.get("attention_mask")), with_kwargs=True)
+    row0 = torch.tensor([0, 1, 2, 2, 2, 3, 4, 5])  # an image's 3 tokens share a temporal position
+    pos = torch.stack([row0, torch.arange(8), torch.arange(8)])[:, None]
+    try:
+        with torch.no_grad():
+            lm(inputs_embeds=torch.randn(1, 8, lm.config.hidden_size), position_ids=pos, use_cache=False)
+    finally:
+        handle.remove()
+    mask = masks[0]
+    if mask is None:
+        blocked = False  # plain causal
+    else:
+        m = mask[0, 0, 5, 0]
+        blocked = (not bool(m)) if mask.dtype == torch.bool else bool(m < 0)
+    flag = bool(reads_text_positions_from_rotary_rows(lm))
+    docs = language_model_documents(pos, None, batch=1, length=8, text_positions_from_2d=flag,
+                                    text_positions_from_3_rows=flag)
+    assert blocked == bool(docs[0, 5] != docs[0, 0]), (family, blocked, flag, docs.tolist())

@@ -40,7 +40,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..._compat import unwrap_model
+from ..._compat import forward_source, unwrap_model
 from ...ops.feature_counts import record_amount
 from ...ops.sequence_parallel.inputs import IGNORE_INDEX, shard_batch
 from ...ops.sequence_parallel.loss import shard_loss_rows
@@ -97,6 +97,20 @@ _CUT = ("inputs_embeds", "position_ids", "attention_mask")
 _CUT_PER_TOKEN = PER_TOKEN_KEYS
 
 
+def reads_text_positions_from_rotary_rows(decoder: nn.Module) -> bool | None:
+    """Whether the installed decoder takes row 0 of 3-row M-RoPE position ids as the text positions it finds
+    packed documents in (transformers 5.0's Qwen3-VL text model: `else: text_position_ids = position_ids[0]`;
+    5.23 reads them from 4-row ids only). Read from its forward's source; None when the source is unavailable.
+    The behaviour is checked against the rule by tests/test_sequence_parallel_vision.py (decoder contract)."""
+    import re
+
+    try:
+        src = forward_source(type(decoder))
+    except (OSError, TypeError):
+        return None
+    return re.search(r"else:\s*\n\s*text_position_ids\s*=\s*position_ids\[0\]", src) is not None
+
+
 def vision_sequence_parallel_support(model: nn.Module) -> tuple[VisionSequenceParallelFamily | None, str]:
     """`(family, "")` for a VLM hf_ddpfix shards, `(None, reason)` for a VLM it refuses, `(None, "")` for a
     model without a vision config. Pure: reads the model's structure and forward signatures."""
@@ -116,6 +130,8 @@ def vision_sequence_parallel_support(model: nn.Module) -> tuple[VisionSequencePa
     if lm is None:
         return None, (f"{type(hf).__name__}: no text decoder at {' / '.join(fam.language_model_paths)} (the "
                       "layout sequence parallelism cuts at)")
+    if reads_text_positions_from_rotary_rows(lm) is None:
+        return None, f"{type(hf).__name__}: its text decoder's source cannot be read (how it separates documents)"
     params = set(inspect.signature(lm.forward).parameters)
     missing = sorted(set(_CUT + fam.cut_keywords) - params)
     if missing:
@@ -204,6 +220,7 @@ class VisionSequenceSharding:
             raise ValueError(f"{type(hf).__name__}: no text decoder / vision tower for family {family.name}")
         self.family, self.group, self.language_model, self.tower = family, group, lm, adapter.tower
         self.size, self.rank = dist.get_world_size(group), dist.get_rank(group)
+        self.text_from_3_rows = bool(reads_text_positions_from_rotary_rows(lm))
         self._expect: tuple[int, int] | None = None  # (length, padded length) of the pending sharded call
         self._undo: list[Callable[[], None]] = []
 
@@ -273,7 +290,8 @@ class VisionSequenceSharding:
             embeds, sp_size=self.size, sp_rank=self.rank, position_ids=kwargs.get("position_ids"),
             attention_mask=mask, visual_pos_masks=kwargs.get("visual_pos_masks"),
             deepstack_visual_embeds=kwargs.get("deepstack_visual_embeds"),
-            text_positions_from_2d=self.family.text_positions_from_2d)
+            text_positions_from_2d=self.family.text_positions_from_2d or self.text_from_3_rows,
+            text_positions_from_3_rows=self.text_from_3_rows)
         if cut.padded_length != expect[1]:
             raise RuntimeError(f"sequence parallelism: padded to {cut.padded_length} tokens, labels to {expect[1]}")
         activate_batch(cut.documents, self.group)  # stays active for a checkpointed backward

@@ -60,6 +60,7 @@ class LanguageModelShard:
 
 def language_model_documents(position_ids: torch.Tensor | None, attention_mask: torch.Tensor | None, *,
                              batch: int, length: int, text_positions_from_2d: bool,
+                             text_positions_from_3_rows: bool = False,
                              device: torch.device | None = None) -> torch.Tensor:
     """`[B, S]` document id per token, as the decoder's mask builder separates them (see module docstring).
 
@@ -70,12 +71,15 @@ def language_model_documents(position_ids: torch.Tensor | None, attention_mask: 
         text_positions_from_2d: the decoder treats 2-D `position_ids` as text positions (Qwen3-VL expands
             them to 4 rows, text first); False: it expands them to 3 rotary rows and reads no documents
             (Qwen2-VL, Qwen2.5-VL).
+        text_positions_from_3_rows: the decoder also reads row 0 of 3-row M-RoPE ids as text positions
+            (transformers 5.0's Qwen3-VL: image tokens sharing a temporal position then start new documents).
     """
     arange = torch.arange(length, device=device).expand(batch, length)
     if attention_mask is not None:  # packed detection runs only without a 2-D mask
         return document_ids(arange, attention_mask)
     text = None
-    if position_ids is not None and position_ids.dim() == 3 and position_ids.shape[0] == 4:
+    if position_ids is not None and position_ids.dim() == 3 and (position_ids.shape[0] == 4
+                                                                 or text_positions_from_3_rows):
         text = position_ids[0]
     elif position_ids is not None and position_ids.dim() == 2 and text_positions_from_2d:
         text = position_ids
@@ -95,14 +99,15 @@ def shard_language_model_inputs(inputs_embeds: torch.Tensor, *, sp_size: int, sp
                                 attention_mask: torch.Tensor | None = None,
                                 visual_pos_masks: torch.Tensor | None = None,
                                 deepstack_visual_embeds: list[torch.Tensor] | None = None,
-                                text_positions_from_2d: bool = False) -> LanguageModelShard:
+                                text_positions_from_2d: bool = False,
+                                text_positions_from_3_rows: bool = False) -> LanguageModelShard:
     """Cut a decoder call on the full sequence into this rank's slice (module docstring).
 
     Args:
         inputs_embeds: `[B, S, E]`, image features already merged.
         sp_size, sp_rank: N and this rank's index.
         position_ids, attention_mask, visual_pos_masks, deepstack_visual_embeds: as the VLM passes them.
-        text_positions_from_2d: see `language_model_documents`.
+        text_positions_from_2d, text_positions_from_3_rows: see `language_model_documents`.
 
     Raises:
         ValueError: a shape that does not match `inputs_embeds`, or a deepstack feature whose rows are not
@@ -115,7 +120,8 @@ def shard_language_model_inputs(inputs_embeds: torch.Tensor, *, sp_size: int, sp
     if position_ids is not None and (position_ids.shape[-1] != s or position_ids.shape[-2] not in (1, b)):
         raise ValueError(f"position_ids {tuple(position_ids.shape)} do not end in (batch, length) = {(b, s)}")
     docs = language_model_documents(position_ids, attention_mask, batch=b, length=s,
-                                    text_positions_from_2d=text_positions_from_2d, device=dev)
+                                    text_positions_from_2d=text_positions_from_2d,
+                                    text_positions_from_3_rows=text_positions_from_3_rows, device=dev)
     pad = (-s) % sp_size
     total = s + pad
     part = total // sp_size
