@@ -144,14 +144,20 @@ def init_gloo() -> tuple[int, int]:
 
 def build_deepspeed_shm_op(timeout: float = 900) -> None:
     """Build DeepSpeed's CPU shared-memory op once (cached in ``~/.cache/torch_extensions``; 45-210 s the first
-    time), outside any launch's hard timeout. Raises ``subprocess.TimeoutExpired`` naming nothing: callers say
-    what to delete (a killed build leaves a stale ``lock`` file in ``.../deepspeed_shm_comm/``)."""
+    time), outside any launch's hard timeout. A build over ``timeout`` fails the test, saying what to delete
+    (a killed build leaves a stale ``lock`` file in ``.../deepspeed_shm_comm/``)."""
     import subprocess
     import sys
 
+    import pytest
+
     code = "from deepspeed.comm.torch import build_shm_op; build_shm_op()"
-    subprocess.run([sys.executable, "-c", code], env={**os.environ, "DS_ACCELERATOR": "cpu"}, check=True,
-                   timeout=timeout, capture_output=True)
+    try:
+        subprocess.run([sys.executable, "-c", code], env={**os.environ, "DS_ACCELERATOR": "cpu"}, check=True,
+                       timeout=timeout, capture_output=True)
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"building deepspeed_shm_comm took > {timeout:.0f} s: a killed earlier build leaves a stale "
+                    "'lock' file in ~/.cache/torch_extensions/*/deepspeed_shm_comm/ - delete it")
 
 
 def rank_log(rank: int | None = None) -> Callable[[str], None]:

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 
 import pytest
@@ -258,11 +257,7 @@ def test_zero_dummy_image_runs_after_the_embedding_and_changes_no_number(family)
 def _shm_op():
     """Build deepspeed's CPU shared-memory op once (cached in TORCH_EXTENSIONS_DIR / ~/.cache/torch_extensions)."""
     pytest.importorskip("deepspeed", reason="test extra: DS_BUILD_OPS=0 pip install deepspeed==0.19.8")
-    try:
-        build_deepspeed_shm_op()
-    except subprocess.TimeoutExpired:
-        pytest.fail("building deepspeed_shm_comm took > 900 s: a killed earlier build leaves a stale 'lock' file "
-                    "in ~/.cache/torch_extensions/*/deepspeed_shm_comm/ - delete it")
+    build_deepspeed_shm_op()
 
 
 def _suite(tmp_path, suite: str, timeout: float) -> dict:

@@ -14,7 +14,6 @@ group ("Global rank 0 is not part of group": torch's gloo all_gather backward us
 from __future__ import annotations
 
 import json
-import subprocess
 
 import pytest
 from fixtures import build_deepspeed_shm_op
@@ -29,11 +28,7 @@ ZEROS = ("zero2", "zero3_rs", "zero3_no_rs")
 def records(tmp_path_factory) -> dict[str, dict]:
     """The launch (4 gloo processes, gradient accumulation 3), run once for this module's tests."""
     pytest.importorskip("deepspeed", reason="test extra: DS_BUILD_OPS=0 pip install deepspeed==0.19.8")
-    try:
-        build_deepspeed_shm_op()
-    except subprocess.TimeoutExpired:
-        pytest.fail("building deepspeed_shm_comm took > 900 s: a killed earlier build leaves a stale 'lock' file "
-                    "in ~/.cache/torch_extensions/*/deepspeed_shm_comm/ - delete it")
+    build_deepspeed_shm_op()
     out = tmp_path_factory.mktemp("spds") / "spds.json"
     torchrun("sp_deepspeed.py", str(out), "--ga", "3", "--check-leftover-mpu", nproc=4, timeout=540, env=DS_ENV)
     return {r["case"]: r for r in json.loads(out.read_text())}

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 
 import pytest
 from launch import ROOT, torchrun
@@ -49,11 +48,7 @@ def zoo(tmp_path_factory) -> dict:
     if importlib.util.find_spec("deepspeed") is not None:  # a test extra: without it the ZeRO tests skip
         from fixtures import build_deepspeed_shm_op
 
-        try:
-            build_deepspeed_shm_op()
-        except subprocess.TimeoutExpired:
-            pytest.fail("building deepspeed_shm_comm took > 900 s: a killed earlier build leaves a stale 'lock' "
-                        "file in ~/.cache/torch_extensions/*/deepspeed_shm_comm/ - delete it")
+        build_deepspeed_shm_op()
         zero = ["--zero", "2,3"]
     out = tmp_path_factory.mktemp("zoo") / "zoo.json"
     env = {"PYTHONPATH": os.pathsep.join([str(ROOT / "patches"), str(ROOT)]), "DS_ACCELERATOR": "cpu"}
