@@ -57,6 +57,45 @@ def test_document_mask_is_causal_within_documents_and_keeps_the_diagonal_for_pad
     assert attention_mask_from_documents(document_ids(torch.arange(6)[None])) is None  # plain causal
 
 
+def test_packed_documents_follow_transformers_rule_only_without_an_attention_mask():
+    """transformers reads restarting position ids as packed documents only when no attention_mask is given
+    (`create_causal_mask`, 5.0-5.24); with a mask, stock attends across them. The shard's documents, and so
+    the attention mask Ulysses builds, must do the same, also per row of a merged group batch (found in review:
+    the text path split documents whatever the mask said, a silent difference from stock)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from hf_ddpfix.integrations.sequence_parallel.trainer import merge_batches
+    from hf_ddpfix.ops.sequence_parallel.inputs import PACKED_ROWS
+
+    ids, pos = torch.arange(1, 9).view(1, 8), torch.tensor([[0, 1, 2, 3, 0, 1, 2, 3]])
+    ones = torch.ones_like(ids)
+    assert shard_batch(ids, sp_size=2, sp_rank=0, position_ids=pos).documents.tolist() == [[0] * 4 + [1] * 4]
+    assert shard_batch(ids, sp_size=2, sp_rank=0, position_ids=pos, attention_mask=ones).documents.tolist() == [[0] * 8]
+    merged = merge_batches([{"input_ids": ids, "labels": ids, "position_ids": pos},
+                            {"input_ids": ids, "labels": ids, "position_ids": pos, "attention_mask": ones}])
+    assert merged[PACKED_ROWS].tolist() == [True, False]
+    docs = shard_batch(merged["input_ids"], sp_size=2, sp_rank=0, position_ids=merged["position_ids"],
+                       attention_mask=merged["attention_mask"], packed_rows=merged[PACKED_ROWS]).documents
+    assert docs.tolist() == [[0] * 4 + [1] * 4, [0] * 8]
+    # behaviour, not only ids: stock's logits (no cache, as in training) with and without a mask equal a run
+    # under our documents' mask; the two stock runs differ (so the rule is what is tested)
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=32, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                         num_attention_heads=4, num_key_value_heads=2,
+                                         attn_implementation="sdpa")).eval()
+    runs = []
+    with torch.no_grad():
+        for kwargs in ({}, {"attention_mask": ones}):
+            stock = model(input_ids=ids, position_ids=pos, use_cache=False, **kwargs).logits  # training: no cache
+            documents = shard_batch(ids, sp_size=1, sp_rank=0, position_ids=pos, **kwargs).documents
+            mask = attention_mask_from_documents(documents)
+            ours = model(input_ids=ids, position_ids=pos, use_cache=False,
+                         attention_mask=mask if mask is not None else ones).logits
+            assert torch.allclose(stock, ours, atol=1e-6), kwargs
+            runs.append(stock)
+    assert not torch.allclose(*runs, atol=1e-3)
+
+
 def test_an_all_masked_shard_contributes_exactly_zero_not_nan():
     logits = torch.randn(1, 4, 10, requires_grad=True)
     loss = shard_loss_sum(logits, torch.full((1, 4), -100))

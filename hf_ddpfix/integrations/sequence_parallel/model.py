@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ...ops.sequence_parallel.inputs import shard_batch
+from ...ops.sequence_parallel.inputs import PACKED_ROWS, shard_batch
 from ...ops.sequence_parallel.loss import shard_loss_sum
 from .attention import activate_batch, sequence_parallel_batch
 
@@ -55,8 +55,10 @@ def sharded_causal_lm_loss(model: nn.Module, batch: Mapping[str, Any], *, group:
         raise ValueError("sequence parallelism: the batch has no `labels` (the loss is computed per shard)")
     shard = shard_batch(batch["input_ids"], sp_size=n, sp_rank=r, labels=batch["labels"],
                         attention_mask=batch.get("attention_mask"), position_ids=batch.get("position_ids"),
-                        pad_token_id=pad_token_id, pad_to_multiple=pad_to_multiple)
-    extra = {k: v for k, v in batch.items() if k not in ("input_ids", "labels", "attention_mask", "position_ids")}
+                        pad_token_id=pad_token_id, pad_to_multiple=pad_to_multiple,
+                        packed_rows=batch.get(PACKED_ROWS))
+    extra = {k: v for k, v in batch.items()
+             if k not in ("input_ids", "labels", "attention_mask", "position_ids", PACKED_ROWS)}
     if model_loss:  # the model sums: num_items_in_batch=1 turns ForCausalLMLoss's division into the identity
         target = shard.shift_labels.contiguous()  # ForCausalLMLoss views it flat
         extra.update(labels=target, shift_labels=target, num_items_in_batch=1)

@@ -55,6 +55,7 @@ from torch import nn
 
 from ..._compat import deepspeed_engine_sequence_parallel_size, stand_down_accelerate_sequence_parallel
 from ...ops.feature_counts import record_amount, record_fallback
+from ...ops.sequence_parallel.inputs import PACKED_ROWS, shard_batch
 from .attention import FEATURE, activate_batch, deactivate_batch, install_ulysses_attention
 from .model import sharded_causal_lm_loss
 from .vision import BATCH_KEYS, VisionSequenceSharding, merge_vision_batches, vision_sequence_parallel_support
@@ -83,9 +84,13 @@ class SequenceParallelGroups:
 
 def merge_batches(batches: list[Mapping[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
     """Right-pad `[B_i, S_i]` batches to the longest and concatenate them along the batch: `attention_mask`
-    0 and `labels` -100 on the padding, `position_ids` continuing each row's last id."""
+    0 and `labels` -100 on the padding, `position_ids` continuing each row's last id. `PACKED_ROWS` marks
+    the rows of batches given without an `attention_mask` (transformers reads packed documents from their
+    position ids; with a mask it does not): `shard_batch` keeps each row's own rule."""
     length = max(int(b["input_ids"].shape[1]) for b in batches)
     out: dict[str, list[torch.Tensor]] = {k: [] for k in _KEYS}
+    packed = [torch.full((int(b["input_ids"].shape[0]),), b.get("attention_mask") is None, dtype=torch.bool)
+              for b in batches]
     for b in batches:
         ids = b["input_ids"]
         rows, s = ids.shape[:2]
@@ -103,7 +108,9 @@ def merge_batches(batches: list[Mapping[str, torch.Tensor]]) -> dict[str, torch.
             labels = torch.cat([labels, labels.new_full((rows, pad), -100)], 1)
         for k, v in zip(_KEYS, (ids, labels, mask, pos), strict=True):
             out[k].append(v)
-    return {k: torch.cat(v, 0) for k, v in out.items()}
+    merged = {k: torch.cat(v, 0) for k, v in out.items()}
+    merged[PACKED_ROWS] = torch.cat(packed).to(merged["input_ids"].device)
+    return merged
 
 
 def _fallback_reason(trainer: Any, model: nn.Module, inputs: Mapping[str, Any], vision: bool = False) -> str | None:
@@ -327,11 +334,9 @@ def _per_row_loss(model: nn.Module, merged: dict[str, torch.Tensor], groups: Seq
     `keep_active`: the batch stays active for a checkpointed backward (else it ends with the forward)."""
     import torch.nn.functional as F
 
-    from ...ops.sequence_parallel.inputs import shard_batch
-
     shard = shard_batch(merged["input_ids"], sp_size=groups.size, sp_rank=groups.rank, labels=merged["labels"],
                         attention_mask=merged["attention_mask"], position_ids=merged["position_ids"],
-                        pad_token_id=pad_id)
+                        pad_token_id=pad_id, packed_rows=merged.get(PACKED_ROWS))
     activate_batch(shard.documents, groups.group)  # stays active for a checkpointed backward
     try:
         outputs = model(input_ids=shard.input_ids, position_ids=shard.position_ids, use_cache=False)

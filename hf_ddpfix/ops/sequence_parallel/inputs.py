@@ -6,8 +6,10 @@ On the full sequence, before sharding:
     predicts the first token of the next slice keeps its label;
   - `position_ids` are taken as given (packed documents: restarting ids) or `0 .. S-1`;
   - document ids follow transformers' packed-sequence rule (a new document wherever the position id
-    does not grow by exactly 1) and key validity comes from `attention_mask`; attention then respects
-    both (`attention_mask_from_documents`);
+    does not grow by exactly 1), applied where transformers applies it: only to a batch given without an
+    `attention_mask` (`masking_utils.create_causal_mask`, 5.0-5.24; with a mask, stock attends across
+    restarting position ids, and so does this); key validity comes from `attention_mask`; attention then
+    respects both (`attention_mask_from_documents`);
   - the length is padded up to a multiple of `N` (pad tokens: label -100, never attended to as keys).
 
 Guarantees (tests/test_sequence_parallel_ops.py): concatenating the N shards' `input_ids`,
@@ -21,7 +23,11 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["IGNORE_INDEX", "SequenceShard", "attention_mask_from_documents", "document_ids", "shard_batch"]
+#: Key `merge_batches` adds to a merged batch: `[B]` bool, the rows whose source batch had no attention_mask.
+PACKED_ROWS = "hf_ddpfix_packed_rows"
+
+__all__ = ["IGNORE_INDEX", "PACKED_ROWS", "SequenceShard", "attention_mask_from_documents", "document_ids",
+           "shard_batch"]
 
 IGNORE_INDEX = -100
 
@@ -54,11 +60,15 @@ class SequenceShard:
         return slice(self.rank * s, (self.rank + 1) * s)
 
 
-def document_ids(position_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+def document_ids(position_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
+                 packed_rows: torch.Tensor | None = None) -> torch.Tensor:
     """`[B, S]` document index per token (transformers' packed-sequence rule: a new document wherever the
-    position id does not grow by 1); -1 where `attention_mask` is 0."""
+    position id does not grow by 1); -1 where `attention_mask` is 0. `packed_rows` (`[B]` bool): only those
+    rows are split into documents, the others are one document (default: every row)."""
     first = position_ids[:, :1] - 1
     docs = (torch.diff(position_ids, prepend=first, dim=-1) != 1).cumsum(-1)
+    if packed_rows is not None:
+        docs = torch.where(packed_rows.to(docs.device)[:, None], docs, docs.new_zeros(()))
     if attention_mask is not None:
         docs = docs.masked_fill(attention_mask == 0, -1)
     return docs
@@ -80,7 +90,8 @@ def attention_mask_from_documents(documents: torch.Tensor) -> torch.Tensor | Non
 
 def shard_batch(input_ids: torch.Tensor, *, sp_size: int, sp_rank: int, labels: torch.Tensor | None = None,
                 attention_mask: torch.Tensor | None = None, position_ids: torch.Tensor | None = None,
-                pad_token_id: int = 0, pad_to_multiple: bool = True) -> SequenceShard:
+                pad_token_id: int = 0, pad_to_multiple: bool = True,
+                packed_rows: torch.Tensor | None = None) -> SequenceShard:
     """This rank's slice of a batch of full sequences.
 
     Args:
@@ -91,6 +102,8 @@ def shard_batch(input_ids: torch.Tensor, *, sp_size: int, sp_rank: int, labels: 
         position_ids: `[B, S]`; `None`: `0 .. S-1` per row.
         pad_token_id: the id written into the padding that makes `S` a multiple of N.
         pad_to_multiple: False raises instead of padding.
+        packed_rows: `[B]` bool, the rows whose restarting position ids mark packed documents. Default:
+            transformers' rule, every row when no `attention_mask` is given, none when one is.
 
     Raises:
         ValueError: `S % N != 0` and `pad_to_multiple` is False; `sp_rank` outside `0 .. N-1`.
@@ -99,6 +112,8 @@ def shard_batch(input_ids: torch.Tensor, *, sp_size: int, sp_rank: int, labels: 
         raise ValueError(f"sp_rank={sp_rank} is outside 0..{sp_size - 1}")
     b, s = input_ids.shape[:2]
     dev = input_ids.device
+    if packed_rows is None:
+        packed_rows = torch.full((b,), attention_mask is None, dtype=torch.bool, device=dev)
     if position_ids is None:
         position_ids = torch.arange(s, device=dev).expand(b, s)
     valid = torch.ones(b, s, dtype=torch.long, device=dev) if attention_mask is None else attention_mask.long()
@@ -120,7 +135,7 @@ def shard_batch(input_ids: torch.Tensor, *, sp_size: int, sp_rank: int, labels: 
         valid = torch.cat([valid, valid.new_zeros(b, pad)], dim=1)
         if shift is not None:
             shift = torch.cat([shift, shift.new_full((b, pad), IGNORE_INDEX)], dim=1)
-    docs = document_ids(position_ids, valid)
+    docs = document_ids(position_ids, valid, packed_rows)
     total = s + pad
     part = total // sp_size
     cut = slice(sp_rank * part, (sp_rank + 1) * part)
