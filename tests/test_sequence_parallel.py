@@ -369,3 +369,37 @@ def test_projection_is_the_one_gpu_budget_at_l_over_n_plus_the_all_to_all_buffer
         ulysses_buffer_bytes_per_token(hidden=4096, heads=32, kv_heads=8, sp=0)
     with pytest.raises(ValueError, match="not divisible"):
         project_sequence_parallel(sp=3, **shape, **budget)
+
+
+def test_the_batch_ends_with_the_training_step_so_a_callback_forward_runs_unsharded():
+    """The sharded batch stays active after the forward for the checkpointed backward; once the training step
+    (forward + backward) returns it must end, or a forward a callback runs before the next micro-batch would
+    go through Ulysses on unsharded input."""
+    from contextlib import ExitStack
+    from types import SimpleNamespace
+
+    import torch.distributed as dist
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from hf_ddpfix.integrations.sequence_parallel.attention import activate_batch, active_batch
+    from hf_ddpfix.integrations.sequence_parallel.trainer import attach_sequence_parallel
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        model = LlamaForCausalLM(LlamaConfig(vocab_size=32, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                             num_attention_heads=4, num_key_value_heads=2, attn_implementation="sdpa"))
+        documents = torch.zeros(1, 8, dtype=torch.long)
+
+        def stock_training_step(*args, **kwargs):  # what compute_loss leaves behind for the backward
+            activate_batch(documents)
+            return "loss"
+
+        trainer = SimpleNamespace(compute_loss=lambda *a, **k: None, prediction_step=lambda *a, **k: None,
+                                  training_step=stock_training_step, is_world_process_zero=lambda: True)
+        with ExitStack() as stack:
+            attach_sequence_parallel(trainer, model, sp_size=1, stack=stack)
+            assert trainer.training_step() == "loss"
+            assert active_batch() is None
+        assert trainer.training_step is stock_training_step  # undone
+    finally:
+        dist.destroy_process_group()

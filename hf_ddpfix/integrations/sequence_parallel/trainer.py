@@ -142,7 +142,8 @@ def attach_sequence_parallel(trainer: Any, model: nn.Module, *, sp_size: int, st
             ZeRO (which then sees plain data parallelism over the world: the same loss scale as DDP).
         model: the unwrapped model (its attention implementation is wrapped).
         sp_size: N, dividing the world size.
-        stack: the undo of every change goes here (the attention wrapper, `compute_loss`, `prediction_step`).
+        stack: the undo of every change goes here (the attention wrapper, `compute_loss`, `prediction_step`,
+            `training_step`, which ends the active batch once its backward is done).
         stand_down_accelerate: the run asked for SP through `ParallelismConfig(sp_size=N)`: accelerate's and
             the Trainer's DeepSpeed-SP paths stand down for this loop
             (`_compat.stand_down_accelerate_sequence_parallel`), so the batch is split once, here.
@@ -245,12 +246,22 @@ def attach_sequence_parallel(trainer: Any, model: nn.Module, *, sp_size: int, st
             want_logits[0] = False
             deactivate_batch()
 
-    had_own = {name: name in vars(trainer) for name in ("compute_loss", "prediction_step")}
+    stock_training_step = trainer.training_step
+
+    def training_step(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return stock_training_step(*args, **kwargs)
+        finally:  # forward and backward (with its recomputation) are done: a forward a callback runs
+            deactivate_batch()  # before the next micro-batch must not go through Ulysses on unsharded input
+
+    had_own = {name: name in vars(trainer) for name in ("compute_loss", "prediction_step", "training_step")}
     trainer.compute_loss = compute_loss
     trainer.prediction_step = prediction_step
+    trainer.training_step = training_step
 
     def restore() -> None:
-        for name, original in (("compute_loss", stock), ("prediction_step", stock_prediction_step)):
+        for name, original in (("compute_loss", stock), ("prediction_step", stock_prediction_step),
+                               ("training_step", stock_training_step)):
             if had_own[name]:
                 setattr(trainer, name, original)
             else:
