@@ -59,6 +59,33 @@ def unwrap_parallel(model: nn.Module) -> nn.Module:
     return cur
 
 
+def attn_implementation(config: Any) -> str | None:
+    """The attention implementation a transformers config selects (``"sdpa"``, ``"eager"``,
+    ``"flash_attention_2"``, ...), or ``None`` (no config, or none chosen yet).
+
+    Reads ``config._attn_implementation`` (transformers 5.0-5.24: a property over
+    ``_attn_implementation_internal``, the value the attention modules dispatch on; there is no public
+    attribute: ``attn_implementation`` is only a constructor keyword)."""
+    return getattr(config, "_attn_implementation", None)
+
+
+def model_attn_implementation(model: Any) -> str | None:
+    """:func:`attn_implementation` of ``model.config`` (``None`` when the model has no config)."""
+    return attn_implementation(getattr(model, "config", None))
+
+
+def no_split_modules(model: nn.Module) -> list[str]:
+    """The class names a transformers model says must not be split across devices / FSDP units
+    (``PreTrainedModel._no_split_modules``, 5.x: decoder and vision blocks); empty when it names none."""
+    return list(getattr(model, "_no_split_modules", None) or [])
+
+
+def is_namedtuple(obj: Any) -> bool:
+    """True for an instance of a ``collections.namedtuple`` / ``typing.NamedTuple`` class (it has the
+    ``_fields`` class attribute, the documented namedtuple marker): rebuilt with ``type(obj)(*items)``."""
+    return isinstance(obj, tuple) and hasattr(type(obj), "_fields")
+
+
 # --------------------------------------------------------------------------------------------------
 # transformers' per-layer checkpointing
 # --------------------------------------------------------------------------------------------------

@@ -11,6 +11,12 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode as TorchDispatchMode
+from torch.utils._pytree import tree_flatten as tree_flatten
+
+#: ``torch.utils._python_dispatch.TorchDispatchMode`` (torch 2.0-2.13): the base class of a mode whose
+#: ``__torch_dispatch__(func, types, args, kwargs)`` sees every aten op (the memory ledger subclasses it).
+#: ``tree_flatten`` (``torch.utils._pytree``): ``(leaves, spec)`` of nested lists / tuples / dicts.
 
 # --------------------------------------------------------------------------------------------------
 # torch internals
@@ -152,3 +158,21 @@ def is_ddp_sink_node(node: Any) -> bool:
     """True for DDP's ``_DDPSink`` autograd node: gradient of output ``i`` goes to
     ``node.next_functions[i]`` only (None for the outputs the loss does not reach)."""
     return type(node).__name__ == DDP_SINK_NODE
+
+
+def autograd_function_class(node: Any) -> type | None:
+    """The ``torch.autograd.Function`` subclass whose ``apply`` made the autograd ``node`` (torch 2.0-2.13:
+    the node's class is a generated ``BackwardCFunction`` subclass carrying ``_forward_cls``), or ``None``
+    for a built-in node (``AddBackward0``, ``AccumulateGrad``, ...)."""
+    return getattr(type(node), "_forward_cls", None)
+
+
+def profiler_memory_events(prof: Any) -> list[tuple[int, int]]:
+    """``(start_ns, nbytes)`` of every allocator event (``[memory]``, positive for an allocation, negative
+    for a free) a finished ``torch.profiler.profile(profile_memory=True)`` recorded, in time order.
+
+    Reads ``prof.profiler.kineto_results.events()`` (the raw kineto event list of the profiler's
+    ``torch.autograd.profiler.profile``; torch 2.0-2.13): ``key_averages()`` loses the event order the
+    running peak needs."""
+    events = [(e.start_ns(), e.nbytes()) for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"]
+    return sorted(events, key=lambda e: e[0])

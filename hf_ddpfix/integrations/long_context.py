@@ -55,6 +55,7 @@ from .._compat import (
     forward_source,
     is_checkpointing,
     layer_checkpoint_func,
+    model_attn_implementation,
 )
 from ..ops.feature_counts import record_amount, record_fallback, record_ran
 from ..ops.grouped_attention import grouped_flash_attention, kv_groups_for
@@ -215,7 +216,7 @@ class _LayerForward:
             return "no position_embeddings"
         if attn.training and float(getattr(attn, "attention_dropout", 0.0) or 0.0) > 0:
             return "attention dropout in training"
-        impl = getattr(getattr(attn, "config", None), "_attn_implementation", None)
+        impl = model_attn_implementation(attn)
         if impl != "sdpa":
             return f"attention implementation {impl!r} (only sdpa is handled)"
         if call.unknown:

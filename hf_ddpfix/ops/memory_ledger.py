@@ -35,10 +35,14 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten
 
-from .._compat import in_checkpoint_recompute, storage_weak_ref
+from .._compat import (
+    TorchDispatchMode,
+    in_checkpoint_recompute,
+    profiler_memory_events,
+    storage_weak_ref,
+    tree_flatten,
+)
 
 __all__ = ["AllocatorPeak", "LedgerEntry", "MemoryLedger", "OpRecord"]
 
@@ -262,9 +266,8 @@ class AllocatorPeak:
 
     def __exit__(self, *exc: Any) -> None:
         self._prof.__exit__(*exc)
-        events = [e for e in self._prof.profiler.kineto_results.events() if e.name() == "[memory]"]
         cur = peak = 0
-        for e in sorted(events, key=lambda e: e.start_ns()):
-            cur += e.nbytes()
+        for _, nbytes in profiler_memory_events(self._prof):
+            cur += nbytes
             peak = max(peak, cur)
         self.peak, self.current = peak, cur

@@ -13,6 +13,8 @@ from typing import Any
 
 import torch
 
+from .._compat import autograd_function_class
+
 __all__ = ["ZeroTie", "is_zero_tie_node", "tie_zero"]
 
 
@@ -34,7 +36,7 @@ class ZeroTie(torch.autograd.Function):
 
 def is_zero_tie_node(node: Any) -> bool:
     """True for the autograd node of a :class:`ZeroTie` (its inputs after the first get exact zeros)."""
-    return getattr(type(node), "_forward_cls", None) is ZeroTie
+    return autograd_function_class(node) is ZeroTie
 
 
 def tie_zero(output: Any, extras: list[torch.Tensor]) -> Any:

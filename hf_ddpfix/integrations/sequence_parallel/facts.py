@@ -9,7 +9,12 @@ from typing import Any
 
 from torch import nn
 
-from ..._compat import parallelism_config_available, parallelism_sp_settings
+from ..._compat import (
+    attn_implementation,
+    model_attn_implementation,
+    parallelism_config_available,
+    parallelism_sp_settings,
+)
 from .vision import vision_sequence_parallel_support
 
 __all__ = ["SequenceParallelFacts", "gather_sequence_parallel_facts"]
@@ -53,8 +58,7 @@ def gather_sequence_parallel_facts(trainer: Any, model: nn.Module) -> SequencePa
     cfg = _text_config(model)
     heads = getattr(cfg, "num_attention_heads", None)
     kv = getattr(cfg, "num_key_value_heads", None) or heads
-    impl = getattr(cfg, "_attn_implementation", None) or getattr(getattr(model, "config", None),
-                                                                 "_attn_implementation", None)
+    impl = attn_implementation(cfg) or model_attn_implementation(model)
     sp, backend, attn = parallelism_sp_settings(trainer)
     family, refusal = vision_sequence_parallel_support(model)
     return SequenceParallelFacts(

@@ -53,7 +53,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..._compat import deepspeed_engine_sequence_parallel_size, stand_down_accelerate_sequence_parallel
+from ..._compat import (
+    deepspeed_engine_sequence_parallel_size,
+    model_attn_implementation,
+    stand_down_accelerate_sequence_parallel,
+)
 from ...ops.feature_counts import record_amount, record_fallback
 from ...ops.sequence_parallel.inputs import PACKED_ROWS, shard_batch
 from .attention import FEATURE, activate_batch, deactivate_batch, install_ulysses_attention
@@ -151,7 +155,7 @@ def attach_sequence_parallel(trainer: Any, model: nn.Module, *, sp_size: int, st
     if stand_down_accelerate:
         stack.callback(stand_down_accelerate_sequence_parallel(trainer))
     groups = _groups_for(trainer, sp_size)
-    impl = getattr(getattr(model, "config", None), "_attn_implementation", None) or "sdpa"
+    impl = model_attn_implementation(model) or "sdpa"
     stack.callback(install_ulysses_attention(impl).remove)
     stack.callback(deactivate_batch)
     stock = trainer.compute_loss

@@ -62,7 +62,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..._compat import ddp_syncs_grads, is_ddp_sink_node, unwrap_parallel
+from ..._compat import ddp_syncs_grads, is_ddp_sink_node, is_namedtuple, unwrap_parallel
 from ...ops import feature_counts
 from ...ops.autograd_reach import output_tensors, reachable_leaf_ids, reachable_leaf_ids_split
 from ...ops.zero_tie import ZeroTie, is_zero_tie_node
@@ -469,5 +469,5 @@ def _replace(output: Any, old: torch.Tensor, new: torch.Tensor) -> Any:
                 items[i] = new
                 if isinstance(output, list):
                     return items
-                return type(output)(*items) if hasattr(output, "_fields") else tuple(items)
+                return type(output)(*items) if is_namedtuple(output) else tuple(items)
     raise TypeError(f"hf_ddpfix: cannot tie into a {type(output).__name__} output")

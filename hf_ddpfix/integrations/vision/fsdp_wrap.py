@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from torch import nn
 
-from ..._compat import unwrap_model
+from ..._compat import no_split_modules, unwrap_model
 from .families import vision_groups
 
 __all__ = ["fsdp_wrap_plan", "skippable_subtrees"]
@@ -35,7 +35,7 @@ def fsdp_wrap_plan(model: nn.Module, *, fold_skippable: bool = False) -> list[tu
     results in tests/results/fsdp2_parity.json).
     """
     hf = unwrap_model(model)
-    no_split = set(getattr(hf, "_no_split_modules", None) or [])
+    no_split = set(no_split_modules(hf))
     ids = {id(m): n for n, m in model.named_modules()}
     skip = skippable_subtrees(hf) if fold_skippable else []
     plan: list[tuple[str, nn.Module]] = []
