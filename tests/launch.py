@@ -20,18 +20,14 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-EXIT_ABORT = "terminate called without an active exception"
-
-
-def _run(cmd: list[str], label: str, timeout: float, env: dict[str, str] | None, check: bool,
-         retry_exit_abort: bool = False) -> subprocess.CompletedProcess:
+def _run(cmd: list[str], label: str, timeout: float, env: dict[str, str] | None, check: bool) -> subprocess.CompletedProcess:
     """Run `cmd` from the repository root in its own session with the test environment and a hard timeout:
     past `timeout` seconds the whole process group is killed and the test fails with the output so far; with
     `check`, a non-zero exit fails the test with the full output.
 
-    `retry_exit_abort` (for scripts without side effects only): a run that failed with gloo's abort at
-    interpreter exit (`EXIT_ABORT`, seen now and then in stock runs too, torch 2.13) is run once more; the
-    returned output starts with a line saying so. Any other failure, or a second abort, stands.
+    Nothing is run twice: an abort at interpreter exit ("terminate called without an active exception", gloo
+    threads outliving their group) is a failure like any other, so a regression of hf_ddpfix's exit teardown
+    (`hf_ddpfix.ops.dist.destroy_default_group_at_exit`) fails the test that launched it.
     """
     import pytest
 
@@ -47,10 +43,6 @@ def _run(cmd: list[str], label: str, timeout: float, env: dict[str, str] | None,
         out, _ = proc.communicate()
         pytest.fail(f"{label}: no result after {timeout:.0f}s (hang?)\n{out[-6000:]}")
     done = subprocess.CompletedProcess(cmd, proc.returncode, out, "")
-    if retry_exit_abort and proc.returncode != 0 and EXIT_ABORT in out:
-        again = _run(cmd, label, timeout, env, check=False)
-        done = subprocess.CompletedProcess(cmd, again.returncode, f"RETRIED after an abort at exit ({label})\n"
-                                           + again.stdout, "")
     if check and done.returncode != 0:
         pytest.fail(f"{label} exited {done.returncode}\n{done.stdout[-8000:]}")
     return done
@@ -68,8 +60,7 @@ def accelerate_launch(config: str, script: str | Path, *args: str, timeout: floa
 
 
 def torchrun(script: str | Path, *args: str, nproc: int = 2, timeout: float = 180,
-             env: dict[str, str] | None = None, check: bool = True,
-             retry_exit_abort: bool = False) -> subprocess.CompletedProcess:
+             env: dict[str, str] | None = None, check: bool = True) -> subprocess.CompletedProcess:
     """Run `script` under `torch.distributed.run --standalone` and return the finished process.
 
     A hang fails fast: past `timeout` seconds the whole process group is killed and the test fails with
@@ -77,4 +68,4 @@ def torchrun(script: str | Path, *args: str, nproc: int = 2, timeout: float = 18
     """
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
            str(SCRIPTS / script if not Path(script).is_absolute() else script), *args]
-    return _run(cmd, f"{script} {' '.join(args)}", timeout, env, check, retry_exit_abort)
+    return _run(cmd, f"{script} {' '.join(args)}", timeout, env, check)

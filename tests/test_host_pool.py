@@ -12,6 +12,12 @@ from hf_ddpfix.ops.offload.host_pool import ALIGNMENT, MAX_SLABS, HostBuffer, Ho
 HIDDEN_BYTES = 128 * 4  # one token of fp32 hidden states: 512 bytes, a multiple of ALIGNMENT
 
 
+def real_held_bytes(pool: HostPool) -> int:
+    """The bytes the pool's slabs really hold: their storages' sizes (each storage once), not the pool's counter."""
+    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in pool.host_tensors()}
+    return sum(storages.values())
+
+
 class Watched:
     """Drives a pool and checks its bound after every take: held <= need(t) + max(granule, need/64) <= 2 need."""
 
@@ -27,7 +33,8 @@ class Watched:
         self.live[key] = buf
         self.in_use += -(-n // ALIGNMENT) * ALIGNMENT
         self.need = max(self.need, self.in_use)
-        held = self.pool.held_bytes
+        held = real_held_bytes(self.pool)
+        assert held == self.pool.held_bytes == self.pool.stats.held_bytes, (held, self.pool.held_bytes)
         assert held <= self.need + max(self.pool.granule, self.need // 64) and held <= 2 * self.need, (held, self.need)
         self.worst = max(self.worst, held / self.need)
         assert self.pool.stats.in_use_bytes == sum(b.nbytes for b in self.live.values())
@@ -56,7 +63,9 @@ def test_two_hundred_steps_of_random_lengths_keep_pool_within_twice_the_need_at_
         run_offload_like_step(w, [tokens * HIDDEN_BYTES] * 5)
         w.pool.end_step()
         assert w.pool.stats.in_use_bytes == 0 and w.pool.stats.slabs <= MAX_SLABS
-    assert w.pool.stats.max_held_over_need == w.worst <= 1 + 1 / 64, w.worst
+    # the README / BENCHMARKS figure "<= 1.01x on varied shapes" (measured 1.0047 here, 2026-11-27; the bound by
+    # construction is 1 + 1/64 = 1.0156 once the need passes 64 granules)
+    assert w.pool.stats.max_held_over_need == w.worst <= 1.01, w.worst
     print(f"random lengths: held / need at worst {w.worst:.4f}, {w.pool.stats.slab_allocations} slabs allocated")
     assert w.pool.stats.slab_allocations < 200, w.pool.stats  # grows only when the need grows
 
@@ -88,7 +97,7 @@ def test_slabs_are_powers_of_two_and_hold_exactly_the_need_at_the_granule():
     w = Watched(pool)
     run_offload_like_step(w, [3 * (1 << 20) + 5000, 5 * (1 << 20)])
     assert all(s.size & (s.size - 1) == 0 for s in pool._slabs)  # torch's pinned rounding adds nothing
-    assert pool.held_bytes == 9 << 20  # 8 MiB + 5000 bytes rounded up to the 1 MiB granule
+    assert pool.held_bytes == real_held_bytes(pool) == 9 << 20  # 8 MiB + 5000 bytes rounded up to the 1 MiB granule
 
 
 def test_cap_refuses_instead_of_growing():

@@ -4,20 +4,20 @@
 
 Cases (each a record with "ok"):
   attention/*: `ulysses_attention` vs full SDPA (MHA, GQA, KV heads < N; causal and a documents + padding
-      mask): output and q/k/v gradients, max |diff| <= 1e-6 (fp32).
+      mask): output and q/k/v gradients, max |diff| <= TOL_ATTN (fp32; the TOL_* constants below: ~2x measured).
   gradcheck/*: fp64 `torch.autograd.gradcheck` of both all-to-alls (every rank in lockstep) and their exact
       layout (sequence_to_heads(x) == x's head slice of the full sequence).
   model/*: LoRA Llama (trainable LoRA, embeddings, head): the SP group's loss and summed gradients vs the
       stock model's loss on the full sequence (HF's own loss), plain / right-padded / prompt-masked with an
-      all-masked shard / packed documents / length not divisible by N / batch 2: <= 1e-5.
+      all-masked shard / packed documents / length not divisible by N / batch 2: TOL_LOSS / TOL_GRAD.
   model/backward_on_another_thread: non-reentrant checkpointing, the backward run on another thread (as CUDA's
-      autograd engine does): the recomputation still runs the sharded attention; gradients <= 1e-5.
+      autograd engine does): the recomputation still runs the sharded attention; gradients <= TOL_GRAD.
   fsdp2/*: the same model under FSDP2 (`fully_shard` over the whole world) with Ulysses attention: loss and the
-      gathered gradients vs one process (right-padded, packed, length not divisible by N): <= 1e-5.
+      gathered gradients vs one process (right-padded, packed, length not divisible by N): TOL_LOSS / TOL_GRAD.
   vlm/*: LoRA Qwen2.5-VL / Qwen3-VL / Qwen2-VL (vision tower included; N = 4: Qwen2.5-VL): the vision tower,
       image merge and 3-D position ids on the full sequence, the decoder on the slice; loss and every gradient
       vs the model on the full sequence (an image across a shard border, text only, two grids, prompt-masked
-      mixed batch of length 15, and non-reentrant checkpointing): <= 1e-5.
+      mixed batch of length 15, and non-reentrant checkpointing): TOL_LOSS / TOL_VLM_GRAD.
 """
 
 from __future__ import annotations
@@ -44,7 +44,13 @@ from hf_ddpfix.ops.sequence_parallel import (  # noqa: E402
     valid_target_count,
 )
 
-TOL_ATTN, TOL_MODEL = 1e-6, 1e-5
+# Tolerances at the measured precision, each about 2x the worst figure measured (torch 2.13 CPU fp32, N = 2 and 4,
+# 2026-11-27); the stock spread beside them: the same stock model's loss / gradients with eager instead of sdpa
+# attention differ by 0 / 1.2e-7, and one float32 ulp of a loss near 5.5 is 4.8e-7.
+TOL_ATTN = 1e-6  # attention output + q/k/v grads: measured <= 4.8e-7 (KV heads < N), 0 otherwise
+TOL_LOSS = 2e-6  # model / FSDP2 / VLM loss: measured <= 9.5e-7 (2 ulps)
+TOL_GRAD = 1.2e-6  # text model / FSDP2 gradients: measured <= 6e-8, 6.0e-7 for a length not divisible by N = 4
+TOL_VLM_GRAD = 3e-6  # VLM gradients (vision LoRA included): measured <= 2.8e-7, 1.4e-6 Qwen3-VL mixed batch
 
 
 def attention_case(v: Verdicts, n: int, r: int, heads: int, kv: int, masked: bool) -> None:
@@ -209,7 +215,7 @@ def model_cases(v: Verdicts, n: int, r: int) -> None:
             v.add({"case": f"model/{case}", "n": n, "loss": total.item(), "ref_loss": ref.item(), "loss_diff": ldiff,
                    "grad_diff": gdiff, "sharded_attention_calls": attn_calls,
                    "shards_with_loss": [int(c[1]) for c in gathered], "nan": bool(torch.isnan(total)),
-                   "ok": ldiff <= TOL_MODEL and gdiff <= TOL_MODEL and all(c == 2 for c in attn_calls)})
+                   "ok": ldiff <= TOL_LOSS and gdiff <= TOL_GRAD and all(c == 2 for c in attn_calls)})
     finally:
         handle.remove()
 
@@ -278,7 +284,7 @@ def vlm_cases(v: Verdicts, n: int, r: int, families: tuple[str, ...] = ("qwen2_5
                 if checkpointed:
                     model.gradient_checkpointing_disable()
                 calls = tower_calls[case] = amounts.get("full_sequence_attention_calls", 0)
-                ok = (ldiff <= TOL_MODEL and gdiff <= TOL_MODEL and snap is not None
+                ok = (ldiff <= TOL_LOSS and gdiff <= TOL_VLM_GRAD and snap is not None
                       and snap.ran == layers * (2 if checkpointed else 1)
                       and amounts.get("vision_sharded_forwards") == 1 and not snap.fallbacks
                       and (calls > 0) == has_image
@@ -339,7 +345,7 @@ def thread_case(v: Verdicts, n: int, r: int) -> None:
         calls = ran.ran if ran else 0
         v.add({"case": "model/backward_on_another_thread", "n": n, "grad_diff": worst[0].item(),
                "error": repr(errors[0])[:300] if errors else None, "sharded_attention_calls": calls,
-               "ok": worst[1].item() == 0 and worst[0].item() <= TOL_MODEL and calls == 4})
+               "ok": worst[1].item() == 0 and worst[0].item() <= TOL_GRAD and calls == 4})
     finally:
         deactivate_batch()
         handle.remove()
@@ -391,7 +397,7 @@ def fsdp2_cases(v: Verdicts, n: int, r: int) -> None:
             dist.all_reduce(calls, op=dist.ReduceOp.MIN)
             v.add({"case": f"fsdp2/{case}", "n": n, "mesh": "world (DP x SP)", "params_sharded": sharded,
                    "loss_diff": worst[1].item(), "grad_diff": worst[0].item(), "min_sharded_attention_calls": int(calls),
-                   "ok": sharded and worst.max().item() <= TOL_MODEL and int(calls) == 2})
+                   "ok": sharded and worst[0].item() <= TOL_GRAD and worst[1].item() <= TOL_LOSS and int(calls) == 2})
     finally:
         handle.remove()
 

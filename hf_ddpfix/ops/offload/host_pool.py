@@ -72,7 +72,6 @@ __all__ = [
     "HostPoolStats",
     "default_max_bytes",
     "host_available_bytes",
-    "pow2ceil",
 ]
 
 # Extents start on 64-byte boundaries (a cache line; DMA engines copy any alignment, vectorised host
@@ -85,11 +84,6 @@ SLAB_DIGITS = _DIGIT_SHIFT + 1
 
 # More slabs than this after a step (many small growths) -> re-laid out as the digits of the need.
 MAX_SLABS = 16
-
-
-def pow2ceil(n: int) -> int:
-    """The smallest power of two ``>= n`` (1 for ``n <= 1``)."""
-    return 1 if n <= 1 else 1 << (int(n) - 1).bit_length()
 
 
 def _pow2floor(n: int) -> int:
@@ -242,10 +236,11 @@ class HostPool:
     def held_bytes(self) -> int:
         return self.stats.held_bytes
 
-    @property
-    def need_aligned_bytes(self) -> int:
-        """need(t): the most ALIGNMENT-rounded bytes in use at once so far."""
-        return self._max_aligned_need
+    def host_tensors(self) -> list[torch.Tensor]:
+        """The host tensor of every slab the pool owns, in use or idle: for an audit of ``held_bytes``
+        (the bytes their storages hold are the bytes the pool really holds; ``tests/test_host_pool.py``)."""
+        with self._lock:
+            return [slab.tensor for slab in self._slabs]
 
     def take(self, nbytes: int) -> HostBuffer | None:
         """A ``HostBuffer`` of exactly ``nbytes``, or None when the cap or the host refuses.
