@@ -1,6 +1,7 @@
 """ActivationOffload under real data shapes (CPU, ``simulate=True`` copies through host buffers):
 
-- 200 steps of random lengths: the host pool stays within twice the largest step's need (exact bytes);
+- 200 steps of random lengths: the bytes the host pool's slabs really hold stay within the largest step's need
+  + max(granule, need / 64) (<= 2x by construction; measured 1.009x, asserted <= 1.01x: the README's figure);
 - encoder-decoder models (tiny BART and T5, built from configs): a storage every decoder layer receives
   positionally (``encoder_hidden_states``; T5 also its position bias) is copied out once per step, every
   storage at most once, the bytes moved are exactly the distinct checkpoint inputs, and the training
@@ -23,7 +24,7 @@ from hf_ddpfix.integrations.checkpointing import CheckpointFunction, apply_check
 from hf_ddpfix.ops.offload import ActivationOffload
 
 
-def test_two_hundred_steps_of_random_lengths_keep_host_pool_within_twice_the_largest_step():
+def test_two_hundred_steps_of_random_lengths_keep_host_pool_within_the_largest_step_and_a_granule():
     hidden, layers = 128, 4  # fp32 rows of 512 bytes
     torch.manual_seed(0)
     blocks = [nn.Linear(hidden, hidden) for _ in range(layers)]
@@ -32,6 +33,7 @@ def test_two_hundred_steps_of_random_lengths_keep_host_pool_within_twice_the_lar
     rng = random.Random(0)
     largest = 0
     allocated = []
+    worst = 0.0
     for step in range(200):
         batch, length = rng.randint(1, 4), rng.randint(8, 256)
         x = torch.randn(batch, length, hidden)
@@ -46,8 +48,18 @@ def test_two_hundred_steps_of_random_lengths_keep_host_pool_within_twice_the_lar
         assert s.offloaded_bytes == need and s.restored_tensors == layers - 1 and s.in_flight == 0, (step, s)
         largest = max(largest, need)
         assert s.pool_need_bytes == largest, (step, s)
-        assert s.pool_bytes <= 2 * largest and s.pool_peak_bytes <= 2 * largest, (step, s)
+        pools = list(off._transfers.pools.values())
+        real = sum({t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
+                    for pool in pools for t in pool.host_tensors()}.values())  # what the slabs really hold
+        assert real == s.pool_bytes, (step, real, s)
+        granule = max(pool.granule for pool in pools)
+        assert real <= largest + max(granule, largest // 64) and s.pool_peak_bytes <= 2 * largest, (step, s)
+        worst = max(worst, real / largest)
         allocated.append(s.pool_allocated)
+    # README / BENCHMARKS "<= 1.01x on varied shapes": measured 1.0090x here (2026-11-27; deterministic, seeded);
+    # the bound by construction is 1 + 1/64 once the need passes 64 granules, 2x below
+    assert worst <= 1.01, worst
+    print(f"random shapes: held / largest need at worst {worst:.4f}")
     # slabs are allocated only while the largest need grows (log-many times), not once per new length
     assert allocated[-1] <= 40, allocated[-1]
 
