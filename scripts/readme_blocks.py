@@ -5,6 +5,8 @@ it back with :func:`with_block`."""
 
 from __future__ import annotations
 
+import os
+
 
 def readme_block(text: str, begin: str, end: str) -> str:
     """What stands between the ``begin`` and ``end`` markers of ``text``, without the markers (ValueError
@@ -19,3 +21,84 @@ def with_block(text: str, block: str, begin: str, end: str) -> str:
     readme_block(text, begin, end)
     head, rest = text.split(begin, 1)
     return head + begin + "\n" + block + end + rest.split(end, 1)[1]
+
+
+# ------------------------------------------------------------------------------------------ results files
+# The results a table is rendered from are written by the test run that measures them (tests/test_trainer_zoo.py,
+# tests/test_usage.py): on the pinned stack (constraints.txt) every run rewrites the file when what it measured
+# differs from what the file holds (its date and other volatile fields aside, so an unchanged run leaves the
+# file, and git, untouched), and the test compares the documentation block with what THIS run measured.
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def pinned_versions(constraints: str = "constraints.txt") -> dict[str, str]:
+    """``package -> version`` pinned by ``constraints`` (a path relative to the repository root)."""
+    pins: dict[str, str] = {}
+    with open(os.path.join(ROOT, constraints)) as f:
+        for line in f:
+            name, sep, version = line.split("#", 1)[0].strip().partition("==")
+            if sep:
+                pins[name.strip().lower()] = version.strip()
+    return pins
+
+
+def on_pinned_stack(versions: dict[str, str], constraints: str = "constraints.txt") -> bool:
+    """True when every package in ``versions`` (e.g. ``{"torch": "2.13.0+cpu", "transformers": "5.23.0"}``) is
+    at the version ``constraints`` pins (a local ``+cpu`` tag ignored; packages it does not pin are ignored)."""
+    pins = pinned_versions(constraints)
+    return all(str(v).split("+")[0] == pins[k.lower()] for k, v in versions.items() if k.lower() in pins)
+
+
+def _without(results: dict, volatile: tuple[tuple[str, ...], ...]) -> dict:
+    import copy
+
+    out = copy.deepcopy(results)
+    for path in volatile:
+        node = out
+        for key in path[:-1]:
+            node = node.get(key, {}) if isinstance(node, dict) else {}
+        if isinstance(node, dict):
+            node.pop(path[-1], None)
+    return out
+
+
+def refresh_results(path: str, fresh: dict, versions: dict[str, str],
+                    volatile: tuple[tuple[str, ...], ...] = (("date",),)) -> tuple[dict, dict | None, bool]:
+    """Record a test run's ``fresh`` results in the results file ``path``.
+
+    Returns ``(results, stored, written)``: ``stored`` is what the file held before (None without a file);
+    ``results`` is what the documentation must now show: ``stored`` when ``fresh`` equals it apart from the
+    ``volatile`` keys (each a path of keys: the date stays the one of the first run that measured these
+    numbers), else ``fresh``. On the pinned stack (:func:`on_pinned_stack` of ``versions``) a differing
+    ``fresh`` is written to ``path`` (``written``); on another stack nothing is written (the file documents the
+    pinned stack) and ``results`` is ``fresh``.
+    """
+    import json
+
+    stored = None
+    if os.path.exists(path):
+        with open(path) as f:
+            stored = json.load(f)
+    if stored is not None and _without(stored, volatile) == _without(fresh, volatile):
+        return stored, stored, False
+    if not on_pinned_stack(versions):
+        return fresh, stored, False
+    with open(path, "w") as f:
+        f.write(json.dumps(fresh, indent=1) + "\n")
+    return fresh, stored, True
+
+
+def file_block(path: str, begin: str, end: str) -> str:
+    """:func:`readme_block` of the file at ``path`` (README.md or a page under docs/)."""
+    with open(path) as f:
+        return readme_block(f.read(), begin, end)
+
+
+def write_block(path: str, block: str, begin: str, end: str) -> None:
+    """Replace the generated block of the file at ``path`` by ``block`` (ValueError before writing when the
+    markers are missing)."""
+    with open(path) as f:
+        new = with_block(f.read(), block, begin, end)
+    with open(path, "w") as f:
+        f.write(new)

@@ -3,11 +3,12 @@
 Run:  python scripts/trainers_table.py [--results tests/results/trainer_zoo.json] [--readme]
 
 The results file is what ``tests/scripts/trainer_zoo.py --out`` writes (one record per comparison: case, column,
-entry point, max |hf_ddpfix - stock| over both ranks, ...). ``tests/test_trainer_zoo.py`` runs the zoo, checks
-that every cell of the fresh run falls in the same class as the committed file (:func:`cell_classes`) and
-that the README block equals :func:`render` of the committed file; after a change that moves a cell, refresh
-both with ``HF_DDPFIX_WRITE_RESULTS=1 python -m pytest tests/test_trainer_zoo.py`` and
-``python scripts/trainers_table.py --readme``. A cell with no record says "not tested".
+entry point, max |hf_ddpfix - stock| over both ranks, ...). ``tests/test_trainer_zoo.py`` runs the zoo and
+writes its records to the results file whenever they changed (on the pinned stack; ``readme_blocks.refresh_results``),
+checks that every cell of the fresh run falls in the same class as the file held before (:func:`cell_classes`)
+and that the README block equals :func:`render` of what this run measured; after a change, commit the
+rewritten results file and run ``python scripts/trainers_table.py --readme``. A cell with no record says
+"not tested". ``--file`` points the block at another Markdown file (a page under docs/).
 """
 
 from __future__ import annotations
@@ -150,16 +151,14 @@ def readme_block(text: str) -> str:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--results", default=RESULTS)
-    ap.add_argument("--readme", action="store_true", help="rewrite the generated block of README.md in place")
+    ap.add_argument("--readme", action="store_true", help="rewrite the generated block of --file in place")
+    ap.add_argument("--file", default=README, help="the Markdown file holding the block (default README.md)")
     a = ap.parse_args()
     block = render(load(a.results))
     if not a.readme:
         sys.stdout.write(block)
         return
-    with open(README) as f:
-        new = readme_blocks.with_block(f.read(), block, BEGIN, END)  # raises before writing without the markers
-    with open(README, "w") as f:
-        f.write(new)
+    readme_blocks.write_block(a.file, block, BEGIN, END)  # raises before writing without the markers
 
 
 if __name__ == "__main__":

@@ -1,8 +1,10 @@
 """The trainer zoo (TRL's trainers, the plain Trainer with losses of its own), one 2-process launch (tests/scripts/trainer_zoo.py, started the zero-code way: ``patches/``
 first on PYTHONPATH): hf_ddpfix vs stock on the same data under DDP through ``patches/`` (every case) and
 ``patch_trainer()`` (one case per trainer class), under DeepSpeed ZeRO-2/3 against stock DDP, and what an FSDP2
-request becomes without an accelerator. The README's "Trainers" table is rendered from the committed results
-(tests/results/trainer_zoo.json, scripts/trainers_table.py); the fresh run must land every cell in the same class.
+request becomes without an accelerator. The README's "Trainers" table is rendered from the results
+(tests/results/trainer_zoo.json, scripts/trainers_table.py), which every run of this module rewrites on the pinned
+stack when what it measured changed (``scripts/readme_blocks.refresh_results``): the table must be what this run
+measured, and every cell must stay in the class of the file as it stood before the run.
 
 Why one launch through ``patches/`` and not one per entry point: the hook in ``patches/sitecustomize.py`` calls
 the same ``patch_trainer()``; what differs is when (at the first import of ``transformers.trainer``, before
@@ -56,10 +58,13 @@ def zoo(tmp_path_factory) -> dict:
                     timeout=900, env=env)
     assert done.stdout.count("TRAINER_ZOO_OK") == 2, done.stdout[-4000:]
     assert done.stdout.count("Trainer patched at import by") == 2, done.stdout[-4000:]  # the hook, no call
-    results = json.loads(out.read_text())
-    if os.environ.get("HF_DDPFIX_WRITE_RESULTS") == "1":  # refresh the committed results (then scripts/trainers_table.py --readme)
-        RESULTS.write_text(json.dumps(results, indent=1) + "\n")
-    return {"results": results, "by": {(r["case"], r["column"], r["route"]): r for r in results["records"]}}
+    fresh = json.loads(out.read_text())
+    # this run's measurement goes to the results file (pinned stack, when it changed): the README table is checked
+    # against it below; `stored` is the file as it stood before, for the cell classes
+    shown, stored, written = _table().readme_blocks.refresh_results(str(RESULTS), fresh, fresh["versions"])
+    print(f"trainer zoo results: {'written to ' + str(RESULTS) if written else 'unchanged'}")
+    return {"results": fresh, "shown": shown, "stored": stored,
+            "by": {(r["case"], r["column"], r["route"]): r for r in fresh["records"]}}
 
 
 @pytest.mark.multiprocess
@@ -118,14 +123,26 @@ def test_an_fsdp2_request_without_an_accelerator_trains_plain_ddp(zoo) -> None:
 @pytest.mark.multiprocess
 def test_fresh_results_land_every_table_cell_in_the_committed_class(zoo) -> None:
     table = _table()
-    fresh, committed = table.cell_classes(zoo["results"]), table.cell_classes(table.load(str(RESULTS)))
+    assert zoo["stored"] is not None, f"{RESULTS} missing"
+    fresh, committed = table.cell_classes(zoo["results"]), table.cell_classes(zoo["stored"])
     if not any(k[1].startswith("ZeRO") for k in zoo["by"]):
         committed = {k: v for k, v in committed.items() if "ZeRO" not in k}
         fresh = {k: v for k, v in fresh.items() if "ZeRO" not in k}
     moved = {k: (committed[k], fresh[k]) for k in committed if committed[k] != fresh[k]}
-    assert not moved, f"cells moved (committed, fresh): {moved}; if intended: HF_DDPFIX_WRITE_RESULTS=1 and " \
-                      "python scripts/trainers_table.py --readme"
+    assert not moved, f"cells moved (committed, fresh): {moved}; if intended: commit the rewritten " \
+                      "tests/results/trainer_zoo.json and run python scripts/trainers_table.py --readme"
     assert "FAILED" not in fresh.values()
+
+
+@pytest.mark.multiprocess
+def test_readme_trainers_table_is_what_this_run_measured(zoo) -> None:
+    """The table in the README is the rendering of THIS run's records (not of a stored file)."""
+    table = _table()
+    if not table.readme_blocks.on_pinned_stack(zoo["results"]["versions"]):
+        pytest.skip(f"the README documents the pinned stack (constraints.txt), this is {zoo['results']['versions']}")
+    block = table.readme_blocks.file_block(table.README, table.BEGIN, table.END)
+    assert block == table.render(zoo["shown"]), ("README Trainers table differs from what this run measured: commit "
+                                                 "tests/results/trainer_zoo.json and run scripts/trainers_table.py --readme")
 
 
 def test_readme_trainers_table_is_rendered_from_the_committed_results() -> None:

@@ -20,9 +20,10 @@ DeepSpeed mode for the rest of the process):
   all-text; reference: stock DDP with accumulation 2 (no_sync). Then every rank text-only: stock ZeRO-3
   vs hf_ddpfix ZeRO-3 (what stock DeepSpeed does when no rank has an image: zero-filled vision
   gradients) within 1e-5.
-- ``vlm`` also runs the ``zero_skip_unused`` cases (``skip_unused`` alone, by hand; ``DS_SKIP_CKPT=reentrant`` /
-  ``non_reentrant`` with checkpointing): Qwen2.5-VL, 4 steps, an image on rank 0 at step 0, on no rank at
-  steps 1-2, on rank 1 at step 3; hf_ddpfix ZeRO-2 and ZeRO-3 with the option within 1e-5 of stock DDP, and
+- ``vlm`` also runs the ``zero_skip_unused`` cases (``skip_unused`` alone; tests/test_deepspeed.py runs it with
+  ``DS_SKIP_CKPT=reentrant DS_TEST_GRAD_ACCUM=2``; ``non_reentrant`` by hand): Qwen2.5-VL, 4 steps, an image on
+  rank 0 at step 0, on no rank at steps 1-2, on rank 1 at step 3; hf_ddpfix ZeRO-2 and ZeRO-3 with the option
+  within 1e-5 here (the test holds them to its SKIP_UNUSED_TOL) of stock DDP, and
   ZeRO-2 without it (the gap, asserted by the test). ``skip_unused_paligemma`` (by hand): PaliGemma's pooling
   head, never in the loss, under ZeRO-3 with and without the option.
 - ``stock_mixed``: stock ZeRO-3 with the mixed layout; expected to FAIL (collective mismatch): the
@@ -72,8 +73,8 @@ from hf_ddpfix._compat import checkpointing_training_args  # noqa: E402
 TOL = 1e-5
 STEPS = 3
 SKIP_STEPS = 4  # the skip_unused cases: an image on rank 0 at step 0, none at steps 1-2, on rank 1 at step 3
-SKIP_CKPT = os.environ.get("DS_SKIP_CKPT", "off")  # by hand: the skip_unused cases with (non_)reentrant checkpointing
-ACCUM = int(os.environ.get("DS_TEST_GRAD_ACCUM", "1"))  # manual checks with accumulation
+SKIP_CKPT = os.environ.get("DS_SKIP_CKPT", "off")  # the skip_unused cases with (non_)reentrant checkpointing
+ACCUM = int(os.environ.get("DS_TEST_GRAD_ACCUM", "1"))  # gradient accumulation of every case (the test: 2 for skip_unused)
 
 
 def ds_config(stage: int) -> dict:
@@ -499,7 +500,7 @@ def main() -> None:
         compare("zero3_vlm_text_fixed", got, stock, start)
         if got["dummy_runs"] != STEPS * ACCUM:
             failures.append(f"zero3_vlm_text_fixed: {got['dummy_runs']} dummy runs on rank {rank}")
-    elif a.suite == "skip_unused":  # the vlm suite's skip_unused cases alone (by hand)
+    elif a.suite == "skip_unused":  # the vlm suite's skip_unused cases alone (the test: GA 2, reentrant)
         skip_models = [add_lora(build_qwen2_5_vl(0)) for _ in range(4)]
         skip_start = trainable_weights(skip_models[0], None)
         skip_unused_cases(skip_models, skip_start, skip_unused_ref(skip_models[0]))

@@ -30,7 +30,14 @@ from hf_ddpfix._compat import checkpointing_training_args  # noqa: E402
 from hf_ddpfix.ops import feature_counts  # noqa: E402
 from hf_ddpfix.trainer import is_patched  # noqa: E402
 
-TOL = 1e-5
+# Tolerances at the measured precision, about 2x the worst figure of world 2 (N=2, GA 2, + composition, patches/,
+# VLM) and world 4 (DP2 x SP2, GA 3), vs stock DDP without SP and vs one process (torch 2.13 CPU fp32,
+# 2026-11-27). Beside them the stock spread: one float32 ulp of a loss near 5.5 is 4.8e-7; the same stock model's
+# gradients with eager instead of sdpa attention differ by 1.2e-7.
+TOL_WEIGHT = 5e-7  # measured SGD <= 3e-8 (VLM 5e-8); AdamW + clipping 2.1e-7 (Adam's 1/sqrt(v) amplifies rounding)
+TOL_LOSS = 2e-6  # logged losses, eval and predict losses: measured <= 9.5e-7 (2 ulps)
+TOL_GRAD_NORM = 1.5e-6  # logged grad norms: measured <= 7.2e-7
+TOL_LOGITS = 2.5e-6  # predict() logits: measured <= 1.2e-6
 
 
 def dataset(n: int, seed: int) -> Dataset:
@@ -174,7 +181,7 @@ def run(optim: str, ga: int, out: str, sp: int | None, via: str, batch: int = 2,
     else:
         model = lora_llama(attn_implementation="sdpa")
     # AdamW's first steps are ~lr * sign(g): float noise in a near-zero gradient moves a weight by up to lr,
-    # so its lr is small enough that 1e-5 is a real bound (SGD: lr * g, no amplification)
+    # so its lr is small enough that TOL_WEIGHT is a real bound (SGD: lr * g, no amplification)
     kw = dict(optim="sgd", max_grad_norm=0.0, weight_decay=0.0, learning_rate=5e-2) if optim == "sgd" else \
         dict(optim="adamw_torch", max_grad_norm=0.05, weight_decay=0.1, learning_rate=2e-4)
     args = TrainingArguments(output_dir=out, per_device_train_batch_size=batch, per_device_eval_batch_size=batch,
@@ -273,9 +280,12 @@ def main() -> None:
         pdiff = logits_diff(ref, got)
         counts = got["counts"]
         c = counts.get("sequence_parallel") or {"ran": 0, "fallbacks": {}, "amounts": {}}
-        ok = (max(wdiff, ldiff, gdiff, ediff, pdiff) <= TOL and c["ran"] > 0
+        def within(w, lo, g, e, lg):
+            return w <= TOL_WEIGHT and max(lo, e) <= TOL_LOSS and g <= TOL_GRAD_NORM and lg <= TOL_LOGITS
+
+        ok = (within(wdiff, ldiff, gdiff, ediff, pdiff) and c["ran"] > 0
               and c["amounts"].get("sharded_batches", 0) > 0 and c["amounts"].get("eval_sharded_batches", 0) > 0
-              and len(ref["hist"]) == (3 if optim.startswith("vlm_") else 2) and (one is None or max(one_w, one_l, one_g, one_e, one_p) <= TOL)
+              and len(ref["hist"]) == (3 if optim.startswith("vlm_") else 2) and (one is None or within(one_w, one_l, one_g, one_e, one_p))
               and (got["plan"] or "").startswith(f"N={a.sp} DP={world // a.sp}"))
         vision = {}
         if optim.startswith("vlm_"):
