@@ -64,7 +64,8 @@ def _without(results: dict, volatile: tuple[tuple[str, ...], ...]) -> dict:
 
 
 def refresh_results(path: str, fresh: dict, versions: dict[str, str],
-                    volatile: tuple[tuple[str, ...], ...] = (("date",),)) -> tuple[dict, dict | None, bool]:
+                    volatile: tuple[tuple[str, ...], ...] = (("date",),),
+                    sort_keys: bool = False) -> tuple[dict, dict | None, bool]:
     """Record a test run's ``fresh`` results in the results file ``path``.
 
     Returns ``(results, stored, written)``: ``stored`` is what the file held before (None without a file);
@@ -85,7 +86,7 @@ def refresh_results(path: str, fresh: dict, versions: dict[str, str],
     if not on_pinned_stack(versions):
         return fresh, stored, False
     with open(path, "w") as f:
-        f.write(json.dumps(fresh, indent=1) + "\n")
+        f.write(json.dumps(fresh, indent=1, sort_keys=sort_keys) + "\n")
     return fresh, stored, True
 
 

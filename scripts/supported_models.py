@@ -10,14 +10,15 @@ data) for the VLMs, and tests/test_deepspeed.py for the DeepSpeed column (which 
 image is read from the family registry: ``find_vision_adapter(model, zero=True)``; what is tested is listed
 in ZERO_TESTS). The FSDP2 column is rendered from the committed results file
 tests/results/fsdp2_parity.json (``usage_fsdp.py --report`` writes it; per family: set-up, max |dW| vs
-stock, tolerance, pass): tests/test_usage.py fails when a fresh run's verdicts differ from that file, or
-when the README block differs from what this script renders from it. The "left unused" column is observed
+stock, tolerance, pass): tests/test_usage.py rewrites it when a run's numbers changed (on the pinned stack),
+fails when a fresh run's verdicts differ from what it held, and fails when the README block differs from what
+this script renders from THIS run's results. The "left unused" column is observed
 now: one text-only training forward per model (single process, tiny random weights, ~10 s in all),
 counting the trainable tensors that get no gradient. ``--report`` adds the measured max weight difference
 from a ``usage_zoo.py --report`` JSON.
 
-To refresh after a change: run usage_fsdp.py with ``--report tests/results/fsdp2_parity.json`` (2
-processes), then this script with ``--readme``.
+To refresh after a change: run tests/test_usage.py's FSDP2 test (or usage_fsdp.py with ``--report
+tests/results/fsdp2_parity.json``, 2 processes), commit the results file, then run this script with ``--readme``.
 """
 
 from __future__ import annotations
@@ -130,7 +131,8 @@ def main() -> None:
     ap.add_argument("--out", default="")
     ap.add_argument("--report", default="", help="JSON written by tests/scripts/usage_zoo.py --report")
     ap.add_argument("--fsdp2", default=FSDP2_RESULTS, help="JSON written by tests/scripts/usage_fsdp.py --report")
-    ap.add_argument("--readme", action="store_true", help="rewrite the generated block of README.md in place")
+    ap.add_argument("--readme", action="store_true", help="rewrite the generated block of --file in place")
+    ap.add_argument("--file", default=README, help="the Markdown file holding the block (default README.md)")
     a = ap.parse_args()
     import torch
 
@@ -138,10 +140,7 @@ def main() -> None:
     report = json.load(open(a.report)) if a.report else None
     text = table(report, load_fsdp2_results(a.fsdp2))
     if a.readme:
-        with open(README) as f:
-            new = with_block(f.read(), text)  # raises before writing when the markers are missing
-        with open(README, "w") as f:
-            f.write(new)
+        readme_blocks.write_block(a.file, text, BEGIN, END)  # raises before writing when the markers are missing
     elif a.out:
         with open(a.out, "w") as f:
             f.write(text)

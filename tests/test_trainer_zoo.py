@@ -152,3 +152,23 @@ def test_readme_trainers_table_is_rendered_from_the_committed_results() -> None:
                                                             "scripts/trainers_table.py --readme"
     classes = table.cell_classes(table.load(str(RESULTS)))
     assert "FAILED" not in classes.values() and classes["dpo_vlm / DDP"] == "bit-equal"
+
+
+def test_results_file_is_rewritten_only_when_a_run_measured_something_else(tmp_path) -> None:
+    """scripts/readme_blocks.refresh_results: an unchanged run (its date aside) leaves the file; a changed one on
+    the pinned stack rewrites it and the table shows the new numbers; another stack writes nothing."""
+    blocks = _table().readme_blocks
+    pinned = {"torch": blocks.pinned_versions()["torch"] + "+cpu", "transformers": blocks.pinned_versions()["transformers"]}
+    path = tmp_path / "r.json"
+    first = {"date": "2026-01-01", "versions": pinned, "records": [{"case": "a", "max_diff": 0.0}]}
+    shown, stored, written = blocks.refresh_results(str(path), first, pinned)
+    assert (shown, stored, written) == (first, None, True) and json.loads(path.read_text()) == first
+    same = {**first, "date": "2026-02-02"}
+    shown, stored, written = blocks.refresh_results(str(path), same, pinned)
+    assert shown["date"] == "2026-01-01" and not written  # the numbers did not change: nor does the file
+    moved = {**same, "records": [{"case": "a", "max_diff": 1e-7}]}
+    shown, stored, written = blocks.refresh_results(str(path), moved, pinned)
+    assert shown == moved and stored == first and written and json.loads(path.read_text()) == moved
+    other = {**pinned, "transformers": "0.0.1"}
+    shown, _, written = blocks.refresh_results(str(path), {**moved, "records": []}, other)
+    assert shown["records"] == [] and not written and json.loads(path.read_text()) == moved
