@@ -74,7 +74,10 @@ def test_benchmark_gpu_trial_code_path_runs_on_a_toy_shape():
     assert ours["long_context_calls"] == 2 * 2 * 2  # layers x steps x (forward + recompute)
     # CPU: the plan turns the offload off (CUDA/ROCm only), so no offload ran -- and the counts say so
     assert "offload" not in ours or ours["feature_counts"].get("offload", {}).get("ran", 0) == 0
-    assert abs(ours["loss"] - stock["loss"]) < 2e-2  # fp32 on CPU; tiled loss sums in another order
+    # the toy model is built in bf16 (the benchmark's default dtype) and runs so on the CPU: measured |diff| 0.0 (bit-
+    # equal, 2026-11-27, torch 2.13; each of rms_norm / attention / tiled_layer alone: 0.0 too), the logged loss being
+    # fp32 cross-entropy over bf16 logits whose spacing near 5.5 is 3.1e-2 (what a reordered bf16 sum would move)
+    assert abs(ours["loss"] - stock["loss"]) <= 1e-6, (ours["loss"], stock["loss"])
 
 
 @pytest.mark.parametrize("features", ["stock", "rms_norm", "attention", "tiled_mlp", "tiled_layer", "hf_ddpfix"])

@@ -20,7 +20,8 @@ from fixtures import build_deepspeed_shm_op
 from launch import torchrun
 
 DS_ENV = {"DS_ACCELERATOR": "cpu"}
-TOL = 1e-5
+# measured 2026-11-27 (world 4, GA 3): weights <= 9.9e-8, losses <= 9.5e-7; stock vs its formula 8.7e-8 / 4.8e-7
+TOL_WEIGHT, TOL_LOSS = 2e-7, 2e-6
 ZEROS = ("zero2", "zero3_rs", "zero3_no_rs")
 
 
@@ -36,7 +37,7 @@ def records(tmp_path_factory) -> dict[str, dict]:
 
 @pytest.mark.multiprocess
 def test_dp2_sp2_zero2_zero3_both_reduce_scatter_settings_equal_one_process(records):
-    """Micro-batches with different valid-token counts, 2 optimizer steps: weights and logged losses within 1e-5
+    """Micro-batches with different valid-token counts, 2 optimizer steps: weights and logged losses within 2e-7 / 2e-6
     of one process on the whole batch, under SGD without clipping and AdamW with clipping, on ZeRO-2 and ZeRO-3
     (reduce_scatter true and false). DeepSpeed sees plain data parallelism (its engine's sequence_parallel_size
     is 1); the sharded attention really ran. After training, `evaluate()` sharded over the SP group equals
@@ -45,11 +46,11 @@ def test_dp2_sp2_zero2_zero3_both_reduce_scatter_settings_equal_one_process(reco
     assert ours <= set(records)
     for name in ours:
         r = records[name]
-        assert r["ok"] and r["weight_diff"] <= TOL and r["loss_diff"] <= TOL, r
+        assert r["ok"] and r["weight_diff"] <= TOL_WEIGHT and r["loss_diff"] <= TOL_LOSS, r
         assert r["plan"].startswith("N=2 DP=2") and r["engine_sp"] == 1
         assert r["attention_calls"] > 0 and r["sharded_batches"] == 2 * 2 * 3 and not r["fallbacks"]
         if name.endswith("/sgd"):  # evaluate() on the trained engine: sharded (hf_ddpfix) = unsharded (stock)
-            assert r["eval_diff"] <= TOL and r["eval_sharded_batches"] > 0, r
+            assert r["eval_diff"] <= TOL_LOSS and r["eval_sharded_batches"] > 0, r
     assert {records[n]["via"] for n in ours} == {"pc", "arg"}  # both switches
     assert records["hf_ddpfix/zero3_rs/sgd"]["plan"] == "N=2 DP=2 via parallelism_config"
     # hf_ddpfix's run-time check: an engine that kept DeepSpeed's SP groups would scale the loss wrongly: refused
@@ -60,7 +61,7 @@ def test_dp2_sp2_zero2_zero3_both_reduce_scatter_settings_equal_one_process(reco
 @pytest.mark.multiprocess
 def test_stock_deepspeed_sp_updates_are_sp_size_times_too_large_and_its_loss_a_mean_of_means(records):
     """Stock with ParallelismConfig(sp_size=2) alone on 4 processes fails to start. Stock at SP 4 (SGD): its
-    weights land within 1e-5 on its own formula (the mean over micro-batches of each one's token mean, gradients
+    weights land within 2e-7 on its own formula (the mean over micro-batches of each one's token mean, gradients
     x4 = sp_size on ZeRO-2 and ZeRO-3 without reduce-scatter, x1 with it) and far from the token mean of the same
     data; its logged loss is the mean of means."""
     start = records["stock/zero2/sp_size_alone"]
@@ -68,7 +69,7 @@ def test_stock_deepspeed_sp_updates_are_sp_size_times_too_large_and_its_loss_a_m
     stock = {z: records[f"stock/{z}/sgd"] for z in ZEROS}
     for r in stock.values():
         assert r["ok"] and r["engine_sp"] == 4, r
-        assert r["diff_to_stock_formula"] <= TOL and r["logged_loss_diff_to_mean_of_means"] <= TOL
+        assert r["diff_to_stock_formula"] <= TOL_WEIGHT and r["logged_loss_diff_to_mean_of_means"] <= TOL_LOSS
         assert r["diff_to_token_mean"] > 1e-3  # 100x the tolerance our runs meet
         assert abs(r["mean_of_means_losses"][0] - r["token_mean_losses"][0]) > 1e-3  # the logged loss too
     assert stock["zero2"]["factor"] == stock["zero3_no_rs"]["factor"] == 4.0 and stock["zero3_rs"]["factor"] == 1.0

@@ -15,11 +15,11 @@ not part of group"), so DP > 1 cannot run there; at world 4 its failure to start
 
 References (computed here, in one process, from the batches each rank's data loader really produced):
 - hf_ddpfix: every rank's micro-batch m of step k belongs to step k; the loss is the token mean over all of
-  them (what one process computes on the whole batch); weights within 1e-5.
+  them (what one process computes on the whole batch); weights within TOL_WEIGHT, losses within TOL_LOSS.
 - stock DeepSpeed SP ("SP over DP": the SP group runs each rank's batch in turn): its expected weights are
   computed from its own formula, a mean over micro-batches of each micro-batch's token mean, with gradients
   scaled by `factor` (2 = sp_size on ZeRO-2 and ZeRO-3 without reduce-scatter, 1 on ZeRO-3 with it); the
-  test asserts stock lands on them (1e-5) and is far from the token mean of its own data.
+  test asserts stock lands on them (TOL_WEIGHT) and is far from the token mean of its own data (GAP).
 Stock runs come last: DeepSpeed's SP set-up leaves process-wide state (its attention wrapper in
 `ALL_ATTENTION_FUNCTIONS`, its SP groups, `deepspeed.utils.groups.mpu`) that this script undoes between runs.
 """
@@ -45,7 +45,11 @@ from transformers import Trainer, TrainingArguments, get_linear_schedule_with_wa
 from hf_ddpfix import patch_trainer, unpatch_trainer  # noqa: E402
 from hf_ddpfix.ops import feature_counts  # noqa: E402
 
-TOL = 1e-5
+# At the measured precision, ~2x the worst (world 4, GA 3, torch 2.13 CPU fp32, deepspeed 0.19.8, 2026-11-27): hf_ddpfix
+# vs one process, weights <= 9.9e-8 (SGD 3e-8), logged losses <= 9.5e-7 (2 float32 ulps near 5.5), eval 0; stock
+# DeepSpeed SP vs its own formula (the stock spread beside ours): weights <= 8.7e-8, losses 4.8e-7.
+TOL_WEIGHT, TOL_LOSS = 2e-7, 2e-6
+GAP = 1e-3  # stock's distance to the token mean must be real (measured >= 2.1e-3), far above any tolerance
 SP = 2
 STEPS = 2
 FIXED_LENGTH = 20  # >= the longest sample of sp_trainer.dataset (17 tokens), a multiple of 2 and 4
@@ -286,8 +290,8 @@ def main() -> None:
             if r == 0:
                 rec.update(weight_diff=wdiff(got["weights"], ref["weights"]), ref_losses=ref["losses"],
                            loss_diff=max(abs(x - y) for x, y in zip(got["losses"], ref["losses"], strict=True)))
-                rec["ok"] = (counters_ok and rec["weight_diff"] <= TOL and rec["loss_diff"] <= TOL
-                             and (not ev or rec["eval_diff"] <= TOL))
+                rec["ok"] = (counters_ok and rec["weight_diff"] <= TOL_WEIGHT and rec["loss_diff"] <= TOL_LOSS
+                             and (not ev or rec["eval_diff"] <= TOL_LOSS))
             v.add(rec)
             log(f"hf_ddpfix {zero} {optim}: {got['seconds']:.1f}s")
     if world > SP and a.stock:  # DP > 1: stock needs dp_replicate_size = world / sp_size besides sp_size
@@ -325,8 +329,8 @@ def main() -> None:
             # the gap is real (far beyond float noise) and is exactly stock's formula
             rec["logged_loss_diff_to_mean_of_means"] = max(
                 abs(x - y) for x, y in zip(got["losses"], model_of_stock["losses"], strict=True))
-            rec["ok"] = (rec["ok"] and rec["diff_to_stock_formula"] <= TOL and rec["diff_to_token_mean"] > 100 * TOL
-                         and rec["logged_loss_diff_to_mean_of_means"] <= TOL)
+            rec["ok"] = (rec["ok"] and rec["diff_to_stock_formula"] <= TOL_WEIGHT and rec["diff_to_token_mean"] > GAP
+                         and rec["logged_loss_diff_to_mean_of_means"] <= TOL_LOSS)
         v.add(rec)
         log(f"stock {zero}: {got['seconds']:.1f}s")
     if a.check_leftover_mpu:  # an engine that inherits SP groups: hf_ddpfix's run-time check stops it
