@@ -20,7 +20,8 @@ def unwrap_model(model: nn.Module) -> nn.Module:
 
     The one unwrap helper of the package.
 
-    Guarantees: ``unwrap_model(DataParallel(get_peft_model(m, cfg))) is m`` (tests/test_families.py).
+    Guarantees: ``unwrap_model(DataParallel(get_peft_model(m, cfg))) is m``
+    (tests/test_upstream_contracts.py::test_unwrap_model_strips_compile_ddp_style_and_peft_wrappers).
     """
     seen: set[int] = set()
     cur = model

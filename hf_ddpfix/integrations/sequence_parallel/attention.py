@@ -11,7 +11,7 @@ attention now sees; the full-sequence mask (`attention_mask_from_documents`) rep
 
 Guarantees: `install_ulysses_attention` is idempotent (one wrapper per key, counted) and undone by its
 handle's `remove()` (the previous local mapping restored); the wrapped function is called unchanged
-whenever no batch is active (tests/test_sequence_parallel_ops.py).
+whenever no batch is active (tests/test_sequence_parallel.py).
 """
 
 from __future__ import annotations

@@ -74,7 +74,7 @@ def check_used_groups(
         UnusedParametersError: a group ran on some ranks only, or (``unused_everywhere_is_error``)
             on none; the message names the group, the ranks, and the fix.
 
-    Guarantees: with mixed ranks every rank raises within seconds (scripts/vlm_hang_guard.py).
+    Guarantees: with mixed ranks every rank raises within seconds (tests/scripts/vlm_hang_guard.py).
     """
     if not used or not dist_ready(group):
         return
@@ -105,7 +105,7 @@ class HangGuard:
             whose graph never uses the tower may set this to ``False``).
 
     Guarantees: mixed image/text ranks raise :class:`UnusedParametersError` on both ranks, and the
-    processes exit non-zero in seconds (scripts/vlm_hang_guard.py).
+    processes exit non-zero in seconds (tests/scripts/vlm_hang_guard.py).
     """
 
     def __init__(

@@ -30,8 +30,8 @@ def fsdp_wrap_plan(model: nn.Module, *, fold_skippable: bool = False) -> list[tu
 
     Guarantees: fully_shard over this plan + the stabiliser trains LoRA Qwen2.5-VL and Qwen3-VL with
     mixed image/text ranks (and an imageless step) to the same weights as DDP (1e-5; measured 7.6e-7
-    and 1.1e-6; scripts/vlm_fsdp.py); with ``fold_skippable`` + ParameterUsage every VLM of the zoo ends with
-    stock DDP's (find_unused_parameters=True) weights within 2e-7 (measured 0 to 6e-8; scripts/usage_fsdp.py,
+    and 1.1e-6; tests/scripts/vlm_fsdp.py); with ``fold_skippable`` + ParameterUsage every VLM of the zoo ends with
+    stock DDP's (find_unused_parameters=True) weights within 2e-7 (measured 0 to 6e-8; tests/scripts/usage_fsdp.py,
     results in tests/results/fsdp2_parity.json).
     """
     hf = unwrap_model(model)

@@ -98,7 +98,7 @@ class VisionStabilizer:
 
     Guarantees: text-only batches give a bit-identical loss and LM gradients and exact-zero vision
     gradients; batches with images are untouched; after ``finalize_vision_grads`` the weights after
-    AdamW are bit-identical to stock DDP(find_unused_parameters=True) (test_vlm, scripts/vlm_ddp.py).
+    AdamW are bit-identical to stock DDP(find_unused_parameters=True) (test_vlm, tests/scripts/vlm_ddp.py).
     """
 
     def __init__(
@@ -271,7 +271,7 @@ class VisionStabilizer:
             training forward ran since the previous call, so a second call in one step is a no-op.
 
         Guarantees: after it, vision grads are ``None`` iff no rank saw an image this step (test_vlm,
-        scripts/vlm_ddp.py: bit-equal to stock fu=True with AdamW(weight_decay>0), GA and no_sync).
+        tests/scripts/vlm_ddp.py: bit-equal to stock fu=True with AdamW(weight_decay>0), GA and no_sync).
         """
         if self._step_micro_batches == 0:
             return None

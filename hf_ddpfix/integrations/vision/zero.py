@@ -50,7 +50,7 @@ steps of ``generate``) no dummy runs. Cost: one tiny collective per evaluation f
 Guarantees: mixed batches train under ZeRO-2 and ZeRO-3 to the weights of stock DDP
 (find_unused_parameters=True) within 1e-5 — Qwen2.5-VL and LLaVA, with gradient accumulation 2 under
 ZeRO-3 too — and all-text steps to the weights of stock DeepSpeed (tests/test_deepspeed.py,
-scripts/deepspeed_train.py). Families: :mod:`hf_ddpfix.integrations.vision.families` (``zero=True`` view).
+tests/scripts/deepspeed_train.py). Families: :mod:`hf_ddpfix.integrations.vision.families` (``zero=True`` view).
 """
 
 from __future__ import annotations

@@ -12,7 +12,7 @@ On the full sequence, before sharding:
     respects both (`attention_mask_from_documents`);
   - the length is padded up to a multiple of `N` (pad tokens: label -100, never attended to as keys).
 
-Guarantees (tests/test_sequence_parallel_ops.py): concatenating the N shards' `input_ids`,
+Guarantees (tests/test_sequence_parallel.py): concatenating the N shards' `input_ids`,
 `position_ids` and `shift_labels` gives the padded full-sequence tensors; a pad / prompt-only shard has
 only -100 labels (its token-sum loss is 0, never NaN).
 """

@@ -4,7 +4,7 @@ and gradient-accumulation micro-batches) is the token mean one process computes 
 
 The count is known from the batch before the step (like the Trainer's `num_items_in_batch`): no host sync.
 
-Guarantees (tests/test_sequence_parallel_ops.py): a shard whose labels are all -100 contributes exactly 0
+Guarantees (tests/test_sequence_parallel.py): a shard whose labels are all -100 contributes exactly 0
 (never NaN); `sum over shards of shard_loss_sum(...) / count` equals the single-process token mean.
 """
 

@@ -10,7 +10,7 @@ the backward pass routes each token's gradient to the rank that owns it.
 Shapes (B batch, H query heads, Hk key/value heads, s = S/N local tokens, D head dim):
     query [B, H, s, D], key/value [B, Hk, s, D]  ->  output [B, H, s, D]
 
-Guarantees (tests/test_sequence_parallel_ops.py, 2 and 4 gloo processes): the output and the gradients of
+Guarantees (tests/scripts/sp_parity.py, 2 and 4 gloo processes): the output and the gradients of
 q, k, v equal single-process attention on the concatenated sequence to <= 1e-6 (fp32) for MHA, GQA and
 KV heads < N (KV heads replicated); `gradcheck` passes in fp64 for the all-to-all.
 """
