@@ -1,13 +1,15 @@
 #!/usr/bin/env bash
-# CI, third stack: the unit tests (not multiprocess) and a few 2-process cells on the NEWEST releases of
-# transformers, accelerate, peft, trl, deepspeed and bitsandbytes, resolved when the venv is built
-# (unpinned; torch stays 2.13.0, the CPU build CI uses everywhere), in a venv of its own.
+# CI, third stack: the unit tests (not multiprocess) and the 2-process cells that matter most on the NEWEST
+# releases of transformers, accelerate, peft, trl, deepspeed and bitsandbytes (unpinned; torch stays 2.13.0,
+# the CPU build CI uses everywhere), in a venv of its own.
 #
 # The venv is cached under ~/.cache/hf_ddpfix/ (or $XDG_CACHE_HOME), keyed by the install lines of this
-# script (the lines between the INSTALL markers), so a machine that ran CI before only reinstalls hf_ddpfix
-# itself (editable, --no-deps) and editing the list of cells does not rebuild it. A venv is used only when its
-# install finished (.complete marker). HF_DDPFIX_NEWEST_REFRESH=1 rebuilds it (picks up new releases);
-# HF_DDPFIX_NEWEST_VENV overrides the place. The versions it resolved are printed first.
+# script (the lines between the INSTALL markers); a venv is used only when its install finished (.complete
+# marker). Every run re-resolves the versions first: a `pip install --upgrade --dry-run` of the same
+# requirements into the cached venv (~10 s) says which newer releases exist; only then are they installed in
+# place (and DeepSpeed's CPU op rebuilt when DeepSpeed moved). No index reachable: it says so and tests the
+# cached versions. HF_DDPFIX_NEWEST_REFRESH=1 rebuilds the venv from scratch; HF_DDPFIX_NEWEST_VENV overrides
+# the place. The versions under test are printed before any test.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -16,19 +18,42 @@ venv=${HF_DDPFIX_NEWEST_VENV:-${XDG_CACHE_HOME:-${HOME:-/tmp}/.cache}/hf_ddpfix/
 pip_q=(--quiet --disable-pip-version-check)
 if [[ "${HF_DDPFIX_NEWEST_REFRESH:-0}" == 1 ]]; then rm -rf "$venv"; fi
 # INSTALL-BEGIN
+# torch exactly (a bare `torch` requirement would pull a multi-GB CUDA build); the rest newest
+newest=("torch==2.13.0" transformers accelerate peft trl deepspeed bitsandbytes datasets evaluate pillow pytest
+        pytest-timeout)
+build_shm_op() {  # DeepSpeed's CPU shared-memory op, built into this venv's own extension cache
+  rm -rf "$venv/torch_extensions"
+  TORCH_EXTENSIONS_DIR="$venv/torch_extensions" DS_ACCELERATOR=cpu \
+    "$venv/bin/python" -c "from deepspeed.comm.torch import build_shm_op; build_shm_op()" >/dev/null
+}
 if [[ ! -f "$venv/.complete" ]]; then
   rm -rf "$venv"
   python -m venv "$venv"  # a plain venv: it must not see the pinned stack of the main environment
-  # torch first and exactly (a bare `torch` requirement would pull a multi-GB CUDA build); the rest newest
   "$venv/bin/python" -m pip install "${pip_q[@]}" "torch==2.13.0"
-  DS_BUILD_OPS=0 "$venv/bin/python" -m pip install "${pip_q[@]}" "torch==2.13.0" \
-    transformers accelerate peft trl deepspeed bitsandbytes datasets evaluate pillow pytest pytest-timeout
-  # DeepSpeed's CPU shared-memory op, built once into this venv's own extension cache
-  TORCH_EXTENSIONS_DIR="$venv/torch_extensions" DS_ACCELERATOR=cpu \
-    "$venv/bin/python" -c "from deepspeed.comm.torch import build_shm_op; build_shm_op()" >/dev/null
+  DS_BUILD_OPS=0 "$venv/bin/python" -m pip install "${pip_q[@]}" "${newest[@]}"
+  build_shm_op
   touch "$venv/.complete"
 fi
 # INSTALL-END
+# Re-resolve: what would upgrading the same requirements change in the cached venv? (new releases since it was
+# built, or since the last CI run that upgraded it)
+report=$(mktemp)
+trap 'rm -f "$report"' EXIT
+resolve_start=$SECONDS
+if DS_BUILD_OPS=0 "$venv/bin/python" -m pip install "${pip_q[@]}" --upgrade --dry-run --report "$report" \
+     "${newest[@]}" >/dev/null 2>&1; then
+  moved=$("$venv/bin/python" -c "import json, sys; r = json.load(open(sys.argv[1])); \
+print(' '.join(i['metadata']['name'] + '==' + i['metadata']['version'] for i in r['install']))" "$report")
+  if [[ -n "$moved" ]]; then
+    echo "newest stack: newer releases than the cached venv: $moved (installing them in place)"
+    DS_BUILD_OPS=0 "$venv/bin/python" -m pip install "${pip_q[@]}" --upgrade "${newest[@]}"
+    if [[ " ${moved,,} " == *" deepspeed=="* ]]; then build_shm_op; fi
+  else
+    echo "newest stack: re-resolved in $((SECONDS - resolve_start))s, no newer release than the cached venv"
+  fi
+else
+  echo "newest stack: could NOT re-resolve (package index unreachable): testing the cached versions below"
+fi
 export TORCH_EXTENSIONS_DIR="$venv/torch_extensions"
 "$venv/bin/python" -m pip install "${pip_q[@]}" --no-deps -e .
 "$venv/bin/python" -m pip check >/dev/null
@@ -42,10 +67,17 @@ py=("$venv/bin/python" -m pytest -q -p no:cacheprovider)
 "${py[@]}" tests -m "not multiprocess"
 # 2-process cells (gloo): long context under DDP vs a single-process stock reference, TiledMLP + tiled loss
 # under DDP (patched calls counted: MLPs x steps x passes, no fallback), the reentrant-checkpointing fix
-# through the Trainer, and a VLM matrix cell with gradient accumulation.
+# through the Trainer, and a VLM matrix cell with gradient accumulation; then the cells that matter most on new
+# releases: sequence parallelism through the Trainer (world 2: + composition, patches/, Qwen2.5-VL) and its
+# Ulysses parity, the trainer zoo (TRL's newest trainers, ZeRO-2/3: its README table is not compared off the
+# pinned stack, its cell classes are), and ZeRO skip-unused with accumulation 2 and reentrant checkpointing.
 "${py[@]}" \
   "tests/test_long_context.py::test_two_process_ddp_equals_single_process_stock_reference" \
   "tests/test_tiled.py::test_two_process_training_equals_single_process_reference[tiled_ddp.py-TILED_DDP]" \
   "tests/test_trainer_entry_points.py::test_ddp_with_reentrant_checkpointing_matches_single_process[patch]" \
-  "tests/test_matrix.py::test_cell_trains_in_sync_with_stock_loss[vlm-ckpt-nonreentrant-ga-2]"
+  "tests/test_matrix.py::test_cell_trains_in_sync_with_stock_loss[vlm-ckpt-nonreentrant-ga-2]" \
+  "tests/test_sequence_parallel.py::test_trainer_with_sequence_parallel_equals_the_run_without_it_and_one_process[2-2]" \
+  "tests/test_sequence_parallel.py::test_ulysses_attention_and_a_lora_llama_match_one_process_on_the_full_sequence[2]" \
+  tests/test_trainer_zoo.py \
+  "tests/test_deepspeed.py::test_zero_skip_unused_with_accumulation_2_and_reentrant_checkpointing_matches_stock_ddp"
 bash scripts/run_examples.sh "$venv/bin/python"
