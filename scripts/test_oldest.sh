@@ -39,9 +39,13 @@ echo "oldest stack: NOT RUN (the stock model cannot run it on this transformers)
 "${py[@]}" tests -m "not multiprocess" "${upstream[@]/#/--deselect=}"
 # 2-process cells (gloo): the reentrant-checkpointing fix vs a single-process reference (exact), stock's
 # failure on this stack, matrix cells for text / VLM with gradient accumulation, and sequence parallelism
-# through the Trainer (2 and 4 processes: this stack's inline clipping and grad_norm logging).
+# through the Trainer (2 and 4 processes: this stack's inline clipping and grad_norm logging) and its Ulysses
+# parity (text, FSDP2, Qwen2.5-VL / Qwen2-VL at this release). Not here, as the versions do not allow them: the
+# trainer zoo (trl 0.24's DPOTrainer cannot process a text-only row of a vision dataset: IndexError in its
+# process_row, stock too) and ZeRO skip-unused (no DeepSpeed in this stack).
 "${py[@]}" \
   "tests/test_sequence_parallel.py::test_trainer_with_sequence_parallel_equals_the_run_without_it_and_one_process" \
+  "tests/test_sequence_parallel.py::test_ulysses_attention_and_a_lora_llama_match_one_process_on_the_full_sequence[2]" \
   "tests/test_trainer_entry_points.py::test_ddp_with_reentrant_checkpointing_matches_single_process[patch]" \
   "tests/test_trainer_entry_points.py::test_stock_ddp_with_reentrant_checkpointing_fails" \
   "tests/test_matrix.py::test_cell_trains_in_sync_with_stock_loss[text-ckpt-reentrant-find-unused-auto]" \
