@@ -42,7 +42,7 @@ echo "oldest stack: NOT RUN (the stock model cannot run it on this transformers)
 # through the Trainer (2 and 4 processes: this stack's inline clipping and grad_norm logging) and its Ulysses
 # parity (text, FSDP2, Qwen2.5-VL / Qwen2-VL at this release). Not here, as the versions do not allow them: the
 # trainer zoo (trl 0.24's DPOTrainer cannot process a text-only row of a vision dataset: IndexError in its
-# process_row, stock too) and ZeRO skip-unused (no DeepSpeed in this stack).
+# process_row, in its dataset preparation before any training) and ZeRO skip-unused (no DeepSpeed in this stack).
 "${py[@]}" \
   "tests/test_sequence_parallel.py::test_trainer_with_sequence_parallel_equals_the_run_without_it_and_one_process" \
   "tests/test_sequence_parallel.py::test_ulysses_attention_and_a_lora_llama_match_one_process_on_the_full_sequence[2]" \
