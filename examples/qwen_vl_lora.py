@@ -225,7 +225,7 @@ def load_4bit(source, model_class):
     its own device (`device_map={"": local_rank}`: what DDP needs); on a machine without an accelerator
     `device_map="cpu"` (bitsandbytes 0.50 quantizes on the CPU; `{"": 0}` there fails with "Cannot access
     accelerator device when none is available"). The storage dtype stays bitsandbytes' default (uint8): fine
-    for DDP; FSDP2 / ZeRO-3 need `bnb_4bit_quant_storage` equal to the mixed-precision dtype (README, QLoRA).
+    for DDP; FSDP2 / ZeRO-3 need `bnb_4bit_quant_storage` equal to the mixed-precision dtype (docs/qlora.md).
     """
     from peft import prepare_model_for_kbit_training
     from transformers import BitsAndBytesConfig
@@ -294,7 +294,7 @@ def main(argv=None) -> dict:
         raise SystemExit("FSDP needs an accelerator: this launch asks for FSDP (accelerate_configs/fsdp.yaml), but "
                          "the machine has none, and accelerate would train plain DDP instead. On the CPU use "
                          "ddp_cpu.yaml, zero2.yaml or zero3.yaml; FSDP2 itself runs on the CPU with torch's "
-                         "fully_shard (tests/scripts/vlm_fsdp.py, see the README).")
+                         "fully_shard (tests/scripts/vlm_fsdp.py, see docs/vlm.md).")
 
     if not args.no_fix:
         from hf_ddpfix import patch_trainer

@@ -156,7 +156,7 @@ def option(parse: Callable[[str, Any], Any], doc: str, *, compat: Mapping[str, A
     Args:
         parse: `parse(variable_name, raw_value) -> typed value or None`; raises `ValueError` naming the
             variable and the allowed values.
-        doc: one line for the README's table and `hf-ddpfix doctor`.
+        doc: one line for docs/options.md's table and `hf-ddpfix doctor`.
         compat: compatibility variables -> the value they imply when set to a true value (`None`: the
             variable's own value is parsed, e.g. `UNSLOTH_TILED_MLP=arctic`).
     """
@@ -349,7 +349,7 @@ def _check_cross_conflicts(values: Mapping[str, Any], sources: Mapping[str, str]
 
 
 def env_table() -> list[tuple[str, str, str]]:
-    """(variable, compatibility aliases, meaning) for every option: the README's table is generated from this."""
+    """(variable, compatibility aliases, meaning) for every option: docs/options.md's table is generated from this."""
     rows = []
     for name, opt in OPTIONS.items():
         rows.append((env_name(name), ", ".join(opt.compat), opt.doc))

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import os
+from pathlib import Path
 
 import pytest
 from launch import ROOT, torchrun
@@ -130,8 +131,8 @@ def test_fresh_results_land_every_table_cell_in_the_committed_class(zoo) -> None
 
 def test_readme_trainers_table_is_rendered_from_the_committed_results() -> None:
     table = _table()
-    block = table.readme_block((ROOT / "README.md").read_text())  # ValueError without the markers
-    assert block == table.render(table.load(str(RESULTS))), "README Trainers table is stale: python " \
+    block = table.readme_block(Path(table.README).read_text())  # ValueError without the markers
+    assert block == table.render(table.load(str(RESULTS))), "docs/trainers.md Trainers table is stale: python " \
                                                             "scripts/trainers_table.py --readme"
     classes = table.cell_classes(table.load(str(RESULTS)))
     assert "FAILED" not in classes.values() and classes["dpo_vlm / DDP"] == "bit-equal"

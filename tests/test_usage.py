@@ -240,7 +240,7 @@ def test_readme_supported_models_table_is_rendered_from_the_committed_results() 
     sm = _supported_models()
     with open(sm.README) as f:
         block = sm.readme_block(f.read())
-    assert block == sm.table(), "README's supported-models table is stale: run scripts/supported_models.py --readme"
+    assert block == sm.table(), "docs/models.md's supported-models table is stale: run scripts/supported_models.py --readme"
 
 
 def test_the_fsdp2_column_shows_each_family_verdict_and_number_from_the_results_file() -> None:
