@@ -18,8 +18,6 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from .facts import MOE_CONFIG_KEYS
-
 GiB = 2**30
 #: Bytes of training state per *trainable* parameter: fp32 master weight + fp32 gradient + two fp32 AdamW
 #: moments (the standard mixed-precision estimate, ZeRO paper §3).
@@ -298,6 +296,8 @@ def describe_model(spec: str, config_kwargs: Mapping[str, Any] | None = None) ->
         adapter = found.family.name if found is not None else None
         found = find_vision_adapter(model, zero=True)
         zero_adapter = found.family.name if found is not None else None
+    from .facts import MOE_CONFIG_KEYS  # here, not at module level: `hf-ddpfix --help` imports no torch
+
     return ModelInfo(
         source=spec,
         model_type=str(getattr(config, "model_type", type(config).__name__)),

@@ -72,7 +72,15 @@ def check_env(env: Mapping[str, str] | None = None) -> dict[str, Any]:
             settings.append(entry)
     for var, doc in _EXTRA_VARS.items():
         if var in env:
-            settings.append({"var": var, "value": env[var], "option": None, "ok": True, "error": None, "doc": doc})
+            entry = {"var": var, "value": env[var], "option": None, "ok": True, "error": None, "doc": doc}
+            try:
+                if env[var].strip():  # patches/sitecustomize.py reads "" as unset
+                    from .config import parse_bool
+
+                    parse_bool(var, env[var])  # the spellings patches/sitecustomize.py accepts
+            except ValueError as e:
+                entry.update(ok=False, error=str(e))
+            settings.append(entry)
     unknown = []
     for var in sorted(v for v in env if v.startswith("HF_DDPFIX_") and v not in known):
         close = difflib.get_close_matches(var, sorted(known), n=1)
