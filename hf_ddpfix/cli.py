@@ -188,7 +188,7 @@ def _doctor(args: argparse.Namespace) -> int:
                                hidden_size=info.hidden_size, num_layers=info.num_layers, vocab_size=info.vocab_size,
                                accelerator=accelerator, target_global_batch=args.global_batch)
         report["recommendation"] = rec.as_dict()
-    report["qlora"] = qlora_advice(report["versions"].get("bitsandbytes"), n)
+    report["qlora"] = qlora_advice(report["versions"].get("bitsandbytes"), n, accelerator=accelerator)
     from .plan.deepspeed import deepspeed_advice
 
     report["deepspeed"] = deepspeed_advice(report["versions"].get("deepspeed"))
