@@ -23,7 +23,7 @@ Run it:
     accelerate launch --config_file accelerate_configs/ddp_cpu.yaml examples/qwen_vl_lora.py --qlora
     # DeepSpeed ZeRO-2 / ZeRO-3 (on a CPU-only machine deepspeed picks its CPU accelerator by itself)
     accelerate launch --config_file accelerate_configs/zero3.yaml examples/qwen_vl_lora.py
-    # continue from the last checkpoint in --output-dir, up to a larger step count
+    # continue from the last checkpoint of the same set-up, up to a larger step count
     accelerate launch --config_file accelerate_configs/ddp_cpu.yaml examples/qwen_vl_lora.py \
         --resume --max-steps 400
 
@@ -36,7 +36,10 @@ text-only row) and `text` (the target caption / answer); an optional `prompt` co
 question (default: "Describe the image."). A held-out split of `--eval-size` rows is carved out.
 
 Output: progress bar and the hf_ddpfix plan on rank 0, checkpoints every `--save-steps` steps, the
-adapter (adapter_model.safetensors + adapter_config.json) in `--output-dir`, and a last line
+adapter (adapter_model.safetensors + adapter_config.json) in `--output-dir` (default: one folder per
+set-up, `outputs/qwen_vl_lora/<model>-<lora|qlora>-r<rank>-<ddp|single|zero2|zero3>`, so `--resume`
+finds only its own set-up's checkpoints; a folder of another set-up is refused with the reason; under
+`--qlora` the seeded base sits in `base_model/` there, where the adapter's config points), and a last line
 `RESULT {"eval_loss": ..., "caption_accuracy": ..., "chance": ..., "global_step": ...}` from rank 0.
 `caption_accuracy` is teacher-forced: the fraction of scored caption tokens (colour and shape words
 for the synthetic data; every answer token for `--dataset`) whose argmax prediction is right.
@@ -83,7 +86,8 @@ def parse_args(argv=None):
     p.add_argument("--dataset", default=None,
                    help="datasets.load_dataset name/path with image/text columns; default: synthetic shapes")
     p.add_argument("--dataset-split", default="train")  # the split --dataset is read from
-    p.add_argument("--output-dir", default="outputs/qwen_vl_lora")  # adapter + checkpoints land here
+    p.add_argument("--output-dir", default=None,  # adapter + checkpoints land here
+                   help="default: outputs/qwen_vl_lora/<set-up>, one folder per set-up (see setup_of)")
     p.add_argument("--max-steps", type=int, default=200)  # enough for the tiny model to beat chance well
     p.add_argument("--per-device-batch-size", type=int, default=8)  # 8 small samples: fast on one CPU core
     p.add_argument("--grad-accum", type=int, default=1)  # hf_ddpfix handles no_sync micro-batches too
@@ -219,6 +223,54 @@ def make_metrics(groups: dict[str, set[int]] | None):
     return preprocess, compute
 
 
+# --------------------------------------------------------------------------- output folder per set-up
+SETUP_FILE = "example_setup.json"
+
+
+def setup_of(args) -> dict:
+    """What decides whether a checkpoint or adapter of one run loads into another: the base model (the
+    offline base is rebuilt from `--seed`, with hidden size 128 under `--qlora` and 96 otherwise), the 4-bit
+    base, the LoRA rank, and the engine that wrote the checkpoints (DeepSpeed's differ from DDP's)."""
+    if os.environ.get("ACCELERATE_USE_DEEPSPEED", "").lower() == "true":
+        launch = "zero" + os.environ.get("ACCELERATE_DEEPSPEED_ZERO_STAGE", "")
+    elif os.environ.get("ACCELERATE_USE_FSDP", "").lower() == "true":
+        launch = "fsdp"
+    else:
+        launch = "ddp" if int(os.environ.get("WORLD_SIZE", "1")) > 1 else "single"
+    model = args.model or f"offline-seed{args.seed}"
+    return {"model": model, "base": "4bit-nf4" if args.qlora else "full", "lora_r": args.lora_r, "launch": launch}
+
+
+def output_dir_for(args) -> str:
+    """`--output-dir`, or `outputs/qwen_vl_lora/<set-up>` when it is not given, so runs of different set-ups
+    never share checkpoints (a `--resume` after a `--qlora` run in one folder failed with a size mismatch).
+    A folder that holds another set-up's run is refused with the reason, before anything is loaded."""
+    setup = setup_of(args)
+    if args.output_dir is None:
+        name = "-".join([setup["model"].replace("/", "--"), "qlora" if args.qlora else "lora", f"r{args.lora_r}",
+                         setup["launch"]])
+        return os.path.join("outputs", "qwen_vl_lora", name)
+    path = os.path.join(args.output_dir, SETUP_FILE)
+    if os.path.isfile(path):
+        with open(path) as f:
+            before = json.load(f)
+        if before != setup:
+            diff = ", ".join(f"{k}: {before.get(k)!r} there, {v!r} now" for k, v in setup.items() if before.get(k) != v)
+            raise SystemExit(f"--output-dir {args.output_dir} holds a run of another set-up ({diff}); its "
+                             "checkpoints and adapter do not fit this model (e.g. a --qlora run's base has hidden "
+                             "size 128, the LoRA base 96: a size mismatch at --resume). Give another --output-dir, or "
+                             "leave it out: each set-up gets its own folder under outputs/qwen_vl_lora/.")
+    return args.output_dir
+
+
+def record_setup(args, output_dir: str) -> None:
+    """Rank 0 writes the set-up beside the checkpoints (read by `output_dir_for` on the next run)."""
+    if rank0():
+        os.makedirs(output_dir, exist_ok=True)
+        with open(os.path.join(output_dir, SETUP_FILE), "w") as f:
+            json.dump(setup_of(args), f, indent=1)
+
+
 # --------------------------------------------------------------------------- model + data
 def load_4bit(source, model_class):
     """`model_class.from_pretrained(source)` with an NF4 4-bit base (bitsandbytes), each rank's whole model on
@@ -240,18 +292,34 @@ def load_4bit(source, model_class):
     return prepare_model_for_kbit_training(model)
 
 
+def saved_base(model, args) -> str:
+    """The offline base saved in `<output dir>/base_model` (kept: the adapter's `base_model_name_or_path`
+    points to it, so `PeftModel.from_pretrained(AutoModelForImageTextToText.from_pretrained(path), out)`
+    works after the run). Every rank saves into its own temporary folder and renames it into place; the
+    base is the same on every rank (seeded), so the first rename wins and the others are dropped."""
+    import shutil
+    import tempfile
+
+    path = os.path.abspath(os.path.join(args.output_dir, "base_model"))
+    if not os.path.isfile(os.path.join(path, "config.json")):
+        os.makedirs(args.output_dir, exist_ok=True)
+        tmp = tempfile.mkdtemp(prefix=".base_model-", dir=args.output_dir)
+        model.save_pretrained(tmp)
+        try:
+            os.rename(tmp, path)
+        except OSError:  # another rank (or an earlier run of the same set-up) was first
+            shutil.rmtree(tmp, ignore_errors=True)
+    return path
+
+
 def build_offline(args):
     tokenizer = offline.build_tokenizer()
     image_processor = offline.build_image_processor()
     # --qlora: hidden 128, so every linear layer's input width is a multiple of bitsandbytes' 64-value block
     # (its CPU evaluation path repacks 4-bit weights and fails on the default 96: "shape '[96, 1]' is invalid")
     model = offline.build_model(tokenizer, seed=args.seed, **({"hidden": 128} if args.qlora else {}))
-    if args.qlora:  # the offline base saved once per rank, then reloaded 4-bit (bitsandbytes loads from disk)
-        import tempfile
-
-        with tempfile.TemporaryDirectory() as base:
-            model.save_pretrained(base)
-            model = load_4bit(base, type(model))
+    if args.qlora:  # bitsandbytes quantizes while loading from disk: the seeded base is saved, then reloaded 4-bit
+        model = load_4bit(saved_base(model, args), type(model))
     train_raw = offline.ShapesDataset(args.train_size, seed=args.seed)
     eval_raw = offline.ShapesDataset(args.eval_size, seed=args.seed + 10_000)  # other seeds: unseen images
     return model, tokenizer, image_processor, train_raw, eval_raw
@@ -287,6 +355,7 @@ def word_ids(tokenizer, words) -> set[int]:
 # --------------------------------------------------------------------------- main
 def main(argv=None) -> dict:
     args = parse_args(argv)
+    args.output_dir = output_dir_for(args)
     if args.dataset and not args.model:
         raise SystemExit("--dataset needs --model: the offline tokenizer only knows the synthetic vocabulary")
     if os.environ.get("ACCELERATE_USE_FSDP", "").lower() == "true" and not torch.accelerator.is_available():
@@ -371,6 +440,9 @@ def main(argv=None) -> dict:
         processing_class=tokenizer, compute_metrics=compute_metrics, preprocess_logits_for_metrics=preprocess,
     )
 
+    record_setup(args, args.output_dir)
+    if rank0():
+        print(f"output dir: {args.output_dir}", flush=True)
     resume_from = None
     if args.resume:
         resume_from = last_complete_checkpoint(args.output_dir) if os.path.isdir(args.output_dir) else None
