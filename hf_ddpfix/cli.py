@@ -32,7 +32,9 @@ from ._advice import GiB, ModelInfo, describe_model, qlora_advice, recommend_lau
 _PACKAGES = ("torch", "transformers", "accelerate", "peft", "trl", "datasets", "bitsandbytes", "deepspeed",
              "hf-ddpfix")
 #: HF_DDPFIX_* variables that are not `DDPFixConfig` options.
-_EXTRA_VARS = {"HF_DDPFIX_DISABLE": "patches/sitecustomize.py: 1 turns the zero-code patch off"}
+_EXTRA_VARS = {"HF_DDPFIX_DISABLE": "1/true/yes/on: `patches/` (the `PYTHONPATH` zero-code patch, "
+                                   "patches/sitecustomize.py) does nothing; 0/false/no/off or unset: it runs; any "
+                                   "other value raises ValueError when transformers.trainer is imported."}
 _RELATED_VARS = ("TORCH_DISTRIBUTED_DEBUG", "NCCL_DEBUG", "TORCH_NCCL_ASYNC_ERROR_HANDLING",
                  "TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "OMP_NUM_THREADS", "CUDA_VISIBLE_DEVICES",
                  "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "ACCELERATE_USE_FSDP")
