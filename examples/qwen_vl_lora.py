@@ -353,8 +353,34 @@ def word_ids(tokenizer, words) -> set[int]:
 
 
 # --------------------------------------------------------------------------- main
+def quiet_repeated_upstream_warnings() -> None:
+    """Show each of torch's collective deprecation warnings once per process. DeepSpeed 0.19.8 calls
+    `torch.distributed.reduce_scatter_tensor` / `all_gather_into_tensor`, which torch 2.13 deprecates, and a
+    ZeRO-3 run of this example printed ~4,800 identical lines: Python's once-per-location rule (and the "once"
+    filter action) is reset whenever any code changes the warning filters, which torch and transformers do
+    inside their own calls (`warnings.catch_warnings`). So the display itself is deduplicated, for these
+    messages only; every other warning is shown as before."""
+    import re
+    import warnings
+
+    pattern = re.compile(r"`torch\.distributed\.\w+` is deprecated")
+    shown: set[str] = set()
+    show = warnings.showwarning
+
+    def show_once(message, category, filename, lineno, file=None, line=None):
+        text = str(message)
+        if pattern.match(text):
+            if text in shown:
+                return
+            shown.add(text)
+        show(message, category, filename, lineno, file, line)
+
+    warnings.showwarning = show_once
+
+
 def main(argv=None) -> dict:
     args = parse_args(argv)
+    quiet_repeated_upstream_warnings()
     args.output_dir = output_dir_for(args)
     if args.dataset and not args.model:
         raise SystemExit("--dataset needs --model: the offline tokenizer only knows the synthetic vocabulary")

@@ -85,6 +85,9 @@ def test_example_trains_and_evaluates_under_deepspeed_on_cpu(tmp_path, config, s
     assert plan_value(log, "deepspeed") == f"ZeRO-{stage}"
     # ZeRO-3: evaluation forwards all-gather parameters, so ranks with and without images must agree
     assert plan_value(log, "vlm_eval_sync") == ("on" if stage == 3 else "off"), log[-4000:]
+    # DeepSpeed's deprecated torch collectives: each warning once per rank (it was once per call: ~4,800 lines)
+    deprecated = re.findall(r"FutureWarning: (`torch\.distributed\.\w+` is deprecated)", log)
+    assert all(deprecated.count(m) <= 2 for m in set(deprecated)), {m: deprecated.count(m) for m in set(deprecated)}
 
 
 @pytest.mark.multiprocess
