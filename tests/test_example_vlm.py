@@ -54,6 +54,9 @@ def test_example_trains_beats_chance_saves_and_resumes(tmp_path):
         assert (out_dir / name).is_file(), sorted(p.name for p in out_dir.iterdir())
     assert (out_dir / f"checkpoint-{STEPS}").is_dir(), sorted(p.name for p in out_dir.iterdir())
     assert "[hf_ddpfix]" in log and "(ddp, world size 2)" in log, "the plan log should be printed"
+    sample = _plan_log_sample()  # docs/plan.md shows what this command prints
+    assert sample.page_block((ROOT / "docs" / "plan.md").read_text()) == sample.extract(log), \
+        "docs/plan.md's plan log differs from what README command 1 printed: python scripts/plan_log_sample.py --readme"
 
     done2 = torchrun(EXAMPLE, "--output-dir", str(out_dir), "--max-steps", str(MORE_STEPS), "--resume",
                      "--save-steps", "30", timeout=150, env=OFFLINE)
@@ -63,6 +66,26 @@ def test_example_trains_beats_chance_saves_and_resumes(tmp_path):
     assert result2["global_step"] == MORE_STEPS, (result2, log2[-4000:])
     assert result2["caption_accuracy"] >= max(2 * chance, chance + 0.25), result2
     assert (out_dir / f"checkpoint-{MORE_STEPS}").is_dir()
+
+
+def _plan_log_sample():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("plan_log_sample", ROOT / "scripts" / "plan_log_sample.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_plan_log_sample_reads_the_plan_block_of_a_log():
+    sample = _plan_log_sample()
+    log = ("noise\n[hf_ddpfix] hf_ddpfix plan (ddp, world size 2):\n * checkpointing           = non_reentrant  why\n"
+           "   tiled_mlp               = off            not requested\n   corrected: a -> b\n  0%|  | 0/4\nmore\n")
+    assert sample.extract(log) == ("```\n[hf_ddpfix] hf_ddpfix plan (ddp, world size 2):\n * checkpointing           "
+                                   "= non_reentrant  why\n   tiled_mlp               = off            not requested\n"
+                                   "   corrected: a -> b\n```\n")
+    with pytest.raises(ValueError, match="no '\\[hf_ddpfix\\] hf_ddpfix plan"):
+        sample.extract("nothing here")
 
 
 def plan_value(log: str, name: str) -> str:
