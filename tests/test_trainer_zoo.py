@@ -1,7 +1,7 @@
 """The trainer zoo (TRL's trainers, the plain Trainer with losses of its own), one 2-process launch (tests/scripts/trainer_zoo.py, started the zero-code way: ``patches/``
 first on PYTHONPATH): hf_ddpfix vs stock on the same data under DDP through ``patches/`` (every case) and
 ``patch_trainer()`` (one case per trainer class), under DeepSpeed ZeRO-2/3 against stock DDP, and what an FSDP2
-request becomes without an accelerator. The README's "Trainers" table is rendered from the committed results
+request becomes without an accelerator. The "Trainers" table (docs/trainers.md) is rendered from the committed results
 (tests/results/trainer_zoo.json, scripts/trainers_table.py); the fresh run must land every cell in the same class.
 
 Why one launch through ``patches/`` and not one per entry point: the hook in ``patches/sitecustomize.py`` calls

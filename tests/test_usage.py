@@ -215,7 +215,7 @@ def _supported_models():
 def test_fsdp2_mixed_batches_match_stock_ddp_with_the_committed_verdicts(tmp_path) -> None:
     """fully_shard on gloo, no dummy image: folded skippable subtrees + per-unit ties, against stock DDP
     (find_unused_parameters=True, non-reentrant checkpointing) on the same data, every VLM in one process
-    group. The fresh per-family verdicts (max |dW| <= tol) must be the committed ones, which the README's
+    group. The fresh per-family verdicts (max |dW| <= tol) must be the committed ones, which docs/models.md's
     FSDP2 column is rendered from."""
     report = tmp_path / "fsdp2.json"
     done = torchrun("usage_fsdp.py", "--report", str(report), timeout=300)
@@ -235,7 +235,7 @@ def test_fsdp2_mixed_batches_match_stock_ddp_with_the_committed_verdicts(tmp_pat
 
 
 def test_readme_supported_models_table_is_rendered_from_the_committed_results() -> None:
-    """The README block between the markers is exactly what scripts/supported_models.py renders from
+    """The docs/models.md block between the markers is exactly what scripts/supported_models.py renders from
     tests/zoo.py and the committed tests/results/fsdp2_parity.json (no hand-written cell)."""
     sm = _supported_models()
     with open(sm.README) as f:
