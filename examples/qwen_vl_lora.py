@@ -23,7 +23,7 @@ Run it:
     accelerate launch --config_file accelerate_configs/ddp_cpu.yaml examples/qwen_vl_lora.py --qlora
     # DeepSpeed ZeRO-2 / ZeRO-3 (on a CPU-only machine deepspeed picks its CPU accelerator by itself)
     accelerate launch --config_file accelerate_configs/zero3.yaml examples/qwen_vl_lora.py
-    # continue from the last checkpoint in --output-dir, up to a larger step count
+    # continue from the last checkpoint of the same set-up, up to a larger step count
     accelerate launch --config_file accelerate_configs/ddp_cpu.yaml examples/qwen_vl_lora.py \
         --resume --max-steps 400
 
@@ -36,7 +36,10 @@ text-only row) and `text` (the target caption / answer); an optional `prompt` co
 question (default: "Describe the image."). A held-out split of `--eval-size` rows is carved out.
 
 Output: progress bar and the hf_ddpfix plan on rank 0, checkpoints every `--save-steps` steps, the
-adapter (adapter_model.safetensors + adapter_config.json) in `--output-dir`, and a last line
+adapter (adapter_model.safetensors + adapter_config.json) in `--output-dir` (default: one folder per
+set-up, `outputs/qwen_vl_lora/<model>-<lora|qlora>-r<rank>-<ddp|single|zero2|zero3>`, so `--resume`
+finds only its own set-up's checkpoints; a folder of another set-up is refused with the reason; under
+`--qlora` the seeded base sits in `base_model/` there, where the adapter's config points), and a last line
 `RESULT {"eval_loss": ..., "caption_accuracy": ..., "chance": ..., "global_step": ...}` from rank 0.
 `caption_accuracy` is teacher-forced: the fraction of scored caption tokens (colour and shape words
 for the synthetic data; every answer token for `--dataset`) whose argmax prediction is right.
@@ -57,6 +60,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # for _offline_vlm when run as a script
 
 import _offline_vlm as offline  # noqa: E402
+from _run_setup import output_dir_for, quiet_repeated_upstream_warnings, record_setup, saved_base  # noqa: E402
 
 from hf_ddpfix import checkpointing_training_args  # noqa: E402  (importing hf_ddpfix patches nothing)
 
@@ -83,7 +87,8 @@ def parse_args(argv=None):
     p.add_argument("--dataset", default=None,
                    help="datasets.load_dataset name/path with image/text columns; default: synthetic shapes")
     p.add_argument("--dataset-split", default="train")  # the split --dataset is read from
-    p.add_argument("--output-dir", default="outputs/qwen_vl_lora")  # adapter + checkpoints land here
+    p.add_argument("--output-dir", default=None,  # adapter + checkpoints land here
+                   help="default: outputs/qwen_vl_lora/<set-up>, one folder per set-up (see setup_of)")
     p.add_argument("--max-steps", type=int, default=200)  # enough for the tiny model to beat chance well
     p.add_argument("--per-device-batch-size", type=int, default=8)  # 8 small samples: fast on one CPU core
     p.add_argument("--grad-accum", type=int, default=1)  # hf_ddpfix handles no_sync micro-batches too
@@ -225,7 +230,7 @@ def load_4bit(source, model_class):
     its own device (`device_map={"": local_rank}`: what DDP needs); on a machine without an accelerator
     `device_map="cpu"` (bitsandbytes 0.50 quantizes on the CPU; `{"": 0}` there fails with "Cannot access
     accelerator device when none is available"). The storage dtype stays bitsandbytes' default (uint8): fine
-    for DDP; FSDP2 / ZeRO-3 need `bnb_4bit_quant_storage` equal to the mixed-precision dtype (README, QLoRA).
+    for DDP; FSDP2 / ZeRO-3 need `bnb_4bit_quant_storage` equal to the mixed-precision dtype (docs/qlora.md).
     """
     from peft import prepare_model_for_kbit_training
     from transformers import BitsAndBytesConfig
@@ -246,12 +251,8 @@ def build_offline(args):
     # --qlora: hidden 128, so every linear layer's input width is a multiple of bitsandbytes' 64-value block
     # (its CPU evaluation path repacks 4-bit weights and fails on the default 96: "shape '[96, 1]' is invalid")
     model = offline.build_model(tokenizer, seed=args.seed, **({"hidden": 128} if args.qlora else {}))
-    if args.qlora:  # the offline base saved once per rank, then reloaded 4-bit (bitsandbytes loads from disk)
-        import tempfile
-
-        with tempfile.TemporaryDirectory() as base:
-            model.save_pretrained(base)
-            model = load_4bit(base, type(model))
+    if args.qlora:  # bitsandbytes quantizes while loading from disk: the seeded base is saved, then reloaded 4-bit
+        model = load_4bit(saved_base(model, args), type(model))
     train_raw = offline.ShapesDataset(args.train_size, seed=args.seed)
     eval_raw = offline.ShapesDataset(args.eval_size, seed=args.seed + 10_000)  # other seeds: unseen images
     return model, tokenizer, image_processor, train_raw, eval_raw
@@ -287,6 +288,8 @@ def word_ids(tokenizer, words) -> set[int]:
 # --------------------------------------------------------------------------- main
 def main(argv=None) -> dict:
     args = parse_args(argv)
+    quiet_repeated_upstream_warnings()
+    args.output_dir = output_dir_for(args)
     if args.dataset and not args.model:
         raise SystemExit("--dataset needs --model: the offline tokenizer only knows the synthetic vocabulary")
     if os.environ.get("ACCELERATE_USE_FSDP", "").lower() == "true" and not torch.accelerator.is_available():
@@ -294,7 +297,7 @@ def main(argv=None) -> dict:
         raise SystemExit("FSDP needs an accelerator: this launch asks for FSDP (accelerate_configs/fsdp.yaml), but "
                          "the machine has none, and accelerate would train plain DDP instead. On the CPU use "
                          "ddp_cpu.yaml, zero2.yaml or zero3.yaml; FSDP2 itself runs on the CPU with torch's "
-                         "fully_shard (tests/scripts/vlm_fsdp.py, see the README).")
+                         "fully_shard (tests/scripts/vlm_fsdp.py, see docs/vlm.md).")
 
     if not args.no_fix:
         from hf_ddpfix import patch_trainer
@@ -371,6 +374,9 @@ def main(argv=None) -> dict:
         processing_class=tokenizer, compute_metrics=compute_metrics, preprocess_logits_for_metrics=preprocess,
     )
 
+    record_setup(args, args.output_dir)
+    if rank0():
+        print(f"output dir: {args.output_dir}", flush=True)
     resume_from = None
     if args.resume:
         resume_from = last_complete_checkpoint(args.output_dir) if os.path.isdir(args.output_dir) else None

@@ -16,24 +16,50 @@ decisions), ``runtime`` (applies a plan), ``trainer`` (the entry points), ``cli`
 ``__all__`` are public API; module paths below this package may change between releases.
 """
 
-from ._compat import checkpointing_training_args
-from .accelerate_loop import AccelerateLoopRun, prepare_accelerate_loop
-from .callbacks import MemoryThroughputCallback, PlanReportCallback, ReplicaSyncCallback, default_callbacks
-from .checkpoints import last_complete_checkpoint, save_model_atomic
-from .config import DDPFixConfig
-from .errors import DDPFixError, ReplicaDivergenceError, explain, readable_ddp_errors
-from .feature_report import FeatureFallbackError
-from .integrations.long_context import apply_long_context, remove_long_context
-from .integrations.loss_patch import patch_model_loss, unpatch_model_loss
-from .integrations.tiled_mlp import apply_tiled_mlp, remove_tiled_mlp
-from .integrations.usage import HangGuard, ParameterUsage, UnusedParametersError
-from .integrations.vision.families import find_vision_adapter
-from .integrations.vision.stabilizer import VisionStabilizer
-from .ops.offload import ActivationOffload, OffloadBudgetError, plan_offload_budget
-from .ops.tiled_loss import tiled_causal_lm_loss
-from .plan.resolve import resolve_plan
-from .plan.types import Decision, Plan, PlanError, RunFacts
-from .trainer import DDPFixTrainer, patch_trainer, plan_for_trainer, unpatch_trainer
+import importlib
+from typing import Any
+
+_LAZY = {  # public name -> the module that defines it, imported on first use (PEP 562)
+    "checkpointing_training_args": "._compat",
+    "AccelerateLoopRun": ".accelerate_loop",
+    "prepare_accelerate_loop": ".accelerate_loop",
+    "MemoryThroughputCallback": ".callbacks",
+    "PlanReportCallback": ".callbacks",
+    "ReplicaSyncCallback": ".callbacks",
+    "default_callbacks": ".callbacks",
+    "last_complete_checkpoint": ".checkpoints",
+    "save_model_atomic": ".checkpoints",
+    "DDPFixConfig": ".config",
+    "DDPFixError": ".errors",
+    "ReplicaDivergenceError": ".errors",
+    "explain": ".errors",
+    "readable_ddp_errors": ".errors",
+    "FeatureFallbackError": ".feature_report",
+    "apply_long_context": ".integrations.long_context",
+    "remove_long_context": ".integrations.long_context",
+    "patch_model_loss": ".integrations.loss_patch",
+    "unpatch_model_loss": ".integrations.loss_patch",
+    "apply_tiled_mlp": ".integrations.tiled_mlp",
+    "remove_tiled_mlp": ".integrations.tiled_mlp",
+    "HangGuard": ".integrations.usage",
+    "ParameterUsage": ".integrations.usage",
+    "UnusedParametersError": ".integrations.usage",
+    "find_vision_adapter": ".integrations.vision.families",
+    "VisionStabilizer": ".integrations.vision.stabilizer",
+    "ActivationOffload": ".ops.offload",
+    "OffloadBudgetError": ".ops.offload",
+    "plan_offload_budget": ".ops.offload",
+    "tiled_causal_lm_loss": ".ops.tiled_loss",
+    "resolve_plan": ".plan.resolve",
+    "Decision": ".plan.types",
+    "Plan": ".plan.types",
+    "PlanError": ".plan.types",
+    "RunFacts": ".plan.types",
+    "DDPFixTrainer": ".trainer",
+    "patch_trainer": ".trainer",
+    "plan_for_trainer": ".trainer",
+    "unpatch_trainer": ".trainer",
+}
 
 __all__ = [
     "AccelerateLoopRun",
@@ -77,3 +103,25 @@ __all__ = [
     "unpatch_trainer",
 ]
 __version__ = "0.1.0"
+
+
+def __getattr__(name: str) -> Any:
+    """Import a public name's module on first use, so `import hf_ddpfix` (and `hf-ddpfix --help`) loads
+    neither torch nor transformers until something needs them. `_LAZY` is the one list of public names;
+    `__all__` must equal its keys (tests/test_cli.py)."""
+    module = _LAZY.get(name)
+    if module is None:  # a submodule (`hf_ddpfix.trainer`), as an eager package would have bound it
+        try:
+            value = importlib.import_module(f"{__name__}.{name}")
+        except ModuleNotFoundError as e:
+            if e.name != f"{__name__}.{name}":
+                raise
+            raise AttributeError(f"module {__name__!r} has no attribute {name!r}") from None
+    else:
+        value = getattr(importlib.import_module(module, __name__), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))

@@ -18,8 +18,6 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from .facts import MOE_CONFIG_KEYS
-
 GiB = 2**30
 #: Bytes of training state per *trainable* parameter: fp32 master weight + fp32 gradient + two fp32 AdamW
 #: moments (the standard mixed-precision estimate, ZeRO paper §3).
@@ -298,6 +296,8 @@ def describe_model(spec: str, config_kwargs: Mapping[str, Any] | None = None) ->
         adapter = found.family.name if found is not None else None
         found = find_vision_adapter(model, zero=True)
         zero_adapter = found.family.name if found is not None else None
+    from .facts import MOE_CONFIG_KEYS  # here, not at module level: `hf-ddpfix --help` imports no torch
+
     return ModelInfo(
         source=spec,
         model_type=str(getattr(config, "model_type", type(config).__name__)),
@@ -312,7 +312,7 @@ def describe_model(spec: str, config_kwargs: Mapping[str, Any] | None = None) ->
     )
 
 
-def qlora_advice(bitsandbytes_version: str | None, num_devices: int = 1) -> list[str]:
+def qlora_advice(bitsandbytes_version: str | None, num_devices: int = 1, accelerator: bool = True) -> list[str]:
     """What `hf-ddpfix doctor` says about QLoRA (bitsandbytes 4-bit base + adapters) on this machine.
 
     Pure. Each line is a rule the plan enforces or a setting that decides memory, with the reason
@@ -321,6 +321,8 @@ def qlora_advice(bitsandbytes_version: str | None, num_devices: int = 1) -> list
     Args:
         bitsandbytes_version: the installed version, `None` when not installed.
         num_devices: devices per node the run will use (the DDP / sharding lines only matter above 1).
+        accelerator: False for CPU processes (`doctor --cpu`, or no GPU here): the model is loaded with
+            `device_map="cpu"`, since `{'': 0}` fails there.
 
     Returns:
         Lines without a leading bullet; the first says whether QLoRA is available.
@@ -329,12 +331,20 @@ def qlora_advice(bitsandbytes_version: str | None, num_devices: int = 1) -> list
         return ["bitsandbytes not installed: QLoRA (BitsAndBytesConfig(load_in_4bit=True)) unavailable "
                 "(pip install bitsandbytes)"]
     lines = [f"bitsandbytes {bitsandbytes_version}: QLoRA available (load_in_4bit / load_in_8bit)"]
-    if num_devices <= 1:
+    if not accelerator:
+        lines.append("no accelerator: load with device_map='cpu' and bnb_4bit_compute_dtype=torch.float32 on every "
+                     "process (device_map={'': 0} fails: 'Cannot access accelerator device when none is "
+                     "available'); keep each quantized layer's input width a multiple of 64 (bitsandbytes 0.50's "
+                     "CPU evaluation path repacks 4-bit weights in blocks of 64)")
+    elif num_devices <= 1:
         lines.append("one device: load with device_map={'': 0}; nothing to shard")
+    if num_devices <= 1:
         return lines
+    if accelerator:
+        lines.append("DDP: load each rank's model on its own device, device_map={'': int(os.environ['LOCAL_RANK'])}; "
+                     "device_map='auto' under torchrun spreads every rank over all GPUs (hf_ddpfix raises "
+                     "PlacementError)")
     lines += [
-        "DDP: load each rank's model on its own device, device_map={'': int(os.environ['LOCAL_RANK'])}; "
-        "device_map='auto' under torchrun spreads every rank over all GPUs (hf_ddpfix raises PlacementError)",
         "DDP: prepare_model_for_kbit_training's default reentrant checkpointing fails stock DDP ('ready only "
         "once'); under hf_ddpfix the plan switches it to non-reentrant (same weights)",
         "FSDP2 / ZeRO-3 with bf16: bnb_4bit_quant_storage=torch.bfloat16 (and torch_dtype=torch.bfloat16) so the "

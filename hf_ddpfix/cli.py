@@ -32,7 +32,9 @@ from ._advice import GiB, ModelInfo, describe_model, qlora_advice, recommend_lau
 _PACKAGES = ("torch", "transformers", "accelerate", "peft", "trl", "datasets", "bitsandbytes", "deepspeed",
              "hf-ddpfix")
 #: HF_DDPFIX_* variables that are not `DDPFixConfig` options.
-_EXTRA_VARS = {"HF_DDPFIX_DISABLE": "patches/sitecustomize.py: 1 turns the zero-code patch off"}
+_EXTRA_VARS = {"HF_DDPFIX_DISABLE": "1/true/yes/on: `patches/` (the `PYTHONPATH` zero-code patch, "
+                                   "patches/sitecustomize.py) does nothing; 0/false/no/off or unset: it runs; any "
+                                   "other value raises ValueError when transformers.trainer is imported."}
 _RELATED_VARS = ("TORCH_DISTRIBUTED_DEBUG", "NCCL_DEBUG", "TORCH_NCCL_ASYNC_ERROR_HANDLING",
                  "TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "OMP_NUM_THREADS", "CUDA_VISIBLE_DEVICES",
                  "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "ACCELERATE_USE_FSDP")
@@ -72,7 +74,15 @@ def check_env(env: Mapping[str, str] | None = None) -> dict[str, Any]:
             settings.append(entry)
     for var, doc in _EXTRA_VARS.items():
         if var in env:
-            settings.append({"var": var, "value": env[var], "option": None, "ok": True, "error": None, "doc": doc})
+            entry = {"var": var, "value": env[var], "option": None, "ok": True, "error": None, "doc": doc}
+            try:
+                if env[var].strip():  # patches/sitecustomize.py reads "" as unset
+                    from .config import parse_bool
+
+                    parse_bool(var, env[var])  # the spellings patches/sitecustomize.py accepts
+            except ValueError as e:
+                entry.update(ok=False, error=str(e))
+            settings.append(entry)
     unknown = []
     for var in sorted(v for v in env if v.startswith("HF_DDPFIX_") and v not in known):
         close = difflib.get_close_matches(var, sorted(known), n=1)
@@ -180,7 +190,7 @@ def _doctor(args: argparse.Namespace) -> int:
                                hidden_size=info.hidden_size, num_layers=info.num_layers, vocab_size=info.vocab_size,
                                accelerator=accelerator, target_global_batch=args.global_batch)
         report["recommendation"] = rec.as_dict()
-    report["qlora"] = qlora_advice(report["versions"].get("bitsandbytes"), n)
+    report["qlora"] = qlora_advice(report["versions"].get("bitsandbytes"), n, accelerator=accelerator)
     from .plan.deepspeed import deepspeed_advice
 
     report["deepspeed"] = deepspeed_advice(report["versions"].get("deepspeed"))

@@ -156,7 +156,7 @@ def option(parse: Callable[[str, Any], Any], doc: str, *, compat: Mapping[str, A
     Args:
         parse: `parse(variable_name, raw_value) -> typed value or None`; raises `ValueError` naming the
             variable and the allowed values.
-        doc: one line for the README's table and `hf-ddpfix doctor`.
+        doc: one line for docs/options.md's table (scripts/options_table.py) and `hf-ddpfix doctor`.
         compat: compatibility variables -> the value they imply when set to a true value (`None`: the
             variable's own value is parsed, e.g. `UNSLOTH_TILED_MLP=arctic`).
     """
@@ -190,7 +190,9 @@ class DDPFixConfig:
 
     static_graph: bool | None = option(
         _bool,
-        "DDP `static_graph`: 1 forces it where safe, 0 never uses it, auto lets the plan decide.",
+        "DDP `static_graph`: 1 asks for it (kept where the graph is fixed; where it would fail, e.g. with gradient "
+        "accumulation, it is corrected to off and logged, or refused under strict), 0 never uses it, auto lets "
+        "the plan decide.",
         compat={"UNSLOTH_DISABLE_DDP_STATIC_GRAPH": False},
     )
     static_graph_with_checkpointing: bool | None = option(
@@ -246,7 +248,9 @@ class DDPFixConfig:
         compat={"UNSLOTH_TILED_MLP": None},  # value passed through (arctic / target / target:GB)
     )
     tiled_loss: str | None = option(
-        _tiled_loss, "Tiled lm_head + cross-entropy that never holds the full logits: off, on, N tokens per chunk."
+        _tiled_loss,
+        "Tiled lm_head + cross-entropy that never holds the full logits: off, on (chunk size chosen per run), "
+        "auto (the same as on), N label tokens per chunk.",
     )
     long_context: str | None = option(
         _long_context,
@@ -349,7 +353,7 @@ def _check_cross_conflicts(values: Mapping[str, Any], sources: Mapping[str, str]
 
 
 def env_table() -> list[tuple[str, str, str]]:
-    """(variable, compatibility aliases, meaning) for every option: the README's table is generated from this."""
+    """(variable, compatibility aliases, meaning) for every option: docs/options.md's table is generated from this."""
     rows = []
     for name, opt in OPTIONS.items():
         rows.append((env_name(name), ", ".join(opt.compat), opt.doc))

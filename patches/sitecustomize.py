@@ -8,7 +8,9 @@ How: Python imports `sitecustomize` at start-up. This one imports nothing heavy:
 that calls `hf_ddpfix.patch_trainer()` right after `transformers.trainer` is first imported, so programs
 that never build a Trainer never load hf_ddpfix (nor torch/transformers because of it).
 
-- Opt out per run: `HF_DDPFIX_DISABLE=1` (1/true/yes/on); the hook is then not installed.
+- Opt out per run: `HF_DDPFIX_DISABLE=1` (1/true/yes/on); the hook is then not installed. Another value
+  than those or 0/false/no/off raises `ValueError` naming the variable and the allowed values when
+  `transformers.trainer` is imported.
 - Another `sitecustomize` later on `sys.path` (a distro's or a virtualenv's) is still run: this module
   looks it up past its own folder and executes it, so putting `patches` first hides nothing.
 - hf_ddpfix options come from `HF_DDPFIX_*` variables as usual; an invalid value raises `ValueError`
@@ -30,19 +32,24 @@ _ON = ("1", "true", "yes", "on")
 _OFF = ("", "0", "false", "no", "off")
 
 
-def _disabled() -> bool:
+def _disabled() -> bool | str:
+    """True when `HF_DDPFIX_DISABLE` asks to turn the patch off, False when it is unset or off, and the error
+    message when the value is not recognised (raised when `transformers.trainer` is imported, as for every
+    other invalid `HF_DDPFIX_*` value: an exception in `sitecustomize` itself would only be printed)."""
     raw = os.environ.get("HF_DDPFIX_DISABLE", "")
     value = raw.strip().lower()
     if value in _ON:
         return True
     if value not in _OFF:
-        sys.stderr.write(f"[hf_ddpfix] HF_DDPFIX_DISABLE={raw!r} is not a recognised value (allowed: "
-                         "1/true/yes/on or 0/false/no/off); treating it as 1: patches disabled\n")
-        return True
+        return (f"HF_DDPFIX_DISABLE={raw!r} is not a recognised value; allowed: 1/true/yes/on (patches/ does "
+                "nothing) or 0/false/no/off (patches/ runs every Trainer under hf_ddpfix)")
     return False
 
 
 def _patch() -> None:
+    error = _disabled()
+    if isinstance(error, str):
+        raise ValueError(error)
     try:
         import hf_ddpfix
     except ImportError:
@@ -92,7 +99,7 @@ class _TrainerImportHook(importlib.abc.MetaPathFinder):
 
 
 def _install() -> None:
-    if _disabled():
+    if _disabled() is True:
         return
     if _TARGET in sys.modules:  # imported before us (unusual): patch now
         _patch()

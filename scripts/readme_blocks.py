@@ -1,4 +1,4 @@
-"""The README's generated blocks: text between a BEGIN and an END marker line that a script renders from
+"""The docs' generated blocks (docs/trainers.md, docs/models.md, docs/options.md, docs/plan.md): text between a BEGIN and an END marker line that a script renders from
 committed test results (scripts/supported_models.py, scripts/trainers_table.py). The test of each table
 compares :func:`readme_block` of the README with the script's rendering, and the script's ``--readme`` writes
 it back with :func:`with_block`."""

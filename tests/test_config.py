@@ -98,14 +98,31 @@ def test_env_table_covers_every_option():
     assert names == [env_name(o) for o in OPTIONS]
 
 
-def test_readme_documents_every_variable():
+def test_options_page_documents_every_variable():
     from pathlib import Path
 
-    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    readme = (Path(__file__).resolve().parents[1] / "docs" / "options.md").read_text()
     for var, aliases, _ in env_table():
         assert f"`{var}`" in readme, var
         for alias in filter(None, aliases.split(", ")):
             assert f"`{alias}`" in readme, alias
+
+
+def test_options_page_table_is_rendered_from_the_config():
+    """docs/options.md's table is what scripts/options_table.py renders from DDPFixConfig's fields: a doc or
+    alias changed in config.py without `python scripts/options_table.py --readme` fails here."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "scripts" / "options_table.py"
+    spec = importlib.util.spec_from_file_location("options_table", path)
+    table = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(table)
+    block = table.page_block(Path(table.PAGE).read_text())
+    assert block == table.render(), "docs/options.md is stale: python scripts/options_table.py --readme"
+    # the compatibility variable reads as what it does: UNSLOTH_DISABLE_DDP_STATIC_GRAPH=1 turns static graph off
+    assert "`UNSLOTH_DISABLE_DDP_STATIC_GRAPH`=1 means 0" in block
+    assert "auto (the same as on)" in block  # HF_DDPFIX_TILED_LOSS=auto is accepted: say what it means
 
 
 def test_every_variable_named_in_the_package_is_an_option():

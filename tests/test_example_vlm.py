@@ -54,6 +54,9 @@ def test_example_trains_beats_chance_saves_and_resumes(tmp_path):
         assert (out_dir / name).is_file(), sorted(p.name for p in out_dir.iterdir())
     assert (out_dir / f"checkpoint-{STEPS}").is_dir(), sorted(p.name for p in out_dir.iterdir())
     assert "[hf_ddpfix]" in log and "(ddp, world size 2)" in log, "the plan log should be printed"
+    sample = _plan_log_sample()  # docs/plan.md shows what this command prints
+    assert sample.page_block((ROOT / "docs" / "plan.md").read_text()) == sample.extract(log), \
+        "docs/plan.md's plan log differs from what README command 1 printed: python scripts/plan_log_sample.py --readme"
 
     done2 = torchrun(EXAMPLE, "--output-dir", str(out_dir), "--max-steps", str(MORE_STEPS), "--resume",
                      "--save-steps", "30", timeout=150, env=OFFLINE)
@@ -63,6 +66,26 @@ def test_example_trains_beats_chance_saves_and_resumes(tmp_path):
     assert result2["global_step"] == MORE_STEPS, (result2, log2[-4000:])
     assert result2["caption_accuracy"] >= max(2 * chance, chance + 0.25), result2
     assert (out_dir / f"checkpoint-{MORE_STEPS}").is_dir()
+
+
+def _plan_log_sample():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("plan_log_sample", ROOT / "scripts" / "plan_log_sample.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_plan_log_sample_reads_the_plan_block_of_a_log():
+    sample = _plan_log_sample()
+    log = ("noise\n[hf_ddpfix] hf_ddpfix plan (ddp, world size 2):\n * checkpointing           = non_reentrant  why\n"
+           "   tiled_mlp               = off            not requested\n   corrected: a -> b\n  0%|  | 0/4\nmore\n")
+    assert sample.extract(log) == ("```\n[hf_ddpfix] hf_ddpfix plan (ddp, world size 2):\n * checkpointing           "
+                                   "= non_reentrant  why\n   tiled_mlp               = off            not requested\n"
+                                   "   corrected: a -> b\n```\n")
+    with pytest.raises(ValueError, match="no '\\[hf_ddpfix\\] hf_ddpfix plan"):
+        sample.extract("nothing here")
 
 
 def plan_value(log: str, name: str) -> str:
@@ -85,6 +108,9 @@ def test_example_trains_and_evaluates_under_deepspeed_on_cpu(tmp_path, config, s
     assert plan_value(log, "deepspeed") == f"ZeRO-{stage}"
     # ZeRO-3: evaluation forwards all-gather parameters, so ranks with and without images must agree
     assert plan_value(log, "vlm_eval_sync") == ("on" if stage == 3 else "off"), log[-4000:]
+    # DeepSpeed's deprecated torch collectives: each warning once per rank (it was once per call: ~4,800 lines)
+    deprecated = re.findall(r"FutureWarning: (`torch\.distributed\.\w+` is deprecated)", log)
+    assert all(deprecated.count(m) <= 2 for m in set(deprecated)), {m: deprecated.count(m) for m in set(deprecated)}
 
 
 @pytest.mark.multiprocess
@@ -98,6 +124,14 @@ def test_example_qlora_on_cpu(tmp_path):
     assert re.search(r"quantization\s+= bnb 4-bit nf4", done.stdout), done.stdout[-4000:]
     # peft's default reentrant checkpointing (stock DDP: "marked ready only once") planned to non-reentrant
     assert plan_value(done.stdout, "checkpointing") == "non_reentrant"
+    # the adapter names a base that still exists after the run (it named a deleted temporary folder)
+    base = json.loads((tmp_path / "adapter_config.json").read_text())["base_model_name_or_path"]
+    assert (tmp_path / "base_model" / "config.json").is_file() and base == str(tmp_path / "base_model"), base
+    # a --resume without --qlora into this folder is refused with the reason, before any model is built
+    refused = torchrun(EXAMPLE, "--output-dir", str(tmp_path), "--resume", *SHORT, timeout=120, env=OFFLINE,
+                       check=False)
+    assert refused.returncode != 0 and "holds a run of another set-up (base: '4bit-nf4' there, 'full' now" \
+        in refused.stdout, refused.stdout[-3000:]
 
 
 @pytest.mark.multiprocess
@@ -109,3 +143,36 @@ def test_example_under_fsdp_yaml_on_cpu_says_fsdp_cannot_run(tmp_path):
     assert "RESULT " not in done.stdout
     assert "FSDP needs an accelerator" in done.stdout, done.stdout[-4000:]
     assert ABORT not in done.stdout, done.stdout[-4000:]
+
+
+def _example_module():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("qwen_vl_lora_example", EXAMPLE)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_each_setup_gets_its_own_output_dir_and_another_setups_folder_is_refused(tmp_path, monkeypatch):
+    """Issue 29: every run wrote to one outputs/qwen_vl_lora, so `--resume` after a `--qlora` run failed with a
+    size mismatch. One process, no training: the folder names and the refusal."""
+    ex = _example_module()
+    for var in ("ACCELERATE_USE_DEEPSPEED", "ACCELERATE_DEEPSPEED_ZERO_STAGE", "ACCELERATE_USE_FSDP"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    lora, qlora = ex.parse_args([]), ex.parse_args(["--qlora"])
+    assert ex.output_dir_for(lora) == "outputs/qwen_vl_lora/offline-seed0-lora-r16-ddp"
+    assert ex.output_dir_for(qlora) == "outputs/qwen_vl_lora/offline-seed0-qlora-r16-ddp"
+    monkeypatch.setenv("ACCELERATE_USE_DEEPSPEED", "true")
+    monkeypatch.setenv("ACCELERATE_DEEPSPEED_ZERO_STAGE", "3")
+    assert ex.output_dir_for(lora) == "outputs/qwen_vl_lora/offline-seed0-lora-r16-zero3"
+    hub = ex.parse_args(["--model", "Qwen/Qwen2.5-VL-3B-Instruct", "--lora-r", "8"])
+    assert ex.output_dir_for(hub) == "outputs/qwen_vl_lora/Qwen--Qwen2.5-VL-3B-Instruct-lora-r8-zero3"
+
+    monkeypatch.setenv("RANK", "0")
+    qlora_here = ex.parse_args(["--qlora", "--output-dir", str(tmp_path)])
+    ex.record_setup(qlora_here, ex.output_dir_for(qlora_here))
+    assert ex.output_dir_for(qlora_here) == str(tmp_path)  # the same set-up may resume there
+    with pytest.raises(SystemExit, match=r"holds a run of another set-up \(base: '4bit-nf4' there, 'full' now\)"):
+        ex.output_dir_for(ex.parse_args(["--resume", "--output-dir", str(tmp_path)]))

@@ -41,6 +41,15 @@ def test_disable_env_var_turns_the_patch_off():
     assert "PATCHED False False" in done.stdout
 
 
+def test_unrecognised_disable_value_fails_at_trainer_import_naming_the_variable_and_values():
+    done = _python(_PROBE, [PATCHES, ROOT], HF_DDPFIX_DISABLE="banana")
+    assert done.returncode != 0, done.stdout
+    assert "HF_DDPFIX_DISABLE='banana' is not a recognised value; allowed: 1/true/yes/on" in done.stderr
+    assert "0/false/no/off" in done.stderr
+    off = _python(_PROBE, [PATCHES, ROOT], HF_DDPFIX_DISABLE="off")
+    assert off.returncode == 0 and "PATCHED True True" in off.stdout, off.stderr
+
+
 def test_chains_to_the_sitecustomize_it_shadows(tmp_path):
     other = tmp_path / "other"
     other.mkdir()

@@ -257,6 +257,23 @@ def test_qlora_advice_names_the_fixes_the_plan_enforces():
         assert needle in text, needle
 
 
+def test_qlora_advice_without_an_accelerator_says_device_map_cpu_not_cuda_0(capsys):
+    """`doctor --cpu` advised device_map={'': 0}, which fails on a CPU-only machine (issue 29)."""
+    import json
+
+    from hf_ddpfix._advice import qlora_advice
+    from hf_ddpfix.cli import main
+
+    for n in (1, 2):
+        text = " ".join(qlora_advice("0.50.2", n, accelerator=False))
+        assert "device_map='cpu'" in text and "multiple of 64" in text
+        assert "LOCAL_RANK" not in text and "load with device_map={'': 0}" not in text
+    main(["doctor", "--json", "--cpu", "--devices", "2"])
+    report = json.loads(capsys.readouterr().out)
+    if report["versions"]["bitsandbytes"]:
+        assert "device_map='cpu'" in report["qlora"][1]
+
+
 def test_doctor_reports_bitsandbytes_and_qlora_advice(capsys):
     import json
     from importlib import metadata

@@ -1,7 +1,7 @@
 """The trainer zoo (TRL's trainers, the plain Trainer with losses of its own), one 2-process launch (tests/scripts/trainer_zoo.py, started the zero-code way: ``patches/``
 first on PYTHONPATH): hf_ddpfix vs stock on the same data under DDP through ``patches/`` (every case) and
 ``patch_trainer()`` (one case per trainer class), under DeepSpeed ZeRO-2/3 against stock DDP, and what an FSDP2
-request becomes without an accelerator. The README's "Trainers" table is rendered from the results
+request becomes without an accelerator. The "Trainers" table (docs/trainers.md) is rendered from the results
 (tests/results/trainer_zoo.json, scripts/trainers_table.py), which every run of this module rewrites on the pinned
 stack when what it measured changed (``scripts/readme_blocks.refresh_results``): the table must be what this run
 measured, and every cell must stay in the class of the file as it stood before the run.
@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import json
 import os
+from pathlib import Path
 
 import pytest
 from launch import ROOT, torchrun
@@ -147,8 +148,8 @@ def test_readme_trainers_table_is_what_this_run_measured(zoo) -> None:
 
 def test_readme_trainers_table_is_rendered_from_the_committed_results() -> None:
     table = _table()
-    block = table.readme_block((ROOT / "README.md").read_text())  # ValueError without the markers
-    assert block == table.render(table.load(str(RESULTS))), "README Trainers table is stale: python " \
+    block = table.readme_block(Path(table.README).read_text())  # ValueError without the markers
+    assert block == table.render(table.load(str(RESULTS))), "docs/trainers.md Trainers table is stale: python " \
                                                             "scripts/trainers_table.py --readme"
     classes = table.cell_classes(table.load(str(RESULTS)))
     assert "FAILED" not in classes.values() and classes["dpo_vlm / DDP"] == "bit-equal"

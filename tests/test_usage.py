@@ -216,7 +216,7 @@ def test_fsdp2_mixed_batches_match_stock_ddp_with_the_committed_verdicts(tmp_pat
     """fully_shard on gloo, no dummy image: folded skippable subtrees + per-unit ties, against stock DDP
     (find_unused_parameters=True, non-reentrant checkpointing) on the same data, every VLM in one process
     group. The fresh per-family verdicts (max |dW| <= tol) must be the ones the results file held; the run
-    rewrites the file when its numbers changed (pinned stack) and the README's FSDP2 column must be what THIS
+    rewrites the file when its numbers changed (pinned stack) and docs/models.md's FSDP2 column must be what THIS
     run measured."""
     report = tmp_path / "fsdp2.json"
     done = torchrun("usage_fsdp.py", "--report", str(report), timeout=300)
@@ -244,12 +244,12 @@ def test_fsdp2_mixed_batches_match_stock_ddp_with_the_committed_verdicts(tmp_pat
 
 
 def test_readme_supported_models_table_is_rendered_from_the_committed_results() -> None:
-    """The README block between the markers is exactly what scripts/supported_models.py renders from
+    """The docs/models.md block between the markers is exactly what scripts/supported_models.py renders from
     tests/zoo.py and the committed tests/results/fsdp2_parity.json (no hand-written cell)."""
     sm = _supported_models()
     with open(sm.README) as f:
         block = sm.readme_block(f.read())
-    assert block == sm.table(), "README's supported-models table is stale: run scripts/supported_models.py --readme"
+    assert block == sm.table(), "docs/models.md's supported-models table is stale: run scripts/supported_models.py --readme"
 
 
 def test_the_fsdp2_column_shows_each_family_verdict_and_number_from_the_results_file() -> None:

@@ -1,6 +1,6 @@
 """ZeRO-1/2/3 with stock DDP's optimizer semantics: a parameter no rank used in a step is left out of it.
 
-Problem (measured on CPU, 2 gloo ranks, deepspeed 0.19.8, 2026-11-25; README, DeepSpeed section): in an
+Problem (measured on CPU, 2 gloo ranks, deepspeed 0.19.8, 2026-11-25; docs/deepspeed.md): in an
 optimizer step where no rank gives a parameter a gradient (the vision tower in a step where no rank has an
 image; a module whose output never reaches the loss, such as PaliGemma's SigLIP pooling head), stock DDP
 (``find_unused_parameters=True``) leaves its ``.grad`` ``None`` and ``torch.optim.AdamW`` skips it. ZeRO

@@ -164,7 +164,7 @@ def skip_unused_decision(stage: int | None, asked: bool | None, source: str) -> 
         return False, (f"{why}: in an optimizer step where no rank used a parameter (vision tower without an image "
                        "on any rank, a head outside the loss) ZeRO steps it with a zero gradient, so AdamW's weight "
                        "decay and momentum move it where stock DDP leaves it (measured 1e-3 to 1e-2 after a few "
-                       "steps, README); kept as stock DeepSpeed so runs stock DeepSpeed trains keep their weights; "
+                       "steps, docs/deepspeed.md); kept as stock DeepSpeed so runs stock DeepSpeed trains keep their weights; "
                        "HF_DDPFIX_ZERO_SKIP_UNUSED=1 matches DDP"), False
     return True, (f"requested ({source}): after each optimizer step the "
                   "parameters no rank used get back their fp32 weights and AdamW moments, and a parameter used "

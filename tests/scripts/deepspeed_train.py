@@ -397,7 +397,7 @@ def main() -> None:
     def compare(name: str, got: dict, ref: dict, start: dict, split_unused: bool = False, check: bool = True) -> None:
         """Weights within TOL of the reference; with ``split_unused``, the trainable tensors the DDP reference
         never moved (no rank ever gave them a gradient: AdamW skipped them) are reported apart (DeepSpeed
-        steps them with zero gradients: weight decay; README, DeepSpeed section) and left out of TOL."""
+        steps them with zero gradients: weight decay; docs/deepspeed.md) and left out of TOL."""
         unused = [k for k in ref["weights"] if split_unused and torch.equal(ref["weights"][k], start[k])]
         keep = [k for k in ref["weights"] if k not in unused]
         d = max_diff({k: got["weights"][k] for k in keep}, {k: ref["weights"][k] for k in keep})

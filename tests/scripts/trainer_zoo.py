@@ -45,7 +45,7 @@ Cases:
   of its own (trainer_heads.py; stock's setting that trains: trainer_heads.STOCK_FU).
 
 Every rank prints one ``ZOO {json}`` line per comparison; rank 0 writes them all to ``--out`` (the results
-the README's Trainers table is rendered from: scripts/trainers_table.py). Prints ``TRAINER_ZOO_OK`` after
+the Trainers table in docs/trainers.md is rendered from: scripts/trainers_table.py). Prints ``TRAINER_ZOO_OK`` after
 all cases.
 """
 

@@ -15,7 +15,7 @@ and clip_grad_norm_(1.0), so a zero gradient and a missing one end in different 
 FSDP2 reduce-scatters where DDP all-reduces: the sums are the same up to float rounding, so the weights
 agree to a tolerance (``TOL``) set a small multiple above the spread measured on this zoo (see ``TOL``). Each
 family's verdict (``max_dw <= TOL``) goes to ``--report`` (rank 0), which tests/test_usage.py compares with the
-committed tests/results/fsdp2_parity.json, from which scripts/supported_models.py renders the README
+committed tests/results/fsdp2_parity.json, from which scripts/supported_models.py renders docs/models.md
 column. The script itself fails only on a crash or a hang (the launcher's timeout). Prints ``USAGE_FSDP_OK``.
 """
 
