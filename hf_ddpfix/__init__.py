@@ -23,9 +23,9 @@ from .checkpoints import last_complete_checkpoint, save_model_atomic
 from .config import DDPFixConfig
 from .errors import DDPFixError, ReplicaDivergenceError, explain, readable_ddp_errors
 from .feature_report import FeatureFallbackError
-from .integrations.long_context import apply_long_context, remove_long_context
-from .integrations.loss_patch import patch_model_loss, unpatch_model_loss
-from .integrations.tiled_mlp import apply_tiled_mlp, remove_tiled_mlp
+from .integrations.long_context.long_context import apply_long_context, remove_long_context
+from .integrations.long_context.loss_patch import patch_model_loss, unpatch_model_loss
+from .integrations.long_context.tiled_mlp import apply_tiled_mlp, remove_tiled_mlp
 from .integrations.usage import HangGuard, ParameterUsage, UnusedParametersError
 from .integrations.vision.families import find_vision_adapter
 from .integrations.vision.stabilizer import VisionStabilizer

@@ -134,7 +134,7 @@ def _tiled_loss(name: str, value: Any) -> str | None:
 
 def _long_context(name: str, value: Any) -> str | None:
     """Long-context layer features: off, all, or a comma list of rms_norm, attention, tiled_layer."""
-    from .integrations.long_context import parse_long_context_setting
+    from .integrations.long_context.long_context import parse_long_context_setting
 
     v = parse_str(name, value)
     if v is None:

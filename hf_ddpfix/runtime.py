@@ -31,10 +31,10 @@ from .integrations.checkpointing import (
     tool_checkpoint_functions,
 )
 from .integrations.deepspeed import attach_deepspeed
-from .integrations.long_context import LongContextHandle, apply_long_context
-from .integrations.loss_patch import TiledLossHandle, patch_model_loss
+from .integrations.long_context.long_context import LongContextHandle, apply_long_context
+from .integrations.long_context.loss_patch import TiledLossHandle, patch_model_loss
+from .integrations.long_context.tiled_mlp import TiledMLPHandle, apply_tiled_mlp
 from .integrations.sequence_parallel.trainer import SequenceParallelGroups, attach_sequence_parallel
-from .integrations.tiled_mlp import TiledMLPHandle, apply_tiled_mlp
 from .integrations.usage import HangGuard, ParameterUsage
 from .integrations.vision.families import is_vision_language_model
 from .integrations.vision.stabilizer import VisionStabilizer

@@ -18,7 +18,7 @@ pytest.importorskip("peft")
 from peft import LoraConfig, get_peft_model  # noqa: E402
 from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
 
-from hf_ddpfix.integrations.long_context import (  # noqa: E402
+from hf_ddpfix.integrations.long_context.long_context import (  # noqa: E402
     apply_long_context,
     parse_long_context_setting,
     remove_long_context,

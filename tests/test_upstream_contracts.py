@@ -475,7 +475,7 @@ def test_finalize_runs_before_every_clip_and_every_optimizer_step(tmp_path, monk
 
 
 def test_transformers_checkpoints_llama_layers_in_a_class_level_forward_wrapper():
-    """integrations/long_context.py re-enters this wrapper's checkpoint call from its instance forward
+    """integrations/long_context/long_context.py re-enters this wrapper's checkpoint call from its instance forward
     (5.23); before 5.23 `GradientCheckpointingLayer.__call__` checkpoints the whole call, so an instance
     forward already runs inside the checkpoint and `class_checkpoint_inner_forward` must say None."""
     from transformers.modeling_layers import GradientCheckpointingLayer

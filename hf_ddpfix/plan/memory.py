@@ -69,7 +69,7 @@ def decide_tiled_mlp(facts: RunFacts, c: DDPFixConfig) -> Decision:
 
 
 def decide_long_context(facts: RunFacts, c: DDPFixConfig, ckpt: str) -> Decision:
-    """Patched Llama-style layers (integrations/long_context.py): gradients equal stock (tests), every
+    """Patched Llama-style layers (integrations/long_context/long_context.py): gradients equal stock (tests), every
     non-plain call (mask, cache, packing kwargs) runs stock at call time, other layer classes are left alone."""
     value = c.long_context
     if value is None or value == "off":

@@ -32,7 +32,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from .._compat import (
+from ..._compat import (
     FLASH_CPU_BACKWARD_OP,
     fake_from_meta,
     fake_tensor_mode,
@@ -40,7 +40,7 @@ from .._compat import (
     module_buffer_slots,
     module_parameter_slots,
 )
-from ..ops.memory_ledger import LedgerEntry, MemoryLedger
+from ...ops.memory_ledger import LedgerEntry, MemoryLedger
 
 __all__ = [
     "LEDGER_FEATURES",

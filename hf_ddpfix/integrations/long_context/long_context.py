@@ -21,7 +21,7 @@ anything else is reported and left alone. At call time the patched forward runs 
 call is not plain causal training attention: an attention mask (padding or packing), a KV cache,
 missing ``position_embeddings``, attention dropout in training, an attention implementation other
 than sdpa, or extra keyword arguments; ``handle.stats`` counts those calls by reason. A call is read
-against the stock forward's own signature (:func:`~hf_ddpfix.integrations.layer_call.bind_layer_call`), so
+against the stock forward's own signature (:func:`~hf_ddpfix.integrations.long_context.layer_call.bind_layer_call`), so
 each release's spelling is accepted (the KV cache is ``past_key_values=`` on 5.0-5.23, ``cache=`` on 5.24).
 
 Counts (:mod:`hf_ddpfix.ops.feature_counts`, feature ``"long_context"``): ``ran`` = decoder-layer calls
@@ -49,18 +49,18 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .._compat import (
+from ..._compat import (
     CACHE_KEYWORDS,
     class_checkpoint_inner_forward,
     forward_source,
     is_checkpointing,
     layer_checkpoint_func,
 )
-from ..ops.feature_counts import record_amount, record_fallback, record_ran
-from ..ops.grouped_attention import grouped_flash_attention, kv_groups_for
-from ..ops.rms_norm import DEFAULT_CHUNK_TOKENS, rms_norm
-from ..ops.tiled import sync_shards
-from ..ops.token_tiles import DEFAULT_TOKENS_PER_TILE, tiled_token_map, tiles_for
+from ...ops.feature_counts import record_amount, record_fallback, record_ran
+from ...ops.grouped_attention import grouped_flash_attention, kv_groups_for
+from ...ops.rms_norm import DEFAULT_CHUNK_TOKENS, rms_norm
+from ...ops.tiled import sync_shards
+from ...ops.token_tiles import DEFAULT_TOKENS_PER_TILE, tiled_token_map, tiles_for
 from .layer_call import LayerCall, bind_layer_call
 
 __all__ = [

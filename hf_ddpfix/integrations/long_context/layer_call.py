@@ -19,7 +19,7 @@ import inspect
 from dataclasses import dataclass, field
 from typing import Any
 
-from .._compat import CACHE_KEYWORDS
+from ..._compat import CACHE_KEYWORDS
 
 __all__ = ["HARMLESS_LAYER_KEYWORDS", "LayerCall", "bind_layer_call"]
 
