@@ -39,9 +39,10 @@ from ..._compat import (
     forward_source,
     tensor_has_values,
 )
+from ...ops.rms_norm import rms_norm
 
 __all__ = ["FORMS", "PROBE_RTOL", "LayerForm", "capture_attention_inputs", "candidate_forms", "probe_layer",
-           "same_forward_as_llama"]
+           "is_rms_norm", "same_forward_as_llama"]
 
 #: Relative error (``|a-b| / |b|``, over the probe's output) below which a form counts as the layer's.
 #: The decomposed layer runs the same ops as stock: a right form agrees to rounding, a wrong one by O(1).
@@ -172,6 +173,32 @@ def same_forward_as_llama(cls: type, which: str) -> bool:
         return forward_source(cls) == forward_source(getattr(ml, f"Llama{which}"))
     except (OSError, TypeError):
         return False
+
+
+def is_rms_norm(m: nn.Module, chunk_tokens: int = 4096) -> tuple[bool, str]:
+    """An RMSNorm recognised by what it computes: a 1-D ``weight``, an epsilon (``variance_epsilon`` or
+    ``eps``), no bias, and ``m(x)`` bit-identical to :func:`rms_norm` on a random input (Gemma's
+    ``x * (1 + w)`` and LayerNorm fail the check and stay stock)."""
+    w = getattr(m, "weight", None)
+    eps = getattr(m, "variance_epsilon", getattr(m, "eps", None))
+    if not isinstance(w, torch.Tensor) or w.dim() != 1 or not isinstance(eps, float) or w.numel() < 2:
+        return False, ""
+    if getattr(m, "bias", None) is not None or list(m.children()):
+        return False, ""
+    if not tensor_has_values(w):  # meta / fake weights (the memory ledger): Llama's source is the proof
+        same = same_forward_as_llama(type(m), "RMSNorm") and hasattr(m, "variance_epsilon")
+        return same, f"{type(m).__name__}: " + ("Llama's RMSNorm source" if same else "no values to check: stock")
+    gen = torch.Generator(device=w.device).manual_seed(0)
+    with torch.no_grad():
+        x = torch.randn((5, w.shape[0]), generator=gen, device=w.device, dtype=torch.float32).to(w.dtype) * 3
+        try:
+            ref = type(m).forward(m, x)
+        except Exception as err:  # noqa: BLE001 - not a one-tensor norm: not ours
+            return False, f"{type(m).__name__}: {type(err).__name__}"
+        same = isinstance(ref, torch.Tensor) and torch.equal(ref, rms_norm(x, w, eps, chunk_tokens=chunk_tokens))
+    return same, f"{type(m).__name__}: " + ("RMSNorm (checked against stock)" if same
+                                             else "a norm that does not compute weight * rmsnorm(x): stock")
+
 
 
 def _eval_mode(module: nn.Module) -> list[tuple[nn.Module, bool]]:

@@ -19,8 +19,9 @@ A layer is read by structure (:mod:`.layer_forms`): its attention module runs as
 to the kernel call, read through transformers' attention registry; its residual wiring is one of the
 known forms, checked against the stock layer on its first call; a layer no form reproduces runs stock
 with the reason (docs/long-context-families.md lists the families tested). At call time the patched
-forward runs stock whenever the call is not plain causal training attention: an attention mask (padding
-or packing), a KV cache, missing or non-``[batch, seq, dim]`` ``position_embeddings``, attention dropout
+forward runs stock whenever the call is not plain causal training attention: an attention mask other
+than right padding / packed documents (those run per document, :mod:`hf_ddpfix.ops.document_attention`;
+any mask under ``no_grad``), a KV cache, missing or non-``[batch, seq, dim]`` ``position_embeddings``, attention dropout
 in training, an attention implementation other than sdpa (or a wrapped sdpa), or extra keyword
 arguments; ``handle.stats`` counts those calls by reason. A call is read against the stock forward's own
 signature (:func:`~hf_ddpfix.integrations.long_context.layer_call.bind_layer_call`), so each release's spelling is accepted (the KV cache is ``past_key_values=`` on 5.0-5.23, ``cache=`` on 5.24).
@@ -57,8 +58,8 @@ from ..._compat import (
     is_checkpointing,
     layer_checkpoint_func,
     stock_attention_function,
-    tensor_has_values,
 )
+from ...ops.document_attention import document_attention, mask_blocks
 from ...ops.feature_counts import record_amount, record_fallback, record_ran
 from ...ops.grouped_attention import grouped_flash_attention, kv_groups_for
 from ...ops.rms_norm import DEFAULT_CHUNK_TOKENS, rms_norm
@@ -69,8 +70,8 @@ from .layer_forms import (
     LayerForm,
     candidate_forms,
     capture_attention_inputs,
+    is_rms_norm,
     probe_layer,
-    same_forward_as_llama,
 )
 
 __all__ = [
@@ -118,31 +119,6 @@ def parse_long_context_setting(value: str | bool | None, name: str = "HF_DDPFIX_
 # Structure checks (observe, don't predict)
 
 
-def _is_rms_norm(m: nn.Module) -> tuple[bool, str]:
-    """An RMSNorm recognised by what it computes: a 1-D ``weight``, an epsilon (``variance_epsilon`` or
-    ``eps``), no bias, and ``m(x)`` bit-identical to :func:`rms_norm` on a random input (Gemma's
-    ``x * (1 + w)`` and LayerNorm fail the check and stay stock)."""
-    w = getattr(m, "weight", None)
-    eps = getattr(m, "variance_epsilon", getattr(m, "eps", None))
-    if not isinstance(w, torch.Tensor) or w.dim() != 1 or not isinstance(eps, float) or w.numel() < 2:
-        return False, ""
-    if getattr(m, "bias", None) is not None or list(m.children()):
-        return False, ""
-    if not tensor_has_values(w):  # meta / fake weights (the memory ledger): Llama's source is the proof
-        same = same_forward_as_llama(type(m), "RMSNorm") and hasattr(m, "variance_epsilon")
-        return same, f"{type(m).__name__}: " + ("Llama's RMSNorm source" if same else "no values to check: stock")
-    gen = torch.Generator(device=w.device).manual_seed(0)
-    with torch.no_grad():
-        x = torch.randn((5, w.shape[0]), generator=gen, device=w.device, dtype=torch.float32).to(w.dtype) * 3
-        try:
-            ref = type(m).forward(m, x)
-        except Exception as err:  # noqa: BLE001 - not a one-tensor norm: not ours
-            return False, f"{type(m).__name__}: {type(err).__name__}"
-        same = isinstance(ref, torch.Tensor) and torch.equal(ref, rms_norm(x, w, eps))
-    return same, f"{type(m).__name__}: " + ("RMSNorm (checked against stock)" if same
-                                             else "a norm that does not compute weight * rmsnorm(x): stock")
-
-
 def _layer_check(layer: nn.Module) -> tuple[bool, str]:
     forms = candidate_forms(layer)
     if not forms:
@@ -173,7 +149,7 @@ class _NormForward:
             stock = self.prev if self.prev is not None else type(m).forward.__get__(m)
             return stock(*args, **kwargs)
         record_amount(FEATURE, "rms_norm_calls", 1)
-        return rms_norm(x, m.weight, m.variance_epsilon, chunk_tokens=self.chunk_tokens)
+        return rms_norm(x, m.weight, getattr(m, "variance_epsilon", getattr(m, "eps", None)), chunk_tokens=self.chunk_tokens)
 
 
 @dataclass
@@ -197,6 +173,7 @@ class _LayerForward:
         self.form: LayerForm | None = None
         self.refusal: str | None = None  # the probe's reason when no form reproduces the stock layer
         self.kernel: dict[str, Any] = {}
+        self.blocks: list | None = None  # this call's padding / document blocks (ops/document_attention.py)
         # the stock forward's own parameters (whatever the release calls them): calls are read against it
         self.signature = inspect.signature(self._class_forward())
 
@@ -219,8 +196,13 @@ class _LayerForward:
             return f"attention implementation {impl!r} (only sdpa is handled)"
         if current_attention_function(impl) is not stock_attention_function(impl):
             return "the sdpa attention function is wrapped (sequence parallelism or another library)"
+        self.blocks = None
         if call.attention_mask is not None:
-            return "attention mask given (padding/packing)"
+            if not torch.is_grad_enabled():  # evaluation with padding: stock by design
+                return "attention mask given (padding/packing)"
+            self.blocks = mask_blocks(call.attention_mask) if isinstance(call.attention_mask, torch.Tensor) else None
+            if self.blocks is None:
+                return "attention mask other than right padding / packed documents"
         if call.cache is not None:
             return "KV cache"
         pe = call.position_embeddings
@@ -256,6 +238,10 @@ class _LayerForward:
 
     def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         scale = self.kernel["scaling"]
+        if self.blocks is not None:  # padding / packed documents: plain attention per block
+            self.stats["document-masked calls"] += 1
+            return document_attention(q, k, v, self.blocks, scale=scale, groups=self.options.attention_groups,
+                                      grouped=self.options.attention)
         if self.options.attention:
             out = grouped_flash_attention(q, k, v, scale=scale, groups=self.options.attention_groups)
             if out is not None:
@@ -414,7 +400,7 @@ def apply_long_context(
                             attention_groups, do_sync, group)
     for name, m in model.named_modules():
         if "rms_norm" in feats:
-            is_norm, why = _is_rms_norm(m)
+            is_norm, why = is_rms_norm(m, chunk_tokens=int(norm_chunk_tokens))
             if is_norm:
                 m.__dict__[_LAYER_ATTR] = True
                 m.forward = _NormForward(m, m.__dict__.get("forward"), int(norm_chunk_tokens))  # type: ignore[method-assign]
