@@ -73,6 +73,7 @@ def attach_runtime(trainer: Any, model: nn.Module, plan: Plan, stack: ExitStack)
         offload = SaveOnCpuScope(_device_type(trainer))
     elif plan.offload_activations.value:
         rt.offload = offload = ActivationOffload(module=model, min_layer_bytes=plan.offload_min_layer_bytes,
+                                                 max_pool_bytes=plan.offload_max_pool_bytes,
                                                  keep_on_device="auto")  # N from the budget, each step
         rt.step_contexts.append(_logged_offload_steps(trainer, rt.offload))
         stack.callback(rt.offload.clear_pool)
