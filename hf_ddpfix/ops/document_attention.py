@@ -5,8 +5,10 @@ keys is a list of blocks per batch row: a run of queries ``[a, b)`` whose interv
 at the query itself is causal attention of the document ``[a, b)``; a run of queries sharing one interval
 ``[f, l]`` (the pad tail of a right-padded row, which transformers lets see the whole real prefix) is
 non-causal attention over those keys. :func:`mask_blocks` reads the blocks and checks them against the
-whole mask (the mask rebuilt from the blocks must equal it), so any other pattern (left padding, sliding
-windows shorter than a document, a query that sees nothing) is refused with ``None``.
+whole mask (the mask rebuilt from the blocks must equal it), so any other pattern (a query whose keys are
+not one interval, a query that sees nothing as left padding gives, more than :data:`MAX_BLOCKS_PER_ROW`
+blocks in a row, e.g. a sliding window much shorter than the sequence: one block per query) is refused
+with ``None``.
 
 Causal blocks run :func:`~hf_ddpfix.ops.grouped_attention.grouped_flash_attention` (per KV-head group);
 non-causal ones ``F.scaled_dot_product_attention``. Each block is attention over exactly the keys the mask
