@@ -8,7 +8,7 @@ prints the peak live activation bytes per token of ONE Llama-8B-shaped decoder l
 intermediate 14336, 32 heads, 8 KV heads, bf16 weights, LoRA r=16 on every linear layer with peft's
 default fp32 adapters, sdpa, autocast bf16, non-reentrant checkpointing) over forward + recompute +
 backward, for stock and each hf_ddpfix feature (slope between 8K and 16K tokens; see
-``hf_ddpfix.integrations.layer_ledger``), a whole-model projection (32 layers, offloaded layer inputs,
+``hf_ddpfix.integrations.long_context.layer_ledger``), a whole-model projection (32 layers, offloaded layer inputs,
 the budget check of ``hf_ddpfix.ops.offload.budget``), writes JSON/PNG/markdown under
 ``benchmarks/results/`` and ends with the line ``ledger: stock <N> KiB/token, hf_ddpfix <M> KiB/token``.
 
@@ -75,7 +75,7 @@ def _env() -> dict[str, Any]:
 
 
 def run_ledger(args: argparse.Namespace) -> dict[str, Any]:
-    from hf_ddpfix.integrations.layer_ledger import LEDGER_FEATURES, ledger_slope
+    from hf_ddpfix.integrations.long_context.layer_ledger import LEDGER_FEATURES, ledger_slope
     from hf_ddpfix.ops.offload.budget import OffloadBudgetError, max_tokens, plan_offload_budget
 
     rows = {}

@@ -70,10 +70,10 @@ def _rank_main(args: argparse.Namespace) -> None:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from hf_ddpfix.integrations.checkpointing import apply_checkpointing
-    from hf_ddpfix.integrations.loss_patch import patch_model_loss
+    from hf_ddpfix.integrations.long_context.loss_patch import patch_model_loss
+    from hf_ddpfix.integrations.long_context.tiled_mlp import apply_tiled_mlp
     from hf_ddpfix.integrations.sequence_parallel import install_ulysses_attention, sharded_causal_lm_loss
     from hf_ddpfix.integrations.sequence_parallel.attention import deactivate_batch
-    from hf_ddpfix.integrations.tiled_mlp import apply_tiled_mlp
     from hf_ddpfix.ops import feature_counts
     from hf_ddpfix.ops.offload import ActivationOffload
     from hf_ddpfix.ops.sequence_parallel import ddp_loss_scale, valid_target_count

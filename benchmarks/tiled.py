@@ -42,7 +42,7 @@ from torch.utils.checkpoint import checkpoint
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from hf_ddpfix.integrations.tiled_mlp import apply_tiled_mlp, remove_tiled_mlp  # noqa: E402
+from hf_ddpfix.integrations.long_context.tiled_mlp import apply_tiled_mlp, remove_tiled_mlp  # noqa: E402
 from hf_ddpfix.ops.tiled import (  # noqa: E402
     DEFAULT_MIN_TOKENS,
     DEFAULT_TOKENS_PER_SHARD,

@@ -134,13 +134,34 @@ def _tiled_loss(name: str, value: Any) -> str | None:
 
 def _long_context(name: str, value: Any) -> str | None:
     """Long-context layer features: off, all, or a comma list of rms_norm, attention, tiled_layer."""
-    from .integrations.long_context import parse_long_context_setting
+    from .integrations.long_context.long_context import parse_long_context_setting
 
     v = parse_str(name, value)
     if v is None:
         return None
     feats = parse_long_context_setting(v, name=name)
     return ",".join(feats) if feats else "off"
+
+
+def _host_gib(name: str, value: Any) -> str | None:
+    """The offload host pool's cap: auto (a quarter of physical memory per local process), unlimited, or
+    a positive number of GiB per process."""
+    v = parse_str(name, value)
+    if v is None:
+        return None
+    low = v.strip().lower()
+    if low in ("auto", "default"):
+        return "auto"
+    if low in ("unlimited", "none", "inf"):
+        return "unlimited"
+    try:
+        gib = float(low)
+    except ValueError:
+        gib = -1.0
+    if not gib > 0 or gib != gib or gib == float("inf"):
+        raise ValueError(f"{name}={value!r} is not a recognised value; allowed: auto, unlimited, or a number of "
+                         "GiB > 0 (per process, e.g. 96 or 1.5)")
+    return f"{gib:g}"
 
 
 #: Compatibility variables whose *value* is passed through instead of implying a fixed value.
@@ -224,6 +245,11 @@ class DDPFixConfig:
         "Offload policy: a step copies a checkpoint input only when it has at least this many MiB, or when the "
         "device was >= 90% reserved (default 64: no slowdown from there on in the H100 measurement; 0: always).",
     )
+    offload_host_gib: str | None = option(
+        _host_gib,
+        "Cap on the pinned host memory each process's activation offload may hold: auto (a quarter of physical "
+        "memory / local processes), unlimited, or GiB per process. Checked against the host's memory at setup.",
+    )
     vlm_stabilizer: bool | None = option(
         _bool, "VLM dummy-image stabiliser so every rank uses every vision parameter each step (auto: on)."
     )
@@ -254,7 +280,8 @@ class DDPFixConfig:
     )
     long_context: str | None = option(
         _long_context,
-        "Llama-style decoder layers for long sequences: off, all (on), or a comma list of rms_norm (saves bf16 "
+        "Decoder layers for long sequences, by structure (docs/long-context-families.md lists the families "
+        "tested): off, all (on), or a comma list of rms_norm (saves bf16 "
         "input + fp32 rstd), attention (flash per KV-head group), tiled_layer (norms, q/k/v/o with LoRA, rotary "
         "and MLP in 2K-token tiles). Ledger: 345 -> 53 KiB/token per Llama-8B layer.",
     )

@@ -5,6 +5,7 @@ Read-only: nothing here changes the trainer, the model or the environment.
 
 from __future__ import annotations
 
+import os
 import re
 from typing import Any
 
@@ -21,6 +22,7 @@ from .integrations.checkpointing import (
 from .integrations.deepspeed import gather_deepspeed_facts
 from .integrations.sequence_parallel.facts import gather_sequence_parallel_facts
 from .integrations.vision import families
+from .ops.offload.host_memory import physical_bytes
 from .plan.types import ParallelMode, RunFacts
 
 MOE_CONFIG_KEYS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts")
@@ -160,6 +162,8 @@ def gather_facts(trainer: Any, model: nn.Module | None = None) -> RunFacts:
         user_reentrant=user_reentrant,
         offload_requested=offload,
         accelerator_available=torch.device(args.device).type not in ("cpu", "meta"),
+        host_memory_bytes=physical_bytes(),
+        local_processes=_local_processes(),
         quant=quant,
         placement=quantized.placement_devices(model),
         rank_device=quantized.device_name(args.device),
@@ -169,3 +173,11 @@ def gather_facts(trainer: Any, model: nn.Module | None = None) -> RunFacts:
         sequence_parallel=gather_sequence_parallel_facts(trainer, model),
         checkpoint_function="; ".join(tools) or None,
     )
+
+
+def _local_processes() -> int:
+    """Training processes on this node (``LOCAL_WORLD_SIZE`` as torchrun / accelerate set it; 1 if unset)."""
+    try:
+        return max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+    except ValueError:
+        return 1

@@ -31,10 +31,10 @@ from .integrations.checkpointing import (
     tool_checkpoint_functions,
 )
 from .integrations.deepspeed import attach_deepspeed
-from .integrations.long_context import LongContextHandle, apply_long_context
-from .integrations.loss_patch import TiledLossHandle, patch_model_loss
+from .integrations.long_context.long_context import LongContextHandle, apply_long_context
+from .integrations.long_context.loss_patch import TiledLossHandle, patch_model_loss
+from .integrations.long_context.tiled_mlp import TiledMLPHandle, apply_tiled_mlp
 from .integrations.sequence_parallel.trainer import SequenceParallelGroups, attach_sequence_parallel
-from .integrations.tiled_mlp import TiledMLPHandle, apply_tiled_mlp
 from .integrations.usage import HangGuard, ParameterUsage
 from .integrations.vision.families import is_vision_language_model
 from .integrations.vision.stabilizer import VisionStabilizer
@@ -73,6 +73,7 @@ def attach_runtime(trainer: Any, model: nn.Module, plan: Plan, stack: ExitStack)
         offload = SaveOnCpuScope(_device_type(trainer))
     elif plan.offload_activations.value:
         rt.offload = offload = ActivationOffload(module=model, min_layer_bytes=plan.offload_min_layer_bytes,
+                                                 max_pool_bytes=plan.offload_max_pool_bytes,
                                                  keep_on_device="auto")  # N from the budget, each step
         rt.step_contexts.append(_logged_offload_steps(trainer, rt.offload))
         stack.callback(rt.offload.clear_pool)

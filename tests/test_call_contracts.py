@@ -22,10 +22,10 @@ import transformers  # noqa: E402
 from transformers import Trainer, TrainingArguments  # noqa: E402
 
 from hf_ddpfix import _compat  # noqa: E402
-from hf_ddpfix.integrations.layer_call import HARMLESS_LAYER_KEYWORDS, bind_layer_call  # noqa: E402
-from hf_ddpfix.integrations.long_context import apply_long_context  # noqa: E402
-from hf_ddpfix.integrations.loss_patch import _known_extra_keywords, patch_model_loss  # noqa: E402
-from hf_ddpfix.integrations.tiled_mlp import apply_tiled_mlp  # noqa: E402
+from hf_ddpfix.integrations.long_context.layer_call import HARMLESS_LAYER_KEYWORDS, bind_layer_call  # noqa: E402
+from hf_ddpfix.integrations.long_context.long_context import apply_long_context  # noqa: E402
+from hf_ddpfix.integrations.long_context.loss_patch import _known_extra_keywords, patch_model_loss  # noqa: E402
+from hf_ddpfix.integrations.long_context.tiled_mlp import apply_tiled_mlp  # noqa: E402
 from hf_ddpfix.ops import feature_counts  # noqa: E402
 from tests.fixtures import padded_collate, tiny_llama, variable_length_ids  # noqa: E402
 
@@ -33,7 +33,7 @@ VERSION = f"transformers {transformers.__version__}"
 
 
 def _broken(what: str) -> str:
-    return f"upstream call contract broken on {VERSION}: {what} (see hf_ddpfix/integrations/layer_call.py)"
+    return f"upstream call contract broken on {VERSION}: {what} (see hf_ddpfix/integrations/long_context/layer_call.py)"
 
 
 def _model():

@@ -69,18 +69,19 @@ def test_strict_raises_at_the_fallback_and_names_reason_and_version():
 
 
 def test_strict_trainer_run_raises_when_the_long_context_layer_cannot_run(tmp_path):
-    """End to end: a padding mask makes every layer call run stock; strict turns that into an error."""
+    """End to end: attention dropout in training makes every layer call run stock (padding no longer does:
+    right-padded batches run the patched path per document); strict turns that into an error."""
     pytest.importorskip("peft")
     from fixtures import lora, padded_collate, tiny_llama, variable_length_ids
     from transformers import TrainingArguments
 
     from hf_ddpfix.trainer import DDPFixTrainer
 
-    model = lora(tiny_llama(attn_implementation="sdpa", use_cache=False))
+    model = lora(tiny_llama(attn_implementation="sdpa", use_cache=False, attention_dropout=0.1))
     data = [{"input_ids": ids} for ids in variable_length_ids(4)]
     args = TrainingArguments(str(tmp_path), use_cpu=True, report_to=[], max_steps=1, per_device_train_batch_size=2,
                              save_strategy="no", disable_tqdm=True, remove_unused_columns=False)
     trainer = DDPFixTrainer(model=model, args=args, train_dataset=data, data_collator=padded_collate,
                             ddpfix_config=DDPFixConfig(long_context="all", strict=True))
-    with pytest.raises(FeatureFallbackError, match="attention mask"):
+    with pytest.raises(FeatureFallbackError, match="attention dropout"):
         trainer.train()

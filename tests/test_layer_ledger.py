@@ -10,7 +10,7 @@ import pytest
 
 pytest.importorskip("peft")
 
-from hf_ddpfix.integrations.layer_ledger import LayerShape, flash_bwd_workspace, ledger_slope  # noqa: E402
+from hf_ddpfix.integrations.long_context.layer_ledger import LayerShape, flash_bwd_workspace, ledger_slope  # noqa: E402
 
 # The issue's target (issue 14): <= 100 KiB/token for one Llama-8B layer with every feature on.
 TARGET_KIB_PER_TOKEN = 100
@@ -88,7 +88,7 @@ def test_ledger_peak_is_within_10_percent_of_the_real_allocator(features):
     cos, sin, incoming gradient: all bf16) are added, as the ledger tracks them."""
     import torch
 
-    from hf_ddpfix.integrations.layer_ledger import measure_layer
+    from hf_ddpfix.integrations.long_context.layer_ledger import measure_layer
     from hf_ddpfix.ops.memory_ledger import AllocatorPeak
 
     shape = LayerShape(hidden=256, intermediate=640, heads=8, kv_heads=2, lora_r=4)

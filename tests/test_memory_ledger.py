@@ -52,7 +52,7 @@ def test_modelled_workspace_counts_at_its_op_only():
 def test_fake_tensors_give_the_real_tensor_ledger(features):
     """A small Llama layer on real CPU tensors (real math) and on fake tensors: same allocations, same peak."""
     pytest.importorskip("peft")
-    from hf_ddpfix.integrations.layer_ledger import LayerShape, measure_layer
+    from hf_ddpfix.integrations.long_context.layer_ledger import LayerShape, measure_layer
 
     shape = LayerShape(hidden=64, intermediate=160, heads=8, kv_heads=2, lora_r=4)
     kw = dict(shape=shape, flash_workspace=False, tokens_per_tile=16)

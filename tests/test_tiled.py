@@ -12,8 +12,8 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from hf_ddpfix.integrations.tiled_mlp import apply_tiled_mlp, remove_tiled_mlp
-from hf_ddpfix.integrations.token_wise import is_token_wise, register_token_wise
+from hf_ddpfix.integrations.long_context.tiled_mlp import apply_tiled_mlp, remove_tiled_mlp
+from hf_ddpfix.integrations.long_context.token_wise import is_token_wise, register_token_wise
 from hf_ddpfix.ops.tiled import (
     DEFAULT_MIN_TOKENS,
     TiledMLPSetting,
@@ -331,7 +331,7 @@ def test_modules_that_cannot_be_shown_token_wise_are_skipped_or_rejected_by_name
     try:
         assert apply_tiled_mlp(block, modules=[block.mlp]).patched == ["mlp"]
     finally:
-        from hf_ddpfix.integrations import token_wise
+        from hf_ddpfix.integrations.long_context import token_wise
 
         token_wise._REGISTERED.pop(MixingMLP)
         remove_tiled_mlp(block)

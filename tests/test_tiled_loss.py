@@ -12,7 +12,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 from transformers.loss.loss_utils import ForCausalLMLoss
 
-from hf_ddpfix.integrations.loss_patch import patch_model_loss, unpatch_model_loss
+from hf_ddpfix.integrations.long_context.loss_patch import patch_model_loss, unpatch_model_loss
 from hf_ddpfix.ops.tiled_loss import tiled_causal_lm_loss
 
 torch.set_num_threads(1)

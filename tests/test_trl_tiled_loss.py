@@ -9,7 +9,7 @@ import pytest
 import torch
 from launch import torchrun
 
-from hf_ddpfix.integrations.loss_patch import patch_model_loss
+from hf_ddpfix.integrations.long_context.loss_patch import patch_model_loss
 
 
 def _llama():

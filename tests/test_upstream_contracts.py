@@ -637,7 +637,7 @@ def test_finalize_runs_before_every_clip_and_every_optimizer_step(tmp_path, monk
 
 
 def test_transformers_checkpoints_llama_layers_in_a_class_level_forward_wrapper():
-    """integrations/long_context.py re-enters this wrapper's checkpoint call from its instance forward
+    """integrations/long_context/long_context.py re-enters this wrapper's checkpoint call from its instance forward
     (5.23); before 5.23 `GradientCheckpointingLayer.__call__` checkpoints the whole call, so an instance
     forward already runs inside the checkpoint and `class_checkpoint_inner_forward` must say None."""
     from transformers.modeling_layers import GradientCheckpointingLayer
@@ -871,3 +871,34 @@ def test_deepspeed_engine_records_its_sequence_parallel_size():
     assert "self.sequence_parallel_size = groups._get_sequence_parallel_world_size()" in src, \
         _broken("DeepSpeedEngine.sequence_parallel_size")
     assert _compat.deepspeed_engine_sequence_parallel_size(object()) is None  # not an engine: no check
+
+
+def test_attention_modules_look_their_kernel_up_in_the_registry_at_call_time():
+    """_compat/attention.py: `config._attn_implementation` names the registry entry an attention module
+    calls; a local override of that entry reaches the module for one block and is undone after it."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    from hf_ddpfix._compat import (
+        attention_function_override,
+        attention_implementation,
+        current_attention_function,
+        stock_attention_function,
+    )
+
+    cfg = LlamaConfig(hidden_size=32, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2,
+                      num_hidden_layers=1, vocab_size=50, attn_implementation="sdpa")
+    model = LlamaForCausalLM(cfg)
+    attn = model.model.layers[0].self_attn
+    assert attention_implementation(attn) == "sdpa"
+    assert stock_attention_function("sdpa") is sdpa_attention_forward is current_attention_function("sdpa")
+    seen = []
+
+    def spy(module, q, k, v, mask, **kwargs):
+        seen.append((module, q.shape, sorted(kwargs)))
+        return sdpa_attention_forward(module, q, k, v, mask, **kwargs)
+
+    with attention_function_override("sdpa", spy):
+        model(input_ids=torch.tensor([[1, 2, 3]]))
+    assert seen and seen[0][0] is attn and seen[0][1] == (1, 4, 3, 8) and "scaling" in seen[0][2], seen
+    assert current_attention_function("sdpa") is sdpa_attention_forward

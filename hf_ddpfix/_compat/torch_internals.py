@@ -137,6 +137,13 @@ def fake_tensor_mode() -> Any:
     return FakeTensorMode()
 
 
+def tensor_has_values(t: torch.Tensor) -> bool:
+    """False for meta and fake tensors (shapes only: nothing can be compared on them)."""
+    from torch._subclasses.fake_tensor import is_fake
+
+    return t.device.type != "meta" and not is_fake(t)
+
+
 def fake_from_meta(fake_mode: Any, t: torch.Tensor, device: torch.device) -> torch.Tensor:
     """A fake tensor on ``device`` with ``t``'s (meta) metadata (``FakeTensorConverter.from_meta_and_device``)."""
     return fake_mode.fake_tensor_converter.from_meta_and_device(fake_mode, t, device)

@@ -17,8 +17,8 @@ checkpoint's early stop fires on this Function's own saved tensors; the probe is
 :func:`hf_ddpfix._compat.checkpoint_recompute_is_last`), so a checkpointed layer runs 2 MLP forwards +
 1 backward per step, like the untiled one. Reentrant checkpointing needs the recomputed output: 3.
 
-Pure torch: the HF-facing detection and patching live in ``hf_ddpfix.integrations.token_wise`` and
-``hf_ddpfix.integrations.tiled_mlp``.
+Pure torch: the HF-facing detection and patching live in ``hf_ddpfix.integrations.long_context.token_wise`` and
+``hf_ddpfix.integrations.long_context.tiled_mlp``.
 """
 
 from __future__ import annotations

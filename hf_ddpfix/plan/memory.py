@@ -5,7 +5,7 @@ Pure rules (facts + options -> `Decision` with its reason), called by :func:`hf_
 
 from __future__ import annotations
 
-from ..config import DDPFixConfig
+from ..config import DDPFixConfig, env_name
 from .types import Decision, RunFacts
 
 
@@ -53,6 +53,29 @@ def offload_min_layer_bytes(config: DDPFixConfig | None) -> int:
     return (DEFAULT_OFFLOAD_MIN_LAYER_MIB if mib is None else int(mib)) << 20
 
 
+def offload_max_pool_bytes(facts: RunFacts, c: DDPFixConfig | None) -> int | str | None:
+    """The host pool's cap for ``ActivationOffload(max_pool_bytes=...)`` from ``offload_host_gib``:
+    ``"default"`` (auto: a quarter of physical memory per local process), ``None`` (unlimited) or bytes.
+
+    Raises:
+        ValueError: the cap times the node's training processes exceeds its physical memory (the host
+            cannot hold what the plan asks for), naming the variable, the figures and the allowed values.
+    """
+    value = None if c is None else c.offload_host_gib
+    if value in (None, "auto"):
+        return "default"
+    if value == "unlimited":
+        return None
+    cap = int(float(value) * (1 << 30))
+    host, local = facts.host_memory_bytes, max(1, facts.local_processes)
+    if host is not None and cap * local > host:
+        raise ValueError(
+            f"{env_name('offload_host_gib')}={value} ({c.source('offload_host_gib')}): {local} process(es) x {float(value):g} GiB of pinned host memory "
+            f"exceeds this node's {host / (1 << 30):.1f} GiB of physical memory; allowed: auto, unlimited, or "
+            f"at most {host / local / (1 << 30):.1f} GiB per process (pinned pages cannot be swapped)")
+    return cap
+
+
 def decide_tiled_mlp(facts: RunFacts, c: DDPFixConfig) -> Decision:
     value = c.tiled_mlp
     if value is None or value == "off":
@@ -69,7 +92,7 @@ def decide_tiled_mlp(facts: RunFacts, c: DDPFixConfig) -> Decision:
 
 
 def decide_long_context(facts: RunFacts, c: DDPFixConfig, ckpt: str) -> Decision:
-    """Patched Llama-style layers (integrations/long_context.py): gradients equal stock (tests), every
+    """Patched Llama-style layers (integrations/long_context/long_context.py): gradients equal stock (tests), every
     non-plain call (mask, cache, packing kwargs) runs stock at call time, other layer classes are left alone."""
     value = c.long_context
     if value is None or value == "off":

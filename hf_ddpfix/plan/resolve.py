@@ -91,4 +91,5 @@ def resolve_plan(facts: RunFacts, config: DDPFixConfig | None = None) -> Plan:
         corrections=tuple(corrections),
         config_lines=tuple(c.describe()),
         offload_min_layer_bytes=memory.offload_min_layer_bytes(c),
+        offload_max_pool_bytes=memory.offload_max_pool_bytes(facts, c),
     )

@@ -62,6 +62,7 @@ class RunFacts:
         user_reentrant: explicit `use_reentrant` in the checkpointing kwargs, `None` if unset.
         offload_requested: transformers' `activation_checkpointing_kwargs={"offload": True}`.
         accelerator_available: a CUDA/XPU/... device is present (pinned memory, streams).
+        host_memory_bytes / local_processes: this node's physical memory and its training processes.
         quant: bitsandbytes weights in the model (`hf_ddpfix.integrations.quantized.QuantFacts`), or `None`.
         placement: the distinct devices `hf_device_map` places this rank's model on, e.g. ("cuda:0",);
             empty without a device map (accelerate then moves the model onto the rank's device).
@@ -94,6 +95,8 @@ class RunFacts:
     user_reentrant: bool | None = None
     offload_requested: bool = False
     accelerator_available: bool = False
+    host_memory_bytes: int | None = None  # physical memory of this node (None: unknown)
+    local_processes: int = 1  # training processes on this node (LOCAL_WORLD_SIZE)
     quant: QuantFacts | None = None
     placement: tuple[str, ...] = ()
     rank_device: str | None = None
@@ -172,6 +175,7 @@ class Plan:
     corrections: tuple[str, ...] = ()
     config_lines: tuple[str, ...] = field(default=())
     offload_min_layer_bytes: int = 0  # the offload policy's threshold (ActivationOffload(min_layer_bytes=))
+    offload_max_pool_bytes: int | str | None = "default"  # the host pool's cap (ActivationOffload(max_pool_bytes=))
 
     def ddp_kwargs(self) -> dict[str, Any]:
         """Keyword arguments for `DistributedDataParallel` (via accelerate's `DistributedDataParallelKwargs`)."""

@@ -35,7 +35,7 @@ from fixtures import (  # noqa: E402
     shard_decoder,
 )
 
-from hf_ddpfix.integrations.long_context import apply_long_context  # noqa: E402
+from hf_ddpfix.integrations.long_context.long_context import apply_long_context  # noqa: E402
 
 STEPS, ROWS, LR, CLIP = 3, 2, 0.05, 0.5
 # find_unused_parameters=False (every hook must fire exactly once) and static graph (the hook order of

@@ -32,8 +32,8 @@ from fixtures import (  # noqa: E402
     tiled_stats,
 )
 
-from hf_ddpfix.integrations.loss_patch import patch_model_loss  # noqa: E402
-from hf_ddpfix.integrations.tiled_mlp import apply_tiled_mlp  # noqa: E402
+from hf_ddpfix.integrations.long_context.loss_patch import patch_model_loss  # noqa: E402
+from hf_ddpfix.integrations.long_context.tiled_mlp import apply_tiled_mlp  # noqa: E402
 
 STEPS, ROWS_PER_RANK, LR = 3, 2, 0.5
 

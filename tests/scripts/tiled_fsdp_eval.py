@@ -31,7 +31,7 @@ from torch.distributed.fsdp import FSDPModule
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))  # tests/: fixtures
 from fixtures import init_gloo, lora_llama, shard_decoder, teardown, tiled_stats  # noqa: E402
 
-from hf_ddpfix.integrations.tiled_mlp import apply_tiled_mlp  # noqa: E402
+from hf_ddpfix.integrations.long_context.tiled_mlp import apply_tiled_mlp  # noqa: E402
 
 STEPS = 2
 

@@ -294,7 +294,7 @@ def _check_plain_data_parallel(trainer: Any, sp_size: int) -> None:
 
 def _has_tiled_loss(model: nn.Module) -> bool:
     from ..._compat import unwrap_model
-    from ..loss_patch import _TiledLossForward
+    from ..long_context.loss_patch import _TiledLossForward
 
     target = unwrap_model(getattr(model, "module", model))
     return isinstance(target.__dict__.get("forward"), _TiledLossForward)

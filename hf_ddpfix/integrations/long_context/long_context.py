@@ -1,8 +1,8 @@
-"""Long-context memory cuts for Llama-style decoder layers: ``apply_long_context`` / ``remove_long_context``.
+"""Long-context memory cuts for decoder layers of any family: ``apply_long_context`` / ``remove_long_context``.
 
 Three independent features, each exact against stock where it runs (tests/test_long_context.py):
 
-- ``rms_norm``: every Llama-style RMSNorm (forward source identical to ``LlamaRMSNorm.forward``)
+- ``rms_norm``: every RMSNorm (recognised by its output: bit-identical to the op on a random input)
   runs :func:`hf_ddpfix.ops.rms_norm.rms_norm`: saves its bf16 input and an fp32 per-token scale,
   never a full-length fp32 copy (-16 KiB/token per norm at hidden 4096). Bit-identical.
 - ``attention``: causal attention runs :func:`hf_ddpfix.ops.grouped_attention.grouped_flash_attention`
@@ -15,14 +15,16 @@ Three independent features, each exact against stock where it runs (tests/test_l
   output and the log-sum-exp are kept for backward; gradients of the block's parameters reach
   autograd once per step (DDP/FSDP safe), RNG and autocast are replayed.
 
-A layer is patched only when its class ``forward`` and its attention's ``forward`` are source-identical
-to transformers' ``LlamaDecoderLayer`` / ``LlamaAttention`` (checked against transformers 5.23);
-anything else is reported and left alone. At call time the patched forward runs stock whenever the
-call is not plain causal training attention: an attention mask (padding or packing), a KV cache,
-missing ``position_embeddings``, attention dropout in training, an attention implementation other
-than sdpa, or extra keyword arguments; ``handle.stats`` counts those calls by reason. A call is read
-against the stock forward's own signature (:func:`~hf_ddpfix.integrations.layer_call.bind_layer_call`), so
-each release's spelling is accepted (the KV cache is ``past_key_values=`` on 5.0-5.23, ``cache=`` on 5.24).
+A layer is read by structure (:mod:`.layer_forms`): its attention module runs as the family wrote it up
+to the kernel call, read through transformers' attention registry; its residual wiring is one of the
+known forms, checked against the stock layer on its first call; a layer no form reproduces runs stock
+with the reason (docs/long-context-families.md lists the families tested). At call time the patched
+forward runs stock whenever the call is not plain causal training attention: an attention mask other
+than right padding / packed documents (those run per document, :mod:`hf_ddpfix.ops.document_attention`;
+any mask under ``no_grad``), a KV cache, missing or non-``[batch, seq, dim]`` ``position_embeddings``, attention dropout
+in training, an attention implementation other than sdpa (or a wrapped sdpa), or extra keyword
+arguments; ``handle.stats`` counts those calls by reason. A call is read against the stock forward's own
+signature (:func:`~hf_ddpfix.integrations.long_context.layer_call.bind_layer_call`), so each release's spelling is accepted (the KV cache is ``past_key_values=`` on 5.0-5.23, ``cache=`` on 5.24).
 
 Counts (:mod:`hf_ddpfix.ops.feature_counts`, feature ``"long_context"``): ``ran`` = decoder-layer calls
 that ran patched (forward and checkpoint recompute each count); a training forward (grad enabled) that
@@ -39,7 +41,6 @@ from __future__ import annotations
 
 import functools
 import inspect
-import sys
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -49,20 +50,29 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .._compat import (
+from ..._compat import (
     CACHE_KEYWORDS,
+    attention_implementation,
     class_checkpoint_inner_forward,
-    forward_source,
+    current_attention_function,
     is_checkpointing,
     layer_checkpoint_func,
-    model_attn_implementation,
+    stock_attention_function,
 )
-from ..ops.feature_counts import record_amount, record_fallback, record_ran
-from ..ops.grouped_attention import grouped_flash_attention, kv_groups_for
-from ..ops.rms_norm import DEFAULT_CHUNK_TOKENS, rms_norm
-from ..ops.tiled import sync_shards
-from ..ops.token_tiles import DEFAULT_TOKENS_PER_TILE, tiled_token_map, tiles_for
+from ...ops.document_attention import document_attention, mask_blocks
+from ...ops.feature_counts import record_amount, record_fallback, record_ran
+from ...ops.grouped_attention import grouped_flash_attention, kv_groups_for
+from ...ops.rms_norm import DEFAULT_CHUNK_TOKENS, rms_norm
+from ...ops.tiled import sync_shards
+from ...ops.token_tiles import DEFAULT_TOKENS_PER_TILE, tiled_token_map, tiles_for
 from .layer_call import LayerCall, bind_layer_call
+from .layer_forms import (
+    LayerForm,
+    candidate_forms,
+    capture_attention_inputs,
+    is_rms_norm,
+    probe_layer,
+)
 
 __all__ = [
     "LONG_CONTEXT_FEATURES",
@@ -109,41 +119,11 @@ def parse_long_context_setting(value: str | bool | None, name: str = "HF_DDPFIX_
 # Structure checks (observe, don't predict)
 
 
-def _llama_sources() -> tuple[str, str, str]:
-    from transformers.models.llama import modeling_llama as ml
-
-    return (forward_source(ml.LlamaRMSNorm), forward_source(ml.LlamaDecoderLayer), forward_source(ml.LlamaAttention))
-
-
-def _same_forward(cls: type, reference: str) -> bool:
-    try:
-        return forward_source(cls) == reference
-    except (OSError, TypeError):
-        return False
-
-
-def _is_llama_norm(m: nn.Module) -> bool:
-    return (
-        isinstance(getattr(m, "weight", None), torch.Tensor)
-        and hasattr(m, "variance_epsilon")
-        and _same_forward(type(m), _llama_sources()[0])
-    )
-
-
 def _layer_check(layer: nn.Module) -> tuple[bool, str]:
-    _, layer_src, attn_src = _llama_sources()
-    attn = getattr(layer, "self_attn", None)
-    missing = [n for n in ("input_layernorm", "self_attn", "post_attention_layernorm", "mlp") if not hasattr(layer, n)]
-    if missing:
-        return False, f"{type(layer).__name__}: no {missing}"
-    if not _same_forward(type(layer), layer_src):
-        return False, f"{type(layer).__name__}.forward differs from LlamaDecoderLayer.forward"
-    if not _same_forward(type(attn), attn_src):
-        return False, f"{type(attn).__name__}.forward differs from LlamaAttention.forward"
-    rope = getattr(sys.modules.get(type(attn).__module__), "apply_rotary_pos_emb", None)
-    if not callable(rope):
-        return False, f"{type(attn).__module__} has no apply_rotary_pos_emb"
-    return True, f"{type(layer).__name__}: Llama-style decoder layer"
+    forms = candidate_forms(layer)
+    if not forms:
+        return False, f"{type(layer).__name__}: no self_attn.o_proj or no known norm/MLP wiring"
+    return True, f"{type(layer).__name__}: decoder layer, {'/'.join(f.name for f in forms)} (probed at first call)"
 
 
 # --------------------------------------------------------------------------------------------------
@@ -152,7 +132,7 @@ def _layer_check(layer: nn.Module) -> tuple[bool, str]:
 
 
 class _NormForward:
-    """Instance-level forward of a Llama-style RMSNorm running :func:`rms_norm`."""
+    """Instance-level forward of an RMSNorm running :func:`rms_norm`."""
 
     def __init__(self, module: nn.Module, prev: Any, chunk_tokens: int) -> None:
         self.module = module
@@ -169,7 +149,7 @@ class _NormForward:
             stock = self.prev if self.prev is not None else type(m).forward.__get__(m)
             return stock(*args, **kwargs)
         record_amount(FEATURE, "rms_norm_calls", 1)
-        return rms_norm(x, m.weight, m.variance_epsilon, chunk_tokens=self.chunk_tokens)
+        return rms_norm(x, m.weight, getattr(m, "variance_epsilon", getattr(m, "eps", None)), chunk_tokens=self.chunk_tokens)
 
 
 @dataclass
@@ -183,14 +163,17 @@ class _LayerOptions:
 
 
 class _LayerForward:
-    """Instance-level forward of a Llama-style decoder layer (see the module docstring)."""
+    """Instance-level forward of a decoder layer (see the module docstring)."""
 
     def __init__(self, layer: nn.Module, prev: Any, options: _LayerOptions, stats: Counter) -> None:
         self.layer = layer
         self.prev = prev
         self.options = options
         self.stats = stats
-        self.rope: Callable[..., Any] = sys.modules[type(layer.self_attn).__module__].apply_rotary_pos_emb
+        self.form: LayerForm | None = None
+        self.refusal: str | None = None  # the probe's reason when no form reproduces the stock layer
+        self.kernel: dict[str, Any] = {}
+        self.blocks: list | None = None  # this call's padding / document blocks (ops/document_attention.py)
         # the stock forward's own parameters (whatever the release calls them): calls are read against it
         self.signature = inspect.signature(self._class_forward())
 
@@ -208,49 +191,64 @@ class _LayerForward:
             return call.unbound
         if not isinstance(call.hidden_states, torch.Tensor) or call.hidden_states.dim() != 3:
             return "hidden_states not [batch, seq, hidden]"
-        if call.attention_mask is not None:
-            return "attention mask given (padding/packing)"
-        if call.cache is not None:
-            return "KV cache"
-        if call.position_embeddings is None:
-            return "no position_embeddings"
-        if attn.training and float(getattr(attn, "attention_dropout", 0.0) or 0.0) > 0:
-            return "attention dropout in training"
-        impl = model_attn_implementation(attn)
+        impl = attention_implementation(attn)
         if impl != "sdpa":
             return f"attention implementation {impl!r} (only sdpa is handled)"
+        if current_attention_function(impl) is not stock_attention_function(impl):
+            return "the sdpa attention function is wrapped (sequence parallelism or another library)"
+        self.blocks = None
+        if call.attention_mask is not None:
+            if not torch.is_grad_enabled():  # evaluation with padding: stock by design
+                return "attention mask given (padding/packing)"
+            self.blocks = mask_blocks(call.attention_mask) if isinstance(call.attention_mask, torch.Tensor) else None
+            if self.blocks is None:
+                return "attention mask other than right padding / packed documents"
+        if call.cache is not None:
+            return "KV cache"
+        pe = call.position_embeddings
+        if not (isinstance(pe, (tuple, list)) and len(pe) == 2 and all(isinstance(t, torch.Tensor) for t in pe)):
+            return "no position_embeddings (cos, sin)"
+        b, s = call.hidden_states.shape[:2]
+        if any(t.dim() != 3 or t.shape[0] not in (1, b) or t.shape[1] != s for t in pe):
+            return f"position embeddings of shape {tuple(pe[0].shape)} (not [batch, seq, dim])"
+        if attn.training and float(getattr(attn, "attention_dropout", 0.0) or 0.0) > 0:
+            return "attention dropout in training"
         if call.unknown:
             return f"keyword arguments {sorted(call.unknown)}"
         if call.use_cache:
             return "keyword arguments ['use_cache=True']"
-        return None
+        if self.form is None and self.refusal is None:  # once, on the first call that could run patched
+            self.form, reason, self.kernel = probe_layer(self.layer, self._stock(), call.hidden_states, *pe)
+            self.refusal = None if self.form is not None else reason
+            self.stats[f"probe: {reason}"] += 1
+        return self.refusal
 
     # token-wise halves -------------------------------------------------------------------------
     def _pre(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        assert self.form is not None
         layer = self.layer
-        attn = layer.self_attn
-        h = layer.input_layernorm(x)
-        shape = (x.shape[0], -1, attn.head_dim)
-        q = attn.q_proj(h).view(shape)
-        k = attn.k_proj(h).view(shape)
-        v = attn.v_proj(h).view(shape)
-        q, k = self.rope(q, k, cos, sin, unsqueeze_dim=1)
-        return q, k, v
+        got = capture_attention_inputs(layer.self_attn, self.form.pre(layer, x[None]), cos[None], sin[None])
+        if got is None:
+            raise RuntimeError(f"{type(layer.self_attn).__name__} stopped calling its attention function")
+        return tuple(t[0].transpose(0, 1) for t in got[0])  # [tokens, heads, head_dim]
 
     def _post(self, a: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        layer = self.layer
-        h = x + layer.self_attn.o_proj(a)
-        return h + layer.mlp(layer.post_attention_layernorm(h))
+        assert self.form is not None
+        return self.form.post(self.layer, x[None], self.layer.self_attn.o_proj(a[None]))[0]
 
     def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        attn = self.layer.self_attn
+        scale = self.kernel["scaling"]
+        if self.blocks is not None:  # padding / packed documents: plain attention per block
+            self.stats["document-masked calls"] += 1
+            return document_attention(q, k, v, self.blocks, scale=scale, groups=self.options.attention_groups,
+                                      grouped=self.options.attention)
         if self.options.attention:
-            out = grouped_flash_attention(q, k, v, scale=attn.scaling, groups=self.options.attention_groups)
+            out = grouped_flash_attention(q, k, v, scale=scale, groups=self.options.attention_groups)
             if out is not None:
                 return out
             self.stats["attention: grouped path not applicable, sdpa used"] += 1
             record_fallback(FEATURE, "attention: grouped flash path not applicable (shapes/device), sdpa used")
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=attn.scaling, enable_gqa=True)
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         """Checkpoint as the class forward would (transformers 5.2x checkpoints in a wrapper around the
@@ -287,20 +285,26 @@ class _LayerForward:
         self.stats["patched calls"] += 1
         b, s, hidden = hidden_states.shape
         n = b * s
+        # Tiles only where a backward follows (they cut what backward keeps); under no_grad (evaluation,
+        # generation) the layer runs untiled, so no tile-count collective can wait on an idle rank.
+        if not (self.options.tiled and torch.is_grad_enabled()):
+            layer = self.layer
+            got = capture_attention_inputs(layer.self_attn, self.form.pre(layer, hidden_states), *position_embeddings)
+            if got is None:
+                raise RuntimeError(f"{type(layer.self_attn).__name__} stopped calling its attention function")
+            o = self._attend(*got[0])
+            del got
+            a = o.transpose(1, 2).reshape(b, s, -1)  # a view for the flash layout
+            del o  # no name may hold the o projection's output past the residual add (forms drop theirs)
+            return self.form.post(layer, hidden_states, layer.self_attn.o_proj(a))
         cos, sin = position_embeddings
         cos = cos.expand(b, s, cos.shape[-1]).reshape(n, cos.shape[-1])
         sin = sin.expand(b, s, sin.shape[-1]).reshape(n, sin.shape[-1])
         x = hidden_states.reshape(n, hidden)
-        # Tiles only where a backward follows (they cut what backward keeps); under no_grad (evaluation,
-        # generation) the layer runs untiled, so no tile-count collective can wait on an idle rank.
-        tiled = self.options.tiled and torch.is_grad_enabled()
-        if tiled:
-            tiles = tiles_for(n, self.options.tokens_per_tile)
-            if self.options.sync:
-                tiles = sync_shards(tiles, self.options.group)
-            q, k, v = tiled_token_map(self._pre, (x, cos, sin), self.layer, tiles=tiles)
-        else:
-            q, k, v = self._pre(x, cos, sin)
+        tiles = tiles_for(n, self.options.tokens_per_tile)
+        if self.options.sync:
+            tiles = sync_shards(tiles, self.options.group)
+        q, k, v = tiled_token_map(self._pre, (x, cos, sin), self.layer, tiles=tiles)
         hq, hk, d = q.shape[1], k.shape[1], q.shape[2]
         q = q.view(b, s, hq, d).transpose(1, 2)
         k = k.view(b, s, hk, d).transpose(1, 2)
@@ -309,10 +313,7 @@ class _LayerForward:
         del q, k, v
         a = o.transpose(1, 2).reshape(n, hq * d)  # a view for the flash layout
         del o
-        if tiled:
-            (out,) = tiled_token_map(self._post, (a, x), self.layer, tiles=tiles, skip_in_recompute=True)
-        else:
-            out = self._post(a, x)
+        (out,) = tiled_token_map(self._post, (a, x), self.layer, tiles=tiles, skip_in_recompute=True)
         return out.view(b, s, hidden)
 
 
@@ -358,7 +359,7 @@ def apply_long_context(
     norm_chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
     sync: bool | Any = False,
 ) -> LongContextHandle:
-    """Patch the Llama-style decoder layers and RMSNorms of ``model`` for long-context training.
+    """Patch the decoder layers and RMSNorms of ``model`` for long-context training.
 
     Args:
         model: an HF model or ``PeftModel``; patch before DDP/FSDP wrapping (parameters are untouched).
@@ -398,11 +399,14 @@ def apply_long_context(
     options = _LayerOptions("attention" in feats, "tiled_layer" in feats, int(tokens_per_tile),
                             attention_groups, do_sync, group)
     for name, m in model.named_modules():
-        if "rms_norm" in feats and _is_llama_norm(m):
-            m.__dict__[_LAYER_ATTR] = True
-            m.forward = _NormForward(m, m.__dict__.get("forward"), int(norm_chunk_tokens))  # type: ignore[method-assign]
-            handle.report.append(LongContextEntry(name, type(m).__name__, ("rms_norm",), "Llama-style RMSNorm"))
-            continue
+        if "rms_norm" in feats:
+            is_norm, why = is_rms_norm(m, chunk_tokens=int(norm_chunk_tokens))
+            if is_norm:
+                m.__dict__[_LAYER_ATTR] = True
+                m.forward = _NormForward(m, m.__dict__.get("forward"), int(norm_chunk_tokens))  # type: ignore[method-assign]
+            if why:
+                handle.report.append(LongContextEntry(name, type(m).__name__, ("rms_norm",) if is_norm else (), why))
+                continue
         if not layer_feats or not (hasattr(m, "self_attn") and hasattr(m, "mlp")):
             continue
         ok, reason = _layer_check(m)

@@ -29,9 +29,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from .._compat import cache_output_field, causal_lm_loss_function, forward_source, output_cache, unwrap_model
-from ..ops.feature_counts import record_amount, record_fallback, record_ran
-from ..ops.tiled_loss import tiled_causal_lm_loss
+from ..._compat import cache_output_field, causal_lm_loss_function, forward_source, output_cache, unwrap_model
+from ...ops.feature_counts import record_amount, record_fallback, record_ran
+from ...ops.tiled_loss import tiled_causal_lm_loss
 
 __all__ = ["TiledLossHandle", "patch_model_loss", "unpatch_model_loss"]
 

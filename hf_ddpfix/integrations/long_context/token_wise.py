@@ -15,7 +15,7 @@ import ast
 
 from torch import nn
 
-from .._compat import forward_source
+from ..._compat import forward_source
 
 __all__ = ["intermediate_size", "is_token_wise", "register_token_wise"]
 

@@ -32,7 +32,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from .._compat import (
+from ..._compat import (
     FLASH_CPU_BACKWARD_OP,
     fake_from_meta,
     fake_tensor_mode,
@@ -40,7 +40,7 @@ from .._compat import (
     module_buffer_slots,
     module_parameter_slots,
 )
-from ..ops.memory_ledger import LedgerEntry, MemoryLedger
+from ...ops.memory_ledger import LedgerEntry, MemoryLedger
 
 __all__ = [
     "LEDGER_FEATURES",
@@ -222,6 +222,9 @@ def measure_layer(
         pos = torch.arange(seq)[None]
         cos, sin = base.rotary_emb(x, pos)
         grad = torch.randn(batch, seq, shape.hidden, generator=gen).to(torch.bfloat16)
+        with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):  # the patched layer's one-time
+            layer(x[:, :2], attention_mask=None, position_ids=pos[:, :2],  # first-call probe, unmeasured
+                  position_embeddings=(cos[:, :2], sin[:, :2]))
         with _flash_sdpa(), around() if around is not None else contextlib.nullcontext(), \
                 MemoryLedger(workspace=workspace) as ledger:
             ledger.label_modules(layer, "layer.")

@@ -1,6 +1,6 @@
 """Tile a model's token-wise MLPs in place: ``apply_tiled_mlp`` / ``remove_tiled_mlp``.
 
-Each module :func:`~hf_ddpfix.integrations.token_wise.is_token_wise` accepts gets an instance-level
+Each module :func:`~hf_ddpfix.integrations.long_context.token_wise.is_token_wise` accepts gets an instance-level
 ``forward`` that decides the shard count per call (:func:`hf_ddpfix.ops.tiled.choose_shards`) and runs
 :func:`hf_ddpfix.ops.tiled.tiled_call`. The patch is idempotent, deep-copy safe and undone by
 ``handle.remove()``; it chains with an instance-level forward someone else installed before it.
@@ -28,8 +28,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..ops.feature_counts import record_amount, record_fallback, record_ran
-from ..ops.tiled import (
+from ...ops.feature_counts import record_amount, record_fallback, record_ran
+from ...ops.tiled import (
     ALLOWED_SETTINGS,
     DEFAULT_MIN_TOKENS,
     DEFAULT_TOKENS_PER_SHARD,

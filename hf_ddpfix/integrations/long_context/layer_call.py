@@ -19,9 +19,9 @@ import inspect
 from dataclasses import dataclass, field
 from typing import Any
 
-from .._compat import CACHE_KEYWORDS
+from ..._compat import CACHE_KEYWORDS
 
-__all__ = ["HARMLESS_LAYER_KEYWORDS", "LayerCall", "bind_layer_call"]
+__all__ = ["FALSE_ONLY_LAYER_KEYWORDS", "HARMLESS_LAYER_KEYWORDS", "LayerCall", "bind_layer_call"]
 
 #: Keyword arguments transformers 5.x Llama models pass down to a decoder layer that do not change its
 #: math (``num_items_in_batch`` comes from the Trainer's loss normalisation through ``**kwargs``). Any
@@ -29,6 +29,10 @@ __all__ = ["HARMLESS_LAYER_KEYWORDS", "LayerCall", "bind_layer_call"]
 #: makes the call run stock.
 HARMLESS_LAYER_KEYWORDS = frozenset({"cache_position", "position_ids", "num_items_in_batch",
                                      "output_hidden_states", "return_dict"})
+
+#: Flags that change nothing while ``False`` (MoE models pass ``output_router_logits=False`` to every layer;
+#: ``True`` records the router's logits per call, which a tiled layer would record once per tile: stock).
+FALSE_ONLY_LAYER_KEYWORDS = frozenset({"output_router_logits", "output_attentions"})
 
 
 @dataclass
@@ -75,5 +79,6 @@ def bind_layer_call(signature: inspect.Signature, args: tuple, kwargs: dict[str,
         cache = values.pop(name, None)
         if cache is not None and call.cache is None:
             call.cache = cache
-    call.unknown = {k for k, v in values.items() if v is not None and k not in HARMLESS_LAYER_KEYWORDS}
+    call.unknown = {k for k, v in values.items() if v is not None and k not in HARMLESS_LAYER_KEYWORDS
+                    and not (k in FALSE_ONLY_LAYER_KEYWORDS and v is False)}
     return call

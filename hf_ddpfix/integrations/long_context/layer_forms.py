@@ -1,0 +1,261 @@
+"""Decoder layers read by structure, not by source: what runs before and after the attention kernel.
+
+The patched long-context layer (:mod:`.long_context`) splits a decoder layer at its attention kernel:
+``pre`` (norm, q/k/v projections with LoRA, any q/k norm, rotary of any kind) and ``post`` (o projection,
+residual, norms, MLP or MoE block, residual). Neither half is spelled per family:
+
+- ``pre`` runs the model's own attention module, whose kernel call is intercepted through transformers'
+  attention-function registry (:func:`hf_ddpfix._compat.attention_function_override`): the module hands
+  ``q, k, v`` and its kernel keywords (``scaling``, ``dropout``, ``sliding_window``, ``softcap``, ...) to
+  :func:`capture_attention_inputs`, which stops the module there. Qwen3/Gemma3/OLMo2 q/k norms, M-RoPE
+  (Qwen2-VL/2.5-VL text decoders) or any other rotary run as the model wrote them.
+- the residual wiring is one of three :data:`FORMS` (pre-norm: Llama, Qwen, Mistral, Phi-3-like MoE;
+  sandwich: Gemma 2/3; post-norm: OLMo 2). The names alone do not decide: each candidate form is checked
+  once against the stock layer on the layer's first real call (:func:`probe_layer`, ``no_grad``, eval mode,
+  a slice of the real input), and a layer no form reproduces runs stock with the probe's reason.
+
+Kernel keywords: ``scaling`` is used; ``sliding_window`` and ``softcap`` reach transformers' sdpa function
+only as ignored keywords (the window lives in the mask; sdpa never soft-caps), so with no mask they change
+nothing and the patched kernel is stock's; any other keyword with a value makes the layer run stock.
+
+Guarantees: the probe compares the decomposed layer against the stock forward on the same weights; a
+mismatch (relative error above :data:`PROBE_RTOL`), an exception, or an attention module that does not call
+the registry is a refusal with its reason, never a patched layer.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..._compat import (
+    attention_function_override,
+    attention_implementation,
+    forward_source,
+    tensor_has_values,
+)
+from ...ops.rms_norm import rms_norm
+
+__all__ = ["FORMS", "PROBE_RTOL", "LayerForm", "capture_attention_inputs", "candidate_forms", "probe_layer",
+           "is_rms_norm", "same_forward_as_llama"]
+
+#: Relative error (``|a-b| / |b|``, over the probe's output) below which a form counts as the layer's.
+#: The decomposed layer runs the same ops as stock: a right form agrees to rounding, a wrong one by O(1).
+PROBE_RTOL = 1e-3
+PROBE_TOKENS = 8
+
+#: Kernel keywords that do not change the math of an unmasked causal call through transformers' sdpa
+#: function (``position_ids`` is passed for FlashAttention-2 by some families; sdpa ignores it and
+#: ``sliding_window`` / ``softcap``).
+_NEUTRAL_KERNEL_KEYWORDS = frozenset({"scaling", "dropout", "sliding_window", "softcap", "position_ids"})
+
+
+def _pre_norm_in(layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    return layer.input_layernorm(x)
+
+
+def _identity(layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    return x
+
+
+def _mlp(layer: nn.Module, h: torch.Tensor) -> torch.Tensor:
+    out = layer.mlp(h)
+    if not isinstance(out, torch.Tensor):  # an MoE block returning (hidden, router_logits): not this form
+        raise TypeError(f"{type(layer.mlp).__name__} returned {type(out).__name__}, not a tensor")
+    return out
+
+
+# Each post form drops its o-projection output as soon as the residual add has read it (as stock's
+# rebinding of ``hidden_states`` does): it must not stay alive through the MLP.
+def _post_pre_norm(layer: nn.Module, x: torch.Tensor, o: torch.Tensor) -> torch.Tensor:
+    h = x + o
+    del o
+    return h + _mlp(layer, layer.post_attention_layernorm(h))
+
+
+def _post_sandwich(layer: nn.Module, x: torch.Tensor, o: torch.Tensor) -> torch.Tensor:
+    h = x + layer.post_attention_layernorm(o)
+    del o
+    return h + layer.post_feedforward_layernorm(_mlp(layer, layer.pre_feedforward_layernorm(h)))
+
+
+def _post_post_norm(layer: nn.Module, x: torch.Tensor, o: torch.Tensor) -> torch.Tensor:
+    h = x + layer.post_attention_layernorm(o)
+    del o
+    return h + layer.post_feedforward_layernorm(_mlp(layer, h))
+
+
+@dataclass(frozen=True)
+class LayerForm:
+    """A residual wiring: ``pre(layer, x)`` feeds the attention module; ``post(layer, x, o_proj_out)``."""
+
+    name: str
+    needs: tuple[str, ...]
+    lacks: tuple[str, ...]
+    pre: Callable[[nn.Module, torch.Tensor], torch.Tensor]
+    post: Callable[[nn.Module, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+FORMS = (
+    LayerForm("sandwich", ("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm",
+                           "post_feedforward_layernorm", "mlp"), (), _pre_norm_in, _post_sandwich),
+    LayerForm("post-norm", ("post_attention_layernorm", "post_feedforward_layernorm", "mlp"),
+              ("input_layernorm", "pre_feedforward_layernorm"), _identity, _post_post_norm),
+    LayerForm("pre-norm", ("input_layernorm", "post_attention_layernorm", "mlp"),
+              ("pre_feedforward_layernorm", "post_feedforward_layernorm"), _pre_norm_in, _post_pre_norm),
+)
+
+
+def candidate_forms(layer: nn.Module) -> tuple[LayerForm, ...]:
+    """The forms whose submodules ``layer`` has (and whose absent ones it lacks); the probe decides."""
+    attn = getattr(layer, "self_attn", None)
+    if attn is None or not isinstance(getattr(attn, "o_proj", None), nn.Module):
+        return ()
+    return tuple(f for f in FORMS if all(isinstance(getattr(layer, n, None), nn.Module) for n in f.needs)
+                 and not any(hasattr(layer, n) for n in f.lacks))
+
+
+class _Captured(Exception):  # noqa: N818 - a control-flow signal, not an error
+    def __init__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Any, kwargs: dict[str, Any]) -> None:
+        super().__init__("attention inputs captured")
+        self.qkv = (q, k, v)
+        self.mask = mask
+        self.kwargs = kwargs
+
+
+def capture_attention_inputs(attn: nn.Module, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+                             ) -> tuple[tuple[torch.Tensor, torch.Tensor, torch.Tensor], dict[str, Any]] | None:
+    """Run ``attn`` on ``h [B, S, hidden]`` up to its kernel call: ``((q, k, v), kernel keywords)`` with
+    ``q [B, Hq, S, D]``, ``k, v [B, Hk, S, D]``; ``None`` when the module returned without calling the
+    registry function of its implementation (nothing after the kernel call runs)."""
+    impl = attention_implementation(attn)
+    if impl is None:
+        return None
+
+    def capture(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                attention_mask: Any, *args: Any, **kwargs: Any) -> Any:
+        if args:
+            kwargs["positional extras"] = args
+        raise _Captured(query, key, value, attention_mask, kwargs)
+
+    try:
+        with attention_function_override(impl, capture):
+            attn(hidden_states=h, position_embeddings=(cos, sin), attention_mask=None)
+    except _Captured as got:
+        if got.mask is not None:
+            got.kwargs["attention_mask"] = got.mask
+        return got.qkv, got.kwargs
+    return None
+
+
+def kernel_refusal(kwargs: dict[str, Any]) -> str | None:
+    """Why an attention call with these kernel keywords is not plain causal attention (``None``: it is)."""
+    extra = sorted(k for k, v in kwargs.items() if v is not None and k not in _NEUTRAL_KERNEL_KEYWORDS)
+    if extra:
+        return f"attention kernel keywords {extra}"
+    if kwargs.get("scaling") is None:
+        return "attention kernel given no scaling"
+    return None
+
+
+def same_forward_as_llama(cls: type, which: str) -> bool:
+    """``cls.forward`` is source-identical to transformers' ``Llama{which}.forward`` (``which``: RMSNorm,
+    DecoderLayer, Attention): the proof used where values cannot be compared (meta / fake tensors, as the
+    memory ledger runs)."""
+    from transformers.models.llama import modeling_llama as ml
+
+    try:
+        return forward_source(cls) == forward_source(getattr(ml, f"Llama{which}"))
+    except (OSError, TypeError):
+        return False
+
+
+def is_rms_norm(m: nn.Module, chunk_tokens: int = 4096) -> tuple[bool, str]:
+    """An RMSNorm recognised by what it computes: a 1-D ``weight``, an epsilon (``variance_epsilon`` or
+    ``eps``), no bias, and ``m(x)`` bit-identical to :func:`rms_norm` on a random input (Gemma's
+    ``x * (1 + w)`` and LayerNorm fail the check and stay stock)."""
+    w = getattr(m, "weight", None)
+    eps = getattr(m, "variance_epsilon", getattr(m, "eps", None))
+    if not isinstance(w, torch.Tensor) or w.dim() != 1 or not isinstance(eps, float) or w.numel() < 2:
+        return False, ""
+    if getattr(m, "bias", None) is not None or list(m.children()):
+        return False, ""
+    if not tensor_has_values(w):  # meta / fake weights (the memory ledger): Llama's source is the proof
+        same = same_forward_as_llama(type(m), "RMSNorm") and hasattr(m, "variance_epsilon")
+        return same, f"{type(m).__name__}: " + ("Llama's RMSNorm source" if same else "no values to check: stock")
+    gen = torch.Generator(device=w.device).manual_seed(0)
+    with torch.no_grad():
+        x = torch.randn((5, w.shape[0]), generator=gen, device=w.device, dtype=torch.float32).to(w.dtype) * 3
+        try:
+            ref = type(m).forward(m, x)
+        except Exception as err:  # noqa: BLE001 - not a one-tensor norm: not ours
+            return False, f"{type(m).__name__}: {type(err).__name__}"
+        same = isinstance(ref, torch.Tensor) and torch.equal(ref, rms_norm(x, w, eps, chunk_tokens=chunk_tokens))
+    return same, f"{type(m).__name__}: " + ("RMSNorm (checked against stock)" if same
+                                             else "a norm that does not compute weight * rmsnorm(x): stock")
+
+
+
+def _eval_mode(module: nn.Module) -> list[tuple[nn.Module, bool]]:
+    flags = [(m, m.training) for m in module.modules()]
+    for m, _ in flags:
+        m.training = False
+    return flags
+
+
+def probe_layer(layer: nn.Module, stock: Callable[..., Any], hidden_states: torch.Tensor,
+                cos: torch.Tensor, sin: torch.Tensor) -> tuple[LayerForm | None, str, dict[str, Any]]:
+    """Find the form of ``layer`` by running stock and each candidate on a slice of its real input.
+
+    Args:
+        layer: the decoder layer (``self_attn`` with ``o_proj``).
+        stock: the layer's stock forward (bound).
+        hidden_states: ``[B, S, hidden]``; the probe uses row 0, the first :data:`PROBE_TOKENS` tokens.
+        cos, sin: the rotary tables of this call, ``[B or 1, S, rotary_dim]``.
+
+    Returns:
+        ``(form, reason, kernel keywords)``; ``form`` is ``None`` with the reason when none matches.
+    """
+    forms = candidate_forms(layer)
+    if not forms:
+        return None, f"{type(layer).__name__}: no known residual wiring (norm/MLP submodule names)", {}
+    if not tensor_has_values(hidden_states):  # shapes only (the ledger's fake tensors): Llama's source or stock
+        attn = layer.self_attn
+        if same_forward_as_llama(type(layer), "DecoderLayer") and same_forward_as_llama(type(attn), "Attention"):
+            return FORMS[-1], f"{type(layer).__name__}: Llama's source (no values to probe)", {"scaling": attn.scaling}
+        return None, f"{type(layer).__name__}: no values to probe and not Llama's source", {}
+    t = min(PROBE_TOKENS, hidden_states.shape[1])
+    x, c, s = hidden_states[:1, :t].detach(), cos[:1, :t].detach(), sin[:1, :t].detach()
+    attn = layer.self_attn
+    flags = _eval_mode(layer)
+    why = "no candidate form matched"
+    try:
+        with torch.no_grad():
+            ref = stock(x, attention_mask=None, position_embeddings=(c, s))
+            ref = ref[0] if isinstance(ref, (tuple, list)) else ref
+            for form in forms:
+                got = capture_attention_inputs(attn, form.pre(layer, x), c, s)
+                if got is None:
+                    return None, f"{type(attn).__name__} does not call ALL_ATTENTION_FUNCTIONS", {}
+                (q, k, v), kwargs = got
+                refusal = kernel_refusal(kwargs)
+                if refusal is not None:
+                    return None, refusal, kwargs
+                o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=kwargs["scaling"],
+                                                   enable_gqa=True)
+                out = form.post(layer, x, attn.o_proj(o.transpose(1, 2).reshape(1, t, -1)))
+                err = float((out.float() - ref.float()).norm() / ref.float().norm().clamp_min(1e-30))
+                if out.shape == ref.shape and err <= PROBE_RTOL:
+                    return form, f"{type(layer).__name__}: {form.name} layer (probe rel. error {err:.1e})", kwargs
+                why = f"{form.name} form differs from stock by {err:.1e}"
+    except Exception as err:  # noqa: BLE001 - any failure of the probe means: keep stock
+        return None, f"probe failed: {type(err).__name__}: {err}", {}
+    finally:
+        for m, flag in flags:
+            m.training = flag
+    return None, f"{type(layer).__name__}: {why}", {}
