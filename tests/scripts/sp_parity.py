@@ -9,11 +9,11 @@ Cases (each a record with "ok"):
       layout (sequence_to_heads(x) == x's head slice of the full sequence).
   model/*: LoRA Llama (trainable LoRA, embeddings, head): the SP group's loss and summed gradients vs the
       stock model's loss on the full sequence (HF's own loss), plain / right-padded / prompt-masked with an
-      all-masked shard / packed documents / length not divisible by N / batch 2: TOL_LOSS / TOL_GRAD.
+      all-masked shard / packed documents / length not divisible by N / batch 2: TOL_LOSS / TOL_GRAD(N).
   model/backward_on_another_thread: non-reentrant checkpointing, the backward run on another thread (as CUDA's
-      autograd engine does): the recomputation still runs the sharded attention; gradients <= TOL_GRAD.
+      autograd engine does): the recomputation still runs the sharded attention; gradients <= TOL_GRAD(N).
   fsdp2/*: the same model under FSDP2 (`fully_shard` over the whole world) with Ulysses attention: loss and the
-      gathered gradients vs one process (right-padded, packed, length not divisible by N): TOL_LOSS / TOL_GRAD.
+      gathered gradients vs one process (right-padded, packed, length not divisible by N): TOL_LOSS / TOL_GRAD(N).
   vlm/*: LoRA Qwen2.5-VL / Qwen3-VL / Qwen2-VL (vision tower included; N = 4: Qwen2.5-VL): the vision tower,
       image merge and 3-D position ids on the full sequence, the decoder on the slice; loss and every gradient
       vs the model on the full sequence (an image across a shard border, text only, two grids, prompt-masked
@@ -49,7 +49,14 @@ from hf_ddpfix.ops.sequence_parallel import (  # noqa: E402
 # attention differ by 0 / 1.2e-7, and one float32 ulp of a loss near 5.5 is 4.8e-7.
 TOL_ATTN = 1e-6  # attention output + q/k/v grads: measured <= 4.8e-7 (KV heads < N), 0 otherwise
 TOL_LOSS = 2e-6  # model / FSDP2 / VLM loss: measured <= 9.5e-7 (2 ulps)
-TOL_GRAD = 1.2e-6  # text model / FSDP2 gradients: measured <= 6e-8, 6.0e-7 for a length not divisible by N = 4
+
+
+def TOL_GRAD(n: int) -> float:  # noqa: N802 - read as the constant it is, per N
+    """Text model / FSDP2 gradients: N = 2 measured <= 6e-8 (5x); N = 4 <= 6e-8 except 6.0e-7 for the length
+    not divisible by 4 (13 tokens padded to 16; 2x)."""
+    return 3e-7 if n <= 2 else 1.2e-6
+
+
 TOL_VLM_GRAD = 3e-6  # VLM gradients (vision LoRA included): measured <= 2.8e-7, 1.4e-6 Qwen3-VL mixed batch
 
 
@@ -215,7 +222,7 @@ def model_cases(v: Verdicts, n: int, r: int) -> None:
             v.add({"case": f"model/{case}", "n": n, "loss": total.item(), "ref_loss": ref.item(), "loss_diff": ldiff,
                    "grad_diff": gdiff, "sharded_attention_calls": attn_calls,
                    "shards_with_loss": [int(c[1]) for c in gathered], "nan": bool(torch.isnan(total)),
-                   "ok": ldiff <= TOL_LOSS and gdiff <= TOL_GRAD and all(c == 2 for c in attn_calls)})
+                   "ok": ldiff <= TOL_LOSS and gdiff <= TOL_GRAD(n) and all(c == 2 for c in attn_calls)})
     finally:
         handle.remove()
 
@@ -345,7 +352,7 @@ def thread_case(v: Verdicts, n: int, r: int) -> None:
         calls = ran.ran if ran else 0
         v.add({"case": "model/backward_on_another_thread", "n": n, "grad_diff": worst[0].item(),
                "error": repr(errors[0])[:300] if errors else None, "sharded_attention_calls": calls,
-               "ok": worst[1].item() == 0 and worst[0].item() <= TOL_GRAD and calls == 4})
+               "ok": worst[1].item() == 0 and worst[0].item() <= TOL_GRAD(n) and calls == 4})
     finally:
         deactivate_batch()
         handle.remove()
@@ -397,7 +404,7 @@ def fsdp2_cases(v: Verdicts, n: int, r: int) -> None:
             dist.all_reduce(calls, op=dist.ReduceOp.MIN)
             v.add({"case": f"fsdp2/{case}", "n": n, "mesh": "world (DP x SP)", "params_sharded": sharded,
                    "loss_diff": worst[1].item(), "grad_diff": worst[0].item(), "min_sharded_attention_calls": int(calls),
-                   "ok": sharded and worst[0].item() <= TOL_GRAD and worst[1].item() <= TOL_LOSS and int(calls) == 2})
+                   "ok": sharded and worst[0].item() <= TOL_GRAD(n) and worst[1].item() <= TOL_LOSS and int(calls) == 2})
     finally:
         handle.remove()
 
