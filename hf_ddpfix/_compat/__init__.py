@@ -21,6 +21,8 @@ from .deepspeed import (
     deepspeed_engine,
     deepspeed_engine_sequence_parallel_size,
     z3_leaf_marked,
+    zero3_gathered,
+    zero3_partitioned,
     zero_flat_slices,
 )
 from .models import (
@@ -139,6 +141,8 @@ __all__ = [
     "unwrap_parallel",
     "view_base",
     "z3_leaf_marked",
+    "zero3_gathered",
+    "zero3_partitioned",
     "zero_flat_slices",
     "when_ready_to_prepare",
 ]
