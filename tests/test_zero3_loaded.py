@@ -24,7 +24,7 @@ def _shm_op():
 def test_vlms_loaded_partitioned_train_and_evaluate_mixed_ranks_like_stock_ddp(tmp_path, _shm_op):
     """Rank 0 always with an image, rank 1 never, training and evaluation; ZeRO-3 with persistence threshold 0
     and DeepSpeed's default. The tolerance is 3x stock ZeRO-3's own spread vs stock DDP on an all-image
-    schedule (measured in the same launch; 1e-6 where that spread is smaller); the dummy image is verified with
+    schedule (measured in the same launch, the largest over the families; 1e-6 where that is smaller); the dummy image is verified with
     the tower gathered and runs once per training step and per evaluation batch on the text-only rank."""
     out = tmp_path / "z3l.json"
     done = torchrun("zero3_loaded.py", "--suite", "fixed", "--out", str(out), timeout=600, env=DS_ENV)
@@ -34,7 +34,7 @@ def test_vlms_loaded_partitioned_train_and_evaluate_mixed_ranks_like_stock_ddp(t
              for p in ("0", "default")}
     assert set(r["cases"]) == names and not r["failures"], r["failures"]
     for name, case in r["cases"].items():
-        assert case["max_diff"] <= case["tol"] <= max(3 * case["spread_stock_zero3_vs_ddp_all_image"], 1e-6), name
+        assert case["max_diff"] <= case["tol"] <= max(3 * max(case["spreads"].values()), 1e-6), name
         assert case["moved"] > 1e-3 and case["partitioned"] and case["stock_partitioned"], (name, case)
         assert case["eval_loss_diff"] <= 1e-4 and not case["fallbacks"], (name, case)
         assert "(from config)" in case["plan"] and "no ZeRO dummy image" not in done.stdout, name
