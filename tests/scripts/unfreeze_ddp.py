@@ -83,7 +83,7 @@ def train(kind: str, opt: str, world: int) -> dict[str, torch.Tensor]:
 
 def rank_gap(weights: dict[str, torch.Tensor]) -> float:
     """max |rank 0 - rank r| over every weight (0 when the replicas agree)."""
-    if not dist.is_initialized():
+    if not dist.is_initialized() or dist.get_world_size() == 1:
         return 0.0
     everyone: list = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, weights)
