@@ -709,3 +709,22 @@ def test_deepspeed_engine_records_its_sequence_parallel_size():
     assert "self.sequence_parallel_size = groups._get_sequence_parallel_world_size()" in src, \
         _broken("DeepSpeedEngine.sequence_parallel_size")
     assert _compat.deepspeed_engine_sequence_parallel_size(object()) is None  # not an engine: no check
+
+
+def test_zero3_partitioned_marker_and_gathered_parameters():
+    """`_compat.zero3_partitioned` reads the ``ds_id`` deepspeed gives a parameter it converts (zero.Init or the
+    ZeRO-3 engine), and `_compat.zero3_gathered` calls ``GatheredParameters(params, modifier_rank=None)``
+    (deepspeed 0.19.8); end to end: tests/test_zero3_loaded.py (models built by zero.Init)."""
+    deepspeed = pytest.importorskip("deepspeed", reason="test extra: deepspeed")
+    from deepspeed.runtime.zero import partition_parameters
+
+    GatheredParameters = deepspeed.zero.GatheredParameters  # noqa: N806 - the class, as the contract calls it
+
+    src = inspect.getsource(partition_parameters)
+    assert "param.ds_id = " in src, _broken("deepspeed no longer sets param.ds_id on partitioned parameters")
+    assert "modifier_rank" in inspect.signature(GatheredParameters.__init__).parameters, _broken(
+        "GatheredParameters(modifier_rank=...)")
+    plain = torch.nn.Parameter(torch.zeros(2))
+    assert not _compat.zero3_partitioned(plain)
+    with _compat.zero3_gathered([plain]) as gathered:  # nothing partitioned: no collective, no deepspeed call
+        assert gathered is False

@@ -5,8 +5,7 @@ Part of the contract layer (:mod:`hf_ddpfix._compat`): torch-only at module leve
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
-from contextlib import contextmanager
+from collections.abc import Iterable
 from typing import Any
 
 import torch
@@ -30,20 +29,29 @@ def zero3_partitioned(param: torch.Tensor) -> bool:
     return hasattr(param, "ds_id")
 
 
-@contextmanager
-def zero3_gathered(params: Iterable[torch.Tensor]) -> Iterator[bool]:
+class zero3_gathered:  # noqa: N801 - used as a function: `with zero3_gathered(params):`
     """Every ZeRO-3 partitioned parameter of ``params`` gathered in full on every rank for the block, read-only
     (``deepspeed.zero.GatheredParameters(..., modifier_rank=None)``, deepspeed 0.10-0.19.8): a collective, so
     every rank of the data-parallel group must enter it together, with the same parameters in the same order.
-    Yields whether anything was gathered (nothing, and no collective, when no parameter is partitioned)."""
-    partitioned = [p for p in params if zero3_partitioned(p)]
-    if not partitioned:
-        yield False
-        return
-    import deepspeed
+    ``__enter__`` returns whether anything was gathered (nothing, and no collective, when no parameter is
+    partitioned)."""
 
-    with deepspeed.zero.GatheredParameters(partitioned, modifier_rank=None):
-        yield True
+    def __init__(self, params: Iterable[torch.Tensor]) -> None:
+        self.partitioned = [p for p in params if zero3_partitioned(p)]
+        self._inner: Any = None
+
+    def __enter__(self) -> bool:
+        if not self.partitioned:
+            return False
+        import deepspeed
+
+        self._inner = deepspeed.zero.GatheredParameters(self.partitioned, modifier_rank=None)
+        self._inner.__enter__()
+        return True
+
+    def __exit__(self, *exc: Any) -> Any:
+        inner, self._inner = self._inner, None
+        return inner.__exit__(*exc) if inner is not None else None
 
 
 def deepspeed_default_leaf_classes() -> frozenset[str]:

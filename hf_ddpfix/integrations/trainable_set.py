@@ -35,7 +35,6 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..errors import DDPFixError
 from ..ops.dist import dist_ready, gather_flags
 from ..ops.feature_counts import record_amount, record_ran
 
@@ -47,7 +46,17 @@ logger = logging.getLogger("hf_ddpfix")
 FEATURE = "trainable_set"
 
 
-class TrainableSetChangedError(DDPFixError):
+_WRAPPER_SEGMENTS = ("_fsdp_wrapped_module.", "_checkpoint_wrapped_module.", "_orig_mod.")
+
+
+def _plain(name: str) -> str:
+    """A parameter name without the segments FSDP1 / checkpoint / compile wrappers insert."""
+    for seg in _WRAPPER_SEGMENTS:
+        name = name.replace(seg, "")
+    return name
+
+
+class TrainableSetChangedError(RuntimeError):
     """Parameters became trainable after wrapping where hf_ddpfix cannot reduce their gradients."""
 
 
@@ -63,15 +72,18 @@ class TrainableSetWatch:
 
     def __init__(self, model: nn.Module, parallel: str, step: Any = lambda: 0, process_group: Any = None) -> None:
         self.model, self.parallel, self.step, self.process_group = model, parallel, step, process_group
-        # by name: FSDP2's fully_shard replaces every parameter object (DTensors) under the same name
-        self.baseline = {n for n, p in model.named_parameters() if p.requires_grad}
+        # by name: FSDP2's fully_shard replaces every parameter object (DTensors) under the same name; wrapper
+        # segments are dropped, and a parameter whose name did not exist here (FSDP1's flat parameters) is
+        # never "new"
+        self.known = {_plain(n) for n, _ in model.named_parameters()}
+        self.baseline = {_plain(n) for n, p in model.named_parameters() if p.requires_grad}
         self._checked_step: Any = None
         self._announced: set[tuple[str, ...]] = set()
         self.reduced = 0  # parameter reductions done so far (tests, logs)
 
     def new_trainable(self) -> list[tuple[str, nn.Parameter]]:
         """``(name, parameter)`` that require grad now and did not when the watch started, in module order."""
-        return [(n, p) for n, p in self.model.named_parameters() if p.requires_grad and n not in self.baseline]
+        return [(n, p) for n, p in self.model.named_parameters() if p.requires_grad and _plain(n) in self.known and _plain(n) not in self.baseline]
 
     def finalize(self) -> None:
         """Check (and under DDP reduce) once per optimizer step; a second call in the same step does nothing."""
