@@ -204,7 +204,12 @@ def attach_eval_sync(model: nn.Module, decision: Any, parallel: str, stack: Exit
     if parallel == "deepspeed":
         from .integrations.vision.zero import ZeroVisionStabilizer
 
-        sync: Any = ZeroVisionStabilizer(model, train=False, sync_eval=True).attach()
+        try:
+            sync: Any = ZeroVisionStabilizer(model, train=False, sync_eval=True).attach()
+        except ValueError as err:  # a failed trial run of a discovered family: stock evaluation, said why
+            feature_counts.record_fallback("stabilizer", str(err))
+            logger.warning("hf_ddpfix: vlm_eval_sync not applied (stock evaluation): %s", err)
+            return None
     else:
         sync = VisionStabilizer(model, run_when_frozen=True, train=False, sync_eval=True).attach()
     stack.callback(sync.remove)
