@@ -4,6 +4,8 @@ global batch; the stock Trainer's replicas drift apart."""
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 from launch import torchrun
@@ -23,3 +25,13 @@ def test_a_head_unfrozen_at_step_2_trains_like_one_process_sgd_and_adamw(tmp_pat
         assert gaps[f"fixed_rank_gap_{opt}"] == 0.0, gaps
         assert gaps[f"stock_rank_gap_{opt}"] > 1e-4, gaps  # what stock DDP does: the replicas drift apart
     assert "require grad that did not when DDP wrapped the model (lm_head.weight)" in done.stdout, done.stdout[-3000:]
+
+
+@pytest.mark.multiprocess
+def test_fsdp_and_rank_mismatched_unfreezing_are_refused_at_the_step_on_every_rank():
+    done = torchrun("trainable_set_refusals.py", timeout=120)
+    out = done.stdout
+    assert "NOT_REFUSED" not in out, out[-3000:]
+    for case in ("fsdp", "ddp_mismatch"):
+        assert sorted(re.findall(rf"REFUSED rank=(\d) case={case} ok=True", out)) == ["0", "1"], out[-3000:]
+    assert sorted(re.findall(r"QUIET rank=(\d) reduced=0", out)) == ["0", "1"], out[-3000:]
