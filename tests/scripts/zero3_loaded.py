@@ -6,7 +6,8 @@ Run:  DS_ACCELERATOR=cpu OMP_NUM_THREADS=1 python -m torch.distributed.run --sta
           tests/scripts/zero3_loaded.py --suite fixed --out /tmp/z3l.json
 
 Families (``tests/zoo.py`` ``ZERO_LOADED``, no other test names them; no hand-written hf_ddpfix family: the
-dummy image is discovered from the config): Aya Vision, Cohere2-Vision, VipLLaVA. LoRA on tower, projector
+dummy image is discovered from the config): Aya Vision, Cohere2-Vision, VipLLaVA; and LLaVA, a hand-written
+family (no trial run), loaded the same way. LoRA on tower, projector
 and language model (random A and B), AdamW with weight decay 0.1, gradient clipping 1.0, variable lengths.
 
 Suites:
@@ -48,12 +49,13 @@ from datasets import Dataset  # noqa: E402
 from torch import nn  # noqa: E402
 from torch.utils.data import SequentialSampler  # noqa: E402
 from transformers import Trainer, TrainingArguments  # noqa: E402
-from zoo import ZERO_LOADED  # noqa: E402
+from zoo import ZERO_LOADED, ZOO  # noqa: E402
 
 from hf_ddpfix import DDPFixTrainer  # noqa: E402
 
 STEPS = 3
-FAMILIES = ("aya_vision", "cohere2_vision", "vipllava")
+FAMILIES = ("aya_vision", "cohere2_vision", "vipllava", "llava")  # LLaVA: a hand-written family, for contrast
+ENTRIES = {**ZERO_LOADED, "llava": ZOO["llava"]}
 FLOOR = 1e-6  # the tolerance when stock ZeRO-3's own spread is below float32 rounding of these weights
 EVAL_TOL = 1e-4
 STOCK_TIMEOUT_S = 60  # the stock suite's gloo collective timeout
@@ -82,7 +84,7 @@ def rows_of(family: str, n: int, images: set[int]) -> list[dict]:
     """Sample ``i`` (rank ``i % 2``); with an image: 16 tokens, else 10-14 (variable lengths)."""
     rows = []
     for i in range(n):
-        b = ZERO_LOADED[family].batch(i in images, i, 16 if i in images else 10 + i % 5)
+        b = ENTRIES[family].batch(i in images, i, 16 if i in images else 10 + i % 5)
         row = {k: b[k][0].tolist() for k in SEQUENCE_KEYS}
         row["pixel_values"] = b["pixel_values"].tolist() if "pixel_values" in b else None
         rows.append(row)
@@ -101,7 +103,7 @@ def load(family: str, path: str) -> nn.Module:
     """``from_pretrained`` (partitioned when a ZeRO-3 TrainingArguments is alive), then LoRA (same seed)."""
     from peft import LoraConfig, get_peft_model
 
-    entry = ZERO_LOADED[family]
+    entry = ENTRIES[family]
     cls = type(entry.build(0)) if family not in _CLASSES else _CLASSES[family]
     _CLASSES[family] = cls
     hf = cls.from_pretrained(path, dtype=torch.float32)
@@ -192,7 +194,7 @@ def main() -> None:
     if rank == 0:
         for f in families:
             torch.manual_seed(0)
-            model = ZERO_LOADED[f].build(0)
+            model = ENTRIES[f].build(0)
             _CLASSES[f] = type(model)
             model.save_pretrained(paths[f])
     dist.barrier()
