@@ -121,7 +121,8 @@ class ReplicaSyncCallback(TrainerCallback):
         max_names: how many diverged parameter names the error lists.
 
     Raises:
-        ReplicaDivergenceError: on every rank at the same step (all ranks see the same reduced vector).
+        ReplicaDivergenceError: on every rank at the same step (all ranks see the same reduced vector),
+            after rank 0 saved its model under the run's `output_dir` (see `check`).
 
     Guarantees: the check is exact (identical replicas give bit-identical checksums); it never raises
     when the replicas are identical.
@@ -133,10 +134,17 @@ class ReplicaSyncCallback(TrainerCallback):
         self.every_n_steps = every_n_steps
         self.max_names = max_names
         self.last_checked_step: int | None = None
+        self.last_good_step = 0  # replicas start equal (DDP broadcasts rank 0's weights when it wraps)
         self.checks = 0
 
-    def check(self, model: nn.Module, step: int) -> None:
-        """Compare `model`'s trainable parameters across ranks now (collective: call on every rank)."""
+    def check(self, model: nn.Module, step: int, output_dir: str | None = None) -> None:
+        """Compare `model`'s trainable parameters across ranks now (collective: call on every rank).
+
+        On divergence, rank 0 first saves its model (`save_pretrained`, else its trainable tensors) to
+        `<output_dir>/hf_ddpfix-diverged-step-<step>` so the run's work is not lost, then every rank raises;
+        the error lists the parameters by the size of their drift (largest first) and the window
+        `(last_good_step, step]` in which the replicas went apart.
+        """
         if _dist_world() <= 1:
             return
         names, sums = param_checksums(model)
@@ -148,26 +156,59 @@ class ReplicaSyncCallback(TrainerCallback):
         self.checks += 1
         bad = [i for i in range(n) if bool((hi[i] != lo[i]).any())]
         if not bad:
+            self.last_good_step = step
             return
-        shown = [names[i] for i in bad[: self.max_names]]
-        spread = ", ".join(f"{names[i]} (sum over ranks {lo[i, 0]:.6g}..{hi[i, 0]:.6g})"
-                           for i in bad[: self.max_names])
+        # drift size: the spread over ranks of the sum and (as a norm) of the sum of squares
+        drift = {i: max(float(hi[i, 0] - lo[i, 0]), float(hi[i, 1].sqrt() - lo[i, 1].clamp(min=0).sqrt()))
+                 for i in bad}
+        bad.sort(key=lambda i: -drift[i])
+        saved = _save_rank0(model, output_dir, step) if output_dir else None
+        shown = bad[: self.max_names]
+        spread = ", ".join(f"{names[i]} (drift {drift[i]:.3g}; sum over ranks {lo[i, 0]:.6g}..{hi[i, 0]:.6g})"
+                           for i in shown)
         more = f" and {len(bad) - len(shown)} more" if len(bad) > len(shown) else ""
+        window = (f"after step {self.last_good_step} (the last check that found them equal)"
+                  if self.last_good_step else "since training started")
+        keep = (f" Rank 0's model at step {step} was saved to {saved}; checkpoints saved at or before step "
+                f"{self.last_good_step} hold weights every rank agreed on." if saved else "")
         raise ReplicaDivergenceError(
-            f"hf_ddpfix: DDP replicas diverged at step {step}: {len(bad)} of {n} trainable parameters differ "
-            f"between ranks, first: {spread}{more}. Gradients were not all-reduced for them (a parameter "
-            "updated outside DDP, a rank that skipped a step, or a model/optimizer change on one rank). "
-            "Rerun with TORCH_DISTRIBUTED_DEBUG=DETAIL; HF_DDPFIX_SYNC_CHECK_STEPS=1 finds the first bad step.",
-            names=[names[i] for i in bad], step=step,
+            f"hf_ddpfix: DDP replicas diverged: first seen at step {step}, {window}; checked every "
+            f"{self.every_n_steps} steps and when training ends. {len(bad)} of {n} trainable parameters differ "
+            f"between ranks, largest drift first: {spread}{more}. Gradients were not all-reduced for them (a "
+            "parameter updated outside DDP or unfrozen after wrapping outside hf_ddpfix's Trainer, a rank that "
+            f"skipped a step, or a model/optimizer change on one rank).{keep} Rerun with "
+            "TORCH_DISTRIBUTED_DEBUG=DETAIL; HF_DDPFIX_SYNC_CHECK_STEPS=1 finds the first bad step.",
+            names=[names[i] for i in bad], step=step, last_good_step=self.last_good_step, saved_to=saved,
         )
 
     def on_step_end(self, args, state, control, model=None, **kwargs):
         if self.every_n_steps and model is not None and state.global_step % self.every_n_steps == 0:
-            self.check(model, state.global_step)
+            self.check(model, state.global_step, getattr(args, "output_dir", None))
 
     def on_train_end(self, args, state, control, model=None, **kwargs):
         if self.every_n_steps and model is not None and self.last_checked_step != state.global_step:
-            self.check(model, state.global_step)
+            self.check(model, state.global_step, getattr(args, "output_dir", None))
+
+
+def _save_rank0(model: nn.Module, output_dir: str, step: int) -> str | None:
+    """Rank 0 saves `model` to `<output_dir>/hf_ddpfix-diverged-step-<step>` (no collective); returns the
+    path on every rank, or `None` when saving failed (the divergence error is raised regardless)."""
+    import os
+
+    path = os.path.join(output_dir, f"hf_ddpfix-diverged-step-{step}")
+    if dist.get_rank() != 0:
+        return path
+    try:
+        if hasattr(model, "save_pretrained"):
+            model.save_pretrained(path)
+        else:
+            os.makedirs(path, exist_ok=True)
+            torch.save({k: v.detach().cpu() for k, v in model.named_parameters() if v.requires_grad},
+                       os.path.join(path, "trainable.pt"))
+    except Exception as err:  # noqa: BLE001 - never hide the divergence behind a failed save
+        logging.getLogger("hf_ddpfix").warning("hf_ddpfix: could not save the diverged model to %s: %s", path, err)
+        return None
+    return path
 
 
 # ----------------------------------------------------------------------------------------------------

@@ -32,14 +32,19 @@ class ReplicaDivergenceError(DDPFixError):
     """DDP replicas hold different trainable weights (raised by `ReplicaSyncCallback` on every rank).
 
     Attributes:
-        names: the diverged parameter names, in model order.
-        step: the optimizer step at which the check ran.
+        names: the diverged parameter names, largest drift first.
+        step: the optimizer step at which the check ran (the first check that saw the divergence).
+        last_good_step: the last checked step at which the replicas were equal (0: the start).
+        saved_to: where rank 0's model was saved before raising, or ``None``.
     """
 
-    def __init__(self, message: str, names: list[str] | None = None, step: int | None = None):
+    def __init__(self, message: str, names: list[str] | None = None, step: int | None = None,
+                 last_good_step: int | None = None, saved_to: str | None = None):
         super().__init__(message)
         self.names = list(names or [])
         self.step = step
+        self.last_good_step = last_good_step
+        self.saved_to = saved_to
 
 
 # (key, regex on the error text). Order matters: the first match wins.

@@ -26,7 +26,7 @@ from .errors import DDPFixError
 from .ops.feature_counts import add_fallback_listener, as_metrics
 from .plan.types import Plan
 
-__all__ = ["FallbackWatch", "FeatureFallbackError", "feature_metrics", "requested_features"]
+__all__ = ["ATTACH_FIELDS_OF", "FallbackWatch", "attach_fallbacks", "FeatureFallbackError", "feature_metrics", "requested_features"]
 
 logger = logging.getLogger("hf_ddpfix")
 
@@ -37,6 +37,28 @@ PLAN_FIELD_OF = {"offload": "offload_activations", "stabilizer": "vlm_stabilizer
 
 class FeatureFallbackError(DDPFixError):
     """A feature the plan turned on ran stock code (raised at that call in strict mode)."""
+
+
+#: Counted feature name -> every plan decision a fallback of it at attach time turns off (the ZeRO / DDP
+#: stabiliser is one object for training and evaluation forwards: if it cannot attach, neither runs).
+ATTACH_FIELDS_OF = {"stabilizer": ("vlm_stabilizer", "vlm_eval_sync"), "zero_vision": ("vlm_stabilizer", "vlm_eval_sync"),
+                    "offload": ("offload_activations",)}
+
+
+def attach_fallbacks() -> dict[str, str]:
+    """Plan field -> reason, for every feature that recorded a fallback so far in this ``train()`` (called right
+    after the runtime attached, before step 1: these are attach-time verdicts, e.g. a discovered VLM family
+    whose dummy image failed its trial run). Feed to :meth:`~hf_ddpfix.plan.types.Plan.with_attach_fallbacks`."""
+    from .ops.feature_counts import snapshot
+
+    out: dict[str, str] = {}
+    for feature, count in snapshot().items():
+        if not count.fallbacks:
+            continue
+        reason = "; ".join(sorted(count.fallbacks))
+        for name in ATTACH_FIELDS_OF.get(feature, (PLAN_FIELD_OF.get(feature, feature),)):
+            out[name] = reason
+    return out
 
 
 def requested_features(plan: Plan) -> dict[str, Any]:

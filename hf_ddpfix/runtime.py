@@ -35,6 +35,7 @@ from .integrations.long_context.long_context import LongContextHandle, apply_lon
 from .integrations.long_context.loss_patch import TiledLossHandle, patch_model_loss
 from .integrations.long_context.tiled_mlp import TiledMLPHandle, apply_tiled_mlp
 from .integrations.sequence_parallel.trainer import SequenceParallelGroups, attach_sequence_parallel
+from .integrations.trainable_set import TrainableSetWatch
 from .integrations.usage import HangGuard, ParameterUsage
 from .integrations.vision.families import is_vision_language_model
 from .integrations.vision.stabilizer import VisionStabilizer
@@ -62,6 +63,7 @@ class Runtime:
     tiled_loss: TiledLossHandle | None = None
     long_context: LongContextHandle | None = None
     sequence_parallel: SequenceParallelGroups | None = None
+    trainable_set: TrainableSetWatch | None = None  # DDP / FSDP: parameters unfrozen after wrapping
     step_contexts: list[Callable[[], AbstractContextManager[Any]]] = field(default_factory=list)
 
 
@@ -112,6 +114,9 @@ def attach_runtime(trainer: Any, model: nn.Module, plan: Plan, stack: ExitStack)
         rt.sequence_parallel = attach_sequence_parallel(
             trainer, model, stack=stack, sp_size=sp_size_of(plan.sequence_parallel.value),
             stand_down_accelerate="parallelism_config" in str(plan.sequence_parallel.value))
+    if plan.parallel in ("ddp", "fsdp") and plan.world_size > 1:  # requires_grad changed after wrapping
+        rt.trainable_set = TrainableSetWatch(model, plan.parallel, step=lambda: trainer.state.global_step + 1)
+        stack.callback(before_gradient_clipping(trainer, rt.trainable_set.finalize))
     if rt.step_contexts:
         _override(trainer, "training_step", lambda inner: _within(rt.step_contexts, inner), stack)
     _align_buffer_order(trainer, model, plan)
@@ -200,7 +205,12 @@ def attach_eval_sync(model: nn.Module, decision: Any, parallel: str, stack: Exit
     if parallel == "deepspeed":
         from .integrations.vision.zero import ZeroVisionStabilizer
 
-        sync: Any = ZeroVisionStabilizer(model, train=False, sync_eval=True).attach()
+        try:
+            sync: Any = ZeroVisionStabilizer(model, train=False, sync_eval=True).attach()
+        except ValueError as err:  # a failed trial run of a discovered family: stock evaluation, said why
+            feature_counts.record_fallback("stabilizer", str(err))
+            logger.warning("hf_ddpfix: vlm_eval_sync not applied (stock evaluation): %s", err)
+            return None
     else:
         sync = VisionStabilizer(model, run_when_frozen=True, train=False, sync_eval=True).attach()
     stack.callback(sync.remove)

@@ -30,7 +30,7 @@ from .checkpoints import last_complete_checkpoint
 from .config import DDPFixConfig
 from .errors import readable_ddp_errors
 from .facts import gather_facts
-from .feature_report import FallbackWatch, feature_metrics
+from .feature_report import FallbackWatch, attach_fallbacks, feature_metrics
 from .integrations.sequence_parallel.trainer import attach_sequence_parallel
 from .integrations.trainer_hooks import TrainerPatchLayer
 from .ops.dist import destroy_default_group_at_exit
@@ -98,6 +98,8 @@ def run_with_plan(trainer: Trainer, inner_loop: Callable[..., Any], *args: Any, 
                 stack.callback(watch.attach().remove)  # requested features that fall back: warned / raised
                 _set_ddp_kwargs(trainer, plan)
                 trainer.hf_ddpfix_runtime = attach_runtime(trainer, unwrap_parallel(trainer.model), plan, stack)
+                plan = plan.with_attach_fallbacks(attach_fallbacks())  # the report says what runs, before step 1
+                trainer.hf_ddpfix_plan = plan
                 install_callbacks(trainer, default_callbacks(plan, config), stack)  # plan report, sync, metrics
                 model = unwrap_parallel(trainer.model)
                 names = lambda: [n for n, p in model.named_parameters() if p.requires_grad]  # noqa: E731 DDP's order

@@ -69,3 +69,42 @@ def torchrun(script: str | Path, *args: str, nproc: int = 2, timeout: float = 18
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
            str(SCRIPTS / script if not Path(script).is_absolute() else script), *args]
     return _run(cmd, f"{script} {' '.join(args)}", timeout, env, check)
+
+
+def torchrun_nodes(script: str | Path, *args: str, nnodes: int = 2, timeout: float = 240,
+                   env: dict[str, str] | None = None) -> list[subprocess.CompletedProcess]:
+    """Run `script` as `nnodes` localhost "nodes" of one process each: one `torch.distributed.run` launcher
+    per node (`--nnodes`, `--node_rank`, c10d rendezvous on 127.0.0.1:<free port>), as a multi-node job is
+    launched. Same contract as :func:`torchrun` (hard timeout over all launchers, every output on failure);
+    returns the launchers' finished processes in node order."""
+    import pytest
+
+    port = free_port()
+    full_env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false",
+                "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]), **(env or {})}
+    procs = []
+    for node in range(nnodes):
+        cmd = [sys.executable, "-m", "torch.distributed.run", f"--nnodes={nnodes}", "--nproc_per_node=1",
+               f"--node_rank={node}", "--rdzv_backend=c10d", f"--rdzv_endpoint=127.0.0.1:{port}",
+               f"--rdzv_id=hf_ddpfix_{port}", str(SCRIPTS / script), *args]
+        procs.append(subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                      env=full_env, start_new_session=True, cwd=str(ROOT)))
+    import time
+
+    deadline, outs = time.monotonic() + timeout, []
+    for proc in procs:
+        try:
+            out, _ = proc.communicate(timeout=max(1.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            for p in procs:
+                if p.poll() is None:
+                    os.killpg(p.pid, 9)
+            rest = [p.communicate()[0] for p in procs[len(outs):]]
+            pytest.fail(f"{script} on {nnodes} nodes: no result after {timeout:.0f}s (hang?)\n"
+                        + "\n".join(o[-3000:] for o in outs + rest))
+        outs.append(out)
+    done = [subprocess.CompletedProcess(p.args, p.returncode, o, "") for p, o in zip(procs, outs, strict=True)]
+    if any(d.returncode for d in done):
+        pytest.fail(f"{script} on {nnodes} nodes exited {[d.returncode for d in done]}\n"
+                    + "\n".join(d.stdout[-4000:] for d in done))
+    return done

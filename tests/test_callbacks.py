@@ -115,14 +115,16 @@ def test_memory_throughput_keys_reach_reporters_and_count_non_padding_tokens(tmp
 
 @pytest.mark.multiprocess
 def test_replica_sync_and_cross_rank_metrics_under_ddp(tmp_path):
-    """Identical replicas pass 3 checks; a weight nudged on rank 1 raises on BOTH ranks, naming it."""
+    """Identical replicas pass 3 checks; two weights nudged on rank 1 raise on BOTH ranks, naming the larger
+    drift first, the last good check (step 2), with rank 0's model saved under output_dir first."""
     done = torchrun("ops_sync.py", timeout=150, env={"OPS_OUT": str(tmp_path)})
     out = done.stdout
     assert sorted(re.findall(r"CLEAN rank=(\d) checks=3", out)) == ["0", "1"], out[-3000:]
     nudged = re.search(r"NUDGED rank=1 (\S+)", out).group(1)
-    diverged = re.findall(r"DIVERGED rank=(\d) step=(\d+) first=(\S+) n=1", out)
+    diverged = re.findall(r"DIVERGED rank=(\d) step=(\d+) first=(\S+) n=2", out)
     assert sorted(diverged) == [("0", "4", nudged), ("1", "4", nudged)], out[-3000:]
     assert "NOT_DETECTED" not in out
+    assert sorted(re.findall(r"REPORT rank=(\d) last_good=2 saved=True", out)) == ["0", "1"], out[-3000:]
 
 
 def _resume_trainer(out, steps, resume=None):

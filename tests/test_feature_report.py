@@ -85,3 +85,24 @@ def test_strict_trainer_run_raises_when_the_long_context_layer_cannot_run(tmp_pa
                             ddpfix_config=DDPFixConfig(long_context="all", strict=True))
     with pytest.raises(FeatureFallbackError, match="attention dropout"):
         trainer.train()
+
+
+def test_a_fallback_at_attach_time_is_in_the_plan_the_report_prints():
+    """A feature the runtime cannot attach (a discovered VLM family whose dummy failed its trial) is off in
+    the plan logged before step 1, with its reason; the ZeRO stabiliser takes its evaluation sync with it."""
+    from dataclasses import replace
+
+    from hf_ddpfix.feature_report import attach_fallbacks
+    from hf_ddpfix.plan.types import Decision
+
+    plan = replace(_plan(long_context="all"), vlm_stabilizer=Decision(True, "dummy image"),
+                   vlm_eval_sync=Decision(True, "agree"))
+    assert plan.with_attach_fallbacks(attach_fallbacks()) is plan  # nothing fell back: the same plan
+    feature_counts.record_fallback("stabilizer", "aya_vision (from config): no dummy image runs")
+    fixed = plan.with_attach_fallbacks(attach_fallbacks())
+    assert fixed.vlm_stabilizer.value is False and fixed.vlm_eval_sync.value is False
+    assert fixed.long_context.value == plan.long_context.value
+    report = fixed.report()
+    line = next(ln for ln in report.splitlines() if "vlm_stabilizer" in ln)
+    assert "= off" in line and "no dummy image runs" in line and "before step 1" in line, line
+    assert "corrected: vlm_stabilizer: on -> off" in report

@@ -902,3 +902,22 @@ def test_attention_modules_look_their_kernel_up_in_the_registry_at_call_time():
         model(input_ids=torch.tensor([[1, 2, 3]]))
     assert seen and seen[0][0] is attn and seen[0][1] == (1, 4, 3, 8) and "scaling" in seen[0][2], seen
     assert current_attention_function("sdpa") is sdpa_attention_forward
+
+
+def test_zero3_partitioned_marker_and_gathered_parameters():
+    """`_compat.zero3_partitioned` reads the ``ds_id`` deepspeed gives a parameter it converts (zero.Init or the
+    ZeRO-3 engine), and `_compat.zero3_gathered` calls ``GatheredParameters(params, modifier_rank=None)``
+    (deepspeed 0.19.8); end to end: tests/test_zero3_loaded.py (models built by zero.Init)."""
+    deepspeed = pytest.importorskip("deepspeed", reason="test extra: deepspeed")
+    from deepspeed.runtime.zero import partition_parameters
+
+    GatheredParameters = deepspeed.zero.GatheredParameters  # noqa: N806 - the class, as the contract calls it
+
+    src = inspect.getsource(partition_parameters)
+    assert "param.ds_id = " in src, _broken("deepspeed no longer sets param.ds_id on partitioned parameters")
+    assert "modifier_rank" in inspect.signature(GatheredParameters.__init__).parameters, _broken(
+        "GatheredParameters(modifier_rank=...)")
+    plain = torch.nn.Parameter(torch.zeros(2))
+    assert not _compat.zero3_partitioned(plain)
+    with _compat.zero3_gathered([plain]) as gathered:  # nothing partitioned: no collective, no deepspeed call
+        assert gathered is False

@@ -361,3 +361,53 @@ ZERO_DISCOVERED: dict[str, ZooEntry] = {
                  can_go_unused=_VISION_UNUSED),
     ]
 }
+
+
+# --- VLMs loaded with from_pretrained under ZeRO-3 (zero.Init) in tests/scripts/zero3_loaded.py -------
+
+_SIGLIP = dict(model_type="siglip_vision_model", hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+               num_attention_heads=2, image_size=28, patch_size=7)
+_COHERE2 = dict(_LLAMA_TEXT, model_type="cohere2", head_dim=16, sliding_window=8,
+                layer_types=["sliding_attention", "full_attention"])
+
+
+def _aya_vision(seed: int) -> nn.Module:
+    """SigLIP tower (16 patches), pixel-shuffle projector (downsample 2: 4 tokens), Cohere2 LM."""
+    from transformers import AyaVisionConfig, AyaVisionForConditionalGeneration
+
+    return AyaVisionForConditionalGeneration(AyaVisionConfig(
+        vision_config=_SIGLIP, text_config=_COHERE2, downsample_factor=2, image_token_index=IMG, vision_feature_layer=-1))
+
+
+def _cohere2_vision(seed: int) -> nn.Module:
+    """SigLIP tower, pixel-shuffle + SwiGLU projector (4 tokens), Cohere2 LM."""
+    from transformers import Cohere2VisionConfig, Cohere2VisionForConditionalGeneration
+
+    return Cohere2VisionForConditionalGeneration(Cohere2VisionConfig(
+        vision_config=_SIGLIP, text_config=_COHERE2, downsample_factor=2, image_token_id=IMG))
+
+
+def _vipllava(seed: int) -> nn.Module:
+    """CLIP tower (2x2 patches, CLS dropped: 4 tokens), projector over two hidden layers, Llama LM."""
+    from transformers import VipLlavaConfig, VipLlavaForConditionalGeneration
+
+    vision = dict(model_type="clip_vision_model", hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                  num_attention_heads=2, image_size=28, patch_size=14, projection_dim=32)
+    return VipLlavaForConditionalGeneration(VipLlavaConfig(
+        vision_config=vision, text_config={**_LLAMA_TEXT, "model_type": "llama"}, image_token_index=IMG,
+        vision_feature_layers=[-2, -1]))
+
+
+#: VLMs no other test names, loaded the way users load a checkpoint (``from_pretrained`` under a ZeRO-3
+#: config, i.e. built partitioned by ``zero.Init``); their dummy image is discovered from the config.
+ZERO_LOADED: dict[str, ZooEntry] = {
+    e.name: e
+    for e in [
+        ZooEntry("aya_vision", "Aya Vision", _aya_vision, _VLM_LORA, _pixel_batch(4, 28), vlm=True,
+                 can_go_unused=_VISION_UNUSED),
+        ZooEntry("cohere2_vision", "Command A Vision (Cohere2-Vision)", _cohere2_vision, _VLM_LORA,
+                 _pixel_batch(4, 28), vlm=True, can_go_unused=_VISION_UNUSED),
+        ZooEntry("vipllava", "VipLLaVA", _vipllava, _VLM_LORA, _pixel_batch(4, 28), vlm=True,
+                 can_go_unused=_VISION_UNUSED),
+    ]
+}

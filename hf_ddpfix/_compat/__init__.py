@@ -27,6 +27,8 @@ from .deepspeed import (
     deepspeed_engine,
     deepspeed_engine_sequence_parallel_size,
     z3_leaf_marked,
+    zero3_gathered,
+    zero3_partitioned,
     zero_flat_slices,
 )
 from .models import (
@@ -168,5 +170,7 @@ __all__ = [
     "view_base",
     "when_ready_to_prepare",
     "z3_leaf_marked",
+    "zero3_gathered",
+    "zero3_partitioned",
     "zero_flat_slices",
 ]

@@ -5,6 +5,7 @@ Part of the contract layer (:mod:`hf_ddpfix._compat`): torch-only at module leve
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Any
 
 import torch
@@ -19,6 +20,38 @@ def z3_leaf_marked(module: nn.Module) -> bool:
     """True when ``module`` is flagged as a ZeRO-3 leaf module: ``deepspeed.utils.set_z3_leaf_modules``
     sets the private attribute ``module._z3_leaf`` (deepspeed 0.14-0.19.8), read at engine init."""
     return bool(getattr(module, "_z3_leaf", False))
+
+
+def zero3_partitioned(param: torch.Tensor) -> bool:
+    """True when ``param`` is a ZeRO-3 partitioned parameter: ``deepspeed.zero.Init`` (and the ZeRO-3 engine)
+    give every parameter it converts a ``ds_id`` (``partition_parameters._convert_to_deepspeed_param``,
+    deepspeed 0.10-0.19.8); its ``data`` is then an empty placeholder outside a gather."""
+    return hasattr(param, "ds_id")
+
+
+class zero3_gathered:  # noqa: N801 - used as a function: `with zero3_gathered(params):`
+    """Every ZeRO-3 partitioned parameter of ``params`` gathered in full on every rank for the block, read-only
+    (``deepspeed.zero.GatheredParameters(..., modifier_rank=None)``, deepspeed 0.10-0.19.8): a collective, so
+    every rank of the data-parallel group must enter it together, with the same parameters in the same order.
+    ``__enter__`` returns whether anything was gathered (nothing, and no collective, when no parameter is
+    partitioned)."""
+
+    def __init__(self, params: Iterable[torch.Tensor]) -> None:
+        self.partitioned = [p for p in params if zero3_partitioned(p)]
+        self._inner: Any = None
+
+    def __enter__(self) -> bool:
+        if not self.partitioned:
+            return False
+        import deepspeed
+
+        self._inner = deepspeed.zero.GatheredParameters(self.partitioned, modifier_rank=None)
+        self._inner.__enter__()
+        return True
+
+    def __exit__(self, *exc: Any) -> Any:
+        inner, self._inner = self._inner, None
+        return inner.__exit__(*exc) if inner is not None else None
 
 
 def deepspeed_default_leaf_classes() -> frozenset[str]:

@@ -31,8 +31,8 @@ if TYPE_CHECKING:
 
 _PLACEMENT_FIX = (
     'load each rank\'s model onto its own device: from_pretrained(..., device_map={"": local_rank}) with '
-    "local_rank = int(os.environ['LOCAL_RANK']) (or accelerate.PartialState().process_index); for model "
-    "parallelism over several GPUs launch ONE process (python train.py), not torchrun"
+    "local_rank = int(os.environ['LOCAL_RANK']) (or accelerate.PartialState().local_process_index: the rank on "
+    "this node; process_index is the global rank, another node's device number); for model parallelism over several GPUs launch ONE process (python train.py), not torchrun"
 )
 
 

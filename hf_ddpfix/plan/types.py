@@ -9,7 +9,7 @@ torch or touches a process group.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, Literal
 
 if TYPE_CHECKING:  # the plan stays free of torch at run time; the facts type lives with its gatherer
@@ -206,6 +206,23 @@ class Plan:
             "zero3_leaf_modules": self.zero3_leaf_modules,
             "zero_skip_unused": self.zero_skip_unused,
         }
+
+    def with_attach_fallbacks(self, fallbacks: dict[str, str]) -> Plan:
+        """This plan with the decisions in ``fallbacks`` (field name -> reason) turned off because the
+        runtime found, when it attached them (before step 1), that they cannot run for this model: what the
+        report then prints is what executes. A field that is not on, or not a decision, is left as it is;
+        the correction is listed under ``corrected:`` as well.
+
+        Guarantees: pure; the plan is unchanged when ``fallbacks`` is empty (tests/test_feature_report.py).
+        """
+        decisions = self.decisions()
+        changes = {name: Decision(False, f"requested ({decisions[name].text}) but stock behaviour: at attach time, "
+                                         f"before step 1: {reason}")
+                   for name, reason in fallbacks.items() if name in decisions and decisions[name].value}
+        if not changes:
+            return self
+        notes = tuple(f"{name}: {decisions[name].text} -> off at attach time ({fallbacks[name]})" for name in changes)
+        return replace(self, **changes, corrections=self.corrections + notes)
 
     def report(self) -> str:
         """Multi-line, human-readable plan: every decision, `*` marks what differs from stock."""

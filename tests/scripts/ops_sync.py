@@ -38,14 +38,16 @@ def collate(batch):
 
 
 class Nudge(TrainerCallback):
-    """After optimizer step 3, rank 1 changes one trainable weight without DDP knowing."""
+    """After optimizer step 3, rank 1 changes two trainable weights without DDP knowing: the first by 1e-3,
+    the last by 1e-1 (the error must name the larger drift first)."""
 
     def on_step_end(self, args, state, control, model=None, **kwargs):
         if state.global_step == 3 and rank == 1:
-            name, p = next((n, p) for n, p in model.named_parameters() if p.requires_grad)
+            params = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
             with torch.no_grad():
-                p.add_(1e-3)
-            print(f"NUDGED rank={rank} {name}", flush=True)
+                params[0][1].add_(1e-3)
+                params[-1][1].add_(1e-1)
+            print(f"NUDGED rank={rank} {params[-1][0]}", flush=True)
 
 
 def run(extra, sync):
@@ -76,6 +78,8 @@ try:
     print(f"NOT_DETECTED rank={rank}", flush=True)
 except ReplicaDivergenceError as e:
     print(f"DIVERGED rank={rank} step={e.step} first={e.names[0]} n={len(e.names)}", flush=True)
+    saved = e.saved_to is not None and (rank != 0 or os.path.exists(os.path.join(e.saved_to, "adapter_config.json")))
+    print(f"REPORT rank={rank} last_good={e.last_good_step} saved={saved}", flush=True)
     print(f"MESSAGE rank={rank} {str(e)[:300]}", flush=True)
     del e
 dist.barrier()

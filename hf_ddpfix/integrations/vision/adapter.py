@@ -24,13 +24,14 @@ turn the zero gradients into NaN), built once per (dtype, device) and run under 
 from __future__ import annotations
 
 import inspect
+import weakref
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch import nn
 
-from ..._compat import image_features, output_field
+from ..._compat import image_features, output_field, zero3_gathered, zero3_partitioned
 from .family import VisionFamily
 
 __all__ = ["EXTRA_INPUT_BUILDERS", "VISUAL_INPUT_NAMES", "VisionAdapter", "get_submodule", "image_size_hw",
@@ -39,6 +40,10 @@ __all__ = ["EXTRA_INPUT_BUILDERS", "VISUAL_INPUT_NAMES", "VisionAdapter", "get_s
 # Input names that make a VLM run its vision tower (modeling_qwen2_5_vl.py / modeling_llava.py /
 # modeling_gemma3.py, 5.23: `if pixel_values is not None` / `if pixel_values_videos is not None`).
 VISUAL_INPUT_NAMES = ("pixel_values", "pixel_values_videos")
+
+
+#: A discovered family's verified pixel layout per model: ``root -> (family name, pixel ndim)``.
+_VERDICTS: weakref.WeakKeyDictionary[nn.Module, tuple[str, int]] = weakref.WeakKeyDictionary()
 
 
 def get_submodule(root: nn.Module, path: str) -> nn.Module | None:
@@ -195,38 +200,48 @@ class VisionAdapter:
     def verify(self) -> None:
         """Run-time check of a discovered family's dummy, before training (no-op for hand-written ones).
 
-        Runs the dummy once under ``no_grad`` on this rank's unpartitioned model (before the ZeRO engine
-        exists, so no collective), as ``[1, C, H, W]`` and else ``[1, 1, C, H, W]`` (Idefics3 / SmolVLM take
-        a list of images per sample), and keeps the first layout whose ``pooler_output`` gives image
-        features to tie where real ones enter. Every rank runs the same trial on the same weights, so all
-        reach the same verdict.
+        Runs the dummy once under ``no_grad``, as ``[1, C, H, W]`` and else ``[1, 1, C, H, W]`` (Idefics3 /
+        SmolVLM take a list of images per sample), and keeps the first layout whose ``pooler_output`` gives
+        image features to tie where real ones enter. A model built partitioned (``from_pretrained`` under a
+        ZeRO-3 config: ``zero.Init``) has empty tower weights on every rank, so the trial runs with the
+        tower's and projector's parameters gathered (:func:`hf_ddpfix._compat.zero3_gathered`: one
+        all-gather per parameter, read-only, released after the trial): every rank must call ``verify``
+        together, as :class:`~hf_ddpfix.integrations.vision.zero.ZeroVisionStabilizer` does at attach time
+        (before the ZeRO engine exists, so no ZeRO hook runs). Every rank runs the same trial on the same
+        weights, so all reach the same verdict. The verdict is kept per model (a later stabiliser for the
+        same model, e.g. for an evaluation after ``train()``, reuses it without a trial or a collective).
 
         Raises:
-            ValueError: the model is already partitioned (built under ZeRO-3 ``zero.Init``), or no layout
-                runs; the message says which, and the caller keeps stock behaviour.
+            ValueError: no layout runs; the message says why, and the caller keeps stock behaviour.
         """
         if not self.family.discovered or self.verified:
             return
+        known = _VERDICTS.get(self.root)
+        if known is not None and known[0] == self.family.name:
+            self.pixel_ndim, self.verified = known[1], True
+            return
         params = [p for _, m in self.parts() for p in m.parameters()]
-        if any(hasattr(p, "ds_id") or p.numel() == 0 for p in params):
-            raise ValueError(f"{self.family.name}: the model was built partitioned (ZeRO-3 zero.Init): a dummy "
-                             "image built from the config cannot be checked before training")
+        if any(p.numel() == 0 and not zero3_partitioned(p) for p in params):
+            raise ValueError(f"{self.family.name}: the vision tower has empty parameters that are not ZeRO-3 "
+                             "partitioned: a dummy image cannot be checked before training")
         errors = []
-        for ndim in (4, 5):
-            self.pixel_ndim = ndim
-            self._dummy_cache.clear()
-            try:
-                with torch.no_grad():
-                    out = self.run_dummy()
-            except Exception as err:  # noqa: BLE001 - a trial: any failure means "not this layout"
-                errors.append(f"{ndim}-D: {type(err).__name__}: {str(err)[:120]}")
-                continue
-            pooled = image_features(out)
-            tensors = output_tensors(pooled) if pooled is not None else []
-            if tensors and all(t.numel() > 0 for t in tensors):
-                self.verified = True
-                return
-            errors.append(f"{ndim}-D: get_image_features returned no pooler_output features")
+        with zero3_gathered(params):
+            for ndim in (4, 5):
+                self.pixel_ndim = ndim
+                self._dummy_cache.clear()
+                try:
+                    with torch.no_grad():
+                        out = self.run_dummy()
+                except Exception as err:  # noqa: BLE001 - a trial: any failure means "not this layout"
+                    errors.append(f"{ndim}-D: {type(err).__name__}: {str(err)[:120]}")
+                    continue
+                pooled = image_features(out)
+                tensors = output_tensors(pooled) if pooled is not None else []
+                if tensors and all(t.numel() > 0 for t in tensors):
+                    self.verified = True
+                    _VERDICTS[self.root] = (self.family.name, ndim)
+                    return
+                errors.append(f"{ndim}-D: get_image_features returned no pooler_output features")
         self._dummy_cache.clear()
         self.pixel_ndim = 4
         raise ValueError(f"{self.family.name}: no dummy image built from vision_config runs through "

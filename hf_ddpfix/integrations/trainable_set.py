@@ -1,0 +1,136 @@
+"""Parameters whose ``requires_grad`` changes after the model is wrapped (a callback unfreezing a head at step 2).
+
+Problem (issue 28): DDP registers the parameters that require grad when it wraps the model and all-reduces
+only those. A parameter unfrozen later gets a gradient on every rank from that rank's micro-batches only:
+stock DDP never reduces it, so the replicas silently drift apart (its weights if the optimizer holds it, and
+through the clip coefficient, computed from each rank's own gradient norm, every other weight too). FSDP2
+and DeepSpeed ZeRO flatten / shard the trainable set when they wrap: a parameter unfrozen afterwards is
+outside their buckets and partitions altogether.
+
+:class:`TrainableSetWatch` takes the trainable set when hf_ddpfix attaches (before the model is wrapped) and
+checks it after the last backward of every optimizer step, before the gradients are clipped, measured or
+stepped (:func:`hf_ddpfix._compat.before_gradient_clipping`): the step where the change takes effect.
+
+- DDP: the gradients of the parameters unfrozen since wrapping are averaged over the ranks (one
+  ``all_reduce`` per parameter, a rank without a gradient adding zeros; none when no rank has one), what
+  DDP does for every registered parameter: the optimizer and the clip see what a one-process run with the
+  same global batch sees. Every rank must have unfrozen the same parameters (checked by name in a step where
+  the set changed; otherwise :class:`TrainableSetChangedError` on every rank). Logged once per new
+  set, counted as feature ``trainable_set`` (``ran``, amount ``reduced_params``).
+- FSDP: :class:`TrainableSetChangedError` at that step, naming the parameters, the step and the
+  fix (unfreeze before ``trainer.train()``, with a zero learning rate until the step you want, or restart
+  from a checkpoint with the new trainable set), before the optimizer steps: no replica has drifted.
+
+A parameter frozen after wrapping needs nothing: it gets no gradient and the optimizer skips it, as stock.
+Not attached under DeepSpeed (its engine clips and steps inside ``engine.step``, where this hook point is not
+reached; not verified there).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ..ops.dist import dist_ready, gather_flags
+from ..ops.feature_counts import record_amount, record_ran
+
+__all__ = ["FEATURE", "TrainableSetChangedError", "TrainableSetWatch"]
+
+logger = logging.getLogger("hf_ddpfix")
+
+#: ``hf_ddpfix.ops.feature_counts`` name of this check.
+FEATURE = "trainable_set"
+
+
+_WRAPPER_SEGMENTS = ("_fsdp_wrapped_module.", "_checkpoint_wrapped_module.", "_orig_mod.")
+
+
+def _plain(name: str) -> str:
+    """A parameter name without the segments FSDP1 / checkpoint / compile wrappers insert."""
+    for seg in _WRAPPER_SEGMENTS:
+        name = name.replace(seg, "")
+    return name
+
+
+class TrainableSetChangedError(RuntimeError):
+    """Parameters became trainable after wrapping where hf_ddpfix cannot reduce their gradients."""
+
+
+class TrainableSetWatch:
+    """Watch the trainable set of ``model`` from now on (see the module docstring).
+
+    Args:
+        model: the unwrapped model (what the optimizer and the wrapper see).
+        parallel: the plan's mode (``"ddp"`` reduces; any other multi-rank mode raises).
+        step: returns the optimizer step being taken (1-based), for messages.
+        process_group: the data-parallel group (default: the world).
+    """
+
+    def __init__(self, model: nn.Module, parallel: str, step: Any = lambda: 0, process_group: Any = None) -> None:
+        self.model, self.parallel, self.step, self.process_group = model, parallel, step, process_group
+        # by name: FSDP2's fully_shard replaces every parameter object (DTensors) under the same name; wrapper
+        # segments are dropped, and a parameter whose name did not exist here (FSDP1's flat parameters) is
+        # never "new"
+        self.known = {_plain(n) for n, _ in model.named_parameters()}
+        self.baseline = {_plain(n) for n, p in model.named_parameters() if p.requires_grad}
+        self._checked_step: Any = None
+        self._announced: set[tuple[str, ...]] = set()
+        self.reduced = 0  # parameter reductions done so far (tests, logs)
+
+    def new_trainable(self) -> list[tuple[str, nn.Parameter]]:
+        """``(name, parameter)`` that require grad now and did not when the watch started, in module order."""
+        return [(n, p) for n, p in self.model.named_parameters() if p.requires_grad and _plain(n) in self.known and _plain(n) not in self.baseline]
+
+    def finalize(self) -> None:
+        """Check (and under DDP reduce) once per optimizer step; a second call in the same step does nothing."""
+        step = self.step()
+        if step == self._checked_step:
+            return
+        self._checked_step = step
+        new = self.new_trainable()
+        if not dist_ready(self.process_group):
+            return
+        rows = gather_flags([bool(new)], self.process_group)  # one byte per rank and step
+        if not any(r[0] for r in rows):
+            return
+        names = [n for n, _ in new]
+        shown = ", ".join(names[:5]) + (f" and {len(names) - 5} more" if len(names) > 5 else "")
+        if self.parallel != "ddp":
+            raise TrainableSetChangedError(
+                f"hf_ddpfix ({self.parallel}): at optimizer step {step}, {len(names)} parameter(s) require grad that "
+                f"did not when the model was wrapped ({shown or 'on another rank'}). {self.parallel.upper()} "
+                "shards / buckets only the parameters trainable at wrap time, so their gradients would not be "
+                "reduced and the replicas would drift apart. Raised before the optimizer step: nothing has "
+                "drifted. Fix: set requires_grad before trainer.train() (keep such a parameter's learning rate "
+                "at 0 until the step you want), or save a checkpoint and start a new train() with the new "
+                "trainable set.")
+        everyone: list[Any] = [None] * dist.get_world_size(self.process_group)
+        dist.all_gather_object(everyone, names, group=self.process_group)  # only in a step where the set changed
+        if any(other != names for other in everyone):
+            raise TrainableSetChangedError(
+                f"hf_ddpfix (ddp): at optimizer step {step} the ranks unfroze different parameters after wrapping "
+                f"(this rank: {shown or 'none'}); their gradients cannot be averaged. Fix: change requires_grad "
+                "the same way on every rank (e.g. in a TrainerCallback, which runs on every rank).")
+        has = gather_flags([p.grad is not None for _, p in new], self.process_group)
+        world = dist.get_world_size(self.process_group)
+        for i, (_, p) in enumerate(new):
+            if not any(row[i] for row in has):
+                continue  # no rank has a gradient: stays None, as under DDP for a parameter no rank used
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+            dist.all_reduce(p.grad, group=self.process_group)
+            p.grad.div_(world)
+            self.reduced += 1
+        record_ran(FEATURE)
+        record_amount(FEATURE, "reduced_params", len(new))
+        key = tuple(names)
+        if key not in self._announced:
+            self._announced.add(key)
+            logger.warning("hf_ddpfix: at optimizer step %s, %d parameter(s) require grad that did not when DDP "
+                           "wrapped the model (%s): DDP does not reduce them; hf_ddpfix averages their gradients "
+                           "over the ranks every step from now on (one all_reduce each), as DDP does for the others",
+                           step, len(names), shown)

@@ -1,0 +1,23 @@
+"""Multi-node as users launch it: 2 localhost "nodes" x 1 process (one torch.distributed.run launcher per node,
+c10d rendezvous on 127.0.0.1), a text LoRA run under hf_ddpfix (tests/scripts/train_text.py): weights equal
+to a `--standalone` 2-process run, the plan logged once (by the world's process zero)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from launch import torchrun, torchrun_nodes
+
+
+@pytest.mark.multiprocess
+def test_two_nodes_of_one_process_train_like_standalone_and_log_the_plan_once(tmp_path):
+    nodes, standalone = tmp_path / "nodes.pt", tmp_path / "standalone.pt"
+    done = torchrun_nodes("train_text.py", "--entry", "subclass", "--out", str(nodes), timeout=300)
+    torchrun("train_text.py", "--entry", "subclass", "--out", str(standalone), nproc=2, timeout=300)
+    got, ref = torch.load(nodes, weights_only=False), torch.load(standalone, weights_only=False)
+    assert got["weights"].keys() == ref["weights"].keys()
+    for name, w in ref["weights"].items():
+        assert torch.equal(got["weights"][name], w), name
+    logs = "".join(d.stdout for d in done)
+    assert logs.count("hf_ddpfix plan (ddp, world size 2)") == 1, logs[-4000:]
+    assert sum("SAVED" in d.stdout for d in done) == 1  # global rank 0 only, on one node
