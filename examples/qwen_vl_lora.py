@@ -14,9 +14,11 @@ Run it:
     accelerate launch --config_file accelerate_configs/ddp_cpu.yaml examples/qwen_vl_lora.py
     # or, the same without accelerate's launcher
     OMP_NUM_THREADS=1 torchrun --standalone --nproc_per_node=2 examples/qwen_vl_lora.py
-    # GPUs (one process per GPU; set num_processes in the yaml), or FSDP2 with fsdp.yaml (GPUs only:
-    # accelerate runs FSDP on accelerators only, and on a CPU-only machine this script says so and stops)
+    # GPUs (one process per GPU; set num_processes in the yaml)
     accelerate launch --config_file accelerate_configs/ddp.yaml examples/qwen_vl_lora.py
+    # FSDP2 (accelerate runs FSDP on accelerators only: on a CPU-only machine this script says so and
+    # stops; the test suite runs this line on the CPU through its FSDP test device, docs/fsdp.md)
+    accelerate launch --config_file accelerate_configs/fsdp.yaml examples/qwen_vl_lora.py
     # one process
     python examples/qwen_vl_lora.py
     # QLoRA: 4-bit NF4 base (bitsandbytes; on the CPU too) + LoRA, under DDP
@@ -289,13 +291,6 @@ def main(argv=None) -> dict:
     args = parse_args(argv)
     if args.dataset and not args.model:
         raise SystemExit("--dataset needs --model: the offline tokenizer only knows the synthetic vocabulary")
-    if os.environ.get("ACCELERATE_USE_FSDP", "").lower() == "true" and not torch.accelerator.is_available():
-        # accelerate 1.15 turns every CPU launch into plain DDP (MULTI_CPU is never promoted to FSDP): say so
-        raise SystemExit("FSDP needs an accelerator: this launch asks for FSDP (accelerate_configs/fsdp.yaml), but "
-                         "the machine has none, and accelerate would train plain DDP instead. On the CPU use "
-                         "ddp_cpu.yaml, zero2.yaml or zero3.yaml; FSDP2 itself runs on the CPU with torch's "
-                         "fully_shard (tests/scripts/vlm_fsdp.py, see the README).")
-
     if not args.no_fix:
         from hf_ddpfix import patch_trainer
 
@@ -370,6 +365,13 @@ def main(argv=None) -> dict:
         train_dataset=EncodedDataset(train_raw, encoder), eval_dataset=EncodedDataset(eval_raw, encoder),
         processing_class=tokenizer, compute_metrics=compute_metrics, preprocess_logits_for_metrics=preprocess,
     )
+
+    if os.environ.get("ACCELERATE_USE_FSDP", "").lower() == "true" and not trainer.is_fsdp_enabled:
+        # accelerate 1.15 turns a CPU launch into plain DDP (MULTI_CPU is never promoted to FSDP): say so
+        raise SystemExit("FSDP needs an accelerator: this launch asks for FSDP (accelerate_configs/fsdp.yaml), but "
+                         "accelerate chose plain DDP (on a machine without an accelerator it never runs FSDP). On "
+                         "the CPU use ddp_cpu.yaml, zero2.yaml or zero3.yaml (the test suite runs this launch "
+                         "through its FSDP test device: docs/fsdp.md).")
 
     resume_from = None
     if args.resume:

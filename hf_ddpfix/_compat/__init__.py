@@ -23,6 +23,7 @@ from .deepspeed import (
     z3_leaf_marked,
     zero_flat_slices,
 )
+from .fsdp import fsdp_module_units, fsdp_plugin, fsdp_wrap_classes, fsdp_wrap_policy, set_fsdp_wrap_classes
 from .models import (
     CACHE_KEYWORDS,
     CHECKPOINT_FUNC_ATTR,
@@ -118,6 +119,11 @@ __all__ = [
     "flash_attention_backward",
     "flash_attention_forward",
     "forward_source",
+    "fsdp_module_units",
+    "fsdp_plugin",
+    "fsdp_wrap_classes",
+    "fsdp_wrap_policy",
+    "set_fsdp_wrap_classes",
     "image_features",
     "in_checkpoint_recompute",
     "inner_loop_sets_up_training",

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from ..config import DDPFixConfig
 from . import deepspeed as ds_rules
+from .fsdp import fsdp_usage_reason
 from .types import Correct, Decision, PlanError, RunFacts
 
 
@@ -57,7 +58,15 @@ _USAGE_COST = ("cost: one graph walk per forward and per backward, one all-reduc
 
 
 def decide_parameter_usage(facts: RunFacts, c: DDPFixConfig, ckpt: str) -> Decision:
-    """The generic "every parameter used" mechanism (hf_ddpfix.integrations.usage) under DDP."""
+    """The generic "every parameter used" mechanism (hf_ddpfix.integrations.usage) under DDP and FSDP2."""
+    if facts.parallel == "fsdp" and facts.fsdp_version == 2 and facts.fsdp is not None:
+        if c.parameter_usage is False:
+            return Decision(False, f"disabled ({c.source('parameter_usage')}): a rank that leaves a trainable "
+                            "parameter of a unit unused reduce-scatters a different set (fails as in stock)")
+        if facts.loss_unseen is not None:
+            return Decision(False, f"cannot observe the loss that is back-propagated ({facts.loss_unseen}): stock "
+                            "FSDP kept")
+        return Decision(True, fsdp_usage_reason(), changed=True)
     if facts.parallel != "ddp":
         return Decision(None, "")
     if c.parameter_usage is False:

@@ -69,7 +69,7 @@ from ...ops.zero_tie import ZeroTie, is_zero_tie_node
 from .agreement import UNUSED_FIX, agree_used, gather_missing, raise_if_missing
 from .hang_guard import UnusedParametersError
 from .regions import ReentrantRegions
-from .scopes import Scope, build_scopes, collect_slots, unit_pre_hook
+from .scopes import Scope, anchor_of, build_scopes, collect_slots, replace_output, unit_pre_hook
 
 __all__ = ["ParameterUsage", "UsageRecord", "reachable_leaf_ids", "UnusedParametersError"]
 
@@ -201,6 +201,19 @@ class ParameterUsage:
         self._active = False
         self.reset_step()
 
+    def set_units(self, units: Iterable[nn.Module]) -> None:
+        """Re-scope onto FSDP2 units made after :meth:`attach` (accelerate shards the model inside ``train()``,
+        after the plan attached this): the slots are read again and each unit ties what it owns, as if the
+        units had been given to the constructor. Forgets the current step's record (call between steps)."""
+        attached = self.attached
+        self.remove()
+        self.slots = collect_slots(self.root)
+        self.scopes = build_scopes(self.root, self.slots, list(units))
+        n = len(self.slots)
+        self._forward_used, self._step_used, self._pending_used = (torch.zeros(n, dtype=torch.bool) for _ in range(3))
+        if attached:
+            self.attach()
+
     def _root_scope(self) -> Scope:
         return next(s for s in self.scopes if s.module is self.root)
 
@@ -238,7 +251,7 @@ class ParameterUsage:
         return hook
 
     def _observe_and_tie(self, scope: Scope, output: Any, is_root: bool) -> Any:
-        anchor = _anchor(output)
+        anchor = anchor_of(output)
         roots = [anchor] if (is_root and anchor is not None) else [t for t in output_tensors(output) if t.requires_grad]
         reached = reachable_leaf_ids(roots, scope.stop)
         region = self._regions.read_ids()
@@ -267,7 +280,7 @@ class ParameterUsage:
         tied = ZeroTie.apply(anchor, *extras)
         self._record.tied += [self.slots[i].name for i in missing]
         self.ties += len(extras)
-        return _replace(output, anchor, tied)
+        return replace_output(output, anchor, tied)
 
     def _finish_forward(self, t0: float) -> None:
         self._active = False
@@ -437,37 +450,3 @@ class ParameterUsage:
             f"{self.resets} grads reset to None; {per:.2f} ms per forward"
         )
 
-
-def _anchor(output: Any) -> torch.Tensor | None:
-    """The output tensor that carries the loss: ``loss``, else ``logits``, else the first float tensor
-    that requires grad."""
-    if isinstance(output, dict):
-        for key in ("loss", "logits"):
-            val = output.get(key)
-            if isinstance(val, torch.Tensor) and val.requires_grad:
-                return val
-    top = output.values() if isinstance(output, dict) else output if isinstance(output, (tuple, list)) else [output]
-    for t in top:
-        if isinstance(t, torch.Tensor) and t.is_floating_point() and t.requires_grad:
-            return t
-    return None
-
-
-def _replace(output: Any, old: torch.Tensor, new: torch.Tensor) -> Any:
-    """``output`` with ``old`` (``output`` itself, or a top-level entry of a dict / tuple / list) replaced by ``new``."""
-    if output is old:
-        return new
-    if isinstance(output, dict):  # ModelOutput: setting a key updates the attribute too
-        for k, v in output.items():
-            if v is old:
-                output[k] = new
-                return output
-    if isinstance(output, (tuple, list)):
-        for i, v in enumerate(output):
-            if v is old:
-                items = list(output)
-                items[i] = new
-                if isinstance(output, list):
-                    return items
-                return type(output)(*items) if hasattr(output, "_fields") else tuple(items)
-    raise TypeError(f"hf_ddpfix: cannot tie into a {type(output).__name__} output")
