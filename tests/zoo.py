@@ -361,3 +361,47 @@ ZERO_DISCOVERED: dict[str, ZooEntry] = {
                  can_go_unused=_VISION_UNUSED),
     ]
 }
+
+
+# --- VLMs named by no other test: the Trainer's FSDP2 path (tests/test_fsdp_trainer.py) ---------------------
+
+
+def _aya_vision(seed: int) -> nn.Module:
+    """Aya Vision: SigLIP tower, pixel-shuffle projector (``downsample_factor=2``: 16 patches -> 4 tokens),
+    Cohere 2 text model; its ``_no_split_modules`` names classes the model lacks (``SiglipTextEmbeddings``,
+    ``SiglipMultiheadAttentionPoolingHead``)."""
+    from transformers import AyaVisionConfig, AyaVisionForConditionalGeneration
+
+    vision = dict(model_type="siglip_vision_model", hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                  num_attention_heads=2, image_size=28, patch_size=7)
+    text = dict(_LLAMA_TEXT, model_type="cohere2", head_dim=16, sliding_window=8,
+                layer_types=["sliding_attention", "full_attention"])
+    cfg = AyaVisionConfig(vision_config=vision, text_config=text, image_token_index=IMG, downsample_factor=2,
+                          vision_feature_layer=-1)
+    return AyaVisionForConditionalGeneration(cfg)
+
+
+def _idefics2(seed: int) -> nn.Module:
+    """Idefics2: SigLIP-like tower, a perceiver resampler connector (4 latents -> 4 image tokens), Mistral text;
+    ``_no_split_modules`` names attention / MLP classes of the tower and the connector."""
+    from transformers import Idefics2Config, Idefics2ForConditionalGeneration
+
+    vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2, image_size=28,
+                  patch_size=7)
+    perceiver = dict(hidden_size=64, resampler_n_latents=4, resampler_depth=1, resampler_n_heads=2,
+                     resampler_head_dim=16, num_key_value_heads=2)
+    cfg = Idefics2Config(vision_config=vision, perceiver_config=perceiver, image_token_id=IMG,
+                         text_config={**_LLAMA_TEXT, "model_type": "mistral"})
+    return Idefics2ForConditionalGeneration(cfg)
+
+
+#: VLMs no DDP / ZeRO test trains: the FSDP2 Trainer test checks the class of fix on families it was not built on.
+MORE_VLMS: dict[str, ZooEntry] = {
+    e.name: e
+    for e in [
+        ZooEntry("aya_vision", "Aya Vision", _aya_vision, _VLM_LORA, _pixel_batch(4, 28), vlm=True,
+                 can_go_unused=_VISION_UNUSED),
+        ZooEntry("idefics2", "Idefics2", _idefics2, _VLM_LORA, _idefics3_batch, vlm=True,
+                 can_go_unused=_VISION_UNUSED),
+    ]
+}
