@@ -65,13 +65,15 @@ def _run(cmd: list[str], label: str, timeout: float, env: dict[str, str] | None,
 
 
 def accelerate_launch(config: str, script: str | Path, *args: str, timeout: float = 300,
-                      env: dict[str, str] | None = None, check: bool = True) -> subprocess.CompletedProcess:
+                      env: dict[str, str] | None = None, check: bool = True,
+                      extra: tuple[str, ...] = ()) -> subprocess.CompletedProcess:
     """Run `accelerate launch --config_file accelerate_configs/<config> <script> <args>` from the repository
     root, as the README tells a user to, with a hard timeout (same contract as :func:`torchrun`). Only a free
-    `--main_process_port` is added, so that two test runs on one machine do not collide."""
+    `--main_process_port` is added, so that two test runs on one machine do not collide, and `extra`
+    launcher flags (e.g. `--mixed_precision no`) before the script."""
     launcher = Path(sys.executable).with_name("accelerate")
     cmd = [str(launcher) if launcher.exists() else "accelerate", "launch", "--config_file",
-           f"accelerate_configs/{config}", "--main_process_port", str(free_port()), str(script), *args]
+           f"accelerate_configs/{config}", "--main_process_port", str(free_port()), *extra, str(script), *args]
     return _run(cmd, f"accelerate launch {config} {script} {' '.join(args)}", timeout, env, check)
 
 
