@@ -286,6 +286,19 @@ def word_ids(tokenizer, words) -> set[int]:
     return {i for w in words for i in tokenizer(" " + w, add_special_tokens=False)["input_ids"]}
 
 
+def save_adapter(trainer, output_dir: str) -> None:
+    """`trainer.save_model(output_dir)`, except under FSDP with `SHARDED_STATE_DICT` (fsdp.yaml), where
+    transformers 5.23's `save_model` writes nothing (it saves only a FULL_STATE_DICT): there the adapter is
+    gathered on every rank (`accelerator.get_state_dict`, a collective) and rank 0 saves it."""
+    plugin = getattr(trainer.accelerator.state, "fsdp_plugin", None)
+    if plugin is None or "FULL_STATE_DICT" in str(plugin.state_dict_type):
+        trainer.save_model(output_dir)
+        return
+    state = trainer.accelerator.get_state_dict(trainer.model)
+    if trainer.is_world_process_zero():
+        trainer.model.save_pretrained(output_dir, state_dict=state)
+
+
 # --------------------------------------------------------------------------- main
 def main(argv=None) -> dict:
     args = parse_args(argv)
@@ -384,7 +397,7 @@ def main(argv=None) -> dict:
             print(f"resumed from step {step} ({resume_from})", flush=True)
 
     trainer.train(resume_from_checkpoint=resume_from)
-    trainer.save_model(args.output_dir)  # rank 0 writes adapter_model.safetensors + adapter_config.json
+    save_adapter(trainer, args.output_dir)  # rank 0 writes adapter_model.safetensors + adapter_config.json
 
     metrics = trainer.evaluate()
     trainer.log_metrics("eval", metrics)  # printed by rank 0 only
