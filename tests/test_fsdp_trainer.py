@@ -1,17 +1,19 @@
 """The Trainer's FSDP2 path as users launch it: ``accelerate launch --config_file accelerate_configs/fsdp.yaml``,
 2 gloo processes on the CPU through the FSDP test device (tests/fsdp_device/sitecustomize.py, docs/fsdp.md).
 
-- hf_ddpfix: Qwen2.5-VL (gradient accumulation 2), Gemma 3 (reentrant checkpointing asked), LLaVA, and two VLMs
-  no other test trains (Aya Vision, Idefics2 with accumulation 2) train, evaluate and predict with image and
-  text-only ranks mixed; the model is really FSDP2-wrapped (``FSDP<Class>``, several units), the plan chose
-  the units (Gemma 3 / LLaVA / Aya Vision name classes they lack), and the final weights equal stock DDP's
-  (``find_unused_parameters=True``, same data, ddp_cpu.yaml) within ``TOL``;
+- hf_ddpfix: Qwen2.5-VL (gradient accumulation 2), Gemma 3 (reentrant checkpointing asked), LLaVA, two VLMs no
+  other test trains (Aya Vision; Idefics2 with accumulation 2), Mllama (cross-attention layers skipped on a
+  text-only rank) and Qwen3-MoE (routing) train, evaluate and predict with image and text-only ranks mixed; the
+  model is really FSDP2-wrapped (``FSDP<Class>``, several units), the plan chose the units (Gemma 3 / LLaVA /
+  Aya Vision name classes they lack), and the final weights equal stock DDP's (``find_unused_parameters=True``,
+  same data, ddp_cpu.yaml) within ``TOL``;
 - stock FSDP on the same mixed batches crashes (a stock cell).
 
-Measured (2 cores, torch 2.13, transformers 5.23, accelerate 1.15, 2026-11-27): max |W_fsdp2 - W_ddp| over the five
-families 0 to 4.5e-8 (reduce-scatter vs all-reduce summation order); evaluation and prediction losses equal to
-4e-7. ``TOL`` is ~3x the largest; one step at lr 1e-3 moves a weight ~1e-3, so a lost or extra gradient, a
-skipped step or an unsynchronised replica is far above it. Wall time: ~90 s + ~70 s + ~35 s.
+Measured (2 cores, torch 2.13, transformers 5.23, accelerate 1.15, 2026-11-27): max |W_fsdp2 - W_ddp| 0 to 4.5e-8
+(reduce-scatter vs all-reduce summation order; Idefics2, Mllama and Qwen3-MoE bit-equal); evaluation and
+prediction losses equal to 4e-7. ``TOL`` is ~3x the largest; one step at lr 1e-3 moves a weight ~1e-3, so a lost
+or extra gradient, a skipped step or an unsynchronised replica is far above it. Wall time: ~2 min + ~1.5 min
+(the two launches of the first test) + ~35 s.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ import torch
 from launch import ROOT, accelerate_launch, fsdp_device_env
 
 SCRIPT = ROOT / "tests" / "scripts" / "fsdp_trainer.py"
-FAMILIES = ("qwen2_5_vl", "gemma3", "llava", "aya_vision", "idefics2")
+FAMILIES = ("qwen2_5_vl", "gemma3", "llava", "aya_vision", "idefics2", "mllama", "qwen3_moe")
 TOL = 1.5e-7
 OFFLINE = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
 # accelerate's own flag over the yaml's bf16: weights are compared with fp32 DDP (docs/fsdp.md, "mixed precision")

@@ -10,10 +10,11 @@ Run (2 gloo processes on the CPU; the FSDP test device makes accelerate run FSDP
 ``--mode stock``: the stock ``Trainer`` with ``ddp_find_unused_parameters=True`` (the DDP reference; under
 fsdp.yaml: stock FSDP, which crashes on mixed image/text ranks).
 
-Per family, from the same initial weights (LoRA with random A and B on the language model, the tower and the
-projector) and the same data: rank ``r`` gets item ``k * world + r`` as its ``k``-th batch (sequential sampler,
-batch size 1), with an image or not by :data:`PATTERN` (one rank, the other, none, both), sequence lengths
-varying by step, micro-batch and rank; AdamW with weight decay 0.1, clipping at 1.0, non-reentrant
+Per family, from the same initial weights (tests/zoo.py's LoRA with random A and B: on the language model, the
+tower and the projector of a VLM; Mllama: the language model; Qwen3-MoE: attention and fused experts) and the
+same data: rank ``r`` gets item ``k * world + r`` as its ``k``-th batch (sequential sampler, batch size 1),
+with an image or not by :data:`PATTERN` (one rank, the other, none, both), sequence lengths varying by step,
+micro-batch and rank; AdamW with weight decay 0.1, clipping at 1.0, non-reentrant
 checkpointing (reentrant asked where ``CASES`` says: the plan runs it non-reentrant); gradient accumulation as
 ``CASES`` says. Then ``evaluate()`` and ``predict()`` on batches mixing image and text ranks.
 
@@ -43,7 +44,8 @@ STEPS = 4
 IGNORE = ["image_hidden_states", "past_key_values"]
 #: family -> (gradient accumulation, checkpointing asked)
 CASES = {"qwen2_5_vl": (2, "non_reentrant"), "gemma3": (1, "reentrant"), "llava": (1, "non_reentrant"),
-         "aya_vision": (1, "non_reentrant"), "idefics2": (2, "non_reentrant")}
+         "aya_vision": (1, "non_reentrant"), "idefics2": (2, "non_reentrant"), "mllama": (1, "non_reentrant"),
+         "qwen3_moe": (1, "non_reentrant")}
 
 
 class Items(torch.utils.data.Dataset):
