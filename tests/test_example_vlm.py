@@ -104,9 +104,9 @@ def test_example_qlora_on_cpu(tmp_path):
 
 
 @pytest.mark.multiprocess
-def test_example_trains_and_evaluates_under_fsdp_yaml_through_the_test_device(tmp_path):
+def test_example_trains_evaluates_and_resumes_under_fsdp_yaml_through_the_test_device(tmp_path):
     done = accelerate_launch("fsdp.yaml", EXAMPLE, "--output-dir", str(tmp_path), "--max-steps", str(STEPS),
-                             "--save-steps", "1000", timeout=300, env=fsdp_device_env(OFFLINE))
+                             "--save-steps", "30", timeout=300, env=fsdp_device_env(OFFLINE))
     result, log = result_of(done, "fsdp.yaml"), done.stdout
     assert "[fsdp_device] accelerate FSDP2 on CPU/gloo" in log or torch.accelerator.is_available(), log[-4000:]
     assert "(fsdp, world size 2)" in log, log[-4000:]
@@ -118,6 +118,14 @@ def test_example_trains_and_evaluates_under_fsdp_yaml_through_the_test_device(tm
     assert result["caption_accuracy"] >= max(2 * chance, chance + 0.25), (result, log[-4000:])  # the DDP bar
     for name in ("adapter_model.safetensors", "adapter_config.json"):
         assert (tmp_path / name).is_file(), sorted(p.name for p in tmp_path.iterdir())
+    assert (tmp_path / f"checkpoint-{STEPS}" / "pytorch_model_fsdp_0").is_dir()  # SHARDED_STATE_DICT checkpoint
+    # resume from the sharded checkpoint (model, optimizer, scheduler, RNG through accelerate's load_state)
+    again = accelerate_launch("fsdp.yaml", EXAMPLE, "--output-dir", str(tmp_path), "--max-steps", str(STEPS + 4),
+                              "--resume", "--save-steps", "1000", timeout=300, env=fsdp_device_env(OFFLINE))
+    result2, log2 = result_of(again, "fsdp.yaml --resume"), again.stdout
+    assert re.findall(r"resumed from step (\d+)", log2) == [str(STEPS)], log2[-4000:]
+    assert result2["global_step"] == STEPS + 4, (result2, log2[-4000:])
+    assert result2["caption_accuracy"] >= max(2 * chance, chance + 0.25), result2
 
 
 @pytest.mark.multiprocess
