@@ -26,7 +26,7 @@ from typing import Any
 
 from torch import nn
 
-from ..._compat import fsdp_plugin, fsdp_wrap_classes, fsdp_wrap_policy, unwrap_model
+from ..._compat import fsdp_module_units, fsdp_plugin, fsdp_wrap_classes, fsdp_wrap_policy, unwrap_model
 from ..vision.fsdp_wrap import skippable_subtrees
 
 __all__ = ["FsdpFacts", "gather_fsdp_facts", "repeated_block_classes"]
@@ -80,13 +80,13 @@ def _classes_inside(subtrees: Iterable[nn.Module]) -> set[str]:
 
 
 def gather_fsdp_facts(trainer: Any, model: nn.Module) -> FsdpFacts:
-    """The facts for the Trainer's FSDP run on ``model`` (read-only)."""
-    from ..._compat import fsdp_module_units
-
+    """The facts for the Trainer's FSDP run on ``model`` (read-only). A ``_no_split_modules`` set (Gemma 3,
+    LLaVA) is read in sorted order, so every process spells the plan the same way whatever its hash seed."""
     plugin = fsdp_plugin(trainer)
     hf = unwrap_model(model)
     names, ours = fsdp_wrap_classes(plugin) if plugin is not None else (None, False)
-    no_split = tuple(getattr(hf, "_no_split_modules", None) or ())
+    declared = getattr(hf, "_no_split_modules", None) or ()
+    no_split = tuple(sorted(declared) if isinstance(declared, (set, frozenset)) else declared)
     have = {type(m).__name__ for m in hf.modules()}
     skip = skippable_subtrees(hf)
     inside = _classes_inside(skip)
