@@ -7,6 +7,8 @@
   model is really FSDP2-wrapped (``FSDP<Class>``, several units), the plan chose the units (Gemma 3 / LLaVA /
   Aya Vision name classes they lack), and the final weights equal stock DDP's (``find_unused_parameters=True``,
   same data, ddp_cpu.yaml) within ``TOL``;
+- Qwen2.5-VL and Gemma 3 are loaded as users load them (saved, then ``from_pretrained`` + ``PeftModel.from_pretrained``
+  under fsdp.yaml's environment, ``cpu_ram_efficient_loading`` included), the others built from their configs;
 - stock FSDP on the same mixed batches crashes (a stock cell).
 
 Measured (2 cores, torch 2.13, transformers 5.23, accelerate 1.15, 2026-11-27): max |W_fsdp2 - W_ddp| 0 to 4.5e-8
@@ -27,6 +29,7 @@ from launch import ROOT, accelerate_launch, fsdp_device_env
 SCRIPT = ROOT / "tests" / "scripts" / "fsdp_trainer.py"
 FAMILIES = ("qwen2_5_vl", "gemma3", "llava", "aya_vision", "idefics2", "mllama", "qwen3_moe")
 TOL = 1.5e-7
+SAVED = "qwen2_5_vl,gemma3"  # saved, then from_pretrained (fsdp.yaml's cpu_ram_efficient_loading); the rest built
 OFFLINE = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
 # accelerate's own flag over the yaml's bf16: weights are compared with fp32 DDP (docs/fsdp.md, "mixed precision")
 FP32 = ("--mixed_precision", "no")
@@ -41,7 +44,7 @@ def _launch_fsdp(*args: str, timeout: float, check: bool = True):
 def test_vlms_train_evaluate_predict_under_trainer_fsdp2_like_stock_ddp(tmp_path):
     from zoo import MORE_VLMS, ZOO
 
-    fixed = _launch_fsdp("--mode", "fixed", "--out", str(tmp_path), timeout=600)
+    fixed = _launch_fsdp("--mode", "fixed", "--out", str(tmp_path), "--from-saved", SAVED, timeout=600)
     log = fixed.stdout
     assert "[fsdp_device] accelerate FSDP2 on CPU/gloo" in log, log[-4000:]
     assert log.count("(fsdp, world size 2)") == len(FAMILIES), log[-4000:]
@@ -49,8 +52,8 @@ def test_vlms_train_evaluate_predict_under_trainer_fsdp2_like_stock_ddp(tmp_path
     for lacking in ("SiglipTextEmbeddings", "CLIPTextEmbeddings"):
         assert re.search(rf"fsdp_units\s+= \S+\s+one unit per .*not in the model: {lacking}", log), log[-6000:]
     assert "folded into the enclosing unit" in log and "vlm_stabilizer          = off" in log, log[-6000:]
-    stock = accelerate_launch("ddp_cpu.yaml", SCRIPT, "--mode", "stock", "--out", str(tmp_path), timeout=600,
-                              env=OFFLINE)
+    stock = accelerate_launch("ddp_cpu.yaml", SCRIPT, "--mode", "stock", "--out", str(tmp_path), "--from-saved",
+                              SAVED, timeout=600, env=OFFLINE)
     assert "FSDP_TRAINER_OK" in stock.stdout, stock.stdout[-4000:]
 
     for name in FAMILIES:

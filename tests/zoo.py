@@ -54,14 +54,17 @@ class ZooEntry:
     setup: Callable[[nn.Module], None] | None = None
     notes: list[str] = field(default_factory=list)
 
-    def model(self, seed: int = 0) -> nn.Module:
-        """The LoRA model (random adapters), in train mode."""
+    def model(self, seed: int = 0, save_base_to: str | None = None) -> nn.Module:
+        """The LoRA model (random adapters), in train mode. ``save_base_to``: the base model is saved there
+        (``save_pretrained``) before the adapters are added (saving draws no random numbers)."""
         from peft import LoraConfig, get_peft_model
 
         torch.manual_seed(seed)
         hf = self.build(seed)
         if self.setup is not None:
             self.setup(hf)
+        if save_base_to is not None:
+            hf.save_pretrained(save_base_to)
         cfg = LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, init_lora_weights=False, **self.lora)
         return get_peft_model(hf, cfg).train()
 

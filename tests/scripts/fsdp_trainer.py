@@ -76,7 +76,25 @@ def first_logits(logits, labels):
     return logits[0] if isinstance(logits, (tuple, list)) else logits
 
 
-def run(name: str, mode: str, out: str) -> None:
+def load_saved(entry, out: str, world: int):
+    """The zoo's LoRA model as users load one: rank 0 saves the base model and the adapter once; every rank then
+    calls ``from_pretrained`` + ``PeftModel.from_pretrained`` under the launch's environment (fsdp.yaml:
+    ``FSDP_CPU_RAM_EFFICIENT_LOADING=true``, which transformers and accelerate's ``prepare`` read: accelerate
+    broadcasts rank 0's state dict to the shards)."""
+    import torch.distributed as dist
+    from peft import PeftModel
+
+    base, adapter = os.path.join(out, f"saved-{entry.name}", "base"), os.path.join(out, f"saved-{entry.name}", "lora")
+    if int(os.environ.get("RANK", "0")) == 0 and not os.path.isdir(adapter):
+        entry.model(0, save_base_to=base).save_pretrained(adapter)
+    if world > 1:
+        dist.barrier()
+    hf_cls = type(entry.build(0))
+    hf = hf_cls.from_pretrained(base)
+    return PeftModel.from_pretrained(hf, adapter, is_trainable=True).train()
+
+
+def run(name: str, mode: str, out: str, saved: bool = False) -> None:
     from transformers import Trainer, TrainingArguments
 
     from hf_ddpfix import DDPFixTrainer, checkpointing_training_args
@@ -84,8 +102,6 @@ def run(name: str, mode: str, out: str) -> None:
     entry = {**ZOO, **MORE_VLMS}[name]
     ga, ckpt = CASES[name]
     world = int(os.environ.get("WORLD_SIZE", "1"))
-    model = entry.model(0)
-    model.config.use_cache = False
     args = TrainingArguments(
         output_dir=os.path.join(out, f"run-{mode}-{name}"), max_steps=STEPS, per_device_train_batch_size=1,
         per_device_eval_batch_size=1, gradient_accumulation_steps=ga, learning_rate=1e-3, weight_decay=0.1,
@@ -94,6 +110,9 @@ def run(name: str, mode: str, out: str) -> None:
         ddp_find_unused_parameters=True if mode == "stock" else None,
         **checkpointing_training_args(True, {"use_reentrant": ckpt == "reentrant" and mode == "fixed"}),
     )
+    assert args.device.type == "cpu"  # sets up accelerate's state and the process group (from_pretrained reads it)
+    model = load_saved(entry, out, world) if saved else entry.model(0)
+    model.config.use_cache = False
     cls = DDPFixTrainer if mode == "fixed" else Trainer
     trainer = cls(model=model, args=args, data_collator=collate,
                   train_dataset=Items(entry, PATTERN, STEPS * ga, world, seed=0, ga=ga),
@@ -121,9 +140,10 @@ def main() -> None:
     ap.add_argument("--mode", choices=("fixed", "stock"), required=True)
     ap.add_argument("--families", default=",".join(CASES))
     ap.add_argument("--out", required=True)
+    ap.add_argument("--from-saved", default="", help="families loaded with from_pretrained (load_saved), comma-separated")
     a = ap.parse_args()
     for name in a.families.split(","):
-        run(name, a.mode, a.out)
+        run(name, a.mode, a.out, saved=name in a.from_saved.split(","))
     print("FSDP_TRAINER_OK", flush=True)
 
 
