@@ -42,9 +42,8 @@ Trainer wiring (transformers 5.23): attach before ``Trainer.train`` wraps the mo
 on the unwrapped module), call :meth:`~ParameterUsage.finalize` before ``Trainer._clip_grad_norm`` /
 ``_get_grad_norm`` (see :mod:`hf_ddpfix.integrations.vision.stabilizer` for why not ``on_pre_optimizer_step``).
 
-Layout: slots and scopes (FSDP2 units) in ``scopes.py``, the reentrant-checkpoint observation in
-``regions.py``, the cross-rank guard table and finalize mask in ``agreement.py``; this
-module is the per-forward observe-and-tie and the per-step bookkeeping.
+Layout: slots, scopes (FSDP2 units) and output ties in ``scopes.py``, reentrant-checkpoint reads in ``regions.py``,
+the guard table and finalize mask in ``agreement.py``; here: the per-forward observe-and-tie, per-step records.
 
 Guarantees: with fu=False (and static graph at accumulation 1) every zoo family trains to the weights
 of stock DDP(fu=True) (1e-6; bit-equal where the math is unchanged) with replicas in sync, under
@@ -202,15 +201,14 @@ class ParameterUsage:
         self.reset_step()
 
     def set_units(self, units: Iterable[nn.Module]) -> None:
-        """Re-scope onto FSDP2 units made after :meth:`attach` (accelerate shards the model inside ``train()``,
-        after the plan attached this): the slots are read again and each unit ties what it owns, as if the
-        units had been given to the constructor. Forgets the current step's record (call between steps)."""
+        """Re-scope onto FSDP2 units made after :meth:`attach` (accelerate shards inside ``train()``), as if given
+        to the constructor: slots read again, each unit ties what it owns; forgets the step (call between steps)."""
         attached = self.attached
-        self.remove()
+        self.remove()  # hooks off; re-attached below onto the new scopes
         self.slots = collect_slots(self.root)
         self.scopes = build_scopes(self.root, self.slots, list(units))
-        n = len(self.slots)
-        self._forward_used, self._step_used, self._pending_used = (torch.zeros(n, dtype=torch.bool) for _ in range(3))
+        self._forward_used, self._step_used, self._pending_used = (torch.zeros(len(self.slots), dtype=torch.bool)
+                                                                   for _ in range(3))
         if attached:
             self.attach()
 
