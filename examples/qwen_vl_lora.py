@@ -14,9 +14,11 @@ Run it:
     accelerate launch --config_file accelerate_configs/ddp_cpu.yaml examples/qwen_vl_lora.py
     # or, the same without accelerate's launcher
     OMP_NUM_THREADS=1 torchrun --standalone --nproc_per_node=2 examples/qwen_vl_lora.py
-    # GPUs (one process per GPU; set num_processes in the yaml), or FSDP2 with fsdp.yaml (GPUs only:
-    # accelerate runs FSDP on accelerators only, and on a CPU-only machine this script says so and stops)
+    # GPUs (one process per GPU; set num_processes in the yaml)
     accelerate launch --config_file accelerate_configs/ddp.yaml examples/qwen_vl_lora.py
+    # FSDP2 (accelerate runs FSDP on accelerators only: on a CPU-only machine this script says so and
+    # stops; the test suite runs this line on the CPU through its FSDP test device, docs/fsdp.md)
+    accelerate launch --config_file accelerate_configs/fsdp.yaml examples/qwen_vl_lora.py
     # one process
     python examples/qwen_vl_lora.py
     # QLoRA: 4-bit NF4 base (bitsandbytes; on the CPU too) + LoRA, under DDP
@@ -285,6 +287,19 @@ def word_ids(tokenizer, words) -> set[int]:
     return {i for w in words for i in tokenizer(" " + w, add_special_tokens=False)["input_ids"]}
 
 
+def save_adapter(trainer, output_dir: str) -> None:
+    """`trainer.save_model(output_dir)`, except under FSDP with `SHARDED_STATE_DICT` (fsdp.yaml), where
+    transformers 5.23's `save_model` writes nothing (it saves only a FULL_STATE_DICT): there the adapter is
+    gathered on every rank (`accelerator.get_state_dict`, a collective) and rank 0 saves it."""
+    plugin = getattr(trainer.accelerator.state, "fsdp_plugin", None)
+    if plugin is None or "FULL_STATE_DICT" in str(plugin.state_dict_type):
+        trainer.save_model(output_dir)
+        return
+    state = trainer.accelerator.get_state_dict(trainer.model)
+    if trainer.is_world_process_zero():
+        trainer.model.save_pretrained(output_dir, state_dict=state)
+
+
 # --------------------------------------------------------------------------- main
 def main(argv=None) -> dict:
     args = parse_args(argv)
@@ -292,13 +307,6 @@ def main(argv=None) -> dict:
     args.output_dir = output_dir_for(args)
     if args.dataset and not args.model:
         raise SystemExit("--dataset needs --model: the offline tokenizer only knows the synthetic vocabulary")
-    if os.environ.get("ACCELERATE_USE_FSDP", "").lower() == "true" and not torch.accelerator.is_available():
-        # accelerate 1.15 turns every CPU launch into plain DDP (MULTI_CPU is never promoted to FSDP): say so
-        raise SystemExit("FSDP needs an accelerator: this launch asks for FSDP (accelerate_configs/fsdp.yaml), but "
-                         "the machine has none, and accelerate would train plain DDP instead. On the CPU use "
-                         "ddp_cpu.yaml, zero2.yaml or zero3.yaml; FSDP2 itself runs on the CPU with torch's "
-                         "fully_shard (tests/scripts/vlm_fsdp.py, see docs/vlm.md).")
-
     if not args.no_fix:
         from hf_ddpfix import patch_trainer
 
@@ -374,6 +382,13 @@ def main(argv=None) -> dict:
         processing_class=tokenizer, compute_metrics=compute_metrics, preprocess_logits_for_metrics=preprocess,
     )
 
+    if os.environ.get("ACCELERATE_USE_FSDP", "").lower() == "true" and not trainer.is_fsdp_enabled:
+        # accelerate 1.15 turns a CPU launch into plain DDP (MULTI_CPU is never promoted to FSDP): say so
+        raise SystemExit("FSDP needs an accelerator: this launch asks for FSDP (accelerate_configs/fsdp.yaml), but "
+                         "accelerate chose plain DDP (on a machine without an accelerator it never runs FSDP). On "
+                         "the CPU use ddp_cpu.yaml, zero2.yaml or zero3.yaml (the test suite runs this launch "
+                         "through its FSDP test device: docs/fsdp.md).")
+
     record_setup(args, args.output_dir)
     if rank0():
         print(f"output dir: {args.output_dir}", flush=True)
@@ -388,7 +403,7 @@ def main(argv=None) -> dict:
             print(f"resumed from step {step} ({resume_from})", flush=True)
 
     trainer.train(resume_from_checkpoint=resume_from)
-    trainer.save_model(args.output_dir)  # rank 0 writes adapter_model.safetensors + adapter_config.json
+    save_adapter(trainer, args.output_dir)  # rank 0 writes adapter_model.safetensors + adapter_config.json
 
     metrics = trainer.evaluate()
     trainer.log_metrics("eval", metrics)  # printed by rank 0 only

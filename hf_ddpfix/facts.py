@@ -20,6 +20,7 @@ from .integrations.checkpointing import (
     tool_checkpoint_functions,
 )
 from .integrations.deepspeed import gather_deepspeed_facts
+from .integrations.fsdp.units import gather_fsdp_facts
 from .integrations.sequence_parallel.facts import gather_sequence_parallel_facts
 from .integrations.vision import families
 from .ops.offload.host_memory import physical_bytes
@@ -169,6 +170,7 @@ def gather_facts(trainer: Any, model: nn.Module | None = None) -> RunFacts:
         rank_device=quantized.device_name(args.device),
         **quantized.sharding_facts(trainer, parallel),
         deepspeed=gather_deepspeed_facts(trainer, model) if parallel == "deepspeed" else None,
+        fsdp=gather_fsdp_facts(trainer, trainer.model) if parallel == "fsdp" else None,
         loss_unseen=loss_unseen_reason(trainer),
         sequence_parallel=gather_sequence_parallel_facts(trainer, model),
         checkpoint_function="; ".join(tools) or None,

@@ -31,6 +31,7 @@ from .integrations.checkpointing import (
     tool_checkpoint_functions,
 )
 from .integrations.deepspeed import attach_deepspeed
+from .integrations.fsdp import apply_fsdp_units, rescope_on_wrap
 from .integrations.long_context.long_context import LongContextHandle, apply_long_context
 from .integrations.long_context.loss_patch import TiledLossHandle, patch_model_loss
 from .integrations.long_context.tiled_mlp import TiledMLPHandle, apply_tiled_mlp
@@ -42,6 +43,7 @@ from .integrations.vision.stabilizer import VisionStabilizer
 from .ops import feature_counts
 from .ops.buffer_order import BufferLayoutError, Layout, align_buffer_order
 from .ops.offload import ActivationOffload, SaveOnCpuScope
+from .plan.fsdp import fsdp_unit_classes, fsdp_units_ours
 from .plan.sequence_parallel import sp_size_of
 from .plan.types import Plan
 
@@ -93,10 +95,14 @@ def attach_runtime(trainer: Any, model: nn.Module, plan: Plan, stack: ExitStack)
         from .integrations.zero_unused import attach_zero_skip_unused
 
         rt.zero_skip_unused = attach_zero_skip_unused(trainer, model, stack)
+    if fsdp_units_ours(plan.fsdp_units):  # before accelerate wraps the model (inside the stock loop)
+        apply_fsdp_units(trainer, fsdp_unit_classes(plan.fsdp_units))
     if plan.parameter_usage.value:
-        # a parameter read by two reentrant layers fires its DDP hook twice: fine only with static graph
-        usage = ParameterUsage(model, allow_region_reuse=bool(plan.static_graph.value))
-        rt.usage = _attach_usage(trainer, model, usage, stack)
+        # a parameter read by two reentrant layers fires its DDP hook twice: fine only with static graph (DDP)
+        usage = ParameterUsage(model, allow_region_reuse=bool(plan.static_graph.value) or plan.parallel == "fsdp")
+        rt.usage = _attach_usage(trainer, model, usage, stack, at_loss=plan.parallel != "fsdp")
+        if plan.parallel == "fsdp":  # ties per FSDP2 unit, once accelerate has made them
+            rescope_on_wrap(trainer, usage, stack, log=lambda line: _log_rank0(trainer, "%s", line))
     if plan.hang_guard.value:
         if is_vision_language_model(model):
             rt.hang_guard = HangGuard(model).attach()
@@ -217,16 +223,23 @@ def attach_eval_sync(model: nn.Module, decision: Any, parallel: str, stack: Exit
     return sync
 
 
-def _attach_usage(trainer: Any, model: nn.Module, usage: ParameterUsage, stack: ExitStack) -> ParameterUsage:
+def _attach_usage(trainer: Any, model: nn.Module, usage: ParameterUsage, stack: ExitStack,
+                  at_loss: bool = True) -> ParameterUsage:
     """Observe (and tie) every training forward and, decisively, the loss handed to `accelerator.backward`
     (what a trainer's `compute_loss` really back-propagates: `ParameterUsage.tie_loss`); before gradients
     are clipped or measured, gradients no rank used in the optimizer step are reset to `None` (stock fu=True
     semantics; see `_attach_stabilizer`). Attached after the checkpointing switch, so reentrant layers are
-    observed with the function they will run."""
+    observed with the function they will run.
+
+    Under FSDP2 (`at_loss=False`) the loss is not observed: after the forward a unit's parameters are resharded,
+    so a parameter is no longer the tensor its unit's graph holds, and a tie at the loss would give the sharded
+    parameter a plain-tensor gradient; every tie is made in the unit's own forward instead (what
+    tests/scripts/usage_fsdp.py verifies)."""
     usage.attach()
     stack.callback(usage.remove)
-    usage.at_loss = True
-    stack.callback(around_backward(trainer.accelerator, usage.tie_loss))
+    if at_loss:
+        usage.at_loss = True
+        stack.callback(around_backward(trainer.accelerator, usage.tie_loss))
     stack.callback(before_gradient_clipping(trainer, usage.finalize))
     _add_callback(trainer, _GuardWrappedModel(trainer, usage), stack)
     return usage

@@ -31,10 +31,12 @@ from .config import DDPFixConfig
 from .errors import readable_ddp_errors
 from .facts import gather_facts
 from .feature_report import FallbackWatch, attach_fallbacks, feature_metrics
+from .integrations.fsdp import apply_fsdp_units
 from .integrations.sequence_parallel.trainer import attach_sequence_parallel
 from .integrations.trainer_hooks import TrainerPatchLayer
 from .ops.dist import destroy_default_group_at_exit
 from .ops.feature_counts import reset as reset_feature_counts
+from .plan.fsdp import decide_fsdp_units, fsdp_eval_sync, fsdp_unit_classes, fsdp_units_ours
 from .plan.resolve import resolve_plan
 from .plan.sequence_parallel import decide_sequence_parallel, sp_size_of
 from .plan.types import Plan
@@ -134,7 +136,11 @@ def run_evaluation_with_plan(trainer: Trainer, eval_loop: Callable[..., Any], *a
         return eval_loop(*args, **kwargs)
     try:
         facts = gather_facts(trainer)
-        decision = decide_eval_sync(facts, _trainer_config(trainer))
+        config = _trainer_config(trainer)
+        units = decide_fsdp_units(facts, config)  # None outside FSDP2
+        decision = fsdp_eval_sync(facts, units, decide_eval_sync(facts, config))
+        if fsdp_units_ours(units):  # an evaluate() before train(): accelerate wraps the model in this loop
+            apply_fsdp_units(trainer, fsdp_unit_classes(units))
     except Exception as err:  # noqa: BLE001 - reading the run must not fail an evaluation stock runs
         _ensure_log_handler()
         logger.warning("vlm_eval_sync: not applied, the run could not be read (%s): stock evaluation", err)

@@ -9,6 +9,14 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPTS = Path(__file__).resolve().parent / "scripts"
+FSDP_DEVICE = Path(__file__).resolve().parent / "fsdp_device"
+
+
+def fsdp_device_env(env: dict[str, str] | None = None) -> dict[str, str]:
+    """``env`` plus the FSDP test device on ``PYTHONPATH`` (tests/fsdp_device/sitecustomize.py: accelerate's
+    FSDP2 path on the CPU; docs/fsdp.md), ahead of the worktree root."""
+    path = os.pathsep.join([str(FSDP_DEVICE), str(ROOT), os.environ.get("PYTHONPATH", "")])
+    return {**(env or {}), "PYTHONPATH": path}
 
 
 def free_port() -> int:
@@ -49,13 +57,15 @@ def _run(cmd: list[str], label: str, timeout: float, env: dict[str, str] | None,
 
 
 def accelerate_launch(config: str, script: str | Path, *args: str, timeout: float = 300,
-                      env: dict[str, str] | None = None, check: bool = True) -> subprocess.CompletedProcess:
+                      env: dict[str, str] | None = None, check: bool = True,
+                      extra: tuple[str, ...] = ()) -> subprocess.CompletedProcess:
     """Run `accelerate launch --config_file accelerate_configs/<config> <script> <args>` from the repository
     root, as the README tells a user to, with a hard timeout (same contract as :func:`torchrun`). Only a free
-    `--main_process_port` is added, so that two test runs on one machine do not collide."""
+    `--main_process_port` is added, so that two test runs on one machine do not collide, and `extra`
+    launcher flags (e.g. `--mixed_precision no`) before the script."""
     launcher = Path(sys.executable).with_name("accelerate")
     cmd = [str(launcher) if launcher.exists() else "accelerate", "launch", "--config_file",
-           f"accelerate_configs/{config}", "--main_process_port", str(free_port()), str(script), *args]
+           f"accelerate_configs/{config}", "--main_process_port", str(free_port()), *extra, str(script), *args]
     return _run(cmd, f"accelerate launch {config} {script} {' '.join(args)}", timeout, env, check)
 
 

@@ -7,8 +7,11 @@ the CPU, a hard timeout each), train + evaluate:
 - `zero2.yaml` / `zero3.yaml` (DeepSpeed picks its CPU accelerator by itself) and `--qlora` (4-bit NF4 base
   on the CPU) under `ddp_cpu.yaml`: a few steps, then the full evaluation set, whose batches mix images and
   text-only samples (stock ZeRO-3 hangs there);
-- `fsdp.yaml` on a machine without an accelerator: accelerate 1.15 cannot run FSDP on the CPU (it makes every
-  CPU launch plain DDP); the example says so and exits instead of silently training something else.
+- `fsdp.yaml` through the FSDP test device (tests/fsdp_device/, docs/fsdp.md: accelerate's own FSDP2 path on the
+  CPU, bf16 as the yaml asks): trains to the accuracy bar of the DDP run, evaluates (the evaluation set mixes
+  image and text-only batches: stock FSDP fails there), saves the adapter; the model is FSDP2-wrapped;
+- `fsdp.yaml` on a machine without an accelerator and without the device: accelerate 1.15 makes every CPU launch
+  plain DDP; the example says so and exits instead of silently training something else.
 
 Every run must also end cleanly: exit code 0 on every rank (a process group left to interpreter shutdown
 could abort a finished run: `terminate called without an active exception`).
@@ -22,7 +25,7 @@ import re
 
 import pytest
 import torch
-from launch import ROOT, accelerate_launch, torchrun
+from launch import ROOT, accelerate_launch, fsdp_device_env, torchrun
 
 EXAMPLE = ROOT / "examples" / "qwen_vl_lora.py"
 OFFLINE = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
@@ -132,6 +135,31 @@ def test_example_qlora_on_cpu(tmp_path):
                        check=False)
     assert refused.returncode != 0 and "holds a run of another set-up (base: '4bit-nf4' there, 'full' now" \
         in refused.stdout, refused.stdout[-3000:]
+
+
+@pytest.mark.multiprocess
+def test_example_trains_evaluates_and_resumes_under_fsdp_yaml_through_the_test_device(tmp_path):
+    done = accelerate_launch("fsdp.yaml", EXAMPLE, "--output-dir", str(tmp_path), "--max-steps", str(STEPS),
+                             "--save-steps", "30", timeout=300, env=fsdp_device_env(OFFLINE))
+    result, log = result_of(done, "fsdp.yaml"), done.stdout
+    assert "[fsdp_device] accelerate FSDP2 on CPU/gloo" in log or torch.accelerator.is_available(), log[-4000:]
+    assert "(fsdp, world size 2)" in log, log[-4000:]
+    assert re.search(r"fsdp: accelerate made \d+ FSDP2 units", log), log[-4000:]  # FSDPModule instances counted
+    assert plan_value(log, "fsdp_units") == "Qwen2_5_VLDecoderLayer", log[-4000:]
+    assert plan_value(log, "vlm_stabilizer") == "off" and plan_value(log, "parameter_usage") == "on"
+    assert result["global_step"] == STEPS, log[-4000:]
+    chance = result["chance"]
+    assert result["caption_accuracy"] >= max(2 * chance, chance + 0.25), (result, log[-4000:])  # the DDP bar
+    for name in ("adapter_model.safetensors", "adapter_config.json"):
+        assert (tmp_path / name).is_file(), sorted(p.name for p in tmp_path.iterdir())
+    assert (tmp_path / f"checkpoint-{STEPS}" / "pytorch_model_fsdp_0").is_dir()  # SHARDED_STATE_DICT checkpoint
+    # resume from the sharded checkpoint (model, optimizer, scheduler, RNG through accelerate's load_state)
+    again = accelerate_launch("fsdp.yaml", EXAMPLE, "--output-dir", str(tmp_path), "--max-steps", str(STEPS + 4),
+                              "--resume", "--save-steps", "1000", timeout=300, env=fsdp_device_env(OFFLINE))
+    result2, log2 = result_of(again, "fsdp.yaml --resume"), again.stdout
+    assert re.findall(r"resumed from step (\d+)", log2) == [str(STEPS)], log2[-4000:]
+    assert result2["global_step"] == STEPS + 4, (result2, log2[-4000:])
+    assert result2["caption_accuracy"] >= max(2 * chance, chance + 0.25), result2
 
 
 @pytest.mark.multiprocess

@@ -273,6 +273,7 @@ _OFF_WORDS = {"", "off", "none", "false", "no", "0", "disabled"}
 
 def _every_kind_of_run():
     from hf_ddpfix.integrations.deepspeed import DeepSpeedFacts
+    from hf_ddpfix.integrations.fsdp import FsdpFacts
     from hf_ddpfix.integrations.quantized import QuantFacts
 
     nf4 = QuantFacts("bnb_4bit", 14, 36864, "bfloat16", "bfloat16", "nf4", "bfloat16")
@@ -291,6 +292,9 @@ def _every_kind_of_run():
                      RunFacts(parallel="deepspeed", world_size=2, **common)]
             runs += [RunFacts(parallel="deepspeed", world_size=2, zero_stage=int(s), deepspeed=ds, **common)
                      for s, ds in zero.items()]
+            wraps = [FsdpFacts(no_split=("Layer", "Block"), present=("Layer", "Block"), skippable=("Block",),
+                               folded=("model.visual",)), FsdpFacts(user_classes=("Layer",))]
+            runs += [RunFacts(parallel="fsdp", world_size=2, fsdp_version=2, fsdp=w, **common) for w in wraps]
     return runs
 
 

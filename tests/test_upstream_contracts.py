@@ -921,3 +921,31 @@ def test_zero3_partitioned_marker_and_gathered_parameters():
     assert not _compat.zero3_partitioned(plain)
     with _compat.zero3_gathered([plain]) as gathered:  # nothing partitioned: no collective, no deepspeed call
         assert gathered is False
+
+
+# ------------------------------------------------------------------------------------------- accelerate FSDP2
+
+
+def test_accelerate_fsdp2_wraps_exactly_the_classes_hf_ddpfix_sets_on_its_plugin():
+    """`_compat.fsdp`: the transformer policy of `fsdp2_prepare_model` reads `plugin.transformer_cls_names_to_wrap`
+    at prepare time (None -> `_no_split_modules`), an empty list wraps no block, and a class the model lacks
+    raises (the failure `fsdp_units` avoids); `fsdp2_prepare_model` carves the input embedding itself."""
+    from accelerate.utils import FullyShardedDataParallelPlugin, fsdp_utils
+
+    plugin = FullyShardedDataParallelPlugin(fsdp_version=2, auto_wrap_policy="transformer_based_wrap")
+    assert _compat.fsdp_wrap_policy(plugin) == "transformer_based_wrap", _broken("FSDP plugin's auto_wrap_policy")
+    assert _compat.fsdp_wrap_classes(plugin) == (None, False), _broken("transformer_cls_names_to_wrap default")
+    model = _tiny_llama()
+    _compat.set_fsdp_wrap_classes(plugin, ("LlamaDecoderLayer",))
+    policy = fsdp_utils.fsdp2_prepare_auto_wrap_policy(plugin, model)
+    wrapped = [n for n, m in model.named_modules() if policy(m)]
+    assert wrapped == ["model.layers.0", "model.layers.1"], _broken(f"the transformer policy wraps {wrapped}")
+    _compat.set_fsdp_wrap_classes(plugin, ())
+    none = fsdp_utils.fsdp2_prepare_auto_wrap_policy(plugin, model)
+    assert not any(none(m) for m in model.modules()), _broken("an empty class list still wraps blocks")
+    plugin.transformer_cls_names_to_wrap = ["CLIPTextEmbeddings"]
+    with pytest.raises(ValueError, match="Could not find the transformer layer class"):
+        fsdp_utils.fsdp2_prepare_auto_wrap_policy(plugin, model)
+    source = inspect.getsource(fsdp_utils.fsdp2_prepare_model)
+    assert "get_input_embeddings" in source and "fsdp2_prepare_auto_wrap_policy" in source, _broken(
+        "fsdp2_prepare_model no longer carves the embedding / calls the auto-wrap policy")

@@ -54,14 +54,17 @@ class ZooEntry:
     setup: Callable[[nn.Module], None] | None = None
     notes: list[str] = field(default_factory=list)
 
-    def model(self, seed: int = 0) -> nn.Module:
-        """The LoRA model (random adapters), in train mode."""
+    def model(self, seed: int = 0, save_base_to: str | None = None) -> nn.Module:
+        """The LoRA model (random adapters), in train mode. ``save_base_to``: the base model is saved there
+        (``save_pretrained``) before the adapters are added (saving draws no random numbers)."""
         from peft import LoraConfig, get_peft_model
 
         torch.manual_seed(seed)
         hf = self.build(seed)
         if self.setup is not None:
             self.setup(hf)
+        if save_base_to is not None:
+            hf.save_pretrained(save_base_to)
         cfg = LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, init_lora_weights=False, **self.lora)
         return get_peft_model(hf, cfg).train()
 
@@ -398,6 +401,20 @@ def _vipllava(seed: int) -> nn.Module:
         vision_feature_layers=[-2, -1]))
 
 
+def _idefics2(seed: int) -> nn.Module:
+    """Idefics2: SigLIP-like tower, a perceiver resampler connector (4 latents -> 4 image tokens), Mistral text;
+    ``_no_split_modules`` names attention / MLP classes of the tower and the connector."""
+    from transformers import Idefics2Config, Idefics2ForConditionalGeneration
+
+    vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2, image_size=28,
+                  patch_size=7)
+    perceiver = dict(hidden_size=64, resampler_n_latents=4, resampler_depth=1, resampler_n_heads=2,
+                     resampler_head_dim=16, num_key_value_heads=2)
+    cfg = Idefics2Config(vision_config=vision, perceiver_config=perceiver, image_token_id=IMG,
+                         text_config={**_LLAMA_TEXT, "model_type": "mistral"})
+    return Idefics2ForConditionalGeneration(cfg)
+
+
 #: VLMs no other test names, loaded the way users load a checkpoint (``from_pretrained`` under a ZeRO-3
 #: config, i.e. built partitioned by ``zero.Init``); their dummy image is discovered from the config.
 ZERO_LOADED: dict[str, ZooEntry] = {
@@ -408,6 +425,18 @@ ZERO_LOADED: dict[str, ZooEntry] = {
         ZooEntry("cohere2_vision", "Command A Vision (Cohere2-Vision)", _cohere2_vision, _VLM_LORA,
                  _pixel_batch(4, 28), vlm=True, can_go_unused=_VISION_UNUSED),
         ZooEntry("vipllava", "VipLLaVA", _vipllava, _VLM_LORA, _pixel_batch(4, 28), vlm=True,
+                 can_go_unused=_VISION_UNUSED),
+    ]
+}
+
+
+#: VLMs no DDP / ZeRO test trains: the FSDP2 Trainer test checks the class of fix on families it was not built on.
+MORE_VLMS: dict[str, ZooEntry] = {
+    e.name: e
+    for e in [
+        ZooEntry("aya_vision", "Aya Vision", _aya_vision, _VLM_LORA, _pixel_batch(4, 28), vlm=True,
+                 can_go_unused=_VISION_UNUSED),
+        ZooEntry("idefics2", "Idefics2", _idefics2, _VLM_LORA, _idefics3_batch, vlm=True,
                  can_go_unused=_VISION_UNUSED),
     ]
 }

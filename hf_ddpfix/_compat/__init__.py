@@ -31,6 +31,7 @@ from .deepspeed import (
     zero3_partitioned,
     zero_flat_slices,
 )
+from .fsdp import fsdp_module_units, fsdp_plugin, fsdp_wrap_classes, fsdp_wrap_policy, set_fsdp_wrap_classes
 from .models import (
     CACHE_KEYWORDS,
     CHECKPOINT_FUNC_ATTR,
@@ -145,6 +146,11 @@ __all__ = [
     "flash_attention_backward",
     "flash_attention_forward",
     "forward_source",
+    "fsdp_module_units",
+    "fsdp_plugin",
+    "fsdp_wrap_classes",
+    "fsdp_wrap_policy",
+    "set_fsdp_wrap_classes",
     "generate_pre_encodes_images",
     "image_features",
     "in_checkpoint_recompute",

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from ..config import DDPFixConfig
 from . import deepspeed as ds_rules
+from .fsdp import fsdp_usage_reason
 from .types import Correct, Decision, PlanError, RunFacts
 
 
@@ -28,19 +29,20 @@ def decide_checkpointing(facts: RunFacts, c: DDPFixConfig, distributed: bool, co
         if facts.user_reentrant and c.strict:
             # strict: keep the explicit choice; the find_unused decision raises if it cannot work
             return Decision("reentrant", "explicit use_reentrant=True kept (strict mode)")
+        fsdp = facts.parallel == "fsdp"
         if facts.user_reentrant:
             correct(
                 "use_reentrant=True -> False: reentrant checkpointing re-runs the forward inside backward, "
-                "which DDP with find_unused_parameters=True sees as a second use ('ready only once')"
+                + ("under no_grad, where the per-unit FSDP2 ties cannot read what the layer used (verified with "
+                   "non-reentrant only)" if fsdp else "which DDP with find_unused_parameters=True sees as a second use ('ready only once')")
             )
         tool = (f"; replaces the model's own checkpoint function {facts.checkpoint_function} (its own "
                 "recompute / offloading is not used: HF_DDPFIX_OFFLOAD_ACTIVATIONS=1 offloads instead)"
                 if facts.checkpoint_function else "")
-        return Decision(
-            "non_reentrant",
-            "reentrant breaks DDP with find_unused/unused params; non-reentrant works in every DDP mode" + tool,
-            changed=True,
-        )
+        why = ("under FSDP2 the per-unit ties read each unit's autograd graph, which reentrant checkpointing hides "
+               "(it runs the layer under no_grad); the ties are verified with non-reentrant, which recomputes the same"
+               if fsdp else "reentrant breaks DDP with find_unused/unused params; non-reentrant works in every DDP mode")
+        return Decision("non_reentrant", why + tool, changed=True)
     if facts.checkpoint_function:
         return Decision(asked, f"as requested; the model's own checkpoint function is kept: {facts.checkpoint_function}")
     return Decision(asked, "as requested")
@@ -57,7 +59,15 @@ _USAGE_COST = ("cost: one graph walk per forward and per backward, one all-reduc
 
 
 def decide_parameter_usage(facts: RunFacts, c: DDPFixConfig, ckpt: str) -> Decision:
-    """The generic "every parameter used" mechanism (hf_ddpfix.integrations.usage) under DDP."""
+    """The generic "every parameter used" mechanism (hf_ddpfix.integrations.usage) under DDP and FSDP2."""
+    if facts.parallel == "fsdp" and facts.fsdp_version == 2 and facts.fsdp is not None:
+        if c.parameter_usage is False:
+            return Decision(False, f"disabled ({c.source('parameter_usage')}): a rank that leaves a trainable "
+                            "parameter of a unit unused reduce-scatters a different set (fails as in stock)")
+        if facts.loss_unseen is not None:
+            return Decision(False, f"cannot observe the loss that is back-propagated ({facts.loss_unseen}): stock "
+                            "FSDP kept")
+        return Decision(True, fsdp_usage_reason(), changed=True)
     if facts.parallel != "ddp":
         return Decision(None, "")
     if c.parameter_usage is False:

@@ -22,6 +22,7 @@ from ..config import DDPFixConfig
 from . import ddp as ddp_rules
 from . import deepspeed as ds_rules
 from . import memory, quantized, vision
+from .fsdp import decide_fsdp_units, fsdp_vision_decisions
 from .sequence_parallel import decide_sequence_parallel
 from .types import CheckpointMode, Plan, PlanError, RunFacts
 
@@ -62,7 +63,12 @@ def resolve_plan(facts: RunFacts, config: DDPFixConfig | None = None) -> Plan:
     mode: CheckpointMode = ckpt.value or "off"  # the rules below read the variant as a mode string
     checkpointed = bool(ckpt.value) or bool(c.assume_checkpointing)
     usage = ddp_rules.decide_parameter_usage(facts, c, mode)
+    units = decide_fsdp_units(facts, c)
     stabilizer = ddp_rules.decide_stabilizer(facts, c, distributed, bool(usage.value))
+    eval_sync = vision.decide_eval_sync(facts, c)
+    fsdp_vision = fsdp_vision_decisions(facts, units, usage)
+    if fsdp_vision is not None:
+        stabilizer, eval_sync = fsdp_vision
     unused_reason = ddp_rules.unused_reason(facts, bool(stabilizer.value), usage)
     fu = ddp_rules.decide_find_unused(facts, c, ddp, mode, unused_reason, bool(stabilizer.value), correct, usage)
     static = ddp_rules.decide_static_graph(facts, c, ddp, checkpointed, unused_reason, correct)
@@ -76,7 +82,8 @@ def resolve_plan(facts: RunFacts, config: DDPFixConfig | None = None) -> Plan:
         static_graph=static,
         offload_activations=offload,
         vlm_stabilizer=stabilizer,
-        vlm_eval_sync=vision.decide_eval_sync(facts, c),
+        vlm_eval_sync=eval_sync,
+        fsdp_units=units,
         hang_guard=guard,
         # opt-in tiling reads partitioned (empty) weights under ZeRO-3: not verified there, stock kept
         tiled_mlp=ds_rules.zero3_unverified(facts, memory.decide_tiled_mlp(facts, c)),

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 if TYPE_CHECKING:  # the plan stays free of torch at run time; the facts type lives with its gatherer
     from ..integrations.deepspeed import DeepSpeedFacts
+    from ..integrations.fsdp.units import FsdpFacts
     from ..integrations.quantized import QuantFacts
     from ..integrations.sequence_parallel.facts import SequenceParallelFacts
 
@@ -77,6 +78,7 @@ class RunFacts:
         loss_unseen: why hf_ddpfix cannot see the loss the trainer back-propagates (a ``training_step``
             override that does not call the stock one, a ``compute_loss`` / ``training_step`` that calls
             ``backward`` itself), `None` when every loss passes through ``accelerator.backward``.
+        fsdp: the wrap facts of an FSDP run (`hf_ddpfix.integrations.fsdp.FsdpFacts`), `None` otherwise.
         deepspeed: version, offload, MoE blocks, dtypes of a DeepSpeed run
             (`hf_ddpfix.integrations.deepspeed.DeepSpeedFacts`), `None` without DeepSpeed.
     """
@@ -104,6 +106,7 @@ class RunFacts:
     shard_cast_dtype: str | None = None
     zero_stage: int | None = None
     deepspeed: DeepSpeedFacts | None = None
+    fsdp: FsdpFacts | None = None
     sequence_parallel: SequenceParallelFacts | None = None  # attention and heads (plan/sequence_parallel.py)
     loss_unseen: str | None = None
     checkpoint_function: str | None = None
@@ -171,6 +174,7 @@ class Plan:
     long_context: Decision = Decision(None, "")
     sequence_parallel: Decision = Decision(None, "")
     vlm_eval_sync: Decision = Decision(None, "")
+    fsdp_units: Decision = Decision(None, "")
     zero_skip_unused: Decision = Decision(None, "")
     corrections: tuple[str, ...] = ()
     config_lines: tuple[str, ...] = field(default=())
@@ -190,6 +194,7 @@ class Plan:
         """Every decision field by name, in the order the report lists them."""
         return {
             "checkpointing": self.checkpointing,
+            "fsdp_units": self.fsdp_units,
             "parameter_usage": self.parameter_usage,
             "find_unused_parameters": self.find_unused_parameters,
             "static_graph": self.static_graph,

@@ -42,9 +42,8 @@ Trainer wiring (transformers 5.23): attach before ``Trainer.train`` wraps the mo
 on the unwrapped module), call :meth:`~ParameterUsage.finalize` before ``Trainer._clip_grad_norm`` /
 ``_get_grad_norm`` (see :mod:`hf_ddpfix.integrations.vision.stabilizer` for why not ``on_pre_optimizer_step``).
 
-Layout: slots and scopes (FSDP2 units) in ``scopes.py``, the reentrant-checkpoint observation in
-``regions.py``, the cross-rank guard table and finalize mask in ``agreement.py``; this
-module is the per-forward observe-and-tie and the per-step bookkeeping.
+Layout: slots, scopes (FSDP2 units) and output ties in ``scopes.py``, reentrant-checkpoint reads in ``regions.py``,
+the guard table and finalize mask in ``agreement.py``; here: the per-forward observe-and-tie, per-step records.
 
 Guarantees: with fu=False (and static graph at accumulation 1) every zoo family trains to the weights
 of stock DDP(fu=True) (1e-6; bit-equal where the math is unchanged) with replicas in sync, under
@@ -69,7 +68,7 @@ from ...ops.zero_tie import ZeroTie, is_zero_tie_node
 from .agreement import UNUSED_FIX, agree_used, gather_missing, raise_if_missing
 from .hang_guard import UnusedParametersError
 from .regions import ReentrantRegions
-from .scopes import Scope, build_scopes, collect_slots, unit_pre_hook
+from .scopes import Scope, anchor_of, build_scopes, collect_slots, replace_output, unit_pre_hook
 
 __all__ = ["ParameterUsage", "UsageRecord", "reachable_leaf_ids", "UnusedParametersError"]
 
@@ -201,6 +200,18 @@ class ParameterUsage:
         self._active = False
         self.reset_step()
 
+    def set_units(self, units: Iterable[nn.Module]) -> None:
+        """Re-scope onto FSDP2 units made after :meth:`attach` (accelerate shards inside ``train()``), as if given
+        to the constructor: slots read again, each unit ties what it owns; forgets the step (call between steps)."""
+        attached = self.attached
+        self.remove()  # hooks off; re-attached below onto the new scopes
+        self.slots = collect_slots(self.root)
+        self.scopes = build_scopes(self.root, self.slots, list(units))
+        self._forward_used, self._step_used, self._pending_used = (torch.zeros(len(self.slots), dtype=torch.bool)
+                                                                   for _ in range(3))
+        if attached:
+            self.attach()
+
     def _root_scope(self) -> Scope:
         return next(s for s in self.scopes if s.module is self.root)
 
@@ -238,7 +249,7 @@ class ParameterUsage:
         return hook
 
     def _observe_and_tie(self, scope: Scope, output: Any, is_root: bool) -> Any:
-        anchor = _anchor(output)
+        anchor = anchor_of(output)
         roots = [anchor] if (is_root and anchor is not None) else [t for t in output_tensors(output) if t.requires_grad]
         reached = reachable_leaf_ids(roots, scope.stop)
         region = self._regions.read_ids()
@@ -267,7 +278,7 @@ class ParameterUsage:
         tied = ZeroTie.apply(anchor, *extras)
         self._record.tied += [self.slots[i].name for i in missing]
         self.ties += len(extras)
-        return _replace(output, anchor, tied)
+        return replace_output(output, anchor, tied)
 
     def _finish_forward(self, t0: float) -> None:
         self._active = False
@@ -437,37 +448,3 @@ class ParameterUsage:
             f"{self.resets} grads reset to None; {per:.2f} ms per forward"
         )
 
-
-def _anchor(output: Any) -> torch.Tensor | None:
-    """The output tensor that carries the loss: ``loss``, else ``logits``, else the first float tensor
-    that requires grad."""
-    if isinstance(output, dict):
-        for key in ("loss", "logits"):
-            val = output.get(key)
-            if isinstance(val, torch.Tensor) and val.requires_grad:
-                return val
-    top = output.values() if isinstance(output, dict) else output if isinstance(output, (tuple, list)) else [output]
-    for t in top:
-        if isinstance(t, torch.Tensor) and t.is_floating_point() and t.requires_grad:
-            return t
-    return None
-
-
-def _replace(output: Any, old: torch.Tensor, new: torch.Tensor) -> Any:
-    """``output`` with ``old`` (``output`` itself, or a top-level entry of a dict / tuple / list) replaced by ``new``."""
-    if output is old:
-        return new
-    if isinstance(output, dict):  # ModelOutput: setting a key updates the attribute too
-        for k, v in output.items():
-            if v is old:
-                output[k] = new
-                return output
-    if isinstance(output, (tuple, list)):
-        for i, v in enumerate(output):
-            if v is old:
-                items = list(output)
-                items[i] = new
-                if isinstance(output, list):
-                    return items
-                return type(output)(*items) if is_namedtuple(output) else tuple(items)
-    raise TypeError(f"hf_ddpfix: cannot tie into a {type(output).__name__} output")

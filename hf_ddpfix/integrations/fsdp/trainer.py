@@ -1,0 +1,62 @@
+"""Appliers for the Trainer's FSDP2 path: what the plan decided, put where accelerate reads it.
+
+- :func:`apply_fsdp_units`: the unit classes handed to accelerate's plugin before ``prepare`` wraps the model
+  (``transformer_cls_names_to_wrap``, read by ``fsdp2_prepare_auto_wrap_policy``; accelerate 1.15). Not undone:
+  accelerate reads it once, when it wraps, and the wrapped model keeps its units.
+- :func:`rescope_on_wrap`: accelerate shards the model inside ``train()``, after the plan attached its
+  :class:`~hf_ddpfix.integrations.usage.ParameterUsage`; at ``on_train_begin`` (the model is wrapped by then:
+  transformers 5.23 ``_inner_training_loop``) the ties are re-scoped onto the units accelerate really made
+  (every ``FSDPModule``: the blocks, the embedding, ``[norm, head]``, the root), so each unit ties what this
+  rank did not use in its own forward, before FSDP reshards it.
+"""
+
+from __future__ import annotations
+
+import logging
+from contextlib import ExitStack
+from typing import Any
+
+from transformers import TrainerCallback
+
+from ..._compat import fsdp_module_units, fsdp_plugin, set_fsdp_wrap_classes
+from ...ops import feature_counts
+from ..usage import ParameterUsage
+
+__all__ = ["apply_fsdp_units", "rescope_on_wrap"]
+
+logger = logging.getLogger("hf_ddpfix")
+
+
+def apply_fsdp_units(trainer: Any, classes: tuple[str, ...]) -> bool:
+    """Make accelerate's transformer policy wrap exactly ``classes`` (may be empty: embedding, head and root
+    units only). Returns False (nothing done) when the trainer has no FSDP plugin."""
+    plugin = fsdp_plugin(trainer)
+    if plugin is None:
+        return False
+    set_fsdp_wrap_classes(plugin, classes)
+    return True
+
+
+class _Rescope(TrainerCallback):
+    def __init__(self, trainer: Any, usage: ParameterUsage, log: Any) -> None:
+        self.trainer, self.usage, self.log = trainer, usage, log
+
+    def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        units = fsdp_module_units(self.trainer.model)
+        if not units:  # not wrapped (accelerate chose another path): the root scope stays
+            logger.warning("parameter_usage: the model has no FSDP2 unit at train begin; ties stay on the root")
+            return
+        self.usage.set_units(units)
+        feature_counts.record_amount("fsdp", "units", len(units))
+        owned = sum(1 for s in self.usage.scopes if s.slots)
+        if self.log is not None:
+            self.log(f"fsdp: accelerate made {len(units)} FSDP2 units; parameter_usage ties per unit "
+                     f"({owned} hold trainable parameters, {len(self.usage.slots)} tensors watched)")
+
+
+def rescope_on_wrap(trainer: Any, usage: ParameterUsage, stack: ExitStack, log: Any = None) -> None:
+    """At train begin, re-scope ``usage`` onto the FSDP2 units accelerate made; the callback is removed on
+    ``stack``'s exit. ``log(line)`` reports the units (rank 0)."""
+    callback = _Rescope(trainer, usage, log)
+    trainer.add_callback(callback)
+    stack.callback(trainer.remove_callback, callback)

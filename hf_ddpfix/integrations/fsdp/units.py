@@ -1,0 +1,112 @@
+"""What the model offers accelerate's FSDP2 wrap: the block classes it really has, and which of them a rank
+may skip. Read-only facts for :func:`hf_ddpfix.plan.fsdp.decide_fsdp_units`.
+
+Why (issue 26, accelerate 1.15 through the Trainer, 2 gloo ranks):
+- ``transformer_based_wrap`` makes a unit of every module whose class ``_no_split_modules`` names; a name the
+  model lacks raises ``Could not find the transformer layer class X`` (tiny Gemma 3:
+  ``SiglipMultiheadAttentionPoolingHead``; LLaVA: ``CLIPTextEmbeddings``), and a model without
+  ``_no_split_modules`` gets no unit but the embedding, the head and the root.
+- A unit inside a subtree one rank runs and another skips (the vision tower on a text-only step, Mllama's
+  cross-attention layers without an image, a LayerDrop stack) makes the ranks all-gather different units, or
+  the same units in a different order: a gloo size mismatch, an NCCL hang. Where the model runs its tower
+  (after or before the embedding, inside or outside the language model) decides that order, so no placement of
+  a dummy input is right for every model; keeping those subtrees out of units of their own is.
+
+So :class:`FsdpFacts` lists the candidate block classes (``_no_split_modules`` that exist, else the classes of
+the model's repeated blocks: the elements of its ``nn.ModuleList`` stacks) and, of every candidate, whether
+some instance lies inside a subtree a rank may skip
+(:func:`hf_ddpfix.integrations.vision.fsdp_wrap.skippable_subtrees`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
+
+from torch import nn
+
+from ..._compat import fsdp_module_units, fsdp_plugin, fsdp_wrap_classes, fsdp_wrap_policy, unwrap_model
+from ..vision.fsdp_wrap import skippable_subtrees
+
+__all__ = ["FsdpFacts", "gather_fsdp_facts", "repeated_block_classes"]
+
+
+@dataclass(frozen=True)
+class FsdpFacts:
+    """The wrap-relevant facts of an FSDP run (all class names as ``type(module).__name__`` spells them).
+
+    Attributes:
+        policy: the plugin's wrap policy (``"transformer_based_wrap"``, ``"size_based_wrap"``, ``"no_wrap"``...).
+        user_classes: ``fsdp_transformer_layer_cls_to_wrap`` as the user gave it, ``None`` when unset.
+        no_split: the model's ``_no_split_modules`` (what accelerate wraps by default), possibly empty.
+        present: the names of ``no_split`` the model really has.
+        repeated: classes of the model's repeated blocks (elements of ``nn.ModuleList`` stacks with parameters).
+        skippable: candidate classes (``present``, ``repeated`` or ``user_classes``) with an instance inside a
+            subtree a rank may skip.
+        folded: names of those subtrees (the vision tower, the projector, LayerDrop stacks...).
+        wrapped: the model is already sharded (a second ``train()``): prepare will not wrap it again.
+        skipped_units: when ``wrapped``, the names of its FSDP units inside subtrees a rank may skip.
+    """
+
+    policy: str = "transformer_based_wrap"
+    user_classes: tuple[str, ...] | None = None
+    no_split: tuple[str, ...] = ()
+    present: tuple[str, ...] = ()
+    repeated: tuple[str, ...] = ()
+    skippable: tuple[str, ...] = ()
+    folded: tuple[str, ...] = ()
+    wrapped: bool = False
+    skipped_units: tuple[str, ...] = ()
+
+
+def repeated_block_classes(model: nn.Module) -> list[str]:
+    """Class names of the blocks the model stacks: elements of every ``nn.ModuleList`` whose elements share
+    one class and hold parameters (decoder layers, vision blocks), in ``named_modules`` order."""
+    out: list[str] = []
+    for mod in model.modules():
+        if not isinstance(mod, nn.ModuleList) or len(mod) == 0:
+            continue
+        kinds = {type(m) for m in mod}
+        if len(kinds) == 1 and any(True for _ in mod[0].parameters()):
+            name = type(mod[0]).__name__
+            if name not in out:
+                out.append(name)
+    return out
+
+
+def _classes_inside(subtrees: Iterable[nn.Module]) -> set[str]:
+    return {type(m).__name__ for s in subtrees for m in s.modules()}
+
+
+def gather_fsdp_facts(trainer: Any, model: nn.Module) -> FsdpFacts:
+    """The facts for the Trainer's FSDP run on ``model`` (read-only). A ``_no_split_modules`` set (Gemma 3,
+    LLaVA) is read in sorted order, so every process spells the plan the same way whatever its hash seed."""
+    plugin = fsdp_plugin(trainer)
+    hf = unwrap_model(model)
+    names, ours = fsdp_wrap_classes(plugin) if plugin is not None else (None, False)
+    declared = getattr(hf, "_no_split_modules", None) or ()
+    no_split = tuple(sorted(declared) if isinstance(declared, (set, frozenset)) else declared)
+    have = {type(m).__name__ for m in hf.modules()}
+    skip = skippable_subtrees(hf)
+    inside = _classes_inside(skip)
+    repeated = tuple(repeated_block_classes(hf))
+    user = None if ours else names
+    candidates = set(no_split) | set(repeated) | set(user or ())
+    ids = {id(m): n for n, m in hf.named_modules()}
+    units = fsdp_module_units(model)
+    return FsdpFacts(
+        policy=fsdp_wrap_policy(plugin) if plugin is not None else "transformer_based_wrap",
+        user_classes=user,
+        no_split=no_split,
+        present=tuple(n for n in no_split if n in have),
+        repeated=repeated,
+        skippable=tuple(sorted(c for c in candidates if c in inside)),
+        folded=tuple(ids.get(id(s), type(s).__name__) or type(s).__name__ for s in skip),
+        wrapped=bool(units),
+        skipped_units=tuple(ids.get(id(u), type(u).__name__) for u in units if _inside(u, skip)),
+    )
+
+
+def _inside(mod: nn.Module, subtrees: list[nn.Module]) -> bool:
+    return any(mod is m for s in subtrees for m in s.modules())

@@ -1,0 +1,152 @@
+"""The plan's FSDP2 decisions (accelerate's FSDP through the Trainer): which classes become units, and how every
+rank then issues the same collectives. Pure rules over :class:`~hf_ddpfix.integrations.fsdp.FsdpFacts`.
+
+The rule the class of failures teaches (issue 26): under FSDP2 every rank must issue the same all-gathers and
+reduce-scatters **in the same order**, and accelerate decides the units (the wrap policy's classes, then the
+input embedding and ``[final norm, head]`` carved out, the root last: accelerate 1.15). A rank that skips a
+subtree (a text-only step skips the vision tower and projector, Mllama's cross-attention layers, a LayerDrop
+layer) skips the all-gathers of every unit inside it, and a dummy input run to avoid that must run exactly
+where the real one would, which depends on each model's forward (Qwen2.5-VL embeds its tokens first, then runs
+the tower: a dummy in a forward pre-hook gathered the tower before the embedding unit, measured "16384 vs 12512"
+bytes on gloo).
+
+So hf_ddpfix owns the unit layout: **no unit inside a subtree a rank may skip**. The classes it hands the
+plugin are the block classes the model really has (``_no_split_modules`` that exist, else its repeated blocks),
+minus every class with an instance in such a subtree; those parameters belong to the enclosing unit (the root
+for a vision tower), which every rank all-gathers at the start of every forward, evaluation and prediction
+included. The order of all-gathers is then the order of the units every rank runs, whatever the model does
+with its images. What a rank did not use in a unit is tied into that unit's output with an exact-zero
+gradient (``parameter_usage``), so every rank reduce-scatters the same gradients; where no rank used a
+parameter in the step its gradient is reset to ``None`` before clipping (stock DDP ``find_unused=True``
+semantics). No dummy image runs. Cost: the folded subtrees stay unsharded for the root's forward and
+backward (a vision tower's parameters, once per rank).
+
+A user's explicit ``fsdp_transformer_layer_cls_to_wrap`` is honoured as given; if it names a class a rank may
+skip, the plan says that mixed batches then fail as in stock.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from .types import Decision, RunFacts
+
+if TYPE_CHECKING:
+    from ..config import DDPFixConfig
+
+__all__ = ["decide_fsdp_units", "fsdp_eval_sync", "fsdp_vision_decisions", "fsdp_unit_classes", "fsdp_units_ours", "fsdp_usage_reason"]
+
+_STOCK_FAILS = ("ranks that skip them (a text-only step, LayerDrop) all-gather different units: mixed batches fail "
+                "(gloo size mismatch, NCCL hang) as in stock")
+
+
+def _list(names: tuple[str, ...], limit: int = 4) -> str:
+    shown = ", ".join(names[:limit])
+    return shown + (f" (+{len(names) - limit})" if len(names) > limit else "")
+
+
+def decide_fsdp_units(facts: RunFacts, c: DDPFixConfig) -> Decision:
+    """The ``fsdp_units`` decision: the class names accelerate's transformer policy is to wrap.
+
+    Returns:
+        ``Decision(None)`` outside FSDP2; ``False`` where the units stay accelerate's (another policy, an explicit
+        class list, the model already wrapped, ``parameter_usage`` off) with the reason; otherwise a string
+        ``"A,B"`` of class names (changed from stock when it differs from ``_no_split_modules``), or ``"root"``
+        for no block class (accelerate's embedding and head units and the root only).
+
+    Guarantees: the chosen classes all exist in the model and none has an instance inside a subtree a rank may
+    skip (tests/test_fsdp_plan.py).
+    """
+    f = facts.fsdp
+    if facts.parallel != "fsdp" or facts.fsdp_version != 2 or f is None:
+        return Decision(None, "")
+    if f.wrapped:
+        return Decision(False, "the model is already sharded: its units stay as they are")
+    if f.policy != "transformer_based_wrap":
+        return Decision(False, f"accelerate's {f.policy} decides the units (hf_ddpfix chooses classes only for "
+                        "transformer_based_wrap)" + (f"; subtrees a rank may skip ({_list(f.folded)}) may become "
+                                                     f"units: {_STOCK_FAILS}" if f.folded else ""))
+    if f.user_classes is not None:
+        risky = tuple(n for n in f.user_classes if n in f.skippable)
+        note = f"; {_list(risky)} lie inside subtrees a rank may skip: {_STOCK_FAILS}" if risky else ""
+        return Decision(False, f"explicit fsdp_transformer_layer_cls_to_wrap kept: {_list(f.user_classes)}{note}")
+    if c.parameter_usage is False:
+        return Decision(False, f"accelerate's units from _no_split_modules kept (parameter_usage disabled "
+                        f"({c.source('parameter_usage')}): units without a skippable subtree need its ties)")
+    source = f.present or f.repeated
+    chosen = tuple(n for n in source if n not in f.skippable)
+    if not chosen:  # "root": the plugin gets no class; accelerate's embedding / head units and the root remain
+        what = "no block class of its own" if not source else f"only blocks a rank may skip ({_list(source)})"
+        return Decision("root", f"the model has {what}: accelerate's embedding and [norm, head] units and the root "
+                        "only" + (f"; folded into the root: {_list(f.folded)}" if f.folded else ""),
+                        changed=bool(f.no_split))
+    parts = [f"one unit per {_list(chosen)}, then accelerate's embedding and [norm, head] units and the root"]
+    absent = tuple(n for n in f.no_split if n not in f.present)
+    if not f.present:
+        parts.append("_no_split_modules " + ("names none of the model's classes (" + _list(absent) + ")"
+                                             if f.no_split else "is empty") + ": classes of its repeated blocks")
+    elif absent:
+        parts.append(f"not in the model: {_list(absent)} (accelerate would raise 'Could not find the transformer "
+                     "layer class')")
+    if f.folded:
+        parts.append(f"folded into the enclosing unit (a rank may skip them, so they get no unit of their own; "
+                     f"every rank gathers them with it): {_list(f.folded)}")
+    return Decision(",".join(chosen), "; ".join(parts), changed=chosen != f.no_split)
+
+
+def fsdp_units_ours(units: Decision) -> bool:
+    """True when the plan chose the unit classes (a string value): no unit inside a skippable subtree."""
+    return isinstance(units.value, str)
+
+
+def fsdp_unit_classes(units: Decision) -> tuple[str, ...]:
+    """The class names to hand accelerate's plugin for a decision :func:`fsdp_units_ours` accepts."""
+    return () if units.value == "root" else tuple(str(units.value).split(","))
+
+
+def fsdp_usage_reason() -> str:
+    """The ``parameter_usage`` reason under FSDP2."""
+    return ("per FSDP unit: every trainable parameter of a unit that this rank's forward (and the loss given to "
+            "backward) does not reach is tied into the unit's output with an exact-zero gradient, so every rank "
+            "reduce-scatters the same gradients in the same order; grads no rank used in the step are reset to "
+            "None before clipping (stock DDP find_unused=True semantics); cost: one graph walk per forward, one "
+            "all-reduce of 1 byte per trainable tensor per step")
+
+
+def _no_unit_in_skippable(facts: RunFacts, units: Decision) -> bool:
+    f = facts.fsdp
+    if f is None:
+        return False
+    if f.wrapped:
+        return not f.skipped_units
+    if fsdp_units_ours(units):
+        return True
+    return (f.policy == "transformer_based_wrap" and f.user_classes is not None
+            and not any(n in f.skippable for n in f.user_classes))
+
+
+_EVAL_NOT_NEEDED = ("not needed under FSDP2: no unit inside the vision tower, so evaluation, prediction and "
+                    "generation forwards all-gather the same units in the same order on every rank, images or not")
+
+
+def fsdp_vision_decisions(facts: RunFacts, units: Decision, usage: Decision) -> tuple[Decision, Decision] | None:
+    """``(vlm_stabilizer, vlm_eval_sync)`` for a VLM under FSDP2 whose units hold nothing a rank may skip and
+    whose unused parameters ``parameter_usage`` ties per unit; ``None``: the general rules decide."""
+    if facts.parallel != "fsdp" or facts.fsdp_version != 2 or not facts.is_vlm or not usage.value:
+        return None
+    if not _no_unit_in_skippable(facts, units):
+        return None
+    return (
+        Decision(False, "not needed under FSDP2: the vision tower and projector have no unit of their own "
+                 "(fsdp_units), so every rank all-gathers them with the enclosing unit whether or not it has an "
+                 "image; parameter_usage ties what a text-only rank leaves unused (no dummy image runs)"),
+        Decision(False, _EVAL_NOT_NEEDED),
+    )
+
+
+def fsdp_eval_sync(facts: RunFacts, units: Decision, eval_sync: Decision) -> Decision:
+    """``vlm_eval_sync`` for an evaluation outside ``train()``: not needed where no unit lies inside a subtree
+    a rank may skip (the units hf_ddpfix chooses), else ``eval_sync`` (the general rule)."""
+    if facts.parallel == "fsdp" and facts.fsdp_version == 2 and facts.is_vlm and _no_unit_in_skippable(facts, units):
+        return Decision(False, _EVAL_NOT_NEEDED)
+    return eval_sync

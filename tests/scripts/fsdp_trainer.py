@@ -1,0 +1,156 @@
+"""Several VLM families through ``Trainer.train`` / ``evaluate`` / ``predict``, launched as users launch them.
+
+Run (2 gloo processes on the CPU; the FSDP test device makes accelerate run FSDP2 there, docs/fsdp.md):
+
+    PYTHONPATH=tests/fsdp_device:. accelerate launch --config_file accelerate_configs/fsdp.yaml \
+        --mixed_precision no tests/scripts/fsdp_trainer.py --mode fixed --out OUT
+    accelerate launch --config_file accelerate_configs/ddp_cpu.yaml tests/scripts/fsdp_trainer.py --mode stock --out OUT
+
+``--mode fixed``: ``DDPFixTrainer`` (hf_ddpfix's plan: its FSDP2 units, parameter-usage ties per unit).
+``--mode stock``: the stock ``Trainer`` with ``ddp_find_unused_parameters=True`` (the DDP reference; under
+fsdp.yaml: stock FSDP, which crashes on mixed image/text ranks).
+
+Per family, from the same initial weights (tests/zoo.py's LoRA with random A and B: on the language model, the
+tower and the projector of a VLM; Mllama: the language model; Qwen3-MoE: attention and fused experts) and the
+same data: rank ``r`` gets item ``k * world + r`` as its ``k``-th batch (sequential sampler, batch size 1),
+with an image or not by :data:`PATTERN` (one rank, the other, none, both), sequence lengths varying by step,
+micro-batch and rank; AdamW with weight decay 0.1, clipping at 1.0, non-reentrant
+checkpointing (reentrant asked where ``CASES`` says: the plan runs it non-reentrant); gradient accumulation as
+``CASES`` says. Then ``evaluate()`` and ``predict()`` on batches mixing image and text ranks.
+
+Rank 0 writes ``OUT/<mode>-<family>.pt``: {"weights": every trainable tensor (FSDP2 shards gathered),
+"eval_loss", "predict_loss", "wrapped": the model's class after prepare, "units": FSDP2 units}. Prints
+``FSDP_TRAINER_OK`` at the end.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+import torch
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.dirname(HERE))
+
+from fixtures import trainable_weights  # noqa: E402
+from zoo import MORE_VLMS, ZOO, seq_len  # noqa: E402
+
+PATTERN = [(True, False), (False, True), (False, False), (True, True)]  # k-th batch -> (rank 0, rank 1) image
+EVAL_PATTERN = [(True, False), (False, True), (False, False)]
+STEPS = 4
+IGNORE = ["image_hidden_states", "past_key_values"]
+#: family -> (gradient accumulation, checkpointing asked)
+CASES = {"qwen2_5_vl": (2, "non_reentrant"), "gemma3": (1, "reentrant"), "llava": (1, "non_reentrant"),
+         "aya_vision": (1, "non_reentrant"), "idefics2": (2, "non_reentrant"), "mllama": (1, "non_reentrant"),
+         "qwen3_moe": (1, "non_reentrant")}
+
+
+class Items(torch.utils.data.Dataset):
+    """Item ``k * world + r`` is rank ``r``'s ``k``-th batch (one sample with a batch dimension)."""
+
+    def __init__(self, entry, pattern, n_batches: int, world: int, seed: int, ga: int = 1):
+        self.rows = []
+        for k in range(n_batches):
+            for r in range(world):
+                images = pattern[k % len(pattern)][r % 2]
+                self.rows.append(entry.batch(images, seed + 1000 * k + r, seq_len(k // ga, k % ga, r)))
+
+    def __len__(self):
+        return len(self.rows)
+
+    def __getitem__(self, i):
+        return self.rows[i]
+
+
+def collate(features):
+    assert len(features) == 1, "batch size 1: each item already has its batch dimension"
+    return dict(features[0])
+
+
+def first_logits(logits, labels):
+    """The logits alone: a VLM's output tuple carries image features on image ranks only (Gemma 3's
+    ``image_hidden_states``), which stock evaluation would gather on some ranks only (a mismatch under DDP too)."""
+    return logits[0] if isinstance(logits, (tuple, list)) else logits
+
+
+def load_saved(entry, out: str, world: int):
+    """The zoo's LoRA model as users load one: rank 0 saves the base model and the adapter once; every rank then
+    calls ``from_pretrained`` + ``PeftModel.from_pretrained`` under the launch's environment (fsdp.yaml:
+    ``FSDP_CPU_RAM_EFFICIENT_LOADING=true``, which transformers and accelerate's ``prepare`` read: accelerate
+    broadcasts rank 0's state dict to the shards)."""
+    import torch.distributed as dist
+    from peft import PeftModel
+
+    base, adapter = os.path.join(out, f"saved-{entry.name}", "base"), os.path.join(out, f"saved-{entry.name}", "lora")
+    if int(os.environ.get("RANK", "0")) == 0 and not os.path.isdir(adapter):
+        entry.model(0, save_base_to=base).save_pretrained(adapter)
+    if world > 1:
+        dist.barrier()
+    hf_cls = type(entry.build(0))
+    hf = hf_cls.from_pretrained(base)
+    return PeftModel.from_pretrained(hf, adapter, is_trainable=True).train()
+
+
+def run(name: str, mode: str, out: str, saved: bool = False) -> None:
+    from transformers import Trainer, TrainingArguments
+
+    from hf_ddpfix import DDPFixTrainer, checkpointing_training_args
+
+    entry = {**ZOO, **MORE_VLMS}[name]
+    ga, ckpt = CASES[name]
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    args = TrainingArguments(
+        output_dir=os.path.join(out, f"run-{mode}-{name}"), max_steps=STEPS, per_device_train_batch_size=1,
+        per_device_eval_batch_size=1, gradient_accumulation_steps=ga, learning_rate=1e-3, weight_decay=0.1,
+        max_grad_norm=1.0, lr_scheduler_type="constant", logging_steps=1, save_strategy="no", report_to="none",
+        train_sampling_strategy="sequential", remove_unused_columns=False, use_cpu=True, seed=0,
+        ddp_find_unused_parameters=True if mode == "stock" else None,
+        **checkpointing_training_args(True, {"use_reentrant": ckpt == "reentrant" and mode == "fixed"}),
+    )
+    assert args.device.type == "cpu"  # sets up accelerate's state and the process group (from_pretrained reads it)
+    model = load_saved(entry, out, world) if saved else entry.model(0)
+    model.config.use_cache = False
+    cls = DDPFixTrainer if mode == "fixed" else Trainer
+    trainer = cls(model=model, args=args, data_collator=collate,
+                  train_dataset=Items(entry, PATTERN, STEPS * ga, world, seed=0, ga=ga),
+                  eval_dataset=Items(entry, EVAL_PATTERN, len(EVAL_PATTERN), world, seed=50_000),
+                  preprocess_logits_for_metrics=first_logits)
+    t0 = time.time()
+    trainer.train()
+    # image features in the output exist on image ranks only: stock gathers them there only (DDP too), so skip them
+    metrics = trainer.evaluate(ignore_keys=IGNORE)
+    predicted = trainer.predict(trainer.eval_dataset, ignore_keys=IGNORE)
+    from torch.distributed.fsdp import FSDPModule
+
+    units = [n for n, m in trainer.model.named_modules() if isinstance(m, FSDPModule)]
+    weights = trainable_weights(trainer.model)
+    if trainer.is_world_process_zero():
+        torch.save({"weights": weights, "eval_loss": metrics["eval_loss"],
+                    "predict_loss": predicted.metrics["test_loss"], "wrapped": type(trainer.model).__name__,
+                    "units": units}, os.path.join(out, f"{mode}-{name}.pt"))
+        print(f"[{mode}] {name}: {type(trainer.model).__name__}, {len(units)} FSDP2 units, eval_loss "
+              f"{metrics['eval_loss']:.6f}, {time.time() - t0:.1f}s", flush=True)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--mode", choices=("fixed", "stock"), required=True)
+    ap.add_argument("--families", default=",".join(CASES))
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--from-saved", default="", help="families loaded with from_pretrained (load_saved), comma-separated")
+    a = ap.parse_args()
+    for name in a.families.split(","):
+        run(name, a.mode, a.out, saved=name in a.from_saved.split(","))
+    print("FSDP_TRAINER_OK", flush=True)
+
+
+if __name__ == "__main__":
+    try:
+        main()
+    finally:
+        from hf_ddpfix.ops.dist import destroy_default_group
+
+        destroy_default_group()

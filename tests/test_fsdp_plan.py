@@ -1,0 +1,108 @@
+"""The plan's FSDP2 decisions (hf_ddpfix/plan/fsdp.py) and the facts they read (integrations/fsdp/units.py), in one
+process: which classes become units, what is folded, when the dummy image and the evaluation sync are not needed.
+The multi-process proof is tests/test_fsdp_trainer.py."""
+
+from __future__ import annotations
+
+import pytest
+from zoo import MORE_VLMS, ZOO
+
+from hf_ddpfix.config import DDPFixConfig
+from hf_ddpfix.integrations.fsdp import FsdpFacts, gather_fsdp_facts, repeated_block_classes
+from hf_ddpfix.plan.fsdp import decide_fsdp_units, fsdp_unit_classes, fsdp_units_ours
+from hf_ddpfix.plan.resolve import resolve_plan
+from hf_ddpfix.plan.types import RunFacts
+
+
+def _facts(fsdp: FsdpFacts, **kw) -> RunFacts:
+    base = dict(parallel="fsdp", world_size=2, fsdp_version=2, is_peft=True, checkpointing="non_reentrant")
+    return RunFacts(**{**base, **kw}, fsdp=fsdp)
+
+
+class _Trainer:
+    """The one attribute the facts read: ``accelerator.state.fsdp_plugin``."""
+
+    def __init__(self, plugin):
+        self.accelerator = type("A", (), {"state": type("S", (), {"fsdp_plugin": plugin})()})()
+
+
+def _plugin(**kw):
+    from accelerate.utils import FullyShardedDataParallelPlugin
+
+    return FullyShardedDataParallelPlugin(fsdp_version=2, auto_wrap_policy="transformer_based_wrap", **kw)
+
+
+@pytest.mark.parametrize("name, lacking", [("gemma3", "SiglipTextEmbeddings"), ("llava", "CLIPTextEmbeddings"),
+                                           ("aya_vision", "SiglipTextEmbeddings")])
+def test_units_are_the_decoder_layers_when_no_split_modules_names_classes_the_model_lacks(name, lacking):
+    model = {**ZOO, **MORE_VLMS}[name].model(0)
+    facts = gather_fsdp_facts(_Trainer(_plugin()), model)
+    assert lacking in facts.no_split and lacking not in facts.present
+    decision = decide_fsdp_units(_facts(facts, is_vlm=True), DDPFixConfig())
+    classes = fsdp_unit_classes(decision)
+    assert fsdp_units_ours(decision) and decision.changed
+    assert len(classes) == 1 and classes[0].endswith("DecoderLayer"), decision
+    assert f"not in the model: {lacking}" in decision.reason and "folded" in decision.reason
+    have = {type(m).__name__ for m in model.modules()}
+    assert set(classes) <= have and not set(classes) & set(facts.skippable)
+
+
+def test_vision_blocks_never_become_units_and_the_stabiliser_and_eval_sync_stand_down():
+    model = ZOO["qwen2_5_vl"].model(0)
+    facts = gather_fsdp_facts(_Trainer(_plugin()), model)
+    assert "Qwen2_5_VLVisionBlock" in facts.present and "Qwen2_5_VLVisionBlock" in facts.skippable
+    assert facts.folded == ("model.visual",)
+    plan = resolve_plan(_facts(facts, is_vlm=True, trainable_vision_params=True, vlm_adapter="qwen2_5_vl"))
+    assert plan.fsdp_units.value == "Qwen2_5_VLDecoderLayer"
+    assert plan.parameter_usage.value is True and "per FSDP unit" in plan.parameter_usage.reason
+    assert plan.vlm_stabilizer.value is False and "no unit of their own" in plan.vlm_stabilizer.reason
+    assert plan.vlm_eval_sync.value is False and "same units in the same order" in plan.vlm_eval_sync.reason
+    assert "safe fallback" not in plan.report()
+
+
+def test_a_model_without_no_split_modules_gets_its_repeated_blocks():
+    model = ZOO["llama"].model(0)
+    assert repeated_block_classes(model) == ["LlamaDecoderLayer"]
+    facts = FsdpFacts(no_split=(), present=(), repeated=("LlamaDecoderLayer",))
+    decision = decide_fsdp_units(_facts(facts), DDPFixConfig())
+    assert decision.value == "LlamaDecoderLayer" and "is empty: classes of its repeated blocks" in decision.reason
+
+
+def test_layerdrop_stacks_are_folded_into_the_root():
+    model = ZOO["bart_layerdrop"].model(0)
+    facts = gather_fsdp_facts(_Trainer(_plugin()), model)
+    decision = decide_fsdp_units(_facts(facts), DDPFixConfig())
+    assert decision.value == "root" and fsdp_unit_classes(decision) == ()
+    assert "only blocks a rank may skip" in decision.reason
+
+
+def test_an_explicit_class_list_is_honoured_and_its_risk_said():
+    facts = FsdpFacts(user_classes=("Qwen2_5_VLDecoderLayer", "Qwen2_5_VLVisionBlock"),
+                      skippable=("Qwen2_5_VLVisionBlock",), folded=("model.visual",))
+    decision = decide_fsdp_units(_facts(facts, is_vlm=True), DDPFixConfig())
+    assert decision.value is False and "explicit fsdp_transformer_layer_cls_to_wrap kept" in decision.reason
+    assert "Qwen2_5_VLVisionBlock lie inside subtrees a rank may skip" in decision.reason
+    safe = FsdpFacts(user_classes=("Qwen2_5_VLDecoderLayer",), skippable=("Qwen2_5_VLVisionBlock",))
+    plan = resolve_plan(_facts(safe, is_vlm=True, trainable_vision_params=True, vlm_adapter="qwen2_5_vl"))
+    assert plan.fsdp_units.value is False and plan.vlm_stabilizer.value is False  # no unit in the tower
+
+
+def test_explicit_classes_from_the_plugin_are_the_users_and_ours_are_not():
+    from hf_ddpfix._compat import fsdp_wrap_classes, set_fsdp_wrap_classes
+
+    plugin = _plugin(transformer_cls_names_to_wrap=["LlamaDecoderLayer"])
+    assert fsdp_wrap_classes(plugin) == (("LlamaDecoderLayer",), False)
+    assert gather_fsdp_facts(_Trainer(plugin), ZOO["llama"].model(0)).user_classes == ("LlamaDecoderLayer",)
+    mine = _plugin()
+    set_fsdp_wrap_classes(mine, ("LlamaDecoderLayer",))
+    assert fsdp_wrap_classes(mine) == (("LlamaDecoderLayer",), True)
+    assert gather_fsdp_facts(_Trainer(mine), ZOO["llama"].model(0)).user_classes is None
+
+
+def test_other_policies_and_parameter_usage_off_keep_accelerates_units():
+    size = decide_fsdp_units(_facts(FsdpFacts(policy="size_based_wrap", folded=("model.visual",))), DDPFixConfig())
+    assert size.value is False and "size_based_wrap decides the units" in size.reason
+    off = decide_fsdp_units(_facts(FsdpFacts(present=("LlamaDecoderLayer",))), DDPFixConfig(parameter_usage=False))
+    assert off.value is False and "parameter_usage disabled" in off.reason
+    assert decide_fsdp_units(_facts(FsdpFacts(), fsdp_version=1), DDPFixConfig()).value is None
+    assert decide_fsdp_units(RunFacts(parallel="ddp", world_size=2), DDPFixConfig()).value is None
