@@ -77,8 +77,10 @@ def model_attn_implementation(model: Any) -> str | None:
 
 def no_split_modules(model: nn.Module) -> list[str]:
     """The class names a transformers model says must not be split across devices / FSDP units
-    (``PreTrainedModel._no_split_modules``, 5.x: decoder and vision blocks); empty when it names none."""
-    return list(getattr(model, "_no_split_modules", None) or [])
+    (``PreTrainedModel._no_split_modules``, 5.x: decoder and vision blocks); empty when it names none. A set
+    (Gemma 3, LLaVA) is returned sorted, so every process reads the same order whatever its hash seed."""
+    declared = getattr(model, "_no_split_modules", None) or []
+    return sorted(declared) if isinstance(declared, (set, frozenset)) else list(declared)
 
 
 def is_namedtuple(obj: Any) -> bool:

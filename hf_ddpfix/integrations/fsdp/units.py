@@ -26,7 +26,14 @@ from typing import Any
 
 from torch import nn
 
-from ..._compat import fsdp_module_units, fsdp_plugin, fsdp_wrap_classes, fsdp_wrap_policy, unwrap_model
+from ..._compat import (
+    fsdp_module_units,
+    fsdp_plugin,
+    fsdp_wrap_classes,
+    fsdp_wrap_policy,
+    no_split_modules,
+    unwrap_model,
+)
 from ..vision.fsdp_wrap import skippable_subtrees
 
 __all__ = ["FsdpFacts", "gather_fsdp_facts", "repeated_block_classes"]
@@ -85,8 +92,7 @@ def gather_fsdp_facts(trainer: Any, model: nn.Module) -> FsdpFacts:
     plugin = fsdp_plugin(trainer)
     hf = unwrap_model(model)
     names, ours = fsdp_wrap_classes(plugin) if plugin is not None else (None, False)
-    declared = getattr(hf, "_no_split_modules", None) or ()
-    no_split = tuple(sorted(declared) if isinstance(declared, (set, frozenset)) else declared)
+    no_split = tuple(no_split_modules(hf))
     have = {type(m).__name__ for m in hf.modules()}
     skip = skippable_subtrees(hf)
     inside = _classes_inside(skip)

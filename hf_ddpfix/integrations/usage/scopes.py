@@ -26,7 +26,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..._compat import module_parameter_slots
+from ..._compat import is_namedtuple, module_parameter_slots
 from ...ops.autograd_reach import output_tensors
 
 __all__ = ["ParamSlot", "Scope", "anchor_of", "build_scopes", "collect_slots", "replace_output", "unit_pre_hook"]
@@ -157,5 +157,5 @@ def replace_output(output: Any, old: torch.Tensor, new: torch.Tensor) -> Any:
                 items[i] = new
                 if isinstance(output, list):
                     return items
-                return type(output)(*items) if hasattr(output, "_fields") else tuple(items)
+                return type(output)(*items) if is_namedtuple(output) else tuple(items)
     raise TypeError(f"hf_ddpfix: cannot tie into a {type(output).__name__} output")

@@ -61,7 +61,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..._compat import ddp_syncs_grads, is_ddp_sink_node, is_namedtuple, unwrap_parallel
+from ..._compat import ddp_syncs_grads, is_ddp_sink_node, unwrap_parallel
 from ...ops import feature_counts
 from ...ops.autograd_reach import output_tensors, reachable_leaf_ids, reachable_leaf_ids_split
 from ...ops.zero_tie import ZeroTie, is_zero_tie_node
