@@ -135,6 +135,13 @@ def decide_sequence_parallel(facts: RunFacts, config: DDPFixConfig) -> Decision:
     if sp is not None and not sp.parallelism_config_available:
         reason += ("; this accelerate has no ParallelismConfig (needs >= 1.12): only sequence_parallel / "
                    "HF_DDPFIX_SEQUENCE_PARALLEL switch it on")
+    if sp is not None:
+        from ..integrations.sequence_parallel.facts import sequence_parallel_loss_route
+
+        _, why, refusal = sequence_parallel_loss_route(sp)
+        if refusal:
+            raise PlanError(f"{where}: {refusal}")
+        reason += f"; {why}"
     if sp is not None and sp.vision_family:
         reason += (f"; {sp.vision_family}: vision tower, image merge and 3-D position ids on the full sequence, "
                    "the text decoder sharded")

@@ -53,12 +53,18 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..._compat import deepspeed_engine_sequence_parallel_size, stand_down_accelerate_sequence_parallel
+from ..._compat import (
+    deepspeed_engine_sequence_parallel_size,
+    stand_down_accelerate_sequence_parallel,
+    unwrap_parallel,
+)
 from ...ops.feature_counts import record_amount, record_fallback
 from ...ops.sequence_parallel.inputs import PACKED_ROWS, shard_batch
 from .attention import FEATURE, activate_batch, deactivate_batch, install_ulysses_attention
+from .facts import gather_sequence_parallel_facts, sequence_parallel_loss_route
 from .model import sharded_causal_lm_loss
 from .vision import BATCH_KEYS, VisionSequenceSharding, merge_vision_batches, vision_sequence_parallel_support
+from .whole import exchange, whole_outputs_forward
 
 __all__ = ["SequenceParallelGroups", "attach_sequence_parallel", "merge_batches"]
 
@@ -114,8 +120,6 @@ def merge_batches(batches: list[Mapping[str, torch.Tensor]]) -> dict[str, torch.
 
 
 def _fallback_reason(trainer: Any, model: nn.Module, inputs: Mapping[str, Any], vision: bool = False) -> str | None:
-    if getattr(trainer, "compute_loss_func", None) is not None or getattr(trainer, "label_smoother", None) is not None:
-        return "compute_loss_func / label smoothing: the loss is not the causal-LM token sum"
     extra = sorted(set(inputs) - set(BATCH_KEYS if vision else _KEYS))
     if extra:
         return f"batch keys {extra} are not sharded (text-only batches are)"
@@ -148,6 +152,11 @@ def attach_sequence_parallel(trainer: Any, model: nn.Module, *, sp_size: int, st
             the Trainer's DeepSpeed-SP paths stand down for this loop
             (`_compat.stand_down_accelerate_sequence_parallel`), so the batch is split once, here.
     """
+    # the loss route (docs/sequence-parallel-losses.md), from what this run shows; the plan said it (and raised
+    # its PlanError) first: this guards a direct call
+    route, _, refusal = sequence_parallel_loss_route(gather_sequence_parallel_facts(trainer, model))
+    if refusal:
+        raise ValueError(f"sequence parallelism: {refusal}")
     if stand_down_accelerate:
         stack.callback(stand_down_accelerate_sequence_parallel(trainer))
     groups = _groups_for(trainer, sp_size)
@@ -175,8 +184,30 @@ def attach_sequence_parallel(trainer: Any, model: nn.Module, *, sp_size: int, st
             logger.info("sequence_parallel: %s", reason)
         return stock(model, inputs, return_outputs=return_outputs, num_items_in_batch=num_items_in_batch)
 
+    def gathered_loss(model: nn.Module, inputs: dict[str, Any], return_outputs: bool, num_items_in_batch: Any) -> Any:
+        """The trainer's own compute_loss on each batch of the group, the model's outputs made whole (whole.py)."""
+        if not checked:
+            _check_plain_data_parallel(trainer, sp_size)
+            checked.append(True)
+        training = model.training
+        if training and isinstance(model, nn.parallel.DistributedDataParallel) and not model.find_unused_parameters:
+            record_amount(FEATURE, "ddp_find_unused_false", 1)
+        results = []
+        with whole_outputs_forward(unwrap_parallel(model), groups.group, pad_id):
+            for batch, items in exchange(inputs, num_items_in_batch, groups.group, groups.size):
+                results.append(stock(model, batch, return_outputs=return_outputs, num_items_in_batch=items))
+        record_amount(FEATURE, "gathered_batches" if training else "eval_gathered_batches", len(results))
+        if not training:  # this rank's own batch, as stock returns it
+            return results[groups.rank]
+        losses = [r[0] if isinstance(r, tuple) else r for r in results]
+        loss = sum(losses) / groups.size  # every rank holds the group's whole losses: the gather's backward x N
+        return (loss, results[groups.rank][1]) if return_outputs else loss
+
     def compute_loss(model: nn.Module, inputs: dict[str, Any], return_outputs: bool = False,
                      num_items_in_batch: Any = None) -> Any:
+        if route == "gathered":
+            deactivate_batch()
+            return gathered_loss(model, inputs, return_outputs, num_items_in_batch)
         reason = _fallback_reason(trainer, model, inputs, vision is not None)
         deactivate_batch()  # the previous micro-batch's (kept for its checkpointed backward)
         if reason is not None:
@@ -254,6 +285,7 @@ def attach_sequence_parallel(trainer: Any, model: nn.Module, *, sp_size: int, st
         finally:  # forward and backward (with its recomputation) are done: a forward a callback runs
             deactivate_batch()  # before the next micro-batch must not go through Ulysses on unsharded input
 
+    compute_loss._hf_ddpfix_sequence_parallel = True  # type: ignore[attr-defined]
     had_own = {name: name in vars(trainer) for name in ("compute_loss", "prediction_step", "training_step")}
     trainer.compute_loss = compute_loss
     trainer.prediction_step = prediction_step

@@ -1,0 +1,187 @@
+"""The trainer's own loss under sequence parallelism (docs/sequence-parallel-losses.md): Trainer subclasses, a
+`compute_loss_func`, label smoothing, `average_tokens_across_devices=False`, TRL's SFT loss types, each trained
+with `patch_trainer(sequence_parallel=2)` against stock DDP on the same world and one process on the whole
+batch; a MoE router loss must be a PlanError before step 1.
+
+    python -m torch.distributed.run --standalone --nproc_per_node=1 tests/scripts/sp_losses.py ONE.pt --single-for 2
+    python -m torch.distributed.run --standalone --nproc_per_node=2 tests/scripts/sp_losses.py OUT.json --single ONE.pt
+
+Every run: tiny LoRA Llama (sdpa, fp32), variable lengths (odd: not divisible by 2), right padding, prompt-masked
+labels (unequal valid-token counts per rank), batch 2, gradient accumulation 2, 2 optimizer steps; SGD without
+clipping unless the case says AdamW (clipping 0.05, weight decay 0.1).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+from fixtures import Verdicts, init_gloo, lora_llama, rank_log, trainable_weights  # noqa: E402
+from sp_trainer import collate, dataset, hist_diff  # noqa: E402
+from transformers import Trainer, TrainingArguments  # noqa: E402
+
+from hf_ddpfix import patch_trainer, unpatch_trainer  # noqa: E402
+from hf_ddpfix.ops import feature_counts  # noqa: E402
+from hf_ddpfix.plan.types import PlanError  # noqa: E402
+
+#: SGD weights vs one process / stock DDP (measured: <= 3e-8 on 2 gloo ranks, fp32; the bound leaves float
+#: summation order room, far below a wrong loss: x2 moves weights by ~1e-3)
+TOL = 1e-6
+DTYPE = getattr(torch, os.environ.get("SP_LOSSES_DTYPE", "float32"))
+
+
+class Double(Trainer):
+    """A subclass whose loss is twice stock's: must never train like the plain Trainer."""
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):  # noqa: ANN001, ANN201
+        out = super().compute_loss(model, inputs, return_outputs=return_outputs, num_items_in_batch=num_items_in_batch)
+        return (2 * out[0], out[1]) if return_outputs else 2 * out
+
+
+class HiddenHead(Trainer):
+    """Stock loss + a head on the hidden states: the mask-mean-pooled last hidden state's squared norm, averaged
+    over the batch's rows (a sequence-level, non-token-sum term)."""
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):  # noqa: ANN001, ANN201
+        outputs = model(**inputs, output_hidden_states=True, num_items_in_batch=num_items_in_batch)
+        mask = inputs["attention_mask"].unsqueeze(-1).float()
+        pooled = (outputs.hidden_states[-1] * mask).sum(1) / mask.sum(1)
+        loss = outputs.loss * self.accelerator.num_processes + 0.05 * pooled.pow(2).sum(-1).mean()
+        return (loss, outputs) if return_outputs else loss
+
+
+def squared_ce(outputs, labels, num_items_in_batch=None):  # noqa: ANN001, ANN201
+    """A `compute_loss_func`: the sum of squared token cross-entropies over the count (not the model's loss)."""
+    logits = outputs["logits"][:, :-1].float()
+    target = labels[:, 1:]
+    ce = F.cross_entropy(logits.transpose(1, 2), target, ignore_index=-100, reduction="none")
+    count = num_items_in_batch if num_items_in_batch is not None else (target != -100).sum()
+    return ce.pow(2).sum() / count
+
+
+#: case -> (trainer class, TrainingArguments overrides, Trainer kwargs, one-process reference exists)
+CASES = {
+    "plain": (Trainer, {}, {}, True),
+    "double": (Double, {}, {}, True),
+    "double_adamw": (Double, {"optim": "adamw"}, {}, True),
+    "hidden_head": (HiddenHead, {}, {}, True),
+    "compute_loss_func": (Trainer, {}, {"compute_loss_func": squared_ce}, True),
+    "label_smoothing": (Trainer, {"label_smoothing_factor": 0.1}, {}, True),
+    # stock DDP divides each rank's sum by its own count: one process does not (its reference is stock DDP only)
+    "avg_tokens_false": (Trainer, {"average_tokens_across_devices": False}, {}, False),
+}
+
+
+def run(case: str, sp: int | None, batch: int) -> dict:
+    cls, over, kw, _ = CASES[case]
+    over = dict(over)
+    unpatch_trainer()
+    if sp:
+        patch_trainer(sequence_parallel=sp)
+    feature_counts.reset()
+    model = lora_llama(attn_implementation="sdpa", dtype=DTYPE)
+    opt = dict(optim="sgd", max_grad_norm=0.0, weight_decay=0.0, learning_rate=5e-2) \
+        if over.pop("optim", "sgd") == "sgd" else \
+        dict(optim="adamw_torch", max_grad_norm=0.05, weight_decay=0.1, learning_rate=2e-4)
+    args = TrainingArguments(output_dir="/tmp/sp_losses", per_device_train_batch_size=batch, gradient_accumulation_steps=2,
+                             max_steps=2, report_to=[], use_cpu=True, save_strategy="no", remove_unused_columns=False,
+                             disable_tqdm=True, seed=0, logging_steps=1, ddp_find_unused_parameters=False,
+                             **opt, **over)
+    trainer = cls(model=model, args=args, train_dataset=dataset(48, 1), data_collator=collate, **kw)
+    trainer.train()
+    snap = {k: c.as_dict() for k, c in feature_counts.snapshot().items()}
+    plan = getattr(trainer, "hf_ddpfix_plan", None)
+    res = {"weights": trainable_weights(model), "hist": [(h["loss"], h.get("grad_norm"))
+                                                         for h in trainer.state.log_history if "loss" in h],
+           "counts": snap.get("sequence_parallel") or {"ran": 0, "fallbacks": {}, "amounts": {}},
+           "plan": f"{plan.sequence_parallel.value}: {plan.sequence_parallel.reason}" if plan is not None else None}
+    unpatch_trainer()
+    return res
+
+
+def moe_refused() -> dict:
+    """A MoE model whose config adds its router loss: a PlanError naming it, before any optimizer step."""
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    unpatch_trainer()
+    patch_trainer(sequence_parallel=2)
+    torch.manual_seed(0)
+    model = MixtralForCausalLM(MixtralConfig(vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                             num_attention_heads=4, num_key_value_heads=2, num_local_experts=4,
+                                             num_experts_per_tok=2, output_router_logits=True,
+                                             attn_implementation="sdpa"))
+    args = TrainingArguments(output_dir="/tmp/sp_losses", per_device_train_batch_size=2, max_steps=2, report_to=[],
+                             use_cpu=True, save_strategy="no", remove_unused_columns=False, disable_tqdm=True,
+                             optim="sgd", learning_rate=5e-2)
+    trainer = Trainer(model=model, args=args, train_dataset=dataset(16, 1), data_collator=collate)
+    try:
+        trainer.train()
+        err = None
+    except PlanError as e:
+        err = str(e)
+    unpatch_trainer()
+    return {"error": err, "steps": trainer.state.global_step}
+
+
+def wdiff(a: dict, b: dict) -> float:
+    return max((a["weights"][k] - b["weights"][k]).abs().max().item() for k in a["weights"])
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("out")
+    p.add_argument("--single-for", type=int, default=0)
+    p.add_argument("--single", default=None)
+    p.add_argument("--cases", default=",".join(CASES))
+    a = p.parse_args()
+    rank, world = init_gloo()
+    log = rank_log()
+    names = a.cases.split(",")
+    if a.single_for:  # one process, the whole global batch (GA normalisation is the Trainer's)
+        torch.save({c: run(c, None, 2 * a.single_for) for c in names if CASES[c][3]}, a.out)
+        Verdicts("SPL", None).finish()
+        return
+    one = torch.load(a.single, weights_only=False) if a.single else {}
+    v = Verdicts("SPL", a.out)
+    done: dict[str, dict] = {}
+    for case in names:
+        got, ref = run(case, 2, 2), run(case, None, 2)
+        done[case] = got
+        counts: list = [None] * world
+        dist.all_gather_object(counts, got["counts"])  # judged on every rank
+        route = "sharded" if case == "plain" else "gathered"
+        key = "sharded_batches" if route == "sharded" else "gathered_batches"
+        per_rank = [c["amounts"].get(key, 0) for c in counts]
+        rec = {"case": case, "route": route, "plan": got["plan"], "per_rank_batches": per_rank,
+               "fallbacks": [c["fallbacks"] for c in counts], "ddp_weight_diff": wdiff(got, ref),
+               "ddp_loss_diff": hist_diff(ref["hist"], got["hist"], 0),
+               "ddp_grad_norm_diff": hist_diff(ref["hist"], got["hist"], 1),
+               "losses_sp": [h[0] for h in got["hist"]], "losses_ref": [h[0] for h in ref["hist"]]}
+        if case in one:
+            rec["ddp_vs_one_weight_diff"] = wdiff(ref, one[case])  # the float spread of the references themselves
+            rec.update(one_weight_diff=wdiff(got, one[case]), one_loss_diff=hist_diff(one[case]["hist"], got["hist"], 0))
+        if case != "plain" and "plain" in done:  # the subclass's loss really ran: not the plain Trainer's weights
+            rec["vs_plain"] = wdiff(got, done["plain"])
+        tol = TOL if "adamw" not in case else 1e-5
+        rec["ok"] = (rec["ddp_weight_diff"] <= tol and rec["ddp_loss_diff"] <= 1e-5
+                     and rec.get("one_weight_diff", 0.0) <= tol and rec.get("one_loss_diff", 0.0) <= 1e-5
+                     and all(n == 2 * 2 * 2 for n in per_rank)  # both batches of the group, 2 micro x 2 steps
+                     and not any(rec["fallbacks"]) and f"loss {route}" in (got["plan"] or "")
+                     and rec.get("vs_plain", 1.0) > 1e-4)
+        v.add(rec)
+        log(f"{case} done")
+    moe = moe_refused()
+    v.add({"case": "moe_router_loss_refused", **moe, "ok": moe["steps"] == 0 and moe["error"] is not None
+           and "output_router_logits" in moe["error"] and "Trainer" in moe["error"]})
+    dist.barrier()
+    v.finish()
+
+
+if __name__ == "__main__":
+    main()
