@@ -18,6 +18,7 @@ import os
 import sys
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "examples"))
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
@@ -27,6 +28,7 @@ from sp_trainer import collate, dataset, hist_diff  # noqa: E402
 from transformers import Trainer, TrainingArguments  # noqa: E402
 
 from hf_ddpfix import patch_trainer, unpatch_trainer  # noqa: E402
+from hf_ddpfix._compat import checkpointing_training_args  # noqa: E402
 from hf_ddpfix.ops import feature_counts  # noqa: E402
 from hf_ddpfix.plan.types import PlanError  # noqa: E402
 
@@ -71,29 +73,60 @@ CASES = {
     "double": (Double, {}, {}, True),
     "double_adamw": (Double, {"optim": "adamw"}, {}, True),
     "hidden_head": (HiddenHead, {}, {}, True),
+    # non-reentrant checkpointing: each group batch's recomputed attention finds its own batch's mask
+    "hidden_head_checkpointed": (HiddenHead, {"checkpointing": True}, {}, True),
     "compute_loss_func": (Trainer, {}, {"compute_loss_func": squared_ce}, True),
     "label_smoothing": (Trainer, {"label_smoothing_factor": 0.1}, {}, True),
+    # TRL's SFTTrainer (its own compute_loss, fused LM head: per-token log-probs made whole), two loss types
+    "sft_nll": ("sft", {"loss_type": "nll"}, {}, True),
+    "sft_dft": ("sft", {"loss_type": "dft"}, {}, True),
     # stock DDP divides each rank's sum by its own count: one process does not (its reference is stock DDP only)
     "avg_tokens_false": (Trainer, {"average_tokens_across_devices": False}, {}, False),
 }
 
 
+def sft_trainer(over: dict, opt: dict, batch: int) -> Trainer:
+    """TRL's SFTTrainer on text (examples/trl_sft.py's tokenizer), LoRA through its peft_config, TRL's defaults
+    otherwise (its fused LM head; gradient checkpointing as SFTConfig sets it)."""
+    from datasets import Dataset
+    from peft import LoraConfig
+    from transformers import LlamaConfig, LlamaForCausalLM
+    from trl import SFTConfig, SFTTrainer
+    from trl_sft import WORDS, build_tokenizer
+
+    tok = build_tokenizer()
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(
+        vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=64, pad_token_id=tok.pad_token_id,
+        eos_token_id=tok.eos_token_id, attn_implementation="sdpa")).to(DTYPE)
+    texts = [" ".join(WORDS[(i * k + 5) % len(WORDS)] for k in range(1, 4 + (i * 7) % 17)) for i in range(48)]
+    args = SFTConfig(output_dir="/tmp/sp_losses", max_steps=2, per_device_train_batch_size=batch,
+                     gradient_accumulation_steps=2, max_length=32, use_cpu=True, report_to=[], save_strategy="no",
+                     logging_steps=1, seed=0, data_seed=0, disable_tqdm=True, dataloader_num_workers=0,
+                     ddp_find_unused_parameters=False, **opt, **over)
+    return SFTTrainer(model=model, args=args, train_dataset=Dataset.from_dict({"text": texts}), processing_class=tok,
+                      peft_config=LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"],
+                                             task_type="CAUSAL_LM", init_lora_weights=False))
+
+
 def run(case: str, sp: int | None, batch: int) -> dict:
     cls, over, kw, _ = CASES[case]
     over = dict(over)
+    ckpt = over.pop("checkpointing", False)
     unpatch_trainer()
     if sp:
         patch_trainer(sequence_parallel=sp)
     feature_counts.reset()
-    model = lora_llama(attn_implementation="sdpa", dtype=DTYPE)
     opt = dict(optim="sgd", max_grad_norm=0.0, weight_decay=0.0, learning_rate=5e-2) \
         if over.pop("optim", "sgd") == "sgd" else \
         dict(optim="adamw_torch", max_grad_norm=0.05, weight_decay=0.1, learning_rate=2e-4)
-    args = TrainingArguments(output_dir="/tmp/sp_losses", per_device_train_batch_size=batch, gradient_accumulation_steps=2,
-                             max_steps=2, report_to=[], use_cpu=True, save_strategy="no", remove_unused_columns=False,
-                             disable_tqdm=True, seed=0, logging_steps=1, ddp_find_unused_parameters=False,
-                             **opt, **over)
-    trainer = cls(model=model, args=args, train_dataset=dataset(48, 1), data_collator=collate, **kw)
+    if cls == "sft":
+        trainer = sft_trainer(over, opt, batch)
+        model = trainer.model
+    else:
+        trainer = _trainer(cls, kw, over, opt, batch, ckpt)
+        model = trainer.model
     trainer.train()
     snap = {k: c.as_dict() for k, c in feature_counts.snapshot().items()}
     plan = getattr(trainer, "hf_ddpfix_plan", None)
@@ -103,6 +136,16 @@ def run(case: str, sp: int | None, batch: int) -> dict:
            "plan": f"{plan.sequence_parallel.value}: {plan.sequence_parallel.reason}" if plan is not None else None}
     unpatch_trainer()
     return res
+
+
+def _trainer(cls: type, kw: dict, over: dict, opt: dict, batch: int, ckpt: bool) -> Trainer:
+    model = lora_llama(attn_implementation="sdpa", dtype=DTYPE)
+    args = TrainingArguments(output_dir="/tmp/sp_losses", per_device_train_batch_size=batch, gradient_accumulation_steps=2,
+                             max_steps=2, report_to=[], use_cpu=True, save_strategy="no", remove_unused_columns=False,
+                             disable_tqdm=True, seed=0, logging_steps=1, ddp_find_unused_parameters=False,
+                             **opt, **over,
+                             **(checkpointing_training_args(True, {"use_reentrant": False}) if ckpt else {}))
+    return cls(model=model, args=args, train_dataset=dataset(48, 1), data_collator=collate, **kw)
 
 
 def moe_refused() -> dict:
@@ -158,7 +201,7 @@ def main() -> None:
         route = "sharded" if case == "plain" else "gathered"
         key = "sharded_batches" if route == "sharded" else "gathered_batches"
         per_rank = [c["amounts"].get(key, 0) for c in counts]
-        rec = {"case": case, "route": route, "plan": got["plan"], "per_rank_batches": per_rank,
+        rec = {"case": case, "route": route, "attention_calls": [c["ran"] for c in counts], "plan": got["plan"], "per_rank_batches": per_rank,
                "fallbacks": [c["fallbacks"] for c in counts], "ddp_weight_diff": wdiff(got, ref),
                "ddp_loss_diff": hist_diff(ref["hist"], got["hist"], 0),
                "ddp_grad_norm_diff": hist_diff(ref["hist"], got["hist"], 1),
@@ -166,7 +209,7 @@ def main() -> None:
         if case in one:
             rec["ddp_vs_one_weight_diff"] = wdiff(ref, one[case])  # the float spread of the references themselves
             rec.update(one_weight_diff=wdiff(got, one[case]), one_loss_diff=hist_diff(one[case]["hist"], got["hist"], 0))
-        if case != "plain" and "plain" in done:  # the subclass's loss really ran: not the plain Trainer's weights
+        if case != "plain" and "plain" in done and not case.startswith("sft"):  # the subclass's loss really ran: not the plain Trainer's weights
             rec["vs_plain"] = wdiff(got, done["plain"])
         tol = TOL if "adamw" not in case else 1e-5
         rec["ok"] = (rec["ddp_weight_diff"] <= tol and rec["ddp_loss_diff"] <= 1e-5

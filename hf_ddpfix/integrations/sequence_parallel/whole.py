@@ -38,7 +38,7 @@ from torch import nn
 from ...ops.sequence_parallel.gather import gather_sequence
 from ...ops.sequence_parallel.inputs import shard_batch
 from ...ops.sequence_parallel.loss import valid_target_count
-from .attention import sequence_parallel_batch
+from .attention import activate_batch
 
 __all__ = ["WholeOutputsForward", "whole_outputs_forward"]
 
@@ -77,8 +77,11 @@ class WholeOutputsForward:
         if labels is not None:  # the model sums its own loss on the slice (labels shifted on the full sequence)
             target = shard.shift_labels.contiguous()
             kwargs.update(labels=target, shift_labels=target, num_items_in_batch=1)
-        with sequence_parallel_batch(shard.documents, self.group):
-            out = self.original(input_ids=shard.input_ids, position_ids=shard.position_ids, use_cache=False, **kwargs)
+        # kept active (keyed by these position ids) until the training step's backward is done: a checkpointed
+        # layer's recomputation finds its own batch's mask among the group's batches
+        position_ids = shard.position_ids.clone()
+        activate_batch(shard.documents, self.group, key=position_ids)
+        out = self.original(input_ids=shard.input_ids, position_ids=position_ids, use_cache=False, **kwargs)
         self.calls += 1
         length, rows, s = int(ids.shape[1]), int(ids.shape[0]), int(shard.input_ids.shape[1])
         fields: dict[str, Any] = {}
