@@ -39,6 +39,7 @@ def test_the_stock_loss_runs_sharded_and_every_other_loss_gathered_and_the_plan_
      "output_router_logits=False"),
     (dict(trainer_loss="SFTTrainer.compute_loss", trainer_name="SFTTrainer", vision_family="qwen2_5_vl"),
      "SFTTrainer on qwen2_5_vl.*made whole"),
+    (dict(lm_head=False, trainer_name="RewardTrainer"), "RewardTrainer trains a model without a language-model head"),
 ])
 def test_a_loss_that_cannot_be_made_exact_is_a_plan_error_naming_the_trainer_and_the_fix(kw, match):
     from hf_ddpfix.plan.types import PlanError

@@ -36,7 +36,8 @@ class SequenceParallelFacts:
         average_tokens_across_devices: `TrainingArguments.average_tokens_across_devices`.
         router_aux_loss: the text config asks for MoE router logits (`output_router_logits`): the model adds a
             load-balancing loss to its own.
-        checkpointing: gradient checkpointing is on (the arguments or the model).
+        lm_head: the model has an output embedding (a language-model head: per-token outputs); False for a
+            sequence-classification / reward model, whose pooled score cannot be made whole from slices.
     """
 
     attn_implementation: str | None = None
@@ -54,7 +55,7 @@ class SequenceParallelFacts:
     label_smoothing: bool = False
     average_tokens_across_devices: bool = True
     router_aux_loss: bool = False
-    checkpointing: bool = False
+    lm_head: bool = True
 
 
 def trainer_loss_override(trainer: Any) -> str | None:
@@ -81,6 +82,14 @@ def _text_config(model: nn.Module) -> Any:
     return cfg
 
 
+def _has_lm_head(model: nn.Module) -> bool:
+    get = getattr(model, "get_output_embeddings", None)
+    try:
+        return get is None or get() is not None  # a model that does not say: judged at run time (whole.py)
+    except (AttributeError, NotImplementedError):
+        return True
+
+
 def gather_sequence_parallel_facts(trainer: Any, model: nn.Module) -> SequenceParallelFacts:
     cfg = _text_config(model)
     heads = getattr(cfg, "num_attention_heads", None)
@@ -97,8 +106,7 @@ def gather_sequence_parallel_facts(trainer: Any, model: nn.Module) -> SequencePa
         or float(getattr(args, "label_smoothing_factor", 0) or 0) > 0,
         average_tokens_across_devices=bool(getattr(args, "average_tokens_across_devices", True)),
         router_aux_loss=bool(getattr(cfg, "output_router_logits", False)),
-        checkpointing=bool(getattr(args, "gradient_checkpointing", False)
-                           or getattr(model, "is_gradient_checkpointing", False)),
+        lm_head=_has_lm_head(model),
         vision_family=family.name if family is not None else None, vision_refusal=refusal or None,
         attn_implementation=impl, num_heads=heads, num_kv_heads=kv, parallelism_sp_size=sp,
         parallelism_sp_backend=backend, parallelism_sp_attn=attn,
@@ -128,6 +136,11 @@ def sequence_parallel_loss_route(sp: SequenceParallelFacts) -> tuple[str, str, s
         why.append("label smoothing")
     if not sp.average_tokens_across_devices:
         why.append("average_tokens_across_devices=False (each batch over its own token count)")
+    if not sp.lm_head:
+        return "refused", "", (
+            f"{who} trains a model without a language-model head (a sequence-classification or reward model): its "
+            "score is pooled over the sequence inside the model, which a rank holding a slice cannot compute; "
+            "train it without sequence parallelism")
     if not why:
         return "sharded", "loss sharded: stock compute_loss, the model's causal-LM token sum over each rank's slice", None
     if sp.vision_family:

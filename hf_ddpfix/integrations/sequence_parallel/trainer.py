@@ -32,10 +32,16 @@ Vision-language models (Qwen2-VL, Qwen2.5-VL, Qwen3-VL): step 2 also concatenate
 on this rank's slice (`vision.VisionSequenceSharding`: the tower, image merge and 3-D position ids see
 the full sequence), in training and in evaluation alike.
 
-Batches with other keys, batches without labels, and a `compute_loss_func` / label smoother
-run stock `compute_loss` unsharded: counted as a fallback with its reason (feature "sequence_parallel")
-and logged once. Under DDP with `find_unused_parameters=False` each sharded training forward is counted
-(`sequence_parallel/ddp_find_unused_false`).
+The route of the loss (docs/sequence-parallel-losses.md) is decided once per run from what it shows
+(`facts.sequence_parallel_loss_route`): the stock `Trainer.compute_loss` with the model's causal-LM token sum
+runs as above ("sharded"); any other loss (a subclass's or TRL's `compute_loss`, `compute_loss_func`, label
+smoothing, `average_tokens_across_devices=False`) runs the trainer's own `compute_loss` on each batch of the
+group with the model's outputs made whole across it ("gathered", `whole.py`), counted as
+`sequence_parallel/gathered_batches`; a loss that cannot be made exact is refused (the plan's `PlanError`).
+
+On the sharded route, batches with other keys and batches without labels run stock `compute_loss` unsharded:
+counted as a fallback with its reason (feature "sequence_parallel") and logged once. Under DDP with
+`find_unused_parameters=False` each sharded training forward is counted (`sequence_parallel/ddp_find_unused_false`).
 
 Guarantees (tests/scripts/sp_trainer.py): logged losses, evaluation loss, prediction logits and trained
 LoRA weights equal the same run without sequence parallelism and one process (world 2: N=2; world 4:
@@ -193,7 +199,7 @@ def attach_sequence_parallel(trainer: Any, model: nn.Module, *, sp_size: int, st
         if training and isinstance(model, nn.parallel.DistributedDataParallel) and not model.find_unused_parameters:
             record_amount(FEATURE, "ddp_find_unused_false", 1)
         results = []
-        with whole_outputs_forward(unwrap_parallel(model), groups.group, pad_id):
+        with whole_outputs_forward(unwrap_parallel(model), groups.group, pad_id, type(trainer).__name__):
             for batch, items in exchange(inputs, num_items_in_batch, groups.group, groups.size):
                 results.append(stock(model, batch, return_outputs=return_outputs, num_items_in_batch=items))
         record_amount(FEATURE, "gathered_batches" if training else "eval_gathered_batches", len(results))

@@ -50,17 +50,17 @@ class WholeOutputsForward:
     """Stands in for a module's `forward`: shards the call's batch over `group`, runs `original` on this rank's
     slice, returns the outputs made whole (see the module docstring)."""
 
-    def __init__(self, original: Callable[..., Any], group: Any, pad_token_id: int):
-        self.original, self.group, self.pad_token_id = original, group, pad_token_id
+    def __init__(self, original: Callable[..., Any], group: Any, pad_token_id: int, who: str = "the trainer"):
+        self.original, self.group, self.pad_token_id, self.who = original, group, pad_token_id, who
         self.calls = 0
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if args:
-            raise RuntimeError("sequence parallelism: the trainer's compute_loss called the model with positional "
+            raise RuntimeError(f"sequence parallelism: {self.who}'s compute_loss called the model with positional "
                                "arguments; the gathered loss route needs keyword arguments (input_ids=...)")
         ids = kwargs.pop("input_ids", None)
         if ids is None or ids.dim() != 2:
-            raise RuntimeError("sequence parallelism: the trainer's compute_loss called the model without `input_ids` "
+            raise RuntimeError(f"sequence parallelism: {self.who}'s compute_loss called the model without `input_ids` "
                                "[batch, sequence]; its loss cannot be computed on a sharded sequence")
         mask, pos, labels = (kwargs.pop(k, None) for k in ("attention_mask", "position_ids", "labels"))
         num_items = kwargs.pop("num_items_in_batch", None)
@@ -68,7 +68,7 @@ class WholeOutputsForward:
             kwargs.pop(k, None)
         tensors = sorted(k for k, v in kwargs.items() if torch.is_tensor(v))
         if tensors or "shift_labels" in kwargs:
-            raise RuntimeError(f"sequence parallelism: the trainer's compute_loss passes {tensors or ['shift_labels']} "
+            raise RuntimeError(f"sequence parallelism: {self.who}'s compute_loss passes {tensors or ['shift_labels']} "
                                "to the model; only input_ids / attention_mask / position_ids / labels are sharded, so "
                                "its loss cannot be made exact: train it without sequence_parallel")
         n, r = dist.get_world_size(self.group), dist.get_rank(self.group)
@@ -89,8 +89,8 @@ class WholeOutputsForward:
             if key == "loss" or value is None:
                 continue
             if key == "aux_loss":
-                raise RuntimeError("sequence parallelism: the model returns an auxiliary loss (aux_loss, e.g. a MoE "
-                                   "router load-balancing loss) computed on this rank's slice, not the whole "
+                raise RuntimeError(f"sequence parallelism ({self.who}): the model returns an auxiliary loss (aux_loss, "
+                                   "e.g. a MoE router load-balancing loss) computed on this rank's slice, not the whole "
                                    "sequence; train it without sequence_parallel (or without output_router_logits)")
             fields[key] = self._whole(key, value, rows, s, length)
         if labels is not None:
@@ -107,19 +107,20 @@ class WholeOutputsForward:
                 return gather_sequence(value, 1, self.group)[:, :length]
             wide = value.long()  # masks / ids: no gradient; gloo has no bool collectives
             return gather_sequence(wide, 1, self.group)[:, :length].to(value.dtype)
-        raise RuntimeError(f"sequence parallelism: the model output {key!r} (shape "
+        raise RuntimeError(f"sequence parallelism ({self.who}): the model output {key!r} (shape "
                            f"{tuple(value.shape) if torch.is_tensor(value) else type(value).__name__}) is not "
                            "[batch, sequence, ...] and cannot be made whole across the sequence-parallel group; train "
                            "this trainer without sequence_parallel")
 
 
 @contextmanager
-def whole_outputs_forward(module: nn.Module, group: Any, pad_token_id: int) -> Iterator[WholeOutputsForward]:
+def whole_outputs_forward(module: nn.Module, group: Any, pad_token_id: int,
+                          who: str = "the trainer") -> Iterator[WholeOutputsForward]:
     """`module.forward` is a `WholeOutputsForward` inside the block (an instance attribute the block sets and
     restores, also when an instance forward was there, e.g. TRL's fused LM head)."""
     had = "forward" in vars(module)
     previous = vars(module).get("forward")
-    hook = WholeOutputsForward(module.forward, group, pad_token_id)
+    hook = WholeOutputsForward(module.forward, group, pad_token_id, who)
     module.forward = hook
     try:
         yield hook
