@@ -94,9 +94,12 @@ def test_every_trainer_loss_under_sequence_parallel_equals_one_process_and_stock
     torchrun("sp_losses.py", str(one), "--single-for", str(nproc), *cases, nproc=1, timeout=400)
     torchrun("sp_losses.py", str(out), "--single", str(one), *cases, nproc=nproc, timeout=600)
     records = {r["case"]: r for r in json.loads(out.read_text())}
-    assert set(records) == {*(every if nproc == 2 else WORLD4), "moe_router_loss_refused"}
+    assert set(records) == {*(every if nproc == 2 else WORLD4), "moe_router_loss_refused",
+                            "exchange_tensors_equal_objects"}
     assert all(r["ok"] for r in records.values()), [r for r in records.values() if not r["ok"]]
     for case, r in records.items():
+        if case == "exchange_tensors_equal_objects":  # the group's batches as tensors, no pickling
+            continue
         if case == "moe_router_loss_refused":
             assert r["steps"] == 0 and "output_router_logits" in r["error"]
             continue

@@ -173,6 +173,27 @@ def moe_refused() -> dict:
     return {"error": err, "steps": trainer.state.global_step}
 
 
+def exchange_matches_objects(rank: int, world: int) -> dict:
+    """The tensor exchange of the group's batches equals all_gather_object's: unequal rows and lengths, a mask on
+    even ranks only, position ids on odd ranks only, a bool mask."""
+    from hf_ddpfix.ops.sequence_parallel.exchange import exchange_text_batches
+
+    g = torch.Generator().manual_seed(rank)
+    rows, length = 1 + rank % 2, 5 + 3 * rank
+    batch = {"input_ids": torch.randint(0, 99, (rows, length), generator=g),
+             "labels": torch.randint(-100, 99, (rows, length), generator=g)}
+    if rank % 2 == 0:
+        batch["attention_mask"] = torch.rand(rows, length, generator=g) > 0.3
+    else:
+        batch["position_ids"] = torch.arange(length)[None]
+    got = exchange_text_batches(batch, None, world)
+    want: list = [None] * world
+    dist.all_gather_object(want, batch)
+    same = all(set(a) == set(b) and all(torch.equal(*torch.broadcast_tensors(a[k], b[k])) and a[k].dtype == b[k].dtype
+                                        for k in a) for a, b in zip(got, want, strict=True))
+    return {"case": "exchange_tensors_equal_objects", "ok": same}
+
+
 def wdiff(a: dict, b: dict) -> float:
     return max((a["weights"][k] - b["weights"][k]).abs().max().item() for k in a["weights"])
 
@@ -193,6 +214,7 @@ def main() -> None:
         return
     one = torch.load(a.single, weights_only=False) if a.single else {}
     v = Verdicts("SPL", a.out)
+    v.add(exchange_matches_objects(rank, world))
     done: dict[str, dict] = {}
     for case in names:
         got, ref = run(case, 2, 2), run(case, None, 2)

@@ -1,7 +1,8 @@
 """Sequence parallelism inside the stock `Trainer` loop under DDP or DeepSpeed ZeRO (`attach_sequence_parallel`).
 
 Per training micro-batch (the Trainer's `compute_loss`, on the instance):
-  1. the N ranks of an SP group (ranks `k*N .. k*N+N-1`) exchange their batches (`all_gather_object`):
+  1. the N ranks of an SP group (ranks `k*N .. k*N+N-1`) exchange their batches (tensor collectives,
+     `ops.sequence_parallel.exchange`; a VLM's batches with `all_gather_object`):
      every batch the data loader gave the group is trained on, each by all N ranks ("SP over DP", as
      DeepSpeed's `UlyssesSPDataLoaderAdapter`), so the data, the number of optimizer steps and the
      Trainer's `num_items_in_batch` are exactly stock DDP's;
@@ -65,6 +66,7 @@ from ..._compat import (
     unwrap_parallel,
 )
 from ...ops.feature_counts import record_amount, record_fallback
+from ...ops.sequence_parallel.exchange import exchange_text_batches
 from ...ops.sequence_parallel.inputs import PACKED_ROWS, shard_batch
 from .attention import FEATURE, activate_batch, deactivate_batch, install_ulysses_attention
 from .facts import gather_sequence_parallel_facts, sequence_parallel_loss_route
@@ -221,11 +223,14 @@ def attach_sequence_parallel(trainer: Any, model: nn.Module, *, sp_size: int, st
         if not checked:
             _check_plain_data_parallel(trainer, sp_size)
             checked.append(True)
-        mine = {k: inputs[k].detach().cpu() if torch.is_tensor(inputs[k]) else inputs[k] for k in inputs}
-        gathered: list[Any] = [None] * groups.size
-        dist.all_gather_object(gathered, mine, group=groups.group)
-        device = inputs["input_ids"].device
-        batches = [{k: v.to(device) for k, v in b.items()} for b in gathered]
+        if vision is None:  # text keys only (else a fallback above): tensor collectives, no pickling
+            batches = exchange_text_batches(inputs, groups.group, groups.size)
+        else:  # images, grids, per-token type ids: any keys the VLM path merges
+            mine = {k: inputs[k].detach().cpu() if torch.is_tensor(inputs[k]) else inputs[k] for k in inputs}
+            gathered: list[Any] = [None] * groups.size
+            dist.all_gather_object(gathered, mine, group=groups.group)
+            device = inputs["input_ids"].device
+            batches = [{k: v.to(device) for k, v in b.items()} for b in gathered]
         forward: Callable[[], tuple[torch.Tensor, Any]] | None = None
         if vision is not None:  # the vision tower, image merge and 3-D positions on the full sequence
             try:

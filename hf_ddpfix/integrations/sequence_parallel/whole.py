@@ -35,6 +35,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ...ops.sequence_parallel.exchange import TEXT_KEYS, exchange_text_batches
 from ...ops.sequence_parallel.gather import gather_sequence
 from ...ops.sequence_parallel.inputs import shard_batch
 from ...ops.sequence_parallel.loss import valid_target_count
@@ -132,11 +133,23 @@ def whole_outputs_forward(module: nn.Module, group: Any, pad_token_id: int,
 
 
 def exchange(inputs: Mapping[str, Any], num_items_in_batch: Any, group: Any, size: int) -> list[tuple[dict, Any]]:
-    """Every batch of the group with its owner's `num_items_in_batch`, in rank order, on this rank's device."""
+    """Every batch of the group with its owner's `num_items_in_batch`, in rank order, on this rank's device: with
+    tensor collectives when the batch holds only text keys (`exchange_text_batches`), else `all_gather_object`."""
     device = inputs["input_ids"].device
-    mine = ({k: v.detach().cpu() if torch.is_tensor(v) else v for k, v in inputs.items()},
-            num_items_in_batch.detach().cpu() if torch.is_tensor(num_items_in_batch) else num_items_in_batch)
+    text = set(inputs) <= set(TEXT_KEYS) and inputs.get("labels") is not None and all(
+        torch.is_tensor(v) and v.dim() == 2 for v in inputs.values()) and (
+        num_items_in_batch is None or isinstance(num_items_in_batch, int) or torch.is_tensor(num_items_in_batch))
+    agreed = torch.tensor([int(text)], device=device)
+    dist.all_reduce(agreed, op=dist.ReduceOp.MIN, group=group)  # every rank of the group takes the same path
+    if int(agreed):
+        mine = torch.tensor([-1 if num_items_in_batch is None else int(num_items_in_batch)], device=device)
+        items = [torch.empty_like(mine) for _ in range(size)]
+        dist.all_gather(items, mine, group=group)
+        counts = [None if int(n) < 0 else n[0] for n in items]
+        return list(zip(exchange_text_batches(inputs, group, size), counts, strict=True))
+    mine_obj = ({k: v.detach().cpu() if torch.is_tensor(v) else v for k, v in inputs.items()},
+                num_items_in_batch.detach().cpu() if torch.is_tensor(num_items_in_batch) else num_items_in_batch)
     gathered: list[Any] = [None] * size
-    dist.all_gather_object(gathered, mine, group=group)
+    dist.all_gather_object(gathered, mine_obj, group=group)
     return [({k: v.to(device) if torch.is_tensor(v) else v for k, v in b.items()},
              n.to(device) if torch.is_tensor(n) else n) for b, n in gathered]
