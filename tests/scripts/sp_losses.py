@@ -81,6 +81,9 @@ CASES = {
     # TRL's SFTTrainer (its own compute_loss, fused LM head: per-token log-probs made whole), two loss types
     "sft_nll": ("sft", {"loss_type": "nll"}, {}, True),
     "sft_dft": ("sft", {"loss_type": "dft"}, {}, True),
+    # TRL's DPOTrainer: sequence log-probabilities of chosen / rejected from the fused head's per-token values
+    "dpo": ("dpo", {}, {}, True),
+    "dpo_ld_alpha": ("dpo", {"ld_alpha": 0.5}, {}, True),
     # stock DDP divides each rank's sum by its own count: one process does not (its reference is stock DDP only)
     "avg_tokens_false": (Trainer, {"average_tokens_across_devices": False}, {}, False),
 }
@@ -111,6 +114,35 @@ def sft_trainer(over: dict, opt: dict, batch: int) -> Trainer:
                                              task_type="CAUSAL_LM", init_lora_weights=False))
 
 
+def dpo_trainer(over: dict, opt: dict, batch: int) -> Trainer:
+    """TRL's DPOTrainer (sigmoid loss, the reference = the base model with the LoRA adapter off) on text pairs."""
+    from datasets import Dataset
+    from peft import LoraConfig
+    from transformers import LlamaConfig, LlamaForCausalLM
+    from trl import DPOConfig, DPOTrainer
+    from trl_sft import WORDS, build_tokenizer
+
+    tok = build_tokenizer()
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(
+        vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=64, pad_token_id=tok.pad_token_id,
+        eos_token_id=tok.eos_token_id, attn_implementation="sdpa")).to(DTYPE)
+
+    def words(i: int, n: int) -> str:
+        return " ".join(WORDS[(i * k + 3) % len(WORDS)] for k in range(1, n + 1))
+
+    rows = {"prompt": [words(i, 2 + i % 5) for i in range(48)], "chosen": [words(i + 7, 2 + i % 7) for i in range(48)],
+            "rejected": [words(i + 11, 3 + i % 4) for i in range(48)]}
+    args = DPOConfig(output_dir="/tmp/sp_losses", max_steps=2, per_device_train_batch_size=batch,
+                     gradient_accumulation_steps=2, max_length=32, use_cpu=True, report_to=[], save_strategy="no",
+                     logging_steps=1, seed=0, data_seed=0, disable_tqdm=True, dataloader_num_workers=0,
+                     ddp_find_unused_parameters=False, **opt, **over)
+    return DPOTrainer(model=model, args=args, train_dataset=Dataset.from_dict(rows), processing_class=tok,
+                      peft_config=LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"],
+                                             task_type="CAUSAL_LM", init_lora_weights=False))
+
+
 def run(case: str, sp: int | None, batch: int) -> dict:
     cls, over, kw, _ = CASES[case]
     over = dict(over)
@@ -122,8 +154,8 @@ def run(case: str, sp: int | None, batch: int) -> dict:
     opt = dict(optim="sgd", max_grad_norm=0.0, weight_decay=0.0, learning_rate=5e-2) \
         if over.pop("optim", "sgd") == "sgd" else \
         dict(optim="adamw_torch", max_grad_norm=0.05, weight_decay=0.1, learning_rate=2e-4)
-    if cls == "sft":
-        trainer = sft_trainer(over, opt, batch)
+    if cls in ("sft", "dpo"):
+        trainer = (sft_trainer if cls == "sft" else dpo_trainer)(over, opt, batch)
         model = trainer.model
     else:
         trainer = _trainer(cls, kw, over, opt, batch, ckpt)
@@ -232,7 +264,7 @@ def main() -> None:
         if case in one:
             rec["ddp_vs_one_weight_diff"] = wdiff(ref, one[case])  # the float spread of the references themselves
             rec.update(one_weight_diff=wdiff(got, one[case]), one_loss_diff=hist_diff(one[case]["hist"], got["hist"], 0))
-        if case != "plain" and "plain" in done and not case.startswith("sft"):  # the subclass's loss really ran: not the plain Trainer's weights
+        if case != "plain" and "plain" in done and not case.startswith(("sft", "dpo")):  # the subclass's loss really ran: not the plain Trainer's weights
             rec["vs_plain"] = wdiff(got, done["plain"])
         tol = TOL
         rec["ok"] = (rec["ddp_weight_diff"] <= tol and rec["ddp_loss_diff"] <= 1e-5

@@ -85,6 +85,11 @@ class WholeOutputsForward:
         out = self.original(input_ids=shard.input_ids, position_ids=position_ids, use_cache=False, **kwargs)
         self.calls += 1
         length, rows, s = int(ids.shape[1]), int(ids.shape[0]), int(shard.input_ids.shape[1])
+        if labels is not None and kwargs.get("fused_lm_head") is True:
+            # TRL's fused LM head (`trl.trainer.utils.add_fused_lm_head`) scores `labels[:, 1:]` (length S - 1) but
+            # pre-shifted `shift_labels` as given (length S, the last position without a label): cut to stock's
+            # S - 1 so that position t is token t + 1's, as the trainer indexes it (DPO's `[:, -seq_len:]`)
+            length -= 1
         fields: dict[str, Any] = {}
         for key, value in out.items():
             if key == "loss" or value is None:
