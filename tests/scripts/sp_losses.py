@@ -226,6 +226,38 @@ def exchange_matches_objects(rank: int, world: int) -> dict:
     return {"case": "exchange_tensors_equal_objects", "ok": same}
 
 
+def reward_refused() -> dict:
+    """TRL's RewardTrainer: a sequence-classification model (no LM head, its score pooled at the last token)
+    under SP is a PlanError naming the trainer, before any optimizer step."""
+    from datasets import Dataset
+    from peft import LoraConfig
+    from transformers import LlamaConfig, LlamaForSequenceClassification
+    from trl import RewardConfig, RewardTrainer
+    from trl_sft import WORDS, build_tokenizer
+
+    unpatch_trainer()
+    patch_trainer(sequence_parallel=2)
+    tok = build_tokenizer()
+    torch.manual_seed(0)
+    model = LlamaForSequenceClassification(LlamaConfig(
+        vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=4,
+        num_key_value_heads=2, num_labels=1, pad_token_id=tok.pad_token_id, attn_implementation="sdpa"))
+    rows = {"chosen": [" ".join(WORDS[:3 + i % 5]) for i in range(16)],
+            "rejected": [" ".join(WORDS[5:7 + i % 4]) for i in range(16)]}
+    args = RewardConfig(output_dir="/tmp/sp_losses", max_steps=2, per_device_train_batch_size=2, use_cpu=True,
+                        report_to=[], save_strategy="no", disable_tqdm=True, optim="sgd", learning_rate=5e-2)
+    trainer = RewardTrainer(model=model, args=args, train_dataset=Dataset.from_dict(rows), processing_class=tok,
+                            peft_config=LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"],
+                                                   task_type="SEQ_CLS"))
+    try:
+        trainer.train()
+        err = None
+    except PlanError as e:
+        err = str(e)
+    unpatch_trainer()
+    return {"error": err, "steps": trainer.state.global_step}
+
+
 def wdiff(a: dict, b: dict) -> float:
     return max((a["weights"][k] - b["weights"][k]).abs().max().item() for k in a["weights"])
 
@@ -277,6 +309,9 @@ def main() -> None:
     moe = moe_refused()
     v.add({"case": "moe_router_loss_refused", **moe, "ok": moe["steps"] == 0 and moe["error"] is not None
            and "output_router_logits" in moe["error"] and "Trainer" in moe["error"]})
+    reward = reward_refused()
+    v.add({"case": "reward_refused", **reward, "ok": reward["steps"] == 0 and reward["error"] is not None
+           and "RewardTrainer trains a model without a language-model head" in reward["error"]})
     dist.barrier()
     v.finish()
 
