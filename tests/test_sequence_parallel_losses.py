@@ -88,7 +88,7 @@ def test_every_trainer_loss_under_sequence_parallel_equals_one_process_and_stock
     from launch import torchrun
 
     one, out = tmp_path / "one.pt", tmp_path / "spl.json"
-    every = ("plain", "double", "double_adamw", "hidden_head", "hidden_head_checkpointed", "compute_loss_func",
+    every = ("plain", "double", "double_adamw", "double_find_unused", "hidden_head", "hidden_head_checkpointed", "compute_loss_func",
              "label_smoothing", "sft_nll", "sft_dft", "dpo", "dpo_ld_alpha", "avg_tokens_false")
     cases = ("--cases", ",".join(every if nproc == 2 else WORLD4))
     torchrun("sp_losses.py", str(one), "--single-for", str(nproc), *cases, nproc=1, timeout=400)

@@ -74,6 +74,8 @@ CASES = {
     "double": (Double, {}, {}, True),
     "double_adamw": (Double, {"optim": "adamw"}, {}, True),
     "hidden_head": (HiddenHead, {}, {}, True),
+    # DDP(find_unused_parameters=True): N forwards of the group's batches before one backward
+    "double_find_unused": (Double, {"find_unused": True}, {}, True),
     # non-reentrant checkpointing: each group batch's recomputed attention finds its own batch's mask
     "hidden_head_checkpointed": (HiddenHead, {"checkpointing": True}, {}, True),
     "compute_loss_func": (Trainer, {}, {"compute_loss_func": squared_ce}, True),
@@ -176,10 +178,11 @@ def run(case: str, sp: int | None, batch: int) -> dict:
 
 def _trainer(cls: type, kw: dict, over: dict, opt: dict, batch: int, ckpt: bool) -> Trainer:
     model = lora_llama(attn_implementation="sdpa", dtype=DTYPE)
+    unused = over.pop("find_unused", False)
     args = TrainingArguments(output_dir="/tmp/sp_losses", per_device_train_batch_size=batch, gradient_accumulation_steps=2,
                              per_device_eval_batch_size=2,
                              max_steps=2, report_to=[], use_cpu=True, save_strategy="no", remove_unused_columns=False,
-                             disable_tqdm=True, seed=0, logging_steps=1, ddp_find_unused_parameters=False,
+                             disable_tqdm=True, seed=0, logging_steps=1, ddp_find_unused_parameters=unused,
                              **opt, **over,
                              **(checkpointing_training_args(True, {"use_reentrant": False}) if ckpt else {}))
     return cls(model=model, args=args, train_dataset=dataset(48, 1), data_collator=collate, **kw)
