@@ -11,6 +11,13 @@ Pure: facts in, a `Decision` out, or a `PlanError` before training when the comb
 | FSDP / single process                           | Trainer path not built (below)             | DDP or DeepSpeed ZeRO       |
 | a VLM outside `SEQUENCE_PARALLEL_VISION_FAMILIES`| its image tokens / mask / positions would be cut blindly | train it without SP |
 | a VLM under DeepSpeed ZeRO                      | the VLM path is tested under DDP only      | DDP                         |
+| a MoE router loss (`output_router_logits`)      | a per-slice load-balancing loss is not the sequence's | output_router_logits=False |
+| a model without an LM head (classifier, reward) | its pooled score needs the whole sequence  | train it without SP         |
+| a non-stock loss on a VLM                       | the VLM outputs are not made whole yet     | the stock loss, or no SP    |
+
+The loss route (`integrations.sequence_parallel.facts.sequence_parallel_loss_route`, docs/sequence-parallel-
+losses.md) is said in the reason: "loss sharded" (stock loss, token sums per slice) or "loss gathered" (the
+trainer's own compute_loss on outputs made whole across the group).
 
 FSDP2: the Ulysses attention and the token-sum loss are exact under torch's `fully_shard` (tests/scripts/
 sp_parity.py: loss and gathered gradients vs one process, 2 and 4 gloo ranks), with parameters sharded over
@@ -135,6 +142,13 @@ def decide_sequence_parallel(facts: RunFacts, config: DDPFixConfig) -> Decision:
     if sp is not None and not sp.parallelism_config_available:
         reason += ("; this accelerate has no ParallelismConfig (needs >= 1.12): only sequence_parallel / "
                    "HF_DDPFIX_SEQUENCE_PARALLEL switch it on")
+    if sp is not None:
+        from ..integrations.sequence_parallel.facts import sequence_parallel_loss_route
+
+        _, why, refusal = sequence_parallel_loss_route(sp)
+        if refusal:
+            raise PlanError(f"{where}: {refusal}")
+        reason += f"; {why}"
     if sp is not None and sp.vision_family:
         reason += (f"; {sp.vision_family}: vision tower, image merge and 3-D position ids on the full sequence, "
                    "the text decoder sharded")

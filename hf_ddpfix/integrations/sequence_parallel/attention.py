@@ -42,6 +42,9 @@ class _State:
     forward ran with (a thread-local batch left the recomputed attention unsharded: CheckpointError)."""
 
     batch: _Batch | None = None
+    #: several batches alive together (the gathered loss route forwards each batch of the group before one
+    #: backward): id(position_ids tensor the forward was given) -> (batch, that tensor, kept alive)
+    keyed: dict[int, tuple[_Batch, torch.Tensor]] = {}
 
 
 _state = _State()
@@ -69,17 +72,41 @@ def active_batch() -> _Batch | None:
     return _state.batch
 
 
-def activate_batch(documents: torch.Tensor, group: dist.ProcessGroup | None = None) -> None:
+def activate_batch(documents: torch.Tensor, group: dist.ProcessGroup | None = None,
+                   key: torch.Tensor | None = None) -> None:
     """Make wrapped attention run Ulysses for this batch until `deactivate_batch()` (or the next batch).
 
     Unlike `sequence_parallel_batch`, the batch stays active after the forward returns, so the backward's
-    recomputation under non-reentrant checkpointing runs the same sharded attention as the forward."""
-    _state.batch = _Batch(group, attention_mask_from_documents(documents))
+    recomputation under non-reentrant checkpointing runs the same sharded attention as the forward.
+
+    `key`: the `position_ids` tensor the forward is given. Keyed batches stay active together (each
+    `activate_batch(..., key=...)` adds one): an attention call takes the batch of the `position_ids` it
+    receives (transformers passes the model's `position_ids` object through to every attention call, also
+    when a checkpointed layer is recomputed); a call whose `position_ids` is none of them raises."""
+    b = _Batch(group, attention_mask_from_documents(documents))
+    if key is None:
+        _state.batch = b
+    else:
+        _state.keyed[id(key)] = (b, key)
 
 
 def deactivate_batch() -> None:
     """No sequence-parallel batch active: wrapped attention calls the function it replaced."""
     _state.batch = None
+    _state.keyed.clear()
+
+
+def _batch_for(kwargs: dict[str, Any]) -> _Batch | None:
+    if not _state.keyed:
+        return _state.batch
+    pos = kwargs.get("position_ids")
+    hit = _state.keyed.get(id(pos)) if pos is not None else None
+    if hit is None or hit[1] is not pos:
+        raise RuntimeError("sequence parallelism: an attention call whose position_ids are not those of any active "
+                           "sequence-parallel batch (the model does not pass position_ids to its attention, or made "
+                           "new ones); the gathered loss route cannot tell which batch it belongs to: train this "
+                           "trainer without sequence_parallel")
+    return hit[0]
 
 
 @contextmanager
@@ -102,7 +129,7 @@ def _wrap(inner: Callable[..., Any]) -> Callable[..., Any]:
         if id(module) in _FULL_SEQUENCE:
             record_amount(FEATURE, "full_sequence_attention_calls", 1)
             return inner(module, query, key, value, attention_mask, *args, **kwargs)
-        batch = active_batch()
+        batch = _batch_for(kwargs)
         if batch is None:
             record_fallback(FEATURE, "no sequence-parallel batch active (unsharded forward)")
             return inner(module, query, key, value, attention_mask, *args, **kwargs)

@@ -17,7 +17,8 @@ from ..._compat import (
 )
 from .vision import vision_sequence_parallel_support
 
-__all__ = ["SequenceParallelFacts", "gather_sequence_parallel_facts"]
+__all__ = ["SequenceParallelFacts", "gather_sequence_parallel_facts", "sequence_parallel_loss_route",
+           "trainer_loss_override"]
 
 
 @dataclass(frozen=True)
@@ -32,6 +33,16 @@ class SequenceParallelFacts:
             `TrainingArguments(parallelism_config=ParallelismConfig(sp_size=N))` (accelerate >= 1.12).
         vision_family: a VLM whose text decoder hf_ddpfix shards after the image merge (e.g. "qwen2_5_vl").
         vision_refusal: why a VLM cannot be sharded (`vision.vision_sequence_parallel_support`), else None.
+        trainer_name: the trainer's class name.
+        trainer_loss: the `compute_loss` the trainer runs when it is not stock `transformers.Trainer.compute_loss`
+            ("SFTTrainer.compute_loss"), else None (observed: the method the class resolves, or one set on the
+            instance).
+        compute_loss_func / label_smoothing: `Trainer(compute_loss_func=...)` / `label_smoothing_factor > 0`.
+        average_tokens_across_devices: `TrainingArguments.average_tokens_across_devices`.
+        router_aux_loss: the text config asks for MoE router logits (`output_router_logits`): the model adds a
+            load-balancing loss to its own.
+        lm_head: the model has an output embedding (a language-model head: per-token outputs); False for a
+            sequence-classification / reward model, whose pooled score cannot be made whole from slices.
     """
 
     attn_implementation: str | None = None
@@ -43,6 +54,28 @@ class SequenceParallelFacts:
     parallelism_config_available: bool = True
     vision_family: str | None = None
     vision_refusal: str | None = None
+    trainer_name: str = "Trainer"
+    trainer_loss: str | None = None
+    compute_loss_func: bool = False
+    label_smoothing: bool = False
+    average_tokens_across_devices: bool = True
+    router_aux_loss: bool = False
+    lm_head: bool = True
+
+
+def trainer_loss_override(trainer: Any) -> str | None:
+    """The qualified name of the `compute_loss` this trainer runs when it is not stock's, else None."""
+    own = vars(trainer).get("compute_loss") if hasattr(trainer, "__dict__") else None
+    if own is not None and not getattr(own, "_hf_ddpfix_sequence_parallel", False):  # set on the instance by a user
+        return getattr(own, "__qualname__", repr(own))
+    try:
+        from transformers import Trainer
+    except ImportError:  # pragma: no cover
+        return None
+    method = getattr(type(trainer), "compute_loss", None)
+    if method is None or method is Trainer.compute_loss:
+        return None
+    return getattr(method, "__qualname__", f"{type(trainer).__name__}.compute_loss")
 
 
 def _text_config(model: nn.Module) -> Any:
@@ -54,6 +87,14 @@ def _text_config(model: nn.Module) -> Any:
     return cfg
 
 
+def _has_lm_head(model: nn.Module) -> bool:
+    get = getattr(model, "get_output_embeddings", None)
+    try:
+        return get is None or get() is not None  # a model that does not say: judged at run time (whole.py)
+    except (AttributeError, NotImplementedError):
+        return True
+
+
 def gather_sequence_parallel_facts(trainer: Any, model: nn.Module) -> SequenceParallelFacts:
     cfg = _text_config(model)
     heads = getattr(cfg, "num_attention_heads", None)
@@ -61,9 +102,55 @@ def gather_sequence_parallel_facts(trainer: Any, model: nn.Module) -> SequencePa
     impl = attn_implementation(cfg) or model_attn_implementation(model)
     sp, backend, attn = parallelism_sp_settings(trainer)
     family, refusal = vision_sequence_parallel_support(model)
+    args = getattr(trainer, "args", None)
     return SequenceParallelFacts(
+        trainer_name=type(trainer).__name__, trainer_loss=trainer_loss_override(trainer),
+        compute_loss_func=getattr(trainer, "compute_loss_func", None) is not None,
+        label_smoothing=getattr(trainer, "label_smoother", None) is not None
+        or float(getattr(args, "label_smoothing_factor", 0) or 0) > 0,
+        average_tokens_across_devices=bool(getattr(args, "average_tokens_across_devices", True)),
+        router_aux_loss=bool(getattr(cfg, "output_router_logits", False)),
+        lm_head=_has_lm_head(model),
         vision_family=family.name if family is not None else None, vision_refusal=refusal or None,
         attn_implementation=impl, num_heads=heads, num_kv_heads=kv, parallelism_sp_size=sp,
         parallelism_sp_backend=backend, parallelism_sp_attn=attn,
         parallelism_config_available=parallelism_config_available(),
     )
+
+
+def sequence_parallel_loss_route(sp: SequenceParallelFacts) -> tuple[str, str, str | None]:
+    """How the trainer's loss runs under SP, from what the run shows (docs/sequence-parallel-losses.md):
+    `(route, why, refusal)`. "sharded": stock `Trainer.compute_loss` with the model's own causal-LM token sum,
+    each rank summing its slice's tokens (no whole logits); "gathered": the trainer's own `compute_loss` on each
+    batch of the group with the model's outputs made whole across it (`whole.py`). `refusal`: why the loss
+    cannot be made exact (naming the trainer and the fix), else None; the plan raises it as a `PlanError`.
+    """
+    who = sp.trainer_name
+    if sp.router_aux_loss:
+        return "refused", "", (
+            f"{who} trains a model that adds a MoE router load-balancing loss (output_router_logits=True); computed on "
+            "each rank's slice of the sequence it is not the whole sequence's loss, so it cannot be made exact: set "
+            "output_router_logits=False in the model config, or train without sequence parallelism")
+    why = []
+    if sp.trainer_loss:
+        why.append(f"{sp.trainer_loss} is the trainer's own loss")
+    if sp.compute_loss_func:
+        why.append("compute_loss_func")
+    if sp.label_smoothing:
+        why.append("label smoothing")
+    if not sp.average_tokens_across_devices:
+        why.append("average_tokens_across_devices=False (each batch over its own token count)")
+    if not sp.lm_head:
+        return "refused", "", (
+            f"{who} trains a model without a language-model head (a sequence-classification or reward model): its "
+            "score is pooled over the sequence inside the model, which a rank holding a slice cannot compute; "
+            "train it without sequence parallelism")
+    if not why:
+        return "sharded", "loss sharded: stock compute_loss, the model's causal-LM token sum over each rank's slice", None
+    if sp.vision_family:
+        return "refused", "", (
+            f"{who} on {sp.vision_family}: {', '.join(why)} needs the model's outputs made whole across the group, "
+            "which the vision-language path does not do yet; train it without sequence parallelism, or with the "
+            "stock Trainer loss")
+    return "gathered", (f"loss gathered ({', '.join(why)}): {who}'s compute_loss runs on each batch of the group "
+                        "with the model's outputs made whole across it (every rank holds a batch's whole logits)"), None

@@ -1,7 +1,8 @@
 """Sequence parallelism inside the stock `Trainer` loop under DDP or DeepSpeed ZeRO (`attach_sequence_parallel`).
 
 Per training micro-batch (the Trainer's `compute_loss`, on the instance):
-  1. the N ranks of an SP group (ranks `k*N .. k*N+N-1`) exchange their batches (`all_gather_object`):
+  1. the N ranks of an SP group (ranks `k*N .. k*N+N-1`) exchange their batches (tensor collectives,
+     `ops.sequence_parallel.exchange`; a VLM's batches with `all_gather_object`):
      every batch the data loader gave the group is trained on, each by all N ranks ("SP over DP", as
      DeepSpeed's `UlyssesSPDataLoaderAdapter`), so the data, the number of optimizer steps and the
      Trainer's `num_items_in_batch` are exactly stock DDP's;
@@ -32,10 +33,16 @@ Vision-language models (Qwen2-VL, Qwen2.5-VL, Qwen3-VL): step 2 also concatenate
 on this rank's slice (`vision.VisionSequenceSharding`: the tower, image merge and 3-D position ids see
 the full sequence), in training and in evaluation alike.
 
-Batches with other keys, batches without labels, and a `compute_loss_func` / label smoother
-run stock `compute_loss` unsharded: counted as a fallback with its reason (feature "sequence_parallel")
-and logged once. Under DDP with `find_unused_parameters=False` each sharded training forward is counted
-(`sequence_parallel/ddp_find_unused_false`).
+The route of the loss (docs/sequence-parallel-losses.md) is decided once per run from what it shows
+(`facts.sequence_parallel_loss_route`): the stock `Trainer.compute_loss` with the model's causal-LM token sum
+runs as above ("sharded"); any other loss (a subclass's or TRL's `compute_loss`, `compute_loss_func`, label
+smoothing, `average_tokens_across_devices=False`) runs the trainer's own `compute_loss` on each batch of the
+group with the model's outputs made whole across it ("gathered", `whole.py`), counted as
+`sequence_parallel/gathered_batches`; a loss that cannot be made exact is refused (the plan's `PlanError`).
+
+On the sharded route, batches with other keys and batches without labels run stock `compute_loss` unsharded:
+counted as a fallback with its reason (feature "sequence_parallel") and logged once. Under DDP with
+`find_unused_parameters=False` each sharded training forward is counted (`sequence_parallel/ddp_find_unused_false`).
 
 Guarantees (tests/scripts/sp_trainer.py): logged losses, evaluation loss, prediction logits and trained
 LoRA weights equal the same run without sequence parallelism and one process (world 2: N=2; world 4:
@@ -57,12 +64,16 @@ from ..._compat import (
     deepspeed_engine_sequence_parallel_size,
     model_attn_implementation,
     stand_down_accelerate_sequence_parallel,
+    unwrap_parallel,
 )
 from ...ops.feature_counts import record_amount, record_fallback
+from ...ops.sequence_parallel.exchange import exchange_text_batches
 from ...ops.sequence_parallel.inputs import PACKED_ROWS, shard_batch
 from .attention import FEATURE, activate_batch, deactivate_batch, install_ulysses_attention
+from .facts import gather_sequence_parallel_facts, sequence_parallel_loss_route
 from .model import sharded_causal_lm_loss
 from .vision import BATCH_KEYS, VisionSequenceSharding, merge_vision_batches, vision_sequence_parallel_support
+from .whole import exchange, whole_outputs_forward
 
 __all__ = ["SequenceParallelGroups", "attach_sequence_parallel", "merge_batches"]
 
@@ -118,8 +129,6 @@ def merge_batches(batches: list[Mapping[str, torch.Tensor]]) -> dict[str, torch.
 
 
 def _fallback_reason(trainer: Any, model: nn.Module, inputs: Mapping[str, Any], vision: bool = False) -> str | None:
-    if getattr(trainer, "compute_loss_func", None) is not None or getattr(trainer, "label_smoother", None) is not None:
-        return "compute_loss_func / label smoothing: the loss is not the causal-LM token sum"
     extra = sorted(set(inputs) - set(BATCH_KEYS if vision else _KEYS))
     if extra:
         return f"batch keys {extra} are not sharded (text-only batches are)"
@@ -152,6 +161,11 @@ def attach_sequence_parallel(trainer: Any, model: nn.Module, *, sp_size: int, st
             the Trainer's DeepSpeed-SP paths stand down for this loop
             (`_compat.stand_down_accelerate_sequence_parallel`), so the batch is split once, here.
     """
+    # the loss route (docs/sequence-parallel-losses.md), from what this run shows; the plan said it (and raised
+    # its PlanError) first: this guards a direct call
+    route, _, refusal = sequence_parallel_loss_route(gather_sequence_parallel_facts(trainer, model))
+    if refusal:
+        raise ValueError(f"sequence parallelism: {refusal}")
     if stand_down_accelerate:
         stack.callback(stand_down_accelerate_sequence_parallel(trainer))
     groups = _groups_for(trainer, sp_size)
@@ -179,8 +193,30 @@ def attach_sequence_parallel(trainer: Any, model: nn.Module, *, sp_size: int, st
             logger.info("sequence_parallel: %s", reason)
         return stock(model, inputs, return_outputs=return_outputs, num_items_in_batch=num_items_in_batch)
 
+    def gathered_loss(model: nn.Module, inputs: dict[str, Any], return_outputs: bool, num_items_in_batch: Any) -> Any:
+        """The trainer's own compute_loss on each batch of the group, the model's outputs made whole (whole.py)."""
+        if not checked:
+            _check_plain_data_parallel(trainer, sp_size)
+            checked.append(True)
+        training = model.training
+        if training and isinstance(model, nn.parallel.DistributedDataParallel) and not model.find_unused_parameters:
+            record_amount(FEATURE, "ddp_find_unused_false", 1)
+        results = []
+        with whole_outputs_forward(unwrap_parallel(model), groups.group, pad_id, type(trainer).__name__):
+            for batch, items in exchange(inputs, num_items_in_batch, groups.group, groups.size):
+                results.append(stock(model, batch, return_outputs=return_outputs, num_items_in_batch=items))
+        record_amount(FEATURE, "gathered_batches" if training else "eval_gathered_batches", len(results))
+        if not training:  # this rank's own batch, as stock returns it
+            return results[groups.rank]
+        losses = [r[0] if isinstance(r, tuple) else r for r in results]
+        loss = sum(losses) / groups.size  # every rank holds the group's whole losses: the gather's backward x N
+        return (loss, results[groups.rank][1]) if return_outputs else loss
+
     def compute_loss(model: nn.Module, inputs: dict[str, Any], return_outputs: bool = False,
                      num_items_in_batch: Any = None) -> Any:
+        if route == "gathered":
+            deactivate_batch()
+            return gathered_loss(model, inputs, return_outputs, num_items_in_batch)
         reason = _fallback_reason(trainer, model, inputs, vision is not None)
         deactivate_batch()  # the previous micro-batch's (kept for its checkpointed backward)
         if reason is not None:
@@ -188,11 +224,14 @@ def attach_sequence_parallel(trainer: Any, model: nn.Module, *, sp_size: int, st
         if not checked:
             _check_plain_data_parallel(trainer, sp_size)
             checked.append(True)
-        mine = {k: inputs[k].detach().cpu() if torch.is_tensor(inputs[k]) else inputs[k] for k in inputs}
-        gathered: list[Any] = [None] * groups.size
-        dist.all_gather_object(gathered, mine, group=groups.group)
-        device = inputs["input_ids"].device
-        batches = [{k: v.to(device) for k, v in b.items()} for b in gathered]
+        if vision is None:  # text keys only (else a fallback above): tensor collectives, no pickling
+            batches = exchange_text_batches(inputs, groups.group, groups.size)
+        else:  # images, grids, per-token type ids: any keys the VLM path merges
+            mine = {k: inputs[k].detach().cpu() if torch.is_tensor(inputs[k]) else inputs[k] for k in inputs}
+            gathered: list[Any] = [None] * groups.size
+            dist.all_gather_object(gathered, mine, group=groups.group)
+            device = inputs["input_ids"].device
+            batches = [{k: v.to(device) for k, v in b.items()} for b in gathered]
         forward: Callable[[], tuple[torch.Tensor, Any]] | None = None
         if vision is not None:  # the vision tower, image merge and 3-D positions on the full sequence
             try:
@@ -258,6 +297,7 @@ def attach_sequence_parallel(trainer: Any, model: nn.Module, *, sp_size: int, st
         finally:  # forward and backward (with its recomputation) are done: a forward a callback runs
             deactivate_batch()  # before the next micro-batch must not go through Ulysses on unsharded input
 
+    compute_loss._hf_ddpfix_sequence_parallel = True  # type: ignore[attr-defined]
     had_own = {name: name in vars(trainer) for name in ("compute_loss", "prediction_step", "training_step")}
     trainer.compute_loss = compute_loss
     trainer.prediction_step = prediction_step
