@@ -17,13 +17,14 @@ The names below are the folder's public API; the modules' other names are intern
 from .budget import OffloadBudget, OffloadBudgetError, max_tokens, plan_offload_budget
 from .host_memory import DEFAULT_HOST_FRACTION, default_max_bytes, host_available_bytes
 from .host_pool import HostPool, HostPoolStats
-from .offload import ActivationOffload, SaveOnCpuScope
+from .offload import ActivationOffload
 from .policy import (
     DEFAULT_MIN_BYTES,
     DEFAULT_MIN_LAYER_BYTES,
     DEFAULT_PRESSURE_FRACTION,
     accelerator_available,
 )
+from .save_on_cpu import SaveOnCpuScope
 from .stats import OffloadStats
 
 __all__ = [

@@ -59,7 +59,6 @@ from .transfer import ON_DEVICE, ON_HOST, RESTORED, StorageRecord, Transfers
 
 __all__ = [
     "DEFAULT_MIN_BYTES",
-    "SaveOnCpuScope",
     "DEFAULT_MIN_LAYER_BYTES",
     "DEFAULT_PRESSURE_FRACTION",
     "ActivationOffload",
@@ -445,22 +444,3 @@ class ActivationOffload:
                 self._prefetch_before(rec.index)
         out = torch.empty(0, dtype=packed.dtype, device=dev.device)
         return out.set_(dev.untyped_storage(), packed.offset, packed.size, packed.stride)
-
-
-class SaveOnCpuScope:
-    """Stock's offload as a ``pack_scope`` provider: ``torch.autograd.graph.save_on_cpu(pin_memory=True)``
-    around each checkpoint call, exactly what transformers' ``activation_checkpointing_kwargs={"offload":
-    True}`` installs (transformers 5.23 ``_activation_checkpointing_enable``). Used on accelerators the
-    asynchronous path does not support (MPS, XPU) so a run keeps the memory stock's offload freed.
-
-    Args:
-        device_type: the accelerator type (``"mps"``, ``"xpu"``, ...) the saved tensors come from.
-
-    Guarantees: the same hooks and copies as stock (blocking); no pool, no streams.
-    """
-
-    def __init__(self, device_type: str) -> None:
-        self.device_type = device_type
-
-    def pack_scope(self) -> contextlib.AbstractContextManager[Any]:
-        return torch.autograd.graph.save_on_cpu(pin_memory=True, device_type=self.device_type)
