@@ -3,7 +3,8 @@
 - ``tracker.py``: :class:`ParameterUsage`, the per-forward observation, the tie at the loss given to
   backward and the per-step finalize.
 - ``scopes.py``: parameter slots and FSDP2 unit scopes; ``regions.py``: what reentrant checkpointed layers
-  read; ``agreement.py``: the cross-rank guard table and the step's "used" mask.
+  read; ``agreement.py``: the cross-rank guard table and the step's "used" mask (asynchronous);
+  ``step.py``: what the current optimizer step has seen; ``outputs.py``: the log record, where a tie goes.
 - ``hang_guard.py``: the VLM hang guard and :class:`UnusedParametersError`.
 
 The names below are this folder's public face (``from hf_ddpfix.integrations.usage import ParameterUsage``).
