@@ -48,6 +48,29 @@ def test_split_walk_separates_real_use_from_zero_ties() -> None:
     assert used == {id(a), id(c)} and tied == {id(b)}
 
 
+class _Sink(torch.autograd.Function):
+    """Two outputs, each the identity of its input (like DDP's ``_DDPSink``)."""
+
+    @staticmethod
+    def forward(ctx, x, y):  # noqa: ANN001, ANN205
+        return x.clone(), y.clone()
+
+    @staticmethod
+    def backward(ctx, gx, gy):  # noqa: ANN001, ANN205
+        return gx, gy
+
+
+def test_split_walk_takes_only_the_edge_used_through_a_pass_through_node_met_inside_the_graph() -> None:
+    """The pass-through node is not the loss's own node (the loss is computed from its outputs): a leaf behind
+    the output the loss does not use is not reached (the trainer_zoo's head_in_forward under DDP)."""
+    a, b = torch.randn(2, requires_grad=True), torch.randn(2, requires_grad=True)
+    out_a, _ = _Sink.apply(a * 1.0, b * 1.0)
+    loss = (out_a * 2).sum()
+    is_sink = lambda node: getattr(type(node), "_forward_cls", None) is _Sink  # noqa: E731
+    used, tied = reachable_leaf_ids_split([loss], is_zero_tie_node, is_sink)
+    assert used == {id(a)} and tied == set()
+
+
 def test_the_loss_decides_a_head_outside_the_forward_is_used_and_lm_head_is_tied_in() -> None:
     ids = torch.randint(1, 200, (1, 9))
     stock = _head_model()

@@ -143,7 +143,10 @@ def reachable_leaf_ids_split(
                 nexts = nexts[:1]
             for nxt, nr in nexts:
                 if nxt is not None and nxt not in seen:
-                    push(nxt if kinds.get(type(nxt), 0) != _PASS else through(nxt, nr))
+                    k = kinds.get(type(nxt))
+                    if k is None:
+                        k = kind(nxt)
+                    push(through(nxt, nr) if k == _PASS else nxt)  # a pass-through: only the edge taken
 
     walk(stack, used, True)
     if real_nodes is not None:
