@@ -21,7 +21,10 @@ class StepRecord:
             its output's prediction, merged in by :meth:`close`).
         forwards: training forwards in this step.
         pending_forwards: training forwards since the last loss seen at backward.
-        pending_used: the union of those forwards' predictions (empty where no prediction ran).
+        pending_used: the union of those forwards' predictions.
+        pending_unpredicted: some of those forwards ran without a prediction (the walk from the loss was to
+            decide): if their loss is never seen, every slot counts as used (nothing is reset: the gradients
+            stay as backward left them, never a reset of a parameter that was used).
         region_outputs: per reentrant region of those forwards: (its output nodes, the watched ids it read).
     """
 
@@ -37,11 +40,15 @@ class StepRecord:
     def _clear_pending(self) -> None:
         self.pending_forwards = 0
         self.pending_used: set[int] = set()
+        self.pending_unpredicted = False
         self.region_outputs: list[tuple[set[Any], set[int]]] = []
 
-    def forward_done(self, predicted: set[int], region_outputs: list[tuple[set[Any], set[int]]]) -> None:
-        """A training forward finished: ``predicted`` from its output (empty without a prediction)."""
-        self.pending_used |= predicted
+    def forward_done(self, predicted: set[int] | None, region_outputs: list[tuple[set[Any], set[int]]]) -> None:
+        """A training forward finished: ``predicted`` from its output (``None``: no prediction ran)."""
+        if predicted is None:
+            self.pending_unpredicted = True
+        else:
+            self.pending_used |= predicted
         self.region_outputs += region_outputs
         self.pending_forwards += 1
         self.forwards += 1
@@ -56,7 +63,7 @@ class StepRecord:
         stands in); the record is cleared."""
         unseen = self.pending_forwards
         if unseen:
-            self.used |= self.pending_used
+            self.used |= all_slots if self.pending_unpredicted else self.pending_used
         unused = all_slots - self.used
         self.clear()
         return unused, unseen

@@ -276,7 +276,7 @@ class ParameterUsage:
     def _finish_forward(self, t0: float) -> None:
         self._active = False
         used = self._forward_used  # a prediction until the loss given to backward confirms it (`tie_loss`)
-        self._step.forward_done(used, self._regions.reads_with_outputs())
+        self._step.forward_done(used if self._predicting else None, self._regions.reads_with_outputs())
         self.forwards += 1
         feature_counts.record_amount("parameter_usage", "forwards", 1)
         rec = self._record
