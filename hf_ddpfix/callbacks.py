@@ -249,8 +249,10 @@ class MemoryThroughputCallback(TrainerCallback):
 
     Tokens: the non-padding tokens of each training forward (`attention_mask.sum()`, else
     `input_ids.numel()`), counted by a forward pre-hook on the model (no trainer changes, eval forwards
-    skipped). The cross-rank numbers cost one all-gather of 3 floats per training log, only on the
-    Trainer's periodic training logs (those with a "loss" key, emitted by every rank at the same step).
+    skipped). The mask sums are added up on the mask's device and read once per log (no device->host
+    read per micro-batch: on a GPU `int(mask.sum())` would wait for the queued work each forward). The
+    cross-rank numbers cost one all-gather of 3 floats per training log, only on the Trainer's periodic
+    training logs (those with a "loss" key, emitted by every rank at the same step).
 
     Args:
         cross_rank: gather the max/sum over ranks (default on).
@@ -266,7 +268,8 @@ class MemoryThroughputCallback(TrainerCallback):
         self.extras: dict[str, float] = {}  # the values computed for the latest `logs`
         self._extras_for: int | None = None  # id() of that `logs` dict
         self._hook: Any = None
-        self._tokens = 0
+        self._host_tokens = 0  # counted without reading a device (input_ids.numel())
+        self._device_tokens: torch.Tensor | None = None  # attention-mask sums, on the mask's device
         self._last_tokens = 0
         self._last_time = self._start_time = 0.0
         self._cuda = False
@@ -278,9 +281,26 @@ class MemoryThroughputCallback(TrainerCallback):
         mask = kwargs.get("attention_mask")
         ids = kwargs.get("input_ids", args[0] if args and isinstance(args[0], torch.Tensor) else None)
         if isinstance(mask, torch.Tensor) and mask.dim() == 2:
-            self._tokens += int(mask.sum())
+            with torch.no_grad():
+                count = mask.sum(dtype=torch.int64)
+                if self._device_tokens is None or self._device_tokens.device != count.device:
+                    self._host_tokens += self.tokens(reset_device=True)
+                    self._device_tokens = count
+                else:
+                    self._device_tokens.add_(count)
         elif isinstance(ids, torch.Tensor):
-            self._tokens += ids.numel()
+            self._host_tokens += ids.numel()
+
+    def tokens(self, reset_device: bool = False) -> int:
+        """Training tokens counted since train begin (one device->host read when a mask was summed).
+        ``reset_device``: return only the device part and forget it (the caller adds it to the host part)."""
+        if self._device_tokens is None:
+            return 0 if reset_device else self._host_tokens
+        on_device = int(self._device_tokens)
+        if reset_device:
+            self._device_tokens = None
+            return on_device
+        return self._host_tokens + on_device
 
     def on_train_begin(self, args, state, control, model=None, **kwargs):
         self._cuda = torch.cuda.is_available() and torch.device(args.device).type == "cuda"
@@ -288,7 +308,8 @@ class MemoryThroughputCallback(TrainerCallback):
             torch.cuda.reset_peak_memory_stats(args.device)
         if model is not None and self._hook is None:
             self._hook = model.register_forward_pre_hook(self._count, with_kwargs=True)
-        self._tokens = self._last_tokens = 0
+        self._host_tokens = self._last_tokens = 0
+        self._device_tokens = None
         self._last_time = self._start_time = time.perf_counter()
 
     def on_train_end(self, args, state, control, **kwargs):
@@ -311,8 +332,9 @@ class MemoryThroughputCallback(TrainerCallback):
         if "loss" in logs:  # the periodic training log: throughput over the interval since the last one
             now = time.perf_counter()
             dt = max(now - self._last_time, 1e-9)
-            tokens = self._tokens - self._last_tokens
-            self._last_time, self._last_tokens = now, self._tokens
+            seen = self.tokens()
+            tokens = seen - self._last_tokens
+            self._last_time, self._last_tokens = now, seen
             new["hf_ddpfix/tokens_per_sec_rank"] = round(tokens / dt, 2)
             total = tokens / dt
             if self.cross_rank and _dist_world() > 1:
@@ -327,7 +349,7 @@ class MemoryThroughputCallback(TrainerCallback):
             new["hf_ddpfix/tokens_per_sec"] = round(total, 2)
         elif "train_runtime" in logs:  # the end-of-training summary: this rank's whole-run average
             elapsed = max(time.perf_counter() - self._start_time, 1e-9)
-            new["hf_ddpfix/tokens_per_sec_rank"] = round(self._tokens / elapsed, 2)
+            new["hf_ddpfix/tokens_per_sec_rank"] = round(self.tokens() / elapsed, 2)
         self.extras, self._extras_for = new, id(logs)
         if not self.in_history:
             return

@@ -22,12 +22,20 @@ import torch
 from torch import nn
 from transformers import TrainerCallback
 
-from ._compat import around_backward, before_gradient_clipping, checkpointing_args
+from ._compat import (
+    around_backward,
+    before_gradient_clipping,
+    checkpointable_layers,
+    checkpointing_args,
+    is_checkpointing,
+    layer_checkpoint_func,
+)
 from .integrations.checkpointing import (
     apply_checkpointing,
     checkpoint_kwargs_without_mode,
     installed_checkpoint_functions,
     keep_tool_checkpointing,
+    runs_own_function,
     tool_checkpoint_functions,
 )
 from .integrations.deepspeed import attach_deepspeed
@@ -341,18 +349,24 @@ def _keep_plan_checkpointing(trainer: Any, model: nn.Module, plan: Plan, offload
     mid-run with the user's arguments (TRL's ``disable_gradient_checkpointing`` around its reference
     forward calls ``gradient_checkpointing_enable(args.gradient_checkpointing_kwargs)`` after it), which
     puts the uncorrected variant back from the next step on: under ``static_graph`` DDP then fails with
-    "Your training graph has changed". Checked at each training forward of the root (a walk over the
-    checkpointable layers); each forward it re-installs before is counted (``checkpointing`` / ``reinstalled``)
-    and the first is logged.
+    "Your training graph has changed". Checked at each training forward of the root: each checkpointing
+    layer's function is tested by identity (:func:`runs_own_function`: ours, or hf_ddpfix's own usage
+    observer around ours, is not a replacement), over the checkpointable layers read once here (a model's
+    layers do not change in training; a layer switched on later is in the list, its flag is read each
+    time). Each forward it re-installs before is counted (``checkpointing`` / ``reinstalled``) and the first
+    is logged; a plain run re-installs nothing and logs nothing (tests/test_trainer_entry_points.py).
     """
     mode = plan.checkpointing.value
     extra = checkpoint_kwargs_without_mode(checkpointing_args(trainer.args)[1])
     warned: list[bool] = []
+    layers = list(checkpointable_layers(model))
 
     def pre_hook(module: nn.Module, args: Any) -> None:
         if not (module.training and torch.is_grad_enabled()):
             return
-        if not installed_checkpoint_functions(model):  # every checkpointing layer still calls ours
+        if all(runs_own_function(layer_checkpoint_func(m)) for m in layers if is_checkpointing(m)):
+            return  # every checkpointing layer still calls ours
+        if not installed_checkpoint_functions(model):
             return
         apply_checkpointing(model, use_reentrant=mode == "reentrant", offload=offload, **extra)
         feature_counts.record_amount("checkpointing", "reinstalled", 1)

@@ -100,7 +100,7 @@ def test_memory_throughput_keys_reach_reporters_and_count_non_padding_tokens(tmp
         assert trainer.callback_handler.callbacks[0] is mem
         trainer.train()
     assert mem not in trainer.callback_handler.callbacks  # detached after the run
-    assert mem._tokens == 3 * 2 * 8
+    assert mem.tokens() == 3 * 2 * 8
     step_logs = [s for s in recorder.seen if "loss" in s]
     assert len(step_logs) == 3
     for logs in step_logs:  # a later callback (a reporter) sees our keys

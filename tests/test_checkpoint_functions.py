@@ -147,3 +147,65 @@ def test_transformers_own_functions_are_not_tool_functions() -> None:
         enable_model_checkpointing(model, kwargs)
         assert detect_checkpointing(model) == "non_reentrant"
         assert tool_checkpoint_functions(model) == {}, kwargs
+
+
+def _reinstall_setup(tmp_path: Any, usage_mode: str) -> tuple[Any, Any, Any]:
+    """A LoRA Llama with the plan's non-reentrant function installed, the re-install check of a DDP run
+    (`runtime._keep_plan_checkpointing`) and the usage observer that wraps each checkpointing layer's function
+    (as under DDP). Returns (model, exit stack, batch)."""
+    from contextlib import ExitStack
+    from types import SimpleNamespace
+
+    from hf_ddpfix import runtime
+    from hf_ddpfix.integrations.checkpointing import apply_checkpointing
+    from hf_ddpfix.integrations.usage import ParameterUsage
+    from hf_ddpfix.plan.types import Decision
+
+    model = lora_llama(checkpointing=usage_mode)
+    apply_checkpointing(model, use_reentrant=False)
+    args = TrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to=[])
+    stack = ExitStack()
+    plan = SimpleNamespace(checkpointing=Decision("non_reentrant", "test"))
+    runtime._keep_plan_checkpointing(SimpleNamespace(args=args), model, plan, None, stack)
+    usage = ParameterUsage(model).attach()
+    stack.callback(usage.remove)
+    ids = torch.tensor([[1, 2, 3, 4, 5, 6]])
+    return model, stack, {"input_ids": ids, "labels": ids}
+
+
+def test_our_own_usage_wrapper_is_not_taken_for_a_replacement(tmp_path: Any, caplog: Any) -> None:
+    """Issue #28: the usage observer around the plan's function was read as someone else's, so every training
+    forward re-installed the function and every run warned about itself. Now: nothing re-installed, no warning."""
+    import logging
+
+    model, stack, batch = _reinstall_setup(tmp_path, "non_reentrant")
+    feature_counts.reset()
+    with stack, caplog.at_level(logging.WARNING, logger="hf_ddpfix"):
+        for _ in range(3):
+            model(**batch).loss.backward()
+        wrapped = [layer_checkpoint_func(m) for m in checkpointable_layers(model)]
+    assert all(getattr(f, "_hf_ddpfix_usage", None) is not None for f in wrapped)  # the observer is on
+    assert feature_counts.snapshot().get("checkpointing") is None or \
+        "reinstalled" not in feature_counts.snapshot()["checkpointing"].amounts
+    assert [r for r in caplog.records if r.levelno >= logging.WARNING] == []
+
+
+def test_a_real_replacement_is_still_reinstalled_once_and_logged_once(tmp_path: Any, caplog: Any) -> None:
+    """Someone else's function put back mid-run (TRL re-enabling checkpointing with the user's arguments) is
+    caught at the next training forward: the plan's function re-installed, counted, logged once."""
+    import logging
+
+    from hf_ddpfix.integrations.checkpointing import CheckpointFunction, unwrap_own
+
+    model, stack, batch = _reinstall_setup(tmp_path, "non_reentrant")
+    feature_counts.reset()
+    with stack, caplog.at_level(logging.WARNING, logger="hf_ddpfix"):
+        model(**batch).loss.backward()
+        _install(model, functools.partial(checkpoint, use_reentrant=True))  # a trainer re-enables it
+        for _ in range(3):
+            model(**batch).loss.backward()
+        funcs = [unwrap_own(layer_checkpoint_func(m)) for m in checkpointable_layers(model)]
+    assert all(isinstance(f, CheckpointFunction) and not f.use_reentrant for f in funcs)
+    assert feature_counts.snapshot()["checkpointing"].amounts == {"reinstalled": 1}
+    warned = [r for r in caplog.records if r.levelno >= logging.WARNING]
+    assert len(warned) == 1 and "re-installed" in warned[0].getMessage()

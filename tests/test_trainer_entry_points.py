@@ -110,6 +110,10 @@ def test_ddp_with_reentrant_checkpointing_matches_single_process(tmp_path, entry
     assert b["plan"].checkpointing.value == "non_reentrant"
     for name, w in a["weights"].items():
         torch.testing.assert_close(b["weights"][name], w, rtol=0, atol=1e-6, msg=name)
+    # a plain LoRA run: no hf_ddpfix warning on any rank, the plan's checkpoint function never re-installed
+    # (issue #28: our own usage observer was taken for a replacement, 4 re-installs and a warning per rank)
+    assert b["warnings"] == [[], []], b["warnings"]
+    assert "reinstalled" not in b["counts"].get("checkpointing", {}), b["counts"]
 
 
 @pytest.mark.multiprocess

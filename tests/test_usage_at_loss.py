@@ -48,6 +48,29 @@ def test_split_walk_separates_real_use_from_zero_ties() -> None:
     assert used == {id(a), id(c)} and tied == {id(b)}
 
 
+class _Sink(torch.autograd.Function):
+    """Two outputs, each the identity of its input (like DDP's ``_DDPSink``)."""
+
+    @staticmethod
+    def forward(ctx, x, y):  # noqa: ANN001, ANN205
+        return x.clone(), y.clone()
+
+    @staticmethod
+    def backward(ctx, gx, gy):  # noqa: ANN001, ANN205
+        return gx, gy
+
+
+def test_split_walk_takes_only_the_edge_used_through_a_pass_through_node_met_inside_the_graph() -> None:
+    """The pass-through node is not the loss's own node (the loss is computed from its outputs): a leaf behind
+    the output the loss does not use is not reached (the trainer_zoo's head_in_forward under DDP)."""
+    a, b = torch.randn(2, requires_grad=True), torch.randn(2, requires_grad=True)
+    out_a, _ = _Sink.apply(a * 1.0, b * 1.0)
+    loss = (out_a * 2).sum()
+    is_sink = lambda node: getattr(type(node), "_forward_cls", None) is _Sink  # noqa: E731
+    used, tied = reachable_leaf_ids_split([loss], is_zero_tie_node, is_sink)
+    assert used == {id(a)} and tied == set()
+
+
 def test_the_loss_decides_a_head_outside_the_forward_is_used_and_lm_head_is_tied_in() -> None:
     ids = torch.randint(1, 200, (1, 9))
     stock = _head_model()
@@ -180,3 +203,31 @@ def test_reentrant_layers_reached_only_through_a_zero_tie_count_as_unused() -> N
     assert stab.dummy_runs == 1 and usage._regions is not None
     usage.remove()
     stab.remove()
+
+
+def test_one_walk_per_micro_batch_once_the_route_is_set_and_the_forward_walk_comes_back_when_a_loss_is_missed() -> None:
+    """Step 1 predicts from the output (2 walks per micro-batch); once every loss of a step was seen at backward
+    only the walk from the loss runs (1), and it still ties what this micro-batch leaves unused; a loss that
+    skips tie_loss brings the forward walk back for the rest of the run (counted)."""
+    model = _head_model()
+    usage = ParameterUsage(model).attach()
+    usage.at_loss = True
+    feature_counts.reset()
+    ids = torch.randint(1, 200, (1, 7))
+    walks, resets = [], []
+    for step in range(4):
+        before = usage.walks
+        loss = _head_loss(model, ids)
+        if step == 2:
+            loss.backward()  # not through tie_loss
+        else:
+            usage.tie_loss(loss).backward()
+        resets.append(usage.finalize())
+        walks.append(usage.walks - before)
+    assert walks == [2, 1, 0, 2], walks
+    # lm_head's LoRA tied (at the output, then at the loss) and reset; the step whose loss was not seen and not
+    # predicted resets nothing (every parameter counts as used: never a reset of one that was used)
+    assert resets == [2, 2, 0, 2], resets
+    amounts = feature_counts.snapshot()["parameter_usage"].amounts
+    assert amounts["forward_walks_resumed"] == 1 and amounts["ties_at_loss"] == 2 * 3, amounts
+    usage.remove()

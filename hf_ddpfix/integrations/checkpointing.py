@@ -163,6 +163,28 @@ def read_checkpoint_function(func: Callable) -> CheckpointFunctionInfo:
                                   origin=origin)
 
 
+#: The attribute a hf_ddpfix wrapper around a checkpoint function (the usage observer of reentrant layers,
+#: ``integrations/usage/regions.py``) names the function it calls by: a layer that calls such a wrapper
+#: runs what the wrapper wraps.
+INNER_ATTR = "_hf_ddpfix_inner"
+
+
+def unwrap_own(func: Any) -> Any:
+    """``func`` without hf_ddpfix's own wrappers (followed through :data:`INNER_ATTR`, at most 8 deep)."""
+    for _ in range(8):
+        inner = getattr(func, INNER_ATTR, None)
+        if inner is None:
+            return func
+        func = inner
+    return func
+
+
+def runs_own_function(func: Any) -> bool:
+    """True when a layer calling ``func`` runs hf_ddpfix's :class:`CheckpointFunction` (directly or through
+    hf_ddpfix's own wrappers), or calls nothing (``None``). An identity test: no walk of the chain."""
+    return func is None or isinstance(unwrap_own(func), CheckpointFunction)
+
+
 def _use_reentrant_of(func: Callable) -> bool:
     """The checkpoint variant a `_gradient_checkpointing_func` runs (:func:`read_checkpoint_function`)."""
     return read_checkpoint_function(func).reentrant
@@ -189,7 +211,7 @@ def installed_checkpoint_functions(model: nn.Module) -> dict[str, CheckpointFunc
             func = layer_checkpoint_func(m)
             if func is None:
                 continue
-            info = read_checkpoint_function(getattr(func, "_hf_ddpfix_inner", func))
+            info = read_checkpoint_function(unwrap_own(func))
             if not info.ours:
                 out.setdefault(info.describe(), info)
     return out
@@ -266,6 +288,8 @@ __all__ = [
     "keep_tool_checkpointing",
     "tool_checkpoint_functions",
     "read_checkpoint_function",
+    "runs_own_function",
+    "unwrap_own",
     "apply_checkpointing",
     "checkpoint_kwargs_without_mode",
     "detect_checkpointing",

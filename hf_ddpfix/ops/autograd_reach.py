@@ -81,6 +81,9 @@ def reachable_leaf_ids_split(
         roots: tensors to start from (e.g. the loss given to ``backward``).
         side_inputs: true for a node whose inputs after the first carry no real gradient (an exact-zero
             tie, :class:`hf_ddpfix.ops.zero_tie.ZeroTie`): only its first input counts as real.
+        passthrough: true for an identity node whose gradient of output ``i`` goes to input ``i`` only
+            (DDP's ``_DDPSink``): walked through along the edge taken. Both predicates must depend on the
+            node's type only (each is asked once per type).
         real_nodes / side_nodes: when given, filled with the autograd nodes the walk reached through real
             computation / only through side inputs (e.g. to tell whether a reentrant checkpoint's output
             node feeds the loss for real).
@@ -95,9 +98,20 @@ def reachable_leaf_ids_split(
     seen: set[Any] = set()
     side: list[Any] = []
     stack = []
+    # what a node is depends on its type only (AccumulateGrad, a side-input node, a pass-through): classified
+    # once per type, so the walk makes no predicate call and no failing attribute lookup per node
+    kinds: dict[type, int] = {}
+
+    def kind(node: Any) -> int:
+        cls = type(node)
+        k = kinds.get(cls)
+        if k is None:
+            k = _LEAF if hasattr(node, "variable") else _PASS if passthrough(node) else _SIDE if side_inputs(node) else 0
+            kinds[cls] = k
+        return k
 
     def through(node: Any, output_nr: int) -> Any:
-        while node is not None and passthrough(node):
+        while node is not None and kind(node) == _PASS:
             nexts = node.next_functions
             if output_nr >= len(nexts):
                 return node  # not the layout expected: walk it whole (may over-count, never under-count)
@@ -111,24 +125,28 @@ def reachable_leaf_ids_split(
             used.add(id(t))
 
     def walk(stack: list[Any], into: set[int], collect_side: bool) -> None:
+        pop, push, add = stack.pop, stack.append, seen.add
         while stack:
-            node = stack.pop()
-            if node is None:
+            node = pop()
+            if node is None or node in seen:
                 continue
-            if node in seen:
-                continue
-            seen.add(node)
-            var = getattr(node, "variable", None)
-            if var is not None:
-                into.add(id(var))
+            add(node)
+            k = kinds.get(type(node))
+            if k is None:
+                k = kind(node)
+            if k == _LEAF:
+                into.add(id(node.variable))
                 continue
             nexts = node.next_functions
-            if collect_side and nexts and side_inputs(node):
+            if k == _SIDE and collect_side and nexts:
                 side.extend(through(n, nr) for n, nr in nexts[1:] if n is not None)
                 nexts = nexts[:1]
             for nxt, nr in nexts:
                 if nxt is not None and nxt not in seen:
-                    stack.append(through(nxt, nr))
+                    k = kinds.get(type(nxt))
+                    if k is None:
+                        k = kind(nxt)
+                    push(through(nxt, nr) if k == _PASS else nxt)  # a pass-through: only the edge taken
 
     walk(stack, used, True)
     if real_nodes is not None:
@@ -139,6 +157,9 @@ def reachable_leaf_ids_split(
     if side_nodes is not None:
         side_nodes.update(seen - before_side)
     return used, tied - used
+
+
+_LEAF, _PASS, _SIDE = 1, 2, 3  # node kinds of `reachable_leaf_ids_split` (0: an ordinary node)
 
 
 class ParamReadMode(TorchFunctionMode):

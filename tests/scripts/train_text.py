@@ -5,6 +5,7 @@ Run with torchrun (any process count): the global batch is `--global-batch` spli
 """
 
 import argparse
+import logging
 import os
 import sys
 
@@ -18,6 +19,7 @@ from fixtures import lora_llama, teardown, trainable_weights  # noqa: E402
 
 from hf_ddpfix import DDPFixTrainer, patch_trainer  # noqa: E402
 from hf_ddpfix._compat import checkpointing_training_args  # noqa: E402
+from hf_ddpfix.ops import feature_counts  # noqa: E402
 
 p = argparse.ArgumentParser()
 p.add_argument("--entry", choices=["patch", "subclass", "stock"], default="patch")
@@ -28,6 +30,21 @@ p.add_argument("--out", required=True)
 a = p.parse_args()
 
 world = int(os.environ.get("WORLD_SIZE", 1))
+
+
+class _Warnings(logging.Handler):
+    """Every hf_ddpfix log record at WARNING or above on this rank (a plain run must have none)."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+        self.messages: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.messages.append(record.getMessage())
+
+
+warned = _Warnings()
+logging.getLogger("hf_ddpfix").addHandler(warned)
 if a.entry == "patch":
     patch_trainer()
 model = lora_llama(targets=("q_proj", "v_proj"), random_lora=False)
@@ -49,13 +66,18 @@ cls = DDPFixTrainer if a.entry == "subclass" else Trainer
 trainer = cls(model=model, args=args, train_dataset=ds, data_collator=collate)
 trainer.train()
 weights = trainable_weights(model)
+counts = {k: v.amounts for k, v in feature_counts.snapshot().items()}
+warnings_by_rank = [warned.messages]
 if dist.is_initialized():
+    warnings_by_rank = [None] * world
+    dist.all_gather_object(warnings_by_rank, warned.messages)
     gathered = [None] * world
     dist.all_gather_object(gathered, weights)
     for other in gathered[1:]:
         assert all(torch.equal(weights[n], other[n]) for n in weights), "ranks diverged"
 if int(os.environ.get("RANK", 0)) == 0:
-    torch.save({"weights": weights, "plan": getattr(trainer, "hf_ddpfix_plan", None)}, a.out)
+    torch.save({"weights": weights, "plan": getattr(trainer, "hf_ddpfix_plan", None), "counts": counts,
+                "warnings": warnings_by_rank}, a.out)
     print("SAVED", a.out, flush=True)
 del trainer, model  # drop the DDP reducer before its process group goes (exit abort otherwise)
 teardown()

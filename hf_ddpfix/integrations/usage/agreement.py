@@ -7,8 +7,13 @@ Two collectives of one byte per trainable parameter, used by ``ParameterUsage``
   all-gather "gets no gradient here" per parameter; if any rank has one, every rank raises the same
   :class:`UnusedParametersError` naming the parameters, their modules, the ranks, what stock DDP would
   do (hang, or fail a step later) and the fix, never a hang.
-- :func:`agree_used` (finalize, once per optimizer step): all-reduce(MAX) of "used in some
-  micro-batch of this step", so every rank resets the same ``.grad`` to ``None``.
+- :class:`UsageAgreement` (finalize, once per optimizer step): all-reduce(MAX) of "used in some
+  micro-batch of this step", so every rank resets the same ``.grad`` to ``None``. Issued asynchronously;
+  a rank that used every parameter itself knows the answer (all used) and never reads it: it is waited
+  for (a stream wait on NCCL, no host read) at the next step. Only a rank with parameters it did not use
+  waits and reads the mask (one device->host read). Every rank issues the same collective at the same
+  point whatever it used, so no rank can wait alone; the answer is the same OR either way.
+  :func:`agree_used` is the blocking form (the mask as a tensor).
 
 Contract: without an initialised process group (or in a one-process group) each function answers
 from the local data alone and runs no collective; with one, every rank must call it in the same
@@ -27,7 +32,7 @@ from ...ops.dist import collective_device, dist_ready, gather_flags
 from .hang_guard import UnusedParametersError
 from .scopes import ParamSlot
 
-__all__ = ["UNUSED_FIX", "agree_used", "gather_missing", "raise_if_missing"]
+__all__ = ["UNUSED_FIX", "UsageAgreement", "agree_used", "gather_missing", "raise_if_missing"]
 
 UNUSED_FIX = (
     "Fix: let hf_ddpfix tie unused parameters in (HF_DDPFIX_PARAMETER_USAGE=1, the default under DDP/FSDP), "
@@ -80,3 +85,49 @@ def agree_used(used: torch.Tensor, group: Any) -> torch.Tensor:
     flags = used.to(torch.uint8).to(collective_device(group))
     dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=group)
     return flags.cpu().bool()
+
+
+class UsageAgreement:
+    """The step's "some rank used it" agreement, issued asynchronously and read only where it matters.
+
+    Counters: ``issued`` collectives, ``reads`` (device->host reads of the agreed mask).
+
+    Guarantees: :meth:`unused_everywhere` returns exactly the slots no rank of ``group`` used (the OR over
+    ranks, as :func:`agree_used`), with one all-reduce per call on every rank; a rank whose own
+    ``unused_here`` is empty does no host read (tests/test_step_overhead.py counts them).
+    """
+
+    def __init__(self) -> None:
+        self._pending: tuple[Any, torch.Tensor] | None = None
+        self.issued = 0
+        self.reads = 0
+
+    def unused_everywhere(self, unused_here: set[int], n_slots: int, group: Any) -> set[int]:
+        """The slot indices no rank used: ``unused_here`` minus those some other rank used. Call on every
+        rank at the same point; without a process group of more than one rank, ``unused_here``."""
+        if not dist_ready(group):
+            return set(unused_here)
+        self.wait()
+        device = collective_device(group)
+        if unused_here:
+            host = torch.ones(n_slots, dtype=torch.uint8)
+            host[sorted(unused_here)] = 0
+            flags = host.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else host
+        else:
+            flags = torch.ones(n_slots, dtype=torch.uint8, device=device)
+        work = dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=group, async_op=True)
+        self.issued += 1
+        if not unused_here:  # the OR is all ones whatever the others sent: nothing to read
+            self._pending = (work, flags)
+            return set()
+        work.wait()
+        self.reads += 1
+        row = flags.tolist()  # the one device->host read, on a rank that has something to reset
+        return {i for i in unused_here if not row[i]}
+
+    def wait(self) -> None:
+        """Complete the collective left in flight by the previous call (no host read on NCCL: a stream wait)."""
+        if self._pending is not None:
+            work, _ = self._pending
+            self._pending = None
+            work.wait()

@@ -32,7 +32,7 @@ from ..._compat import (
     set_layer_checkpoint_func,
 )
 from ...ops.autograd_reach import ParamReadMode, output_tensors
-from ..checkpointing import _use_reentrant_of
+from ..checkpointing import INNER_ATTR, _use_reentrant_of
 from .hang_guard import UnusedParametersError
 from .scopes import ParamSlot
 
@@ -131,5 +131,6 @@ class ReentrantRegions:
             return out
 
         checkpoint_observed._hf_ddpfix_usage = self  # type: ignore[attr-defined]
+        setattr(checkpoint_observed, INNER_ATTR, inner)  # what the layer runs (the plan's re-install check reads it)
         checkpoint_observed.use_reentrant = reentrant  # type: ignore[attr-defined]
         return checkpoint_observed

@@ -26,10 +26,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..._compat import is_namedtuple, module_parameter_slots
+from ..._compat import module_parameter_slots
 from ...ops.autograd_reach import output_tensors
 
-__all__ = ["ParamSlot", "Scope", "anchor_of", "build_scopes", "collect_slots", "replace_output", "unit_pre_hook"]
+__all__ = ["ParamSlot", "Scope", "build_scopes", "collect_slots", "unit_pre_hook"]
 
 # Keyword inputs of a unit that carry the hidden states (the floating inputs aligned across ranks).
 _HIDDEN_INPUTS = ("hidden_states", "inputs_embeds", "x")
@@ -124,38 +124,3 @@ def unit_pre_hook(scope: Scope, active: Callable[[], bool], several_units: bool)
         return (args, kwargs) if changed else None
 
     return hook
-
-
-def anchor_of(output: Any) -> torch.Tensor | None:
-    """The output tensor that carries the loss: ``loss``, else ``logits``, else the first float tensor
-    that requires grad."""
-    if isinstance(output, dict):
-        for key in ("loss", "logits"):
-            val = output.get(key)
-            if isinstance(val, torch.Tensor) and val.requires_grad:
-                return val
-    top = output.values() if isinstance(output, dict) else output if isinstance(output, (tuple, list)) else [output]
-    for t in top:
-        if isinstance(t, torch.Tensor) and t.is_floating_point() and t.requires_grad:
-            return t
-    return None
-
-
-def replace_output(output: Any, old: torch.Tensor, new: torch.Tensor) -> Any:
-    """``output`` with ``old`` (``output`` itself, or a top-level entry of a dict / tuple / list) replaced by ``new``."""
-    if output is old:
-        return new
-    if isinstance(output, dict):  # ModelOutput: setting a key updates the attribute too
-        for k, v in output.items():
-            if v is old:
-                output[k] = new
-                return output
-    if isinstance(output, (tuple, list)):
-        for i, v in enumerate(output):
-            if v is old:
-                items = list(output)
-                items[i] = new
-                if isinstance(output, list):
-                    return items
-                return type(output)(*items) if is_namedtuple(output) else tuple(items)
-    raise TypeError(f"hf_ddpfix: cannot tie into a {type(output).__name__} output")

@@ -1,49 +1,28 @@
 """Every trainable parameter used on every rank every step, for any model, with stock semantics.
 
-Why: DDP with ``find_unused_parameters=False`` (fu=False) or ``static_graph=True`` needs every trainable
-parameter's gradient hook to fire exactly once per synchronising backward on every rank, and FSDP2 needs
-every rank to reduce-scatter the same set of gradients. Real models skip parameters: a text-only step
-skips a vision tower (Qwen-VL, LLaVA, Gemma 3, ...) or Mllama's cross-attention layers, LayerDrop skips
-random layers per rank, a router sends no token to an expert. Stock avoids the failure with fu=True (an
-extra graph traversal per step); hf_ddpfix gets fu=False and static graph *by construction* instead:
+How (observe, tie, finalize) and why: the package docstring (``integrations/usage/__init__.py``).
 
-1. **Observe.** After each training forward, :class:`ParameterUsage` walks the autograd graph from the
-   output (the loss, else the logits) and collects the trainable parameters whose ``AccumulateGrad``
-   node it reaches: exactly those that will receive a gradient. A module that ran but whose output
-   never reached the loss is therefore *not* counted as used (forward hooks alone would count it).
-   Reentrant checkpointing runs a layer's forward under ``no_grad``; the graph then holds only the
-   checkpoint node, so each reentrant checkpoint call runs under a ``TorchFunctionMode`` that records
-   which trainable parameters its ops read (recompute in backward is not observed: it is the same
-   layer). A region whose output does not require grad gives its parameters no gradient and counts
-   as "not used".
-2. **Tie.** Every trainable parameter not observed is tied into the output with
-   :class:`hf_ddpfix.ops.zero_tie.ZeroTie`: identity forward (the loss is a bitwise copy), exact-zero
-   gradient to the parameter. Its hook fires once, its gradient is ``0`` (``g + 0 == g`` bit for bit).
-   Under FSDP2 the tie is made per FSDP unit, in a forward hook that runs before FSDP reshards (the
-   unsharded parameter gets the zero; every rank reduce-scatters the same set).
-3. **Finalize** (:meth:`ParameterUsage.finalize`, once per optimizer step, after the last backward and
-   *before* gradient clipping): one all-reduce(MAX) of a one-byte-per-parameter "really used in some
-   micro-batch of this step" mask; where no rank used a parameter its ``.grad`` is set back to ``None``
-   — what stock DDP(fu=True) leaves (AdamW then skips it: no moment update, no weight decay). Where
-   some rank used it, the others contributed exact zeros, which is what stock's reducer averages too.
+One walk per micro-batch: with the Trainer wiring (``at_loss``: every loss goes through
+:meth:`~ParameterUsage.tie_loss`) and no FSDP2 units, the forward's own walk (a prediction from the output)
+runs only until the loss route is established (an optimizer step in which every training forward's loss
+was seen at backward); from then on the walk from the loss is the only one. A forward whose loss is then
+not seen before the next training forward, or by finalize, brings the forward walk back for the rest of
+the run (counted as a fallback, logged once).
 
 Guard (``guard=True``, for runs where nothing is tied, e.g. fu=False forced with the mechanism off):
 before backward, ranks all-gather a one-byte-per-parameter "gets no gradient here" table; any
 non-zero entry raises :class:`UnusedParametersError` on every rank naming the parameters, their
 modules, the ranks and the fix — never a hang.
 
-Cost: one graph walk per training forward (Python, ~4 µs per autograd node measured on a shared 2-core
-CPU, 2026-11-23: 18 ms for the 4.7k-node graph of a 32-layer LoRA Llama), one zero tensor per tied
-parameter per forward, one all-reduce of ``n_trainable`` bytes per optimizer step; with ``guard`` one
-all-gather of ``n_trainable`` bytes per synchronising forward. Reentrant checkpointing adds a
+Cost: one graph walk per training micro-batch (Python, ~2-4 µs per autograd node on a shared 2-core CPU:
+8-18 ms for the 4.7k-node graph of a 32-layer LoRA Llama; benchmarks/usage_python_cost.py), one zero
+tensor per tied parameter per forward, one asynchronous all-reduce of ``n_trainable`` bytes per optimizer
+step; with ``guard`` one all-gather of ``n_trainable`` bytes per synchronising forward. Reentrant checkpointing adds a
 ``TorchFunctionMode`` around each checkpointed layer's first forward.
 
 Trainer wiring (transformers 5.23): attach before ``Trainer.train`` wraps the model (or after; hooks go
 on the unwrapped module), call :meth:`~ParameterUsage.finalize` before ``Trainer._clip_grad_norm`` /
 ``_get_grad_norm`` (see :mod:`hf_ddpfix.integrations.vision.stabilizer` for why not ``on_pre_optimizer_step``).
-
-Layout: slots, scopes (FSDP2 units) and output ties in ``scopes.py``, reentrant-checkpoint reads in ``regions.py``,
-the guard table and finalize mask in ``agreement.py``; here: the per-forward observe-and-tie, per-step records.
 
 Guarantees: with fu=False (and static graph at accumulation 1) every zoo family trains to the weights
 of stock DDP(fu=True) (1e-6; bit-equal where the math is unchanged) with replicas in sync, under
@@ -55,7 +34,6 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Iterable
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -65,34 +43,17 @@ from ..._compat import ddp_syncs_grads, is_ddp_sink_node, unwrap_parallel
 from ...ops import feature_counts
 from ...ops.autograd_reach import output_tensors, reachable_leaf_ids, reachable_leaf_ids_split
 from ...ops.zero_tie import ZeroTie, is_zero_tie_node
-from .agreement import UNUSED_FIX, agree_used, gather_missing, raise_if_missing
+from .agreement import UNUSED_FIX, UsageAgreement, gather_missing, raise_if_missing
 from .hang_guard import UnusedParametersError
+from .outputs import UsageRecord, anchor_of, replace_in
 from .regions import ReentrantRegions
-from .scopes import Scope, anchor_of, build_scopes, collect_slots, replace_output, unit_pre_hook
+from .scopes import Scope, build_scopes, collect_slots, unit_pre_hook
+from .step import StepRecord
 
 __all__ = ["ParameterUsage", "UsageRecord", "reachable_leaf_ids", "UnusedParametersError"]
 
 #: The fallback reason counted when a training forward's loss never reached :meth:`ParameterUsage.tie_loss`.
 UNSEEN_LOSS = "loss not seen at backward: usage read from the model output"
-
-
-@dataclass
-class UsageRecord:
-    """What one training forward did (for logs and tests).
-
-    Attributes:
-        used: names of trainable parameters that receive a gradient from the forward itself.
-        tied: names tied in with an exact-zero gradient (not used by the forward).
-        region_used: the subset of ``used`` observed only inside reentrant checkpointed layers.
-        tied_at_loss: names tied into the loss given to backward (:meth:`ParameterUsage.tie_loss`).
-        seconds: time spent observing and tying.
-    """
-
-    used: list[str] = field(default_factory=list)
-    tied: list[str] = field(default_factory=list)
-    region_used: list[str] = field(default_factory=list)
-    tied_at_loss: list[str] = field(default_factory=list)
-    seconds: float = 0.0
 
 
 class ParameterUsage:
@@ -146,22 +107,25 @@ class ParameterUsage:
         self.process_group = process_group
         self.allow_region_reuse = allow_region_reuse
         self.slots = collect_slots(self.root)
+        self._sharded = units is not None  # FSDP2 swaps the tensor objects: no cached id index
         self.scopes = build_scopes(self.root, self.slots, list(units) if units is not None else [self.root])
+        self._all = frozenset(range(len(self.slots)))
+        self._index_cache: dict[int, int] | None = None
         self._handles: list[Any] = []
-        self._regions = ReentrantRegions(active=lambda: self._active, watched=self._watched_ids)
+        self._regions = ReentrantRegions(active=lambda: self._active, watched=lambda: self._index().keys())
+        self.agreement = UsageAgreement()
         self._active = False
         self._depth = 0
-        self._forward_used = torch.zeros(len(self.slots), dtype=torch.bool)
-        self._step_used = torch.zeros(len(self.slots), dtype=torch.bool)
-        self._step_forwards = 0
-        self._pending_forwards = 0  # training forwards since the last loss seen by `tie_loss`
-        self._pending_used = torch.zeros(len(self.slots), dtype=torch.bool)
-        self._pending_regions: set[int] = set()
-        self._pending_region_outputs: list[tuple[set[Any], set[int]]] = []  # (output nodes, reads) per region
+        self._forward_used: set[int] = set()
+        self._step = StepRecord()
         self._warned_unseen = False
+        self._route_set = False  # every training forward's loss so far was seen at `tie_loss` for a whole step
+        self._route_lost = False  # ... and then one was not: the forward's own walk runs for the rest of the run
+        self._predicting = True
         self.at_loss = False  # set by whoever routes every backward's loss through `tie_loss`
         self.last: UsageRecord | None = None
         self.forwards = 0
+        self.walks = 0
         self.ties = 0
         self.losses = 0
         self.loss_ties = 0
@@ -198,6 +162,7 @@ class ParameterUsage:
         self._handles = []
         self._regions.remove()
         self._active = False
+        self.agreement.wait()
         self.reset_step()
 
     def set_units(self, units: Iterable[nn.Module]) -> None:
@@ -207,16 +172,24 @@ class ParameterUsage:
         self.remove()  # hooks off; re-attached below onto the new scopes
         self.slots = collect_slots(self.root)
         self.scopes = build_scopes(self.root, self.slots, list(units))
-        self._forward_used, self._step_used, self._pending_used = (torch.zeros(len(self.slots), dtype=torch.bool)
-                                                                   for _ in range(3))
+        self._sharded = True  # FSDP2 swapped the tensor objects: no cached id index
+        self._all = frozenset(range(len(self.slots)))
+        self._forward_used = set()
+        self.reset_step()
         if attached:
             self.attach()
 
     def _root_scope(self) -> Scope:
         return next(s for s in self.scopes if s.module is self.root)
 
-    def _watched_ids(self) -> set[int]:
-        return {id(t) for t in (s.tensor() for s in self.slots) if t is not None}
+    def _index(self) -> dict[int, int]:
+        """``id`` of each watched tensor -> its slot index (cached within an optimizer step without FSDP2)."""
+        if self._index_cache is not None:
+            return self._index_cache
+        index = {id(t): i for i, t in enumerate(s.tensor() for s in self.slots) if t is not None}
+        if not self._sharded:
+            self._index_cache = index
+        return index
 
     # -- forward hooks ------------------------------------------------------------------------------
     def _root_pre_hook(self, module: nn.Module, args: tuple[Any, ...]) -> None:
@@ -224,11 +197,16 @@ class ParameterUsage:
             self._depth += 1
             return
         self._active = module.training and torch.is_grad_enabled()
+        if not self._active:
+            return
         self._depth = 0
+        if self._step.pending_forwards and not self._predicting:
+            self._lose_route()  # the previous forward's loss was not seen before this forward
+        self._predicting = not (self.at_loss and self._route_set and not self._route_lost and len(self.scopes) == 1)
         self._regions.new_forward()
         self._twice: set[int] = set()
-        self._forward_used.zero_()
-        self._record = UsageRecord()
+        self._forward_used = set()
+        self._record = UsageRecord(self.slots)
         self._root_scope().stop = set()
 
     def _scope_post_hook(self, scope: Scope, is_root: bool) -> Any:
@@ -239,7 +217,7 @@ class ParameterUsage:
                 self._depth -= 1
                 return None
             t0 = time.perf_counter()
-            new_output = self._observe_and_tie(scope, output, is_root)
+            new_output = self._observe_and_tie(scope, output, is_root) if self._predicting else None
             if is_root:
                 self._finish_forward(t0)
             else:
@@ -252,21 +230,19 @@ class ParameterUsage:
         anchor = anchor_of(output)
         roots = [anchor] if (is_root and anchor is not None) else [t for t in output_tensors(output) if t.requires_grad]
         reached = reachable_leaf_ids(roots, scope.stop)
+        self.walks += 1
         region = self._regions.read_ids()
-        missing: list[int] = []
-        for i in scope.slots:
-            t = self.slots[i].tensor()
-            if t is None:
-                continue
-            if id(t) in reached:
-                self._forward_used[i] = True
-                if id(t) in region:  # read in a reentrant layer and outside: its hook fires twice
-                    self._twice.add(i)
-            elif id(t) in region:
-                self._forward_used[i] = True
-                self._record.region_used.append(self.slots[i].name)
-            else:
-                missing.append(i)
+        index = self._index()
+        mine = set(scope.slots)
+        hit = {index[i] for i in reached if i in index} & mine
+        in_region = {index[i] for i in region if i in index} & mine
+        self._forward_used |= hit | in_region
+        self._twice |= hit & in_region  # read in a reentrant layer and outside: its hook fires twice
+        only_region = in_region - hit
+        if only_region:
+            self._record.region_used += [self.slots[i].name for i in sorted(only_region)]
+        live = mine & set(index.values()) if self._sharded else mine
+        missing = sorted(live - hit - in_region)
         if not self.tie or not missing:
             return None
         if anchor is None:
@@ -278,27 +254,23 @@ class ParameterUsage:
         tied = ZeroTie.apply(anchor, *extras)
         self._record.tied += [self.slots[i].name for i in missing]
         self.ties += len(extras)
-        return replace_output(output, anchor, tied)
+        return replace_in(output, anchor, tied)
 
     def _finish_forward(self, t0: float) -> None:
         self._active = False
-        used = self._forward_used.clone()
-        self._pending_used |= used  # a prediction until the loss given to backward confirms it (`tie_loss`)
-        self._pending_regions |= self._regions.read_ids()
-        self._pending_region_outputs += self._regions.reads_with_outputs()
-        self._pending_forwards += 1
-        self._step_forwards += 1
+        used = self._forward_used  # a prediction until the loss given to backward confirms it (`tie_loss`)
+        self._step.forward_done(used if self._predicting else None, self._regions.reads_with_outputs())
         self.forwards += 1
         feature_counts.record_amount("parameter_usage", "forwards", 1)
-        if self._record.tied:
-            feature_counts.record_amount("parameter_usage", "ties_at_output", len(self._record.tied))
         rec = self._record
-        rec.used = [s.name for i, s in enumerate(self.slots) if used[i]]
-        if self.guard and not self.at_loss:
-            missing = [] if self.tie else [i for i in range(len(self.slots)) if not used[i]]
-            self._check(missing)
-        if not self.allow_region_reuse:
-            self._regions.check_reuse(self.slots, self._twice)
+        if rec.tied:
+            feature_counts.record_amount("parameter_usage", "ties_at_output", len(rec.tied))
+        rec.used_slots = used
+        if self._predicting:
+            if self.guard and not self.at_loss:
+                self._check(sorted(self._all - used) if not self.tie else [])
+            if not self.allow_region_reuse:
+                self._regions.check_reuse(self.slots, self._twice)
         rec.seconds += time.perf_counter() - t0
         self.seconds += rec.seconds
         self.last = rec
@@ -310,11 +282,11 @@ class ParameterUsage:
 
         Call on every rank with the tensor about to be passed to ``backward`` (the Trainer wiring does it
         inside ``accelerator.backward``: ``_compat.around_backward``), once per micro-batch. The forward's
-        own observation (from the model output) is a prediction; this one decides: the parameters the
-        loss reaches through real computation (or that a reentrant checkpointed layer of the pending
-        forwards read) count as used for :meth:`finalize`; those reached only through an earlier
-        exact-zero tie count as unused; the rest are tied in here. With ``guard`` (no ties) the ranks
-        check here, before backward, that every parameter gets a gradient.
+        own observation (from the model output), where it ran, is a prediction; this one decides: the
+        parameters the loss reaches through real computation (or that a reentrant checkpointed layer of
+        the pending forwards read) count as used for :meth:`finalize`; those reached only through an
+        earlier exact-zero tie count as unused; the rest are tied in here. With ``guard`` (no ties) the
+        ranks check here, before backward, that every parameter gets a gradient.
 
         A loss that is not a tensor requiring grad, or that follows no observed training forward, is
         returned unchanged.
@@ -324,39 +296,35 @@ class ParameterUsage:
         the parameters the loss reaches are unchanged (tests/test_usage_at_loss.py,
         tests/scripts/trainer_heads.py).
         """
-        if not isinstance(loss, torch.Tensor) or not loss.requires_grad or self._pending_forwards == 0:
+        if not isinstance(loss, torch.Tensor) or not loss.requires_grad or self._step.pending_forwards == 0:
             return loss
         t0 = time.perf_counter()
         real_nodes: set[Any] = set()
         side_nodes: set[Any] = set()
         real, tied_only = reachable_leaf_ids_split([loss], is_zero_tie_node, is_ddp_sink_node,
                                                    real_nodes=real_nodes, side_nodes=side_nodes)
+        self.walks += 1
         # a reentrant region's reads count as used unless its output reaches the loss only through an exact-zero
         # tie (e.g. the ZeRO dummy image's tower layers): then, like a tied leaf, reached but not used
         region: set[int] = set()
-        for nodes, ids in self._pending_region_outputs:
+        for nodes, ids in self._step.region_outputs:
             if nodes and not (nodes & real_nodes) and nodes & side_nodes:
                 tied_only |= ids - real
             else:
                 region |= ids
-        used = torch.zeros(len(self.slots), dtype=torch.bool)
-        missing: list[int] = []
-        tied_before = 0  # reached only through a tie the loss already holds (e.g. one made at the output)
-        for i, slot in enumerate(self.slots):
-            t = slot.tensor()
-            if t is None:
-                continue
-            if id(t) in real or id(t) in region:
-                used[i] = True
-            elif id(t) in tied_only:
-                tied_before += 1
-            else:
-                missing.append(i)
-        self._step_used |= used
-        self._pending_used.zero_()
-        self._pending_regions = set()
-        self._pending_region_outputs = []
-        self._pending_forwards = 0
+        index = self._index()
+        unused_ids = index.keys() - real - region  # set algebra in C: no per-parameter Python loop
+        tied_before = len(unused_ids & tied_only)  # reached only through a tie the loss already holds
+        missing = sorted(index[i] for i in unused_ids - tied_only)
+        used = self._all - {index[i] for i in unused_ids} if unused_ids else set(self._all)
+        if self._sharded:
+            used &= set(index.values())
+        if not self.allow_region_reuse and not self._predicting:
+            twice = {index[i] for i in real & self._regions.read_ids() if i in index}
+            self._regions.check_reuse(self.slots, twice)
+        self._step.loss_seen(used)
+        if self.last is not None and not self._predicting:
+            self.last.used_slots = used
         self.losses += 1
         feature_counts.record_ran("parameter_usage")
         if tied_before:
@@ -373,6 +341,14 @@ class ParameterUsage:
         self.seconds += time.perf_counter() - t0
         return loss
 
+    def _lose_route(self) -> None:
+        """A training forward's loss was not seen at backward before the next forward (two forwards for one
+        loss) or by finalize: the forward's own walk and tie run again for the rest of the run (counted as
+        ``parameter_usage`` / ``forward_walks_resumed``; a loss never seen is also the ``UNSEEN_LOSS`` fallback)."""
+        if not self._route_lost:
+            self._route_lost = True
+            feature_counts.record_amount("parameter_usage", "forward_walks_resumed", 1)
+
     # -- guard --------------------------------------------------------------------------------------
     def _check(self, missing: list[int]) -> None:
         """All-gather "gets no gradient here" per parameter; raise on every rank if any rank has one."""
@@ -383,29 +359,26 @@ class ParameterUsage:
     # -- per-optimizer-step semantics ---------------------------------------------------------------
     def reset_step(self) -> None:
         """Forget the micro-batches recorded since the last finalize."""
-        self._step_used.zero_()
-        self._step_forwards = 0
-        self._pending_used.zero_()
-        self._pending_regions = set()
-        self._pending_region_outputs = []
-        self._pending_forwards = 0
+        self._step.clear()
+        self._index_cache = None
 
     def finalize(self, process_group: Any = None) -> int | None:
         """Give the optimizer what stock DDP(find_unused_parameters=True) would give it.
 
         Call on every rank after the last backward of an optimizer step and before gradient clipping
         and ``optimizer.step()``. One all-reduce(MAX) of the per-parameter "used in some micro-batch of
-        this step" bytes; every parameter no rank used gets ``.grad = None``.
+        this step" bytes (asynchronous; read only on a rank that left some parameter unused); every
+        parameter no rank used gets ``.grad = None``.
 
         Returns:
             The number of parameters reset to ``None``; ``None`` (and no collective) when no training
             forward ran since the previous call, so a second call in one step is a no-op.
         """
-        used = self.agreed_step_usage(process_group)
-        if used is None:
+        unused = self._agree(process_group)
+        if unused is None:
             return None
         reset = 0
-        for i in (~used).nonzero().flatten().tolist():
+        for i in sorted(unused):
             t = self.slots[i].tensor()
             if t is not None and t.grad is not None:
                 t.grad = None
@@ -420,23 +393,34 @@ class ParameterUsage:
         with one all-reduce(MAX); the step's record is then cleared. ``None`` (and no collective) when no
         training forward ran since the previous call. Call on every rank at the same point (after the last
         backward of the step)."""
-        if self._step_forwards == 0:
+        unused = self._agree(process_group)
+        if unused is None:
+            return None
+        mask = torch.ones(len(self.slots), dtype=torch.bool)
+        if unused:
+            mask[sorted(unused)] = False
+        return mask
+
+    def _agree(self, process_group: Any = None) -> set[int] | None:
+        """The slots no rank used in this optimizer step (one collective), or ``None`` without a forward."""
+        if self._step.forwards == 0:
             return None
         group = self.process_group if process_group is None else process_group
-        if self._pending_forwards:  # forwards whose loss was not seen: the output's observation stands in
-            self._step_used |= self._pending_used
-            if self.at_loss:
-                feature_counts.record_fallback("parameter_usage", UNSEEN_LOSS, self._pending_forwards)
-                if not self._warned_unseen:
-                    self._warned_unseen = True
-                    logging.getLogger("hf_ddpfix").warning(
-                        "parameter_usage: %d training forward(s) were back-propagated without passing their loss "
-                        "through accelerator.backward; the parameters they used are read from the model output "
-                        "(a prediction). Call accelerator.backward(loss), or set ddp_find_unused_parameters=True.",
-                        self._pending_forwards)
-        used = self._step_used.clone()
-        self.reset_step()
-        return agree_used(used, group)
+        unused_here, unseen = self._step.close(self._all)  # unseen: the output's observation stood in
+        self._index_cache = None
+        if unseen and self.at_loss:
+            self._lose_route()
+            feature_counts.record_fallback("parameter_usage", UNSEEN_LOSS, unseen)
+            if not self._warned_unseen:
+                self._warned_unseen = True
+                logging.getLogger("hf_ddpfix").warning(
+                    "parameter_usage: %d training forward(s) were back-propagated without passing their loss "
+                    "through accelerator.backward; the parameters they used are read from the model output "
+                    "(a prediction). Call accelerator.backward(loss), or set ddp_find_unused_parameters=True.",
+                    unseen)
+        elif self.at_loss:
+            self._route_set = True  # every forward of this step had its loss seen: predictions can stop
+        return self.agreement.unused_everywhere(unused_here, len(self.slots), group)
 
     # -- reporting ----------------------------------------------------------------------------------
     def describe(self) -> str:
@@ -445,6 +429,5 @@ class ParameterUsage:
         return (
             f"{len(self.slots)} trainable tensors watched in {len(self.scopes)} scope(s); {self.ties} ties over "
             f"{self.forwards} forwards, {self.loss_ties} at the loss over {self.losses} losses seen at backward; "
-            f"{self.resets} grads reset to None; {per:.2f} ms per forward"
+            f"{self.walks} graph walks; {self.resets} grads reset to None; {per:.2f} ms per forward"
         )
-

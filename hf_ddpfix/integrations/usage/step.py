@@ -1,0 +1,69 @@
+"""What the current optimizer step has seen, for ``ParameterUsage`` (``integrations/usage/tracker.py``).
+
+A :class:`StepRecord` holds slot indices only (sets: the per-step bookkeeping costs no per-parameter Python
+loop): the slots the losses given to backward really used, and the training forwards still waiting for
+their loss (the output's prediction, the reentrant regions they ran). ``ParameterUsage`` agrees the step's
+"unused here" set across ranks at finalize (``agreement.UsageAgreement``) and clears the record.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+__all__ = ["StepRecord"]
+
+
+class StepRecord:
+    """One optimizer step's usage.
+
+    Attributes:
+        used: slot indices the losses seen at backward used (or, for a forward whose loss was never seen,
+            its output's prediction, merged in by :meth:`close`).
+        forwards: training forwards in this step.
+        pending_forwards: training forwards since the last loss seen at backward.
+        pending_used: the union of those forwards' predictions.
+        pending_unpredicted: some of those forwards ran without a prediction (the walk from the loss was to
+            decide): if their loss is never seen, every slot counts as used (nothing is reset: the gradients
+            stay as backward left them, never a reset of a parameter that was used).
+        region_outputs: per reentrant region of those forwards: (its output nodes, the watched ids it read).
+    """
+
+    def __init__(self) -> None:
+        self.clear()
+
+    def clear(self) -> None:
+        """Forget everything (a new optimizer step)."""
+        self.used: set[int] = set()
+        self.forwards = 0
+        self._clear_pending()
+
+    def _clear_pending(self) -> None:
+        self.pending_forwards = 0
+        self.pending_used: set[int] = set()
+        self.pending_unpredicted = False
+        self.region_outputs: list[tuple[set[Any], set[int]]] = []
+
+    def forward_done(self, predicted: set[int] | None, region_outputs: list[tuple[set[Any], set[int]]]) -> None:
+        """A training forward finished: ``predicted`` from its output (``None``: no prediction ran)."""
+        if predicted is None:
+            self.pending_unpredicted = True
+        else:
+            self.pending_used |= predicted
+        self.region_outputs += region_outputs
+        self.pending_forwards += 1
+        self.forwards += 1
+
+    def loss_seen(self, used: set[int]) -> None:
+        """The loss of the pending forwards was observed at backward: ``used`` decides for them."""
+        self.used |= used
+        self._clear_pending()
+
+    def close(self, all_slots: frozenset[int]) -> tuple[frozenset[int], int]:
+        """End the step: (the slots unused here, the forwards whose loss was never seen, whose prediction
+        stands in); the record is cleared."""
+        unseen = self.pending_forwards
+        if unseen:
+            self.used |= all_slots if self.pending_unpredicted else self.pending_used
+        unused = all_slots - self.used
+        self.clear()
+        return unused, unseen
