@@ -3,8 +3,9 @@
 Tiny Llama, attention projections trainable, ``lm_head`` frozen; AdamW (weight decay 0.1), clipping 1.0,
 variable sequence lengths. Cases, in one launch (``DS_ACCELERATOR=cpu``):
 
-- ``quiet``: ZeRO-2, nothing changes: hf_ddpfix must train exactly as the stock Trainer under ZeRO-2 (weights
-  bit-equal) and log no trainable-set warning. Prints ``QUIET rank=<r> diff=<max |fixed - stock|>``.
+- ``quiet``: ZeRO-2 and ZeRO-3, nothing changes: hf_ddpfix must train exactly as the stock Trainer under the
+  same stage (weights bit-equal) and log no trainable-set warning. Prints
+  ``QUIET rank=<r> case=<case> diff=<max |fixed - stock|>``.
 - ``zero2`` / ``zero3``: a callback unfreezes ``lm_head`` at the start of optimizer step 2: hf_ddpfix must raise
   ``TrainableSetChangedError`` from ``train()`` on every rank, naming the parameter and step 2, before that
   step's optimizer step. Prints ``REFUSED rank=<r> case=<case> ok=<bool>``.
@@ -21,7 +22,7 @@ os.environ.setdefault("DS_ACCELERATOR", "cpu")
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 from datasets import Dataset  # noqa: E402
-from fixtures import teardown, tiny_llama  # noqa: E402
+from fixtures import teardown, tiny_llama, trainable_weights  # noqa: E402
 from torch.utils.data import SequentialSampler  # noqa: E402
 from transformers import Trainer, TrainerCallback, TrainingArguments  # noqa: E402
 
@@ -81,15 +82,16 @@ def train(cls, stage: int, unfreeze: bool, tag: str):
     trainer = Sequential(model=model, args=args, train_dataset=Dataset.from_list(rows()), data_collator=collate,
                          callbacks=[Unfreeze(model)] if unfreeze else [])
     trainer.train()
-    return {n: p.detach().clone() for n, p in model.named_parameters() if "self_attn" in n}
+    return trainable_weights(model)  # the attention projections (ZeRO-3 partitions gathered)
 
 
 def main() -> None:
     rank = int(os.environ.get("RANK", 0))
-    stock = train(Trainer, 2, False, "stock")
-    fixed = train(DDPFixTrainer, 2, False, "fixed")
-    diff = max((stock[n] - fixed[n]).abs().max().item() for n in stock)
-    print(f"QUIET rank={rank} diff={diff}", flush=True)
+    for stage in (2, 3):
+        stock = train(Trainer, stage, False, f"stock{stage}")
+        fixed = train(DDPFixTrainer, stage, False, f"fixed{stage}")
+        diff = max((stock[n] - fixed[n]).abs().max().item() for n in stock)
+        print(f"QUIET rank={rank} case=zero{stage} diff={diff}", flush=True)
     for stage in (2, 3):
         case = f"zero{stage}"
         try:
