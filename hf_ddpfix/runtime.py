@@ -73,7 +73,7 @@ class Runtime:
     tiled_loss: TiledLossHandle | None = None
     long_context: LongContextHandle | None = None
     sequence_parallel: SequenceParallelGroups | None = None
-    trainable_set: TrainableSetWatch | None = None  # DDP / FSDP: parameters unfrozen after wrapping
+    trainable_set: TrainableSetWatch | None = None  # DDP / FSDP / DeepSpeed: parameters unfrozen after wrapping
     step_contexts: list[Callable[[], AbstractContextManager[Any]]] = field(default_factory=list)
 
 
@@ -131,6 +131,9 @@ def attach_runtime(trainer: Any, model: nn.Module, plan: Plan, stack: ExitStack)
     if plan.parallel in ("ddp", "fsdp") and plan.world_size > 1:  # requires_grad changed after wrapping
         rt.trainable_set = TrainableSetWatch(model, plan.parallel, step=lambda: trainer.state.global_step + 1)
         stack.callback(before_gradient_clipping(trainer, rt.trainable_set.finalize))
+    elif plan.parallel == "deepspeed" and plan.world_size > 1:  # the engine steps inside backward: check first
+        rt.trainable_set = TrainableSetWatch(model, plan.parallel, step=lambda: trainer.state.global_step + 1)
+        rt.step_contexts.append(_checked_trainable_set(rt.trainable_set))
     if rt.step_contexts:
         _override(trainer, "training_step", lambda inner: _within(rt.step_contexts, inner), stack)
     _align_buffer_order(trainer, model, plan)
@@ -267,6 +270,17 @@ class _GuardWrappedModel(TrainerCallback):
 def _add_callback(trainer: Any, callback: TrainerCallback, stack: ExitStack) -> None:
     trainer.add_callback(callback)
     stack.callback(trainer.remove_callback, callback)
+
+
+def _checked_trainable_set(watch: TrainableSetWatch) -> Callable[[], AbstractContextManager[Any]]:
+    """A step context that refuses a changed trainable set before the micro-batch's forward (DeepSpeed)."""
+
+    @contextmanager
+    def check() -> Iterator[None]:
+        watch.finalize(once_per_step=False)
+        yield
+
+    return check
 
 
 def _within(contexts: list[Callable[[], AbstractContextManager[Any]]], inner: Callable[..., Any]) -> Callable:

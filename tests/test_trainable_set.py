@@ -35,3 +35,19 @@ def test_fsdp_and_rank_mismatched_unfreezing_are_refused_at_the_step_on_every_ra
     for case in ("fsdp", "ddp_mismatch"):
         assert sorted(re.findall(rf"REFUSED rank=(\d) case={case} ok=True", out)) == ["0", "1"], out[-3000:]
     assert sorted(re.findall(r"QUIET rank=(\d) reduced=0", out)) == ["0", "1"], out[-3000:]
+
+
+@pytest.mark.multiprocess
+def test_deepspeed_zero2_and_zero3_refuse_a_head_unfrozen_at_step_2_and_a_plain_run_is_untouched():
+    """tests/scripts/unfreeze_deepspeed.py through the Trainer: stock ZeRO trains on and silently never steps the
+    unfrozen head; hf_ddpfix raises at step 2 on every rank. Without a change: bit-equal to stock (ZeRO-2 and
+    ZeRO-3), no warning."""
+    done = torchrun("unfreeze_deepspeed.py", timeout=300, env={"DS_ACCELERATOR": "cpu"})
+    out = done.stdout
+    assert "NOT_REFUSED" not in out, out[-3000:]
+    for case in ("zero2", "zero3"):
+        assert sorted(re.findall(rf"REFUSED rank=(\d) case={case} ok=True", out)) == ["0", "1"], out[-3000:]
+    for case in ("zero2", "zero3"):
+        assert sorted(re.findall(rf"QUIET rank=(\d) case={case} diff=0\.0(?![0-9e])", out)) == ["0", "1"], out[-3000:]
+    quiet = (out + done.stderr).split("REFUSED", 1)[0]
+    assert "hf_ddpfix: at optimizer step" not in quiet and "require grad" not in quiet, quiet[-3000:]

@@ -21,9 +21,13 @@ stepped (:func:`hf_ddpfix._compat.before_gradient_clipping`): the step where the
   fix (unfreeze before ``trainer.train()``, with a zero learning rate until the step you want, or restart
   from a checkpoint with the new trainable set), before the optimizer steps: no replica has drifted.
 
+- DeepSpeed ZeRO (1/2/3): the engine reduces, clips and steps inside ``accelerator.backward`` (``engine.step``),
+  where the clipping hook point above is never reached, and its partitions hold only the parameters trainable
+  at ``deepspeed.initialize``. So the check runs at the start of every micro-batch's ``training_step`` (before
+  its forward, backward and the engine's step; one byte gathered per rank and micro-batch) and refuses:
+  :class:`TrainableSetChangedError` on every rank, naming the parameters, the step and the fix.
+
 A parameter frozen after wrapping needs nothing: it gets no gradient and the optimizer skips it, as stock.
-Not attached under DeepSpeed (its engine clips and steps inside ``engine.step``, where this hook point is not
-reached; not verified there).
 """
 
 from __future__ import annotations
@@ -85,10 +89,11 @@ class TrainableSetWatch:
         """``(name, parameter)`` that require grad now and did not when the watch started, in module order."""
         return [(n, p) for n, p in self.model.named_parameters() if p.requires_grad and _plain(n) in self.known and _plain(n) not in self.baseline]
 
-    def finalize(self) -> None:
-        """Check (and under DDP reduce) once per optimizer step; a second call in the same step does nothing."""
+    def finalize(self, once_per_step: bool = True) -> None:
+        """Check (and under DDP reduce) once per optimizer step; a second call in the same step does nothing
+        unless ``once_per_step`` is False (DeepSpeed: every micro-batch is checked)."""
         step = self.step()
-        if step == self._checked_step:
+        if once_per_step and step == self._checked_step:
             return
         self._checked_step = step
         new = self.new_trainable()
@@ -100,14 +105,18 @@ class TrainableSetWatch:
         names = [n for n, _ in new]
         shown = ", ".join(names[:5]) + (f" and {len(names) - 5} more" if len(names) > 5 else "")
         if self.parallel != "ddp":
+            ds = self.parallel == "deepspeed"
             raise TrainableSetChangedError(
                 f"hf_ddpfix ({self.parallel}): at optimizer step {step}, {len(names)} parameter(s) require grad that "
-                f"did not when the model was wrapped ({shown or 'on another rank'}). {self.parallel.upper()} "
-                "shards / buckets only the parameters trainable at wrap time, so their gradients would not be "
-                "reduced and the replicas would drift apart. Raised before the optimizer step: nothing has "
-                "drifted. Fix: set requires_grad before trainer.train() (keep such a parameter's learning rate "
-                "at 0 until the step you want), or save a checkpoint and start a new train() with the new "
-                "trainable set.")
+                f"did not when the model was wrapped ({shown or 'on another rank'}). "
+                + ("DeepSpeed ZeRO partitions only the parameters trainable at deepspeed.initialize, so their "
+                   "gradients would never be reduced nor stepped (a silently different run). "
+                   if ds else f"{self.parallel.upper()} shards / buckets only the parameters trainable at wrap "
+                   "time, so their gradients would not be reduced and the replicas would drift apart. ")
+                + "Raised before the optimizer step: nothing has drifted. Fix: set requires_grad before "
+                "trainer.train()" + (" (before deepspeed.initialize)" if ds else "") + " and keep such a "
+                "parameter's learning rate at 0 until the step you want, or save a checkpoint and start a new "
+                "train() with the new trainable set.")
         everyone: list[Any] = [None] * dist.get_world_size(self.process_group)
         dist.all_gather_object(everyone, names, group=self.process_group)  # only in a step where the set changed
         if any(other != names for other in everyone):
