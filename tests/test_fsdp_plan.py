@@ -37,12 +37,16 @@ def _plugin(**kw):
 def test_units_are_the_decoder_layers_when_no_split_modules_names_classes_the_model_lacks(name, lacking):
     model = {**ZOO, **MORE_VLMS}[name].model(0)
     facts = gather_fsdp_facts(_Trainer(_plugin()), model)
-    assert lacking in facts.no_split and lacking not in facts.present
+    assert lacking not in facts.present
+    # transformers 5.23 names the absent class; 5.0 names none for LLaVA / Aya Vision and only present classes
+    # for Gemma 3: the units must be the decoder layers either way
+    names_it = lacking in facts.no_split
     decision = decide_fsdp_units(_facts(facts, is_vlm=True), DDPFixConfig())
     classes = fsdp_unit_classes(decision)
     assert fsdp_units_ours(decision) and decision.changed
     assert len(classes) == 1 and classes[0].endswith("DecoderLayer"), decision
-    assert f"not in the model: {lacking}" in decision.reason and "folded" in decision.reason
+    assert "folded" in decision.reason
+    assert (f"not in the model: {lacking}" in decision.reason) == names_it, decision.reason
     have = {type(m).__name__ for m in model.modules()}
     assert set(classes) <= have and not set(classes) & set(facts.skippable)
 

@@ -929,7 +929,9 @@ def test_zero3_partitioned_marker_and_gathered_parameters():
 def test_accelerate_fsdp2_wraps_exactly_the_classes_hf_ddpfix_sets_on_its_plugin():
     """`_compat.fsdp`: the transformer policy of `fsdp2_prepare_model` reads `plugin.transformer_cls_names_to_wrap`
     at prepare time (None -> `_no_split_modules`), an empty list wraps no block, and a class the model lacks
-    raises (the failure `fsdp_units` avoids); `fsdp2_prepare_model` carves the input embedding itself."""
+    raises (the failure `fsdp_units` avoids); `fsdp2_prepare_model` calls that policy. (accelerate 1.15 also carves
+    the input embedding into a unit of its own, 1.11 does not: either way it is outside every part a rank may
+    skip, so the units stay the same on every rank.)"""
     from accelerate.utils import FullyShardedDataParallelPlugin, fsdp_utils
 
     plugin = FullyShardedDataParallelPlugin(fsdp_version=2, auto_wrap_policy="transformer_based_wrap")
@@ -947,5 +949,4 @@ def test_accelerate_fsdp2_wraps_exactly_the_classes_hf_ddpfix_sets_on_its_plugin
     with pytest.raises(ValueError, match="Could not find the transformer layer class"):
         fsdp_utils.fsdp2_prepare_auto_wrap_policy(plugin, model)
     source = inspect.getsource(fsdp_utils.fsdp2_prepare_model)
-    assert "get_input_embeddings" in source and "fsdp2_prepare_auto_wrap_policy" in source, _broken(
-        "fsdp2_prepare_model no longer carves the embedding / calls the auto-wrap policy")
+    assert "fsdp2_prepare_auto_wrap_policy" in source, _broken("fsdp2_prepare_model no longer calls the auto-wrap policy")

@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 
+from ..._compat import is_namedtuple
 from .scopes import ParamSlot
 
 __all__ = ["UsageRecord", "anchor_of", "replace_in"]
@@ -81,5 +82,5 @@ def replace_in(output: Any, old: torch.Tensor, new: torch.Tensor) -> Any:
                 items[i] = new
                 if isinstance(output, list):
                     return items
-                return type(output)(*items) if hasattr(output, "_fields") else tuple(items)
+                return type(output)(*items) if is_namedtuple(output) else tuple(items)
     raise TypeError(f"hf_ddpfix: cannot tie into a {type(output).__name__} output")
