@@ -48,10 +48,19 @@ logger = logging.getLogger("hf_ddpfix")
 _patch_options: dict[str, Any] | None = None
 
 
+class _Formatter(logging.Formatter):
+    """``[hf_ddpfix] message``; a warning or an error says so (``[hf_ddpfix] WARNING: message``), so a reader,
+    and a test counting them, can tell a warning from the plan log."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        level = f"{record.levelname}: " if record.levelno >= logging.WARNING else ""
+        return f"[hf_ddpfix] {level}{super().format(record)}"  # the message (and any traceback)
+
+
 def _ensure_log_handler() -> None:
     if not logger.handlers and not logging.getLogger().handlers:
         handler = logging.StreamHandler()
-        handler.setFormatter(logging.Formatter("[hf_ddpfix] %(message)s"))
+        handler.setFormatter(_Formatter())
         logger.addHandler(handler)
     if logger.level == logging.NOTSET:
         logger.setLevel(logging.INFO)

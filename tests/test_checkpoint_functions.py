@@ -187,7 +187,8 @@ def test_our_own_usage_wrapper_is_not_taken_for_a_replacement(tmp_path: Any, cap
     assert all(getattr(f, "_hf_ddpfix_usage", None) is not None for f in wrapped)  # the observer is on
     assert feature_counts.snapshot().get("checkpointing") is None or \
         "reinstalled" not in feature_counts.snapshot()["checkpointing"].amounts
-    assert [r for r in caplog.records if r.levelno >= logging.WARNING] == []
+    # hf_ddpfix's own records (transformers >= 5.24 warns about use_cache under checkpointing itself)
+    assert [r for r in caplog.records if r.levelno >= logging.WARNING and r.name.startswith("hf_ddpfix")] == []
 
 
 def test_a_real_replacement_is_still_reinstalled_once_and_logged_once(tmp_path: Any, caplog: Any) -> None:

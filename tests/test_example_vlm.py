@@ -57,6 +57,8 @@ def test_example_trains_beats_chance_saves_and_resumes(tmp_path):
         assert (out_dir / name).is_file(), sorted(p.name for p in out_dir.iterdir())
     assert (out_dir / f"checkpoint-{STEPS}").is_dir(), sorted(p.name for p in out_dir.iterdir())
     assert "[hf_ddpfix]" in log and "(ddp, world size 2)" in log, "the plan log should be printed"
+    warned = [ln for ln in log.splitlines() if "[hf_ddpfix] WARNING" in ln or "[hf_ddpfix] ERROR" in ln]
+    assert not warned, f"a plain LoRA run of the README example logged {len(warned)} hf_ddpfix warnings: {warned[:5]}"
     sample = _plan_log_sample()  # docs/plan.md shows what this command prints
     assert sample.page_block((ROOT / "docs" / "plan.md").read_text()) == sample.extract(log), \
         "docs/plan.md's plan log differs from what README command 1 printed: python scripts/plan_log_sample.py --readme"

@@ -32,19 +32,22 @@ a = p.parse_args()
 world = int(os.environ.get("WORLD_SIZE", 1))
 
 
-class _Warnings(logging.Handler):
-    """Every hf_ddpfix log record at WARNING or above on this rank (a plain run must have none)."""
+class _Warnings(logging.Filter):
+    """Every hf_ddpfix log record at WARNING or above on this rank (a plain run must have none). A filter, not a
+    handler: a handler on the "hf_ddpfix" logger would stand in for hf_ddpfix's own output (no plan printed)."""
 
     def __init__(self) -> None:
-        super().__init__(logging.WARNING)
+        super().__init__()
         self.messages: list[str] = []
 
-    def emit(self, record: logging.LogRecord) -> None:
-        self.messages.append(record.getMessage())
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.levelno >= logging.WARNING:
+            self.messages.append(record.getMessage())
+        return True
 
 
 warned = _Warnings()
-logging.getLogger("hf_ddpfix").addHandler(warned)
+logging.getLogger("hf_ddpfix").addFilter(warned)
 if a.entry == "patch":
     patch_trainer()
 model = lora_llama(targets=("q_proj", "v_proj"), random_lora=False)
