@@ -2,7 +2,12 @@
 stock Trainer vs the patched Trainer, steady-state optimizer steps): no host read per micro-batch, at most one
 per optimizer step and only on a rank that left a parameter unused (none for text LoRA), and no collective
 beyond the one it replaces (stock's find_unused_parameters used-map all-reduce becomes the usage agreement,
-one byte per trainable tensor). Counts only: the times are the benchmark's, never a test's."""
+one byte per trainable tensor). Counts only: the times are the benchmark's, never a test's.
+
+One addition is deliberate and counted here exactly: the trainable-set watch (issue 28,
+``integrations/trainable_set.py``: a parameter unfrozen after wrapping is reduced or refused at that step, never
+a silent drift) gathers one byte per rank per optimizer step and reads it on the host (`WATCH`). Folding it into
+the usage agreement's all-reduce is open work (docs/fast-path.md)."""
 
 from __future__ import annotations
 
@@ -12,6 +17,8 @@ import pytest
 from launch import ROOT, torchrun
 
 BENCH = ROOT / "benchmarks" / "step_overhead.py"
+#: per optimizer step and rank: one all_gather of 1 byte, read as one list per rank of the world (2)
+WATCH = {"collective:allgather_": 1, "bytes:allgather_": 1, "read:tolist": 2}
 
 
 @pytest.mark.multiprocess
@@ -26,9 +33,12 @@ def test_hf_ddpfix_adds_no_host_read_per_micro_batch_and_no_collective(tmp_path)
         for rank, added in enumerate(per["added_by_rank"]):
             reads = {k: v for k, v in added.items() if k.startswith("read:")}
             collectives = {k: v for k, v in added.items() if k.startswith("collective:")}
-            assert collectives == {}, (case, rank, added)  # the same collectives, kind by kind
-            assert all(v <= 0 for k, v in added.items() if k.startswith("bytes:")), (case, rank, added)
+            # the same collectives, kind by kind, but the watch's
+            assert collectives == {"collective:allgather_": WATCH["collective:allgather_"]}, (case, rank, added)
+            assert added.get("bytes:allgather_") == WATCH["bytes:allgather_"], (case, rank, added)
+            assert all(v <= 0 for k, v in added.items() if k.startswith("bytes:") and k != "bytes:allgather_"), \
+                (case, rank, added)
             # text LoRA: nothing tied, nothing read; the VLM's text-only rank (1) reads the agreed mask once per
             # optimizer step (it has vision parameters to reset), the image rank (0) nothing
-            expected = {"read:tolist": 1} if (case == "vlm" and rank == 1) else {}
+            expected = {"read:tolist": WATCH["read:tolist"] + (1 if (case == "vlm" and rank == 1) else 0)}
             assert reads == expected, (case, rank, added)
