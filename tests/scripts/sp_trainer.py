@@ -203,7 +203,9 @@ def run(optim: str, ga: int, out: str, sp: int | None, via: str, batch: int = 2,
     with _Offload() if compose else contextlib.nullcontext():
         trainer.train()
     ev = trainer.evaluate()
-    pred = trainer.predict(eval_ds)
+    # Qwen-VL's rope_deltas are not a prediction: transformers 5.24 returns them on some batches only, and stock's
+    # evaluation loop then fails to concatenate a tuple with a tensor (the one-process reference, unpatched)
+    pred = trainer.predict(eval_ds, ignore_keys=["rope_deltas", "past_key_values"])  # and the default
     # the logits; transformers 5.0's Qwen-VL adds rope_deltas after them (a tuple of arrays)
     logits = pred.predictions[0] if isinstance(pred.predictions, tuple) else pred.predictions
     snap = {k: c.as_dict() for k, c in feature_counts.snapshot().items()}
