@@ -68,16 +68,17 @@ py=("$venv/bin/python" -m pytest -q -p no:cacheprovider)
 # 2-process cells (gloo): long context under DDP vs a single-process stock reference, TiledMLP + tiled loss
 # under DDP (patched calls counted: MLPs x steps x passes, no fallback), the reentrant-checkpointing fix
 # through the Trainer, and a VLM matrix cell with gradient accumulation; then the cells that matter most on new
-# releases: sequence parallelism's Ulysses parity (the SP Trainer cell is not run here: on transformers 5.24 the
-# stock one-process Qwen2.5-VL predict() of its reference returns a DynamicCache that accelerate cannot pad, before
-# any hf_ddpfix code runs; printed below), the trainer zoo (TRL's newest trainers, ZeRO-2/3: its README table is not compared off the
-# pinned stack, its cell classes are), and ZeRO skip-unused with accumulation 2 and reentrant checkpointing.
-echo "newest stack: NOT RUN (the stock reference fails on this transformers): tests/test_sequence_parallel.py::test_trainer_with_sequence_parallel_equals_the_run_without_it_and_one_process[2-2]"
+# releases: sequence parallelism through the Trainer (world 2: + composition, patches/, Qwen2.5-VL; its predict()
+# names the outputs that are not predictions in ignore_keys, as a user of transformers 5.24 must: the KV cache is
+# `cache` there and Qwen-VL adds `image_outputs` on image batches) and its Ulysses parity, the trainer zoo (TRL's
+# newest trainers, ZeRO-2/3: its README table is not compared off the pinned stack, its cell classes are), and
+# ZeRO skip-unused with accumulation 2 and reentrant checkpointing.
 "${py[@]}" \
   "tests/test_long_context.py::test_two_process_ddp_equals_single_process_stock_reference" \
   "tests/test_tiled.py::test_two_process_training_equals_single_process_reference[tiled_ddp.py-TILED_DDP]" \
   "tests/test_trainer_entry_points.py::test_ddp_with_reentrant_checkpointing_matches_single_process[patch]" \
   "tests/test_matrix.py::test_cell_trains_in_sync_with_stock_loss[vlm-ckpt-nonreentrant-ga-2]" \
+  "tests/test_sequence_parallel.py::test_trainer_with_sequence_parallel_equals_the_run_without_it_and_one_process[2-2]" \
   "tests/test_sequence_parallel.py::test_ulysses_attention_and_a_lora_llama_match_one_process_on_the_full_sequence[2]" \
   tests/test_trainer_zoo.py \
   "tests/test_deepspeed.py::test_zero_skip_unused_with_accumulation_2_and_reentrant_checkpointing_matches_stock_ddp"

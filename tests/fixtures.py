@@ -11,7 +11,8 @@ scripts under ``tests/scripts`` insert it themselves (``sys.path.insert(0, <test
   :func:`make_batch`, :func:`image_collate`; the Qwen-VL configs once, :func:`qwen_vl` (``tests/zoo.py``
   builds its Qwen entries with it). The wider model zoo of the usage tests is ``tests/zoo.py``.
 - Processes: :func:`init_gloo`, :func:`rank_log`, :func:`teardown`, DeepSpeed's CPU op
-  :func:`build_deepspeed_shm_op`; comparing ranks and references:
+  :func:`build_deepspeed_shm_op` and config :func:`zero_config`; a Trainer with samples in order
+  :func:`in_order`; a multi-case script's end :func:`finish_suite`; comparing ranks and references:
   :func:`trainable_weights`, :func:`flat_trainable`, :func:`weights_digest`, :func:`max_diff_across_ranks`,
   :func:`assert_same_across_ranks`, :func:`assert_weights_equal`;
   FSDP2 and tiling: :func:`shard_decoder`, :func:`tiled_stats`; DDP micro-batches: :func:`accumulate`;
@@ -211,6 +212,31 @@ class Verdicts:
             raise SystemExit(f"{self.tag} mismatch: {bad}")
 
 
+def in_order(cls: type) -> type:
+    """A subclass of the Trainer class ``cls`` whose training sampler is a ``SequentialSampler`` (stock's
+    shuffles): the samples in dataset order, so which rank and step gets which sample is fixed."""
+    from torch.utils.data import SequentialSampler
+
+    def _get_train_sampler(self: Any, *args: Any, **kwargs: Any) -> Any:
+        return SequentialSampler(self.train_dataset)
+
+    return type(f"InOrder{cls.__name__}", (cls,), {"_get_train_sampler": _get_train_sampler})
+
+
+def finish_suite(out: str, summary: dict[str, Any], failures: list[str], tag: str) -> None:
+    """The end of a multi-case script: rank 0 writes ``summary`` with ``failures`` as JSON to ``out``; then
+    every rank exits non-zero with ``<tag>_FAIL`` and the failures, or prints ``<tag>_OK`` and lets the
+    process group go."""
+    if dist.get_rank() == 0:
+        with open(out, "w") as f:
+            json.dump({**summary, "failures": failures}, f, indent=1, default=str)
+    if failures:
+        raise SystemExit(f"{tag}_FAIL " + "; ".join(failures))
+    print(f"{tag}_OK", flush=True)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
 def accumulate(ddp: nn.Module, batches: Iterable[dict[str, torch.Tensor]], ga: int) -> None:
     """Forward and backward ``ga`` micro-batches (each loss divided by ``ga``), every one but the last
     under ``ddp.no_sync()``: one gradient synchronisation per optimizer step, as the Trainer does."""
@@ -236,11 +262,12 @@ def trainable_weights(model: nn.Module) -> dict[str, torch.Tensor]:
     return {n: _full(p).clone() for n, p in params}
 
 
-def zero_config(stage: int) -> dict[str, Any]:
-    """The smallest DeepSpeed ZeRO config the Trainer fills in ("auto"); threshold 0 so that ZeRO-3 shards
-    the tiny test parameters too (else it keeps them whole and shards nothing)."""
+def zero_config(stage: int, shard_small: bool = True) -> dict[str, Any]:
+    """The smallest DeepSpeed ZeRO config the Trainer fills in ("auto"); ZeRO-3 with ``shard_small``: threshold
+    0 so that it shards the tiny test parameters too (else, DeepSpeed's default threshold, it keeps them whole
+    and shards nothing)."""
     zero: dict[str, Any] = {"stage": stage}
-    if stage == 3:
+    if stage == 3 and shard_small:
         zero.update(stage3_param_persistence_threshold=0)
     return {"train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto",
             "gradient_clipping": "auto", "zero_optimization": zero}

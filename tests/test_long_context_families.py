@@ -84,26 +84,33 @@ FAMILIES = {
 }
 
 
-def _grads(model, ids, labels):
-    model.zero_grad(set_to_none=True)
-    out = model(input_ids=ids, labels=labels)
-    out.loss.backward()
-    return out.loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
-
-
-def _run_family(name: str) -> dict:
+def _stock_and_copy(name: str):
+    """The family's model (seed 0, fp32, no KV cache, non-reentrant checkpointing, training mode) and a deep copy
+    of it to patch."""
     torch.manual_seed(0)
     stock = FAMILIES[name][0]().float()
     stock.config.use_cache = False
     stock.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     stock.train()
-    model = copy.deepcopy(stock)
+    return stock, copy.deepcopy(stock)
+
+
+def _grads(model, **batch):
+    """One forward and backward: the loss and every parameter's gradient."""
+    model.zero_grad(set_to_none=True)
+    out = model(**batch)
+    out.loss.backward()
+    return out.loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def _run_family(name: str) -> dict:
+    stock, model = _stock_and_copy(name)
     gen = torch.Generator().manual_seed(1)
     ids = torch.randint(3, 90, (2, SEQ), generator=gen)
-    loss0, g0 = _grads(stock, ids, ids)
+    loss0, g0 = _grads(stock, input_ids=ids, labels=ids)
     handle = apply_long_context(model, "all", tokens_per_tile=5, norm_chunk_tokens=7)
     feature_counts.reset()
-    loss1, g1 = _grads(model, ids, ids)
+    loss1, g1 = _grads(model, input_ids=ids, labels=ids)
     counts = feature_counts.snapshot().get("long_context")
     layers = [e for e in handle.report if "tiled_layer" in e.patched]
     n_layers = model.config.get_text_config().num_hidden_layers
@@ -195,24 +202,12 @@ def _batch(kind: str):
 def test_padded_and_packed_batches_run_patched_and_equal_stock(name, kind):
     """A padding or packed-documents mask reaches each layer; the patched path attends per document
     (ops/document_attention.py) with every feature on: loss and gradients equal stock within 1e-6."""
-    torch.manual_seed(0)
-    stock = FAMILIES[name][0]().float()
-    stock.config.use_cache = False
-    stock.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    stock.train()
-    model = copy.deepcopy(stock)
+    stock, model = _stock_and_copy(name)
     batch = _batch(kind)
-
-    def grads(m):
-        m.zero_grad(set_to_none=True)
-        out = m(**batch)
-        out.loss.backward()
-        return out.loss.detach(), {n: p.grad.clone() for n, p in m.named_parameters() if p.grad is not None}
-
-    loss0, g0 = grads(stock)
+    loss0, g0 = _grads(stock, **batch)
     handle = apply_long_context(model, "all", tokens_per_tile=5, norm_chunk_tokens=7)
     feature_counts.reset()
-    loss1, g1 = grads(model)
+    loss1, g1 = _grads(model, **batch)
     counts = feature_counts.snapshot().get("long_context")
     n_layers = model.config.get_text_config().num_hidden_layers
     assert handle.stats["patched calls"] == 2 * n_layers, dict(handle.stats)

@@ -50,7 +50,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
 import os
 import sys
 import time
@@ -61,9 +60,19 @@ os.environ.setdefault("DS_ACCELERATOR", "cpu")
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 from datasets import Dataset  # noqa: E402
-from fixtures import add_lora, build_qwen2_5_vl, lora, make_batch, tiny_llama, variable_length_ids  # noqa: E402
+from fixtures import (  # noqa: E402
+    add_lora,
+    build_qwen2_5_vl,
+    finish_suite,
+    in_order,
+    lora,
+    make_batch,
+    tiny_llama,
+    trainable_weights,
+    variable_length_ids,
+    zero_config,
+)
 from torch import nn  # noqa: E402
-from torch.utils.data import SequentialSampler  # noqa: E402
 from transformers import Trainer, TrainingArguments  # noqa: E402
 from zoo import ZERO_DISCOVERED, ZOO  # noqa: E402
 
@@ -76,24 +85,7 @@ SKIP_STEPS = 4  # the skip_unused cases: an image on rank 0 at step 0, none at s
 SKIP_CKPT = os.environ.get("DS_SKIP_CKPT", "off")  # the skip_unused cases with (non_)reentrant checkpointing
 ACCUM = int(os.environ.get("DS_TEST_GRAD_ACCUM", "1"))  # gradient accumulation of every case (the test: 2 for skip_unused)
 
-
-def ds_config(stage: int) -> dict:
-    """The smallest ZeRO config the Trainer fills in ("auto"); threshold 0 so ZeRO-3 shards tiny params."""
-    zero = {"stage": stage}
-    if stage == 3:
-        zero.update(stage3_param_persistence_threshold=0)
-    return {"train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto",
-            "gradient_clipping": "auto", "zero_optimization": zero}
-
-
-class Stock(Trainer):
-    def _get_train_sampler(self, *args, **kwargs):  # rank r gets samples r, r+2, ...: exact layouts
-        return SequentialSampler(self.train_dataset)
-
-
-class Fixed(DDPFixTrainer):
-    def _get_train_sampler(self, *args, **kwargs):
-        return SequentialSampler(self.train_dataset)
+Stock, Fixed = in_order(Trainer), in_order(DDPFixTrainer)  # rank r gets samples r, r+2, ...: exact layouts
 
 
 GEN_TOKENS = 3
@@ -247,16 +239,6 @@ def vlm_collate(batch):
 # ------------------------------------------------------------------------------------------------ runs
 
 
-def trainable_weights(model: nn.Module, stage: int | None) -> dict[str, torch.Tensor]:
-    params = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
-    if stage == 3:
-        import deepspeed
-
-        with deepspeed.zero.GatheredParameters([p for _, p in params]):
-            return {n: p.detach().clone() for n, p in params}
-    return {n: p.detach().clone() for n, p in params}
-
-
 def run(name: str, model: nn.Module, rows: list[dict], collate, *, stage: int | None, fixed: bool,
         ckpt: str = "off", accum: int = ACCUM, steps: int = STEPS, options: dict | None = None) -> dict:
     """Train ``steps`` optimizer steps (hf_ddpfix ``options`` as DDPFixConfig fields); returns weights, plan
@@ -267,7 +249,7 @@ def run(name: str, model: nn.Module, rows: list[dict], collate, *, stage: int | 
     t0 = time.time()
     kw: dict = {}
     if stage is not None:
-        kw["deepspeed"] = ds_config(stage)
+        kw["deepspeed"] = zero_config(stage)
     if ckpt != "off":
         kw.update(checkpointing_training_args(True, {"use_reentrant": ckpt == "reentrant"}))
     args = TrainingArguments(output_dir=f"/tmp/hf_ddpfix_ds_{name}", per_device_train_batch_size=1, max_steps=steps,
@@ -283,7 +265,7 @@ def run(name: str, model: nn.Module, rows: list[dict], collate, *, stage: int | 
     plan = getattr(trainer, "hf_ddpfix_plan", None)
     rt = getattr(trainer, "hf_ddpfix_runtime", None)
     zv = getattr(rt, "zero_vision", None)
-    out = {"weights": trainable_weights(model, stage), "seconds": time.time() - t0,
+    out = {"weights": trainable_weights(model), "seconds": time.time() - t0,
            "plan": plan.report() if plan is not None else None,
            "checkpointing": plan.checkpointing.value if plan is not None else None,
            "stabilizer": plan.vlm_stabilizer.value if plan is not None else None,
@@ -323,7 +305,7 @@ def train_and_evaluate(name: str, model: nn.Module, rows: list[dict], eval_rows:
     """Train ``STEPS`` steps (mixed layout), then evaluate, predict (logits) and predict by generation."""
     from hf_ddpfix.ops import feature_counts
 
-    kw: dict = {"deepspeed": ds_config(stage)} if stage is not None else {}
+    kw: dict = {"deepspeed": zero_config(stage)} if stage is not None else {}
     args = TrainingArguments(output_dir=f"/tmp/hf_ddpfix_ds_{name}", per_device_train_batch_size=1,
                              per_device_eval_batch_size=1, max_steps=STEPS, report_to=[], use_cpu=True,
                              save_strategy="no", learning_rate=1e-2, weight_decay=0.1, max_grad_norm=1.0,
@@ -344,7 +326,7 @@ def train_and_evaluate(name: str, model: nn.Module, rows: list[dict], eval_rows:
     trainer.generate_tokens = True
     gen = trainer.predict(Dataset.from_list(eval_rows))
     eval_counts = feature_counts.snapshot().get("stabilizer")
-    out = {"weights": trainable_weights(model, stage), "eval_loss": metrics["eval_loss"],
+    out = {"weights": trainable_weights(model), "eval_loss": metrics["eval_loss"],
            "predict_loss": pred.metrics["test_loss"], "logits": pred.predictions, "tokens": gen.predictions,
            "seconds": time.time() - t0,
            "train_dummies": train_counts.amounts.get("train_dummies", 0) if train_counts else 0,
@@ -438,11 +420,11 @@ def main() -> None:
                 failures.append(f"{name}: plan {got['skip_unused']}, counts {counts} (expected off, nothing run)")
     if a.suite == "text":
         rows = [{"input_ids": ids} for ids in variable_length_ids(n, lengths=(6, 11, 8, 14, 9, 12))]
-        start = trainable_weights(lora(tiny_llama(0)), None)
+        start = trainable_weights(lora(tiny_llama(0)))
         ref = run("ddp_ref_text", lora(tiny_llama(0)), rows, text_collate, stage=None, fixed=False,
                   ckpt="non_reentrant")
         torch.manual_seed(0)
-        moe_start = trainable_weights(TinyMoE(), None)
+        moe_start = trainable_weights(TinyMoE())
         torch.manual_seed(0)
         ref_moe = run("ddp_ref_moe", TinyMoE(), moe_rows(n), text_collate, stage=None, fixed=False)
         for stage in (2, 3):
@@ -464,7 +446,7 @@ def main() -> None:
         models = [add_lora(build_qwen2_5_vl(0)) for _ in range(7)]
         skip_models = [add_lora(build_qwen2_5_vl(0)) for _ in range(4)]  # DDP ref, ZeRO-2 on, ZeRO-3 on, ZeRO-2 off
         llava = [ZOO["llava"].model(0) for _ in range(3)]
-        start, llava_start = trainable_weights(models[0], None), trainable_weights(llava[0], None)
+        start, llava_start = trainable_weights(models[0]), trainable_weights(llava[0])
         ga_rows = vlm_rows(STEPS * world * 2, "ga")
         ref = run("ddp_ref_vlm", models[0], rows, vlm_collate, stage=None, fixed=False, ckpt="non_reentrant")
         llava_rows = zoo_rows("llava", n, set(range(0, n, 2)))  # rank 0 always with an image, rank 1 never
@@ -502,12 +484,12 @@ def main() -> None:
             failures.append(f"zero3_vlm_text_fixed: {got['dummy_runs']} dummy runs on rank {rank}")
     elif a.suite == "skip_unused":  # the vlm suite's skip_unused cases alone (the test: GA 2, reentrant)
         skip_models = [add_lora(build_qwen2_5_vl(0)) for _ in range(4)]
-        skip_start = trainable_weights(skip_models[0], None)
+        skip_start = trainable_weights(skip_models[0])
         skip_unused_cases(skip_models, skip_start, skip_unused_ref(skip_models[0]))
     elif a.suite == "skip_unused_paligemma":  # by hand: a head outside the loss (SigLIP pooling), ZeRO-3
         models = [ZOO_ALL["paligemma"].model(0) for _ in range(3)]
         rows = zoo_rows("paligemma", n, set(range(0, n, 2)))
-        start = trainable_weights(models[0], None)
+        start = trainable_weights(models[0])
         ref = run("ddp_ref_paligemma", models[0], rows, zoo_collate, stage=None, fixed=False)
         for model, on in ((models[1], True), (models[2], False)):
             name = f"zero3_paligemma_skip_{'on' if on else 'off'}"
@@ -556,7 +538,7 @@ def main() -> None:
             cases = []
         models = {f: (ZOO_ALL[f].model(0), ZOO_ALL[f].model(0)) for f, _ in cases}  # before any ZeRO-3 args
         rows = {f: zoo_rows(f, n, set(range(0, n, 2))) for f, _ in cases}  # rank 0 always with an image, 1 never
-        starts = {f: trainable_weights(models[f][0], None) for f, _ in cases}
+        starts = {f: trainable_weights(models[f][0]) for f, _ in cases}
         refs = {f: run(f"ddp_ref_{f}", models[f][0], rows[f], zoo_collate, stage=None, fixed=False)
                 for f, _ in cases}  # every DDP reference before the first DeepSpeed TrainingArguments
         for family, stage in cases:
@@ -576,14 +558,7 @@ def main() -> None:
             fixed=False)
         print("STOCK_TRAINED", flush=True)
 
-    if rank == 0:
-        with open(a.out, "w") as f:
-            json.dump({**summary, "failures": failures}, f, indent=1, default=str)
-    if failures:
-        raise SystemExit("DEEPSPEED_FAIL " + "; ".join(failures))
-    print("DEEPSPEED_OK", flush=True)
-    dist.barrier()
-    dist.destroy_process_group()
+    finish_suite(a.out, summary, failures, "DEEPSPEED")
 
 
 if __name__ == "__main__":

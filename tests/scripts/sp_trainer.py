@@ -39,6 +39,12 @@ TOL_LOSS = 2e-6  # logged losses, eval and predict losses: measured <= 9.5e-7 (2
 TOL_GRAD_NORM = 1.5e-6  # logged grad norms: measured <= 7.2e-7
 TOL_LOGITS = 2.5e-6  # predict() logits: measured <= 1.2e-6
 
+#: model outputs that are not predictions, for `predict(ignore_keys=...)` (it replaces the model's default; a name a
+#: release lacks is harmless): the KV cache (`past_key_values`; 5.24: `cache`, which accelerate cannot pad), Qwen-VL's
+#: `rope_deltas`, and 5.24's `image_outputs` (the vision tower's output, on image batches only: stock's evaluation
+#: loop cannot concatenate those batches' tuples with the others' logits)
+NOT_PREDICTIONS = ("past_key_values", "cache", "rope_deltas", "image_outputs")
+
 
 def dataset(n: int, seed: int) -> Dataset:
     g = torch.Generator().manual_seed(seed)
@@ -203,9 +209,8 @@ def run(optim: str, ga: int, out: str, sp: int | None, via: str, batch: int = 2,
     with _Offload() if compose else contextlib.nullcontext():
         trainer.train()
     ev = trainer.evaluate()
-    # Qwen-VL's rope_deltas are not a prediction: transformers 5.24 returns them on some batches only, and stock's
-    # evaluation loop then fails to concatenate a tuple with a tensor (the one-process reference, unpatched)
-    pred = trainer.predict(eval_ds, ignore_keys=["rope_deltas", "past_key_values"])  # and the default
+    # what a user of these releases passes: outputs that are not predictions (stock gathers every other output)
+    pred = trainer.predict(eval_ds, ignore_keys=list(NOT_PREDICTIONS))
     # the logits; transformers 5.0's Qwen-VL adds rope_deltas after them (a tuple of arrays)
     logits = pred.predictions[0] if isinstance(pred.predictions, tuple) else pred.predictions
     snap = {k: c.as_dict() for k, c in feature_counts.snapshot().items()}

@@ -20,40 +20,16 @@ import sys
 import torch
 import torch.distributed as dist
 from datasets import Dataset
-from torch.utils.data import SequentialSampler
-from transformers import Trainer, TrainerCallback, TrainingArguments
+from transformers import Trainer, TrainingArguments
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))  # tests/: fixtures
-from fixtures import teardown, tiny_llama  # noqa: E402
+from _unfreeze import Unfreeze, build, collate, rows  # noqa: E402
+from fixtures import in_order, teardown  # noqa: E402
 
 from hf_ddpfix import DDPFixTrainer  # noqa: E402
 
 STEPS, UNFREEZE_AT = 4, 2
 LENGTHS = (9, 14, 7, 12)
-
-
-class Unfreeze(TrainerCallback):
-    def on_step_begin(self, args, state, control, model=None, **kwargs):
-        if state.global_step + 1 == UNFREEZE_AT:
-            self.model.lm_head.weight.requires_grad_(True)
-
-
-def build() -> torch.nn.Module:
-    model = tiny_llama(0)
-    for name, p in model.named_parameters():
-        p.requires_grad_("self_attn" in name)
-    return model.train()
-
-
-def rows() -> list[dict]:
-    g = torch.Generator().manual_seed(0)
-    return [{"input_ids": torch.randint(1, 64, (LENGTHS[i // 2 % len(LENGTHS)],), generator=g).tolist()}
-            for i in range(2 * STEPS)]
-
-
-def collate(batch):
-    ids = torch.tensor([b["input_ids"] for b in batch])
-    return {"input_ids": ids, "labels": ids.clone()}
 
 
 def train(kind: str, opt: str, world: int) -> dict[str, torch.Tensor]:
@@ -65,16 +41,9 @@ def train(kind: str, opt: str, world: int) -> dict[str, torch.Tensor]:
     args = TrainingArguments(output_dir=f"/tmp/hf_ddpfix_unfreeze_{kind}_{opt}", per_device_train_batch_size=2 // world,
                              max_steps=STEPS, report_to=[], use_cpu=True, save_strategy="no", max_grad_norm=1.0,
                              remove_unused_columns=False, disable_tqdm=True, seed=0, logging_steps=1)
-    cls = DDPFixTrainer if kind == "fixed" else Trainer
-
-    class Sequential(cls):
-        def _get_train_sampler(self, *a, **k):
-            return SequentialSampler(self.train_dataset)
-
-    cb = Unfreeze()
-    cb.model = model
-    trainer = Sequential(model=model, args=args, train_dataset=Dataset.from_list(rows()), data_collator=collate,
-                         optimizers=(optimizer, None), callbacks=[cb])
+    cls = in_order(DDPFixTrainer if kind == "fixed" else Trainer)
+    trainer = cls(model=model, args=args, train_dataset=Dataset.from_list(rows(STEPS, LENGTHS)), data_collator=collate,
+                  optimizers=(optimizer, None), callbacks=[Unfreeze(model, UNFREEZE_AT)])
     trainer.train()
     out = {n: p.detach().clone() for n, p in model.named_parameters() if "self_attn" in n or "lm_head" in n}
     del trainer

@@ -19,12 +19,11 @@ import sys
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
-import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
+from _unfreeze import Unfreeze, build, collate, rows  # noqa: E402
 from datasets import Dataset  # noqa: E402
-from fixtures import teardown, tiny_llama, trainable_weights  # noqa: E402
-from torch.utils.data import SequentialSampler  # noqa: E402
-from transformers import Trainer, TrainerCallback, TrainingArguments  # noqa: E402
+from fixtures import in_order, teardown, trainable_weights, zero_config  # noqa: E402
+from transformers import Trainer, TrainingArguments  # noqa: E402
 
 from hf_ddpfix import DDPFixTrainer  # noqa: E402
 from hf_ddpfix.integrations.trainable_set import TrainableSetChangedError  # noqa: E402
@@ -33,54 +32,14 @@ STEPS, UNFREEZE_AT = 3, 2
 LENGTHS = (9, 14, 7)
 
 
-class Unfreeze(TrainerCallback):
-    def __init__(self, model):
-        self.model = model
-
-    def on_step_begin(self, args, state, control, **kwargs):
-        if state.global_step + 1 == UNFREEZE_AT:
-            self.model.lm_head.weight.requires_grad_(True)
-
-
-def build() -> torch.nn.Module:
-    model = tiny_llama(0)
-    for name, p in model.named_parameters():
-        p.requires_grad_("self_attn" in name)
-    return model.train()
-
-
-def rows() -> list[dict]:
-    g = torch.Generator().manual_seed(0)
-    return [{"input_ids": torch.randint(1, 64, (LENGTHS[i // 2 % len(LENGTHS)],), generator=g).tolist()}
-            for i in range(2 * STEPS)]
-
-
-def collate(batch):
-    ids = torch.tensor([b["input_ids"] for b in batch])
-    return {"input_ids": ids, "labels": ids.clone()}
-
-
-def ds_config(stage: int) -> dict:
-    zero = {"stage": stage}
-    if stage == 3:
-        zero.update(stage3_param_persistence_threshold=0)
-    return {"train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto",
-            "gradient_clipping": "auto", "zero_optimization": zero}
-
-
 def train(cls, stage: int, unfreeze: bool, tag: str):
     model = build()
     args = TrainingArguments(output_dir=f"/tmp/hf_ddpfix_unfreeze_ds_{tag}", per_device_train_batch_size=1,
                              max_steps=STEPS, report_to=[], use_cpu=True, save_strategy="no", max_grad_norm=1.0,
                              learning_rate=1e-2, weight_decay=0.1, remove_unused_columns=False, disable_tqdm=True,
-                             seed=0, logging_steps=1, deepspeed=ds_config(stage))
-
-    class Sequential(cls):
-        def _get_train_sampler(self, *a, **k):
-            return SequentialSampler(self.train_dataset)
-
-    trainer = Sequential(model=model, args=args, train_dataset=Dataset.from_list(rows()), data_collator=collate,
-                         callbacks=[Unfreeze(model)] if unfreeze else [])
+                             seed=0, logging_steps=1, deepspeed=zero_config(stage))
+    trainer = in_order(cls)(model=model, args=args, train_dataset=Dataset.from_list(rows(STEPS, LENGTHS)),
+                            data_collator=collate, callbacks=[Unfreeze(model, UNFREEZE_AT)] if unfreeze else [])
     trainer.train()
     return trainable_weights(model)  # the attention projections (ZeRO-3 partitions gathered)
 

@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
 import os
 import sys
 import tempfile
@@ -46,8 +45,8 @@ os.environ.setdefault("DS_ACCELERATOR", "cpu")
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 from datasets import Dataset  # noqa: E402
+from fixtures import finish_suite, in_order, trainable_weights, zero_config  # noqa: E402
 from torch import nn  # noqa: E402
-from torch.utils.data import SequentialSampler  # noqa: E402
 from transformers import Trainer, TrainingArguments  # noqa: E402
 from zoo import ZERO_LOADED, ZOO  # noqa: E402
 
@@ -62,22 +61,7 @@ STOCK_TIMEOUT_S = 60  # the stock suite's gloo collective timeout
 SEQUENCE_KEYS = ("input_ids", "labels")
 
 
-class Stock(Trainer):
-    def _get_train_sampler(self, *args, **kwargs):  # rank r gets samples r, r+2, ...: exact layouts
-        return SequentialSampler(self.train_dataset)
-
-
-class Fixed(DDPFixTrainer):
-    def _get_train_sampler(self, *args, **kwargs):
-        return SequentialSampler(self.train_dataset)
-
-
-def ds_config(persistence: str) -> dict:
-    zero: dict = {"stage": 3}
-    if persistence == "0":
-        zero["stage3_param_persistence_threshold"] = 0
-    return {"train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto",
-            "gradient_clipping": "auto", "zero_optimization": zero}
+Stock, Fixed = in_order(Trainer), in_order(DDPFixTrainer)  # rank r gets samples r, r+2, ...: exact layouts
 
 
 def rows_of(family: str, n: int, images: set[int]) -> list[dict]:
@@ -115,16 +99,6 @@ def load(family: str, path: str) -> nn.Module:
 _CLASSES: dict[str, type] = {}
 
 
-def trainable_weights(model: nn.Module) -> dict[str, torch.Tensor]:
-    import deepspeed
-
-    params = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
-    if any(hasattr(p, "ds_id") for _, p in params):
-        with deepspeed.zero.GatheredParameters([p for _, p in params]):
-            return {n: p.detach().clone() for n, p in params}
-    return {n: p.detach().clone() for n, p in params}
-
-
 def run(name: str, family: str, path: str, rows: list[dict], *, persistence: str | None, fixed: bool,
         eval_rows: list[dict] | None = None) -> dict:
     """TrainingArguments first, then ``from_pretrained``, then train ``STEPS`` steps (and evaluate)."""
@@ -132,7 +106,8 @@ def run(name: str, family: str, path: str, rows: list[dict], *, persistence: str
 
     t0 = time.time()
     early = load(family, path) if os.environ.get("Z3L_BUILD_FIRST") == "1" else None  # by hand: unpartitioned
-    kw = {"deepspeed": ds_config(persistence)} if persistence is not None else {}
+    # persistence "0": ZeRO-3 shards the tiny parameters too; "default": DeepSpeed's threshold keeps them whole
+    kw = {"deepspeed": zero_config(3, shard_small=persistence == "0")} if persistence is not None else {}
     args = TrainingArguments(output_dir=f"/tmp/hf_ddpfix_z3l_{name}", per_device_train_batch_size=1,
                              per_device_eval_batch_size=1, max_steps=STEPS, report_to=[], use_cpu=True,
                              save_strategy="no", learning_rate=1e-2, weight_decay=0.1, max_grad_norm=1.0,
@@ -256,14 +231,7 @@ def main() -> None:
                 if got["stabilizer"] is not True or (got["train_dummies"], got["eval_dummies"]) != want:
                     failures.append(f"{name}: stabiliser {got['stabilizer']}, dummies rank {rank} "
                                     f"{got['train_dummies']}/{got['eval_dummies']} (expected {want})")
-    if rank == 0:
-        with open(a.out, "w") as fh:
-            json.dump({**summary, "failures": failures}, fh, indent=1, default=str)
-    if failures:
-        raise SystemExit("ZERO3_LOADED_FAIL " + "; ".join(failures))
-    print("ZERO3_LOADED_OK", flush=True)
-    dist.barrier()
-    dist.destroy_process_group()
+    finish_suite(a.out, summary, failures, "ZERO3_LOADED")
 
 
 if __name__ == "__main__":

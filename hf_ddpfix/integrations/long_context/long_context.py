@@ -65,6 +65,7 @@ from ...ops.grouped_attention import grouped_flash_attention, kv_groups_for
 from ...ops.rms_norm import DEFAULT_CHUNK_TOKENS, rms_norm
 from ...ops.tiled import sync_shards
 from ...ops.token_tiles import DEFAULT_TOKENS_PER_TILE, tiled_token_map, tiles_for
+from .forward_patch import restore_forward
 from .layer_call import LayerCall, bind_layer_call
 from .layer_forms import (
     LayerForm,
@@ -421,14 +422,4 @@ def apply_long_context(
 
 def remove_long_context(model: nn.Module) -> int:
     """Undo ``apply_long_context`` on every module of ``model``; returns how many were restored."""
-    count = 0
-    for m in model.modules():
-        fwd = m.__dict__.get("forward")
-        if isinstance(fwd, (_NormForward, _LayerForward)):
-            if fwd.prev is None:
-                del m.__dict__["forward"]
-            else:
-                m.__dict__["forward"] = fwd.prev
-            m.__dict__.pop(_LAYER_ATTR, None)
-            count += 1
-    return count
+    return sum(restore_forward(m, (_NormForward, _LayerForward), _LAYER_ATTR) for m in model.modules())

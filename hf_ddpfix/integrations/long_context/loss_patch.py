@@ -32,6 +32,7 @@ from torch import nn
 from ..._compat import cache_output_field, causal_lm_loss_function, forward_source, output_cache, unwrap_model
 from ...ops.feature_counts import record_amount, record_fallback, record_ran
 from ...ops.tiled_loss import tiled_causal_lm_loss
+from .forward_patch import restore_forward
 
 __all__ = ["TiledLossHandle", "patch_model_loss", "unpatch_model_loss"]
 
@@ -274,12 +275,4 @@ def patch_model_loss(model: nn.Module, *, chunk_tokens: int | None = None, in_ev
 
 def unpatch_model_loss(model: nn.Module) -> bool:
     """Undo ``patch_model_loss``; returns True when a patch was removed."""
-    target = unwrap_model(model)
-    fwd = target.__dict__.get("forward")
-    if not isinstance(fwd, _TiledLossForward):
-        return False
-    if fwd.prev is None:
-        del target.__dict__["forward"]
-    else:
-        target.__dict__["forward"] = fwd.prev
-    return True
+    return restore_forward(unwrap_model(model), _TiledLossForward)

@@ -39,6 +39,7 @@ from ...ops.tiled import (
     sync_shards,
     tiled_call,
 )
+from .forward_patch import restore_forward
 from .token_wise import intermediate_size, is_token_wise
 
 __all__ = ["TiledMLPEntry", "TiledMLPHandle", "apply_tiled_mlp", "remove_tiled_mlp"]
@@ -246,14 +247,4 @@ def remove_tiled_mlp(model: nn.Module) -> int:
 
     Guarantees: afterwards no module of ``model`` runs tiled and each has its previous forward.
     """
-    count = 0
-    for module in model.modules():
-        fwd = module.__dict__.get("forward")
-        if isinstance(fwd, _TiledForward):
-            if fwd.prev is None:
-                del module.__dict__["forward"]
-            else:
-                module.__dict__["forward"] = fwd.prev
-            module.__dict__.pop(_STATE_ATTR, None)
-            count += 1
-    return count
+    return sum(restore_forward(module, _TiledForward, _STATE_ATTR) for module in model.modules())
