@@ -45,7 +45,7 @@ from ...ops.feature_counts import record_amount
 from ...ops.sequence_parallel.inputs import IGNORE_INDEX, shard_batch
 from ...ops.sequence_parallel.loss import shard_loss_rows
 from ...ops.sequence_parallel.multimodal import shard_language_model_inputs
-from ..vision.families import find_vision_adapter, get_submodule, is_vision_language_model
+from ..vision.families import TOWER_NAMES, find_vision_adapter, get_submodule, is_vision_language_model
 from .attention import FEATURE, activate_batch, keep_full_sequence
 
 __all__ = ["PER_ITEM_KEYS", "PER_TOKEN_KEYS", "SEQUENCE_PARALLEL_VISION_FAMILIES", "VisionSequenceParallelFamily",
@@ -70,6 +70,8 @@ class VisionSequenceParallelFamily:
     language_model_paths: tuple[str, ...] = ("model.language_model", "language_model")
     text_positions_from_2d: bool = False
     cut_keywords: tuple[str, ...] = ()
+    #: built from the model's structure (`structural_family`), not from the table
+    structural: bool = False
 
 
 #: The families whose parity with one process is tested (tests/scripts/sp_parity.py, "vlm/*" cases).
@@ -85,7 +87,8 @@ SEQUENCE_PARALLEL_VISION_FAMILIES: dict[str, VisionSequenceParallelFamily] = {
 PER_TOKEN_KEYS = ("mm_token_type_ids", "token_type_ids")
 #: per-image / per-video batch keys (flattened patches, grids, frame times): concatenated along dim 0 in
 #: batch order, which is the order their tokens appear in the merged rows.
-PER_ITEM_KEYS = ("pixel_values", "image_grid_thw", "pixel_values_videos", "video_grid_thw", "second_per_grid_ts")
+PER_ITEM_KEYS = ("pixel_values", "image_grid_thw", "pixel_values_videos", "video_grid_thw", "second_per_grid_ts",
+                 "image_sizes")
 _TEXT_KEYS = ("input_ids", "labels", "attention_mask", "position_ids")
 BATCH_KEYS = _TEXT_KEYS + PER_TOKEN_KEYS + PER_ITEM_KEYS
 #: decoder call keywords the hook passes on unchanged (no per-token content)
@@ -111,21 +114,81 @@ def reads_text_positions_from_rotary_rows(decoder: nn.Module) -> bool | None:
     return re.search(r"else:\s*\n\s*text_position_ids\s*=\s*position_ids\[0\]", src) is not None
 
 
+#: the decoder forward's named parameters a structural family may have (anything else, e.g. Mllama's
+#: `cross_attention_states`, means image features reach the decoder another way than `inputs_embeds`)
+_DECODER_PARAMS = frozenset({"self", "input_ids", "attention_mask", "position_ids", "past_key_values", "inputs_embeds",
+                             "use_cache", "cache_position", "output_attentions", "output_hidden_states", "return_dict",
+                             "kwargs", "args"})
+
+
+def _decoder(hf: nn.Module, paths: tuple[str, ...]) -> nn.Module | None:
+    lm = next((m for m in (get_submodule(hf, p) for p in paths) if m is not None), None)
+    if lm is None and callable(getattr(hf, "get_decoder", None)):
+        try:
+            lm = hf.get_decoder()
+        except (AttributeError, NotImplementedError, TypeError):
+            lm = None
+    return lm if isinstance(lm, nn.Module) and lm is not hf else None
+
+
+def vision_tower(hf: nn.Module) -> nn.Module | None:
+    """The VLM's vision tower: its adapter's (`families.find_vision_adapter`, ZeRO view: every family it knows or
+    discovers), else the outermost module named like one (`vision_tower`, `vision_model`, `visual`, ...)."""
+    adapter = find_vision_adapter(hf, zero=True)
+    if adapter is not None:
+        return adapter.tower
+    for path, module in hf.named_modules():
+        if path and path.rsplit(".", 1)[-1] in TOWER_NAMES:
+            return module
+    return None
+
+
+def structural_family(hf: nn.Module) -> tuple[VisionSequenceParallelFamily | None, str]:
+    """A VLM outside the table, judged by its structure: `(family, "")` when its image features are merged into the
+    text decoder's `inputs_embeds` (the decoder at `model.language_model` / `language_model` / `get_decoder()`
+    takes nothing but text-decoder inputs), it has a vision tower, and it computes no multimodal (M-RoPE) position
+    ids; else `(None, reason)`. Its image attention (Gemma 3's bidirectional image blocks, sliding windows) comes
+    from the masks the model itself builds on the full sequence (`VisionSequenceSharding`)."""
+    mt = getattr(hf.config, "model_type", None)
+    head = f"{type(hf).__name__} (model_type {mt!r})"
+    paths = ("model.language_model", "language_model")
+    lm = _decoder(hf, paths)
+    if lm is None:
+        return None, f"{head}: no text decoder at {' / '.join(paths)} or get_decoder() (where sequence parallelism cuts)"
+    inner = get_submodule(hf, "model") or hf
+    if any(callable(getattr(m, "get_rope_index", None)) for m in (hf, inner)):
+        return None, (f"{head} computes multimodal (M-RoPE) position ids (get_rope_index) whose rule for a sharded "
+                      f"decoder is untested (tested M-RoPE families: {', '.join(SEQUENCE_PARALLEL_VISION_FAMILIES)})")
+    params = set(inspect.signature(lm.forward).parameters)
+    if "inputs_embeds" not in params:
+        return None, f"{head}: its text decoder {type(lm).__name__} takes no inputs_embeds (the merged tokens)"
+    other = sorted(params - _DECODER_PARAMS)
+    if other:
+        return None, (f"{head}: its text decoder {type(lm).__name__} takes {other}: image features reach it besides "
+                      "inputs_embeds (e.g. cross-attention), which hf_ddpfix does not know how to cut")
+    if vision_tower(hf) is None:
+        return None, f"{head}: no vision tower found (named one of {list(TOWER_NAMES)})"
+    return VisionSequenceParallelFamily(str(mt), text_positions_from_2d=True, structural=True), ""
+
+
 def vision_sequence_parallel_support(model: nn.Module) -> tuple[VisionSequenceParallelFamily | None, str]:
     """`(family, "")` for a VLM hf_ddpfix shards, `(None, reason)` for a VLM it refuses, `(None, "")` for a
-    model without a vision config. Pure: reads the model's structure and forward signatures."""
+    model without a vision config. Pure: reads the model's structure and forward signatures.
+
+    The Qwen-VL families (M-RoPE, 3-D position ids, deepstack features) come from the table; any other VLM is
+    judged by its structure (`structural_family`)."""
     hf = unwrap_model(model)
     if not is_vision_language_model(hf):
         return None, ""
-    supported = ", ".join(SEQUENCE_PARALLEL_VISION_FAMILIES)
     adapter = find_vision_adapter(hf)
     name = adapter.family.name if adapter is not None else None
     fam = SEQUENCE_PARALLEL_VISION_FAMILIES.get(name) if name else None
     if fam is None:
-        what = f"vision family {name}" if name else f"model_type {getattr(hf.config, 'model_type', None)!r}"
-        return None, (f"{type(hf).__name__} ({what}) is a vision-language model whose "
-                      "image tokens, attention mask and position ids hf_ddpfix does not know how to keep whole "
-                      f"across sequence shards (supported: {supported})")
+        found, why = structural_family(hf)
+        if found is None:
+            return None, (f"{why}; a vision-language model is sharded when its image features enter the text "
+                          "decoder's inputs_embeds")
+        return found, ""
     lm = next((m for m in (get_submodule(hf, p) for p in fam.language_model_paths) if m is not None), None)
     if lm is None:
         return None, (f"{type(hf).__name__}: no text decoder at {' / '.join(fam.language_model_paths)} (the "
@@ -137,6 +200,26 @@ def vision_sequence_parallel_support(model: nn.Module) -> tuple[VisionSequencePa
     if missing:
         return None, f"{type(hf).__name__}: its text decoder's forward takes no {missing} (the inputs that are cut)"
     return fam, ""
+
+
+def pad_prepared_mask(mask: torch.Tensor | None, length: int) -> torch.Tensor | None:
+    """A decoder mask the VLM prepared on the full sequence (`[B|1, 1, S, S]` bool, True: may attend; None: plain
+    causal), padded to `length`: the padding keys masked, every token may attend to itself (a padding row is never
+    all-masked). Attention uses it for the layers the model hands it to (`attention.activate_batch`).
+
+    Raises:
+        NotImplementedError: a mask that is not a boolean `[.., 1, S, S]` tensor (a float / block mask)."""
+    if mask is None:
+        return None
+    if not torch.is_tensor(mask) or mask.dtype != torch.bool or mask.dim() != 4 or mask.shape[1] != 1 \
+            or mask.shape[-1] != mask.shape[-2]:
+        raise NotImplementedError(f"sequence parallelism: the VLM prepared a decoder mask hf_ddpfix cannot pad "
+                                  f"({type(mask).__name__} {getattr(mask, 'dtype', '')} "
+                                  f"{tuple(getattr(mask, 'shape', ()))}; a boolean [B, 1, S, S] is)")
+    s = mask.shape[-1]
+    out = mask.new_zeros(*mask.shape[:2], length, length)
+    out[..., :s, :s] = mask
+    return out | torch.eye(length, dtype=torch.bool, device=mask.device)
 
 
 def _pad_right(t: torch.Tensor, length: int, value: int | float) -> torch.Tensor:
@@ -214,11 +297,11 @@ class VisionSequenceSharding:
 
     def __init__(self, model: nn.Module, family: VisionSequenceParallelFamily, group: Any = None) -> None:
         hf = unwrap_model(model)
-        lm = next((m for m in (get_submodule(hf, p) for p in family.language_model_paths) if m is not None), None)
-        adapter = find_vision_adapter(hf)
-        if lm is None or adapter is None:
+        lm = _decoder(hf, family.language_model_paths)
+        tower = vision_tower(hf)
+        if lm is None or tower is None:
             raise ValueError(f"{type(hf).__name__}: no text decoder / vision tower for family {family.name}")
-        self.family, self.group, self.language_model, self.tower = family, group, lm, adapter.tower
+        self.family, self.group, self.language_model, self.tower = family, group, lm, tower
         self.size, self.rank = dist.get_world_size(group), dist.get_rank(group)
         self.text_from_3_rows = bool(reads_text_positions_from_rotary_rows(lm))
         self._expect: tuple[int, int] | None = None  # (length, padded length) of the pending sharded call
@@ -281,7 +364,12 @@ class VisionSequenceSharding:
             raise NotImplementedError(f"sequence parallelism: the text decoder of {self.family.name} was called with "
                                       f"{unknown}, which hf_ddpfix does not know how to cut")
         mask = kwargs.get("attention_mask")
-        if mask is not None and not (torch.is_tensor(mask) and mask.dim() == 2):
+        prepared = None  # masks the model made on the full sequence (Gemma 3: image blocks, sliding windows)
+        if isinstance(mask, Mapping) or (torch.is_tensor(mask) and mask.dim() == 4):
+            if not self.family.structural:
+                raise NotImplementedError("sequence parallelism: the decoder got a prepared (non 2-D) attention mask")
+            prepared, mask = mask, None
+        elif mask is not None and not (torch.is_tensor(mask) and mask.dim() == 2):
             raise NotImplementedError("sequence parallelism: the decoder got a prepared (non 2-D) attention mask")
         if embeds.shape[1] != expect[0]:
             raise RuntimeError(f"sequence parallelism: the decoder got {embeds.shape[1]} tokens, the batch has "
@@ -294,8 +382,16 @@ class VisionSequenceSharding:
             text_positions_from_3_rows=self.text_from_3_rows)
         if cut.padded_length != expect[1]:
             raise RuntimeError(f"sequence parallelism: padded to {cut.padded_length} tokens, labels to {expect[1]}")
-        activate_batch(cut.documents, self.group)  # stays active for a checkpointed backward
-        new = dict(kwargs, inputs_embeds=cut.inputs_embeds, position_ids=cut.position_ids, attention_mask=None)
+        own: dict[str, Any] | None = None
+        if prepared is not None:
+            full = {k: pad_prepared_mask(v, cut.padded_length) for k, v in
+                    (prepared.items() if isinstance(prepared, Mapping) else [("", prepared)])}
+            own = full if isinstance(prepared, Mapping) else full[""]
+            record_amount(FEATURE, "vision_model_masks", 1)
+        # stays active for a checkpointed backward
+        activate_batch(cut.documents, self.group,
+                       own_masks=[m for m in (own.values() if isinstance(own, dict) else [own]) if m is not None])
+        new = dict(kwargs, inputs_embeds=cut.inputs_embeds, position_ids=cut.position_ids, attention_mask=own)
         if "visual_pos_masks" in kwargs:
             new["visual_pos_masks"] = cut.visual_pos_masks
         if "deepstack_visual_embeds" in kwargs:
