@@ -110,10 +110,12 @@ def decide_sequence_parallel(facts: RunFacts, config: DDPFixConfig) -> Decision:
                         f"use a sequence_parallel that divides {facts.world_size}")
     if sp is not None and sp.vision_refusal:
         raise PlanError(f"{where}: {sp.vision_refusal}; train it without sequence parallelism")
-    if sp is not None and sp.vision_family and facts.parallel == "deepspeed":
-        raise PlanError(f"{where}: {sp.vision_family} under DeepSpeed ZeRO: hf_ddpfix's sequence parallelism for "
-                        "vision-language models (tower and image merge on the full sequence, the ZeRO dummy image) "
-                        "is tested under DDP only; launch it under DDP, or train without sequence parallelism")
+    stage = facts.deepspeed.stage if facts.deepspeed is not None else facts.zero_stage
+    if sp is not None and sp.vision_family and facts.parallel == "deepspeed" and stage != 2:
+        raise PlanError(f"{where}: {sp.vision_family} under DeepSpeed ZeRO stage {stage}: hf_ddpfix's "
+                        "sequence parallelism for vision-language models (tower and image merge on the full sequence, "
+                        "the ZeRO dummy image) is tested under DDP and ZeRO-2 only; launch it under DDP or ZeRO-2, or "
+                        "train without sequence parallelism")
     impl = sp.attn_implementation if sp else None
     if impl != "sdpa":
         raise PlanError(f"{where}: attention implementation {impl!r} cannot be sharded (eager attention is called "
@@ -150,6 +152,6 @@ def decide_sequence_parallel(facts: RunFacts, config: DDPFixConfig) -> Decision:
             raise PlanError(f"{where}: {refusal}")
         reason += f"; {why}"
     if sp is not None and sp.vision_family:
-        reason += (f"; {sp.vision_family}: vision tower, image merge and 3-D position ids on the full sequence, "
-                   "the text decoder sharded")
+        reason += (f"; {sp.vision_family}: vision tower, image merge and position ids (3-D for M-RoPE) on the full "
+                   "sequence, the text decoder sharded")
     return Decision(f"N={n} DP={dp}" + (" via parallelism_config" if from_pc else ""), reason, changed=True)

@@ -251,6 +251,7 @@ def main() -> None:
                         "also its failure to start with sp_size=2 alone")
     p.add_argument("--check-leftover-mpu", action="store_true",
                    help="also: an engine built with DeepSpeed's SP groups left in the process is refused")
+    p.add_argument("--vlm", type=int, default=1, help="1: also the VLM cell (sp_deepspeed_vlm.py)")
     a = p.parse_args()
     r, world = init_gloo()
     import deepspeed
@@ -294,6 +295,11 @@ def main() -> None:
                              and (not ev or rec["eval_diff"] <= TOL_LOSS))
             v.add(rec)
             log(f"hf_ddpfix {zero} {optim}: {got['seconds']:.1f}s")
+    if a.vlm:  # a VLM (LLaVA, vision LoRA) under ZeRO-2 with hf_ddpfix's SP vs one process
+        from sp_deepspeed_vlm import vlm_zero2_cell
+
+        vlm_zero2_cell(v, a.ga, SP, ds_config, Recorder, TOL_WEIGHT, TOL_LOSS)
+        log("hf_ddpfix vlm zero2 done")
     if world > SP and a.stock:  # DP > 1: stock needs dp_replicate_size = world / sp_size besides sp_size
         try:
             train("zero2", "sgd", "stock", a.ga)

@@ -240,7 +240,8 @@ def merge_vision_batches(batches: list[Mapping[str, torch.Tensor]], pad_token_id
     Raises:
         ValueError: a batch key outside `BATCH_KEYS`, or a key present in some batches and not in others
             where filling it in would change the result (`position_ids`, `mm_token_type_ids`: an image
-            typed as text in one batch would take another batch's grid), or images without their grid.
+            typed as text in one batch would take another batch's grid), or images without their grid where
+            another batch has one.
     """
     unknown = sorted({k for b in batches for k in b} - set(BATCH_KEYS))
     if unknown:
@@ -250,7 +251,8 @@ def merge_vision_batches(batches: list[Mapping[str, torch.Tensor]], pad_token_id
         if any(have) and not all(have):
             raise ValueError(f"{key} is in some batches of the group and not in others")
     for pv, grid in (("pixel_values", "image_grid_thw"), ("pixel_values_videos", "video_grid_thw")):
-        if any((b.get(pv) is None) != (b.get(grid) is None) for b in batches):
+        gridded = any(b.get(grid) is not None for b in batches)  # a grid family (Qwen-VL); LLaVA & co. have none
+        if gridded and any((b.get(pv) is None) != (b.get(grid) is None) for b in batches):
             raise ValueError(f"a batch has {pv} without {grid} (or the reverse)")
     length = max(int(b["input_ids"].shape[1]) for b in batches)
     with_mask = any(b.get("attention_mask") is not None for b in batches)
