@@ -95,12 +95,15 @@ def test_merge_keeps_images_in_token_order_and_pads_rows():
     (lambda b: b.update(cross_attention_mask=torch.ones(1)), "not sharded"),
     (lambda b: b.pop("mm_token_type_ids"), "mm_token_type_ids is in some batches"),
     (lambda b: b.update(image_grid_thw=torch.tensor([[1, 2, 2]])), "pixel_values without image_grid_thw"),
+    (lambda b: b.update(pixel_values=torch.zeros(1, 2, 3, 4, 4)), "cannot be concatenated"),
 ])
 def test_merge_refuses_what_it_cannot_keep_exact(change, match):
     from hf_ddpfix.integrations.sequence_parallel.vision import merge_vision_batches
 
     batches = [{"input_ids": torch.ones(1, 3, dtype=torch.long), "labels": torch.ones(1, 3, dtype=torch.long),
                 "mm_token_type_ids": torch.zeros(1, 3, dtype=torch.long)} for _ in range(2)]
+    if match == "cannot be concatenated":  # Idefics-style [B, images, C, H, W] with another number of images per row
+        batches[0]["pixel_values"] = torch.zeros(1, 1, 3, 4, 4)
     change(batches[1])
     with pytest.raises(ValueError, match=match):
         merge_vision_batches(batches)

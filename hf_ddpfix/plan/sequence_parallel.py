@@ -9,8 +9,8 @@ Pure: facts in, a `Decision` out, or a `PlanError` before training when the comb
 | attention "eager" (or not through the interface)| eager is called directly, never wrapped    | attn_implementation="sdpa"  |
 | H % N != 0 / KV heads neither divisible nor replicable | heads are what the all-to-all splits | N dividing the head count   |
 | FSDP / single process                           | Trainer path not built (below)             | DDP or DeepSpeed ZeRO       |
-| a VLM outside `SEQUENCE_PARALLEL_VISION_FAMILIES`| its image tokens / mask / positions would be cut blindly | train it without SP |
-| a VLM under DeepSpeed ZeRO                      | the VLM path is tested under DDP only      | DDP                         |
+| a VLM whose images do not enter the decoder's `inputs_embeds` (cross-attention: Mllama), or M-RoPE outside `SEQUENCE_PARALLEL_VISION_FAMILIES` | its image inputs / positions would be cut blindly | train it without SP |
+| a VLM under DeepSpeed ZeRO-1 / ZeRO-3           | the VLM path is tested under DDP and ZeRO-2 | DDP or ZeRO-2              |
 | a MoE router loss (`output_router_logits`)      | a per-slice load-balancing loss is not the sequence's | output_router_logits=False |
 | a model without an LM head (classifier, reward) | its pooled score needs the whole sequence  | train it without SP         |
 | a non-stock loss on a VLM                       | the VLM outputs are not made whole yet     | the stock loss, or no SP    |

@@ -21,7 +21,7 @@ TOL_LOSS = 2e-6  # as sp_parity.py's: 2 fp32 ulps of a loss near 5.5
 TOL_GRAD = 1e-6  # measured <= 2.4e-7 (N = 2 and 4, torch 2.13 CPU fp32)
 
 
-def _batches(with_types: bool, sizes: bool) -> dict[str, dict[str, torch.Tensor]]:
+def _batches(with_types: bool, sizes: bool, per_row: bool = False) -> dict[str, dict[str, torch.Tensor]]:
     """An image whose 4 tokens straddle the middle shard border (6..9 of 16), two images in one row, a text-only row,
     and a prompt-masked mixed batch (lengths 15 and 11: right padding, not divisible by N)."""
     g = torch.Generator().manual_seed(5)
@@ -41,7 +41,12 @@ def _batches(with_types: bool, sizes: bool) -> dict[str, dict[str, torch.Tensor]
         out = {"input_ids": ids, "labels": labels}
         if not bool(mask.all()):
             out["attention_mask"] = mask
-        if n_img:
+        if n_img and per_row:  # Idefics-style [B, images, C, H, W]: all-zero images are padding (dropped)
+            most = max(len(st) for _, st in rows)
+            out["pixel_values"] = torch.zeros(len(rows), most, 3, 28, 28)
+            for i, (_, starts) in enumerate(rows):
+                out["pixel_values"][i, :len(starts)] = torch.randn(len(starts), 3, 28, 28, generator=g)
+        elif n_img:
             out["pixel_values"] = torch.randn(n_img, 3, 28, 28, generator=g)
             if sizes:
                 out["image_sizes"] = torch.tensor([[28, 28]] * n_img)
@@ -66,7 +71,7 @@ def _reference_loss(model, batch: dict[str, torch.Tensor]) -> torch.Tensor:
 
 
 def generic_vlm_cases(v, n: int, r: int, families: tuple[str, ...] = ("llava", "gemma3", "internvl", "mistral3")) -> None:
-    from zoo import ZOO
+    from zoo import MORE_VLMS, ZERO_DISCOVERED, ZERO_LOADED, ZOO
 
     from hf_ddpfix.integrations.sequence_parallel import install_ulysses_attention
     from hf_ddpfix.integrations.sequence_parallel.attention import deactivate_batch
@@ -80,7 +85,7 @@ def generic_vlm_cases(v, n: int, r: int, families: tuple[str, ...] = ("llava", "
     handle = install_ulysses_attention("sdpa")
     try:
         for name in families:
-            model = ZOO[name].model(seed=0)
+            model = {**MORE_VLMS, **ZERO_LOADED, **ZERO_DISCOVERED, **ZOO}[name].model(seed=0)
             text_cfg = model.base_model.model.config.text_config
             if name == "mistral3":
                 text_cfg.sliding_window = 6  # read at every forward: the window cuts a 16-token sequence
@@ -93,9 +98,11 @@ def generic_vlm_cases(v, n: int, r: int, families: tuple[str, ...] = ("llava", "
             sharding = VisionSequenceSharding(model, family).attach()
             params = [(k, p) for k, p in model.named_parameters() if p.requires_grad]
             layers = text_cfg.num_hidden_layers
-            batches = _batches(name == "gemma3", name == "mistral3")
+            batches = _batches(name == "gemma3", name == "mistral3", per_row=name in ("idefics2", "idefics3", "smolvlm"))
             cases = [*batches.items()]
-            if name == "gemma3":  # the recomputed layers must find the model's own masks again
+            # the recomputed layers must find Gemma 3's own masks again; Idefics2's connector (its own attention,
+            # outside the tower) must stay unsharded when recomputed while the decoder's batch is active
+            if name in ("gemma3", "idefics2"):
                 cases.append(("image_across_shards_checkpointed", batches["image_across_shards"]))
             for case, batch in cases:
                 checkpointed = case.endswith("_checkpointed")
@@ -133,7 +140,7 @@ def generic_vlm_cases(v, n: int, r: int, families: tuple[str, ...] = ("llava", "
                     want = ref_grads.get(k)
                     gdiff = max(gdiff, (gr if want is None else gr - want).abs().max().item())
                 has_image = "pixel_values" in batch
-                vision_grads = [k for k in ref_grads if "vision_tower" in k or "projector" in k]
+                vision_grads = [k for k in ref_grads if any(t in k for t in ("vision", "projector", "connector"))]
                 ldiff = abs(total.item() - ref.item())
                 ok = (ldiff <= TOL_LOSS and gdiff <= TOL_GRAD and snap is not None and not snap.fallbacks
                       and snap.ran == layers * (2 if checkpointed else 1)

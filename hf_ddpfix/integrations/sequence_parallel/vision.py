@@ -1,7 +1,7 @@
 """Sequence parallelism for vision-language models: the vision tower, the image merge and the 3-D (M-RoPE)
 position ids run on the full sequence, only the text decoder runs on this rank's slice.
 
-How (Qwen2-VL, Qwen2.5-VL, Qwen3-VL; transformers 5.x layout `model.language_model`):
+How (the table's Qwen2-VL, Qwen2.5-VL, Qwen3-VL; transformers 5.x layout `model.language_model`):
   - every rank of an SP group calls the model on the *whole* merged batch (`input_ids`, `pixel_values`,
     `image_grid_thw`, `mm_token_type_ids`, ...). The model's own forward embeds the tokens, runs the
     vision tower on every image, scatters the features into the embeddings (so an image's tokens are
@@ -12,8 +12,9 @@ How (Qwen2-VL, Qwen2.5-VL, Qwen3-VL; transformers 5.x layout `model.language_mod
     (`ops.sequence_parallel.multimodal.shard_language_model_inputs`: embeddings, position ids,
     Qwen3-VL's visual mask and deepstack features), drops the 2-D mask (attention gets the
     full-sequence mask from the documents instead) and activates Ulysses attention for the decoder;
-  - the vision tower's own attention (it goes through the same attention interface) always runs as
-    given (`keep_full_sequence`), also when a checkpointed backward recomputes it;
+  - the attention of every module outside the text decoder (the vision tower; a connector with its own
+    attention, e.g. Idefics2's perceiver resampler) always runs as given (`keep_full_sequence`), also when a
+    checkpointed backward recomputes it;
   - the logits are this rank's slice; the caller takes the cross-entropy against labels shifted on the
     full sequence (`shard_batch`).
 
@@ -23,10 +24,18 @@ through the slice), so the parameters are used on every rank of a group that has
 without one is the stabiliser's text-only micro-batch (`integrations/vision/stabilizer.py`: dummy image
 tied with zero gradients, grads `None` when no rank saw an image in the step), which needs no change.
 
-What the plan refuses (`vision_sequence_parallel_support`), naming the reason: VLMs of other families (other
-attention masks, e.g. Gemma 3's bidirectional image attention, or unknown decoder inputs), a family whose
-decoder is not found where the table says, or whose decoder forward lacks the keywords we cut. At run time
-a decoder call with an input we do not know how to cut raises (never a silently wrong result).
+Any other VLM is judged by its structure (`structural_family`: LLaVA, Gemma 3, InternVL, Mistral 3, Aya Vision,
+Idefics2/3, SmolVLM, VipLLaVA, Cohere2-Vision on transformers 5.23): its image features are merged into the text
+decoder's `inputs_embeds`, the decoder's forward takes nothing else, and it computes no M-RoPE ids. The hook
+then cuts embeddings and 2-D position ids as above; masks the model prepared itself on the full sequence (Gemma 3:
+bidirectional attention inside each image, sliding-window layers; a dict per layer type) are padded
+(`pad_prepared_mask`) and used by the Ulysses attention for the layers the model hands them to.
+
+What the plan refuses (`vision_sequence_parallel_support`), naming the model and the reason: image features that
+reach the decoder besides `inputs_embeds` (Mllama's cross-attention), M-RoPE outside the table (Qwen3-VL-MoE), no
+decoder or tower found, a table family whose decoder forward lacks the keywords we cut. At run time a decoder call
+with an input we do not know how to cut, or a prepared mask that is not boolean, raises (never a silently wrong
+result).
 """
 
 from __future__ import annotations
@@ -241,7 +250,7 @@ def merge_vision_batches(batches: list[Mapping[str, torch.Tensor]], pad_token_id
         ValueError: a batch key outside `BATCH_KEYS`, or a key present in some batches and not in others
             where filling it in would change the result (`position_ids`, `mm_token_type_ids`: an image
             typed as text in one batch would take another batch's grid), or images without their grid where
-            another batch has one.
+            another batch has one, or per-image tensors whose shapes differ beyond their first dimension.
     """
     unknown = sorted({k for b in batches for k in b} - set(BATCH_KEYS))
     if unknown:
@@ -281,7 +290,13 @@ def merge_vision_batches(batches: list[Mapping[str, torch.Tensor]], pad_token_id
         for key in PER_ITEM_KEYS:
             if b.get(key) is not None:
                 add(key, b[key])
-    merged = {k: torch.cat(v, 1 if k == "position_ids" and v[0].dim() == 3 else 0) for k, v in out.items()}
+    merged = {}
+    for k, v in out.items():
+        dim = 1 if k == "position_ids" and v[0].dim() == 3 else 0
+        if len({tuple(t.shape[:dim]) + tuple(t.shape[dim + 1:]) for t in v}) > 1:  # e.g. Idefics3's images per row
+            raise ValueError(f"{k} of shapes {[tuple(t.shape) for t in v]} cannot be concatenated over the group's "
+                             "batches")
+        merged[k] = torch.cat(v, dim)
     return merged
 
 
@@ -303,7 +318,7 @@ class VisionSequenceSharding:
         tower = vision_tower(hf)
         if lm is None or tower is None:
             raise ValueError(f"{type(hf).__name__}: no text decoder / vision tower for family {family.name}")
-        self.family, self.group, self.language_model, self.tower = family, group, lm, tower
+        self.family, self.group, self.language_model, self.tower, self.root = family, group, lm, tower, hf
         self.size, self.rank = dist.get_world_size(group), dist.get_rank(group)
         self.text_from_3_rows = bool(reads_text_positions_from_rotary_rows(lm))
         self._expect: tuple[int, int] | None = None  # (length, padded length) of the pending sharded call
@@ -313,7 +328,11 @@ class VisionSequenceSharding:
         """Hook the decoder, keep the tower's attention on the full sequence (idempotent)."""
         if not self._undo:
             handle = self.language_model.register_forward_pre_hook(self._pre_hook, with_kwargs=True)
-            self._undo = [handle.remove, keep_full_sequence(self.tower.modules())]
+            # everything outside the text decoder sees whole images / the whole sequence (the tower, and a
+            # connector with its own attention: Idefics2's perceiver resampler)
+            decoder = {id(m) for m in self.language_model.modules()}
+            outside = [m for m in self.root.modules() if id(m) not in decoder]
+            self._undo = [handle.remove, keep_full_sequence(outside)]
         return self
 
     def remove(self) -> None:
