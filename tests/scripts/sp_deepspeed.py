@@ -264,6 +264,12 @@ def main() -> None:
     start = {n: q.detach().clone() for n, q in lora_llama(attn_implementation="sdpa").named_parameters()
              if q.requires_grad}
     v = Verdicts("SPDS", a.out)
+    # first: a ZeRO-3 engine earlier in the process leaves transformers building models under zero.Init
+    if a.vlm:  # a VLM (LLaVA, vision LoRA) under ZeRO-2 with hf_ddpfix's SP vs one process
+        from sp_deepspeed_vlm import vlm_zero2_cell
+
+        vlm_zero2_cell(v, a.ga, SP, ds_config, Recorder, TOL_WEIGHT, TOL_LOSS)
+        log("hf_ddpfix vlm zero2 done")
     for zero in filter(None, a.zero.split(",")):
         for optim in OPTIM:
             mode = "arg" if (zero, optim) == ("zero2", "adamw_clip") else "pc"
@@ -295,11 +301,6 @@ def main() -> None:
                              and (not ev or rec["eval_diff"] <= TOL_LOSS))
             v.add(rec)
             log(f"hf_ddpfix {zero} {optim}: {got['seconds']:.1f}s")
-    if a.vlm:  # a VLM (LLaVA, vision LoRA) under ZeRO-2 with hf_ddpfix's SP vs one process
-        from sp_deepspeed_vlm import vlm_zero2_cell
-
-        vlm_zero2_cell(v, a.ga, SP, ds_config, Recorder, TOL_WEIGHT, TOL_LOSS)
-        log("hf_ddpfix vlm zero2 done")
     if world > SP and a.stock:  # DP > 1: stock needs dp_replicate_size = world / sp_size besides sp_size
         try:
             train("zero2", "sgd", "stock", a.ga)
