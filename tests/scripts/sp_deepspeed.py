@@ -268,7 +268,9 @@ def main() -> None:
     if a.vlm:  # a VLM (LLaVA, vision LoRA) under ZeRO-2 with hf_ddpfix's SP vs one process
         from sp_deepspeed_vlm import vlm_zero2_cell
 
-        vlm_zero2_cell(v, a.ga, SP, ds_config, Recorder, TOL_WEIGHT, TOL_LOSS)
+        # DDP first: a DeepSpeed Trainer leaves ACCELERATE_USE_DEEPSPEED set for the next one
+        vlm_zero2_cell(v, a.ga, SP, ds_config, Recorder, TOL_WEIGHT, TOL_LOSS, zero=None)
+        vlm_zero2_cell(v, a.ga, SP, ds_config, Recorder, TOL_WEIGHT, TOL_LOSS, zero=2)
         log("hf_ddpfix vlm zero2 done")
     for zero in filter(None, a.zero.split(",")):
         for optim in OPTIM:

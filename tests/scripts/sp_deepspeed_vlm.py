@@ -98,8 +98,10 @@ def _reference(steps: list[list[dict]]) -> dict:
             "losses": losses}
 
 
-def vlm_zero2_cell(v, ga: int, sp: int, ds_config, recorder_cls, tol_weight: float, tol_loss: float) -> None:
-    """Train, gather every rank's batches and counters, compare with one process on rank 0 (module docstring)."""
+def vlm_zero2_cell(v, ga: int, sp: int, ds_config, recorder_cls, tol_weight: float, tol_loss: float,
+                   zero: int | None = 2) -> None:
+    """Train, gather every rank's batches and counters, compare with one process on rank 0 (module docstring).
+    `zero=None`: the same run under DDP (no DeepSpeed config)."""
     from transformers import Trainer, TrainingArguments
 
     from hf_ddpfix import patch_trainer, unpatch_trainer
@@ -111,10 +113,10 @@ def vlm_zero2_cell(v, ga: int, sp: int, ds_config, recorder_cls, tol_weight: flo
     feature_counts.reset()
     model = _model()
     rec = recorder_cls(collate)
-    args = TrainingArguments(output_dir="/tmp/hf_ddpfix_spds_vlm", per_device_train_batch_size=2,
+    args = TrainingArguments(output_dir=f"/tmp/hf_ddpfix_spds_vlm_{zero}", per_device_train_batch_size=2,
                              gradient_accumulation_steps=ga, max_steps=STEPS, report_to=[], use_cpu=True,
                              save_strategy="no", remove_unused_columns=False, disable_tqdm=True, seed=0,
-                             logging_steps=1, deepspeed=ds_config(2, None), **OPTIM)
+                             logging_steps=1, deepspeed=ds_config(zero, None) if zero else None, **OPTIM)
     t0 = time.time()
     trainer = Trainer(model=model, args=args, train_dataset=_Data(_samples(2 * ga * STEPS * world, 3)),
                       data_collator=rec)
@@ -144,10 +146,15 @@ def vlm_zero2_cell(v, ga: int, sp: int, ds_config, recorder_cls, tol_weight: flo
                       and x["vision_sharded_forwards"] == STEPS * ga and x["tower_attention_calls"] > 0
                       and x["engine_sp"] in (None, 1) and x["plan"].startswith(f"N={sp} DP={world // sp}")
                       for x in per_rank)
-    out = {"case": "hf_ddpfix_vlm/zero2/sgd_clip_wd", "model": "llava", "world": world, "sp": sp, "ga": ga,
+    out = {"case": f"hf_ddpfix_vlm/{f'zero{zero}' if zero else 'ddp'}/sgd_clip_wd", "model": "llava", "world": world, "sp": sp, "ga": ga,
            "seconds": round(seconds, 1), "losses": losses, "per_rank": per_rank,
            "images_per_step": [sum("pixel_values" in b[k * ga + m] for b in batches for m in range(ga))
-                               for k in range(STEPS)], "ok": counters_ok}
+                               for k in range(STEPS)],
+           # micro-batches where one SP group had images and another none (the tower runs on one group only)
+           "mixed_group_micro_batches": sum(
+               len({any("pixel_values" in batches[g * sp + j][m] for j in range(sp)) for g in range(world // sp)}) > 1
+               for m in range(STEPS * ga)),
+           "ok": counters_ok}
     if r == 0:
         steps = [[b[k * ga + m] for b in batches for m in range(ga)] for k in range(STEPS)]
         ref = _reference(steps)
