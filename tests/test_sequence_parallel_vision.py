@@ -334,3 +334,26 @@ def test_the_documents_rule_is_the_installed_decoders_own(family):
     docs = language_model_documents(pos, None, batch=1, length=8, text_positions_from_2d=flag,
                                     text_positions_from_3_rows=flag)
     assert blocked == bool(docs[0, 5] != docs[0, 0]), (family, blocked, flag, docs.tolist())
+
+
+def test_a_vlm_sp_cannot_handle_is_a_plan_error_from_the_model_itself():
+    """Facts read from a real Mllama (images through cross-attention) -> the plan: a PlanError naming the model and
+    why, before any step; LLaVA from the same path is planned with its family named."""
+    from zoo import ZOO
+
+    from hf_ddpfix.config import DDPFixConfig
+    from hf_ddpfix.integrations.sequence_parallel.facts import gather_sequence_parallel_facts
+    from hf_ddpfix.plan.resolve import resolve_plan
+    from hf_ddpfix.plan.types import PlanError, RunFacts
+
+    cfg = DDPFixConfig.from_env({}, sequence_parallel=2)
+    for name in ("mllama", "llava"):
+        sp = dataclasses.replace(gather_sequence_parallel_facts(None, ZOO[name].build(0)), attn_implementation="sdpa")
+        facts = RunFacts(parallel="ddp", world_size=2, sequence_parallel=sp)
+        if name == "mllama":
+            with pytest.raises(PlanError, match="MllamaForConditionalGeneration .*cross_attention_states.*without "
+                                                "sequence parallelism"):
+                resolve_plan(facts, cfg)
+        else:
+            d = resolve_plan(facts, cfg).sequence_parallel
+            assert d.value == "N=2 DP=1" and "llava: vision tower, image merge" in d.reason
