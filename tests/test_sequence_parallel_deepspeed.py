@@ -4,7 +4,8 @@ Ulysses, switched on by `TrainingArguments(parallelism_config=ParallelismConfig(
 gaps predicted to the number (updates sp_size x too large, a mean of per-micro-batch means).
 
 One launch of 4 processes (one process group, engines built in turn): hf_ddpfix at DP 2 x SP 2 on ZeRO-2 and
-ZeRO-3 with both `reduce_scatter` settings, SGD and AdamW with clipping, then `evaluate()`; stock's failure to
+ZeRO-3 with both `reduce_scatter` settings, SGD and AdamW with clipping, then `evaluate()`; a VLM (LLaVA) on ZeRO-2
+(tests/scripts/sp_deepspeed_vlm.py); stock's failure to
 start with `sp_size=2` alone; stock DeepSpeed SP at SP 4 (DP 1) on the same three ZeRO settings; an engine left
 with DeepSpeed's SP groups, refused by hf_ddpfix's run-time check. Stock cannot run DP > 1 on gloo: with
 `dp_replicate_size=2` its loss's differentiable `all_gather` fails in backward on the ranks of the second SP
@@ -56,6 +57,25 @@ def test_dp2_sp2_zero2_zero3_both_reduce_scatter_settings_equal_one_process(reco
     # hf_ddpfix's run-time check: an engine that kept DeepSpeed's SP groups would scale the loss wrongly: refused
     leftover = records["hf_ddpfix/zero2/leftover_sp_engine"]
     assert leftover["ok"] and "sequence_parallel_size=2" in leftover["error"], leftover
+
+
+@pytest.mark.multiprocess
+def test_a_vlm_under_zero2_and_ddp_dp2_sp2_equals_one_process_with_vision_lora(records):
+    """Tiny LLaVA (LoRA on the tower, projector and decoder), `patch_trainer(sequence_parallel=2)` under ZeRO-2 at
+    DP 2 x SP 2, GA 3, SGD with weight decay and clipping, images in every third sample (tests/scripts/
+    sp_deepspeed_vlm.py): weights within 2e-7 (measured 1.5e-8) and logged losses within 2e-6 (measured 4.8e-7, one
+    float32 ulp) of one process on the whole batch; on every rank the tower ran unsharded, the decoder sharded on
+    every micro-batch of its group, nothing fell back, DeepSpeed saw plain data parallelism; some micro-batches
+    had images in one SP group and none in the other. The same run under DDP too."""
+    for via in ("zero2", "ddp"):  # the same run under DDP beside it: weights 3.0e-8, losses 4.8e-7
+        r = records[f"hf_ddpfix_vlm/{via}/sgd_clip_wd"]
+        assert r["ok"] and r["weight_diff"] <= TOL_WEIGHT and r["loss_diff"] <= TOL_LOSS, r
+        assert r["vision_lora"] > 0 and all(n > 0 for n in r["images_per_step"]) and r["mixed_group_micro_batches"] > 0
+        assert len(r["per_rank"]) == 4
+        for x in r["per_rank"]:
+            assert x["plan"].startswith("N=2 DP=2") and x["engine_sp"] in (None, 1) and not x["fallbacks"], x
+            assert x["sharded_batches"] == 2 * 3 * 2 and x["vision_sharded_forwards"] == 2 * 3
+            assert x["tower_attention_calls"] > 0
 
 
 @pytest.mark.multiprocess

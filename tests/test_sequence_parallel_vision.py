@@ -6,6 +6,8 @@ Trainer run in tests/scripts/sp_trainer.py (--vlm)."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -81,18 +83,27 @@ def test_merge_keeps_images_in_token_order_and_pads_rows():
     assert m["mm_token_type_ids"][3].tolist() == [1, 1, 0, 0, 0]
     a2 = dict(a, attention_mask=torch.ones(1, 5, dtype=torch.long))
     assert merge_vision_batches([a2, b])["attention_mask"][1].tolist() == [1, 1, 1, 0, 0]
+    # a family without grids (LLaVA & co.): whole images [N, C, H, W] and their sizes, concatenated in batch order
+    img = [{"input_ids": torch.ones(1, 3, dtype=torch.long), "labels": torch.ones(1, 3, dtype=torch.long),
+            "pixel_values": torch.full((k, 3, 2, 2), float(k)), "image_sizes": torch.full((k, 2), k)} for k in (2, 1)]
+    m = merge_vision_batches([img[0], {"input_ids": torch.ones(1, 2, dtype=torch.long),
+                                       "labels": torch.ones(1, 2, dtype=torch.long)}, img[1]])
+    assert m["pixel_values"][:, 0, 0, 0].tolist() == [2.0, 2.0, 1.0] and m["image_sizes"][:, 0].tolist() == [2, 2, 1]
 
 
 @pytest.mark.parametrize(("change", "match"), [
     (lambda b: b.update(cross_attention_mask=torch.ones(1)), "not sharded"),
     (lambda b: b.pop("mm_token_type_ids"), "mm_token_type_ids is in some batches"),
-    (lambda b: b.update(pixel_values=torch.zeros(4, 3)), "pixel_values without image_grid_thw"),
+    (lambda b: b.update(image_grid_thw=torch.tensor([[1, 2, 2]])), "pixel_values without image_grid_thw"),
+    (lambda b: b.update(pixel_values=torch.zeros(1, 2, 3, 4, 4)), "cannot be concatenated"),
 ])
 def test_merge_refuses_what_it_cannot_keep_exact(change, match):
     from hf_ddpfix.integrations.sequence_parallel.vision import merge_vision_batches
 
     batches = [{"input_ids": torch.ones(1, 3, dtype=torch.long), "labels": torch.ones(1, 3, dtype=torch.long),
                 "mm_token_type_ids": torch.zeros(1, 3, dtype=torch.long)} for _ in range(2)]
+    if match == "cannot be concatenated":  # Idefics-style [B, images, C, H, W] with another number of images per row
+        batches[0]["pixel_values"] = torch.zeros(1, 1, 3, 4, 4)
     change(batches[1])
     with pytest.raises(ValueError, match=match):
         merge_vision_batches(batches)
@@ -114,18 +125,63 @@ def test_tested_qwen_families_are_sharded(family):
     assert fam is not None and fam.name == family and reason == ""
 
 
-def test_other_vlms_and_text_models():
+@pytest.mark.parametrize("name", ["llava", "gemma3", "internvl", "mistral3"])
+def test_vlms_whose_images_enter_the_decoders_inputs_embeds_are_sharded_by_structure(name):
+    """No table: the text decoder (model.language_model / get_decoder()) takes only decoder inputs, a tower exists,
+    no M-RoPE. Its tower is the module whose attention stays unsharded."""
+    from zoo import ZOO
+
+    from hf_ddpfix.integrations.sequence_parallel.vision import vision_sequence_parallel_support, vision_tower
+
+    model = ZOO[name].build(0)
+    fam, reason = vision_sequence_parallel_support(model)
+    assert fam is not None and fam.structural and fam.name == model.config.model_type and reason == "", reason
+    assert vision_tower(model) is model.model.vision_tower
+
+
+def test_other_vlms_are_refused_naming_the_model_and_why_and_text_models_are_not_vlms():
     from fixtures import build_qwen3_vl_moe, tiny_llama
-    from zoo import _llava
+    from zoo import ZOO
 
     from hf_ddpfix.integrations.sequence_parallel.vision import vision_sequence_parallel_support
 
     assert vision_sequence_parallel_support(tiny_llama()) == (None, "")
-    for model in (_llava(0), build_qwen3_vl_moe(0)):
-        if model is None:
-            continue
-        fam, reason = vision_sequence_parallel_support(model)
-        assert fam is None and "supported: qwen2_vl, qwen2_5_vl, qwen3_vl" in reason and type(model).__name__ in reason
+    fam, reason = vision_sequence_parallel_support(ZOO["mllama"].build(0))  # image features through cross-attention
+    assert fam is None and "MllamaForConditionalGeneration" in reason and "cross_attention_states" in reason
+    moe = build_qwen3_vl_moe(0)
+    if moe is not None:  # M-RoPE outside the tested table
+        fam, reason = vision_sequence_parallel_support(moe)
+        assert fam is None and type(moe).__name__ in reason and "M-RoPE" in reason and "qwen2_5_vl" in reason
+
+
+def test_a_prepared_decoder_mask_is_padded_with_masked_keys_and_self_attending_pad_rows():
+    import torch
+
+    from hf_ddpfix.integrations.sequence_parallel.vision import pad_prepared_mask
+
+    m = torch.ones(1, 1, 3, 3, dtype=torch.bool).tril()
+    m[0, 0, 0, 2] = True  # a bidirectional block
+    out = pad_prepared_mask(m, 4)
+    assert out.shape == (1, 1, 4, 4) and torch.equal(out[..., :3, :3], m)
+    assert out[0, 0, 3].tolist() == [False, False, False, True] and not out[0, 0, :3, 3].any()
+    assert pad_prepared_mask(None, 4) is None
+    with pytest.raises(NotImplementedError, match="boolean"):
+        pad_prepared_mask(torch.zeros(1, 1, 3, 3), 4)
+
+
+def test_the_sliding_window_on_the_documents_mask_is_transformers_overlay():
+    import torch
+
+    from hf_ddpfix.integrations.sequence_parallel.attention import _Batch
+    from hf_ddpfix.ops.sequence_parallel import attention_mask_from_documents
+
+    docs = torch.tensor([[0, 0, 0, 0, 1, 1, -1, -1]])
+    got = _Batch(None, attention_mask_from_documents(docs), 8).windowed(3)[0, 0]
+    q, k = torch.arange(8)[:, None], torch.arange(8)[None, :]
+    want = (k <= q) & (k > q - 3) & (docs[0][:, None] == docs[0][None, :]) & (docs[0] >= 0)[None, :]
+    assert torch.equal(got, want | torch.eye(8, dtype=torch.bool))
+    causal = _Batch(None, None, 5).windowed(2)[0, 0]
+    assert causal[4].tolist() == [False, False, False, True, True]
 
 
 def _facts(parallel="ddp", **sp):
@@ -142,13 +198,20 @@ def test_plan_refuses_a_vlm_it_cannot_shard_naming_the_reason_and_says_so_for_on
     from hf_ddpfix.plan.types import PlanError
 
     cfg = DDPFixConfig.from_env({}, sequence_parallel=2)
-    with pytest.raises(PlanError, match="sequence_parallel=2 .*LlavaForConditionalGeneration .*keep whole"):
-        resolve_plan(_facts(vision_refusal="LlavaForConditionalGeneration (vision family llava) is a vision-language "
-                            "model whose image tokens ... keep whole across sequence shards"), cfg)
+    with pytest.raises(PlanError, match="sequence_parallel=2 .*MllamaForConditionalGeneration .*cross-attention"):
+        resolve_plan(_facts(vision_refusal="MllamaForConditionalGeneration (model_type 'mllama'): its text decoder "
+                            "takes ['cross_attention_states']: image features reach it besides inputs_embeds (e.g. "
+                            "cross-attention)"), cfg)
     d = resolve_plan(_facts(vision_family="qwen2_5_vl"), cfg).sequence_parallel
-    assert d.value == "N=2 DP=1" and "qwen2_5_vl: vision tower, image merge and 3-D position ids on the full" in d.reason
-    with pytest.raises(PlanError, match="qwen2_5_vl under DeepSpeed ZeRO: .* tested under DDP only"):
-        resolve_plan(_facts(vision_family="qwen2_5_vl", parallel="deepspeed"), cfg)
+    assert d.value == "N=2 DP=1" and "qwen2_5_vl: vision tower, image merge and position ids (3-D for M-RoPE) on" \
+        in d.reason
+    d = resolve_plan(dataclasses.replace(_facts(vision_family="llava", parallel="deepspeed"), zero_stage=2),
+                     cfg).sequence_parallel
+    assert d.value == "N=2 DP=1" and "llava: vision tower" in d.reason
+    for stage in (1, 3):
+        with pytest.raises(PlanError, match=f"llava under DeepSpeed ZeRO stage {stage}: .* tested under DDP and ZeRO-2"):
+            resolve_plan(dataclasses.replace(_facts(vision_family="llava", parallel="deepspeed"), zero_stage=stage),
+                         cfg)
     off = resolve_plan(_facts(vision_refusal="x"), DDPFixConfig()).sequence_parallel  # not asked for: no error
     assert off.value is None
 
@@ -161,7 +224,11 @@ def test_facts_read_the_vision_family_from_the_model():
 
     got = gather_sequence_parallel_facts(None, add_lora(build_qwen2_5_vl(0)))
     assert got.vision_family == "qwen2_5_vl" and got.vision_refusal is None
-    assert "llava" in (gather_sequence_parallel_facts(None, _llava(0)).vision_refusal or "")
+    got = gather_sequence_parallel_facts(None, _llava(0))
+    assert got.vision_family == "llava" and got.vision_refusal is None
+    from zoo import ZOO
+
+    assert "cross_attention" in (gather_sequence_parallel_facts(None, ZOO["mllama"].build(0)).vision_refusal or "")
 
 
 # ------------------------------------------------------------------------------------ the tower's attention
@@ -267,3 +334,26 @@ def test_the_documents_rule_is_the_installed_decoders_own(family):
     docs = language_model_documents(pos, None, batch=1, length=8, text_positions_from_2d=flag,
                                     text_positions_from_3_rows=flag)
     assert blocked == bool(docs[0, 5] != docs[0, 0]), (family, blocked, flag, docs.tolist())
+
+
+def test_a_vlm_sp_cannot_handle_is_a_plan_error_from_the_model_itself():
+    """Facts read from a real Mllama (images through cross-attention) -> the plan: a PlanError naming the model and
+    why, before any step; LLaVA from the same path is planned with its family named."""
+    from zoo import ZOO
+
+    from hf_ddpfix.config import DDPFixConfig
+    from hf_ddpfix.integrations.sequence_parallel.facts import gather_sequence_parallel_facts
+    from hf_ddpfix.plan.resolve import resolve_plan
+    from hf_ddpfix.plan.types import PlanError, RunFacts
+
+    cfg = DDPFixConfig.from_env({}, sequence_parallel=2)
+    for name in ("mllama", "llava"):
+        sp = dataclasses.replace(gather_sequence_parallel_facts(None, ZOO[name].build(0)), attn_implementation="sdpa")
+        facts = RunFacts(parallel="ddp", world_size=2, sequence_parallel=sp)
+        if name == "mllama":
+            with pytest.raises(PlanError, match="MllamaForConditionalGeneration .*cross_attention_states.*without "
+                                                "sequence parallelism"):
+                resolve_plan(facts, cfg)
+        else:
+            d = resolve_plan(facts, cfg).sequence_parallel
+            assert d.value == "N=2 DP=1" and "llava: vision tower, image merge" in d.reason

@@ -9,8 +9,8 @@ Pure: facts in, a `Decision` out, or a `PlanError` before training when the comb
 | attention "eager" (or not through the interface)| eager is called directly, never wrapped    | attn_implementation="sdpa"  |
 | H % N != 0 / KV heads neither divisible nor replicable | heads are what the all-to-all splits | N dividing the head count   |
 | FSDP / single process                           | Trainer path not built (below)             | DDP or DeepSpeed ZeRO       |
-| a VLM outside `SEQUENCE_PARALLEL_VISION_FAMILIES`| its image tokens / mask / positions would be cut blindly | train it without SP |
-| a VLM under DeepSpeed ZeRO                      | the VLM path is tested under DDP only      | DDP                         |
+| a VLM whose images do not enter the decoder's `inputs_embeds` (cross-attention: Mllama), or M-RoPE outside `SEQUENCE_PARALLEL_VISION_FAMILIES` | its image inputs / positions would be cut blindly | train it without SP |
+| a VLM under DeepSpeed ZeRO-1 / ZeRO-3           | the VLM path is tested under DDP and ZeRO-2 | DDP or ZeRO-2              |
 | a MoE router loss (`output_router_logits`)      | a per-slice load-balancing loss is not the sequence's | output_router_logits=False |
 | a model without an LM head (classifier, reward) | its pooled score needs the whole sequence  | train it without SP         |
 | a non-stock loss on a VLM                       | the VLM outputs are not made whole yet     | the stock loss, or no SP    |
@@ -110,10 +110,12 @@ def decide_sequence_parallel(facts: RunFacts, config: DDPFixConfig) -> Decision:
                         f"use a sequence_parallel that divides {facts.world_size}")
     if sp is not None and sp.vision_refusal:
         raise PlanError(f"{where}: {sp.vision_refusal}; train it without sequence parallelism")
-    if sp is not None and sp.vision_family and facts.parallel == "deepspeed":
-        raise PlanError(f"{where}: {sp.vision_family} under DeepSpeed ZeRO: hf_ddpfix's sequence parallelism for "
-                        "vision-language models (tower and image merge on the full sequence, the ZeRO dummy image) "
-                        "is tested under DDP only; launch it under DDP, or train without sequence parallelism")
+    stage = facts.deepspeed.stage if facts.deepspeed is not None else facts.zero_stage
+    if sp is not None and sp.vision_family and facts.parallel == "deepspeed" and stage != 2:
+        raise PlanError(f"{where}: {sp.vision_family} under DeepSpeed ZeRO stage {stage}: hf_ddpfix's "
+                        "sequence parallelism for vision-language models (tower and image merge on the full sequence, "
+                        "the ZeRO dummy image) is tested under DDP and ZeRO-2 only; launch it under DDP or ZeRO-2, or "
+                        "train without sequence parallelism")
     impl = sp.attn_implementation if sp else None
     if impl != "sdpa":
         raise PlanError(f"{where}: attention implementation {impl!r} cannot be sharded (eager attention is called "
@@ -150,6 +152,6 @@ def decide_sequence_parallel(facts: RunFacts, config: DDPFixConfig) -> Decision:
             raise PlanError(f"{where}: {refusal}")
         reason += f"; {why}"
     if sp is not None and sp.vision_family:
-        reason += (f"; {sp.vision_family}: vision tower, image merge and 3-D position ids on the full sequence, "
-                   "the text decoder sharded")
+        reason += (f"; {sp.vision_family}: vision tower, image merge and position ids (3-D for M-RoPE) on the full "
+                   "sequence, the text decoder sharded")
     return Decision(f"N={n} DP={dp}" + (" via parallelism_config" if from_pc else ""), reason, changed=True)

@@ -251,6 +251,7 @@ def main() -> None:
                         "also its failure to start with sp_size=2 alone")
     p.add_argument("--check-leftover-mpu", action="store_true",
                    help="also: an engine built with DeepSpeed's SP groups left in the process is refused")
+    p.add_argument("--vlm", type=int, default=1, help="1: also the VLM cell (sp_deepspeed_vlm.py)")
     a = p.parse_args()
     r, world = init_gloo()
     import deepspeed
@@ -263,6 +264,14 @@ def main() -> None:
     start = {n: q.detach().clone() for n, q in lora_llama(attn_implementation="sdpa").named_parameters()
              if q.requires_grad}
     v = Verdicts("SPDS", a.out)
+    # first: a ZeRO-3 engine earlier in the process leaves transformers building models under zero.Init
+    if a.vlm:  # a VLM (LLaVA, vision LoRA) under ZeRO-2 with hf_ddpfix's SP vs one process
+        from sp_deepspeed_vlm import vlm_zero2_cell
+
+        # DDP first: a DeepSpeed Trainer leaves ACCELERATE_USE_DEEPSPEED set for the next one
+        vlm_zero2_cell(v, a.ga, SP, ds_config, Recorder, TOL_WEIGHT, TOL_LOSS, zero=None)
+        vlm_zero2_cell(v, a.ga, SP, ds_config, Recorder, TOL_WEIGHT, TOL_LOSS, zero=2)
+        log("hf_ddpfix vlm zero2 done")
     for zero in filter(None, a.zero.split(",")):
         for optim in OPTIM:
             mode = "arg" if (zero, optim) == ("zero2", "adamw_clip") else "pc"

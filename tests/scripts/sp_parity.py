@@ -18,6 +18,8 @@ Cases (each a record with "ok"):
       image merge and 3-D position ids on the full sequence, the decoder on the slice; loss and every gradient
       vs the model on the full sequence (an image across a shard border, text only, two grids, prompt-masked
       mixed batch of length 15, and non-reentrant checkpointing): TOL_LOSS / TOL_VLM_GRAD.
+  vlm_any/*: LLaVA, Gemma 3, InternVL, Mistral 3, Idefics2 (N = 4: Gemma 3), sharded by structure (sp_vlm_cases.py;
+      SP_VLM_FAMILIES=aya_vision,cohere2_vision,vipllava,idefics3,smolvlm,... runs others from tests/zoo.py).
 """
 
 from __future__ import annotations
@@ -427,6 +429,11 @@ def main() -> None:
     # N = 2: every tested family; N = 4 (the costly launch): Qwen2.5-VL only
     vlm_cases(v, n, r, ("qwen2_5_vl", "qwen3_vl", "qwen2_vl") if n == 2 else ("qwen2_5_vl",))
     log("vlm done")
+    from sp_vlm_cases import generic_vlm_cases  # VLMs judged by structure: N = 2 five families, N = 4 Gemma 3
+
+    fams = ("llava", "gemma3", "internvl", "mistral3", "idefics2") if n == 2 else ("gemma3",)
+    generic_vlm_cases(v, n, r, tuple(os.environ.get("SP_VLM_FAMILIES", ",".join(fams)).split(",")))
+    log("vlm_any done")
     v.finish()
 
 

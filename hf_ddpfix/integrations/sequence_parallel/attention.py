@@ -65,6 +65,18 @@ def keep_full_sequence(modules: Iterable[torch.nn.Module]) -> Callable[[], None]
 class _Batch:
     group: dist.ProcessGroup | None
     mask: torch.Tensor | None  # [B, 1, S, S] bool on the full sequence, None: causal
+    length: int = 0  # S, the full (padded) length
+    #: id -> full-sequence mask the model was handed to pass to its attention (a VLM's own masks, vision.py):
+    #: used as given where the model passes that very tensor
+    own: dict[int, torch.Tensor] | None = None
+
+    def windowed(self, window: int) -> torch.Tensor:
+        """The mask with transformers' sliding window on top (a key at most `window - 1` tokens back:
+        `masking_utils.sliding_window_overlay`)."""
+        pos = torch.arange(self.length, device=self.mask.device if self.mask is not None else None)
+        band = (pos[:, None] - pos[None, :] < window) & (pos[None, :] <= pos[:, None])
+        band = band | torch.eye(self.length, dtype=torch.bool, device=band.device)
+        return band[None, None] if self.mask is None else self.mask & band
 
 
 def active_batch() -> _Batch | None:
@@ -73,7 +85,7 @@ def active_batch() -> _Batch | None:
 
 
 def activate_batch(documents: torch.Tensor, group: dist.ProcessGroup | None = None,
-                   key: torch.Tensor | None = None) -> None:
+                   key: torch.Tensor | None = None, own_masks: list[torch.Tensor] | None = None) -> None:
     """Make wrapped attention run Ulysses for this batch until `deactivate_batch()` (or the next batch).
 
     Unlike `sequence_parallel_batch`, the batch stays active after the forward returns, so the backward's
@@ -82,8 +94,13 @@ def activate_batch(documents: torch.Tensor, group: dist.ProcessGroup | None = No
     `key`: the `position_ids` tensor the forward is given. Keyed batches stay active together (each
     `activate_batch(..., key=...)` adds one): an attention call takes the batch of the `position_ids` it
     receives (transformers passes the model's `position_ids` object through to every attention call, also
-    when a checkpointed layer is recomputed); a call whose `position_ids` is none of them raises."""
-    b = _Batch(group, attention_mask_from_documents(documents))
+    when a checkpointed layer is recomputed); a call whose `position_ids` is none of them raises.
+
+    `own_masks`: full-sequence `[B|1, 1, S, S]` boolean masks the model was handed (a VLM's own masks,
+    `vision.pad_prepared_mask`); an attention call given one of these very tensors uses it instead of the
+    documents' mask (it already holds the model's image blocks and sliding window)."""
+    b = _Batch(group, attention_mask_from_documents(documents), int(documents.shape[1]),
+               {id(m): m for m in own_masks} if own_masks else None)
     if key is None:
         _state.batch = b
     else:
@@ -115,7 +132,7 @@ def sequence_parallel_batch(documents: torch.Tensor, group: dist.ProcessGroup | 
     from `documents` (`[B, S]`, `SequenceShard.documents`). Builds the mask once for all layers. With
     checkpointing, run the backward inside the block too (its recomputation calls attention again)."""
     previous = active_batch()
-    _state.batch = _Batch(group, attention_mask_from_documents(documents))
+    _state.batch = _Batch(group, attention_mask_from_documents(documents), int(documents.shape[1]))
     try:
         yield
     finally:
@@ -133,7 +150,13 @@ def _wrap(inner: Callable[..., Any]) -> Callable[..., Any]:
         if batch is None:
             record_fallback(FEATURE, "no sequence-parallel batch active (unsharded forward)")
             return inner(module, query, key, value, attention_mask, *args, **kwargs)
-        for unsupported in ("sliding_window", "softcap", "s_aux"):
+        mask = batch.mask
+        own = batch.own.get(id(attention_mask)) if batch.own and attention_mask is not None else None
+        if own is not None and own is attention_mask:
+            mask = own  # the model's own full-sequence mask (its sliding window included)
+        elif kwargs.get("sliding_window") is not None:
+            mask = batch.windowed(int(kwargs["sliding_window"]))
+        for unsupported in ("softcap", "s_aux"):
             if kwargs.get(unsupported) is not None:
                 raise NotImplementedError(
                     f"sequence parallelism: attention with {unsupported}={kwargs[unsupported]!r} is not supported "
@@ -142,7 +165,7 @@ def _wrap(inner: Callable[..., Any]) -> Callable[..., Any]:
             raise TypeError(f"sequence parallelism: unexpected positional attention arguments {len(args)}")
         if query.shape[2] != key.shape[2]:
             raise NotImplementedError("sequence parallelism: attention with a KV cache (generation) is not sharded")
-        out = ulysses_attention(query, key, value, group=batch.group, mask=batch.mask,
+        out = ulysses_attention(query, key, value, group=batch.group, mask=mask,
                                 scale=kwargs.get("scaling"), dropout=float(kwargs.get("dropout", 0.0) or 0.0))
         record_ran(FEATURE)
         return out.transpose(1, 2).contiguous(), None

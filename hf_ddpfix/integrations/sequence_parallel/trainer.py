@@ -28,9 +28,10 @@ over the group and each rank returns its own rows at its own length: equal to st
 (a padding position's logits are those of a pad token that attends to itself only; stock's attend to the
 real tokens before them; neither carries a label). Counted as `sequence_parallel/eval_sharded_batches`.
 
-Vision-language models (Qwen2-VL, Qwen2.5-VL, Qwen3-VL): step 2 also concatenates the images
+Vision-language models (Qwen2-VL, Qwen2.5-VL, Qwen3-VL, and any VLM whose image features enter the text
+decoder's `inputs_embeds`: `vision.vision_sequence_parallel_support`): step 2 also concatenates the images
 (`vision.merge_vision_batches`) and step 3 runs the model on the whole batch with only its text decoder
-on this rank's slice (`vision.VisionSequenceSharding`: the tower, image merge and 3-D position ids see
+on this rank's slice (`vision.VisionSequenceSharding`: the tower, image merge and position ids see
 the full sequence), in training and in evaluation alike.
 
 The route of the loss (docs/sequence-parallel-losses.md) is decided once per run from what it shows

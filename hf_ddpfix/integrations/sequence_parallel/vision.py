@@ -1,7 +1,7 @@
 """Sequence parallelism for vision-language models: the vision tower, the image merge and the 3-D (M-RoPE)
 position ids run on the full sequence, only the text decoder runs on this rank's slice.
 
-How (Qwen2-VL, Qwen2.5-VL, Qwen3-VL; transformers 5.x layout `model.language_model`):
+How (the table's Qwen2-VL, Qwen2.5-VL, Qwen3-VL; transformers 5.x layout `model.language_model`):
   - every rank of an SP group calls the model on the *whole* merged batch (`input_ids`, `pixel_values`,
     `image_grid_thw`, `mm_token_type_ids`, ...). The model's own forward embeds the tokens, runs the
     vision tower on every image, scatters the features into the embeddings (so an image's tokens are
@@ -12,8 +12,9 @@ How (Qwen2-VL, Qwen2.5-VL, Qwen3-VL; transformers 5.x layout `model.language_mod
     (`ops.sequence_parallel.multimodal.shard_language_model_inputs`: embeddings, position ids,
     Qwen3-VL's visual mask and deepstack features), drops the 2-D mask (attention gets the
     full-sequence mask from the documents instead) and activates Ulysses attention for the decoder;
-  - the vision tower's own attention (it goes through the same attention interface) always runs as
-    given (`keep_full_sequence`), also when a checkpointed backward recomputes it;
+  - the attention of every module outside the text decoder (the vision tower; a connector with its own
+    attention, e.g. Idefics2's perceiver resampler) always runs as given (`keep_full_sequence`), also when a
+    checkpointed backward recomputes it;
   - the logits are this rank's slice; the caller takes the cross-entropy against labels shifted on the
     full sequence (`shard_batch`).
 
@@ -23,10 +24,18 @@ through the slice), so the parameters are used on every rank of a group that has
 without one is the stabiliser's text-only micro-batch (`integrations/vision/stabilizer.py`: dummy image
 tied with zero gradients, grads `None` when no rank saw an image in the step), which needs no change.
 
-What the plan refuses (`vision_sequence_parallel_support`), naming the reason: VLMs of other families (other
-attention masks, e.g. Gemma 3's bidirectional image attention, or unknown decoder inputs), a family whose
-decoder is not found where the table says, or whose decoder forward lacks the keywords we cut. At run time
-a decoder call with an input we do not know how to cut raises (never a silently wrong result).
+Any other VLM is judged by its structure (`structural_family`: LLaVA, Gemma 3, InternVL, Mistral 3, Aya Vision,
+Idefics2/3, SmolVLM, VipLLaVA, Cohere2-Vision on transformers 5.23): its image features are merged into the text
+decoder's `inputs_embeds`, the decoder's forward takes nothing else, and it computes no M-RoPE ids. The hook
+then cuts embeddings and 2-D position ids as above; masks the model prepared itself on the full sequence (Gemma 3:
+bidirectional attention inside each image, sliding-window layers; a dict per layer type) are padded
+(`pad_prepared_mask`) and used by the Ulysses attention for the layers the model hands them to.
+
+What the plan refuses (`vision_sequence_parallel_support`), naming the model and the reason: image features that
+reach the decoder besides `inputs_embeds` (Mllama's cross-attention), M-RoPE outside the table (Qwen3-VL-MoE), no
+decoder or tower found, a table family whose decoder forward lacks the keywords we cut. At run time a decoder call
+with an input we do not know how to cut, or a prepared mask that is not boolean, raises (never a silently wrong
+result).
 """
 
 from __future__ import annotations
@@ -45,7 +54,7 @@ from ...ops.feature_counts import record_amount
 from ...ops.sequence_parallel.inputs import IGNORE_INDEX, shard_batch
 from ...ops.sequence_parallel.loss import shard_loss_rows
 from ...ops.sequence_parallel.multimodal import shard_language_model_inputs
-from ..vision.families import find_vision_adapter, get_submodule, is_vision_language_model
+from ..vision.families import TOWER_NAMES, find_vision_adapter, get_submodule, is_vision_language_model
 from .attention import FEATURE, activate_batch, keep_full_sequence
 
 __all__ = ["PER_ITEM_KEYS", "PER_TOKEN_KEYS", "SEQUENCE_PARALLEL_VISION_FAMILIES", "VisionSequenceParallelFamily",
@@ -70,6 +79,8 @@ class VisionSequenceParallelFamily:
     language_model_paths: tuple[str, ...] = ("model.language_model", "language_model")
     text_positions_from_2d: bool = False
     cut_keywords: tuple[str, ...] = ()
+    #: built from the model's structure (`structural_family`), not from the table
+    structural: bool = False
 
 
 #: The families whose parity with one process is tested (tests/scripts/sp_parity.py, "vlm/*" cases).
@@ -85,7 +96,8 @@ SEQUENCE_PARALLEL_VISION_FAMILIES: dict[str, VisionSequenceParallelFamily] = {
 PER_TOKEN_KEYS = ("mm_token_type_ids", "token_type_ids")
 #: per-image / per-video batch keys (flattened patches, grids, frame times): concatenated along dim 0 in
 #: batch order, which is the order their tokens appear in the merged rows.
-PER_ITEM_KEYS = ("pixel_values", "image_grid_thw", "pixel_values_videos", "video_grid_thw", "second_per_grid_ts")
+PER_ITEM_KEYS = ("pixel_values", "image_grid_thw", "pixel_values_videos", "video_grid_thw", "second_per_grid_ts",
+                 "image_sizes")
 _TEXT_KEYS = ("input_ids", "labels", "attention_mask", "position_ids")
 BATCH_KEYS = _TEXT_KEYS + PER_TOKEN_KEYS + PER_ITEM_KEYS
 #: decoder call keywords the hook passes on unchanged (no per-token content)
@@ -111,21 +123,81 @@ def reads_text_positions_from_rotary_rows(decoder: nn.Module) -> bool | None:
     return re.search(r"else:\s*\n\s*text_position_ids\s*=\s*position_ids\[0\]", src) is not None
 
 
+#: the decoder forward's named parameters a structural family may have (anything else, e.g. Mllama's
+#: `cross_attention_states`, means image features reach the decoder another way than `inputs_embeds`)
+_DECODER_PARAMS = frozenset({"self", "input_ids", "attention_mask", "position_ids", "past_key_values", "inputs_embeds",
+                             "use_cache", "cache_position", "output_attentions", "output_hidden_states", "return_dict",
+                             "kwargs", "args"})
+
+
+def _decoder(hf: nn.Module, paths: tuple[str, ...]) -> nn.Module | None:
+    lm = next((m for m in (get_submodule(hf, p) for p in paths) if m is not None), None)
+    if lm is None and callable(getattr(hf, "get_decoder", None)):
+        try:
+            lm = hf.get_decoder()
+        except (AttributeError, NotImplementedError, TypeError):
+            lm = None
+    return lm if isinstance(lm, nn.Module) and lm is not hf else None
+
+
+def vision_tower(hf: nn.Module) -> nn.Module | None:
+    """The VLM's vision tower: its adapter's (`families.find_vision_adapter`, ZeRO view: every family it knows or
+    discovers), else the outermost module named like one (`vision_tower`, `vision_model`, `visual`, ...)."""
+    adapter = find_vision_adapter(hf, zero=True)
+    if adapter is not None:
+        return adapter.tower
+    for path, module in hf.named_modules():
+        if path and path.rsplit(".", 1)[-1] in TOWER_NAMES:
+            return module
+    return None
+
+
+def structural_family(hf: nn.Module) -> tuple[VisionSequenceParallelFamily | None, str]:
+    """A VLM outside the table, judged by its structure: `(family, "")` when its image features are merged into the
+    text decoder's `inputs_embeds` (the decoder at `model.language_model` / `language_model` / `get_decoder()`
+    takes nothing but text-decoder inputs), it has a vision tower, and it computes no multimodal (M-RoPE) position
+    ids; else `(None, reason)`. Its image attention (Gemma 3's bidirectional image blocks, sliding windows) comes
+    from the masks the model itself builds on the full sequence (`VisionSequenceSharding`)."""
+    mt = getattr(hf.config, "model_type", None)
+    head = f"{type(hf).__name__} (model_type {mt!r})"
+    paths = ("model.language_model", "language_model")
+    lm = _decoder(hf, paths)
+    if lm is None:
+        return None, f"{head}: no text decoder at {' / '.join(paths)} or get_decoder() (where sequence parallelism cuts)"
+    inner = get_submodule(hf, "model") or hf
+    if any(callable(getattr(m, "get_rope_index", None)) for m in (hf, inner)):
+        return None, (f"{head} computes multimodal (M-RoPE) position ids (get_rope_index) whose rule for a sharded "
+                      f"decoder is untested (tested M-RoPE families: {', '.join(SEQUENCE_PARALLEL_VISION_FAMILIES)})")
+    params = set(inspect.signature(lm.forward).parameters)
+    if "inputs_embeds" not in params:
+        return None, f"{head}: its text decoder {type(lm).__name__} takes no inputs_embeds (the merged tokens)"
+    other = sorted(params - _DECODER_PARAMS)
+    if other:
+        return None, (f"{head}: its text decoder {type(lm).__name__} takes {other}: image features reach it besides "
+                      "inputs_embeds (e.g. cross-attention), which hf_ddpfix does not know how to cut")
+    if vision_tower(hf) is None:
+        return None, f"{head}: no vision tower found (named one of {list(TOWER_NAMES)})"
+    return VisionSequenceParallelFamily(str(mt), text_positions_from_2d=True, structural=True), ""
+
+
 def vision_sequence_parallel_support(model: nn.Module) -> tuple[VisionSequenceParallelFamily | None, str]:
     """`(family, "")` for a VLM hf_ddpfix shards, `(None, reason)` for a VLM it refuses, `(None, "")` for a
-    model without a vision config. Pure: reads the model's structure and forward signatures."""
+    model without a vision config. Pure: reads the model's structure and forward signatures.
+
+    The Qwen-VL families (M-RoPE, 3-D position ids, deepstack features) come from the table; any other VLM is
+    judged by its structure (`structural_family`)."""
     hf = unwrap_model(model)
     if not is_vision_language_model(hf):
         return None, ""
-    supported = ", ".join(SEQUENCE_PARALLEL_VISION_FAMILIES)
     adapter = find_vision_adapter(hf)
     name = adapter.family.name if adapter is not None else None
     fam = SEQUENCE_PARALLEL_VISION_FAMILIES.get(name) if name else None
     if fam is None:
-        what = f"vision family {name}" if name else f"model_type {getattr(hf.config, 'model_type', None)!r}"
-        return None, (f"{type(hf).__name__} ({what}) is a vision-language model whose "
-                      "image tokens, attention mask and position ids hf_ddpfix does not know how to keep whole "
-                      f"across sequence shards (supported: {supported})")
+        found, why = structural_family(hf)
+        if found is None:
+            return None, (f"{why}; a vision-language model is sharded when its image features enter the text "
+                          "decoder's inputs_embeds")
+        return found, ""
     lm = next((m for m in (get_submodule(hf, p) for p in fam.language_model_paths) if m is not None), None)
     if lm is None:
         return None, (f"{type(hf).__name__}: no text decoder at {' / '.join(fam.language_model_paths)} (the "
@@ -137,6 +209,26 @@ def vision_sequence_parallel_support(model: nn.Module) -> tuple[VisionSequencePa
     if missing:
         return None, f"{type(hf).__name__}: its text decoder's forward takes no {missing} (the inputs that are cut)"
     return fam, ""
+
+
+def pad_prepared_mask(mask: torch.Tensor | None, length: int) -> torch.Tensor | None:
+    """A decoder mask the VLM prepared on the full sequence (`[B|1, 1, S, S]` bool, True: may attend; None: plain
+    causal), padded to `length`: the padding keys masked, every token may attend to itself (a padding row is never
+    all-masked). Attention uses it for the layers the model hands it to (`attention.activate_batch`).
+
+    Raises:
+        NotImplementedError: a mask that is not a boolean `[.., 1, S, S]` tensor (a float / block mask)."""
+    if mask is None:
+        return None
+    if not torch.is_tensor(mask) or mask.dtype != torch.bool or mask.dim() != 4 or mask.shape[1] != 1 \
+            or mask.shape[-1] != mask.shape[-2]:
+        raise NotImplementedError(f"sequence parallelism: the VLM prepared a decoder mask hf_ddpfix cannot pad "
+                                  f"({type(mask).__name__} {getattr(mask, 'dtype', '')} "
+                                  f"{tuple(getattr(mask, 'shape', ()))}; a boolean [B, 1, S, S] is)")
+    s = mask.shape[-1]
+    out = mask.new_zeros(*mask.shape[:2], length, length)
+    out[..., :s, :s] = mask
+    return out | torch.eye(length, dtype=torch.bool, device=mask.device)
 
 
 def _pad_right(t: torch.Tensor, length: int, value: int | float) -> torch.Tensor:
@@ -157,7 +249,8 @@ def merge_vision_batches(batches: list[Mapping[str, torch.Tensor]], pad_token_id
     Raises:
         ValueError: a batch key outside `BATCH_KEYS`, or a key present in some batches and not in others
             where filling it in would change the result (`position_ids`, `mm_token_type_ids`: an image
-            typed as text in one batch would take another batch's grid), or images without their grid.
+            typed as text in one batch would take another batch's grid), or images without their grid where
+            another batch has one, or per-image tensors whose shapes differ beyond their first dimension.
     """
     unknown = sorted({k for b in batches for k in b} - set(BATCH_KEYS))
     if unknown:
@@ -167,7 +260,8 @@ def merge_vision_batches(batches: list[Mapping[str, torch.Tensor]], pad_token_id
         if any(have) and not all(have):
             raise ValueError(f"{key} is in some batches of the group and not in others")
     for pv, grid in (("pixel_values", "image_grid_thw"), ("pixel_values_videos", "video_grid_thw")):
-        if any((b.get(pv) is None) != (b.get(grid) is None) for b in batches):
+        gridded = any(b.get(grid) is not None for b in batches)  # a grid family (Qwen-VL); LLaVA & co. have none
+        if gridded and any((b.get(pv) is None) != (b.get(grid) is None) for b in batches):
             raise ValueError(f"a batch has {pv} without {grid} (or the reverse)")
     length = max(int(b["input_ids"].shape[1]) for b in batches)
     with_mask = any(b.get("attention_mask") is not None for b in batches)
@@ -196,7 +290,13 @@ def merge_vision_batches(batches: list[Mapping[str, torch.Tensor]], pad_token_id
         for key in PER_ITEM_KEYS:
             if b.get(key) is not None:
                 add(key, b[key])
-    merged = {k: torch.cat(v, 1 if k == "position_ids" and v[0].dim() == 3 else 0) for k, v in out.items()}
+    merged = {}
+    for k, v in out.items():
+        dim = 1 if k == "position_ids" and v[0].dim() == 3 else 0
+        if len({tuple(t.shape[:dim]) + tuple(t.shape[dim + 1:]) for t in v}) > 1:  # e.g. Idefics3's images per row
+            raise ValueError(f"{k} of shapes {[tuple(t.shape) for t in v]} cannot be concatenated over the group's "
+                             "batches")
+        merged[k] = torch.cat(v, dim)
     return merged
 
 
@@ -214,11 +314,11 @@ class VisionSequenceSharding:
 
     def __init__(self, model: nn.Module, family: VisionSequenceParallelFamily, group: Any = None) -> None:
         hf = unwrap_model(model)
-        lm = next((m for m in (get_submodule(hf, p) for p in family.language_model_paths) if m is not None), None)
-        adapter = find_vision_adapter(hf)
-        if lm is None or adapter is None:
+        lm = _decoder(hf, family.language_model_paths)
+        tower = vision_tower(hf)
+        if lm is None or tower is None:
             raise ValueError(f"{type(hf).__name__}: no text decoder / vision tower for family {family.name}")
-        self.family, self.group, self.language_model, self.tower = family, group, lm, adapter.tower
+        self.family, self.group, self.language_model, self.tower, self.root = family, group, lm, tower, hf
         self.size, self.rank = dist.get_world_size(group), dist.get_rank(group)
         self.text_from_3_rows = bool(reads_text_positions_from_rotary_rows(lm))
         self._expect: tuple[int, int] | None = None  # (length, padded length) of the pending sharded call
@@ -228,7 +328,11 @@ class VisionSequenceSharding:
         """Hook the decoder, keep the tower's attention on the full sequence (idempotent)."""
         if not self._undo:
             handle = self.language_model.register_forward_pre_hook(self._pre_hook, with_kwargs=True)
-            self._undo = [handle.remove, keep_full_sequence(self.tower.modules())]
+            # everything outside the text decoder sees whole images / the whole sequence (the tower, and a
+            # connector with its own attention: Idefics2's perceiver resampler)
+            decoder = {id(m) for m in self.language_model.modules()}
+            outside = [m for m in self.root.modules() if id(m) not in decoder]
+            self._undo = [handle.remove, keep_full_sequence(outside)]
         return self
 
     def remove(self) -> None:
@@ -281,7 +385,12 @@ class VisionSequenceSharding:
             raise NotImplementedError(f"sequence parallelism: the text decoder of {self.family.name} was called with "
                                       f"{unknown}, which hf_ddpfix does not know how to cut")
         mask = kwargs.get("attention_mask")
-        if mask is not None and not (torch.is_tensor(mask) and mask.dim() == 2):
+        prepared = None  # masks the model made on the full sequence (Gemma 3: image blocks, sliding windows)
+        if isinstance(mask, Mapping) or (torch.is_tensor(mask) and mask.dim() == 4):
+            if not self.family.structural:
+                raise NotImplementedError("sequence parallelism: the decoder got a prepared (non 2-D) attention mask")
+            prepared, mask = mask, None
+        elif mask is not None and not (torch.is_tensor(mask) and mask.dim() == 2):
             raise NotImplementedError("sequence parallelism: the decoder got a prepared (non 2-D) attention mask")
         if embeds.shape[1] != expect[0]:
             raise RuntimeError(f"sequence parallelism: the decoder got {embeds.shape[1]} tokens, the batch has "
@@ -294,8 +403,16 @@ class VisionSequenceSharding:
             text_positions_from_3_rows=self.text_from_3_rows)
         if cut.padded_length != expect[1]:
             raise RuntimeError(f"sequence parallelism: padded to {cut.padded_length} tokens, labels to {expect[1]}")
-        activate_batch(cut.documents, self.group)  # stays active for a checkpointed backward
-        new = dict(kwargs, inputs_embeds=cut.inputs_embeds, position_ids=cut.position_ids, attention_mask=None)
+        own: dict[str, Any] | None = None
+        if prepared is not None:
+            full = {k: pad_prepared_mask(v, cut.padded_length) for k, v in
+                    (prepared.items() if isinstance(prepared, Mapping) else [("", prepared)])}
+            own = full if isinstance(prepared, Mapping) else full[""]
+            record_amount(FEATURE, "vision_model_masks", 1)
+        # stays active for a checkpointed backward
+        activate_batch(cut.documents, self.group,
+                       own_masks=[m for m in (own.values() if isinstance(own, dict) else [own]) if m is not None])
+        new = dict(kwargs, inputs_embeds=cut.inputs_embeds, position_ids=cut.position_ids, attention_mask=own)
         if "visual_pos_masks" in kwargs:
             new["visual_pos_masks"] = cut.visual_pos_masks
         if "deepstack_visual_embeds" in kwargs:

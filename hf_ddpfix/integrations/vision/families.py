@@ -48,6 +48,7 @@ from .adapter import EXTRA_INPUT_BUILDERS, VisionAdapter, get_submodule, image_s
 from .family import VisionFamily
 
 __all__ = [
+    "TOWER_NAMES",
     "VISION_FAMILIES",
     "VisionAdapter",
     "VisionFamily",
@@ -82,6 +83,8 @@ _GENERIC_VISION_NAMES = frozenset(
 
 # Where a discovered family's tower and projector live (outermost module with one of these names).
 _TOWER_NAMES = ("vision_tower", "vision_model", "visual", "vision_encoder", "image_encoder")
+#: public name of the tower names (sequence parallelism finds a structural family's tower by them)
+TOWER_NAMES = _TOWER_NAMES
 _PROJECTOR_NAMES = ("multi_modal_projector", "connector", "mm_projector", "vision_projection", "visual_projection")
 
 
