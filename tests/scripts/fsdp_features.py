@@ -205,6 +205,9 @@ def run(cell: str, mode: str, out: str, lines: PlanLines) -> None:
     units = [n for n, m in trainer.model.named_modules() if isinstance(m, FSDPModule)]
     extra = {"train_metrics": {k: v for k, v in result.metrics.items() if k.startswith("hf_ddpfix/")}}
     if cell == "qlora":
+        from bitsandbytes.nn.modules import has_avx512bf16
+
+        extra["avx512bf16"] = bool(has_avx512bf16())  # bitsandbytes repacks 4-bit weights for evaluation there
         extra["four_bit"] = {"params": len(quantized), "local_bytes": local_bytes(trainer.model, quantized),
                              "full_bytes": local_bytes(model, quantized) if trainer.model is not model else None}
     runtime = getattr(trainer, "hf_ddpfix_runtime", None)
