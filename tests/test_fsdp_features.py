@@ -2,14 +2,15 @@
 accelerate_configs/fsdp.yaml``, 2 gloo processes through the FSDP test device, docs/fsdp.md), against the same
 features under DDP (``ddp_cpu.yaml``), each DDP run being itself tested against stock elsewhere.
 
-One launch per engine runs five cells (tests/scripts/fsdp_features.py): tiled MLP (gradient accumulation 2), tiled
-loss, long-context layers (5-token tiles, float64), activation offload (host copies simulated on the CPU) and
-QLoRA (bitsandbytes NF4 in float32 storage). Every cell: the model is really FSDP2-wrapped, each feature's counters
+One launch per engine runs six cells (tests/scripts/fsdp_features.py): tiled MLP (gradient accumulation 2), tiled
+loss, long-context layers (5-token tiles, float64), activation offload (host copies simulated on the CPU), QLoRA
+(bitsandbytes NF4 in float32 storage) and Ulysses sequence parallelism (N=2, the DDP run of which
+tests/test_sequence_parallel.py checks against one process). Every cell: the model is really FSDP2-wrapped, each feature's counters
 on **every rank** say it ran every time (a silent fallback fails), the final trainable weights equal DDP's within
 the tolerance below, ``evaluate()`` afterwards agrees.
 
 Measured (2 cores, torch 2.13, transformers 5.23, accelerate 1.15, bitsandbytes 0.50.2, 2026-11-27): max |W_fsdp2 -
-W_ddp| 2.98e-8 for tiled MLP, tiled loss, offload and QLoRA in float32 (stock FSDP-vs-DDP spread 4.5e-8,
+W_ddp| 2.98e-8 for tiled MLP, tiled loss, offload and QLoRA in float32, 0 (bit-equal) for sequence parallelism (stock FSDP-vs-DDP spread 4.5e-8,
 tests/test_fsdp_trainer.py: reduce-scatter vs all-reduce order); long-context 1.1e-15 in float64 (in float32
 1.3e-5: under FSDP the tile count is all-reduced (MAX) so the ranks gather alike, which changes the tiles and their
 summation order, and AdamW's first steps magnify that on near-zero gradients; float64 shows the math is the same).
@@ -25,7 +26,7 @@ import torch
 from launch import ROOT, accelerate_launch, fsdp_device_env
 
 SCRIPT = ROOT / "tests" / "scripts" / "fsdp_features.py"
-CELLS = ("tiled_mlp", "tiled_loss", "long_context", "qlora", "offload")
+CELLS = ("tiled_mlp", "tiled_loss", "long_context", "qlora", "sequence_parallel", "offload")
 TOL = {"long_context": 1e-12}  # float64 (see above); the others float32: 3x the measured 4.5e-8 spread
 TOL_FP32 = 1.5e-7
 EVAL_TOL = {"qlora": 1e-3}  # DDP evaluates through bitsandbytes' bf16 CPU kernel (3e-4 measured)
@@ -42,7 +43,7 @@ def _check_counts(cell: str, counts: dict, extra: dict, *, fsdp: bool, rank: int
     """The feature's counters on one rank: it ran on every call, never fell back."""
     ga = 2 if cell == "tiled_mlp" else 1
     micro = STEPS * ga
-    if cell in ("tiled_mlp", "tiled_loss", "long_context", "offload"):
+    if cell in ("tiled_mlp", "tiled_loss", "long_context", "offload", "sequence_parallel"):
         c = counts.get(cell)
         assert c is not None and c["fell_back"] == 0, (cell, rank, c)
     if cell == "tiled_mlp":  # each layer's MLP per micro-batch, forward and checkpoint recompute
@@ -56,6 +57,9 @@ def _check_counts(cell: str, counts: dict, extra: dict, *, fsdp: bool, rank: int
         assert c["ran"] == micro and c["amounts"]["copies"] == micro * (LAYERS - 1), (rank, c)
         assert c["amounts"]["bytes"] == nbytes, (rank, c, nbytes)
         assert extra["offload"]["in_flight"] == 0, (rank, extra)
+    elif cell == "sequence_parallel":  # both ranks' batches trained and evaluated by both, in slices
+        assert c["ran"] > 0 and c["amounts"]["sharded_batches"] == 2 * micro, (rank, c)
+        assert c["amounts"]["eval_sharded_batches"] == 2 * 2, (rank, c)
     elif cell == "qlora":
         repack = counts.get("quantization", {}).get("amounts", {}).get("cpu_repack_off", 0)
         four_bit = extra["four_bit"]
@@ -106,6 +110,8 @@ def test_features_under_trainer_fsdp2_train_like_under_ddp(tmp_path):
     assert "under FSDP2 the checkpointed inputs of each layer are copied" in lines["offload"]
     assert "FSDP2: 4-bit weights sharded in float32 storage" in lines["qlora"]
     assert "in-place CPU repack for evaluation switched off" in lines["qlora"]
+    assert "sequence_parallel       = N=2 DP=1" in lines["sequence_parallel"]
+    assert "under FSDP2 the parameters are sharded over all 2 ranks" in lines["sequence_parallel"]
     # under FSDP the long-context tile count is all-reduced: both ranks ran as many tiled norms
     norms = [torch.load(fsdp_out / f"fixed-long_context-rank{r}.pt")["counts"]["long_context"]["amounts"]
              ["rms_norm_calls"] for r in (0, 1)]

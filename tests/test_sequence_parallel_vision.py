@@ -149,6 +149,8 @@ def test_plan_refuses_a_vlm_it_cannot_shard_naming_the_reason_and_says_so_for_on
     assert d.value == "N=2 DP=1" and "qwen2_5_vl: vision tower, image merge and 3-D position ids on the full" in d.reason
     with pytest.raises(PlanError, match="qwen2_5_vl under DeepSpeed ZeRO: .* tested under DDP only"):
         resolve_plan(_facts(vision_family="qwen2_5_vl", parallel="deepspeed"), cfg)
+    with pytest.raises(PlanError, match="qwen2_5_vl under FSDP: .* tested under DDP only"):
+        resolve_plan(_facts(vision_family="qwen2_5_vl", parallel="fsdp"), cfg)
     off = resolve_plan(_facts(vision_refusal="x"), DDPFixConfig()).sequence_parallel  # not asked for: no error
     assert off.value is None
 

@@ -17,7 +17,6 @@ Fallbacks: bitsandbytes not loaded, or a ``Linear4bit`` without the attribute (a
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Callable
 
 from torch import nn
@@ -33,7 +32,9 @@ def disable_cpu_repack(model: nn.Module) -> tuple[int, Callable[[], None]]:
     Returns:
         ``(n, undo)``: how many modules had it on (now off), and a function that turns them back on.
     """
-    bnb = sys.modules.get("bitsandbytes")
+    import sys
+
+    bnb = sys.modules.get("bitsandbytes")  # never imported here: a model holds its layers only once it is loaded
     cls = getattr(getattr(bnb, "nn", None), "Linear4bit", None) if bnb is not None else None
     if cls is None:
         return 0, lambda: None

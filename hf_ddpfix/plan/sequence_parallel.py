@@ -8,9 +8,9 @@ Pure: facts in, a `Decision` out, or a `PlanError` before training when the comb
 | world size not a multiple of N                  | SP groups of N ranks tile the world        | N dividing the world size   |
 | attention "eager" (or not through the interface)| eager is called directly, never wrapped    | attn_implementation="sdpa"  |
 | H % N != 0 / KV heads neither divisible nor replicable | heads are what the all-to-all splits | N dividing the head count   |
-| FSDP / single process                           | Trainer path not built (below)             | DDP or DeepSpeed ZeRO       |
+| single process                                  | no other rank to share the sequence with   | DDP, FSDP2 or DeepSpeed ZeRO |
 | a VLM outside `SEQUENCE_PARALLEL_VISION_FAMILIES`| its image tokens / mask / positions would be cut blindly | train it without SP |
-| a VLM under DeepSpeed ZeRO                      | the VLM path is tested under DDP only      | DDP                         |
+| a VLM under DeepSpeed ZeRO or FSDP              | the VLM path is tested under DDP only      | DDP                         |
 | a MoE router loss (`output_router_logits`)      | a per-slice load-balancing loss is not the sequence's | output_router_logits=False |
 | a model without an LM head (classifier, reward) | its pooled score needs the whole sequence  | train it without SP         |
 | a non-stock loss on a VLM                       | the VLM outputs are not made whole yet     | the stock loss, or no SP    |
@@ -24,9 +24,11 @@ sp_parity.py: loss and gathered gradients vs one process, 2 and 4 gloo ranks), w
 the whole world (DP x SP, one flat mesh): SP ranks hold different tokens of the same samples, so their
 gradients are summed exactly as DP ranks' are, and one reduce-scatter over all ranks does both (a DP-only
 mesh would replicate every shard N times and need a second all-reduce over the SP group). The Trainer path
-under FSDP is not built: accelerate runs FSDP only with an accelerator, so it cannot be tested here, and the
-rule is not to switch on what is not checked. The PlanError says so and names the loop-level route
-(`fully_shard` + `sharded_causal_lm_loss`).
+under accelerate's FSDP2 is the DDP one (the group's batches exchanged in `compute_loss`, the stock loss scale;
+FSDP2's reduce-scatter averages over the world as DDP's all-reduce does): tests/test_fsdp_features.py trains a
+LoRA Llama with N=2 through `accelerate launch --config_file fsdp.yaml` bit-equal to the same run under DDP,
+which tests/test_sequence_parallel.py checks against one process. A VLM under FSDP is refused (tested under DDP
+only), as under ZeRO.
 
 The switch is `sequence_parallel=N` (`patch_trainer`, `HF_DDPFIX_SEQUENCE_PARALLEL`) or the ecosystem's own,
 `TrainingArguments(parallelism_config=ParallelismConfig(sp_size=N))` (accelerate >= 1.12); both mean hf_ddpfix's
@@ -98,21 +100,22 @@ def decide_sequence_parallel(facts: RunFacts, config: DDPFixConfig) -> Decision:
     if n == 1:
         return Decision(False, f"sequence_parallel=1 ({source}): every rank holds whole sequences")
     where = f"sequence_parallel={n} ({source})"
-    if facts.parallel not in ("ddp", "deepspeed"):
-        fsdp = (" (under FSDP2 the attention and loss are exact in your own loop: torch's fully_shard over all "
-                "ranks + hf_ddpfix.integrations.sequence_parallel.sharded_causal_lm_loss; the Trainer path under "
-                "FSDP is not tested, so not switched on)") if facts.parallel == "fsdp" else ""
-        raise PlanError(f"{where}: hf_ddpfix's Ulysses sequence parallelism runs under DDP and DeepSpeed only (this "
-                        f"run: {facts.parallel}, world size {facts.world_size}){fsdp}; launch with torchrun on N or "
-                        "more processes without FSDP, or with a DeepSpeed ZeRO config")
+    if facts.parallel not in ("ddp", "deepspeed", "fsdp"):
+        raise PlanError(f"{where}: hf_ddpfix's Ulysses sequence parallelism shares each sequence between N "
+                        f"processes (this run: {facts.parallel}, world size {facts.world_size}); launch N or more "
+                        "processes (torchrun / accelerate launch: DDP, FSDP2 or a DeepSpeed ZeRO config)")
+    if facts.parallel == "fsdp" and (facts.fsdp_version or 2) != 2:
+        raise PlanError(f"{where}: FSDP{facts.fsdp_version} is not tested with sequence parallelism (FSDP2 is: the "
+                        "same loss scale as DDP); use fsdp_version: 2")
     if facts.world_size % n:
         raise PlanError(f"{where}: the world size {facts.world_size} is not a multiple of {n}; "
                         f"use a sequence_parallel that divides {facts.world_size}")
     if sp is not None and sp.vision_refusal:
         raise PlanError(f"{where}: {sp.vision_refusal}; train it without sequence parallelism")
-    if sp is not None and sp.vision_family and facts.parallel == "deepspeed":
-        raise PlanError(f"{where}: {sp.vision_family} under DeepSpeed ZeRO: hf_ddpfix's sequence parallelism for "
-                        "vision-language models (tower and image merge on the full sequence, the ZeRO dummy image) "
+    if sp is not None and sp.vision_family and facts.parallel in ("deepspeed", "fsdp"):
+        engine = "DeepSpeed ZeRO" if facts.parallel == "deepspeed" else "FSDP"
+        raise PlanError(f"{where}: {sp.vision_family} under {engine}: hf_ddpfix's sequence parallelism for "
+                        "vision-language models (tower and image merge on the full sequence, the dummy image) "
                         "is tested under DDP only; launch it under DDP, or train without sequence parallelism")
     impl = sp.attn_implementation if sp else None
     if impl != "sdpa":
@@ -132,6 +135,9 @@ def decide_sequence_parallel(facts: RunFacts, config: DDPFixConfig) -> Decision:
     kv_text = f"{kv} KV heads replicated x{f}" if f > 1 else f"{kv * 1 // n} KV heads/rank"
     reason = (f"{source}: {heads // n} of {heads} heads/rank ({kv_text}) on the full sequence, L/{n} tokens/rank "
               f"elsewhere; {dp} data-parallel group(s)")
+    if facts.parallel == "fsdp":
+        reason += (f"; under FSDP2 the parameters are sharded over all {facts.world_size} ranks (one reduce-scatter "
+                   "sums SP and DP gradients alike, averaged over the world as DDP's: the token-sum loss is exact)")
     if facts.parallel == "deepspeed":
         reason += ("; under DeepSpeed ZeRO hf_ddpfix's Ulysses runs and DeepSpeed sees plain data parallelism over "
                    f"all {facts.world_size} ranks (every stage averages over the world: the token-sum loss is exact)")
