@@ -92,7 +92,8 @@ def decide_sequence_parallel(facts: RunFacts, config: DDPFixConfig) -> Decision:
                             f"{_DS_GAPS}")
         if n is None and facts.parallel not in ("ddp", "deepspeed"):
             return Decision(False, f"ParallelismConfig(sp_size={pc_n}) on a {facts.parallel} run: left to "
-                            "accelerate as stock (hf_ddpfix's Ulysses runs under DDP and DeepSpeed)")
+                            "accelerate as stock (ParallelismConfig switches hf_ddpfix's Ulysses on under DDP and "
+                            "DeepSpeed; under FSDP2 set sequence_parallel=N)")
         source = "ParallelismConfig.sp_size" if n is None else f"{source} and ParallelismConfig.sp_size"
         n, from_pc = pc_n, True
     if n is None:
