@@ -4,8 +4,8 @@ features under DDP (``ddp_cpu.yaml``), each DDP run being itself tested against 
 
 One launch per engine runs six cells (tests/scripts/fsdp_features.py): tiled MLP (gradient accumulation 2), tiled
 loss, long-context layers (5-token tiles, float64), activation offload (host copies simulated on the CPU), QLoRA
-(bitsandbytes NF4 in float32 storage) and Ulysses sequence parallelism (N=2, the DDP run of which
-tests/test_sequence_parallel.py checks against one process). Every cell: the model is really FSDP2-wrapped, each feature's counters
+(bitsandbytes NF4 in float32 storage) and Ulysses sequence parallelism (N=2, gradient accumulation 2; its DDP
+run is what tests/test_sequence_parallel.py checks against one process). Every cell: the model is really FSDP2-wrapped, each feature's counters
 on **every rank** say it ran every time (a silent fallback fails), the final trainable weights equal DDP's within
 the tolerance below, ``evaluate()`` afterwards agrees.
 
@@ -41,7 +41,7 @@ def _seq_len(k: int, r: int) -> int:  # tests/scripts/fsdp_features.py's seq_len
 
 def _check_counts(cell: str, counts: dict, extra: dict, *, fsdp: bool, rank: int) -> None:
     """The feature's counters on one rank: it ran on every call, never fell back."""
-    ga = 2 if cell == "tiled_mlp" else 1
+    ga = 2 if cell in ("tiled_mlp", "sequence_parallel") else 1
     micro = STEPS * ga
     if cell in ("tiled_mlp", "tiled_loss", "long_context", "offload", "sequence_parallel"):
         c = counts.get(cell)
@@ -116,3 +116,15 @@ def test_features_under_trainer_fsdp2_train_like_under_ddp(tmp_path):
     norms = [torch.load(fsdp_out / f"fixed-long_context-rank{r}.pt")["counts"]["long_context"]["amounts"]
              ["rms_norm_calls"] for r in (0, 1)]
     assert norms[0] == norms[1], norms
+
+
+def test_zero_skip_unused_does_not_apply_under_fsdp_and_the_plan_says_why():
+    """Under FSDP2 the plan's parameter usage already gives DDP's semantics (gradients no rank used reset to None,
+    AdamW skips them: tests/test_fsdp_trainer.py's step without an image on any rank); asking for the ZeRO
+    option says so instead of being ignored."""
+    from hf_ddpfix.config import DDPFixConfig
+    from hf_ddpfix.plan import RunFacts, resolve_plan
+
+    plan = resolve_plan(RunFacts(parallel="fsdp", world_size=2, fsdp_version=2), DDPFixConfig(zero_skip_unused=True))
+    d = plan.zero_skip_unused
+    assert d.value is False and "not DeepSpeed" in d.reason and "FSDP already skip" in d.reason, d

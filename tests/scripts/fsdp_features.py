@@ -25,8 +25,8 @@ non-reentrant checkpointing, 3 optimizer steps, then ``evaluate()``. Cells:
   accelerator (nothing to offload to); this script makes the run look like one that has one (the run's facts say
   ``accelerator_available``) and its ``ActivationOffload`` copy CPU tensors through host buffers
   (``simulate=True``: the CUDA state machine, synchronous copies), as tests/test_offload_plan.py does in one process;
-- ``sequence_parallel``: ``sequence_parallel=2`` (Ulysses over both ranks: each trains its slice of both ranks'
-  batches, right-padded to one length; evaluation sharded too);
+- ``sequence_parallel``: ``sequence_parallel=2``, gradient accumulation 2 (Ulysses over both ranks: each trains its
+  slice of both ranks' batches, right-padded to one length; evaluation sharded too);
 - ``qlora``: the base saved once, reloaded on every rank in NF4 through bitsandbytes on the CPU with
   ``bnb_4bit_quant_storage=torch.float32`` (FSDP2 shards a floating storage; uint8 storage would stay replicated,
   see the plan's ``quantization`` line), LoRA on top, ``prepare_model_for_kbit_training`` without its reentrant
@@ -62,7 +62,7 @@ CELLS = {
     "tiled_loss": ({"tiled_loss": "4"}, 1),
     "long_context": ({"long_context": "all"}, 1),
     "qlora": ({}, 1),
-    "sequence_parallel": ({"sequence_parallel": 2}, 1),
+    "sequence_parallel": ({"sequence_parallel": 2}, 2),
     "offload": ({"offload_activations": True, "offload_min_layer_mib": 0}, 1),  # last: its test device stays
 }
 MODEL = dict(attn_implementation="sdpa")
