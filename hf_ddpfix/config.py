@@ -288,7 +288,7 @@ class DDPFixConfig:
     sequence_parallel: int | None = option(
         _int1,
         "Ulysses sequence parallelism: N ranks share each sequence (heads split by all-to-all around attention, "
-        "token-exact loss); DDP or DeepSpeed ZeRO with sdpa attention; world size a multiple of N (1: off). "
+        "token-exact loss); DDP, FSDP2 or DeepSpeed ZeRO with sdpa attention; world size a multiple of N (1: off). "
         "ParallelismConfig(sp_size=N) means the same.",
     )
     sync_check_steps: int | None = option(

@@ -27,6 +27,7 @@ from ._compat import (
     before_gradient_clipping,
     checkpointable_layers,
     checkpointing_args,
+    disable_cpu_repack,
     is_checkpointing,
     layer_checkpoint_func,
 )
@@ -89,6 +90,11 @@ def attach_runtime(trainer: Any, model: nn.Module, plan: Plan, stack: ExitStack)
                                                  keep_on_device="auto")  # N from the budget, each step
         rt.step_contexts.append(_logged_offload_steps(trainer, rt.offload))
         stack.callback(rt.offload.clear_pool)
+    if plan.parallel == "fsdp" and plan.quantization.value:  # 4-bit weights regathered every forward (_compat)
+        # not undone when train() ends: the model stays FSDP2-wrapped, and evaluate() after it would garble
+        repack_off, _ = disable_cpu_repack(model)
+        if repack_off:
+            feature_counts.record_amount("quantization", "cpu_repack_off", repack_off)
     if _apply_checkpointing(trainer, model, plan, offload):
         _keep_plan_checkpointing(trainer, model, plan, offload, stack)
     if plan.parallel == "deepspeed":  # before deepspeed.initialize (inside the stock loop): see deepspeed.py

@@ -234,11 +234,22 @@ def test_plan_reads_the_env_variable_and_parallelism_config():
         DDPFixConfig.from_env({"HF_DDPFIX_SEQUENCE_PARALLEL": "x"})
 
 
+def test_under_fsdp2_the_plan_shards_the_sequence_and_says_so():
+    """The Trainer path under accelerate's FSDP2 (run in tests/test_fsdp_features.py)."""
+    from hf_ddpfix.config import DDPFixConfig
+    from hf_ddpfix.plan.resolve import resolve_plan
+
+    d = resolve_plan(_facts(parallel="fsdp", fsdp_version=2), DDPFixConfig.from_env({}, sequence_parallel=2))
+    d = d.sequence_parallel
+    assert d.value == "N=2 DP=4" and "under FSDP2 the parameters are sharded over all 8 ranks" in d.reason, d
+
+
 @pytest.mark.parametrize(("facts", "n", "match"), [
     (dict(attn_implementation="eager"), 2, "attn_implementation='sdpa'"),
     (dict(num_heads=6, num_kv_heads=6), 4, "6 attention heads are not divisible by sequence_parallel=4"),
     (dict(world_size=6), 4, "world size 6 is not a multiple of 4"),
-    (dict(parallel="fsdp"), 2, "DDP and DeepSpeed only.*fully_shard over all ranks"),
+    (dict(parallel="single", world_size=1), 2, "shares each sequence between N processes.*FSDP2"),
+    (dict(parallel="fsdp", fsdp_version=1), 2, "FSDP1 is not tested with sequence parallelism"),
     (dict(parallelism_sp_size=4, parallelism_sp_backend="torch"), 2, "contradicts ParallelismConfig"),
     (dict(parallelism_sp_size=4, parallelism_sp_backend="deepspeed", parallel="deepspeed"), 2,
      r"sequence_parallel=2 \(argument\) contradicts ParallelismConfig\(sp_size=4\)"),

@@ -212,6 +212,8 @@ def test_plan_refuses_a_vlm_it_cannot_shard_naming_the_reason_and_says_so_for_on
         with pytest.raises(PlanError, match=f"llava under DeepSpeed ZeRO stage {stage}: .* tested under DDP and ZeRO-2"):
             resolve_plan(dataclasses.replace(_facts(vision_family="llava", parallel="deepspeed"), zero_stage=stage),
                          cfg)
+    with pytest.raises(PlanError, match="qwen2_5_vl under FSDP: .* tested under DDP and ZeRO-2"):
+        resolve_plan(_facts(vision_family="qwen2_5_vl", parallel="fsdp"), cfg)
     off = resolve_plan(_facts(vision_refusal="x"), DDPFixConfig()).sequence_parallel  # not asked for: no error
     assert off.value is None
 

@@ -950,3 +950,25 @@ def test_accelerate_fsdp2_wraps_exactly_the_classes_hf_ddpfix_sets_on_its_plugin
         fsdp_utils.fsdp2_prepare_auto_wrap_policy(plugin, model)
     source = inspect.getsource(fsdp_utils.fsdp2_prepare_model)
     assert "fsdp2_prepare_auto_wrap_policy" in source, _broken("fsdp2_prepare_model no longer calls the auto-wrap policy")
+
+
+def test_bitsandbytes_cpu_repack_is_the_switch_we_turn_off():
+    """``_compat.disable_cpu_repack``: Linear4bit's forward repacks its weight for evaluation on an AVX512-BF16 CPU
+    only while ``support_avx512bf16_for_cpu`` is true (bitsandbytes 0.50.2); turning it off keeps the forward on
+    the dequantize path, and the undo puts the module's own value back."""
+    import inspect
+
+    bnb = pytest.importorskip("bitsandbytes")
+    layer = bnb.nn.Linear4bit(8, 8, bias=False, quant_type="nf4")
+    assert hasattr(layer, "support_avx512bf16_for_cpu"), _broken("Linear4bit.support_avx512bf16_for_cpu is gone")
+    source = inspect.getsource(bnb.nn.Linear4bit.forward)
+    assert "self.support_avx512bf16_for_cpu" in source and "_convert_weight_packed_for_cpu" in source, _broken(
+        "Linear4bit.forward no longer gates its CPU repack on support_avx512bf16_for_cpu")
+    model = torch.nn.Sequential(layer)
+    layer.support_avx512bf16_for_cpu = 1  # as on an AVX512-BF16 CPU (an int there)
+    n, undo = _compat.disable_cpu_repack(model)
+    assert n == 1 and layer.support_avx512bf16_for_cpu is False
+    undo()
+    assert layer.support_avx512bf16_for_cpu == 1
+    layer.support_avx512bf16_for_cpu = False  # a CPU without AVX512-BF16: nothing to switch
+    assert _compat.disable_cpu_repack(model)[0] == 0

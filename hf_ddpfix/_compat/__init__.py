@@ -22,6 +22,7 @@ from .attention import (
     current_attention_function,
     stock_attention_function,
 )
+from .bitsandbytes import disable_cpu_repack
 from .deepspeed import (
     deepspeed_default_leaf_classes,
     deepspeed_engine,
@@ -137,6 +138,7 @@ __all__ = [
     "ddp_kwargs_handler",
     "ddp_syncs_grads",
     "deepspeed_default_leaf_classes",
+    "disable_cpu_repack",
     "deepspeed_engine",
     "deepspeed_engine_sequence_parallel_size",
     "disable_model_checkpointing",

@@ -37,7 +37,9 @@ def decide_offload(facts: RunFacts, c: DDPFixConfig, ckpt: str) -> Decision:
         policy = (f"auto: a step copies checkpoint inputs >= {mib} MiB, or any when the device was >= 90% reserved; "
                   f"smaller ones stay (H100, 1.1B Llama: 1.57x step time at 8 MiB per layer, 1.08x at 32 MiB, "
                   f"0.99x at 64 MiB) ({c.source('offload_min_layer_mib')})")
-    return Decision(True, f"async pinned-memory offload of checkpointed layer inputs ({source}); {policy}",
+    fsdp = ("; under FSDP2 the checkpointed inputs of each layer are copied, the sharded parameters are FSDP's"
+            if facts.parallel == "fsdp" else "")
+    return Decision(True, f"async pinned-memory offload of checkpointed layer inputs ({source}); {policy}{fsdp}",
                     changed=True)
 
 
@@ -108,10 +110,12 @@ def decide_long_context(facts: RunFacts, c: DDPFixConfig, ckpt: str) -> Decision
                     f"calls run stock ({c.source('long_context')}){extra}", changed=True)
 
 
-def decide_tiled_loss(c: DDPFixConfig) -> Decision:
+def decide_tiled_loss(facts: RunFacts, c: DDPFixConfig) -> Decision:
     value = c.tiled_loss
     if value is None or value == "off":
         return Decision(False, "not requested" if value is None else f"off ({c.source('tiled_loss')})")
     chunk = "auto chunk" if value == "on" else f"{value} tokens per chunk"
+    fsdp = ("; under FSDP2 it runs as the forward of lm_head's unit (accelerate's [norm, head]), which gathers the "
+            "head's weight and reduce-scatters its gradient" if facts.parallel == "fsdp" else "")
     return Decision(value, f"lm_head + cross-entropy in chunks, full logits never held, {chunk} "
-                    f"({c.source('tiled_loss')})", changed=True)
+                    f"({c.source('tiled_loss')}){fsdp}", changed=True)

@@ -87,7 +87,7 @@ def resolve_plan(facts: RunFacts, config: DDPFixConfig | None = None) -> Plan:
         hang_guard=guard,
         # opt-in tiling reads partitioned (empty) weights under ZeRO-3: not verified there, stock kept
         tiled_mlp=ds_rules.zero3_unverified(facts, memory.decide_tiled_mlp(facts, c)),
-        tiled_loss=ds_rules.zero3_unverified(facts, memory.decide_tiled_loss(c)),
+        tiled_loss=ds_rules.zero3_unverified(facts, memory.decide_tiled_loss(facts, c)),
         sequence_parallel=sequence_parallel,
         long_context=ds_rules.zero3_unverified(facts, memory.decide_long_context(facts, c, mode)),
         quantization=quantization,

@@ -8,9 +8,9 @@ Pure: facts in, a `Decision` out, or a `PlanError` before training when the comb
 | world size not a multiple of N                  | SP groups of N ranks tile the world        | N dividing the world size   |
 | attention "eager" (or not through the interface)| eager is called directly, never wrapped    | attn_implementation="sdpa"  |
 | H % N != 0 / KV heads neither divisible nor replicable | heads are what the all-to-all splits | N dividing the head count   |
-| FSDP / single process                           | Trainer path not built (below)             | DDP or DeepSpeed ZeRO       |
+| single process                                  | no other rank to share the sequence with   | DDP, FSDP2 or DeepSpeed ZeRO |
 | a VLM whose images do not enter the decoder's `inputs_embeds` (cross-attention: Mllama), or M-RoPE outside `SEQUENCE_PARALLEL_VISION_FAMILIES` | its image inputs / positions would be cut blindly | train it without SP |
-| a VLM under DeepSpeed ZeRO-1 / ZeRO-3           | the VLM path is tested under DDP and ZeRO-2 | DDP or ZeRO-2              |
+| a VLM under DeepSpeed ZeRO-1 / ZeRO-3 or FSDP   | the VLM path is tested under DDP and ZeRO-2 | DDP or ZeRO-2              |
 | a MoE router loss (`output_router_logits`)      | a per-slice load-balancing loss is not the sequence's | output_router_logits=False |
 | a model without an LM head (classifier, reward) | its pooled score needs the whole sequence  | train it without SP         |
 | a non-stock loss on a VLM                       | the VLM outputs are not made whole yet     | the stock loss, or no SP    |
@@ -24,9 +24,11 @@ sp_parity.py: loss and gathered gradients vs one process, 2 and 4 gloo ranks), w
 the whole world (DP x SP, one flat mesh): SP ranks hold different tokens of the same samples, so their
 gradients are summed exactly as DP ranks' are, and one reduce-scatter over all ranks does both (a DP-only
 mesh would replicate every shard N times and need a second all-reduce over the SP group). The Trainer path
-under FSDP is not built: accelerate runs FSDP only with an accelerator, so it cannot be tested here, and the
-rule is not to switch on what is not checked. The PlanError says so and names the loop-level route
-(`fully_shard` + `sharded_causal_lm_loss`).
+under accelerate's FSDP2 is the DDP one (the group's batches exchanged in `compute_loss`, the stock loss scale;
+FSDP2's reduce-scatter averages over the world as DDP's all-reduce does): tests/test_fsdp_features.py trains a
+LoRA Llama with N=2 through `accelerate launch --config_file fsdp.yaml` bit-equal to the same run under DDP,
+which tests/test_sequence_parallel.py checks against one process. A VLM under FSDP is refused (tested under DDP
+only), as under ZeRO.
 
 The switch is `sequence_parallel=N` (`patch_trainer`, `HF_DDPFIX_SEQUENCE_PARALLEL`) or the ecosystem's own,
 `TrainingArguments(parallelism_config=ParallelismConfig(sp_size=N))` (accelerate >= 1.12); both mean hf_ddpfix's
@@ -90,7 +92,8 @@ def decide_sequence_parallel(facts: RunFacts, config: DDPFixConfig) -> Decision:
                             f"{_DS_GAPS}")
         if n is None and facts.parallel not in ("ddp", "deepspeed"):
             return Decision(False, f"ParallelismConfig(sp_size={pc_n}) on a {facts.parallel} run: left to "
-                            "accelerate as stock (hf_ddpfix's Ulysses runs under DDP and DeepSpeed)")
+                            "accelerate as stock (ParallelismConfig switches hf_ddpfix's Ulysses on under DDP and "
+                            "DeepSpeed; under FSDP2 set sequence_parallel=N)")
         source = "ParallelismConfig.sp_size" if n is None else f"{source} and ParallelismConfig.sp_size"
         n, from_pc = pc_n, True
     if n is None:
@@ -98,23 +101,24 @@ def decide_sequence_parallel(facts: RunFacts, config: DDPFixConfig) -> Decision:
     if n == 1:
         return Decision(False, f"sequence_parallel=1 ({source}): every rank holds whole sequences")
     where = f"sequence_parallel={n} ({source})"
-    if facts.parallel not in ("ddp", "deepspeed"):
-        fsdp = (" (under FSDP2 the attention and loss are exact in your own loop: torch's fully_shard over all "
-                "ranks + hf_ddpfix.integrations.sequence_parallel.sharded_causal_lm_loss; the Trainer path under "
-                "FSDP is not tested, so not switched on)") if facts.parallel == "fsdp" else ""
-        raise PlanError(f"{where}: hf_ddpfix's Ulysses sequence parallelism runs under DDP and DeepSpeed only (this "
-                        f"run: {facts.parallel}, world size {facts.world_size}){fsdp}; launch with torchrun on N or "
-                        "more processes without FSDP, or with a DeepSpeed ZeRO config")
+    if facts.parallel not in ("ddp", "deepspeed", "fsdp"):
+        raise PlanError(f"{where}: hf_ddpfix's Ulysses sequence parallelism shares each sequence between N "
+                        f"processes (this run: {facts.parallel}, world size {facts.world_size}); launch N or more "
+                        "processes (torchrun / accelerate launch: DDP, FSDP2 or a DeepSpeed ZeRO config)")
+    if facts.parallel == "fsdp" and (facts.fsdp_version or 2) != 2:
+        raise PlanError(f"{where}: FSDP{facts.fsdp_version} is not tested with sequence parallelism (FSDP2 is: the "
+                        "same loss scale as DDP); use fsdp_version: 2")
     if facts.world_size % n:
         raise PlanError(f"{where}: the world size {facts.world_size} is not a multiple of {n}; "
                         f"use a sequence_parallel that divides {facts.world_size}")
     if sp is not None and sp.vision_refusal:
         raise PlanError(f"{where}: {sp.vision_refusal}; train it without sequence parallelism")
     stage = facts.deepspeed.stage if facts.deepspeed is not None else facts.zero_stage
-    if sp is not None and sp.vision_family and facts.parallel == "deepspeed" and stage != 2:
-        raise PlanError(f"{where}: {sp.vision_family} under DeepSpeed ZeRO stage {stage}: hf_ddpfix's "
+    if sp is not None and sp.vision_family and (facts.parallel == "fsdp" or (facts.parallel == "deepspeed" and stage != 2)):
+        engine = "FSDP" if facts.parallel == "fsdp" else f"DeepSpeed ZeRO stage {stage}"
+        raise PlanError(f"{where}: {sp.vision_family} under {engine}: hf_ddpfix's "
                         "sequence parallelism for vision-language models (tower and image merge on the full sequence, "
-                        "the ZeRO dummy image) is tested under DDP and ZeRO-2 only; launch it under DDP or ZeRO-2, or "
+                        "the dummy image) is tested under DDP and ZeRO-2 only; launch it under DDP or ZeRO-2, or "
                         "train without sequence parallelism")
     impl = sp.attn_implementation if sp else None
     if impl != "sdpa":
@@ -134,6 +138,9 @@ def decide_sequence_parallel(facts: RunFacts, config: DDPFixConfig) -> Decision:
     kv_text = f"{kv} KV heads replicated x{f}" if f > 1 else f"{kv * 1 // n} KV heads/rank"
     reason = (f"{source}: {heads // n} of {heads} heads/rank ({kv_text}) on the full sequence, L/{n} tokens/rank "
               f"elsewhere; {dp} data-parallel group(s)")
+    if facts.parallel == "fsdp":
+        reason += (f"; under FSDP2 the parameters are sharded over all {facts.world_size} ranks (one reduce-scatter "
+                   "sums SP and DP gradients alike, averaged over the world as DDP's: the token-sum loss is exact)")
     if facts.parallel == "deepspeed":
         reason += ("; under DeepSpeed ZeRO hf_ddpfix's Ulysses runs and DeepSpeed sees plain data parallelism over "
                    f"all {facts.world_size} ranks (every stage averages over the world: the token-sum loss is exact)")

@@ -185,14 +185,18 @@ class _TiledLossForward:
         hidden = outputs[0]
         head = self.model.lm_head
         shift = extra.get("shift_labels")
-        loss = tiled_causal_lm_loss(
-            hidden, head.weight, labels if shift is None else None,
-            ignore_index=extra.get("ignore_index", -100),
-            num_items_in_batch=extra.get("num_items_in_batch"),
-            shift_labels=shift,
-            chunk_tokens=self.chunk_tokens,
-            bias=head.bias,
-        )
+
+        def head_loss(h: torch.Tensor) -> torch.Tensor:  # reads the head's weight when its unit has gathered it
+            return tiled_causal_lm_loss(
+                h, head.weight, labels if shift is None else None,
+                ignore_index=extra.get("ignore_index", -100),
+                num_items_in_batch=extra.get("num_items_in_batch"),
+                shift_labels=shift,
+                chunk_tokens=self.chunk_tokens,
+                bias=head.bias,
+            )
+
+        loss = _as_head_forward(head, head_loss, hidden)
         self.calls += 1
         record_ran(FEATURE)
         fields: dict[str, Any] = {"loss": loss, "logits": None,
@@ -203,6 +207,27 @@ class _TiledLossForward:
             fields[cache_field] = output_cache(outputs)
         out = CausalLMOutputWithPast(**fields)
         return out.to_tuple() if return_dict is False else out
+
+
+def _as_head_forward(head: nn.Module, fn: Any, hidden: torch.Tensor) -> torch.Tensor:
+    """``fn(hidden)``; where ``head`` is an FSDP2 unit of its own (accelerate 1.15 shards ``[final norm, lm_head]``
+    as one unit), ``fn`` runs as the head's forward, so FSDP2's hooks on the head do for the tiled loss what they
+    do for the head's own call: gather its weight before (outside that call ``head.weight`` is this rank's DTensor
+    shard: "mixed torch.Tensor and DTensor"), reshard after, gather again for backward and reduce-scatter its
+    gradient. Anywhere else (DDP, one process, the head inside a larger unit) ``fn`` is called directly."""
+    from torch.distributed.fsdp import FSDPModule
+
+    if not isinstance(head, FSDPModule):
+        return fn(hidden)
+    own = head.__dict__.get("forward")
+    head.forward = fn  # type: ignore[method-assign]
+    try:
+        return head(hidden)
+    finally:
+        if own is None:
+            del head.__dict__["forward"]
+        else:
+            head.__dict__["forward"] = own
 
 
 @dataclass

@@ -1,0 +1,252 @@
+"""hf_ddpfix's memory features through ``Trainer.train`` / ``evaluate`` under accelerate's FSDP2, as users launch.
+
+Run (2 gloo processes on the CPU; the FSDP test device makes accelerate run FSDP2 there, docs/fsdp.md):
+
+    PYTHONPATH=tests/fsdp_device:. accelerate launch --config_file accelerate_configs/fsdp.yaml \
+        --mixed_precision no tests/scripts/fsdp_features.py --mode fixed --out OUT
+    accelerate launch --config_file accelerate_configs/ddp_cpu.yaml tests/scripts/fsdp_features.py --mode stock --out OUT
+
+``--mode fixed``: ``DDPFixTrainer`` with the cell's feature on (:data:`CELLS`); ``--mode stock``: the stock
+``Trainer`` with ``ddp_find_unused_parameters=True`` and no feature (the reference, under ddp_cpu.yaml);
+``--mode off``: ``DDPFixTrainer`` with every feature off (to check that the test fails when a feature does not run).
+
+Every cell trains a LoRA Llama (tests/fixtures.py ``lora_llama``: LoRA with random A and B on q/v/gate/up/down,
+sdpa attention, 4 heads, 2 KV heads) from the same weights on the same data: rank ``r`` gets item ``k * world + r``
+as its ``k``-th micro-batch (batch size 1, no padding, so the patched layer paths run), sequence lengths varying by
+step, micro-batch and rank, about a third of the labels masked; AdamW with weight decay 0.1, clipping at 1.0,
+non-reentrant checkpointing, 3 optimizer steps, then ``evaluate()``. Cells:
+
+- ``tiled_mlp``: ``tiled_mlp="3"`` (3 shards per MLP call), gradient accumulation 2;
+- ``tiled_loss``: ``tiled_loss="4"`` (4 label tokens per chunk: every call runs several chunks);
+- ``long_context``: ``long_context="all"`` (rms_norm, grouped attention, tiled layer) with 5-token tiles (the
+  Trainer's default is 2048 tokens: :data:`TOKENS_PER_TILE` is passed through the runtime's applier here), so
+  the tile count differs per rank and the plan's all-reduced (MAX) count is what keeps FSDP's gathers aligned;
+- ``offload``: ``offload_activations=True``, ``offload_min_layer_mib=0``. hf_ddpfix turns offload off without an
+  accelerator (nothing to offload to); this script makes the run look like one that has one (the run's facts say
+  ``accelerator_available``) and its ``ActivationOffload`` copy CPU tensors through host buffers
+  (``simulate=True``: the CUDA state machine, synchronous copies), as tests/test_offload_plan.py does in one process;
+- ``sequence_parallel``: ``sequence_parallel=2``, gradient accumulation 2 (Ulysses over both ranks: each trains its
+  slice of both ranks' batches, right-padded to one length; evaluation sharded too);
+- ``qlora``: the base saved once, reloaded on every rank in NF4 through bitsandbytes on the CPU with
+  ``bnb_4bit_quant_storage=torch.float32`` (FSDP2 shards a floating storage; uint8 storage would stay replicated,
+  see the plan's ``quantization`` line), LoRA on top, ``prepare_model_for_kbit_training`` without its reentrant
+  checkpointing.
+
+Rank 0 writes ``OUT/<mode>-<cell>.pt``: {"weights": every trainable tensor (FSDP2 shards gathered), "eval_loss",
+"wrapped": the model's class after prepare, "units": FSDP2 units, "plan": the plan's lines}; every rank writes
+``OUT/<mode>-<cell>-rank<r>.pt``: {"counts": hf_ddpfix's feature counters after train() and evaluate(),
+"extra": the cell's own figures}. Prints ``FSDP_FEATURES_OK`` at the end.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import functools
+import os
+import sys
+import time
+
+import torch
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.dirname(HERE))
+
+from fixtures import DECODER_TARGETS, SMALL_TEXT, lora_llama, masked_labels, trainable_weights  # noqa: E402
+
+STEPS = 3
+TOKENS_PER_TILE = 5
+#: cell -> (hf_ddpfix options, gradient accumulation)
+CELLS = {
+    "tiled_mlp": ({"tiled_mlp": "3"}, 2),
+    "tiled_loss": ({"tiled_loss": "4"}, 1),
+    "long_context": ({"long_context": "all"}, 1),
+    "qlora": ({}, 1),
+    "sequence_parallel": ({"sequence_parallel": 2}, 2),
+    "offload": ({"offload_activations": True, "offload_min_layer_mib": 0}, 1),  # last: its test device stays
+}
+MODEL = dict(attn_implementation="sdpa")
+#: cells trained in float64 (their float32 run differs from DDP's by the tiling's summation order, see below)
+DTYPE = {"long_context": torch.float64}
+
+
+def seq_len(k: int, r: int) -> int:
+    """Micro-batch ``k`` of rank ``r``: 7 to 22 tokens, never equal on the two ranks."""
+    return 7 + (5 * k + 7 * r) % 16
+
+
+class Items(torch.utils.data.Dataset):
+    """Item ``k * world + r`` is rank ``r``'s ``k``-th micro-batch (one row with its batch dimension)."""
+
+    def __init__(self, n_batches: int, world: int, seed: int):
+        self.rows = []
+        for k in range(n_batches):
+            for r in range(world):
+                g = torch.Generator().manual_seed(seed + 1000 * k + r)
+                ids = torch.randint(1, 250, (1, seq_len(k, r)), generator=g)
+                self.rows.append({"input_ids": ids, "labels": masked_labels(ids, g)})
+
+    def __len__(self):
+        return len(self.rows)
+
+    def __getitem__(self, i):
+        return self.rows[i]
+
+
+def collate(features):
+    assert len(features) == 1, "batch size 1: each item already has its batch dimension"
+    return dict(features[0])
+
+
+def qlora_model(out: str, world: int):
+    """A tiny Llama saved once (rank 0), reloaded in NF4 with float32 storage on every rank, LoRA on top."""
+    import torch.distributed as dist
+    from peft import LoraConfig, get_peft_model, prepare_model_for_kbit_training
+    from transformers import BitsAndBytesConfig, LlamaForCausalLM
+
+    base = os.path.join(out, "saved-qlora-base")
+    if int(os.environ.get("RANK", "0")) == 0 and not os.path.isdir(base):
+        from transformers import LlamaConfig
+
+        torch.manual_seed(0)
+        LlamaForCausalLM(LlamaConfig(**SMALL_TEXT, max_position_embeddings=128)).save_pretrained(base)
+    if world > 1:
+        dist.barrier()
+    q = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
+                           bnb_4bit_quant_storage=torch.float32, bnb_4bit_compute_dtype=torch.float32)
+    model = LlamaForCausalLM.from_pretrained(base, quantization_config=q, device_map="cpu", **MODEL)
+    model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)
+    torch.manual_seed(1)
+    adapters = LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=list(DECODER_TARGETS),
+                          init_lora_weights=False)
+    return get_peft_model(model, adapters).train()
+
+
+def four_bit_names(model) -> set[str]:
+    """Names of the bitsandbytes 4-bit weights (before any wrapping)."""
+    return {n for n, p in model.named_parameters() if type(p).__name__ == "Params4bit"}
+
+
+def local_bytes(model, names: set[str]) -> int:
+    """Bytes of the named parameters this rank holds (its local shards under FSDP2)."""
+    total = 0
+    for n, p in model.named_parameters():
+        if n in names:
+            local = p.to_local() if hasattr(p, "to_local") else p
+            total += local.numel() * local.element_size()
+    return total
+
+
+@functools.cache
+def _test_device_offload() -> None:
+    """Offload on a CPU run, as on a machine with an accelerator (see the module docstring)."""
+    import hf_ddpfix.runtime as runtime_mod
+    import hf_ddpfix.trainer as trainer_mod
+    from hf_ddpfix.ops.offload import ActivationOffload
+
+    real = trainer_mod.gather_facts
+    trainer_mod.gather_facts = lambda tr: dataclasses.replace(real(tr), accelerator_available=True)
+    runtime_mod.ActivationOffload = functools.partial(ActivationOffload, min_bytes=0, simulate=True)
+
+
+def _small_tiles() -> None:
+    import hf_ddpfix.runtime as runtime_mod
+    from hf_ddpfix.integrations.long_context.long_context import apply_long_context
+
+    runtime_mod.apply_long_context = functools.partial(apply_long_context, tokens_per_tile=TOKENS_PER_TILE)
+
+
+class PlanLines:
+    """Collects hf_ddpfix's log records (the plan report) on this rank."""
+
+    def __init__(self):
+        import logging
+
+        self.lines: list[str] = []
+        handler = logging.Handler()
+        handler.emit = lambda record: self.lines.append(record.getMessage())
+        logging.getLogger("hf_ddpfix").addHandler(handler)
+
+
+def run(cell: str, mode: str, out: str, lines: PlanLines) -> None:
+    import torch.distributed as dist
+    from transformers import Trainer, TrainingArguments
+
+    from hf_ddpfix import DDPFixConfig, DDPFixTrainer, checkpointing_training_args
+    from hf_ddpfix.ops import feature_counts
+
+    options, ga = CELLS[cell]
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    rank = int(os.environ.get("RANK", "0"))
+    args = TrainingArguments(
+        output_dir=os.path.join(out, f"run-{mode}-{cell}"), max_steps=STEPS, per_device_train_batch_size=1,
+        per_device_eval_batch_size=1, gradient_accumulation_steps=ga, learning_rate=1e-3, weight_decay=0.1,
+        max_grad_norm=1.0, lr_scheduler_type="constant", logging_steps=1, save_strategy="no", report_to="none",
+        train_sampling_strategy="sequential", remove_unused_columns=False, use_cpu=True, seed=0,
+        ddp_find_unused_parameters=True if mode == "stock" else None,
+        **checkpointing_training_args(True, {"use_reentrant": False}),
+    )
+    assert args.device.type == "cpu"  # sets up accelerate's state and the process group (from_pretrained reads it)
+    model = qlora_model(out, world) if cell == "qlora" else lora_llama(dtype=DTYPE.get(cell), **MODEL)
+    model.config.use_cache = False
+    quantized = four_bit_names(model)
+    train = Items(STEPS * ga, world, seed=0)
+    evaluation = Items(2, world, seed=50_000)
+    if mode == "stock":
+        trainer = Trainer(model=model, args=args, data_collator=collate, train_dataset=train, eval_dataset=evaluation)
+    else:
+        config = DDPFixConfig(**(options if mode == "fixed" else {}))
+        trainer = DDPFixTrainer(model=model, args=args, data_collator=collate, train_dataset=train,
+                                eval_dataset=evaluation, ddpfix_config=config)
+    del lines.lines[:]
+    t0 = time.time()
+    result = trainer.train()
+    metrics = trainer.evaluate()
+    counts = {k: v.as_dict() for k, v in feature_counts.snapshot().items()}
+    from torch.distributed.fsdp import FSDPModule
+
+    units = [n for n, m in trainer.model.named_modules() if isinstance(m, FSDPModule)]
+    extra = {"train_metrics": {k: v for k, v in result.metrics.items() if k.startswith("hf_ddpfix/")}}
+    if cell == "qlora":
+        from bitsandbytes.nn.modules import has_avx512bf16
+
+        extra["avx512bf16"] = bool(has_avx512bf16())  # bitsandbytes repacks 4-bit weights for evaluation there
+        extra["four_bit"] = {"params": len(quantized), "local_bytes": local_bytes(trainer.model, quantized),
+                             "full_bytes": local_bytes(model, quantized) if trainer.model is not model else None}
+    runtime = getattr(trainer, "hf_ddpfix_runtime", None)
+    if cell == "offload" and runtime is not None and runtime.offload is not None:
+        s = runtime.offload.stats
+        extra["offload"] = {"steps": s.steps, "offloaded_tensors": s.offloaded_tensors, "in_flight": s.in_flight}
+    torch.save({"counts": counts, "extra": extra}, os.path.join(out, f"{mode}-{cell}-rank{rank}.pt"))
+    weights = trainable_weights(trainer.model)
+    if trainer.is_world_process_zero():
+        torch.save({"weights": weights, "eval_loss": metrics["eval_loss"], "wrapped": type(trainer.model).__name__,
+                    "units": units, "plan": list(lines.lines)}, os.path.join(out, f"{mode}-{cell}.pt"))
+        print(f"[{mode}] {cell}: {type(trainer.model).__name__}, {len(units)} FSDP2 units, eval_loss "
+              f"{metrics['eval_loss']:.6f}, {time.time() - t0:.1f}s", flush=True)
+    if world > 1:
+        dist.barrier()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--mode", choices=("fixed", "stock", "off"), required=True)
+    ap.add_argument("--cells", default=",".join(CELLS))
+    ap.add_argument("--out", required=True)
+    a = ap.parse_args()
+    lines = PlanLines()
+    _small_tiles()
+    for cell in a.cells.split(","):
+        if cell == "offload" and a.mode != "stock":
+            _test_device_offload()
+        run(cell, a.mode, a.out, lines)
+    print("FSDP_FEATURES_OK", flush=True)
+
+
+if __name__ == "__main__":
+    try:
+        main()
+    finally:
+        from hf_ddpfix.ops.dist import destroy_default_group
+
+        destroy_default_group()

@@ -1,0 +1,130 @@
+"""hf_ddpfix's features under the Trainer's FSDP2, as users launch it (``accelerate launch --config_file
+accelerate_configs/fsdp.yaml``, 2 gloo processes through the FSDP test device, docs/fsdp.md), against the same
+features under DDP (``ddp_cpu.yaml``), each DDP run being itself tested against stock elsewhere.
+
+One launch per engine runs six cells (tests/scripts/fsdp_features.py): tiled MLP (gradient accumulation 2), tiled
+loss, long-context layers (5-token tiles, float64), activation offload (host copies simulated on the CPU), QLoRA
+(bitsandbytes NF4 in float32 storage) and Ulysses sequence parallelism (N=2, gradient accumulation 2; its DDP
+run is what tests/test_sequence_parallel.py checks against one process). Every cell: the model is really FSDP2-wrapped, each feature's counters
+on **every rank** say it ran every time (a silent fallback fails), the final trainable weights equal DDP's within
+the tolerance below, ``evaluate()`` afterwards agrees.
+
+Measured (2 cores, torch 2.13, transformers 5.23, accelerate 1.15, bitsandbytes 0.50.2, 2026-11-27): max |W_fsdp2 -
+W_ddp| 2.98e-8 for tiled MLP, tiled loss, offload and QLoRA in float32, 0 (bit-equal) for sequence parallelism (stock FSDP-vs-DDP spread 4.5e-8,
+tests/test_fsdp_trainer.py: reduce-scatter vs all-reduce order); long-context 1.1e-15 in float64 (in float32
+1.3e-5: under FSDP the tile count is all-reduced (MAX) so the ranks gather alike, which changes the tiles and their
+summation order, and AdamW's first steps magnify that on near-zero gradients; float64 shows the math is the same).
+Evaluation losses equal to 5e-7, QLoRA's to 3e-4 (DDP evaluates through bitsandbytes' bf16 repacked CPU kernel,
+which hf_ddpfix switches off under FSDP2: without that, FSDP2 evaluation read garbled weights, 5.496 vs 5.524).
+Wall time: ~35 s + ~35 s (the two launches, on a loaded 2-core machine).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from launch import ROOT, accelerate_launch, fsdp_device_env
+
+SCRIPT = ROOT / "tests" / "scripts" / "fsdp_features.py"
+CELLS = ("tiled_mlp", "tiled_loss", "long_context", "qlora", "sequence_parallel", "offload")
+TOL = {"long_context": 1e-12}  # float64 (see above); the others float32: 3x the measured 4.5e-8 spread
+TOL_FP32 = 1.5e-7
+EVAL_TOL = {"qlora": 1e-3}  # DDP evaluates through bitsandbytes' bf16 CPU kernel (3e-4 measured)
+OFFLINE = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
+FP32 = ("--mixed_precision", "no")  # accelerate's own flag over fsdp.yaml's bf16: weights are compared with DDP
+STEPS, LAYERS, HIDDEN = 3, 2, 64
+
+
+def _seq_len(k: int, r: int) -> int:  # tests/scripts/fsdp_features.py's seq_len
+    return 7 + (5 * k + 7 * r) % 16
+
+
+def _check_counts(cell: str, counts: dict, extra: dict, *, fsdp: bool, rank: int) -> None:
+    """The feature's counters on one rank: it ran on every call, never fell back."""
+    ga = 2 if cell in ("tiled_mlp", "sequence_parallel") else 1
+    micro = STEPS * ga
+    if cell in ("tiled_mlp", "tiled_loss", "long_context", "offload", "sequence_parallel"):
+        c = counts.get(cell)
+        assert c is not None and c["fell_back"] == 0, (cell, rank, c)
+    if cell == "tiled_mlp":  # each layer's MLP per micro-batch, forward and checkpoint recompute
+        assert c["ran"] == 2 * LAYERS * micro and c["amounts"]["shards"] == 3 * c["ran"], (rank, c)
+    elif cell == "tiled_loss":
+        assert c["ran"] == micro, (rank, c)
+    elif cell == "long_context":
+        assert c["ran"] == 2 * LAYERS * micro and c["amounts"]["rms_norm_calls"] > 0, (rank, c)
+    elif cell == "offload":  # every checkpointed input but the last layer's went through a host buffer
+        nbytes = sum(_seq_len(k, rank) for k in range(micro)) * HIDDEN * 4 * (LAYERS - 1)
+        assert c["ran"] == micro and c["amounts"]["copies"] == micro * (LAYERS - 1), (rank, c)
+        assert c["amounts"]["bytes"] == nbytes, (rank, c, nbytes)
+        assert extra["offload"]["in_flight"] == 0, (rank, extra)
+    elif cell == "sequence_parallel":  # both ranks' batches trained and evaluated by both, in slices
+        assert c["ran"] > 0 and c["amounts"]["sharded_batches"] == 2 * micro, (rank, c)
+        assert c["amounts"]["eval_sharded_batches"] == 2 * 2, (rank, c)
+    elif cell == "qlora":
+        repack = counts.get("quantization", {}).get("amounts", {}).get("cpu_repack_off", 0)
+        four_bit = extra["four_bit"]
+        assert four_bit["params"] == 7 * LAYERS, (rank, four_bit)
+        if fsdp:  # sharded: each rank holds half of the 4-bit bytes; the evaluation repack switched off
+            assert four_bit["local_bytes"] * 2 == 36864, (rank, four_bit)
+            assert repack == (four_bit["params"] if extra["avx512bf16"] else 0), (rank, counts.get("quantization"))
+        else:
+            assert four_bit["local_bytes"] == 36864 and repack == 0, (rank, four_bit)
+    if fsdp:
+        assert counts["fsdp"]["amounts"]["units"] >= 4, (cell, rank, counts.get("fsdp"))
+
+
+@pytest.mark.multiprocess
+def test_features_under_trainer_fsdp2_train_like_under_ddp(tmp_path):
+    fsdp_out, ddp_out = tmp_path / "fsdp", tmp_path / "ddp"
+    fsdp_out.mkdir()
+    ddp_out.mkdir()
+    done = accelerate_launch("fsdp.yaml", SCRIPT, "--mode", "fixed", "--out", str(fsdp_out), timeout=400,
+                             env=fsdp_device_env(OFFLINE), extra=FP32)
+    assert "[fsdp_device] accelerate FSDP2 on CPU/gloo" in done.stdout, done.stdout[-4000:]
+    assert "FSDP_FEATURES_OK" in done.stdout, done.stdout[-4000:]
+    ref = accelerate_launch("ddp_cpu.yaml", SCRIPT, "--mode", "fixed", "--out", str(ddp_out), timeout=400,
+                            env=OFFLINE)
+    assert "FSDP_FEATURES_OK" in ref.stdout, ref.stdout[-4000:]
+
+    for cell in CELLS:
+        ours, theirs = torch.load(fsdp_out / f"fixed-{cell}.pt"), torch.load(ddp_out / f"fixed-{cell}.pt")
+        assert ours["wrapped"].startswith("FSDP") and len(ours["units"]) >= 4, (cell, ours["wrapped"], ours["units"])
+        assert not theirs["units"], cell  # the reference really is DDP
+        plan = "\n".join(ours["plan"])
+        assert "(fsdp, world size 2)" in plan, (cell, plan)
+        for rank in (0, 1):
+            for out, fsdp in ((fsdp_out, True), (ddp_out, False)):
+                got = torch.load(out / f"fixed-{cell}-rank{rank}.pt")
+                _check_counts(cell, got["counts"], got["extra"], fsdp=fsdp, rank=rank)
+        assert ours["weights"].keys() == theirs["weights"].keys(), cell
+        diff = max((ours["weights"][k] - theirs["weights"][k]).abs().max().item() for k in theirs["weights"])
+        tol = TOL.get(cell, TOL_FP32)
+        assert diff <= tol, f"{cell}: max |W_fsdp2 - W_ddp| = {diff:.2e} > {tol:.0e}"
+        assert abs(ours["eval_loss"] - theirs["eval_loss"]) <= EVAL_TOL.get(cell, 1e-5), (
+            cell, ours["eval_loss"], theirs["eval_loss"])
+    # the FSDP plan lines say what each feature does under FSDP2
+    lines = {cell: "\n".join(torch.load(fsdp_out / f"fixed-{cell}.pt")["plan"]) for cell in CELLS}
+    assert "shard count all-reduced (MAX) so FSDP ranks gather alike" in lines["tiled_mlp"]
+    assert "under FSDP2 it runs as the forward of lm_head's unit" in lines["tiled_loss"]
+    assert "tile count all-reduced (MAX) so FSDP ranks gather alike" in lines["long_context"]
+    assert "under FSDP2 the checkpointed inputs of each layer are copied" in lines["offload"]
+    assert "FSDP2: 4-bit weights sharded in float32 storage" in lines["qlora"]
+    assert "in-place CPU repack for evaluation switched off" in lines["qlora"]
+    assert "sequence_parallel       = N=2 DP=1" in lines["sequence_parallel"]
+    assert "under FSDP2 the parameters are sharded over all 2 ranks" in lines["sequence_parallel"]
+    # under FSDP the long-context tile count is all-reduced: both ranks ran as many tiled norms
+    norms = [torch.load(fsdp_out / f"fixed-long_context-rank{r}.pt")["counts"]["long_context"]["amounts"]
+             ["rms_norm_calls"] for r in (0, 1)]
+    assert norms[0] == norms[1], norms
+
+
+def test_zero_skip_unused_does_not_apply_under_fsdp_and_the_plan_says_why():
+    """Under FSDP2 the plan's parameter usage already gives DDP's semantics (gradients no rank used reset to None,
+    AdamW skips them: tests/test_fsdp_trainer.py's step without an image on any rank); asking for the ZeRO
+    option says so instead of being ignored."""
+    from hf_ddpfix.config import DDPFixConfig
+    from hf_ddpfix.plan import RunFacts, resolve_plan
+
+    plan = resolve_plan(RunFacts(parallel="fsdp", world_size=2, fsdp_version=2), DDPFixConfig(zero_skip_unused=True))
+    d = plan.zero_skip_unused
+    assert d.value is False and "not DeepSpeed" in d.reason and "FSDP already skip" in d.reason, d
