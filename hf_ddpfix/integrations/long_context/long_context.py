@@ -58,6 +58,7 @@ from ..._compat import (
     is_checkpointing,
     layer_checkpoint_func,
     stock_attention_function,
+    tensor_has_values,
 )
 from ...ops.document_attention import document_attention, mask_blocks
 from ...ops.feature_counts import record_amount, record_fallback, record_ran
@@ -70,8 +71,8 @@ from .layer_forms import (
     LayerForm,
     candidate_forms,
     capture_attention_inputs,
-    is_rms_norm,
     probe_layer,
+    rms_norm_form,
 )
 
 __all__ = [
@@ -134,10 +135,11 @@ def _layer_check(layer: nn.Module) -> tuple[bool, str]:
 class _NormForward:
     """Instance-level forward of an RMSNorm running :func:`rms_norm`."""
 
-    def __init__(self, module: nn.Module, prev: Any, chunk_tokens: int) -> None:
+    def __init__(self, module: nn.Module, prev: Any, chunk_tokens: int, unit_offset: bool = False) -> None:
         self.module = module
         self.prev = prev
         self.chunk_tokens = chunk_tokens
+        self.unit_offset = unit_offset  # Gemma's (1 + w) form (layer_forms.rms_norm_form)
 
     def __call__(self, *args: Any, **kwargs: Any) -> torch.Tensor:
         m = self.module
@@ -149,7 +151,8 @@ class _NormForward:
             stock = self.prev if self.prev is not None else type(m).forward.__get__(m)
             return stock(*args, **kwargs)
         record_amount(FEATURE, "rms_norm_calls", 1)
-        return rms_norm(x, m.weight, getattr(m, "variance_epsilon", getattr(m, "eps", None)), chunk_tokens=self.chunk_tokens)
+        return rms_norm(x, m.weight, getattr(m, "variance_epsilon", getattr(m, "eps", None)), chunk_tokens=self.chunk_tokens,
+                        unit_offset=self.unit_offset)
 
 
 @dataclass
@@ -200,7 +203,10 @@ class _LayerForward:
         if call.attention_mask is not None:
             if not torch.is_grad_enabled():  # evaluation with padding: stock by design
                 return "attention mask given (padding/packing)"
-            self.blocks = mask_blocks(call.attention_mask) if isinstance(call.attention_mask, torch.Tensor) else None
+            mask = call.attention_mask
+            if isinstance(mask, torch.Tensor) and not tensor_has_values(mask):
+                return "attention mask without values (meta / fake tensor)"
+            self.blocks = mask_blocks(mask) if isinstance(mask, torch.Tensor) else None
             if self.blocks is None:
                 return "attention mask other than right padding / packed documents"
         if call.cache is not None:
@@ -400,10 +406,12 @@ def apply_long_context(
                             attention_groups, do_sync, group)
     for name, m in model.named_modules():
         if "rms_norm" in feats:
-            is_norm, why = is_rms_norm(m, chunk_tokens=int(norm_chunk_tokens))
+            norm_form, why = rms_norm_form(m, chunk_tokens=int(norm_chunk_tokens))
+            is_norm = norm_form is not None
             if is_norm:
                 m.__dict__[_LAYER_ATTR] = True
-                m.forward = _NormForward(m, m.__dict__.get("forward"), int(norm_chunk_tokens))  # type: ignore[method-assign]
+                m.forward = _NormForward(m, m.__dict__.get("forward"), int(norm_chunk_tokens),  # type: ignore[method-assign]
+                                         unit_offset=norm_form == "unit_offset")
             if why:
                 handle.report.append(LongContextEntry(name, type(m).__name__, ("rms_norm",) if is_norm else (), why))
                 continue
