@@ -208,8 +208,7 @@ def _batch(kind: str):
 
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("kind", ["right_padded", "packed"])
-@pytest.mark.parametrize("name", [n for n in FAMILIES if n not in EXPECT_STOCK and n not in EXPECT_UNPATCHED
-                                  and n != "qwen2_5_vl_text"])
+@pytest.mark.parametrize("name", [n for n in FAMILIES if n not in EXPECT_STOCK and n not in EXPECT_UNPATCHED])
 def test_padded_and_packed_batches_run_patched_and_equal_stock(name, kind):
     """A padding or packed-documents mask reaches each layer; the patched path attends per document
     (ops/document_attention.py) with every feature on: loss and gradients equal stock within 1e-6."""
@@ -220,6 +219,12 @@ def test_padded_and_packed_batches_run_patched_and_equal_stock(name, kind):
     stock.train()
     model = copy.deepcopy(stock)
     batch = _batch(kind)
+    # Qwen2.5-VL's text decoder takes M-RoPE positions [3, B, S]. Stock (transformers 5.23) builds no
+    # per-document mask from them (only 2-D restarting positions are read as packing): its packed
+    # documents attend across their boundaries, so the patched layer, matching stock, runs unmasked.
+    mrope_packed = name == "qwen2_5_vl_text" and kind == "packed"
+    if mrope_packed:
+        batch["position_ids"] = batch["position_ids"][None].expand(3, -1, -1).clone()
 
     def grads(m):
         m.zero_grad(set_to_none=True)
@@ -234,7 +239,7 @@ def test_padded_and_packed_batches_run_patched_and_equal_stock(name, kind):
     counts = feature_counts.snapshot().get("long_context")
     n_layers = model.config.get_text_config().num_hidden_layers
     assert handle.stats["patched calls"] == 2 * n_layers, dict(handle.stats)
-    assert handle.stats["document-masked calls"] == 2 * n_layers, dict(handle.stats)
+    assert handle.stats["document-masked calls"] == (0 if mrope_packed else 2 * n_layers), dict(handle.stats)
     assert counts is not None and counts.fell_back == 0, counts
     torch.testing.assert_close(loss1, loss0, rtol=1e-6, atol=1e-6)
     for n in g0:
