@@ -37,6 +37,7 @@ from ..._compat import (
     attention_function_override,
     attention_implementation,
     tensor_has_values,
+    zero3_partitioned,
 )
 from ...ops.rms_norm import rms_norm
 
@@ -175,28 +176,37 @@ def kernel_refusal(kwargs: dict[str, Any]) -> str | None:
     return None
 
 
-def rms_norm_form(m: nn.Module, chunk_tokens: int = 4096) -> tuple[str | None, str]:
+def rms_norm_form(m: nn.Module, chunk_tokens: int = 4096, forward: Callable[..., Any] | None = None
+                  ) -> tuple[str | None, str]:
     """An RMSNorm recognised by what it computes: a 1-D ``weight``, an epsilon (``variance_epsilon`` or
     ``eps``), no bias, and ``m(x)`` bit-identical to :func:`rms_norm` on a random input, in Llama's form
     (``"weight"``: ``w * x_hat.to(dtype)``) or Gemma's (``"unit_offset"``: ``(x_hat * (1 + w)).to(dtype)``).
 
+    ``forward``: what the module computes now (default: its instance ``forward`` if one is set, e.g. by
+    another library, else its class's).
+
     Returns:
         ``(form, reason)``; ``form`` ``None`` for anything else (LayerNorm, a norm of another formula, meta
-        or fake weights with nothing to compare), which stays stock.
+        or fake weights with nothing to compare), which stays stock; ``"deferred"`` for a weight ZeRO-3 partitioned
+        (checked at the norm's first call, :mod:`.norm_forward`).
     """
     w = getattr(m, "weight", None)
     eps = getattr(m, "variance_epsilon", getattr(m, "eps", None))
-    if not isinstance(w, torch.Tensor) or w.dim() != 1 or not isinstance(eps, float) or w.numel() < 2:
+    partitioned = isinstance(w, torch.Tensor) and zero3_partitioned(w) and w.numel() == 0
+    if not isinstance(w, torch.Tensor) or not isinstance(eps, float) or not (
+            partitioned or (w.dim() == 1 and w.numel() >= 2)):
         return None, ""
     if getattr(m, "bias", None) is not None or list(m.children()):
         return None, ""
-    if not tensor_has_values(w):  # meta / fake / ZeRO-3-partitioned (empty) weights: nothing to compare
-        return None, f"{type(m).__name__}: no values to check (meta, fake or partitioned weight): stock"
+    if partitioned:  # ZeRO-3: an empty placeholder until its forward gathers it (norm_forward.py)
+        return "deferred", f"{type(m).__name__}: weight partitioned by ZeRO-3: checked against stock at its first call"
+    if not tensor_has_values(w):  # meta / fake weights: nothing to compare
+        return None, f"{type(m).__name__}: no values to check (meta or fake weight): stock"
     gen = torch.Generator(device=w.device).manual_seed(0)
     with torch.no_grad():
         x = torch.randn((5, w.shape[0]), generator=gen, device=w.device, dtype=torch.float32).to(w.dtype) * 3
         try:
-            ref = type(m).forward(m, x)
+            ref = (forward or m.__dict__.get("forward") or type(m).forward.__get__(m))(x)
         except Exception as err:  # noqa: BLE001 - not a one-tensor norm: not ours
             return None, f"{type(m).__name__}: {type(err).__name__}"
         if isinstance(ref, torch.Tensor):

@@ -63,7 +63,7 @@ from ..._compat import (
 from ...ops.document_attention import document_attention, mask_blocks
 from ...ops.feature_counts import record_amount, record_fallback, record_ran
 from ...ops.grouped_attention import grouped_flash_attention, kv_groups_for
-from ...ops.rms_norm import DEFAULT_CHUNK_TOKENS, rms_norm
+from ...ops.rms_norm import DEFAULT_CHUNK_TOKENS
 from ...ops.tiled import sync_shards
 from ...ops.token_tiles import DEFAULT_TOKENS_PER_TILE, tiled_token_map, tiles_for
 from .layer_call import LayerCall, bind_layer_call
@@ -74,6 +74,7 @@ from .layer_forms import (
     probe_layer,
     rms_norm_form,
 )
+from .norm_forward import NormForward
 
 __all__ = [
     "LONG_CONTEXT_FEATURES",
@@ -130,29 +131,6 @@ def _layer_check(layer: nn.Module) -> tuple[bool, str]:
 # --------------------------------------------------------------------------------------------------
 # Patched forwards
 # --------------------------------------------------------------------------------------------------
-
-
-class _NormForward:
-    """Instance-level forward of an RMSNorm running :func:`rms_norm`."""
-
-    def __init__(self, module: nn.Module, prev: Any, chunk_tokens: int, unit_offset: bool = False) -> None:
-        self.module = module
-        self.prev = prev
-        self.chunk_tokens = chunk_tokens
-        self.unit_offset = unit_offset  # Gemma's (1 + w) form (layer_forms.rms_norm_form)
-
-    def __call__(self, *args: Any, **kwargs: Any) -> torch.Tensor:
-        m = self.module
-        x = None
-        if len(args) + len(kwargs) == 1:
-            x = args[0] if args else kwargs.get("hidden_states")
-        if not isinstance(x, torch.Tensor):  # not the one-tensor call Llama's RMSNorm takes: stock
-            record_fallback(FEATURE, f"rms_norm: called with {len(args)} positional, keywords {sorted(kwargs)}")
-            stock = self.prev if self.prev is not None else type(m).forward.__get__(m)
-            return stock(*args, **kwargs)
-        record_amount(FEATURE, "rms_norm_calls", 1)
-        return rms_norm(x, m.weight, getattr(m, "variance_epsilon", getattr(m, "eps", None)), chunk_tokens=self.chunk_tokens,
-                        unit_offset=self.unit_offset)
 
 
 @dataclass
@@ -410,8 +388,7 @@ def apply_long_context(
             is_norm = norm_form is not None
             if is_norm:
                 m.__dict__[_LAYER_ATTR] = True
-                m.forward = _NormForward(m, m.__dict__.get("forward"), int(norm_chunk_tokens),  # type: ignore[method-assign]
-                                         unit_offset=norm_form == "unit_offset")
+                m.forward = NormForward(m, m.__dict__.get("forward"), int(norm_chunk_tokens), norm_form)  # type: ignore[method-assign]
             if why:
                 handle.report.append(LongContextEntry(name, type(m).__name__, ("rms_norm",) if is_norm else (), why))
                 continue
@@ -432,7 +409,7 @@ def remove_long_context(model: nn.Module) -> int:
     count = 0
     for m in model.modules():
         fwd = m.__dict__.get("forward")
-        if isinstance(fwd, (_NormForward, _LayerForward)):
+        if isinstance(fwd, (NormForward, _LayerForward)):
             if fwd.prev is None:
                 del m.__dict__["forward"]
             else:
