@@ -155,7 +155,7 @@ def _run_family(name: str) -> dict:
     handle.remove()
     return {"family": name, "brings": FAMILIES[name][1], "transformers": transformers.__version__,
             "decoder_layers": n_layers, "layers_patched": 0 if name in EXPECT_STOCK else len(layers),
-            "stock_reason": EXPECT_STOCK.get(name, unpatched), "forms": forms,
+            "stock_reason": EXPECT_STOCK.get(name), "forms": forms,
             "rms_norms_patched": len(norms), "stock_norms": refused,
             "max_abs_grad_diff": worst, "loss_equal_bitwise": bool(torch.equal(loss0, loss1))}
 
