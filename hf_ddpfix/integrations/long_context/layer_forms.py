@@ -25,6 +25,7 @@ the registry is a refusal with its reason, never a patched layer.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -36,6 +37,7 @@ from torch import nn
 from ..._compat import (
     attention_function_override,
     attention_implementation,
+    stock_attention_function,
     tensor_has_values,
     zero3_partitioned,
 )
@@ -255,7 +257,11 @@ def probe_layer(layer: nn.Module, stock: Callable[..., Any], hidden_states: torc
     why = "no candidate form matched"
     try:
         with torch.no_grad():
-            ref = stock(x, attention_mask=None, position_embeddings=(c, s))
+            # the probe is local math on a slice: a wrapped kernel (sequence parallelism) must not see it
+            impl = attention_implementation(attn)
+            plain = stock_attention_function(impl) if impl is not None else None
+            with attention_function_override(impl, plain) if plain is not None else contextlib.nullcontext():
+                ref = stock(x, attention_mask=None, position_embeddings=(c, s))
             ref = ref[0] if isinstance(ref, (tuple, list)) else ref
             for form in forms:
                 got = capture_attention_inputs(attn, form.pre(layer, x), c, s)

@@ -66,6 +66,7 @@ from ...ops.grouped_attention import grouped_flash_attention, kv_groups_for
 from ...ops.rms_norm import DEFAULT_CHUNK_TOKENS
 from ...ops.tiled import sync_shards
 from ...ops.token_tiles import DEFAULT_TOKENS_PER_TILE, tiled_token_map, tiles_for
+from ..sequence_parallel.attention import shards_attention
 from .layer_call import LayerCall, bind_layer_call
 from .layer_forms import (
     LayerForm,
@@ -155,6 +156,8 @@ class _LayerForward:
         self.refusal: str | None = None  # the probe's reason when no form reproduces the stock layer
         self.kernel: dict[str, Any] = {}
         self.blocks: list | None = None  # this call's padding / document blocks (ops/document_attention.py)
+        self.sharded = False  # this call's attention runs sequence-parallel (Ulysses)
+        self.position_ids: Any = None
         # the stock forward's own parameters (whatever the release calls them): calls are read against it
         self.signature = inspect.signature(self._class_forward())
 
@@ -175,10 +178,15 @@ class _LayerForward:
         impl = attention_implementation(attn)
         if impl != "sdpa":
             return f"attention implementation {impl!r} (only sdpa is handled)"
-        if current_attention_function(impl) is not stock_attention_function(impl):
-            return "the sdpa attention function is wrapped (sequence parallelism or another library)"
+        fn = current_attention_function(impl)
+        # Sequence parallelism (hf_ddpfix's Ulysses wrapper, a batch active): the layer runs patched on its
+        # slice and hands q/k/v to the wrapper, which attends over the full sequence with the mask built
+        # from the documents (the local mask the model built is ignored, as the wrapper ignores it).
+        self.sharded = shards_attention(fn)
+        if fn is not stock_attention_function(impl) and not self.sharded:
+            return "the sdpa attention function is wrapped (another library, or sequence parallelism with no batch)"
         self.blocks = None
-        if call.attention_mask is not None:
+        if call.attention_mask is not None and not self.sharded:
             if not torch.is_grad_enabled():  # evaluation with padding: stock by design
                 return "attention mask given (padding/packing)"
             mask = call.attention_mask
@@ -222,6 +230,13 @@ class _LayerForward:
 
     def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         scale = self.kernel["scaling"]
+        if self.sharded:  # Ulysses: all-to-all to heads, attention over the full sequence, back to the slice
+            self.stats["sequence-parallel calls"] += 1
+            # keywords the wrapper refuses (sliding_window, softcap) are passed on, so it raises as for stock
+            extra = {k: w for k, w in self.kernel.items() if k in ("sliding_window", "softcap") and w is not None}
+            out, _ = current_attention_function("sdpa")(self.layer.self_attn, q, k, v, None, scaling=scale,
+                                                        dropout=0.0, position_ids=self.position_ids, **extra)
+            return out.transpose(1, 2)
         if self.blocks is not None:  # padding / packed documents: plain attention per block
             self.stats["document-masked calls"] += 1
             return document_attention(q, k, v, self.blocks, scale=scale, groups=self.options.attention_groups,
@@ -256,6 +271,7 @@ class _LayerForward:
 
     def _run(self, *args: Any, **kwargs: Any) -> Any:
         call = bind_layer_call(self.signature, args, kwargs)
+        self.position_ids = kwargs.get("position_ids")  # identifies the batch of sequence parallelism's gathered route
         why = self._why_stock(call)
         if why is not None:
             self.stats[f"stock: {why}"] += 1
