@@ -1,12 +1,19 @@
-"""Bytes per token of one Llama-shaped decoder layer's forward + recompute + backward (the CPU ledger).
+"""Bytes per token of one decoder layer's forward + recompute + backward (the CPU ledger), any family.
 
-Builds one ``LlamaDecoderLayer`` (bf16 weights, LoRA on every linear layer through peft with its
-default fp32 adapters, sdpa, non-reentrant checkpointing, autocast bf16 as ``Trainer(bf16=True)``
-runs it) on **fake** tensors (``FakeTensorMode``: shapes, dtypes and storages, no data, no math), runs
-the checkpointed forward and the backward under :class:`hf_ddpfix.ops.memory_ledger.MemoryLedger`, and
-reports the peak of live activation bytes: the layer input (on the device while its layer runs
-backward), rotary cos/sin, the incoming gradient and every tensor the ops create. Weights are not
-counted, nor the layer's output (the next layer's checkpoint input, counted there).
+Builds a one-layer model of the shape's family with transformers' own class (``AutoModel`` of
+``LayerShape.family``: Llama, Qwen3, the Qwen2.5-VL text decoder, Mistral, Gemma 3, ...; bf16 weights,
+LoRA on every linear layer through peft with its default fp32 adapters, sdpa, non-reentrant checkpointing,
+autocast bf16 as ``Trainer(bf16=True)`` runs it) and lets ``apply_long_context`` read it **by structure**,
+as in training: norms are recognised and the layer's first-call probe compares the decomposed layer with
+stock on real values of the real shape (a tiled random fill, no init). The keywords the layer is called
+with (rotary tables of the family's kind, mask, position ids) come from the model's own call at the
+measured length. Then every weight becomes a **fake** tensor (``FakeTensorMode``: shapes, dtypes and
+storages, no data, no math), and the checkpointed forward and the backward run under
+:class:`hf_ddpfix.ops.memory_ledger.MemoryLedger`, which reports the peak of live activation bytes: the
+layer input (on the device while its layer runs backward), rotary cos/sin, the incoming gradient and every
+tensor the ops create. Weights are not counted, nor the layer's output (the next layer's checkpoint
+input, counted there). :data:`FAMILY_LAYERS` lists the real shapes ``benchmarks/long_context_families.py``
+reports.
 
 Attention: sdpa's choice on a CUDA GPU for causal bf16 training is a FlashAttention kernel; the ledger
 runs the same-layout CPU flash op (``aten._scaled_dot_product_flash_attention_for_cpu``, which saves the
@@ -19,7 +26,8 @@ constant terms (LoRA gradients, one tile's intermediates) cancel; the constant i
 
 Guarantees: on real CPU tensors the same code gives the same per-op records and peak as on fake
 tensors (tests/test_layer_ledger.py checks both on a small shape, and checks the peak against
-``torch.distributed._tools.mem_tracker.MemTracker``).
+``torch.distributed._tools.mem_tracker.MemTracker``; the families' small shapes are checked against torch's
+CPU allocator there too).
 """
 
 from __future__ import annotations
