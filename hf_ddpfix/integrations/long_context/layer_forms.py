@@ -210,7 +210,8 @@ def rms_norm_form(m: nn.Module, chunk_tokens: int = 4096, forward: Callable[...,
         try:
             ref = (forward or m.__dict__.get("forward") or type(m).forward.__get__(m))(x)
         except Exception as err:  # noqa: BLE001 - not a one-tensor norm: not ours
-            return None, f"{type(m).__name__}: {type(err).__name__}"
+            return None, (f"{type(m).__name__}: the check against stock failed ({type(err).__name__}: "
+                          f"{str(err)[:80]}), e.g. a weight already sharded (DTensor): stock")
         if isinstance(ref, torch.Tensor):
             for form, offset in (("weight", False), ("unit_offset", True)):
                 if torch.equal(ref, rms_norm(x, w, eps, chunk_tokens=chunk_tokens, unit_offset=offset)):
