@@ -103,3 +103,51 @@ def test_ledger_peak_is_within_10_percent_of_the_real_allocator(features):
     print(f"{features}: ledger {ledger.peak_bytes / seq:.0f} B/token, allocator {measured / seq:.0f} B/token "
           f"({err:+.1%})")
     assert abs(err) <= CHECKED_TOLERANCE, (features, ledger.peak_bytes, measured, ledger.peak_op)
+
+
+#: Small shapes of the other families the ledger reports (same classes and options as the real shapes of
+#: layer_ledger.FAMILY_LAYERS): q/k norms, M-RoPE, sandwich norms with Gemma's (1 + w) RMSNorm.
+SMALL_FAMILY_SHAPES = {
+    "qwen3": LayerShape(256, 640, 8, 2, 4, family="qwen3", head_dim=32),
+    "qwen2_5_vl_text": LayerShape(256, 640, 8, 2, 4, family="qwen2_5_vl_text", head_dim=32, config=(
+        ("rope_scaling", {"type": "mrope", "mrope_section": [4, 6, 6]}),)),
+    "gemma3_text": LayerShape(256, 640, 4, 2, 4, family="gemma3_text", head_dim=64, config=(
+        ("layer_types", ["full_attention"]), ("sliding_window", 1024), ("query_pre_attn_scalar", 64))),
+}
+
+
+@pytest.mark.parametrize("features", ["stock", "hf_ddpfix"])
+@pytest.mark.parametrize("family", list(SMALL_FAMILY_SHAPES))
+def test_family_ledger_is_within_10_percent_of_the_real_allocator_and_every_cut_ran(family, features):
+    """The ledger of another family's layer (read by structure: first-call probe on real values) against
+    torch's CPU allocator, as the Llama test above; with every feature on, the layer and all of its RMSNorms
+    ran patched (Gemma's (1 + w) norms and the q/k norms included), and the cut is below stock."""
+    import torch
+
+    from hf_ddpfix.integrations.long_context.layer_ledger import measure_layer
+    from hf_ddpfix.ops import feature_counts
+    from hf_ddpfix.ops.memory_ledger import AllocatorPeak
+
+    shape = SMALL_FAMILY_SHAPES[family]
+    seq = 512
+    real = AllocatorPeak()
+    torch.manual_seed(0)
+    feature_counts.reset()
+    ledger = measure_layer(features, seq, shape=shape, fake=False, flash_workspace=False, tokens_per_tile=128,
+                           around=lambda: real)
+    counts = feature_counts.snapshot().get("long_context")
+    head_dim = shape.head_dim or shape.hidden // shape.heads
+    inputs = 2 * seq * shape.hidden * 2 + 2 * seq * head_dim * 2
+    measured = real.peak + inputs
+    err = ledger.peak_bytes / measured - 1
+    print(f"{family} {features}: ledger {ledger.peak_bytes / seq:.0f} B/token, allocator {measured / seq:.0f} "
+          f"B/token ({err:+.1%})")
+    assert abs(err) <= CHECKED_TOLERANCE, (family, features, ledger.peak_bytes, measured, ledger.peak_op)
+    if features == "hf_ddpfix":
+        norms = {"qwen3": 4, "qwen2_5_vl_text": 2, "gemma3_text": 6}[family]  # per layer call
+        assert counts is not None and counts.fell_back == 0, counts
+        # probe call + forward + recompute, each a patched layer call
+        assert counts.ran == 3, counts
+        assert counts.amounts.get("rms_norm_calls", 0) >= 3 * norms, counts
+        stock = measure_layer("stock", seq, shape=shape, fake=False, flash_workspace=False, tokens_per_tile=128)
+        assert ledger.peak_bytes < stock.peak_bytes

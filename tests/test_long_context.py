@@ -210,7 +210,8 @@ def test_two_process_ddp_equals_single_process_stock_reference(tmp_path):
     proc = torchrun("long_context_ddp.py", "--out", str(out), timeout=200)
     assert "ready only once" not in proc.stdout and "marked ready twice" not in proc.stdout
     records = json.loads(out.read_text())
-    assert len(records) == 3 and all(r["ok"] for r in records), records
+    assert len(records) == 4 and all(r["ok"] for r in records), records
+    assert any(r["family"] == "gemma3_text" and r["ddp_kwargs"] is None for r in records)  # FSDP2, another family
 
 
 @pytest.mark.parametrize("bad", ["tiled", "rms_norm,bogus", "maybe"])
@@ -221,3 +222,47 @@ def test_bad_setting_names_the_variable_and_allowed_values(bad):
     assert parse_long_context_setting("Tiled-Layer") == ("tiled_layer",)
     with pytest.raises(ValueError, match="tokens_per_tile"):
         apply_long_context(torch.nn.Linear(2, 2), "all", tokens_per_tile=0)
+
+
+@pytest.mark.parametrize("not_a_norm", [False, True])
+def test_norms_whose_weight_zero3_partitioned_are_checked_at_their_first_call(not_a_norm):
+    """ZeRO-3 leaves a norm's weight an empty placeholder (with a ``ds_id``) until the module's forward
+    gathers it. Simulated here as DeepSpeed does it (``param.data`` swapped in a pre-forward hook): the
+    norm is reported as checked at its first call, then runs the op, bit-equal to stock; a module that
+    turns out not to compute an RMSNorm stays stock with the reason counted once."""
+    from hf_ddpfix.ops import feature_counts
+
+    stock = _model(torch.bfloat16)
+    model = copy.deepcopy(stock)
+    norms = [m for m in model.modules() if type(m).__name__ == "LlamaRMSNorm"]
+    if not_a_norm:  # a forward that is not an RMSNorm (in both models): the first-call check must refuse it
+        for m in [*norms, *(m for m in stock.modules() if type(m).__name__ == "LlamaRMSNorm")]:
+            m.forward = (lambda mod: (lambda x: mod.weight * x))(m)
+    full = {}
+    for m in norms:
+        w = m.weight
+        full[id(w)] = w.data
+        w.ds_id = len(full)
+        w.data = torch.empty(0, dtype=w.dtype)
+
+        def gather(mod, args):
+            if mod.weight.numel() == 0:
+                mod.weight.data = full[id(mod.weight)]
+        m.register_forward_pre_hook(gather)
+    handle = apply_long_context(model, "rms_norm")
+    deferred = [e for e in handle.report if "checked against stock at its first call" in e.reason]
+    assert len(deferred) == len(norms) == 5 and all(e.patched == ("rms_norm",) for e in deferred)
+    ids = torch.randint(0, 97, (2, 24), generator=torch.Generator().manual_seed(0))
+    feature_counts.reset()
+    loss1, g1 = _grads(model, ids)
+    counts = feature_counts.snapshot()["long_context"]
+    loss0, g0 = _grads(stock, ids)
+    assert torch.equal(loss0, loss1)
+    for n in g0:
+        assert torch.equal(g0[n], g1[n]), n
+    if not_a_norm:
+        assert counts.fell_back == len(norms) and counts.amounts.get("rms_norm_calls", 0) == 0, counts
+    else:
+        assert counts.fell_back == 0 and counts.amounts["rms_norm_checked_at_first_call"] == len(norms), counts
+        assert counts.amounts["rms_norm_calls"] > 0, counts
+    handle.remove()

@@ -53,6 +53,44 @@ def test_bit_identical_to_stock(dtype, chunk, weight_grad):
             torch.testing.assert_close(m.weight.grad.float(), gw0.float(), rtol=1e-2, atol=1e-2)
 
 
+class _StockGemmaRMSNorm(torch.nn.Module):
+    """transformers' Gemma3RMSNorm forward, verbatim: (1 + w) multiplied in fp32 before the cast."""
+
+    def __init__(self, hidden: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = torch.nn.Parameter(torch.randn(hidden) * 0.3)
+
+    def _norm(self, x):
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+
+    def forward(self, x):
+        output = self._norm(x.float())
+        output = output * (1.0 + self.weight.float())
+        return output.type_as(x)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("chunk", [5, 4096])
+def test_unit_offset_form_is_bit_identical_to_gemma(dtype, chunk):
+    torch.manual_seed(0)
+    m = _StockGemmaRMSNorm(48, 1e-6).to(dtype)
+    x = (torch.randn(3, 17, 48) * 4).to(dtype)
+    g = torch.randn(3, 17, 48).to(dtype)
+    y0, gx0 = _run(m, x, g)
+    gw0 = m.weight.grad
+    m.weight.grad = None
+    y1, gx1 = _run(lambda t: rms_norm(t, m.weight, m.eps, chunk_tokens=chunk, unit_offset=True), x, g)
+    assert y0.dtype == y1.dtype and torch.equal(y0, y1)
+    assert torch.equal(gx0, gx1)
+    if chunk >= 51:  # one chunk: the same single fp32 reduction as stock
+        assert torch.equal(gw0, m.weight.grad)
+    else:
+        torch.testing.assert_close(m.weight.grad.float(), gw0.float(), rtol=1e-2, atol=1e-2)
+    # Llama's form is not Gemma's: the check that tells the two apart can fail
+    assert not torch.equal(rms_norm(x, m.weight, m.eps), y0)
+
+
 def test_weight_grad_in_fp64_across_chunks():
     torch.manual_seed(1)
     m = _StockRMSNorm(32, 1e-5).double()

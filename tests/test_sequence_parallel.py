@@ -177,6 +177,8 @@ def test_ulysses_attention_and_a_lora_llama_match_one_process_on_the_full_sequen
     vlm = {f"vlm/qwen2_5_vl/{c}" for c in ("image_across_shards", "text_only", "two_grids", "mixed_padded_prompt_masked",
                                            "image_across_shards_checkpointed")}
     assert vlm <= cases
+    if nproc == 2:  # long-context layers under Ulysses: patched on every rank, attention sharded (sp_parity.py)
+        assert {"long_context/plain", "long_context/right_padded", "long_context/packed"} <= cases
     if nproc == 2:  # the other tested families (the 4-process launch runs Qwen2.5-VL only)
         assert any(c.startswith("vlm/qwen2_vl/") for c in cases)
         assert any(c.startswith("vlm/qwen3_vl/") for c in cases) or not _has("Qwen3VLForConditionalGeneration")

@@ -37,11 +37,13 @@ def _chunks(n: int, size: int) -> list[tuple[int, int]]:
 
 class _RMSNormFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, eps: float, chunk_tokens: int) -> torch.Tensor:  # type: ignore[override]
+    def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, eps: float, chunk_tokens: int,  # type: ignore[override]
+                unit_offset: bool) -> torch.Tensor:
         shape = x.shape
         x2 = x.reshape(-1, shape[-1])
         n = x2.shape[0]
-        out_dtype = torch.result_type(weight, x.new_empty((), dtype=x.dtype))
+        out_dtype = x.dtype if unit_offset else torch.result_type(weight, x.new_empty((), dtype=x.dtype))
+        wp = 1.0 + weight.float() if unit_offset else None  # Gemma: (x_hat * (1 + w)).to(x.dtype), in fp32
         out = torch.empty((n, shape[-1]), dtype=out_dtype, device=x.device)
         rstd = torch.empty((n, 1), dtype=torch.float32, device=x.device)
         for s, e in _chunks(n, chunk_tokens):
@@ -49,9 +51,11 @@ class _RMSNormFunction(torch.autograd.Function):
             variance = xf.pow(2).mean(-1, keepdim=True)
             r = torch.rsqrt(variance + eps)
             rstd[s:e] = r
-            out[s:e] = weight * (xf * r).to(x.dtype)
+            out[s:e] = ((xf * r) * wp).to(x.dtype) if wp is not None else weight * (xf * r).to(x.dtype)
+        del wp
         ctx.save_for_backward(x, weight, rstd)
         ctx.eps = eps
+        ctx.unit_offset = unit_offset
         ctx.chunk_tokens = chunk_tokens
         return out.view(*shape[:-1], shape[-1])
 
@@ -66,18 +70,26 @@ class _RMSNormFunction(torch.autograd.Function):
         grad_x = torch.empty_like(x2) if need_x else None
         grad_w: torch.Tensor | None = None
         chunks = _chunks(n, ctx.chunk_tokens)
+        wp = 1.0 + weight.float() if ctx.unit_offset else None
         for s, e in chunks:
             xf = x2[s:e].to(torch.float32)
             r = rstd[s:e]
             g = g2[s:e]
-            if need_w:
+            if wp is not None:  # Gemma's form: ToCopyBackward, then MulBackward0 of x_hat * (1 + w), fp32
+                gf = g.to(torch.float32)
+                if need_w:
+                    gw = (gf * (xf * r)).sum(0)
+                    grad_w = gw if grad_w is None else grad_w + gw
+                g_hn = gf * wp
+                del gf
+            elif need_w:
                 hb = (xf * r).to(x.dtype)
                 gw = g * hb
                 gw = gw.sum(0) if len(chunks) == 1 else gw.sum(0, dtype=torch.promote_types(gw.dtype, torch.float32))
                 grad_w = gw if grad_w is None else grad_w + gw
             if need_x:
-                # MulBackward0 of weight * hb, then ToCopyBackward: grad of the fp32 normalised value.
-                g_hn = (g * weight).to(torch.float32)
+                if wp is None:  # MulBackward0 of weight * hb, then ToCopyBackward: grad of the fp32 normalised value
+                    g_hn = (g * weight).to(torch.float32)
                 # MulBackward0 of xf * r.
                 g_xf = g_hn * r
                 g_r = (g_hn * xf).sum(-1, keepdim=True)
@@ -88,22 +100,27 @@ class _RMSNormFunction(torch.autograd.Function):
                 grad_x[s:e] = g_xf.to(x.dtype)  # type: ignore[index]
         gx = grad_x.view(shape) if grad_x is not None else None
         gw_out = grad_w.to(weight.dtype).reshape(weight.shape) if grad_w is not None else None
-        return gx, gw_out, None, None
+        return gx, gw_out, None, None, None
 
 
 def rms_norm(
-    x: torch.Tensor, weight: torch.Tensor, eps: float, *, chunk_tokens: int = DEFAULT_CHUNK_TOKENS
+    x: torch.Tensor, weight: torch.Tensor, eps: float, *, chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
+    unit_offset: bool = False,
 ) -> torch.Tensor:
-    """Llama-style RMSNorm: ``weight * (x.float() * rsqrt(mean(x.float()**2, -1) + eps)).to(x.dtype)``.
+    """Llama-style RMSNorm: ``weight * (x.float() * rsqrt(mean(x.float()**2, -1) + eps)).to(x.dtype)``, or with
+    ``unit_offset`` Gemma's: ``(x.float() * rsqrt(mean(x.float()**2, -1) + eps) * (1 + weight.float())).to(x.dtype)``.
 
     Args:
         x: ``[..., hidden]`` (any float dtype; bf16 in training).
         weight: ``[hidden]`` (trainable or frozen).
         eps: the variance epsilon.
         chunk_tokens: tokens per chunk of the fp32 computation (default 4096).
+        unit_offset: Gemma's ``(1 + weight)`` form, multiplied in fp32 before the cast (Gemma 1/2/3,
+            Qwen3-Next/3.5 norms); default False (Llama's).
 
     Returns:
-        ``[..., hidden]`` in ``result_type(weight, x)`` (as the stock module's ``weight * h``).
+        ``[..., hidden]`` in ``result_type(weight, x)`` (as the stock module's ``weight * h``); with
+        ``unit_offset``, in ``x.dtype`` (as Gemma's ``type_as(x)``).
 
     Raises:
         ValueError: ``chunk_tokens < 1`` or ``weight`` not ``[hidden]``.
@@ -114,4 +131,4 @@ def rms_norm(
         raise ValueError(f"rms_norm(chunk_tokens={chunk_tokens!r}): must be an integer >= 1")
     if weight.dim() != 1 or weight.shape[0] != x.shape[-1]:
         raise ValueError(f"rms_norm: weight shape {tuple(weight.shape)} does not match hidden size {x.shape[-1]}")
-    return _RMSNormFunction.apply(x, weight, float(eps), int(chunk_tokens))
+    return _RMSNormFunction.apply(x, weight, float(eps), int(chunk_tokens), bool(unit_offset))

@@ -5,7 +5,7 @@ Run:  OMP_NUM_THREADS=1 python -m torch.distributed.run --standalone --nproc_per
 
 For DDP (find_unused_parameters=False, static_graph=True) and FSDP2 (``fully_shard`` per decoder layer
 and the root, tile count all-reduced), all with non-reentrant checkpointing, every rank trains a tiny
-fp64 Llama with LoRA on every linear layer for 3 AdamW steps (weight_decay 0.1, gradients clipped to
+fp64 Llama (and, under FSDP2, a Gemma 3 text model) with LoRA on every linear layer for 3 AdamW steps (weight_decay 0.1, gradients clipped to
 norm 0.5) on its own rows of a global batch whose sequence
 length differs per rank and per step, with the decoder layers patched (rms_norm, grouped attention,
 tiled layer with 5-token tiles, so every call runs several tiles). The loss uses ``num_items_in_batch`` =
@@ -41,15 +41,34 @@ STEPS, ROWS, LR, CLIP = 3, 2, 0.05, 0.5
 # find_unused_parameters=False (every hook must fire exactly once) and static graph (the hook order of
 # step 1 is replayed); fu=True is stock's own setting for PEFT models and is covered by the single-process tests.
 SETTINGS = [
-    ("fu_false_ckpt", {"find_unused_parameters": False}),
-    ("static_graph_ckpt", {"static_graph": True}),
-    ("fsdp2_ckpt", None),  # fully_shard per decoder layer + root; tile count synchronised across ranks
+    ("fu_false_ckpt", {"find_unused_parameters": False}, "llama"),
+    ("static_graph_ckpt", {"static_graph": True}, "llama"),
+    ("fsdp2_ckpt", None, "llama"),  # fully_shard per decoder layer + root; tile count synchronised across ranks
+    # another family under FSDP2: Gemma 3's sandwich layer, (1 + w) RMSNorm and q/k norms, read by structure
+    ("fsdp2_ckpt_gemma3", None, "gemma3_text"),
 ]
 
 
-def build(ckpt: bool):
-    return lora_llama(targets="all-linear", dtype=torch.float64, checkpointing="non_reentrant" if ckpt else None,
-                      vocab_size=101, num_attention_heads=8, attn_implementation="sdpa")
+def build(ckpt: bool, family: str = "llama"):
+    if family == "llama":
+        return lora_llama(targets="all-linear", dtype=torch.float64, checkpointing="non_reentrant" if ckpt else None,
+                          vocab_size=101, num_attention_heads=8, attn_implementation="sdpa")
+    from peft import LoraConfig, get_peft_model
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+
+    torch.manual_seed(0)
+    cfg = Gemma3TextConfig(vocab_size=101, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                           num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=128,
+                           attn_implementation="sdpa", pad_token_id=0)
+    model = get_peft_model(Gemma3ForCausalLM(cfg).to(torch.float64),
+                           LoraConfig(r=4, lora_alpha=8, target_modules="all-linear", init_lora_weights=False))
+    for m in model.modules():  # Gemma initialises its norms' w to 0 (a scale of 1): random so their grads matter
+        if type(m).__name__ == "Gemma3RMSNorm":
+            torch.nn.init.normal_(m.weight, std=0.2)
+    if ckpt:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.train()
+    return model
 
 
 def batches(world: int):
@@ -69,8 +88,8 @@ def optimizer(params):
     return torch.optim.AdamW(params, lr=LR, weight_decay=0.1)
 
 
-def reference(world: int) -> torch.Tensor:
-    model = build(False)
+def reference(world: int, family: str = "llama") -> torch.Tensor:
+    model = build(False, family)
     params = [p for p in model.parameters() if p.requires_grad]
     opt = optimizer(params)
     for parts, count in batches(world):
@@ -82,8 +101,8 @@ def reference(world: int) -> torch.Tensor:
     return flat_trainable(model)
 
 
-def run(ddp_kwargs: dict | None, rank: int, world: int) -> tuple[torch.Tensor, dict]:
-    model = build(True)
+def run(ddp_kwargs: dict | None, rank: int, world: int, family: str = "llama") -> tuple[torch.Tensor, dict]:
+    model = build(True, family)
     fsdp = ddp_kwargs is None
     handle = apply_long_context(model, "all", tokens_per_tile=5, norm_chunk_tokens=7, sync=fsdp)
     if fsdp:
@@ -107,13 +126,13 @@ def main() -> None:
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     rank, world = init_gloo()
-    ref = reference(world)
-    start = flat_trainable(build(False))
     verdicts = Verdicts("LONG_CONTEXT_DDP", args.out)
-    for name, kwargs in SETTINGS:
-        w, info = run(kwargs, rank, world)
+    for name, kwargs, family in SETTINGS:
+        ref = reference(world, family)
+        start = flat_trainable(build(False, family))
+        w, info = run(kwargs, rank, world, family)
         rec = {
-            "setting": name, "ddp_kwargs": kwargs,
+            "setting": name, "ddp_kwargs": kwargs, "family": family,
             "max_diff_vs_reference": float((w - ref).abs().max()),
             "max_diff_across_ranks": max_diff_across_ranks(w),
             "weights_moved": float((w - start).abs().max()),

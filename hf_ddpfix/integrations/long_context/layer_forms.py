@@ -9,8 +9,8 @@ residual, norms, MLP or MoE block, residual). Neither half is spelled per family
   ``q, k, v`` and its kernel keywords (``scaling``, ``dropout``, ``sliding_window``, ``softcap``, ...) to
   :func:`capture_attention_inputs`, which stops the module there. Qwen3/Gemma3/OLMo2 q/k norms, M-RoPE
   (Qwen2-VL/2.5-VL text decoders) or any other rotary run as the model wrote them.
-- the residual wiring is one of three :data:`FORMS` (pre-norm: Llama, Qwen, Mistral, Phi-3-like MoE;
-  sandwich: Gemma 2/3; post-norm: OLMo 2). The names alone do not decide: each candidate form is checked
+- the residual wiring is one of four :data:`FORMS` (pre-norm: Llama, Qwen, Mistral, Phi-3, GLM, SmolLM3,
+  MoE families; scaled pre-norm: Granite's ``residual_multiplier``; sandwich: Gemma 2/3; post-norm: OLMo 2). The names alone do not decide: each candidate form is checked
   once against the stock layer on the layer's first real call (:func:`probe_layer`, ``no_grad``, eval mode,
   a slice of the real input), and a layer no form reproduces runs stock with the probe's reason.
 
@@ -25,6 +25,7 @@ the registry is a refusal with its reason, never a patched layer.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -36,13 +37,14 @@ from torch import nn
 from ..._compat import (
     attention_function_override,
     attention_implementation,
-    forward_source,
+    stock_attention_function,
     tensor_has_values,
+    zero3_partitioned,
 )
 from ...ops.rms_norm import rms_norm
 
 __all__ = ["FORMS", "PROBE_RTOL", "LayerForm", "capture_attention_inputs", "candidate_forms", "probe_layer",
-           "is_rms_norm", "same_forward_as_llama"]
+           "is_rms_norm", "rms_norm_form"]
 
 #: Relative error (``|a-b| / |b|``, over the probe's output) below which a form counts as the layer's.
 #: The decomposed layer runs the same ops as stock: a right form agrees to rounding, a wrong one by O(1).
@@ -78,6 +80,13 @@ def _post_pre_norm(layer: nn.Module, x: torch.Tensor, o: torch.Tensor) -> torch.
     return h + _mlp(layer, layer.post_attention_layernorm(h))
 
 
+def _post_scaled_pre_norm(layer: nn.Module, x: torch.Tensor, o: torch.Tensor) -> torch.Tensor:
+    m = layer.residual_multiplier  # Granite: each branch scaled before its residual add
+    h = x + o * m
+    del o
+    return h + _mlp(layer, layer.post_attention_layernorm(h)) * m
+
+
 def _post_sandwich(layer: nn.Module, x: torch.Tensor, o: torch.Tensor) -> torch.Tensor:
     h = x + layer.post_attention_layernorm(o)
     del o
@@ -92,13 +101,15 @@ def _post_post_norm(layer: nn.Module, x: torch.Tensor, o: torch.Tensor) -> torch
 
 @dataclass(frozen=True)
 class LayerForm:
-    """A residual wiring: ``pre(layer, x)`` feeds the attention module; ``post(layer, x, o_proj_out)``."""
+    """A residual wiring: ``pre(layer, x)`` feeds the attention module; ``post(layer, x, o_proj_out)``;
+    ``needs``: submodules it reads, ``lacks``: submodules it must not have, ``scalars``: float attributes."""
 
     name: str
     needs: tuple[str, ...]
     lacks: tuple[str, ...]
     pre: Callable[[nn.Module, torch.Tensor], torch.Tensor]
     post: Callable[[nn.Module, torch.Tensor, torch.Tensor], torch.Tensor]
+    scalars: tuple[str, ...] = ()
 
 
 FORMS = (
@@ -106,6 +117,9 @@ FORMS = (
                            "post_feedforward_layernorm", "mlp"), (), _pre_norm_in, _post_sandwich),
     LayerForm("post-norm", ("post_attention_layernorm", "post_feedforward_layernorm", "mlp"),
               ("input_layernorm", "pre_feedforward_layernorm"), _identity, _post_post_norm),
+    LayerForm("scaled pre-norm", ("input_layernorm", "post_attention_layernorm", "mlp"),
+              ("pre_feedforward_layernorm", "post_feedforward_layernorm"), _pre_norm_in, _post_scaled_pre_norm,
+              ("residual_multiplier",)),
     LayerForm("pre-norm", ("input_layernorm", "post_attention_layernorm", "mlp"),
               ("pre_feedforward_layernorm", "post_feedforward_layernorm"), _pre_norm_in, _post_pre_norm),
 )
@@ -117,7 +131,8 @@ def candidate_forms(layer: nn.Module) -> tuple[LayerForm, ...]:
     if attn is None or not isinstance(getattr(attn, "o_proj", None), nn.Module):
         return ()
     return tuple(f for f in FORMS if all(isinstance(getattr(layer, n, None), nn.Module) for n in f.needs)
-                 and not any(hasattr(layer, n) for n in f.lacks))
+                 and not any(hasattr(layer, n) for n in f.lacks)
+                 and all(isinstance(getattr(layer, n, None), (int, float)) for n in f.scalars))
 
 
 class _Captured(Exception):  # noqa: N818 - a control-flow signal, not an error
@@ -163,42 +178,52 @@ def kernel_refusal(kwargs: dict[str, Any]) -> str | None:
     return None
 
 
-def same_forward_as_llama(cls: type, which: str) -> bool:
-    """``cls.forward`` is source-identical to transformers' ``Llama{which}.forward`` (``which``: RMSNorm,
-    DecoderLayer, Attention): the proof used where values cannot be compared (meta / fake tensors, as the
-    memory ledger runs)."""
-    from transformers.models.llama import modeling_llama as ml
-
-    try:
-        return forward_source(cls) == forward_source(getattr(ml, f"Llama{which}"))
-    except (OSError, TypeError):
-        return False
-
-
-def is_rms_norm(m: nn.Module, chunk_tokens: int = 4096) -> tuple[bool, str]:
+def rms_norm_form(m: nn.Module, chunk_tokens: int = 4096, forward: Callable[..., Any] | None = None
+                  ) -> tuple[str | None, str]:
     """An RMSNorm recognised by what it computes: a 1-D ``weight``, an epsilon (``variance_epsilon`` or
-    ``eps``), no bias, and ``m(x)`` bit-identical to :func:`rms_norm` on a random input (Gemma's
-    ``x * (1 + w)`` and LayerNorm fail the check and stay stock)."""
+    ``eps``), no bias, and ``m(x)`` bit-identical to :func:`rms_norm` on a random input, in Llama's form
+    (``"weight"``: ``w * x_hat.to(dtype)``) or Gemma's (``"unit_offset"``: ``(x_hat * (1 + w)).to(dtype)``).
+
+    ``forward``: what the module computes now (default: its instance ``forward`` if one is set, e.g. by
+    another library, else its class's).
+
+    Returns:
+        ``(form, reason)``; ``form`` ``None`` for anything else (LayerNorm, a norm of another formula, meta
+        or fake weights with nothing to compare), which stays stock; ``"deferred"`` for a weight ZeRO-3 partitioned
+        (checked at the norm's first call, :mod:`.norm_forward`).
+    """
     w = getattr(m, "weight", None)
     eps = getattr(m, "variance_epsilon", getattr(m, "eps", None))
-    if not isinstance(w, torch.Tensor) or w.dim() != 1 or not isinstance(eps, float) or w.numel() < 2:
-        return False, ""
+    partitioned = isinstance(w, torch.Tensor) and zero3_partitioned(w) and w.numel() == 0
+    if not isinstance(w, torch.Tensor) or not isinstance(eps, float) or not (
+            partitioned or (w.dim() == 1 and w.numel() >= 2)):
+        return None, ""
     if getattr(m, "bias", None) is not None or list(m.children()):
-        return False, ""
-    if not tensor_has_values(w):  # meta / fake weights (the memory ledger): Llama's source is the proof
-        same = same_forward_as_llama(type(m), "RMSNorm") and hasattr(m, "variance_epsilon")
-        return same, f"{type(m).__name__}: " + ("Llama's RMSNorm source" if same else "no values to check: stock")
+        return None, ""
+    if partitioned:  # ZeRO-3: an empty placeholder until its forward gathers it (norm_forward.py)
+        return "deferred", f"{type(m).__name__}: weight partitioned by ZeRO-3: checked against stock at its first call"
+    if not tensor_has_values(w):  # meta / fake weights: nothing to compare
+        return None, f"{type(m).__name__}: no values to check (meta or fake weight): stock"
     gen = torch.Generator(device=w.device).manual_seed(0)
     with torch.no_grad():
         x = torch.randn((5, w.shape[0]), generator=gen, device=w.device, dtype=torch.float32).to(w.dtype) * 3
         try:
-            ref = type(m).forward(m, x)
+            ref = (forward or m.__dict__.get("forward") or type(m).forward.__get__(m))(x)
         except Exception as err:  # noqa: BLE001 - not a one-tensor norm: not ours
-            return False, f"{type(m).__name__}: {type(err).__name__}"
-        same = isinstance(ref, torch.Tensor) and torch.equal(ref, rms_norm(x, w, eps, chunk_tokens=chunk_tokens))
-    return same, f"{type(m).__name__}: " + ("RMSNorm (checked against stock)" if same
-                                             else "a norm that does not compute weight * rmsnorm(x): stock")
+            return None, (f"{type(m).__name__}: the check against stock failed ({type(err).__name__}: "
+                          f"{str(err)[:80]}), e.g. a weight already sharded (DTensor): stock")
+        if isinstance(ref, torch.Tensor):
+            for form, offset in (("weight", False), ("unit_offset", True)):
+                if torch.equal(ref, rms_norm(x, w, eps, chunk_tokens=chunk_tokens, unit_offset=offset)):
+                    what = "w * x_hat" if form == "weight" else "(1 + w) * x_hat"
+                    return form, f"{type(m).__name__}: RMSNorm, {what} (checked against stock)"
+    return None, f"{type(m).__name__}: a norm that computes neither w * rmsnorm(x) nor (1 + w) * rmsnorm(x): stock"
 
+
+def is_rms_norm(m: nn.Module, chunk_tokens: int = 4096) -> tuple[bool, str]:
+    """``(rms_norm_form(m) is not None, reason)``."""
+    form, why = rms_norm_form(m, chunk_tokens)
+    return form is not None, why
 
 
 def _eval_mode(module: nn.Module) -> list[tuple[nn.Module, bool]]:
@@ -224,11 +249,8 @@ def probe_layer(layer: nn.Module, stock: Callable[..., Any], hidden_states: torc
     forms = candidate_forms(layer)
     if not forms:
         return None, f"{type(layer).__name__}: no known residual wiring (norm/MLP submodule names)", {}
-    if not tensor_has_values(hidden_states):  # shapes only (the ledger's fake tensors): Llama's source or stock
-        attn = layer.self_attn
-        if same_forward_as_llama(type(layer), "DecoderLayer") and same_forward_as_llama(type(attn), "Attention"):
-            return FORMS[-1], f"{type(layer).__name__}: Llama's source (no values to probe)", {"scaling": attn.scaling}
-        return None, f"{type(layer).__name__}: no values to probe and not Llama's source", {}
+    if not tensor_has_values(hidden_states):  # shapes only (meta / fake tensors): nothing to compare
+        return None, f"{type(layer).__name__}: no values to probe (meta / fake tensors): stock", {}
     t = min(PROBE_TOKENS, hidden_states.shape[1])
     x, c, s = hidden_states[:1, :t].detach(), cos[:1, :t].detach(), sin[:1, :t].detach()
     attn = layer.self_attn
@@ -236,7 +258,11 @@ def probe_layer(layer: nn.Module, stock: Callable[..., Any], hidden_states: torc
     why = "no candidate form matched"
     try:
         with torch.no_grad():
-            ref = stock(x, attention_mask=None, position_embeddings=(c, s))
+            # the probe is local math on a slice: a wrapped kernel (sequence parallelism) must not see it
+            impl = attention_implementation(attn)
+            plain = stock_attention_function(impl) if impl is not None else None
+            with attention_function_override(impl, plain) if plain is not None else contextlib.nullcontext():
+                ref = stock(x, attention_mask=None, position_embeddings=(c, s))
             ref = ref[0] if isinstance(ref, (tuple, list)) else ref
             for form in forms:
                 got = capture_attention_inputs(attn, form.pre(layer, x), c, s)

@@ -1,12 +1,19 @@
-"""Bytes per token of one Llama-shaped decoder layer's forward + recompute + backward (the CPU ledger).
+"""Bytes per token of one decoder layer's forward + recompute + backward (the CPU ledger), any family.
 
-Builds one ``LlamaDecoderLayer`` (bf16 weights, LoRA on every linear layer through peft with its
-default fp32 adapters, sdpa, non-reentrant checkpointing, autocast bf16 as ``Trainer(bf16=True)``
-runs it) on **fake** tensors (``FakeTensorMode``: shapes, dtypes and storages, no data, no math), runs
-the checkpointed forward and the backward under :class:`hf_ddpfix.ops.memory_ledger.MemoryLedger`, and
-reports the peak of live activation bytes: the layer input (on the device while its layer runs
-backward), rotary cos/sin, the incoming gradient and every tensor the ops create. Weights are not
-counted, nor the layer's output (the next layer's checkpoint input, counted there).
+Builds a one-layer model of the shape's family with transformers' own class (``AutoModel`` of
+``LayerShape.family``: Llama, Qwen3, the Qwen2.5-VL text decoder, Mistral, Gemma 3, ...; bf16 weights,
+LoRA on every linear layer through peft with its default fp32 adapters, sdpa, non-reentrant checkpointing,
+autocast bf16 as ``Trainer(bf16=True)`` runs it) and lets ``apply_long_context`` read it **by structure**,
+as in training: norms are recognised and the layer's first-call probe compares the decomposed layer with
+stock on real values of the real shape (a tiled random fill, no init). The keywords the layer is called
+with (rotary tables of the family's kind, mask, position ids) come from the model's own call at the
+measured length. Then every weight becomes a **fake** tensor (``FakeTensorMode``: shapes, dtypes and
+storages, no data, no math), and the checkpointed forward and the backward run under
+:class:`hf_ddpfix.ops.memory_ledger.MemoryLedger`, which reports the peak of live activation bytes: the
+layer input (on the device while its layer runs backward), rotary cos/sin, the incoming gradient and every
+tensor the ops create. Weights are not counted, nor the layer's output (the next layer's checkpoint
+input, counted there). :data:`FAMILY_LAYERS` lists the real shapes ``benchmarks/long_context_families.py``
+reports.
 
 Attention: sdpa's choice on a CUDA GPU for causal bf16 training is a FlashAttention kernel; the ledger
 runs the same-layout CPU flash op (``aten._scaled_dot_product_flash_attention_for_cpu``, which saves the
@@ -19,7 +26,8 @@ constant terms (LoRA gradients, one tile's intermediates) cancel; the constant i
 
 Guarantees: on real CPU tensors the same code gives the same per-op records and peak as on fake
 tensors (tests/test_layer_ledger.py checks both on a small shape, and checks the peak against
-``torch.distributed._tools.mem_tracker.MemTracker``).
+``torch.distributed._tools.mem_tracker.MemTracker``; the families' small shapes are checked against torch's
+CPU allocator there too).
 """
 
 from __future__ import annotations
@@ -65,16 +73,44 @@ LEDGER_FEATURES: dict[str, tuple[str, ...]] = {
 
 @dataclass(frozen=True)
 class LayerShape:
-    """Decoder-layer shape: hidden, intermediate, q heads, KV heads, LoRA rank."""
+    """A decoder layer to measure: its family (a transformers ``model_type``) and sizes.
+
+    ``head_dim`` ``None``: the family's default (``hidden // heads``); ``config``: other config fields as
+    ``(name, value)`` pairs (e.g. Gemma 3's ``layer_types`` to pick a global or a sliding layer).
+    """
 
     hidden: int = 4096
     intermediate: int = 14336
     heads: int = 32
     kv_heads: int = 8
     lora_r: int = 16
+    family: str = "llama"
+    head_dim: int | None = None
+    config: tuple[tuple[str, Any], ...] = ()
 
 
 LLAMA_8B_LAYER = LayerShape()
+#: Qwen3-8B (config.json of Qwen/Qwen3-8B): per-head q/k RMSNorm, head_dim 128.
+QWEN3_8B_LAYER = LayerShape(4096, 12288, 32, 8, family="qwen3", head_dim=128)
+#: The text decoder of Qwen2.5-VL-7B-Instruct: q/k/v bias, M-RoPE sections 16/24/24.
+QWEN2_5_VL_7B_TEXT_LAYER = LayerShape(3584, 18944, 28, 4, family="qwen2_5_vl_text", head_dim=128, config=(
+    ("rope_scaling", {"type": "mrope", "mrope_section": [16, 24, 24]}),))
+#: Mistral-7B-v0.3: Llama's wiring and sizes, no sliding window.
+MISTRAL_7B_LAYER = LayerShape(4096, 14336, 32, 8, family="mistral", head_dim=128, config=(("sliding_window", None),))
+#: Gemma-3-12B's global (full-attention) layer: sandwich norms, (1 + w) RMSNorm, q/k norm, head_dim 256.
+GEMMA3_12B_LAYER = LayerShape(3840, 15360, 16, 8, family="gemma3_text", head_dim=256, config=(
+    ("layer_types", ["full_attention"]), ("sliding_window", 1024), ("query_pre_attn_scalar", 256)))
+#: Gemma-3-12B's local layers (40 of 48): the same with a 1024-token sliding window.
+GEMMA3_12B_SLIDING_LAYER = LayerShape(3840, 15360, 16, 8, family="gemma3_text", head_dim=256, config=(
+    ("layer_types", ["sliding_attention"]), ("sliding_window", 1024), ("query_pre_attn_scalar", 256)))
+#: The real shapes the ledger table reports (benchmarks/long_context.py --ledger --families).
+FAMILY_LAYERS: dict[str, LayerShape] = {
+    "Llama-3.1-8B": LLAMA_8B_LAYER,
+    "Qwen3-8B": QWEN3_8B_LAYER,
+    "Qwen2.5-VL-7B text": QWEN2_5_VL_7B_TEXT_LAYER,
+    "Mistral-7B-v0.3": MISTRAL_7B_LAYER,
+    "Gemma-3-12B global": GEMMA3_12B_LAYER,
+}
 
 
 def flash_bwd_workspace(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, *_: Any, **__: Any) -> int:
@@ -118,38 +154,100 @@ def _flash_sdpa() -> Iterator[None]:
         F.scaled_dot_product_attention = orig
 
 
-def _build(shape: LayerShape, fake_mode: Any | None, seed: int, checkpointing: bool = True) -> torch.nn.Module:
-    from peft import LoraConfig, get_peft_model
-    from transformers import LlamaConfig, LlamaModel
+def _fill(t: torch.Tensor, gen: torch.Generator) -> None:
+    """Give ``t`` finite values for the first-call probe, cheaply: a random tile of a prime length repeated
+    (no two rows alike), scaled as an init would (``fan_in ** -0.5``; 1-D weights around 1)."""
+    n = t.numel()
+    tile = torch.randn(4099, generator=gen)
+    vals = tile.repeat(-(-n // tile.numel()))[:n].view(t.shape)
+    vals = 1 + 0.1 * vals if t.dim() < 2 else vals * t.shape[-1] ** -0.5
+    t.copy_(vals)
 
-    cfg = LlamaConfig(
-        hidden_size=shape.hidden, intermediate_size=shape.intermediate, num_attention_heads=shape.heads,
-        num_key_value_heads=shape.kv_heads, num_hidden_layers=1, vocab_size=32, attn_implementation="sdpa",
-    )
+
+def _build(shape: LayerShape, seed: int, checkpointing: bool = True) -> torch.nn.Module:
+    """One-layer model of ``shape.family`` (bf16 weights, sdpa, peft LoRA on every linear layer), real CPU
+    tensors with values (the probe of :mod:`.layer_forms` compares against stock on them)."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoConfig, AutoModel
+
+    kw: dict[str, Any] = dict(shape.config)
+    if shape.head_dim is not None:
+        kw["head_dim"] = shape.head_dim
+    cfg = AutoConfig.for_model(
+        shape.family, hidden_size=shape.hidden, intermediate_size=shape.intermediate,
+        num_attention_heads=shape.heads, num_key_value_heads=shape.kv_heads, num_hidden_layers=1, vocab_size=32,
+        pad_token_id=0, bos_token_id=1, eos_token_id=2, **kw)
     torch.manual_seed(seed)
     old = torch.get_default_dtype()
     torch.set_default_dtype(torch.bfloat16)
     try:
-        with torch.device("meta" if fake_mode is not None else "cpu"):
-            model = LlamaModel(cfg)
+        with torch.device("meta"):
+            model = AutoModel.from_config(cfg, attn_implementation="sdpa")
     finally:
         torch.set_default_dtype(old)
+    model.to_empty(device="cpu")  # no init (seconds at 8B-layer sizes): a tiled random fill instead
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for t in list(model.parameters()) + list(model.buffers()):
+            if t.is_floating_point():
+                _fill(t, gen)
     model = get_peft_model(model, LoraConfig(r=shape.lora_r, lora_alpha=2 * shape.lora_r, target_modules="all-linear",
                                              init_lora_weights=False))
-    if fake_mode is not None:
-        cpu = torch.device("cpu")
-        for mod in model.modules():
-            params, buffers = module_parameter_slots(mod), module_buffer_slots(mod)
-            for n, p in list(params.items()):
-                if p is not None:
-                    params[n] = torch.nn.Parameter(fake_from_meta(fake_mode, p, cpu), requires_grad=p.requires_grad)
-            for n, b in list(buffers.items()):
-                if b is not None:
-                    buffers[n] = fake_from_meta(fake_mode, b, cpu)
     if checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model.train()
     return model
+
+
+def _to_fake(model: torch.nn.Module, fake_mode: Any) -> None:
+    """Replace every parameter and buffer by a fake tensor of the same metadata (the values are dropped)."""
+    cpu = torch.device("cpu")
+    for mod in model.modules():
+        params, buffers = module_parameter_slots(mod), module_buffer_slots(mod)
+        for n, p in list(params.items()):
+            if p is not None:
+                params[n] = torch.nn.Parameter(fake_from_meta(fake_mode, p.detach().to("meta"), cpu),
+                                               requires_grad=p.requires_grad)
+        for n, b in list(buffers.items()):
+            if b is not None:
+                buffers[n] = fake_from_meta(fake_mode, b.to("meta"), cpu)
+
+
+def _fake_like(fake_mode: Any, v: Any) -> Any:
+    """``v`` (a tensor, or a tuple / list of them, or anything else) with every tensor made fake."""
+    if isinstance(v, torch.Tensor):
+        return fake_from_meta(fake_mode, v.to("meta"), torch.device("cpu"))
+    if isinstance(v, (tuple, list)):
+        return type(v)(_fake_like(fake_mode, t) for t in v)
+    return v
+
+
+class _LayerCalled(Exception):  # noqa: N818 - a control-flow signal
+    def __init__(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        super().__init__("layer call captured")
+        self.args, self.kwargs = args, kwargs
+
+
+def _layer_call(base: torch.nn.Module, x: torch.Tensor) -> dict[str, Any]:
+    """The keywords the model hands its first decoder layer for ``inputs_embeds=x`` (rotary tables of the
+    family's own kind, mask, position ids), read by running the model up to that call (``no_grad``)."""
+    layer = base.layers[0]
+
+    def stop(module: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        raise _LayerCalled(args, kwargs)
+
+    hook = layer.register_forward_pre_hook(stop, with_kwargs=True)
+    try:
+        with torch.no_grad():
+            base(inputs_embeds=x, use_cache=False)
+    except _LayerCalled as got:
+        kwargs = dict(got.kwargs)
+        for k in ("past_key_values", "use_cache", "cache_position", "cache"):
+            kwargs.pop(k, None)
+        return kwargs
+    finally:
+        hook.remove()
+    raise RuntimeError(f"{type(base).__name__} never called its first decoder layer")
 
 
 def _apply(model: torch.nn.Module, features: tuple[str, ...], tokens_per_tile: int) -> None:
@@ -210,31 +308,38 @@ def measure_layer(
         ``LayerLedger``.
     """
     feats = LEDGER_FEATURES[features] if isinstance(features, str) else tuple(features)
-    fake_mode = fake_tensor_mode() if fake else None
-    model = _build(shape, fake_mode, seed, checkpointing)
+    model = _build(shape, seed, checkpointing)
     _apply(model, feats, tokens_per_tile)
     base = model.base_model.model
     layer = base.layers[0]
+    gen = torch.Generator().manual_seed(seed + 1)
+    # The patched layer's one-time first-call probe (layer_forms.probe_layer), unmeasured, on real values.
+    probe_x = torch.randn(batch, 4, shape.hidden, generator=gen).to(torch.bfloat16)
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        layer(probe_x, **_layer_call(base, probe_x))
+    # The layer's keywords at the measured length, read from a real call of the model (an expanded zero
+    # input: the rotary tables and the mask read only its shape): a fake-mode call would build a mask
+    # (transformers treats fake tensors as tracing) where a real run passes none.
+    kwargs = _layer_call(base, torch.zeros((), dtype=torch.bfloat16).expand(batch, seq, shape.hidden))
+    fake_mode = fake_tensor_mode() if fake else None
+    if fake_mode is not None:
+        _to_fake(model, fake_mode)
+        kwargs = {k: _fake_like(fake_mode, v) for k, v in kwargs.items()}
     workspace = {FLASH_CPU_BACKWARD_OP: flash_bwd_workspace} if flash_workspace else {}
     with fake_mode if fake_mode is not None else contextlib.nullcontext():
-        gen = torch.Generator().manual_seed(seed + 1)
         x = torch.randn(batch, seq, shape.hidden, generator=gen).to(torch.bfloat16).requires_grad_()
-        pos = torch.arange(seq)[None]
-        cos, sin = base.rotary_emb(x, pos)
+        rotary = [t for t in kwargs.get("position_embeddings") or () if isinstance(t, torch.Tensor)]
         grad = torch.randn(batch, seq, shape.hidden, generator=gen).to(torch.bfloat16)
-        with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):  # the patched layer's one-time
-            layer(x[:, :2], attention_mask=None, position_ids=pos[:, :2],  # first-call probe, unmeasured
-                  position_embeddings=(cos[:, :2], sin[:, :2]))
         with _flash_sdpa(), around() if around is not None else contextlib.nullcontext(), \
                 MemoryLedger(workspace=workspace) as ledger:
             ledger.label_modules(layer, "layer.")
-            ledger.track([x, cos, sin], "layer input, cos, sin")
+            ledger.track([x, *rotary], "layer input, cos, sin")
             with torch.autocast("cpu", dtype=torch.bfloat16):
-                out = layer(x, attention_mask=None, position_ids=pos, position_embeddings=(cos, sin))
+                out = layer(x, **kwargs)
             ledger.ignore([out])
             # What the layer keeps from its forward until its backward (beyond its input): ~0 when
             # checkpointing works; with 32 layers this is what would pile up per layer.
-            retained = ledger.live_bytes() - sum(t.untyped_storage().nbytes() for t in (x, cos, sin))
+            retained = ledger.live_bytes() - sum(t.untyped_storage().nbytes() for t in (x, *rotary))
             ledger.phase = "backward"
             ledger.track(grad, "incoming gradient")
             out.backward(grad)

@@ -58,22 +58,25 @@ from ..._compat import (
     is_checkpointing,
     layer_checkpoint_func,
     stock_attention_function,
+    tensor_has_values,
 )
 from ...ops.document_attention import document_attention, mask_blocks
 from ...ops.feature_counts import record_amount, record_fallback, record_ran
 from ...ops.grouped_attention import grouped_flash_attention, kv_groups_for
-from ...ops.rms_norm import DEFAULT_CHUNK_TOKENS, rms_norm
+from ...ops.rms_norm import DEFAULT_CHUNK_TOKENS
 from ...ops.tiled import sync_shards
 from ...ops.token_tiles import DEFAULT_TOKENS_PER_TILE, tiled_token_map, tiles_for
+from ..sequence_parallel.attention import shards_attention
 from .forward_patch import restore_forward
 from .layer_call import LayerCall, bind_layer_call
 from .layer_forms import (
     LayerForm,
     candidate_forms,
     capture_attention_inputs,
-    is_rms_norm,
     probe_layer,
+    rms_norm_form,
 )
+from .norm_forward import NormForward
 
 __all__ = [
     "LONG_CONTEXT_FEATURES",
@@ -132,27 +135,6 @@ def _layer_check(layer: nn.Module) -> tuple[bool, str]:
 # --------------------------------------------------------------------------------------------------
 
 
-class _NormForward:
-    """Instance-level forward of an RMSNorm running :func:`rms_norm`."""
-
-    def __init__(self, module: nn.Module, prev: Any, chunk_tokens: int) -> None:
-        self.module = module
-        self.prev = prev
-        self.chunk_tokens = chunk_tokens
-
-    def __call__(self, *args: Any, **kwargs: Any) -> torch.Tensor:
-        m = self.module
-        x = None
-        if len(args) + len(kwargs) == 1:
-            x = args[0] if args else kwargs.get("hidden_states")
-        if not isinstance(x, torch.Tensor):  # not the one-tensor call Llama's RMSNorm takes: stock
-            record_fallback(FEATURE, f"rms_norm: called with {len(args)} positional, keywords {sorted(kwargs)}")
-            stock = self.prev if self.prev is not None else type(m).forward.__get__(m)
-            return stock(*args, **kwargs)
-        record_amount(FEATURE, "rms_norm_calls", 1)
-        return rms_norm(x, m.weight, getattr(m, "variance_epsilon", getattr(m, "eps", None)), chunk_tokens=self.chunk_tokens)
-
-
 @dataclass
 class _LayerOptions:
     attention: bool
@@ -175,6 +157,8 @@ class _LayerForward:
         self.refusal: str | None = None  # the probe's reason when no form reproduces the stock layer
         self.kernel: dict[str, Any] = {}
         self.blocks: list | None = None  # this call's padding / document blocks (ops/document_attention.py)
+        self.sharded = False  # this call's attention runs sequence-parallel (Ulysses)
+        self.position_ids: Any = None
         # the stock forward's own parameters (whatever the release calls them): calls are read against it
         self.signature = inspect.signature(self._class_forward())
 
@@ -195,13 +179,21 @@ class _LayerForward:
         impl = attention_implementation(attn)
         if impl != "sdpa":
             return f"attention implementation {impl!r} (only sdpa is handled)"
-        if current_attention_function(impl) is not stock_attention_function(impl):
-            return "the sdpa attention function is wrapped (sequence parallelism or another library)"
+        fn = current_attention_function(impl)
+        # Sequence parallelism (hf_ddpfix's Ulysses wrapper, a batch active): the layer runs patched on its
+        # slice and hands q/k/v to the wrapper, which attends over the full sequence with the mask built
+        # from the documents (the local mask the model built is ignored, as the wrapper ignores it).
+        self.sharded = shards_attention(fn)
+        if fn is not stock_attention_function(impl) and not self.sharded:
+            return "the sdpa attention function is wrapped (another library, or sequence parallelism with no batch)"
         self.blocks = None
-        if call.attention_mask is not None:
+        if call.attention_mask is not None and not self.sharded:
             if not torch.is_grad_enabled():  # evaluation with padding: stock by design
                 return "attention mask given (padding/packing)"
-            self.blocks = mask_blocks(call.attention_mask) if isinstance(call.attention_mask, torch.Tensor) else None
+            mask = call.attention_mask
+            if isinstance(mask, torch.Tensor) and not tensor_has_values(mask):
+                return "attention mask without values (meta / fake tensor)"
+            self.blocks = mask_blocks(mask) if isinstance(mask, torch.Tensor) else None
             if self.blocks is None:
                 return "attention mask other than right padding / packed documents"
         if call.cache is not None:
@@ -239,6 +231,13 @@ class _LayerForward:
 
     def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         scale = self.kernel["scaling"]
+        if self.sharded:  # Ulysses: all-to-all to heads, attention over the full sequence, back to the slice
+            self.stats["sequence-parallel calls"] += 1
+            # keywords the wrapper refuses (sliding_window, softcap) are passed on, so it raises as for stock
+            extra = {k: w for k, w in self.kernel.items() if k in ("sliding_window", "softcap") and w is not None}
+            out, _ = current_attention_function("sdpa")(self.layer.self_attn, q, k, v, None, scaling=scale,
+                                                        dropout=0.0, position_ids=self.position_ids, **extra)
+            return out.transpose(1, 2)
         if self.blocks is not None:  # padding / packed documents: plain attention per block
             self.stats["document-masked calls"] += 1
             return document_attention(q, k, v, self.blocks, scale=scale, groups=self.options.attention_groups,
@@ -273,6 +272,7 @@ class _LayerForward:
 
     def _run(self, *args: Any, **kwargs: Any) -> Any:
         call = bind_layer_call(self.signature, args, kwargs)
+        self.position_ids = kwargs.get("position_ids")  # identifies the batch of sequence parallelism's gathered route
         why = self._why_stock(call)
         if why is not None:
             self.stats[f"stock: {why}"] += 1
@@ -401,10 +401,11 @@ def apply_long_context(
                             attention_groups, do_sync, group)
     for name, m in model.named_modules():
         if "rms_norm" in feats:
-            is_norm, why = is_rms_norm(m, chunk_tokens=int(norm_chunk_tokens))
+            norm_form, why = rms_norm_form(m, chunk_tokens=int(norm_chunk_tokens))
+            is_norm = norm_form is not None
             if is_norm:
                 m.__dict__[_LAYER_ATTR] = True
-                m.forward = _NormForward(m, m.__dict__.get("forward"), int(norm_chunk_tokens))  # type: ignore[method-assign]
+                m.forward = NormForward(m, m.__dict__.get("forward"), int(norm_chunk_tokens), norm_form)  # type: ignore[method-assign]
             if why:
                 handle.report.append(LongContextEntry(name, type(m).__name__, ("rms_norm",) if is_norm else (), why))
                 continue
@@ -422,4 +423,4 @@ def apply_long_context(
 
 def remove_long_context(model: nn.Module) -> int:
     """Undo ``apply_long_context`` on every module of ``model``; returns how many were restored."""
-    return sum(restore_forward(m, (_NormForward, _LayerForward), _LAYER_ATTR) for m in model.modules())
+    return sum(restore_forward(m, (NormForward, _LayerForward), _LAYER_ATTR) for m in model.modules())

@@ -29,7 +29,8 @@ from ...ops.sequence_parallel.inputs import attention_mask_from_documents
 from ...ops.sequence_parallel.ulysses import ulysses_attention
 
 __all__ = ["FEATURE", "SUPPORTED_IMPLEMENTATIONS", "UlyssesAttentionHandle", "activate_batch", "active_batch",
-           "deactivate_batch", "install_ulysses_attention", "keep_full_sequence", "sequence_parallel_batch"]
+           "deactivate_batch", "install_ulysses_attention", "keep_full_sequence", "sequence_parallel_batch",
+           "shards_attention"]
 
 FEATURE = "sequence_parallel"
 #: attention implementations the wrapper reaches: eager is called directly by the models (never through the
@@ -171,7 +172,15 @@ def _wrap(inner: Callable[..., Any]) -> Callable[..., Any]:
         return out.transpose(1, 2).contiguous(), None
 
     ulysses_attention_forward.__wrapped__ = inner  # type: ignore[attr-defined]
+    ulysses_attention_forward.hf_ddpfix_ulysses = True  # type: ignore[attr-defined]
     return ulysses_attention_forward
+
+
+def shards_attention(fn: Callable[..., Any] | None) -> bool:
+    """``fn`` is this module's Ulysses wrapper and a sequence-parallel batch is active: a call of ``fn``
+    by a decoder layer runs sharded attention over the full sequence (the long-context layer hands it its
+    q/k/v, :mod:`hf_ddpfix.integrations.long_context.long_context`)."""
+    return bool(getattr(fn, "hf_ddpfix_ulysses", False)) and (_state.batch is not None or bool(_state.keyed))
 
 
 @dataclass
