@@ -123,5 +123,27 @@ def test_every_trainer_loss_under_sequence_parallel_equals_one_process_and_stock
             assert r["vs_plain"] > 1e-4
     # the checkpointed backward recomputed each group batch's sharded attention (2 layers x 2 batches x 4 micro-batches)
     if nproc == 2:
+        _zero_code_route_equals_one_process(tmp_path, one)
         ck, plain = records["hidden_head_checkpointed"], records["hidden_head"]
         assert [a - b for a, b in zip(ck["attention_calls"], plain["attention_calls"], strict=True)] == [16, 16]
+
+
+def _zero_code_route_equals_one_process(tmp_path, one):
+    """The same TRL SFT (nll) and DPO runs through `patches/` on PYTHONPATH with HF_DDPFIX_SEQUENCE_PARALLEL=2 and no
+    hf_ddpfix call (tests/scripts/sp_patches.py): weights within 1e-12 of one process (measured 2.8e-17), logged
+    losses within 1e-5 (fp32 logging: 2.4e-7), the plan saying the env var and the gathered route, 8 gathered
+    batches and no fallback on every rank."""
+    import os
+
+    from launch import ROOT, torchrun
+
+    out = tmp_path / "spp.json"
+    path = os.pathsep.join([str(ROOT / "patches"), str(ROOT), os.environ.get("PYTHONPATH", "")])
+    torchrun("sp_patches.py", str(out), "--single", str(one), nproc=2, timeout=300,
+             env={"PYTHONPATH": path, "HF_DDPFIX_SEQUENCE_PARALLEL": "2"})
+    records = {r["case"]: r for r in json.loads(out.read_text())}
+    assert set(records) == {"sft_nll", "dpo"}
+    for r in records.values():
+        assert r["ok"] and r["patched"] and "HF_DDPFIX_SEQUENCE_PARALLEL" in r["plan"], r
+        assert r["gathered_batches"] == [8, 8] and not any(r["fallbacks"]), r
+        assert r["one_weight_diff"] <= 1e-12 and r["one_loss_diff"] <= 1e-5, r
