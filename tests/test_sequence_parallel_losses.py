@@ -75,11 +75,11 @@ def test_the_trainer_loss_is_read_from_the_class_and_the_instance_not_from_a_lis
 #: world 4 (DP2 x SP2, gradient accumulation 2): the cases whose scaling differs most (x2, a sequence-level head
 #: under checkpointing, TRL dft, per-rank counts)
 WORLD4 = ("plain", "double", "hidden_head_checkpointed", "sft_dft", "avg_tokens_false", "kto_apo", "orpo", "grpo")
-#: TRL trainers beyond SFT / DPO (tests/scripts/sp_trl.py)
-TRL = ("kto_apo", "orpo", "cpo", "sft_packing", "sft_completion_only", "grpo")
+#: losses no issue names (tests/scripts/sp_other_losses.py) and TRL trainers beyond SFT / DPO (tests/scripts/sp_trl.py)
+TRL = ("distill_teacher", "contrastive", "kto_apo", "orpo", "cpo", "sft_packing", "sft_completion_only", "grpo")
 #: no one-process reference: stock DDP divides by each rank's own count / mean (avg_tokens_false, ORPO, CPO), packs
-#: each rank's rows into its own bins (sft_packing) or samples per process (GRPO)
-DDP_ONLY = ("avg_tokens_false", "orpo", "cpo", "sft_packing", "grpo")
+#: each rank's rows into its own bins (sft_packing), contrasts its own rows (contrastive) or samples per process (GRPO)
+DDP_ONLY = ("avg_tokens_false", "contrastive", "orpo", "cpo", "sft_packing", "grpo")
 
 
 @pytest.mark.multiprocess
@@ -111,6 +111,9 @@ def test_every_trainer_loss_under_sequence_parallel_equals_one_process_and_stock
             continue
         assert r["ddp_weight_diff"] <= 1e-12 and r.get("one_weight_diff", 0.0) <= 1e-12, r
         assert r["per_rank_batches"] == [8] * nproc  # counted on every rank
+        # the teacher's attention ran as given on every rank (2 layers x 2 group batches x 4 micro-batches, + eval)
+        assert all(n >= 16 for n in r["full_sequence_calls"]) if case == "distill_teacher" else \
+            not any(r["full_sequence_calls"]), r["full_sequence_calls"]
         # GRPO's generate() forwards run unsharded, as stock (no batch of the group active): counted, nothing else
         assert all(set(f) <= ({"no sequence-parallel batch active (unsharded forward)"} if case == "grpo" else set())
                    for f in r["fallbacks"]), r["fallbacks"]

@@ -25,6 +25,7 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 from fixtures import Verdicts, init_gloo, lora_llama, rank_log, trainable_weights  # noqa: E402
+from sp_other_losses import Contrastive, Distill  # noqa: E402
 from sp_trainer import collate, dataset, hist_diff  # noqa: E402
 from transformers import Trainer, TrainingArguments  # noqa: E402
 
@@ -89,6 +90,9 @@ CASES = {
     # TRL's DPOTrainer: sequence log-probabilities of chosen / rejected from the fused head's per-token values
     "dpo": ("dpo", {}, {}, True),
     "dpo_ld_alpha": ("dpo", {"ld_alpha": 0.5}, {}, True),
+    # losses no issue names (sp_other_losses.py): a frozen teacher the trainer holds; an in-batch contrastive loss
+    "distill_teacher": (Distill, {}, {}, True),
+    "contrastive": (Contrastive, {}, {}, False),
     # TRL's other trainers (sp_trl.py): KTO without its batch KL estimate, ORPO, CPO, GRPO, SFT packing / completion only
     "kto_apo": ("kto", {"loss_type": "apo_zero_unpaired"}, {}, True),
     # per-batch means (ORPO, CPO) and packing (the bins depend on the batch): stock DDP is the reference
@@ -326,6 +330,8 @@ def main() -> None:
         per_rank = [c["amounts"].get(key, 0) for c in counts]
         rec = {"case": case, "route": route, "attention_calls": [c["ran"] for c in counts], "plan": got["plan"], "per_rank_batches": per_rank,
                "fallbacks": [c["fallbacks"] for c in counts], "ddp_weight_diff": wdiff(got, ref),
+               # attention of another model the trainer holds (a teacher) run on the whole sequence
+               "full_sequence_calls": [c["amounts"].get("full_sequence_attention_calls", 0) for c in counts],
                "ddp_loss_diff": hist_diff(ref["hist"], got["hist"], 0),
                "ddp_grad_norm_diff": hist_diff(ref["hist"], got["hist"], 1),
                "losses_sp": [h[0] for h in got["hist"]], "losses_ref": [h[0] for h in ref["hist"]]}

@@ -36,13 +36,14 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ..._compat import unwrap_parallel
 from ...ops.sequence_parallel.exchange import TEXT_KEYS, exchange_text_batches
 from ...ops.sequence_parallel.gather import gather_sequence
 from ...ops.sequence_parallel.inputs import shard_batch
 from ...ops.sequence_parallel.loss import valid_target_count
 from .attention import activate_batch
 
-__all__ = ["WholeOutputsForward", "whole_outputs_forward"]
+__all__ = ["WholeOutputsForward", "exchange", "other_models", "whole_outputs_forward"]
 
 _BATCH = ("input_ids", "attention_mask", "position_ids", "labels")
 _DROPPED = ("use_cache", "num_items_in_batch", "return_dict")
@@ -182,6 +183,20 @@ def whole_outputs_forward(module: nn.Module, group: Any, pad_token_id: int,
             module.forward = previous
         else:
             del module.forward
+
+
+def other_models(trainer: Any, model: nn.Module) -> list[nn.Module]:
+    """The modules the trainer holds besides the trained model (TRL's `ref_model`, a distillation `teacher_model`,
+    a reward model): called inside its `compute_loss` on a batch of the group, they run on the whole sequence on
+    every rank (their attention as given, `attention.keep_full_sequence`), exactly as one process runs them."""
+    own = {id(m) for m in unwrap_parallel(model).modules()}
+    found: dict[int, nn.Module] = {}
+    for value in vars(trainer).values():
+        if isinstance(value, nn.Module) and id(value) not in own:
+            for m in value.modules():
+                if id(m) not in own:
+                    found.setdefault(id(m), m)
+    return list(found.values())
 
 
 def exchange(inputs: Mapping[str, Any], num_items_in_batch: Any, group: Any, size: int) -> list[tuple[dict, Any]]:
