@@ -74,7 +74,7 @@ def test_the_trainer_loss_is_read_from_the_class_and_the_instance_not_from_a_lis
 
 #: world 4 (DP2 x SP2, gradient accumulation 2): the cases whose scaling differs most (x2, a sequence-level head
 #: under checkpointing, TRL dft, per-rank counts)
-WORLD4 = ("plain", "double", "hidden_head_checkpointed", "sft_dft", "avg_tokens_false", "kto_apo", "orpo", "grpo")
+WORLD4 = ("plain", "double", "hidden_head_checkpointed", "sft_dft", "dpo", "avg_tokens_false", "kto_apo", "orpo", "grpo")
 #: losses no issue names (tests/scripts/sp_other_losses.py) and TRL trainers beyond SFT / DPO (tests/scripts/sp_trl.py)
 TRL = ("distill_teacher", "contrastive", "kto_apo", "orpo", "cpo", "sft_packing", "sft_completion_only", "grpo")
 #: no one-process reference: stock DDP divides by each rank's own count / mean (avg_tokens_false, ORPO, CPO), packs
@@ -89,7 +89,11 @@ def test_every_trainer_loss_under_sequence_parallel_equals_one_process_and_stock
     checkpointing), compute_loss_func, label smoothing, TRL SFT nll and dft, average_tokens_across_devices=False
     with unequal token counts (vs stock DDP: one process computes another mean): fp64 weights within 1e-12 of the
     references (measured <= 1.2e-16; on the code before the gathered route every case but the plain one failed,
-    by 5.7e-11 (x2 with AdamW) to 0.16); a MoE router loss a PlanError before step 1."""
+    by 5.7e-11 (x2 with AdamW) to 0.16); a MoE router loss a PlanError before step 1. Beyond: a teacher-distillation
+    and an in-batch contrastive subclass, TRL KTO (apo_zero_unpaired), ORPO, CPO, GRPO, SFT packing and
+    completion-only (fp64 <= 5.6e-17; before: ORPO / CPO / packing / the teacher stopped at their first micro-batch),
+    TRL KTO with its world-gathered KL a PlanError (before: trained 3.7e-7 off stock DDP), and SFT / DPO through
+    patches/ with HF_DDPFIX_SEQUENCE_PARALLEL=2 (nproc 2)."""
     from launch import torchrun
 
     one, out = tmp_path / "one.pt", tmp_path / "spl.json"

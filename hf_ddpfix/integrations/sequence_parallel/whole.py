@@ -16,10 +16,16 @@ backward multiplies by N): exactly one process's gradient of `sum_b L_b`, which 
 
 Evaluation: the same loop under `no_grad`; each rank returns what its own batch's `compute_loss` returned.
 
+Positional arguments are named by the forward's own signature (TRL ORPO / CPO call `model(ids, attention_mask=...)`);
+a packed batch's padding-free kwargs (`cu_seq_lens_q/k`, `max_length_q/k`, `seq_idx`: TRL SFT `packing=True`) are
+dropped when they say what its position ids say. Another model the trainer holds (a `ref_model`, a distillation
+teacher: `other_models`) runs on the whole batch on every rank, its attention as given.
+
 Refused (a `RuntimeError` at the first micro-batch, named, before any optimizer step; the plan refuses the
 ones it can see first): an output that is not sequence-shaped and not the loss (it cannot be made whole, e.g.
 MoE `router_logits`), a non-None `aux_loss` (MoE router loss: a per-slice load-balancing term is not the whole
-sequence's), tensor arguments other than ids / mask / positions / labels, positional arguments.
+sequence's), tensor arguments other than ids / mask / positions / labels, packed kwargs that disagree with the
+position ids, positional arguments the forward does not name.
 
 Cost: every rank holds the whole batch's gathered outputs, e.g. logits `B x S x vocab x bytes` (fp32 128K
 tokens x 128K vocab: 64 GiB), instead of its `1/N`.
