@@ -40,6 +40,8 @@ def test_the_stock_loss_runs_sharded_and_every_other_loss_gathered_and_the_plan_
     (dict(trainer_loss="SFTTrainer.compute_loss", trainer_name="SFTTrainer", vision_family="qwen2_5_vl"),
      "SFTTrainer on qwen2_5_vl.*made whole"),
     (dict(lm_head=False, trainer_name="RewardTrainer"), "RewardTrainer trains a model without a language-model head"),
+    (dict(trainer_loss="KTOTrainer.compute_loss", trainer_name="KTOTrainer", world_statistic="its loss subtracts a KL"),
+     "KTOTrainer: its loss subtracts a KL"),
 ])
 def test_a_loss_that_cannot_be_made_exact_is_a_plan_error_naming_the_trainer_and_the_fix(kw, match):
     from hf_ddpfix.plan.types import PlanError
@@ -70,6 +72,57 @@ def test_the_trainer_loss_is_read_from_the_class_and_the_instance_not_from_a_lis
     assert trainer_loss_override(patched).endswith("my_loss")
     my_loss._hf_ddpfix_sequence_parallel = True  # hf_ddpfix's own, set while it trains
     assert trainer_loss_override(patched) is None
+
+
+def test_a_world_gathered_statistic_in_the_loss_is_read_from_the_trainer():
+    from hf_ddpfix.integrations.sequence_parallel.facts import trainer_world_statistic
+
+    kto = object.__new__(Trainer)
+    assert trainer_world_statistic(kto) is None
+    kto.calculate_KL = True  # TRL KTOTrainer, loss_type="kto"
+    assert "apo_zero_unpaired" in trainer_world_statistic(kto)
+    kto.calculate_KL = False  # loss_type="apo_zero_unpaired"
+    assert trainer_world_statistic(kto) is None
+
+
+def test_packed_kwargs_are_dropped_only_when_they_follow_the_position_ids():
+    import torch
+
+    from hf_ddpfix.integrations.sequence_parallel.whole import _drop_packed_kwargs
+
+    pos = torch.tensor([[0, 1, 2, 0, 1, 0, 1, 2, 3]])
+    good = {"cu_seq_lens_q": torch.tensor([0, 3, 5, 9], dtype=torch.int32), "cu_seq_lens_k": torch.tensor([0, 3, 5, 9]),
+            "max_length_q": 4, "max_length_k": 4, "seq_idx": torch.tensor([[0, 0, 0, 1, 1, 2, 2, 2, 2]]), "other": 1}
+    kw = dict(good)
+    _drop_packed_kwargs(kw, pos, None, "SFTTrainer")
+    assert kw == {"other": 1}
+    for key, bad in (("cu_seq_lens_q", torch.tensor([0, 4, 5, 9])), ("max_length_k", 3),
+                     ("seq_idx", torch.zeros(1, 9, dtype=torch.long))):
+        with pytest.raises(RuntimeError, match="SFTTrainer's compute_loss passes .*do not follow its position_ids"):
+            _drop_packed_kwargs({**good, key: bad}, pos, None, "SFTTrainer")
+    with pytest.raises(RuntimeError, match="cannot be sharded"):  # with a mask, position ids do not mark documents
+        _drop_packed_kwargs(dict(good), pos, torch.ones(1, 9), "SFTTrainer")
+
+
+def test_positional_model_arguments_are_named_by_the_forward_and_other_models_are_found_on_the_trainer():
+    from torch import nn
+
+    from hf_ddpfix.integrations.sequence_parallel.whole import WholeOutputsForward, other_models
+
+    def forward(input_ids=None, attention_mask=None, **kwargs):  # noqa: ANN001, ANN003, ANN202
+        return None
+
+    hook = WholeOutputsForward(forward, None, 0, "ORPOTrainer")
+    assert hook._named(("ids",), {"attention_mask": "m", "use_cache": False}) == {
+        "input_ids": "ids", "attention_mask": "m", "use_cache": False}
+    with pytest.raises(RuntimeError, match="ORPOTrainer's compute_loss called the model with positional"):
+        hook._named(("ids", "m", "extra"), {})
+    trainer = object.__new__(Trainer)
+    trainer.model, trainer.teacher_model = nn.Sequential(nn.Linear(2, 2)), nn.Sequential(nn.Linear(2, 2))
+    trainer.model_wrapped = nn.ModuleList([trainer.model])  # a wrapper of the trained model: not another model
+    found = {id(m) for m in other_models(trainer, trainer.model)}
+    assert {id(m) for m in trainer.teacher_model.modules()} <= found
+    assert not found & {id(m) for m in trainer.model.modules()}
 
 
 #: world 4 (DP2 x SP2, gradient accumulation 2): the cases whose scaling differs most (x2, a sequence-level head
