@@ -127,7 +127,7 @@ def test_positional_model_arguments_are_named_by_the_forward_and_other_models_ar
 
 #: world 4 (DP2 x SP2, gradient accumulation 2): the cases whose scaling differs most (x2, a sequence-level head
 #: under checkpointing, TRL dft, per-rank counts)
-WORLD4 = ("plain", "double", "hidden_head_checkpointed", "sft_dft", "dpo", "avg_tokens_false", "kto_apo", "orpo", "grpo")
+WORLD4 = ("plain", "double", "hidden_head_checkpointed", "sft_dft", "dpo", "avg_tokens_false", "orpo", "grpo")
 #: losses no issue names (tests/scripts/sp_other_losses.py) and TRL trainers beyond SFT / DPO (tests/scripts/sp_trl.py)
 TRL = ("distill_teacher", "contrastive", "kto_apo", "orpo", "cpo", "sft_packing", "sft_completion_only", "grpo")
 #: no one-process reference: stock DDP divides by each rank's own count / mean (avg_tokens_false, ORPO, CPO), packs
