@@ -20,10 +20,12 @@ import sys
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "examples"))
 
+import sp_trl  # noqa: E402
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 from fixtures import Verdicts, init_gloo, lora_llama, rank_log, trainable_weights  # noqa: E402
+from sp_other_losses import Contrastive, Distill  # noqa: E402
 from sp_trainer import collate, dataset, hist_diff  # noqa: E402
 from transformers import Trainer, TrainingArguments  # noqa: E402
 
@@ -37,6 +39,8 @@ from hf_ddpfix.plan.types import PlanError  # noqa: E402
 #: 1e-12; a wrong loss moves them by >= 1e-3 (x2 subclass 9e-3, avg_tokens 9e-4 vs the plain Trainer's)
 DTYPE = getattr(torch, os.environ.get("SP_LOSSES_DTYPE", "float64"))
 TOL = 1e-12 if DTYPE == torch.float64 else 2e-6
+#: GRPO's generate() forwards (no batch of the group active): unsharded, as stock, counted
+GENERATION = "no sequence-parallel batch active (unsharded forward)"
 
 
 class Double(Trainer):
@@ -86,6 +90,18 @@ CASES = {
     # TRL's DPOTrainer: sequence log-probabilities of chosen / rejected from the fused head's per-token values
     "dpo": ("dpo", {}, {}, True),
     "dpo_ld_alpha": ("dpo", {"ld_alpha": 0.5}, {}, True),
+    # losses no issue names (sp_other_losses.py): a frozen teacher the trainer holds; an in-batch contrastive loss
+    "distill_teacher": (Distill, {}, {}, True),
+    "contrastive": (Contrastive, {}, {}, False),
+    # TRL's other trainers (sp_trl.py): KTO without its batch KL estimate, ORPO, CPO, GRPO, SFT packing / completion only
+    "kto_apo": ("kto", {"loss_type": "apo_zero_unpaired"}, {}, True),
+    # per-batch means (ORPO, CPO) and packing (the bins depend on the batch): stock DDP is the reference
+    "orpo": ("orpo", {}, {}, False),
+    "cpo": ("cpo", {}, {}, False),
+    "sft_packing": ("sft2", {"packing": True}, {}, False),
+    "sft_completion_only": ("sft2", {"prompt_completion": True, "completion_only_loss": True}, {}, True),
+    # generation samples per process: stock DDP is the reference; its generate() forwards run unsharded (counted)
+    "grpo": ("grpo", {}, {}, False),
     # stock DDP divides each rank's sum by its own count: one process does not (its reference is stock DDP only)
     "avg_tokens_false": (Trainer, {"average_tokens_across_devices": False}, {}, False),
 }
@@ -159,13 +175,16 @@ def run(case: str, sp: int | None, batch: int) -> dict:
     if cls in ("sft", "dpo"):
         trainer = (sft_trainer if cls == "sft" else dpo_trainer)(over, opt, batch)
         model = trainer.model
+    elif isinstance(cls, str):  # the other TRL trainers (sp_trl.py)
+        trainer = sp_trl.BUILDERS[cls](over, opt, batch, DTYPE)
+        model = trainer.model
     else:
         trainer = _trainer(cls, kw, over, opt, batch, ckpt)
         model = trainer.model
     trainer.train()
     # evaluate() runs the trainer's own compute_loss too (sharded / gathered as in training); TRL's need their own
     # eval datasets processed: the Trainer cases only
-    ev = trainer.evaluate(dataset(8, 2))["eval_loss"] if cls not in ("sft", "dpo") else None
+    ev = trainer.evaluate(dataset(8, 2))["eval_loss"] if not isinstance(cls, str) else None
     snap = {k: c.as_dict() for k, c in feature_counts.snapshot().items()}
     plan = getattr(trainer, "hf_ddpfix_plan", None)
     res = {"weights": trainable_weights(model), "hist": [(h["loss"], h.get("grad_norm"))
@@ -265,6 +284,20 @@ def reward_refused() -> dict:
     return {"error": err, "steps": trainer.state.global_step}
 
 
+def refused(builder) -> dict:  # noqa: ANN001
+    """A TRL trainer (sp_trl.py) whose loss cannot be made exact under SP: a PlanError before step 1."""
+    unpatch_trainer()
+    patch_trainer(sequence_parallel=2)
+    trainer = builder({}, dict(optim="sgd", learning_rate=5e-2), 2, DTYPE)
+    try:
+        trainer.train()
+        err = None
+    except PlanError as e:
+        err = str(e)
+    unpatch_trainer()
+    return {"error": err, "steps": trainer.state.global_step}
+
+
 def wdiff(a: dict, b: dict) -> float:
     return max((a["weights"][k] - b["weights"][k]).abs().max().item() for k in a["weights"])
 
@@ -297,6 +330,8 @@ def main() -> None:
         per_rank = [c["amounts"].get(key, 0) for c in counts]
         rec = {"case": case, "route": route, "attention_calls": [c["ran"] for c in counts], "plan": got["plan"], "per_rank_batches": per_rank,
                "fallbacks": [c["fallbacks"] for c in counts], "ddp_weight_diff": wdiff(got, ref),
+               # attention of another model the trainer holds (a teacher) run on the whole sequence
+               "full_sequence_calls": [c["amounts"].get("full_sequence_attention_calls", 0) for c in counts],
                "ddp_loss_diff": hist_diff(ref["hist"], got["hist"], 0),
                "ddp_grad_norm_diff": hist_diff(ref["hist"], got["hist"], 1),
                "losses_sp": [h[0] for h in got["hist"]], "losses_ref": [h[0] for h in ref["hist"]]}
@@ -306,13 +341,15 @@ def main() -> None:
         if case in one:
             rec["ddp_vs_one_weight_diff"] = wdiff(ref, one[case])  # the float spread of the references themselves
             rec.update(one_weight_diff=wdiff(got, one[case]), one_loss_diff=hist_diff(one[case]["hist"], got["hist"], 0))
-        if case != "plain" and "plain" in done and not case.startswith(("sft", "dpo")):  # the subclass's loss really ran: not the plain Trainer's weights
+        if case != "plain" and "plain" in done and not isinstance(CASES[case][0], str):  # the subclass's loss really ran: not the plain Trainer's weights
             rec["vs_plain"] = wdiff(got, done["plain"])
         tol = TOL
+        allowed = {GENERATION} if CASES[case][0] == "grpo" else set()
         rec["ok"] = (rec["ddp_weight_diff"] <= tol and rec["ddp_loss_diff"] <= 1e-5
                      and rec.get("one_weight_diff", 0.0) <= tol and rec.get("one_loss_diff", 0.0) <= 1e-5
                      and all(n == 2 * 2 * 2 for n in per_rank)  # both batches of the group, 2 micro x 2 steps
-                     and not any(rec["fallbacks"]) and f"loss {route}" in (got["plan"] or "")
+                     and not any(set(f) - allowed for f in rec["fallbacks"]) and f"loss {route}" in (got["plan"] or "")
+                     and all(h[1] for h in got["hist"])  # it trained (a non-zero gradient every step)
                      and rec.get("vs_plain", 1.0) > 1e-4
                      # evaluate()'s loss passes through fp32 in the Trainer's loop: measured <= 9.5e-7 (1 ulp at 11)
                      and rec.get("ddp_eval_diff", 0.0) <= 2e-6 and all(n > 0 for n in rec.get("eval_batches", [1])))
@@ -324,6 +361,10 @@ def main() -> None:
     reward = reward_refused()
     v.add({"case": "reward_refused", **reward, "ok": reward["steps"] == 0 and reward["error"] is not None
            and "RewardTrainer trains a model without a language-model head" in reward["error"]})
+    kto = refused(sp_trl.kto) if world == 2 else None  # the plan's refusal does not depend on the world
+    if kto is not None:
+        v.add({"case": "kto_kl_refused", **kto, "ok": kto["steps"] == 0 and kto["error"] is not None
+               and "KTOTrainer: its loss subtracts a KL estimate" in kto["error"] and "apo_zero_unpaired" in kto["error"]})
     dist.barrier()
     v.finish()
 

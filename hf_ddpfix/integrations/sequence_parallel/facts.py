@@ -18,7 +18,7 @@ from ..._compat import (
 from .vision import vision_sequence_parallel_support
 
 __all__ = ["SequenceParallelFacts", "gather_sequence_parallel_facts", "sequence_parallel_loss_route",
-           "trainer_loss_override"]
+           "trainer_loss_override", "trainer_world_statistic"]
 
 
 @dataclass(frozen=True)
@@ -41,6 +41,9 @@ class SequenceParallelFacts:
         average_tokens_across_devices: `TrainingArguments.average_tokens_across_devices`.
         router_aux_loss: the text config asks for MoE router logits (`output_router_logits`): the model adds a
             load-balancing loss to its own.
+        world_statistic: the trainer's loss uses a statistic gathered over every process's batch (TRL KTO's KL
+            estimate, `calculate_KL`): under SP each rank computes it over the group's batch b, not its own, so
+            it is refused; None when the trainer shows none.
         lm_head: the model has an output embedding (a language-model head: per-token outputs); False for a
             sequence-classification / reward model, whose pooled score cannot be made whole from slices.
     """
@@ -61,6 +64,18 @@ class SequenceParallelFacts:
     average_tokens_across_devices: bool = True
     router_aux_loss: bool = False
     lm_head: bool = True
+    world_statistic: str | None = None
+
+
+def trainer_world_statistic(trainer: Any) -> str | None:
+    """What in the trainer's loss is gathered over every process's batch, read from the instance, else None.
+    TRL's KTOTrainer sets `calculate_KL` (its loss subtracts the KL mean `accelerator.gather`ed over the world:
+    trl/trainer/kto_trainer.py, TRL 1.16) unless `loss_type="apo_zero_unpaired"`."""
+    if getattr(trainer, "calculate_KL", False) is True:
+        return ("its loss subtracts a KL estimate gathered over every process's batch (calculate_KL=True); under "
+                "sequence parallelism each rank holds the group's batches in turn, so the gathered mean is another "
+                "one: use loss_type='apo_zero_unpaired' (no KL term), or train without sequence parallelism")
+    return None
 
 
 def trainer_loss_override(trainer: Any) -> str | None:
@@ -110,7 +125,7 @@ def gather_sequence_parallel_facts(trainer: Any, model: nn.Module) -> SequencePa
         or float(getattr(args, "label_smoothing_factor", 0) or 0) > 0,
         average_tokens_across_devices=bool(getattr(args, "average_tokens_across_devices", True)),
         router_aux_loss=bool(getattr(cfg, "output_router_logits", False)),
-        lm_head=_has_lm_head(model),
+        lm_head=_has_lm_head(model), world_statistic=trainer_world_statistic(trainer),
         vision_family=family.name if family is not None else None, vision_refusal=refusal or None,
         attn_implementation=impl, num_heads=heads, num_kv_heads=kv, parallelism_sp_size=sp,
         parallelism_sp_backend=backend, parallelism_sp_attn=attn,
@@ -131,6 +146,8 @@ def sequence_parallel_loss_route(sp: SequenceParallelFacts) -> tuple[str, str, s
             f"{who} trains a model that adds a MoE router load-balancing loss (output_router_logits=True); computed on "
             "each rank's slice of the sequence it is not the whole sequence's loss, so it cannot be made exact: set "
             "output_router_logits=False in the model config, or train without sequence parallelism")
+    if sp.world_statistic:
+        return "refused", "", f"{who}: {sp.world_statistic}"
     why = []
     if sp.trainer_loss:
         why.append(f"{sp.trainer_loss} is the trainer's own loss")

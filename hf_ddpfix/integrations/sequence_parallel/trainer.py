@@ -70,11 +70,17 @@ from ..._compat import (
 from ...ops.feature_counts import record_amount, record_fallback
 from ...ops.sequence_parallel.exchange import exchange_text_batches
 from ...ops.sequence_parallel.inputs import PACKED_ROWS, shard_batch
-from .attention import FEATURE, activate_batch, deactivate_batch, install_ulysses_attention
+from .attention import (
+    FEATURE,
+    activate_batch,
+    deactivate_batch,
+    install_ulysses_attention,
+    keep_full_sequence,
+)
 from .facts import gather_sequence_parallel_facts, sequence_parallel_loss_route
 from .model import sharded_causal_lm_loss
 from .vision import BATCH_KEYS, VisionSequenceSharding, merge_vision_batches, vision_sequence_parallel_support
-from .whole import exchange, whole_outputs_forward
+from .whole import exchange, other_models, whole_outputs_forward
 
 __all__ = ["SequenceParallelGroups", "attach_sequence_parallel", "merge_batches"]
 
@@ -203,9 +209,13 @@ def attach_sequence_parallel(trainer: Any, model: nn.Module, *, sp_size: int, st
         if training and isinstance(model, nn.parallel.DistributedDataParallel) and not model.find_unused_parameters:
             record_amount(FEATURE, "ddp_find_unused_false", 1)
         results = []
-        with whole_outputs_forward(unwrap_parallel(model), groups.group, pad_id, type(trainer).__name__):
-            for batch, items in exchange(inputs, num_items_in_batch, groups.group, groups.size):
-                results.append(stock(model, batch, return_outputs=return_outputs, num_items_in_batch=items))
+        whole = keep_full_sequence(other_models(trainer, model))  # a ref / teacher model: whole sequence, as given
+        try:
+            with whole_outputs_forward(unwrap_parallel(model), groups.group, pad_id, type(trainer).__name__):
+                for batch, items in exchange(inputs, num_items_in_batch, groups.group, groups.size):
+                    results.append(stock(model, batch, return_outputs=return_outputs, num_items_in_batch=items))
+        finally:
+            whole()
         record_amount(FEATURE, "gathered_batches" if training else "eval_gathered_batches", len(results))
         if not training:  # this rank's own batch, as stock returns it
             return results[groups.rank]

@@ -16,10 +16,16 @@ backward multiplies by N): exactly one process's gradient of `sum_b L_b`, which 
 
 Evaluation: the same loop under `no_grad`; each rank returns what its own batch's `compute_loss` returned.
 
+Positional arguments are named by the forward's own signature (TRL ORPO / CPO call `model(ids, attention_mask=...)`);
+a packed batch's padding-free kwargs (`cu_seq_lens_q/k`, `max_length_q/k`, `seq_idx`: TRL SFT `packing=True`) are
+dropped when they say what its position ids say. Another model the trainer holds (a `ref_model`, a distillation
+teacher: `other_models`) runs on the whole batch on every rank, its attention as given.
+
 Refused (a `RuntimeError` at the first micro-batch, named, before any optimizer step; the plan refuses the
 ones it can see first): an output that is not sequence-shaped and not the loss (it cannot be made whole, e.g.
 MoE `router_logits`), a non-None `aux_loss` (MoE router loss: a per-slice load-balancing term is not the whole
-sequence's), tensor arguments other than ids / mask / positions / labels, positional arguments.
+sequence's), tensor arguments other than ids / mask / positions / labels, packed kwargs that disagree with the
+position ids, positional arguments the forward does not name.
 
 Cost: every rank holds the whole batch's gathered outputs, e.g. logits `B x S x vocab x bytes` (fp32 128K
 tokens x 128K vocab: 64 GiB), instead of its `1/N`.
@@ -27,6 +33,7 @@ tokens x 128K vocab: 64 GiB), instead of its `1/N`.
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from typing import Any
@@ -35,16 +42,19 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ..._compat import unwrap_parallel
 from ...ops.sequence_parallel.exchange import TEXT_KEYS, exchange_text_batches
 from ...ops.sequence_parallel.gather import gather_sequence
 from ...ops.sequence_parallel.inputs import shard_batch
 from ...ops.sequence_parallel.loss import valid_target_count
 from .attention import activate_batch
 
-__all__ = ["WholeOutputsForward", "whole_outputs_forward"]
+__all__ = ["WholeOutputsForward", "exchange", "other_models", "whole_outputs_forward"]
 
 _BATCH = ("input_ids", "attention_mask", "position_ids", "labels")
 _DROPPED = ("use_cache", "num_items_in_batch", "return_dict")
+#: a packed batch's padding-free kwargs (transformers' flash-attention path), dropped when its position ids say the same
+_PACKED = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k", "seq_idx")
 
 
 class WholeOutputsForward:
@@ -56,9 +66,8 @@ class WholeOutputsForward:
         self.calls = 0
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        if args:
-            raise RuntimeError(f"sequence parallelism: {self.who}'s compute_loss called the model with positional "
-                               "arguments; the gathered loss route needs keyword arguments (input_ids=...)")
+        if args:  # e.g. TRL ORPO / CPO: model(ids, attention_mask=...): named by the forward's own signature
+            kwargs = self._named(args, kwargs)
         ids = kwargs.pop("input_ids", None)
         if ids is None or ids.dim() != 2:
             raise RuntimeError(f"sequence parallelism: {self.who}'s compute_loss called the model without `input_ids` "
@@ -67,6 +76,7 @@ class WholeOutputsForward:
         num_items = kwargs.pop("num_items_in_batch", None)
         for k in _DROPPED:
             kwargs.pop(k, None)
+        _drop_packed_kwargs(kwargs, pos, mask, self.who)
         tensors = sorted(k for k, v in kwargs.items() if torch.is_tensor(v))
         if tensors or "shift_labels" in kwargs:
             raise RuntimeError(f"sequence parallelism: {self.who}'s compute_loss passes {tensors or ['shift_labels']} "
@@ -105,6 +115,19 @@ class WholeOutputsForward:
             fields["loss"] = total / (count.to(total.device) if torch.is_tensor(count) else count)
         return type(out)(**fields)
 
+    def _named(self, args: tuple, kwargs: dict[str, Any]) -> dict[str, Any]:
+        try:
+            bound = inspect.signature(self.original).bind_partial(*args, **kwargs)
+        except (TypeError, ValueError) as err:
+            raise RuntimeError(f"sequence parallelism: {self.who}'s compute_loss called the model with positional "
+                               f"arguments its forward does not name ({err}); the gathered loss route needs them by "
+                               "name (input_ids=...)") from err
+        named = dict(bound.arguments)
+        for name, param in bound.signature.parameters.items():  # **kwargs flattened back
+            if param.kind is param.VAR_KEYWORD and name in named:
+                named.update(named.pop(name))
+        return named
+
     def _whole(self, key: str, value: Any, rows: int, s: int, length: int) -> Any:
         if isinstance(value, (tuple, list)):
             return type(value)(self._whole(key, v, rows, s, length) for v in value)
@@ -117,6 +140,37 @@ class WholeOutputsForward:
                            f"{tuple(value.shape) if torch.is_tensor(value) else type(value).__name__}) is not "
                            "[batch, sequence, ...] and cannot be made whole across the sequence-parallel group; train "
                            "this trainer without sequence_parallel")
+
+
+def _drop_packed_kwargs(kwargs: dict[str, Any], pos: Any, mask: Any, who: str) -> None:
+    """Drop the padding-free flash-attention kwargs of a packed batch (TRL SFT `packing=True`: `cu_seq_lens_q/k`,
+    `max_length_q/k`, `seq_idx`) when they say what its `position_ids` say (each document starts at id 0, no
+    attention_mask): the slice's documents are read from the whole sequence's position ids (`shard_batch`).
+    Raises RuntimeError when they disagree (they could not be sharded as given)."""
+    keys = [k for k in _PACKED if k in kwargs]
+    if not keys:
+        return
+    flat = pos.reshape(-1) if torch.is_tensor(pos) else None
+    agree = flat is not None and mask is None
+    if agree:
+        starts = torch.nonzero(flat == 0).reshape(-1)
+        cu = torch.cat([starts, starts.new_tensor([flat.numel()])]).to(torch.int64)
+        lengths = cu.diff()
+        for key in ("cu_seq_lens_q", "cu_seq_lens_k"):
+            if key in kwargs and not torch.equal(kwargs[key].reshape(-1).to(torch.int64).cpu(), cu.cpu()):
+                agree = False
+        for key in ("max_length_q", "max_length_k"):
+            if key in kwargs and int(kwargs[key]) != int(lengths.max()):
+                agree = False
+        if "seq_idx" in kwargs and not torch.equal(kwargs["seq_idx"].reshape(-1).to(torch.int64).cpu(),
+                                                   ((flat == 0).cumsum(0) - 1).to(torch.int64).cpu()):
+            agree = False
+    if not agree:
+        raise RuntimeError(f"sequence parallelism: {who}'s compute_loss passes {keys} to the model, which do not "
+                           "follow its position_ids (each document restarting at 0, no attention_mask): they cannot "
+                           "be sharded; train it without sequence_parallel")
+    for key in keys:
+        kwargs.pop(key)
 
 
 @contextmanager
@@ -137,10 +191,24 @@ def whole_outputs_forward(module: nn.Module, group: Any, pad_token_id: int,
             del module.forward
 
 
+def other_models(trainer: Any, model: nn.Module) -> list[nn.Module]:
+    """The modules the trainer holds besides the trained model (TRL's `ref_model`, a distillation `teacher_model`,
+    a reward model): called inside its `compute_loss` on a batch of the group, they run on the whole sequence on
+    every rank (their attention as given, `attention.keep_full_sequence`), exactly as one process runs them."""
+    own = {id(m) for m in unwrap_parallel(model).modules()}
+    found: dict[int, nn.Module] = {}
+    for value in vars(trainer).values():
+        if isinstance(value, nn.Module) and id(value) not in own:
+            for m in value.modules():
+                if id(m) not in own:
+                    found.setdefault(id(m), m)
+    return list(found.values())
+
+
 def exchange(inputs: Mapping[str, Any], num_items_in_batch: Any, group: Any, size: int) -> list[tuple[dict, Any]]:
     """Every batch of the group with its owner's `num_items_in_batch`, in rank order, on this rank's device: with
     tensor collectives when the batch holds only text keys (`exchange_text_batches`), else `all_gather_object`."""
-    device = inputs["input_ids"].device
+    device = next((v.device for v in inputs.values() if torch.is_tensor(v)), torch.device("cpu"))  # ORPO: no input_ids
     text = set(inputs) <= set(TEXT_KEYS) and inputs.get("labels") is not None and all(
         torch.is_tensor(v) and v.dim() == 2 for v in inputs.values()) and (
         num_items_in_batch is None or isinstance(num_items_in_batch, int) or torch.is_tensor(num_items_in_batch))
