@@ -207,6 +207,18 @@ def _trainer(cls: type, kw: dict, over: dict, opt: dict, batch: int, ckpt: bool)
     return cls(model=model, args=args, train_dataset=dataset(48, 1), data_collator=collate, **kw)
 
 
+def _train_refused(trainer) -> dict:  # noqa: ANN001
+    """Train a trainer expected to be refused under SP: the PlanError's text (None when it trained) and the optimizer
+    steps taken; unpatches afterwards."""
+    try:
+        trainer.train()
+        err = None
+    except PlanError as e:
+        err = str(e)
+    unpatch_trainer()
+    return {"error": err, "steps": trainer.state.global_step}
+
+
 def moe_refused() -> dict:
     """A MoE model whose config adds its router loss: a PlanError naming it, before any optimizer step."""
     from transformers import MixtralConfig, MixtralForCausalLM
@@ -222,13 +234,7 @@ def moe_refused() -> dict:
                              use_cpu=True, save_strategy="no", remove_unused_columns=False, disable_tqdm=True,
                              optim="sgd", learning_rate=5e-2)
     trainer = Trainer(model=model, args=args, train_dataset=dataset(16, 1), data_collator=collate)
-    try:
-        trainer.train()
-        err = None
-    except PlanError as e:
-        err = str(e)
-    unpatch_trainer()
-    return {"error": err, "steps": trainer.state.global_step}
+    return _train_refused(trainer)
 
 
 def exchange_matches_objects(rank: int, world: int) -> dict:
@@ -275,13 +281,7 @@ def reward_refused() -> dict:
     trainer = RewardTrainer(model=model, args=args, train_dataset=Dataset.from_dict(rows), processing_class=tok,
                             peft_config=LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"],
                                                    task_type="SEQ_CLS"))
-    try:
-        trainer.train()
-        err = None
-    except PlanError as e:
-        err = str(e)
-    unpatch_trainer()
-    return {"error": err, "steps": trainer.state.global_step}
+    return _train_refused(trainer)
 
 
 def refused(builder) -> dict:  # noqa: ANN001
@@ -289,13 +289,7 @@ def refused(builder) -> dict:  # noqa: ANN001
     unpatch_trainer()
     patch_trainer(sequence_parallel=2)
     trainer = builder({}, dict(optim="sgd", learning_rate=5e-2), 2, DTYPE)
-    try:
-        trainer.train()
-        err = None
-    except PlanError as e:
-        err = str(e)
-    unpatch_trainer()
-    return {"error": err, "steps": trainer.state.global_step}
+    return _train_refused(trainer)
 
 
 def wdiff(a: dict, b: dict) -> float:
