@@ -130,7 +130,7 @@ def attach_runtime(trainer: Any, model: nn.Module, plan: Plan, stack: ExitStack)
             stand_down_accelerate="parallelism_config" in str(plan.sequence_parallel.value))
     if plan.parallel in ("ddp", "fsdp") and plan.world_size > 1:  # requires_grad changed after wrapping
         rt.trainable_set = TrainableSetWatch(model, plan.parallel, step=lambda: trainer.state.global_step + 1)
-        stack.callback(before_gradient_clipping(trainer, rt.trainable_set.finalize))
+        stack.callback(before_gradient_clipping(trainer, _watch_finalize(rt.usage, rt.trainable_set)))
     elif plan.parallel == "deepspeed" and plan.world_size > 1:  # the engine steps inside backward: check first
         rt.trainable_set = TrainableSetWatch(model, plan.parallel, step=lambda: trainer.state.global_step + 1)
         rt.step_contexts.append(_checked_trainable_set(rt.trainable_set))
@@ -270,6 +270,22 @@ class _GuardWrappedModel(TrainerCallback):
 def _add_callback(trainer: Any, callback: TrainerCallback, stack: ExitStack) -> None:
     trainer.add_callback(callback)
     stack.callback(trainer.remove_callback, callback)
+
+
+def _watch_finalize(usage: ParameterUsage | None, watch: TrainableSetWatch) -> Callable[[], None]:
+    """The trainable-set check of an optimizer step. With the usage agreement running (same group), the watch's
+    "my set changed" flag rides in its all-reduce (``ParameterUsage.step_flag``): no collective and, where no
+    rank changed anything, no host read of its own; the usage finalize runs first here (a second call in the
+    step is a no-op). Without it, the watch's own one-byte all-gather."""
+    if usage is None or usage.process_group is not None:
+        return watch.finalize
+    usage.step_flag = watch.changed
+
+    def finalize() -> None:
+        usage.finalize()
+        watch.finalize(agreed=usage.take_step_flags())
+
+    return finalize
 
 
 def _checked_trainable_set(watch: TrainableSetWatch) -> Callable[[], AbstractContextManager[Any]]:

@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
@@ -114,6 +114,10 @@ class ParameterUsage:
         self._handles: list[Any] = []
         self._regions = ReentrantRegions(active=lambda: self._active, watched=lambda: self._index().keys())
         self.agreement = UsageAgreement()
+        #: a per-rank, per-step flag carried in the agreement's all-reduce (the trainable-set watch's "my set
+        #: changed"); its agreed value is kept in ``step_flags`` until :meth:`take_step_flags`
+        self.step_flag: Callable[[], bool] | None = None
+        self.step_flags: tuple[bool, bool] | None = None
         self._active = False
         self._depth = 0
         self._forward_used: set[int] = set()
@@ -420,7 +424,15 @@ class ParameterUsage:
                     unseen)
         elif self.at_loss:
             self._route_set = True  # every forward of this step had its loss seen: predictions can stop
-        return self.agreement.unused_everywhere(unused_here, len(self.slots), group)
+        flag = self.step_flag() if self.step_flag is not None else None
+        unused, self.step_flags = self.agreement.agree(unused_here, len(self.slots), group, flag)
+        return unused
+
+    def take_step_flags(self) -> tuple[bool, bool] | None:
+        """The agreed ``step_flag`` of the last agreement, ``(some rank set it, every rank set it)`` (see
+        :meth:`~.agreement.UsageAgreement.agree`), once; ``None`` when no agreement carried it since the last call."""
+        flags, self.step_flags = self.step_flags, None
+        return flags
 
     # -- reporting ----------------------------------------------------------------------------------
     def describe(self) -> str:
