@@ -45,7 +45,7 @@ from .integrations.long_context.loss_patch import TiledLossHandle, patch_model_l
 from .integrations.long_context.tiled_mlp import TiledMLPHandle, apply_tiled_mlp
 from .integrations.sequence_parallel.trainer import SequenceParallelGroups, attach_sequence_parallel
 from .integrations.trainable_set import TrainableSetWatch
-from .integrations.usage import HangGuard, ParameterUsage
+from .integrations.usage import HangGuard, ParameterUsage, UsageChanged
 from .integrations.vision.families import is_vision_language_model
 from .integrations.vision.stabilizer import VisionStabilizer
 from .ops import feature_counts
@@ -249,8 +249,8 @@ def _attach_usage(trainer: Any, model: nn.Module, usage: ParameterUsage, stack: 
     usage.attach()
     stack.callback(usage.remove)
     if at_loss:
-        usage.at_loss = True
-        stack.callback(around_backward(trainer.accelerator, usage.tie_loss))
+        usage.at_loss = usage.backward_retries = True
+        stack.callback(around_backward(trainer.accelerator, usage.tie_loss, retry=UsageChanged))
     stack.callback(before_gradient_clipping(trainer, usage.finalize))
     _add_callback(trainer, _GuardWrappedModel(trainer, usage), stack)
     return usage

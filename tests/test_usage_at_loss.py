@@ -231,3 +231,52 @@ def test_one_walk_per_micro_batch_once_the_route_is_set_and_the_forward_walk_com
     amounts = feature_counts.snapshot()["parameter_usage"].amounts
     assert amounts["forward_walks_resumed"] == 1 and amounts["ties_at_loss"] == 2 * 3, amounts
     usage.remove()
+
+
+def test_no_walk_once_established_and_a_changed_pattern_is_caught_at_backward_and_retried():
+    """After ESTABLISH all-used walks of one batch signature the loss is not walked (checked at backward);
+    a micro-batch that then leaves a parameter out is caught before anything accumulates, retried with a
+    walk and a tie, and trains exactly like the walk would (grads of the others unchanged, the unused one
+    reset to None at finalize)."""
+    from hf_ddpfix.integrations.usage import UsageChanged
+    from hf_ddpfix.integrations.usage.no_walk import ESTABLISH
+
+    class TwoHeads(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)
+
+        def forward(self, x, use_b=True):
+            y = self.a(x)
+            return (self.b(y) if use_b else y).pow(2).mean()
+
+    torch.manual_seed(0)
+    model = TwoHeads()
+    ref = TwoHeads()
+    ref.load_state_dict(model.state_dict())
+    usage = ParameterUsage(model).attach()
+    usage.at_loss = usage.backward_retries = True
+    retried = []
+
+    def backward(loss):
+        try:
+            usage.tie_loss(loss).backward()
+        except UsageChanged:
+            retried.append(True)
+            usage.tie_loss(loss).backward()
+
+    x = torch.randn(3, 4)
+    for step in range(ESTABLISH + 4):
+        use_b = step != ESTABLISH + 2
+        model.zero_grad(set_to_none=True)
+        ref.zero_grad(set_to_none=True)
+        backward(model(x, use_b=use_b))
+        usage.finalize()
+        ref(x, use_b=use_b).backward()
+        for (n, p), q in zip(model.named_parameters(), ref.parameters(), strict=True):
+            assert (p.grad is None) == (q.grad is None), (step, n)
+            if q.grad is not None:
+                assert torch.equal(p.grad, q.grad), (step, n)
+    assert retried == [True]
+    # walks: 2 (first step: forward + loss), ESTABLISH-1 more to establish, the retry, one to re-establish ...
+    assert usage.checks == (ESTABLISH + 4) - 1 - (ESTABLISH - 1) - 1 - ESTABLISH, usage.describe()

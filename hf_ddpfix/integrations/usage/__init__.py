@@ -40,6 +40,7 @@ The names below are this folder's public face (``from hf_ddpfix.integrations.usa
 """
 
 from .hang_guard import HangGuard, UnusedParametersError
-from .tracker import UNSEEN_LOSS, ParameterUsage, UsageRecord, reachable_leaf_ids
+from .tracker import UNSEEN_LOSS, ParameterUsage, UsageChanged, UsageRecord, reachable_leaf_ids
 
-__all__ = ["UNSEEN_LOSS", "HangGuard", "ParameterUsage", "UnusedParametersError", "UsageRecord", "reachable_leaf_ids"]
+__all__ = ["UNSEEN_LOSS", "HangGuard", "ParameterUsage", "UnusedParametersError", "UsageChanged", "UsageRecord",
+           "reachable_leaf_ids"]
