@@ -93,7 +93,7 @@ def main() -> None:
             by_hook.clear()
         spent[0] = spent[1] = 0.0
         w0 = time.perf_counter()
-        check0 = usage.check_seconds
+        check0 = usage.no_walk.check_seconds
         for _ in range(a.ga):
             out = model(**batch)
             try:
@@ -101,7 +101,7 @@ def main() -> None:
             except UsageChanged:  # what _compat.around_backward does: the retry walks
                 tie_loss(out.loss).backward()
         finalize()
-        checked = usage.check_seconds - check0  # the no-walk check runs inside backward, timed by the tracker
+        checked = usage.no_walk.check_seconds - check0  # the no-walk check runs inside backward, timed by the tracker
         spent[0] += checked
         spent[1] += checked
         by_hook["no-walk check (in backward)"] = by_hook.get("no-walk check (in backward)", 0.0) + checked
@@ -118,7 +118,7 @@ def main() -> None:
            "python_wall_ms_per_step_median": round(statistics.median(per_step_wall[a.warmup:]) * 1e3, 3),
            "cpu_ms_per_step_by_hook": {k: round(v / n_steady * 1e3, 3) for k, v in sorted(by_hook.items())},
            "step_wall_ms_median": round(statistics.median(walls[a.warmup:]) * 1e3, 2),
-           "forwards": usage.forwards, "walks": usage.walks, "no_walk_checks": usage.checks, "torch": torch.__version__}
+           "forwards": usage.forwards, "walks": usage.walks, "no_walk_checks": usage.no_walk.checks, "torch": torch.__version__}
     stack.close()
     print(json.dumps(rec))
     if a.out:

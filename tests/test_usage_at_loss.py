@@ -279,4 +279,4 @@ def test_no_walk_once_established_and_a_changed_pattern_is_caught_at_backward_an
                 assert torch.equal(p.grad, q.grad), (step, n)
     assert retried == [True]
     # walks: 2 (first step: forward + loss), ESTABLISH-1 more to establish, the retry, one to re-establish ...
-    assert usage.checks == (ESTABLISH + 4) - 1 - (ESTABLISH - 1) - 1 - ESTABLISH, usage.describe()
+    assert usage.no_walk.checks == (ESTABLISH + 4) - 1 - (ESTABLISH - 1) - 1 - ESTABLISH, usage.describe()

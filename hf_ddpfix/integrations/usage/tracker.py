@@ -38,7 +38,7 @@ from ...ops.autograd_reach import output_tensors, reachable_leaf_ids, reachable_
 from ...ops.zero_tie import ZeroTie, is_zero_tie_node
 from .agreement import UNUSED_FIX, UsageAgreement, gather_missing, raise_if_missing
 from .hang_guard import UnusedParametersError
-from .no_walk import ESTABLISH, UsageChanged, check_at_backward, may_skip_walk
+from .no_walk import ESTABLISH, NoWalkCheck, UsageChanged
 from .outputs import UsageRecord, anchor_of, replace_in
 from .regions import ReentrantRegions
 from .scopes import Scope, build_scopes, collect_slots, unit_pre_hook
@@ -117,13 +117,8 @@ class ParameterUsage:
         self._route_set = False  # every training forward's loss so far was seen at `tie_loss` for a whole step
         self._route_lost = False  # ... and then one was not: the forward's own walk runs for the rest of the run
         self._predicting = True
-        self.at_loss = False  # set by whoever routes every backward's loss through `tie_loss`
-        self.backward_retries = False  # ... and runs the backward again on `UsageChanged` (the no-walk check)
-        self._sig: Any = None  # the training forward's batch signature (positional count, non-None kwargs)
-        self._established: dict[Any, int] = {}  # signature -> consecutive all-used walks from the loss
-        self._tie_mark, self._retrying = -1, False  # ZeroTie.applied after the last loss (a tie since: walk)
-        self._grad_nodes: list[Any] | None = None  # every slot's AccumulateGrad node (held: DDP holds them too)
-        self.checks, self.check_seconds = 0, 0.0  # micro-batches decided by the check at backward, its CPU time
+        self.at_loss = self.backward_retries = False  # set by whoever routes every loss through `tie_loss` / retries
+        self.no_walk = NoWalkCheck()  # no walk once a batch signature's usage is established (no_walk.py)
         self.last: UsageRecord | None = None
         self.forwards = 0
         self.walks = 0
@@ -201,7 +196,7 @@ class ParameterUsage:
         if not self._active:
             return
         self._depth = 0
-        self._sig = (len(args), tuple(sorted(k for k, v in kwargs.items() if v is not None)))
+        self.no_walk.new_forward(args, kwargs)
         if self._step.pending_forwards and not self._predicting:
             self._lose_route()  # the previous forward's loss was not seen before this forward
         self._predicting = not (self.at_loss and self._route_set and not self._route_lost and len(self.scopes) == 1)
@@ -300,14 +295,12 @@ class ParameterUsage:
         """
         if not isinstance(loss, torch.Tensor) or not loss.requires_grad or self._step.pending_forwards == 0:
             return loss
-        if may_skip_walk(self, loss):  # this signature's pattern is established: checked at backward, no walk
-            return check_at_backward(self, loss)
-        self._retrying = False
+        regions, single = bool(self._step.region_outputs), self._step.pending_forwards == 1
+        ready = self.backward_retries and not self._predicting and self.tie and not self.guard and not self._sharded
+        if self.no_walk.may_skip(loss, ready and single, regions):  # the signature's usage is established: no walk
+            return self.no_walk.install(loss, lambda: [s.tensor() for s in self.slots], self._all_used)
         t0 = time.perf_counter()
-        established = self._established.get(self._sig, 0)
-        clean = not self._step.region_outputs and ZeroTie.applied == self._tie_mark and self._step.pending_forwards == 1
-        real_nodes: set[Any] = set()
-        side_nodes: set[Any] = set()
+        real_nodes, side_nodes = set[Any](), set[Any]()
         real, tied_only = reachable_leaf_ids_split([loss], is_zero_tie_node, is_ddp_sink_node,
                                                    real_nodes=real_nodes, side_nodes=side_nodes)
         self.walks += 1
@@ -339,7 +332,7 @@ class ParameterUsage:
         if self.guard and not self.tie:
             self._check(missing)
         if not self._predicting:  # the signature's pattern: every parameter used, nothing tied anywhere
-            self._established[self._sig] = established + 1 if (clean and not unused_ids) else 0
+            self.no_walk.walked(not unused_ids and single, regions)
         if self.tie and missing:
             extras = [t for t in (self.slots[i].tensor() for i in missing) if t is not None]
             loss = ZeroTie.apply(loss, *extras)
@@ -347,9 +340,17 @@ class ParameterUsage:
             feature_counts.record_amount("parameter_usage", "ties_at_loss", len(extras))
             if self.last is not None:
                 self.last.tied_at_loss = [self.slots[i].name for i in missing]
-        self._tie_mark = ZeroTie.applied
+        self.no_walk.loss_done()
         self.seconds += time.perf_counter() - t0
         return loss
+
+    def _all_used(self) -> None:
+        """The check at backward found every watched parameter about to get its gradient: all used."""
+        self._step.loss_seen(self._all)
+        self.losses += 1
+        feature_counts.record_ran("parameter_usage")
+        if self.last is not None:
+            self.last.used_slots = self._all
 
     def _lose_route(self) -> None:
         """A training forward's loss was not seen at backward before the next forward (two forwards for one
