@@ -7,6 +7,7 @@ tests/test_trainer_zoo.py (cases in tests/scripts/trainer_zoo.py and trainer_hea
 
 from __future__ import annotations
 
+import pytest
 import torch
 from fixtures import lora_llama
 from torch import nn
@@ -280,3 +281,15 @@ def test_no_walk_once_established_and_a_changed_pattern_is_caught_at_backward_an
     assert retried == [True]
     # walks: 2 (first step: forward + loss), ESTABLISH-1 more to establish, the retry, one to re-establish ...
     assert usage.no_walk.checks == (ESTABLISH + 4) - 1 - (ESTABLISH - 1) - 1 - ESTABLISH, usage.describe()
+
+
+@pytest.mark.multiprocess
+def test_no_walk_under_ddp_a_rank_that_leaves_a_parameter_out_is_caught_retried_and_trains_like_stock() -> None:
+    """2 gloo ranks, DDP(find_unused_parameters=False), static graph and not: after the check took over, rank 1
+    then both ranks leave a layer out; each is caught at backward, retried with a tie (no hang), and the weights
+    are bit-equal to stock DDP(find_unused_parameters=True) (AdamW with weight decay, clipping, variable batch)."""
+    from launch import torchrun
+
+    done = torchrun("usage_no_walk_ddp.py", timeout=120)
+    assert done.stdout.count("NO_WALK_DDP_OK") == 2, done.stdout[-4000:]
+    assert done.stdout.count("same=True retried=1") == 4, done.stdout[-4000:]
