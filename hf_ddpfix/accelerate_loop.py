@@ -50,7 +50,7 @@ from ._compat import around_backward, ddp_kwargs_handler, set_ddp_kwargs, unwrap
 from .config import DDPFixConfig
 from .facts import has_conditional_params, is_peft_model
 from .integrations.checkpointing import apply_checkpointing, detect_checkpointing
-from .integrations.usage import ParameterUsage
+from .integrations.usage import ParameterUsage, UsageChanged
 from .integrations.vision import families
 from .plan.resolve import resolve_plan
 from .plan.types import ParallelMode, Plan, RunFacts
@@ -168,8 +168,8 @@ def prepare_accelerate_loop(accelerator: Any, model: nn.Module, config: DDPFixCo
 def _attach(accelerator: Any, usage: ParameterUsage, stack: ExitStack) -> None:
     usage.attach()
     stack.callback(usage.remove)
-    usage.at_loss = True
-    stack.callback(around_backward(accelerator, usage.tie_loss))
+    usage.at_loss = usage.backward_retries = True
+    stack.callback(around_backward(accelerator, usage.tie_loss, retry=UsageChanged))
     stock_clip = accelerator.clip_grad_norm_
 
     def clip_grad_norm_(*args: Any, **kwargs: Any) -> Any:

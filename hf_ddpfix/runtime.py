@@ -46,7 +46,7 @@ from .integrations.long_context.loss_patch import TiledLossHandle, patch_model_l
 from .integrations.long_context.tiled_mlp import TiledMLPHandle, apply_tiled_mlp
 from .integrations.sequence_parallel.trainer import SequenceParallelGroups, attach_sequence_parallel
 from .integrations.trainable_set import TrainableSetWatch
-from .integrations.usage import HangGuard, ParameterUsage
+from .integrations.usage import HangGuard, ParameterUsage, UsageChanged
 from .integrations.vision.families import is_vision_language_model
 from .integrations.vision.stabilizer import VisionStabilizer
 from .ops import feature_counts
@@ -136,7 +136,7 @@ def attach_runtime(trainer: Any, model: nn.Module, plan: Plan, stack: ExitStack)
             stand_down_accelerate="parallelism_config" in str(plan.sequence_parallel.value))
     if plan.parallel in ("ddp", "fsdp") and plan.world_size > 1:  # requires_grad changed after wrapping
         rt.trainable_set = TrainableSetWatch(model, plan.parallel, step=lambda: trainer.state.global_step + 1)
-        stack.callback(before_gradient_clipping(trainer, rt.trainable_set.finalize))
+        stack.callback(before_gradient_clipping(trainer, _watch_finalize(rt.usage, rt.trainable_set)))
     elif plan.parallel == "deepspeed" and plan.world_size > 1:  # the engine steps inside backward: check first
         rt.trainable_set = TrainableSetWatch(model, plan.parallel, step=lambda: trainer.state.global_step + 1)
         rt.step_contexts.append(_checked_trainable_set(rt.trainable_set))
@@ -255,8 +255,8 @@ def _attach_usage(trainer: Any, model: nn.Module, usage: ParameterUsage, stack: 
     usage.attach()
     stack.callback(usage.remove)
     if at_loss:
-        usage.at_loss = True
-        stack.callback(around_backward(trainer.accelerator, usage.tie_loss))
+        usage.at_loss = usage.backward_retries = True
+        stack.callback(around_backward(trainer.accelerator, usage.tie_loss, retry=UsageChanged))
     stack.callback(before_gradient_clipping(trainer, usage.finalize))
     _add_callback(trainer, _GuardWrappedModel(trainer, usage), stack)
     return usage
@@ -276,6 +276,22 @@ class _GuardWrappedModel(TrainerCallback):
 def _add_callback(trainer: Any, callback: TrainerCallback, stack: ExitStack) -> None:
     trainer.add_callback(callback)
     stack.callback(trainer.remove_callback, callback)
+
+
+def _watch_finalize(usage: ParameterUsage | None, watch: TrainableSetWatch) -> Callable[[], None]:
+    """The trainable-set check of an optimizer step. With the usage agreement running (same group), the watch's
+    "my set changed" flag rides in its all-reduce (``ParameterUsage.step_flag``): no collective and, where no
+    rank changed anything, no host read of its own; the usage finalize runs first here (a second call in the
+    step is a no-op). Without it, the watch's own one-byte all-gather."""
+    if usage is None or usage.process_group is not None:
+        return watch.finalize
+    usage.step_flag = watch.changed
+
+    def finalize() -> None:
+        usage.finalize()
+        watch.finalize(agreed=usage.take_step_flags())
+
+    return finalize
 
 
 def _checked_trainable_set(watch: TrainableSetWatch) -> Callable[[], AbstractContextManager[Any]]:

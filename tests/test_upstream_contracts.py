@@ -458,6 +458,17 @@ def test_is_namedtuple_only_for_namedtuples():
     assert not _compat.is_namedtuple((1, 2)) and not _compat.is_namedtuple([1, 2]) and not _compat.is_namedtuple(Pair)
 
 
+def test_engine_will_run_all_answers_inside_backward_which_leaves_get_a_gradient():
+    a, b = torch.ones(2, requires_grad=True), torch.ones(2, requires_grad=True)
+    nodes = [torch.autograd.graph.get_gradient_edge(t).node for t in (a, b)]
+    seen = {}
+    loss = (a * 2).sum()
+    loss.grad_fn.register_prehook(lambda g: seen.update(a=_compat.engine_will_run_all(nodes[:1]),
+                                                        both=_compat.engine_will_run_all(nodes)))
+    loss.backward()
+    assert seen == {"a": True, "both": False}, _broken(f"torch._C._will_engine_execute_node answered {seen}")
+
+
 def test_autograd_function_class_names_the_function_that_made_a_node():
     class Twice(torch.autograd.Function):
         @staticmethod

@@ -7,6 +7,7 @@ tests/test_trainer_zoo.py (cases in tests/scripts/trainer_zoo.py and trainer_hea
 
 from __future__ import annotations
 
+import pytest
 import torch
 from fixtures import lora_llama
 from torch import nn
@@ -231,3 +232,64 @@ def test_one_walk_per_micro_batch_once_the_route_is_set_and_the_forward_walk_com
     amounts = feature_counts.snapshot()["parameter_usage"].amounts
     assert amounts["forward_walks_resumed"] == 1 and amounts["ties_at_loss"] == 2 * 3, amounts
     usage.remove()
+
+
+def test_no_walk_once_established_and_a_changed_pattern_is_caught_at_backward_and_retried():
+    """After ESTABLISH all-used walks of one batch signature the loss is not walked (checked at backward);
+    a micro-batch that then leaves a parameter out is caught before anything accumulates, retried with a
+    walk and a tie, and trains exactly like the walk would (grads of the others unchanged, the unused one
+    reset to None at finalize)."""
+    from hf_ddpfix.integrations.usage import UsageChanged
+    from hf_ddpfix.integrations.usage.no_walk import ESTABLISH
+
+    class TwoHeads(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)
+
+        def forward(self, x, use_b=True):
+            y = self.a(x)
+            return (self.b(y) if use_b else y).pow(2).mean()
+
+    torch.manual_seed(0)
+    model = TwoHeads()
+    ref = TwoHeads()
+    ref.load_state_dict(model.state_dict())
+    usage = ParameterUsage(model).attach()
+    usage.at_loss = usage.backward_retries = True
+    retried = []
+
+    def backward(loss):
+        try:
+            usage.tie_loss(loss).backward()
+        except UsageChanged:
+            retried.append(True)
+            usage.tie_loss(loss).backward()
+
+    x = torch.randn(3, 4)
+    for step in range(ESTABLISH + 4):
+        use_b = step != ESTABLISH + 2
+        model.zero_grad(set_to_none=True)
+        ref.zero_grad(set_to_none=True)
+        backward(model(x, use_b=use_b))
+        usage.finalize()
+        ref(x, use_b=use_b).backward()
+        for (n, p), q in zip(model.named_parameters(), ref.parameters(), strict=True):
+            assert (p.grad is None) == (q.grad is None), (step, n)
+            if q.grad is not None:
+                assert torch.equal(p.grad, q.grad), (step, n)
+    assert retried == [True]
+    # walks: 2 (first step: forward + loss), ESTABLISH-1 more to establish, the retry, one to re-establish ...
+    assert usage.no_walk.checks == (ESTABLISH + 4) - 1 - (ESTABLISH - 1) - 1 - ESTABLISH, usage.describe()
+
+
+@pytest.mark.multiprocess
+def test_no_walk_under_ddp_a_rank_that_leaves_a_parameter_out_is_caught_retried_and_trains_like_stock() -> None:
+    """2 gloo ranks, DDP(find_unused_parameters=False), static graph and not: after the check took over, rank 1
+    then both ranks leave a layer out; each is caught at backward, retried with a tie (no hang), and the weights
+    are bit-equal to stock DDP(find_unused_parameters=True) (AdamW with weight decay, clipping, variable batch)."""
+    from launch import torchrun
+
+    done = torchrun("usage_no_walk_ddp.py", timeout=120)
+    assert done.stdout.count("NO_WALK_DDP_OK") == 2, done.stdout[-4000:]
+    assert done.stdout.count("same=True retried=1") == 4, done.stdout[-4000:]

@@ -119,7 +119,8 @@ def before_gradient_clipping(trainer: Any, finalize: Callable[[], Any]) -> Calla
     return undo
 
 
-def around_backward(accelerator: Any, transform: Callable[[Any], Any]) -> Callable[[], None]:
+def around_backward(accelerator: Any, transform: Callable[[Any], Any],
+                    retry: type[BaseException] | None = None) -> Callable[[], None]:
     """Make ``accelerator.backward(loss, **kw)`` back-propagate ``transform(loss)``; returns the undo.
 
     ``Accelerator.backward`` (accelerate 1.0-1.15) is where the Trainer's ``training_step`` (transformers
@@ -128,11 +129,20 @@ def around_backward(accelerator: Any, transform: Callable[[Any], Any]) -> Callab
     (DeepSpeed: the engine's own ``backward``) and calls ``loss.backward()``. ``transform`` sees the loss
     before either, on every micro-batch (``no_sync`` ones included). An instance shadow: another library's
     shadow installed later stays on top and the undo leaves it alone.
+
+    ``retry``: an exception ``transform``'s output may raise from the first node of its backward, before any
+    other node ran (nothing accumulated, no gradient hook fired): the backward is then run once more on
+    ``transform(loss)`` (``ParameterUsage``'s no-walk check: the second call walks and ties).
     """
     stock = accelerator.backward
 
     def backward(loss: Any, **kwargs: Any) -> Any:
-        return stock(transform(loss), **kwargs)
+        if retry is None:
+            return stock(transform(loss), **kwargs)
+        try:
+            return stock(transform(loss), **kwargs)
+        except retry:
+            return stock(transform(loss), **kwargs)
 
     backward._hf_ddpfix_around = transform  # type: ignore[attr-defined]
     return _shadow(accelerator, "backward", backward)

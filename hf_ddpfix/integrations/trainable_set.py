@@ -33,6 +33,7 @@ A parameter frozen after wrapping needs nothing: it gets no gradient and the opt
 from __future__ import annotations
 
 import logging
+import operator
 from typing import Any
 
 import torch
@@ -60,6 +61,9 @@ def _plain(name: str) -> str:
     return name
 
 
+_REQUIRES_GRAD = operator.attrgetter("requires_grad")
+
+
 class TrainableSetChangedError(RuntimeError):
     """Parameters became trainable after wrapping where hf_ddpfix cannot reduce their gradients."""
 
@@ -82,6 +86,10 @@ class TrainableSetWatch:
         self.known = {_plain(n) for n, _ in model.named_parameters()}
         self.baseline = {_plain(n) for n, p in model.named_parameters() if p.requires_grad}
         self._checked_step: Any = None
+        self._frozen: list[tuple[str, nn.Parameter]] | None = None  # the candidates, taken at the first check
+        self._frozen_params: list[nn.Parameter] = []
+        self._new: list[tuple[str, nn.Parameter]] | None = None
+        self._new_step: Any = None
         self._announced: set[tuple[str, ...]] = set()
         self.reduced = 0  # parameter reductions done so far (tests, logs)
 
@@ -89,19 +97,54 @@ class TrainableSetWatch:
         """``(name, parameter)`` that require grad now and did not when the watch started, in module order."""
         return [(n, p) for n, p in self.model.named_parameters() if p.requires_grad and _plain(n) in self.known and _plain(n) not in self.baseline]
 
-    def finalize(self, once_per_step: bool = True) -> None:
+    def changed(self, fresh: bool = False) -> bool:
+        """True when some parameter requires grad now that did not when the watch started (this rank). Taken
+        once per optimizer step and kept for :meth:`finalize`: what ``ParameterUsage`` carries in its agreement
+        (``step_flag``). Cost: a C-level scan of the frozen parameters' ``requires_grad`` (no Python loop)."""
+        step = self.step()
+        if fresh or self._new_step != step or self._new is None:
+            if self._frozen is None:  # after wrapping (FSDP2 swaps the parameter objects when it wraps)
+                self._frozen = [(n, p) for n, p in self.model.named_parameters()
+                                if _plain(n) in self.known and _plain(n) not in self.baseline]
+                self._frozen_params = [p for _, p in self._frozen]
+            self._new_step = step
+            self._new = ([(n, p) for n, p in self._frozen if p.requires_grad]
+                         if any(map(_REQUIRES_GRAD, self._frozen_params)) else [])
+        return bool(self._new)
+
+    def finalize(self, once_per_step: bool = True, agreed: tuple[bool, bool] | None = None) -> None:
         """Check (and under DDP reduce) once per optimizer step; a second call in the same step does nothing
-        unless ``once_per_step`` is False (DeepSpeed: every micro-batch is checked)."""
+        unless ``once_per_step`` is False (DeepSpeed: every micro-batch is checked).
+
+        ``agreed``: ``(some rank changed, every rank changed)`` as the usage agreement's all-reduce carried
+        :meth:`changed` this step (``ParameterUsage.take_step_flags``): no collective and no host read of its
+        own then. A rank that changed nothing and had nothing to read gets ``(False, False)`` and does nothing;
+        a rank that changed reads "every rank" and, where another did not, raises (that rank does not learn it
+        without a read: it stops when the launcher ends the job). ``None``: one all-gather of a byte per rank."""
         step = self.step()
         if once_per_step and step == self._checked_step:
             return
         self._checked_step = step
-        new = self.new_trainable()
-        if not dist_ready(self.process_group):
-            return
-        rows = gather_flags([bool(new)], self.process_group)  # one byte per rank and step
-        if not any(r[0] for r in rows):
-            return
+        if agreed is not None:
+            if not agreed[0]:
+                return
+            self.changed()
+            new = list(self._new or [])
+            if not agreed[1]:
+                names = [n for n, _ in new]
+                raise TrainableSetChangedError(
+                    f"hf_ddpfix ({self.parallel}): at optimizer step {step} the ranks changed the trainable set "
+                    f"differently after wrapping (this rank: {', '.join(names[:5]) or 'none'}; some rank changed "
+                    "nothing); their gradients cannot be averaged. Fix: change requires_grad the same way on "
+                    "every rank (e.g. in a TrainerCallback, which runs on every rank).")
+        else:
+            self.changed(fresh=not once_per_step)
+            new = list(self._new or [])
+            if not dist_ready(self.process_group):
+                return
+            rows = gather_flags([bool(new)], self.process_group)  # one byte per rank and step
+            if not any(r[0] for r in rows):
+                return
         names = [n for n, _ in new]
         shown = ", ".join(names[:5]) + (f" and {len(names) - 5} more" if len(names) > 5 else "")
         if self.parallel != "ddp":

@@ -21,10 +21,16 @@ __all__ = ["ZeroTie", "is_zero_tie_node", "tie_zero"]
 class ZeroTie(torch.autograd.Function):
     """Identity on ``x``; the extra inputs get exact-zero gradients (so autograd, DDP and FSDP see
     them used). The forward value is a bitwise copy of ``x`` whatever the dtype or autocast state,
-    and no ``0 * inf`` can turn the loss into NaN."""
+    and no ``0 * inf`` can turn the loss into NaN.
+
+    ``ZeroTie.applied`` counts the ties made in this process (every use goes through ``apply``): a graph built
+    while it did not move holds no tie (``ParameterUsage``'s no-walk check relies on it)."""
+
+    applied = 0
 
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, *extras: torch.Tensor) -> torch.Tensor:
+        ZeroTie.applied += 1
         ctx.extra_meta = [(e.shape, e.dtype, e.device) for e in extras]
         return x.clone()  # a clone, not a view: Trainer scales the loss in place (`loss *= ...`)
 

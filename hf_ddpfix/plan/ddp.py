@@ -54,10 +54,11 @@ _USAGE_HOW = (
     "loss, reentrant checkpointed layers by the tensors they read); grads no rank used in the step are reset "
     "to None before clipping (stock fu=True semantics)"
 )
-_USAGE_COST = ("cost: one graph walk per micro-batch (from the loss; the forward's own only until every loss is "
-               "seen at backward), one asynchronous all-reduce of 1 byte per trainable tensor per optimizer step, "
-               "in place of stock's used-parameter all-reduce, read on the host only by a rank that left a "
-               "parameter unused (docs/fast-path.md)")
+_USAGE_COST = ("cost: at most one graph walk per micro-batch (from the loss; the forward's own only until every loss is "
+               "seen at backward; none once a batch signature's usage is established: a check at backward instead), one "
+               "asynchronous all-reduce of 1 byte per trainable tensor (+2: the trainable-set check's flag) per optimizer "
+               "step, in place of stock's used-parameter all-reduce, read on the host only by a rank that left a "
+               "parameter unused or changed its trainable set (docs/fast-path.md)")
 
 
 def decide_parameter_usage(facts: RunFacts, c: DDPFixConfig, ckpt: str) -> Decision:

@@ -4,7 +4,8 @@
   backward and the per-step finalize.
 - ``scopes.py``: parameter slots and FSDP2 unit scopes; ``regions.py``: what reentrant checkpointed layers
   read; ``agreement.py``: the cross-rank guard table and the step's "used" mask (asynchronous);
-  ``step.py``: what the current optimizer step has seen; ``outputs.py``: the log record, where a tie goes.
+  ``step.py``: what the current optimizer step has seen; ``outputs.py``: the log record, where a tie goes;
+  ``no_walk.py``: no graph walk once a batch signature's usage is established (a check at backward instead).
 - ``hang_guard.py``: the VLM hang guard and :class:`UnusedParametersError`.
 
 Why: DDP with ``find_unused_parameters=False`` (fu=False) or ``static_graph=True`` needs every trainable
@@ -34,12 +35,14 @@ extra graph traversal per step); hf_ddpfix gets fu=False and static graph *by co
    — what stock DDP(fu=True) leaves (AdamW then skips it: no moment update, no weight decay). Where
    some rank used it, the others contributed exact zeros, which is what stock's reducer averages too.
    The all-reduce is issued asynchronously and read on the host only by a rank that itself left some
-   parameter unused (:class:`~.agreement.UsageAgreement`): a text LoRA step reads nothing.
+   parameter unused or changed its trainable set (:class:`~.agreement.UsageAgreement`; the trainable-set
+   watch's flag rides in it): a text LoRA step reads nothing.
 
 The names below are this folder's public face (``from hf_ddpfix.integrations.usage import ParameterUsage``).
 """
 
 from .hang_guard import HangGuard, UnusedParametersError
-from .tracker import UNSEEN_LOSS, ParameterUsage, UsageRecord, reachable_leaf_ids
+from .tracker import UNSEEN_LOSS, ParameterUsage, UsageChanged, UsageRecord, reachable_leaf_ids
 
-__all__ = ["UNSEEN_LOSS", "HangGuard", "ParameterUsage", "UnusedParametersError", "UsageRecord", "reachable_leaf_ids"]
+__all__ = ["UNSEEN_LOSS", "HangGuard", "ParameterUsage", "UnusedParametersError", "UsageChanged", "UsageRecord",
+           "reachable_leaf_ids"]

@@ -105,25 +105,46 @@ class UsageAgreement:
     def unused_everywhere(self, unused_here: set[int], n_slots: int, group: Any) -> set[int]:
         """The slot indices no rank used: ``unused_here`` minus those some other rank used. Call on every
         rank at the same point; without a process group of more than one rank, ``unused_here``."""
+        return self.agree(unused_here, n_slots, group)[0]
+
+    def agree(self, unused_here: set[int], n_slots: int, group: Any, flag: bool | None = None,
+              ) -> tuple[set[int], tuple[bool, bool] | None]:
+        """:meth:`unused_everywhere`, with a per-rank ``flag`` carried in the same all-reduce (two more bytes:
+        "some rank set it", "some rank did not"; ``None``: no flag, every rank must agree on that).
+
+        Returns:
+            ``(unused, flags)``: ``flags`` is ``(some rank set it, every rank set it)`` on a rank that read the
+            agreement (one whose ``unused_here`` is non-empty or whose ``flag`` is set); ``(False, False)`` on a
+            rank that neither set it nor had anything to reset (it does not read: a rank that did set it reads
+            "some rank did not" and acts on it); ``None`` without a flag.
+        """
+        extra = 0 if flag is None else 2
         if not dist_ready(group):
-            return set(unused_here)
+            return set(unused_here), (None if flag is None else (bool(flag), bool(flag)))
         self.wait()
         device = collective_device(group)
-        if unused_here:
-            host = torch.ones(n_slots, dtype=torch.uint8)
-            host[sorted(unused_here)] = 0
+        read = bool(unused_here) or bool(flag)
+        if read:
+            host = torch.ones(n_slots + extra, dtype=torch.uint8)
+            if unused_here:
+                host[sorted(unused_here)] = 0
+            if extra:
+                host[n_slots], host[n_slots + 1] = int(bool(flag)), int(not flag)
             flags = host.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else host
         else:
-            flags = torch.ones(n_slots, dtype=torch.uint8, device=device)
+            flags = torch.ones(n_slots + extra, dtype=torch.uint8, device=device)
+            if extra:  # this rank: flag not set ("some rank did not" = 1)
+                flags[n_slots] = 0
         work = dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=group, async_op=True)
         self.issued += 1
-        if not unused_here:  # the OR is all ones whatever the others sent: nothing to read
+        if not read:  # the OR of "used" is all ones whatever the others sent, and no flag of ours to check
             self._pending = (work, flags)
-            return set()
+            return set(), (None if flag is None else (False, False))
         work.wait()
         self.reads += 1
-        row = flags.tolist()  # the one device->host read, on a rank that has something to reset
-        return {i for i in unused_here if not row[i]}
+        row = flags.tolist()  # the one device->host read, on a rank that has something to reset or report
+        agreed = None if flag is None else (bool(row[n_slots]), not row[n_slots + 1])
+        return {i for i in unused_here if not row[i]}, agreed
 
     def wait(self) -> None:
         """Complete the collective left in flight by the previous call (no host read on NCCL: a stream wait)."""

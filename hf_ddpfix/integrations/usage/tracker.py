@@ -2,27 +2,20 @@
 
 How (observe, tie, finalize) and why: the package docstring (``integrations/usage/__init__.py``).
 
-One walk per micro-batch: with the Trainer wiring (``at_loss``: every loss goes through
-:meth:`~ParameterUsage.tie_loss`) and no FSDP2 units, the forward's own walk (a prediction from the output)
-runs only until the loss route is established (an optimizer step in which every training forward's loss
-was seen at backward); from then on the walk from the loss is the only one. A forward whose loss is then
-not seen before the next training forward, or by finalize, brings the forward walk back for the rest of
-the run (counted as a fallback, logged once).
+At most one walk per micro-batch, none once established: with the Trainer wiring (``at_loss``) and no FSDP2
+units the forward's own walk (a prediction) runs only until the loss route is set (a step whose every loss was
+seen at backward; a loss then unseen brings it back, counted, logged once); then the walk from the loss, until a
+batch signature's pattern is established, then a check at backward instead (``no_walk.py``).
 
-Guard (``guard=True``, for runs where nothing is tied, e.g. fu=False forced with the mechanism off):
-before backward, ranks all-gather a one-byte-per-parameter "gets no gradient here" table; any
-non-zero entry raises :class:`UnusedParametersError` on every rank naming the parameters, their
-modules, the ranks and the fix — never a hang.
+Guard (``guard=True``: nothing tied): before backward, ranks all-gather "gets no gradient here" per parameter;
+any entry raises :class:`UnusedParametersError` on every rank (parameters, modules, ranks, fix), never a hang.
 
-Cost: one graph walk per training micro-batch (Python, ~2-4 µs per autograd node on a shared 2-core CPU:
-8-18 ms for the 4.7k-node graph of a 32-layer LoRA Llama; benchmarks/usage_python_cost.py), one zero
-tensor per tied parameter per forward, one asynchronous all-reduce of ``n_trainable`` bytes per optimizer
-step; with ``guard`` one all-gather of ``n_trainable`` bytes per synchronising forward. Reentrant checkpointing adds a
-``TorchFunctionMode`` around each checkpointed layer's first forward.
+Cost (benchmarks/usage_python_cost.py): a walk is ~2-4 µs per autograd node (8-18 ms for a 32-layer LoRA Llama's
+4.7k nodes); the check at backward ~50 µs; one zero tensor per tied parameter; one asynchronous all-reduce of
+``n_trainable`` (+2) bytes per optimizer step; with ``guard`` one all-gather per synchronising forward.
 
-Trainer wiring (transformers 5.23): attach before ``Trainer.train`` wraps the model (or after; hooks go
-on the unwrapped module), call :meth:`~ParameterUsage.finalize` before ``Trainer._clip_grad_norm`` /
-``_get_grad_norm`` (see :mod:`hf_ddpfix.integrations.vision.stabilizer` for why not ``on_pre_optimizer_step``).
+Trainer wiring: attach before or after ``Trainer.train`` wraps the model; :meth:`~ParameterUsage.finalize` runs
+before the Trainer clips or measures gradients (``_compat.before_gradient_clipping``).
 
 Guarantees: with fu=False (and static graph at accumulation 1) every zoo family trains to the weights
 of stock DDP(fu=True) (1e-6; bit-equal where the math is unchanged) with replicas in sync, under
@@ -33,7 +26,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
@@ -45,16 +38,16 @@ from ...ops.autograd_reach import output_tensors, reachable_leaf_ids, reachable_
 from ...ops.zero_tie import ZeroTie, is_zero_tie_node
 from .agreement import UNUSED_FIX, UsageAgreement, gather_missing, raise_if_missing
 from .hang_guard import UnusedParametersError
+from .no_walk import ESTABLISH, NoWalkCheck, UsageChanged
 from .outputs import UsageRecord, anchor_of, replace_in
 from .regions import ReentrantRegions
 from .scopes import Scope, build_scopes, collect_slots, unit_pre_hook
 from .step import StepRecord
 
-__all__ = ["ParameterUsage", "UsageRecord", "reachable_leaf_ids", "UnusedParametersError"]
-
 #: The fallback reason counted when a training forward's loss never reached :meth:`ParameterUsage.tie_loss`.
 UNSEEN_LOSS = "loss not seen at backward: usage read from the model output"
 
+__all__ = ["ESTABLISH", "ParameterUsage", "UsageChanged", "UsageRecord", "UnusedParametersError", "reachable_leaf_ids"]
 
 class ParameterUsage:
     """Observe, tie and finalize: every trainable parameter takes part in every backward.
@@ -103,9 +96,7 @@ class ParameterUsage:
         self.root = unwrap_parallel(model)
         self.tie = tie
         self.guard = (not tie) if guard is None else guard
-        self.ddp_module = ddp_module
-        self.process_group = process_group
-        self.allow_region_reuse = allow_region_reuse
+        self.ddp_module, self.process_group, self.allow_region_reuse = ddp_module, process_group, allow_region_reuse
         self.slots = collect_slots(self.root)
         self._sharded = units is not None  # FSDP2 swaps the tensor objects: no cached id index
         self.scopes = build_scopes(self.root, self.slots, list(units) if units is not None else [self.root])
@@ -114,6 +105,10 @@ class ParameterUsage:
         self._handles: list[Any] = []
         self._regions = ReentrantRegions(active=lambda: self._active, watched=lambda: self._index().keys())
         self.agreement = UsageAgreement()
+        #: a per-rank, per-step flag carried in the agreement's all-reduce (the trainable-set watch's "my set
+        #: changed"); its agreed value is kept in ``step_flags`` until :meth:`take_step_flags`
+        self.step_flag: Callable[[], bool] | None = None
+        self.step_flags: tuple[bool, bool] | None = None
         self._active = False
         self._depth = 0
         self._forward_used: set[int] = set()
@@ -122,7 +117,8 @@ class ParameterUsage:
         self._route_set = False  # every training forward's loss so far was seen at `tie_loss` for a whole step
         self._route_lost = False  # ... and then one was not: the forward's own walk runs for the rest of the run
         self._predicting = True
-        self.at_loss = False  # set by whoever routes every backward's loss through `tie_loss`
+        self.at_loss = self.backward_retries = False  # set by whoever routes every loss through `tie_loss` / retries
+        self.no_walk = NoWalkCheck()  # no walk once a batch signature's usage is established (no_walk.py)
         self.last: UsageRecord | None = None
         self.forwards = 0
         self.walks = 0
@@ -143,7 +139,7 @@ class ParameterUsage:
         if self._handles or not self.slots:
             return self
         root_scope = self._root_scope()
-        self._handles.append(self.root.register_forward_pre_hook(self._root_pre_hook, prepend=True))
+        self._handles.append(self.root.register_forward_pre_hook(self._root_pre_hook, prepend=True, with_kwargs=True))
         for scope in self.scopes:
             if scope is not root_scope:  # prepend: before FSDP2's pre-forward registers its backward hooks
                 hook = unit_pre_hook(scope, lambda: self._active, several_units=len(self.scopes) > 1)
@@ -192,7 +188,7 @@ class ParameterUsage:
         return index
 
     # -- forward hooks ------------------------------------------------------------------------------
-    def _root_pre_hook(self, module: nn.Module, args: tuple[Any, ...]) -> None:
+    def _root_pre_hook(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         if self._active:  # a nested call of the root (rare): observe the outer call only
             self._depth += 1
             return
@@ -200,6 +196,7 @@ class ParameterUsage:
         if not self._active:
             return
         self._depth = 0
+        self.no_walk.new_forward(args, kwargs)
         if self._step.pending_forwards and not self._predicting:
             self._lose_route()  # the previous forward's loss was not seen before this forward
         self._predicting = not (self.at_loss and self._route_set and not self._route_lost and len(self.scopes) == 1)
@@ -298,9 +295,12 @@ class ParameterUsage:
         """
         if not isinstance(loss, torch.Tensor) or not loss.requires_grad or self._step.pending_forwards == 0:
             return loss
+        regions, single = bool(self._step.region_outputs), self._step.pending_forwards == 1
+        ready = self.backward_retries and not self._predicting and self.tie and not self.guard and not self._sharded
+        if self.no_walk.may_skip(loss, ready and single, regions):  # the signature's usage is established: no walk
+            return self.no_walk.install(loss, lambda: [s.tensor() for s in self.slots], self._all_used)
         t0 = time.perf_counter()
-        real_nodes: set[Any] = set()
-        side_nodes: set[Any] = set()
+        real_nodes, side_nodes = set[Any](), set[Any]()
         real, tied_only = reachable_leaf_ids_split([loss], is_zero_tie_node, is_ddp_sink_node,
                                                    real_nodes=real_nodes, side_nodes=side_nodes)
         self.walks += 1
@@ -331,6 +331,8 @@ class ParameterUsage:
             feature_counts.record_amount("parameter_usage", "output_ties_in_loss", tied_before)
         if self.guard and not self.tie:
             self._check(missing)
+        if not self._predicting:  # the signature's pattern: every parameter used, nothing tied anywhere
+            self.no_walk.walked(not unused_ids and single, regions)
         if self.tie and missing:
             extras = [t for t in (self.slots[i].tensor() for i in missing) if t is not None]
             loss = ZeroTie.apply(loss, *extras)
@@ -338,8 +340,17 @@ class ParameterUsage:
             feature_counts.record_amount("parameter_usage", "ties_at_loss", len(extras))
             if self.last is not None:
                 self.last.tied_at_loss = [self.slots[i].name for i in missing]
+        self.no_walk.loss_done()
         self.seconds += time.perf_counter() - t0
         return loss
+
+    def _all_used(self) -> None:
+        """The check at backward found every watched parameter about to get its gradient: all used."""
+        self._step.loss_seen(self._all)
+        self.losses += 1
+        feature_counts.record_ran("parameter_usage")
+        if self.last is not None:
+            self.last.used_slots = self._all
 
     def _lose_route(self) -> None:
         """A training forward's loss was not seen at backward before the next forward (two forwards for one
@@ -349,7 +360,6 @@ class ParameterUsage:
             self._route_lost = True
             feature_counts.record_amount("parameter_usage", "forward_walks_resumed", 1)
 
-    # -- guard --------------------------------------------------------------------------------------
     def _check(self, missing: list[int]) -> None:
         """All-gather "gets no gradient here" per parameter; raise on every rank if any rank has one."""
         if self.ddp_module is not None and not ddp_syncs_grads(self.ddp_module):
@@ -420,9 +430,16 @@ class ParameterUsage:
                     unseen)
         elif self.at_loss:
             self._route_set = True  # every forward of this step had its loss seen: predictions can stop
-        return self.agreement.unused_everywhere(unused_here, len(self.slots), group)
+        flag = self.step_flag() if self.step_flag is not None else None
+        unused, self.step_flags = self.agreement.agree(unused_here, len(self.slots), group, flag)
+        return unused
 
-    # -- reporting ----------------------------------------------------------------------------------
+    def take_step_flags(self) -> tuple[bool, bool] | None:
+        """The agreed ``step_flag`` of the last agreement, ``(some rank set it, every rank set it)`` (see
+        :meth:`~.agreement.UsageAgreement.agree`), once; ``None`` when no agreement carried it since the last call."""
+        flags, self.step_flags = self.step_flags, None
+        return flags
+
     def describe(self) -> str:
         """One line: how many parameters are watched, how many were tied so far, the time spent."""
         per = self.seconds / self.forwards * 1e3 if self.forwards else 0.0
