@@ -32,6 +32,9 @@ from launch import ROOT, accelerate_launch, fsdp_device_env
 SCRIPT = ROOT / "tests" / "scripts" / "fsdp_trainer.py"
 FAMILIES = ("qwen2_5_vl", "gemma3", "llava", "aya_vision", "idefics2", "mllama", "qwen3_moe")
 TOL = 1.5e-7
+# 4 processes: stock FSDP2 itself differs from stock DDP by 1.97e-7 on Llama (4 shards: another summation order;
+# hf_ddpfix's FSDP2 run equals stock FSDP2's bit for bit there), Qwen2.5-VL 1.2e-7 (measured 2026-11-27): ~2x
+TOL4 = 4e-7
 GENERATE = "qwen2_5_vl,gemma3,llava,qwen3_moe"  # also generate(): image and text ranks, 3 and 6 new tokens
 SAVED = "qwen2_5_vl,gemma3"  # saved, then from_pretrained (fsdp.yaml's cpu_ram_efficient_loading); the rest built
 OFFLINE = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
@@ -95,7 +98,7 @@ def test_stock_fsdp_fails_on_mixed_image_and_text_ranks(tmp_path):
 def test_four_processes_text_and_vlm_under_trainer_fsdp2_like_stock_ddp(tmp_path):
     """4 gloo processes (``accelerate launch --num_processes 4``): Qwen2.5-VL (ranks 0 and 2 with the image of
     the step's pattern, ranks 1 and 3 the other) and Llama (text; gradient accumulation 2 both), FSDP2 units
-    over 4 shards; weights vs stock DDP on 4 processes within ``TOL``, evaluation and prediction losses too."""
+    over 4 shards; weights vs stock DDP on 4 processes within ``TOL4``, evaluation and prediction losses too."""
     from zoo import ZOO
 
     families, four = "qwen2_5_vl,llama", ("--num_processes", "4")
@@ -109,8 +112,8 @@ def test_four_processes_text_and_vlm_under_trainer_fsdp2_like_stock_ddp(tmp_path
         ours, ref = torch.load(tmp_path / f"fixed-{name}.pt"), torch.load(tmp_path / f"stock-{name}.pt")
         assert ours["wrapped"].startswith("FSDP") and len(ours["units"]) >= 4 and not ref["units"], name
         diff = max((ours["weights"][k] - ref["weights"][k]).abs().max().item() for k in ref["weights"])
-        assert diff <= TOL, f"{name}, 4 processes: max |W_fsdp2 - W_ddp| = {diff:.2e} > {TOL:.0e}"
+        assert diff <= TOL4, f"{name}, 4 processes: max |W_fsdp2 - W_ddp| = {diff:.2e} > {TOL4:.0e}"
         init = {n: p.detach() for n, p in ZOO[name].model(0).named_parameters() if p.requires_grad}
-        assert max((ref["weights"][k] - init[k]).abs().max().item() for k in init) > 1e3 * TOL, name
+        assert max((ref["weights"][k] - init[k]).abs().max().item() for k in init) > 1e3 * TOL4, name
         for key in ("eval_loss", "predict_loss"):
             assert abs(ours[key] - ref[key]) <= 1e-5, (name, key, ours[key], ref[key])
