@@ -39,8 +39,14 @@ def train(case: str, out: str, patched: bool) -> dict:
     """``patched``: the zoo's hf_ddpfix builder (reentrant checkpointing asked); else stock's setting that trains."""
     from torch.distributed.fsdp import FSDPModule
 
+    from hf_ddpfix.ops import feature_counts
+
+    feature_counts.reset()
     trainer = CASES[case](out, patched, dict(FP32))
     trainer.train()
+    usage = feature_counts.snapshot().get("parameter_usage")
+    print(f"[rank {os.environ.get('RANK', 0)}] {case} parameter_usage: "
+          f"{None if usage is None else (usage.ran, dict(usage.amounts), usage.fallbacks)}", flush=True)
     rec = {"weights": trainable_weights(trainer.model), "wrapped": type(trainer.model).__name__,
            "units": [n for n, m in trainer.model.named_modules() if isinstance(m, FSDPModule)], "error": None}
     del trainer

@@ -341,6 +341,23 @@ class ParameterUsage:
         self.seconds += time.perf_counter() - t0
         return loss
 
+    def observe_loss(self, loss: Any) -> Any:
+        """FSDP2's loss observer: the pending forwards' usage gains every watched parameter the loss really
+        reaches (a head called in ``compute_loss``, which :meth:`finalize` would otherwise reset to ``None``:
+        tests/test_fsdp_trainer_zoo.py). Additions only (a resharded unit's parameters are not the tensors its
+        graph holds: the forward's prediction covers them). Guarantees: returns ``loss``; no tie, no collective."""
+        if not isinstance(loss, torch.Tensor) or not loss.requires_grad or self._step.pending_forwards == 0:
+            return loss
+        t0, index = time.perf_counter(), self._index()
+        real, _ = reachable_leaf_ids_split([loss], is_zero_tie_node, is_ddp_sink_node)
+        added = {index[i] for i in real if i in index} - self._step.pending_used
+        if added:
+            self._step.pending_used |= added
+            feature_counts.record_amount("parameter_usage", "used_at_loss", len(added))
+        self.walks, self.losses = self.walks + 1, self.losses + 1
+        self.seconds += time.perf_counter() - t0
+        return loss
+
     def _lose_route(self) -> None:
         """A training forward's loss was not seen at backward before the next forward (two forwards for one
         loss) or by finalize: the forward's own walk and tie run again for the rest of the run (counted as
