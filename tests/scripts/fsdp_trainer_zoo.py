@@ -32,7 +32,7 @@ sys.path.insert(0, os.path.dirname(HERE))
 from fixtures import trainable_weights  # noqa: E402
 from trainer_zoo import CASES, FP32  # noqa: E402
 
-DEFAULT = ("sft_vlm", "dpo_text", "reward_text", "head_in_compute_loss")
+DEFAULT = ("dpo_text", "reward_text", "head_in_compute_loss")  # sft_vlm: hangs under FSDP2 (docs/fsdp.md)
 
 
 def train(case: str, out: str, patched: bool) -> dict:
