@@ -9,7 +9,7 @@ accelerate_configs/fsdp.yaml``, 2 gloo processes through the FSDP test device; t
   and gives the FSDP2 run's logits on a fixed batch, bit-equal (measured 0). Under ``SHARDED_STATE_DICT`` stock
   ``Trainer.save_model`` writes nothing; ``save_model_atomic`` gathers and saves the adapter.
 
-Wall time (2 shared cores): ~4 launches of 25-45 s.
+Wall time: ~40 s (4 launches; 2 cores, quiet machine), up to ~4 min when the cores are shared.
 """
 
 from __future__ import annotations
