@@ -3,7 +3,9 @@
 - `last_complete_checkpoint(output_dir)`: the newest `checkpoint-N` that was fully written (a crash
   while saving leaves a partial folder that `get_last_checkpoint` would still pick).
 - `save_model_atomic(trainer, output_dir)`: every file of the final model lands in `output_dir` by an
-  atomic rename, written once by the world's process zero; nothing else in `output_dir` is touched.
+  atomic rename, written once by the world's process zero; nothing else in `output_dir` is touched. Under
+  FSDP with a sharded state dict (fsdp.yaml), where `Trainer.save_model` writes nothing, the model is gathered
+  and saved all the same.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import re
 import shutil
 from typing import Any
 
+import torch
 import torch.distributed as dist
 
 _CHECKPOINT = re.compile(r"^checkpoint-(\d+)$")
@@ -53,11 +56,40 @@ def _distributed() -> bool:
     return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
 
 
+def _fsdp_sharded(trainer: Any) -> bool:
+    """FSDP with a state dict type other than FULL_STATE_DICT: transformers 5.23's `Trainer.save_model` saves
+    a model under FSDP only for FULL_STATE_DICT and silently writes nothing otherwise (measured, 2026-11-27)."""
+    plugin = getattr(getattr(getattr(trainer, "accelerator", None), "state", None), "fsdp_plugin", None)
+    return plugin is not None and "FULL_STATE_DICT" not in str(plugin.state_dict_type)
+
+
+def _save_gathered(trainer: Any, output_dir: str, main: bool) -> None:
+    """What `Trainer.save_model` saves under FULL_STATE_DICT, for a sharded run: the full state dict gathered
+    on every rank (`accelerator.get_state_dict`, a collective), written by process zero through the model's
+    `save_pretrained` (a PEFT model: the adapter only), with the processing class and the training args."""
+    state = trainer.accelerator.get_state_dict(trainer.model)
+    if not main:
+        return
+    os.makedirs(output_dir, exist_ok=True)
+    model = trainer.accelerator.unwrap_model(trainer.model)
+    if hasattr(model, "save_pretrained"):
+        model.save_pretrained(output_dir, state_dict=state)
+    else:  # what `Trainer._save` does for a model that is not a PreTrainedModel / PeftModel
+        from safetensors.torch import save_file
+
+        save_file({k: v.contiguous() for k, v in state.items()}, os.path.join(output_dir, "model.safetensors"),
+                  metadata={"format": "pt"})
+    if getattr(trainer, "processing_class", None) is not None:
+        trainer.processing_class.save_pretrained(output_dir)
+    torch.save(trainer.args, os.path.join(output_dir, "training_args.bin"))
+
+
 def save_model_atomic(trainer: Any, output_dir: str) -> bool:
     """`trainer.save_model(output_dir)` where no file in `output_dir` is ever half-written. Call on every rank.
 
     Every rank saves into a sibling temp folder (`<output_dir>.tmp-hf_ddpfix`; FSDP full state dicts
-    need all ranks), then the main process moves each saved file into `output_dir` with `os.replace`
+    need all ranks; under FSDP's SHARDED_STATE_DICT, where `Trainer.save_model` writes nothing, the state dict
+    is gathered and saved by process zero), then the main process moves each saved file into `output_dir` with `os.replace`
     (atomic per file) and removes the temp folder. Other content of `output_dir` (checkpoints, logs) is
     kept: nothing is lost. A crash leaves each file either old and complete or new and complete.
 
@@ -71,7 +103,10 @@ def save_model_atomic(trainer: Any, output_dir: str) -> bool:
         shutil.rmtree(tmp, ignore_errors=True)
     if _distributed():
         dist.barrier()
-    trainer.save_model(tmp)
+    if _fsdp_sharded(trainer):
+        _save_gathered(trainer, tmp, main)
+    else:
+        trainer.save_model(tmp)
     if _distributed():
         dist.barrier()
     if main:

@@ -251,12 +251,15 @@ def _attach_usage(trainer: Any, model: nn.Module, usage: ParameterUsage, stack: 
     Under FSDP2 (`at_loss=False`) the loss is not observed: after the forward a unit's parameters are resharded,
     so a parameter is no longer the tensor its unit's graph holds, and a tie at the loss would give the sharded
     parameter a plain-tensor gradient; every tie is made in the unit's own forward instead (what
-    tests/scripts/usage_fsdp.py verifies)."""
+    tests/scripts/usage_fsdp.py verifies); the loss is only read, to add what it really uses outside the forward
+    (`ParameterUsage.observe_loss`)."""
     usage.attach()
     stack.callback(usage.remove)
     if at_loss:
         usage.at_loss = usage.backward_retries = True
         stack.callback(around_backward(trainer.accelerator, usage.tie_loss, retry=UsageChanged))
+    else:  # FSDP2: the loss only adds what it really uses (a head in compute_loss), never ties
+        stack.callback(around_backward(trainer.accelerator, usage.observe_loss))
     stack.callback(before_gradient_clipping(trainer, usage.finalize))
     _add_callback(trainer, _GuardWrappedModel(trainer, usage), stack)
     return usage

@@ -46,6 +46,8 @@ IGNORE = ["image_hidden_states", "past_key_values"]
 CASES = {"qwen2_5_vl": (2, "non_reentrant"), "gemma3": (1, "reentrant"), "llava": (1, "non_reentrant"),
          "aya_vision": (1, "non_reentrant"), "idefics2": (2, "non_reentrant"), "mllama": (1, "non_reentrant"),
          "qwen3_moe": (1, "non_reentrant")}
+#: families run only when named (``--families``): the 4-process cell's text family
+MORE_CASES = {"llama": (2, "non_reentrant")}
 
 
 class Items(torch.utils.data.Dataset):
@@ -94,13 +96,34 @@ def load_saved(entry, out: str, world: int):
     return PeftModel.from_pretrained(hf, adapter, is_trainable=True).train()
 
 
-def run(name: str, mode: str, out: str, saved: bool = False) -> None:
+#: generate(): rank r asks for GEN_TOKENS[r % 2] new tokens (greedy; EOS never stops it: eos_token_id -1), from a
+#: prompt with an image on even ranks and text only on odd ranks: ranks run different numbers of forwards
+GEN_TOKENS = (3, 6)
+
+
+def generate_mixed(trainer, entry, rank: int) -> torch.Tensor:
+    """Greedy ``generate()`` of the trained model on this rank's prompt (image on even ranks, text on odd ones,
+    :data:`GEN_TOKENS` new tokens), called as users call it: on the model the Trainer holds (under FSDP2 the
+    ``FSDP<Class>`` root, whose forward hooks all-gather; under DDP the unwrapped model). ``synced_gpus`` is left
+    to transformers. Returns the new token ids."""
+    model = trainer.model if trainer.is_fsdp_enabled else trainer.accelerator.unwrap_model(trainer.model)
+    prompt = {k: v for k, v in entry.batch(rank % 2 == 0, 70_000 + rank, 10).items() if k != "labels"}
+    was_training = model.training
+    model.eval()
+    with torch.no_grad():
+        ids = model.generate(**prompt, max_new_tokens=GEN_TOKENS[rank % 2], min_new_tokens=GEN_TOKENS[rank % 2],
+                             do_sample=False, use_cache=True, eos_token_id=-1, pad_token_id=0)
+    model.train(was_training)
+    return ids[:, prompt["input_ids"].shape[1]:]
+
+
+def run(name: str, mode: str, out: str, saved: bool = False, generate: bool = False) -> None:
     from transformers import Trainer, TrainingArguments
 
     from hf_ddpfix import DDPFixTrainer, checkpointing_training_args
 
     entry = {**ZOO, **MORE_VLMS}[name]
-    ga, ckpt = CASES[name]
+    ga, ckpt = {**CASES, **MORE_CASES}[name]
     world = int(os.environ.get("WORLD_SIZE", "1"))
     args = TrainingArguments(
         output_dir=os.path.join(out, f"run-{mode}-{name}"), max_steps=STEPS, per_device_train_batch_size=1,
@@ -127,10 +150,17 @@ def run(name: str, mode: str, out: str, saved: bool = False) -> None:
 
     units = [n for n, m in trainer.model.named_modules() if isinstance(m, FSDPModule)]
     weights = trainable_weights(trainer.model)
+    generated = None
+    if generate:
+        import torch.distributed as dist
+
+        mine = generate_mixed(trainer, entry, trainer.args.process_index)
+        generated = [None] * world
+        dist.all_gather_object(generated, mine)
     if trainer.is_world_process_zero():
         torch.save({"weights": weights, "eval_loss": metrics["eval_loss"],
                     "predict_loss": predicted.metrics["test_loss"], "wrapped": type(trainer.model).__name__,
-                    "units": units}, os.path.join(out, f"{mode}-{name}.pt"))
+                    "units": units, "generated": generated}, os.path.join(out, f"{mode}-{name}.pt"))
         print(f"[{mode}] {name}: {type(trainer.model).__name__}, {len(units)} FSDP2 units, eval_loss "
               f"{metrics['eval_loss']:.6f}, {time.time() - t0:.1f}s", flush=True)
 
@@ -140,10 +170,11 @@ def main() -> None:
     ap.add_argument("--mode", choices=("fixed", "stock"), required=True)
     ap.add_argument("--families", default=",".join(CASES))
     ap.add_argument("--out", required=True)
+    ap.add_argument("--generate", default="", help="families that also generate() with mixed ranks, comma-separated")
     ap.add_argument("--from-saved", default="", help="families loaded with from_pretrained (load_saved), comma-separated")
     a = ap.parse_args()
     for name in a.families.split(","):
-        run(name, a.mode, a.out, saved=name in a.from_saved.split(","))
+        run(name, a.mode, a.out, saved=name in a.from_saved.split(","), generate=name in a.generate.split(","))
     print("FSDP_TRAINER_OK", flush=True)
 
 

@@ -38,6 +38,7 @@ from ...ops.autograd_reach import output_tensors, reachable_leaf_ids, reachable_
 from ...ops.zero_tie import ZeroTie, is_zero_tie_node
 from .agreement import UNUSED_FIX, UsageAgreement, gather_missing, raise_if_missing
 from .hang_guard import UnusedParametersError
+from .loss_observer import observe_loss
 from .no_walk import ESTABLISH, NoWalkCheck, UsageChanged
 from .outputs import UsageRecord, anchor_of, replace_in
 from .regions import ReentrantRegions
@@ -109,8 +110,7 @@ class ParameterUsage:
         #: changed"); its agreed value is kept in ``step_flags`` until :meth:`take_step_flags`
         self.step_flag: Callable[[], bool] | None = None
         self.step_flags: tuple[bool, bool] | None = None
-        self._active = False
-        self._depth = 0
+        self._active, self._depth = False, 0
         self._forward_used: set[int] = set()
         self._step = StepRecord()
         self._warned_unseen = False
@@ -120,12 +120,7 @@ class ParameterUsage:
         self.at_loss = self.backward_retries = False  # set by whoever routes every loss through `tie_loss` / retries
         self.no_walk = NoWalkCheck()  # no walk once a batch signature's usage is established (no_walk.py)
         self.last: UsageRecord | None = None
-        self.forwards = 0
-        self.walks = 0
-        self.ties = 0
-        self.losses = 0
-        self.loss_ties = 0
-        self.resets = 0
+        self.forwards = self.walks = self.ties = self.losses = self.loss_ties = self.resets = 0
         self.seconds = 0.0
 
     # -- set-up -------------------------------------------------------------------------------------
@@ -352,10 +347,15 @@ class ParameterUsage:
         if self.last is not None:
             self.last.used_slots = self._all
 
+    def observe_loss(self, loss: Any) -> Any:
+        """FSDP2's loss observer (``loss_observer.py``): the step gains what the loss reaches; returns ``loss``."""
+        if (spent := observe_loss(loss, self._step, self._index)) is not None:
+            self.walks, self.losses, self.seconds = self.walks + 1, self.losses + 1, self.seconds + spent
+        return loss
+
     def _lose_route(self) -> None:
-        """A training forward's loss was not seen at backward before the next forward (two forwards for one
-        loss) or by finalize: the forward's own walk and tie run again for the rest of the run (counted as
-        ``parameter_usage`` / ``forward_walks_resumed``; a loss never seen is also the ``UNSEEN_LOSS`` fallback)."""
+        """A forward's loss unseen at backward (two forwards for one loss, or by finalize): the forward's own walk
+        and tie run for the rest of the run (``parameter_usage / forward_walks_resumed``; also ``UNSEEN_LOSS``)."""
         if not self._route_lost:
             self._route_lost = True
             feature_counts.record_amount("parameter_usage", "forward_walks_resumed", 1)
@@ -435,8 +435,8 @@ class ParameterUsage:
         return unused
 
     def take_step_flags(self) -> tuple[bool, bool] | None:
-        """The agreed ``step_flag`` of the last agreement, ``(some rank set it, every rank set it)`` (see
-        :meth:`~.agreement.UsageAgreement.agree`), once; ``None`` when no agreement carried it since the last call."""
+        """The last agreement's ``step_flag``, ``(some rank set it, every rank set it)`` (``UsageAgreement.agree``),
+        once; ``None`` when no agreement carried it since the last call."""
         flags, self.step_flags = self.step_flags, None
         return flags
 
