@@ -212,6 +212,26 @@ class Verdicts:
             raise SystemExit(f"{self.tag} mismatch: {bad}")
 
 
+
+class RankItems(torch.utils.data.Dataset):
+    """Item ``k * world + r`` is rank ``r``'s ``k``-th micro-batch, ``make(k, r)`` (one row with its batch
+    dimension): with an in-order sampler and :func:`single_collate`, every rank trains on its own rows."""
+
+    def __init__(self, n_batches: int, world: int, make: Callable[[int, int], dict[str, Any]]):
+        self.rows = [make(k, r) for k in range(n_batches) for r in range(world)]
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def __getitem__(self, i: int) -> dict[str, Any]:
+        return self.rows[i]
+
+
+def single_collate(features: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """Batch size 1 of :class:`RankItems`: each item already has its batch dimension."""
+    assert len(features) == 1, "batch size 1: each item already has its batch dimension"
+    return dict(features[0])
+
 def in_order(cls: type) -> type:
     """A subclass of the Trainer class ``cls`` whose training sampler is a ``SequentialSampler`` (stock's
     shuffles): the samples in dataset order, so which rank and step gets which sample is fixed."""

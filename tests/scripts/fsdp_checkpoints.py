@@ -43,8 +43,8 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
 sys.path.insert(0, HERE)
 
-from fixtures import trainable_weights  # noqa: E402
-from fsdp_trainer import PATTERN, Items, collate, load_saved  # noqa: E402
+from fixtures import single_collate, trainable_weights  # noqa: E402
+from fsdp_trainer import PATTERN, items, load_saved  # noqa: E402
 from zoo import MORE_VLMS, ZOO  # noqa: E402
 
 STEPS = 4
@@ -88,8 +88,8 @@ def run(entry, out: str, tag: str, checkpoints: bool, resume: bool, world: int):
 
     model = load_saved(entry, out, world)
     model.config.use_cache = False
-    trainer = DDPFixTrainer(model=model, args=args, data_collator=collate, callbacks=[KillRankOne()],
-                            train_dataset=Items(entry, PATTERN, STEPS * ga, world, seed=0, ga=ga))
+    trainer = DDPFixTrainer(model=model, args=args, data_collator=single_collate, callbacks=[KillRankOne()],
+                            train_dataset=items(entry, PATTERN, STEPS * ga, world, seed=0, ga=ga))
     last = last_complete_checkpoint(run_dir) if resume else None
     if resume:
         assert last is not None, f"no complete checkpoint in {run_dir}"

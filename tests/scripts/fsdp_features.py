@@ -52,7 +52,15 @@ import torch
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
 
-from fixtures import DECODER_TARGETS, SMALL_TEXT, lora_llama, masked_labels, trainable_weights  # noqa: E402
+from fixtures import (  # noqa: E402
+    DECODER_TARGETS,
+    SMALL_TEXT,
+    RankItems,
+    lora_llama,
+    masked_labels,
+    single_collate,
+    trainable_weights,
+)
 
 STEPS = 3
 TOKENS_PER_TILE = 5
@@ -75,27 +83,13 @@ def seq_len(k: int, r: int) -> int:
     return 7 + (5 * k + 7 * r) % 16
 
 
-class Items(torch.utils.data.Dataset):
-    """Item ``k * world + r`` is rank ``r``'s ``k``-th micro-batch (one row with its batch dimension)."""
-
-    def __init__(self, n_batches: int, world: int, seed: int):
-        self.rows = []
-        for k in range(n_batches):
-            for r in range(world):
-                g = torch.Generator().manual_seed(seed + 1000 * k + r)
-                ids = torch.randint(1, 250, (1, seq_len(k, r)), generator=g)
-                self.rows.append({"input_ids": ids, "labels": masked_labels(ids, g)})
-
-    def __len__(self):
-        return len(self.rows)
-
-    def __getitem__(self, i):
-        return self.rows[i]
-
-
-def collate(features):
-    assert len(features) == 1, "batch size 1: each item already has its batch dimension"
-    return dict(features[0])
+def items(n_batches: int, world: int, seed: int) -> RankItems:
+    """Rank ``r``'s ``k``-th micro-batch: one row of ``seq_len(k, r)`` random tokens, a third of its labels masked."""
+    def make(k: int, r: int) -> dict:
+        g = torch.Generator().manual_seed(seed + 1000 * k + r)
+        ids = torch.randint(1, 250, (1, seq_len(k, r)), generator=g)
+        return {"input_ids": ids, "labels": masked_labels(ids, g)}
+    return RankItems(n_batches, world, make)
 
 
 def qlora_model(out: str, world: int):
@@ -190,13 +184,13 @@ def run(cell: str, mode: str, out: str, lines: PlanLines) -> None:
     model = qlora_model(out, world) if cell == "qlora" else lora_llama(dtype=DTYPE.get(cell), **MODEL)
     model.config.use_cache = False
     quantized = four_bit_names(model)
-    train = Items(STEPS * ga, world, seed=0)
-    evaluation = Items(2, world, seed=50_000)
+    train = items(STEPS * ga, world, seed=0)
+    evaluation = items(2, world, seed=50_000)
     if mode == "stock":
-        trainer = Trainer(model=model, args=args, data_collator=collate, train_dataset=train, eval_dataset=evaluation)
+        trainer = Trainer(model=model, args=args, data_collator=single_collate, train_dataset=train, eval_dataset=evaluation)
     else:
         config = DDPFixConfig(**(options if mode == "fixed" else {}))
-        trainer = DDPFixTrainer(model=model, args=args, data_collator=collate, train_dataset=train,
+        trainer = DDPFixTrainer(model=model, args=args, data_collator=single_collate, train_dataset=train,
                                 eval_dataset=evaluation, ddpfix_config=config)
     del lines.lines[:]
     t0 = time.time()

@@ -35,7 +35,7 @@ import torch
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
 
-from fixtures import trainable_weights  # noqa: E402
+from fixtures import RankItems, single_collate, trainable_weights  # noqa: E402
 from zoo import MORE_VLMS, ZOO, seq_len  # noqa: E402
 
 PATTERN = [(True, False), (False, True), (False, False), (True, True)]  # k-th batch -> (rank 0, rank 1) image
@@ -50,26 +50,10 @@ CASES = {"qwen2_5_vl": (2, "non_reentrant"), "gemma3": (1, "reentrant"), "llava"
 MORE_CASES = {"llama": (2, "non_reentrant")}
 
 
-class Items(torch.utils.data.Dataset):
-    """Item ``k * world + r`` is rank ``r``'s ``k``-th batch (one sample with a batch dimension)."""
-
-    def __init__(self, entry, pattern, n_batches: int, world: int, seed: int, ga: int = 1):
-        self.rows = []
-        for k in range(n_batches):
-            for r in range(world):
-                images = pattern[k % len(pattern)][r % 2]
-                self.rows.append(entry.batch(images, seed + 1000 * k + r, seq_len(k // ga, k % ga, r)))
-
-    def __len__(self):
-        return len(self.rows)
-
-    def __getitem__(self, i):
-        return self.rows[i]
-
-
-def collate(features):
-    assert len(features) == 1, "batch size 1: each item already has its batch dimension"
-    return dict(features[0])
+def items(entry, pattern, n_batches: int, world: int, seed: int, ga: int = 1) -> RankItems:  # noqa: ANN001
+    """Rank ``r``'s ``k``-th batch: ``entry``'s sample with or without an image as ``pattern`` says."""
+    return RankItems(n_batches, world, lambda k, r: entry.batch(pattern[k % len(pattern)][r % 2], seed + 1000 * k + r,
+                                                                 seq_len(k // ga, k % ga, r)))
 
 
 def first_logits(logits, labels):
@@ -137,9 +121,9 @@ def run(name: str, mode: str, out: str, saved: bool = False, generate: bool = Fa
     model = load_saved(entry, out, world) if saved else entry.model(0)
     model.config.use_cache = False
     cls = DDPFixTrainer if mode == "fixed" else Trainer
-    trainer = cls(model=model, args=args, data_collator=collate,
-                  train_dataset=Items(entry, PATTERN, STEPS * ga, world, seed=0, ga=ga),
-                  eval_dataset=Items(entry, EVAL_PATTERN, len(EVAL_PATTERN), world, seed=50_000),
+    trainer = cls(model=model, args=args, data_collator=single_collate,
+                  train_dataset=items(entry, PATTERN, STEPS * ga, world, seed=0, ga=ga),
+                  eval_dataset=items(entry, EVAL_PATTERN, len(EVAL_PATTERN), world, seed=50_000),
                   preprocess_logits_for_metrics=first_logits)
     t0 = time.time()
     trainer.train()

@@ -67,28 +67,27 @@ def _experimental(name: str) -> Any:
         return importlib.import_module(f"trl.experimental.{name}")
 
 
-def orpo(over: dict, opt: dict, batch: int, dtype: torch.dtype) -> Any:
-    """TRL's ORPOTrainer (trl.experimental.orpo): the chosen NLL plus the odds-ratio term, from the model's logits."""
+def _preference(name: str, over: dict, opt: dict, batch: int, dtype: torch.dtype) -> Any:
+    """TRL's experimental ``name`` trainer (ORPO, CPO) on the preference pairs, LoRA on the tiny model."""
     from datasets import Dataset
     from trl_sft import build_tokenizer
 
-    m = _experimental("orpo")
+    m = _experimental(name)
     tok = build_tokenizer()
-    args = m.ORPOConfig(per_device_train_batch_size=batch, max_length=32, **COMMON, **opt, **over)
-    return m.ORPOTrainer(model=_model(tok, dtype), args=args, train_dataset=Dataset.from_dict(_pairs()),
-                         processing_class=tok, peft_config=_lora())
+    prefix = name.upper()
+    args = getattr(m, f"{prefix}Config")(per_device_train_batch_size=batch, max_length=32, **COMMON, **opt, **over)
+    return getattr(m, f"{prefix}Trainer")(model=_model(tok, dtype), args=args, train_dataset=Dataset.from_dict(_pairs()),
+                                          processing_class=tok, peft_config=_lora())
+
+
+def orpo(over: dict, opt: dict, batch: int, dtype: torch.dtype) -> Any:
+    """TRL's ORPOTrainer (trl.experimental.orpo): the chosen NLL plus the odds-ratio term, from the model's logits."""
+    return _preference("orpo", over, opt, batch, dtype)
 
 
 def cpo(over: dict, opt: dict, batch: int, dtype: torch.dtype) -> Any:
     """TRL's CPOTrainer (trl.experimental.cpo): sigmoid preference loss on the policy's logits, no reference."""
-    from datasets import Dataset
-    from trl_sft import build_tokenizer
-
-    m = _experimental("cpo")
-    tok = build_tokenizer()
-    args = m.CPOConfig(per_device_train_batch_size=batch, max_length=32, **COMMON, **opt, **over)
-    return m.CPOTrainer(model=_model(tok, dtype), args=args, train_dataset=Dataset.from_dict(_pairs()),
-                        processing_class=tok, peft_config=_lora())
+    return _preference("cpo", over, opt, batch, dtype)
 
 
 def sft(over: dict, opt: dict, batch: int, dtype: torch.dtype) -> Any:
