@@ -5,8 +5,32 @@ Pure rules (facts + options -> `Decision` with its reason), called by :func:`hf_
 
 from __future__ import annotations
 
+import math
+
 from ..config import DDPFixConfig, env_name
+from .memory_fit import MemoryFit, fit_memory
 from .types import Decision, RunFacts
+
+#: The features the `auto` memory plan governs, by option name (plan/memory_fit.py's ladder names).
+AUTO_OPTIONS = ("tiled_loss", "tiled_mlp", "long_context")
+_ALL_LONG_CONTEXT = "rms_norm,attention,tiled_layer"
+
+
+def decide_memory_fit(facts: RunFacts, c: DDPFixConfig, ckpt: str, offload: Decision) -> MemoryFit | None:
+    """The `auto` memory plan for this run (``None`` when no memory option is ``auto``).
+
+    Options set explicitly are on in every projection (``long_context`` counted only when it is the full
+    set); the offload counts where the plan runs it.
+    """
+    auto = tuple(n for n in AUTO_OPTIONS if getattr(c, n) == "auto")
+    if not auto:
+        return None
+    explicit = [n for n in ("tiled_loss", "tiled_mlp") if getattr(c, n) not in (None, "off", "auto")]
+    if c.long_context == _ALL_LONG_CONTEXT:
+        explicit.append("long_context")
+    if offload.value is True:
+        explicit.append("offload")
+    return fit_memory(facts.memory, auto, tuple(explicit), ckpt)
 
 
 def decide_offload(facts: RunFacts, c: DDPFixConfig, ckpt: str) -> Decision:
@@ -78,10 +102,16 @@ def offload_max_pool_bytes(facts: RunFacts, c: DDPFixConfig | None) -> int | str
     return cap
 
 
-def decide_tiled_mlp(facts: RunFacts, c: DDPFixConfig) -> Decision:
+def decide_tiled_mlp(facts: RunFacts, c: DDPFixConfig, fit: MemoryFit | None = None) -> Decision:
     value = c.tiled_mlp
     if value is None or value == "off":
         return Decision(False, "not requested" if value is None else f"off ({c.source('tiled_mlp')})")
+    if value == "auto" and fit is not None and fit.known:
+        if not fit.turns_on("tiled_mlp"):
+            return Decision(False, f"auto: not needed ({c.source('tiled_mlp')}); {fit.reason}")
+        tokens = int(facts.memory.tokens) if facts.memory and facts.memory.tokens else 0
+        if tokens < 8192:  # the auto shard rule would not tile below 8K: a fixed count tiles these steps
+            value = str(max(2, math.ceil(tokens / 2048)))
     rule = {
         "auto": "no tiling below 8K tokens, then ceil(tokens/2048) shards",
         "arctic": "ceil(tokens/hidden) shards",
@@ -90,15 +120,24 @@ def decide_tiled_mlp(facts: RunFacts, c: DDPFixConfig) -> Decision:
     sync = ("; shard count all-reduced (MAX) so FSDP ranks gather alike, in training forwards only (under "
             "no_grad, e.g. a rank-0-only evaluation, the MLP runs untiled with no collective)"
             if facts.parallel == "fsdp" else "")
-    return Decision(value, f"{rule}, one gradient hook per parameter ({c.source('tiled_mlp')}){sync}", True)
+    memo = "" if fit is None else f"; {fit.reason}"
+    return Decision(value, f"{rule}, one gradient hook per parameter ({c.source('tiled_mlp')}){sync}{memo}", True)
 
 
-def decide_long_context(facts: RunFacts, c: DDPFixConfig, ckpt: str) -> Decision:
+def decide_long_context(facts: RunFacts, c: DDPFixConfig, ckpt: str, fit: MemoryFit | None = None) -> Decision:
     """Patched Llama-style layers (integrations/long_context/long_context.py): gradients equal stock (tests), every
-    non-plain call (mask, cache, packing kwargs) runs stock at call time, other layer classes are left alone."""
+    non-plain call (mask, cache, packing kwargs) runs stock at call time, other layer classes are left alone.
+    ``auto``: every layer feature where the memory plan needs it (``fit``), else stock layers."""
     value = c.long_context
     if value is None or value == "off":
         return Decision(False, "not requested" if value is None else f"off ({c.source('long_context')})")
+    memo = ""
+    if value == "auto":
+        if fit is None or not fit.turns_on("long_context"):
+            what = "not needed" if fit is not None and fit.known else "stock layers"
+            return Decision(False, f"auto: {what} ({c.source('long_context')})"
+                            + (f"; {fit.reason}" if fit is not None else ""))
+        value, memo = _ALL_LONG_CONTEXT, f"; {fit.reason}"
     notes = []
     if ckpt == "off":
         notes.append("checkpointing is off: each layer keeps q/k/v and the attention output (28 KiB/token on "
@@ -107,15 +146,21 @@ def decide_long_context(facts: RunFacts, c: DDPFixConfig, ckpt: str) -> Decision
         notes.append("tile count all-reduced (MAX) so FSDP ranks gather alike")
     extra = ("; " + "; ".join(notes)) if notes else ""
     return Decision(value, f"Llama-style layers patched where source-identical to LlamaDecoderLayer, masked/cached "
-                    f"calls run stock ({c.source('long_context')}){extra}", changed=True)
+                    f"calls run stock ({c.source('long_context')}){extra}{memo}", changed=True)
 
 
-def decide_tiled_loss(facts: RunFacts, c: DDPFixConfig) -> Decision:
+def decide_tiled_loss(facts: RunFacts, c: DDPFixConfig, fit: MemoryFit | None = None) -> Decision:
+    """``auto``: on where the memory plan needs it (``fit``); on when its facts are unknown (today's rule)."""
     value = c.tiled_loss
     if value is None or value == "off":
         return Decision(False, "not requested" if value is None else f"off ({c.source('tiled_loss')})")
+    memo = ""
+    if value == "auto":
+        if fit is not None and fit.known and not fit.turns_on("tiled_loss"):
+            return Decision(False, f"auto: not needed ({c.source('tiled_loss')}); {fit.reason}")
+        value, memo = "on", ("" if fit is None else f"; auto: {fit.reason}")
     chunk = "auto chunk" if value == "on" else f"{value} tokens per chunk"
     fsdp = ("; under FSDP2 it runs as the forward of lm_head's unit (accelerate's [norm, head]), which gathers the "
             "head's weight and reduce-scatters its gradient" if facts.parallel == "fsdp" else "")
     return Decision(value, f"lm_head + cross-entropy in chunks, full logits never held, {chunk} "
-                    f"({c.source('tiled_loss')}){fsdp}", changed=True)
+                    f"({c.source('tiled_loss')}){fsdp}{memo}", changed=True)

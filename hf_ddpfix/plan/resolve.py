@@ -73,6 +73,7 @@ def resolve_plan(facts: RunFacts, config: DDPFixConfig | None = None) -> Plan:
     fu = ddp_rules.decide_find_unused(facts, c, ddp, mode, unused_reason, bool(stabilizer.value), correct, usage)
     static = ddp_rules.decide_static_graph(facts, c, ddp, checkpointed, unused_reason, correct)
     offload = memory.decide_offload(facts, c, mode)
+    fit = memory.decide_memory_fit(facts, c, mode, offload)  # the `auto` memory options (plan/memory_fit.py)
     guard = ddp_rules.decide_hang_guard(facts, c, ddp, bool(fu.value), bool(stabilizer.value), bool(usage.value))
     return Plan(
         parallel=facts.parallel,
@@ -86,10 +87,10 @@ def resolve_plan(facts: RunFacts, config: DDPFixConfig | None = None) -> Plan:
         fsdp_units=units,
         hang_guard=guard,
         # opt-in tiling reads partitioned (empty) weights under ZeRO-3: not verified there, stock kept
-        tiled_mlp=ds_rules.zero3_unverified(facts, memory.decide_tiled_mlp(facts, c)),
-        tiled_loss=ds_rules.zero3_unverified(facts, memory.decide_tiled_loss(facts, c)),
+        tiled_mlp=ds_rules.zero3_unverified(facts, memory.decide_tiled_mlp(facts, c, fit)),
+        tiled_loss=ds_rules.zero3_unverified(facts, memory.decide_tiled_loss(facts, c, fit)),
         sequence_parallel=sequence_parallel,
-        long_context=ds_rules.zero3_unverified(facts, memory.decide_long_context(facts, c, mode)),
+        long_context=ds_rules.zero3_unverified(facts, memory.decide_long_context(facts, c, mode, fit)),
         quantization=quantization,
         parameter_usage=usage,
         deepspeed=ds_rules.engine(facts),
