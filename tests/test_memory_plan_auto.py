@@ -141,3 +141,25 @@ def test_tokens_per_step_sources():
 
 def test_ladder_order():
     assert LADDER == ("tiled_loss", "tiled_mlp", "offload", "long_context")
+
+
+def test_gather_memory_facts_on_a_cuda_device(monkeypatch):
+    """The CUDA path of the gatherer (no GPU here: the device query is replaced; the model is real)."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    model = LlamaForCausalLM(LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                         num_attention_heads=4, num_key_value_heads=2, vocab_size=128))
+    model.requires_grad_(False)
+    model.lm_head.weight.requires_grad_(True)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda d: SimpleNamespace(total_memory=80 * GIB))
+    args = SimpleNamespace(device="cuda:0", max_length=512, per_device_train_batch_size=2, bf16=True)
+    m = gather_memory_facts(SimpleNamespace(args=args), model, "ddp")
+    params = sum(p.numel() * p.element_size() for p in model.parameters())
+    assert m == MemoryFacts(device_total_bytes=80 * GIB, tokens=1024, tokens_source=m.tokens_source, layers=2,
+                            hidden=32, vocab=128, dtype_bytes=2, fixed_bytes=params + 12 * 128 * 32,
+                            host_budget_bytes=m.host_budget_bytes, unknown="")
+    assert "max_length=512" in m.tokens_source
+    sharded = gather_memory_facts(SimpleNamespace(args=args), model, "fsdp")
+    assert sharded.fixed_bytes is None and "sharded" in sharded.unknown
