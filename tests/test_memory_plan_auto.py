@@ -163,3 +163,21 @@ def test_gather_memory_facts_on_a_cuda_device(monkeypatch):
     assert "max_length=512" in m.tokens_source
     sharded = gather_memory_facts(SimpleNamespace(args=args), model, "fsdp")
     assert sharded.fixed_bytes is None and "sharded" in sharded.unknown
+
+
+def test_sequence_parallel_divides_the_tokens_per_device():
+    from hf_ddpfix.plan.memory import decide_memory_fit
+    from hf_ddpfix.plan.types import Decision
+
+    facts, off = _facts(65536), Decision(False, "not requested")
+    assert decide_memory_fit(facts, AUTO, "non_reentrant", off).features == ("tiled_loss",)
+    fit = decide_memory_fit(facts, AUTO, "non_reentrant", off, sp_size=2)  # 32K tokens per device: stock fits
+    assert fit.features == () and fit.tokens == 32768 and "sequence_parallel=2" in fit.reason
+
+
+def test_explicit_features_count_in_every_prefix():
+    """An explicit tiled loss makes 64K fit with no auto feature; the reason does not claim stock fits."""
+    c = DDPFixConfig(tiled_mlp="auto", tiled_loss="on", long_context="auto")
+    plan = resolve_plan(_facts(65536), c)
+    assert _values(plan) == ("on", False, False)
+    assert "fits with the explicit tiled_loss" in plan.tiled_mlp.reason and "stock fits" not in plan.tiled_mlp.reason

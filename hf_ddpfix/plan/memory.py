@@ -6,6 +6,7 @@ Pure rules (facts + options -> `Decision` with its reason), called by :func:`hf_
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 from ..config import DDPFixConfig, env_name
 from .memory_fit import MemoryFit, fit_memory
@@ -16,11 +17,13 @@ AUTO_OPTIONS = ("tiled_loss", "tiled_mlp", "long_context")
 _ALL_LONG_CONTEXT = "rms_norm,attention,tiled_layer"
 
 
-def decide_memory_fit(facts: RunFacts, c: DDPFixConfig, ckpt: str, offload: Decision) -> MemoryFit | None:
+def decide_memory_fit(facts: RunFacts, c: DDPFixConfig, ckpt: str, offload: Decision,
+                      sp_size: int = 1) -> MemoryFit | None:
     """The `auto` memory plan for this run (``None`` when no memory option is ``auto``).
 
     Options set explicitly are on in every projection (``long_context`` counted only when it is the full
-    set); the offload counts where the plan runs it.
+    set); the offload counts where the plan runs it; with sequence parallelism of ``sp_size`` ranks each
+    device holds ``ceil(tokens / sp_size)`` tokens.
     """
     auto = tuple(n for n in AUTO_OPTIONS if getattr(c, n) == "auto")
     if not auto:
@@ -30,7 +33,11 @@ def decide_memory_fit(facts: RunFacts, c: DDPFixConfig, ckpt: str, offload: Deci
         explicit.append("long_context")
     if offload.value is True:
         explicit.append("offload")
-    return fit_memory(facts.memory, auto, tuple(explicit), ckpt)
+    m = facts.memory
+    if m is not None and m.tokens and sp_size > 1:
+        m = replace(m, tokens=-(-int(m.tokens) // sp_size),
+                    tokens_source=f"{m.tokens_source} / sequence_parallel={sp_size}")
+    return fit_memory(m, auto, tuple(explicit), ckpt)
 
 
 def decide_offload(facts: RunFacts, c: DDPFixConfig, ckpt: str) -> Decision:
@@ -109,7 +116,7 @@ def decide_tiled_mlp(facts: RunFacts, c: DDPFixConfig, fit: MemoryFit | None = N
     if value == "auto" and fit is not None and fit.known:
         if not fit.turns_on("tiled_mlp"):
             return Decision(False, f"auto: not needed ({c.source('tiled_mlp')}); {fit.reason}")
-        tokens = int(facts.memory.tokens) if facts.memory and facts.memory.tokens else 0
+        tokens = fit.tokens
         if tokens < 8192:  # the auto shard rule would not tile below 8K: a fixed count tiles these steps
             value = str(max(2, math.ceil(tokens / 2048)))
     rule = {

@@ -89,6 +89,7 @@ class MemoryFit:
     need_bytes: int = 0
     budget_bytes: int = 0
     reason: str = ""
+    tokens: int = 0  # the tokens per device projected
 
     def turns_on(self, feature: str) -> bool:
         return self.known and feature in self.features
@@ -189,15 +190,16 @@ def fit_memory(m: MemoryFacts | None, auto: tuple[str, ...], explicit: tuple[str
         need, ok = project_bytes(m, on)
         if ok:
             chosen = tuple(candidates[:n])
-            what = ("stock fits: no auto memory feature turned on" if not chosen
-                    else f"cheapest set that fits: {'+'.join(chosen)}")
-            return MemoryFit(True, chosen, True, need, budget,
+            what = (f"cheapest set that fits: {'+'.join(chosen)}" if chosen
+                    else "stock fits: no auto memory feature turned on" if not base
+                    else f"fits with the explicit {'+'.join(sorted(base))}: no auto memory feature turned on")
+            return MemoryFit(True, chosen, True, need, budget, tokens=int(m.tokens or 0), reason=
                              f"auto memory plan: {what} ({need / GIB:.1f} of {budget / GIB:.1f} GiB, "
                              f"{int(FIT_FRACTION * 100)}% of the device; {src})")
     every = base | frozenset(candidates)
     hint = "" if "offload" in every else ", HF_DDPFIX_OFFLOAD_ACTIVATIONS=1"
     longest = _longest(m, every)
-    return MemoryFit(True, tuple(candidates), False, need, budget,
+    return MemoryFit(True, tuple(candidates), False, need, budget, tokens=int(m.tokens or 0), reason=
                      f"auto memory plan: WARNING projected not to fit even with every feature "
                      f"({'+'.join(sorted(every)) or 'none'}): needs {need / GIB:.1f} GiB, budget {budget / GIB:.1f} GiB; "
                      f"longest that fits about {longest} tokens per micro-batch. Fix: fewer tokens per step, "
