@@ -90,6 +90,13 @@ def _bool(name: str, value: Any) -> bool | None:
     return parse_bool(name, value, allow_auto=True)
 
 
+def _offload(name: str, value: Any) -> bool | str | None:
+    """A boolean, or auto (resolved by the plan, plan/memory_fit.py: on only where memory needs it)."""
+    if isinstance(value, str) and value.strip().lower() == "auto":
+        return "auto"
+    return parse_bool(name, value)
+
+
 def _checkpointing(name: str, value: Any) -> str | None:
     return parse_choice(name, value, ("auto", "non_reentrant", "reentrant"))
 
@@ -241,8 +248,10 @@ class DDPFixConfig:
         compat={"UNSLOTH_USE_GRADIENT_CHECKPOINTING": True},
     )
     strict: bool | None = option(_bool, "1: raise before training instead of correcting a known-bad explicit setting.")
-    offload_activations: bool | None = option(
-        _bool, "1: asynchronous CPU offload of checkpointed layer inputs (no-op without an accelerator)."
+    offload_activations: bool | str | None = option(
+        _offload,
+        "1: asynchronous CPU offload of checkpointed layer inputs (no-op without an accelerator); auto: on where "
+        "the memory plan needs it (unknown device memory or length: as unset).",
     )
     offload_min_layer_mib: int | None = option(
         _int0,

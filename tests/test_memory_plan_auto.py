@@ -181,3 +181,29 @@ def test_explicit_features_count_in_every_prefix():
     plan = resolve_plan(_facts(65536), c)
     assert _values(plan) == ("on", False, False)
     assert "fits with the explicit tiled_loss" in plan.tiled_mlp.reason and "stock fits" not in plan.tiled_mlp.reason
+
+
+OFFLOAD_AUTO = replace(AUTO, offload_activations="auto")
+
+
+@pytest.mark.parametrize("tokens, offload, expected", [
+    (131072, False, ("on", "auto", False)),  # fits without copying: no offload
+    (200 * 1024, True, ("on", "auto", False)),  # offload before the long-context layers (the ladder's order)
+    (280 * 1024, True, ("on", "auto", ALL_LC)),  # TiledMLP + offload would need more than the 64 GiB host cap
+])
+def test_offload_auto_is_a_rung_of_the_ladder(tokens, offload, expected):
+    plan = resolve_plan(_facts(tokens), OFFLOAD_AUTO)
+    assert plan.offload_activations.value is offload and _values(plan) == expected
+    assert "auto memory plan" in plan.offload_activations.reason
+
+
+def test_offload_auto_unknown_or_ineligible_is_unset():
+    assert DDPFixConfig(offload_activations="auto").offload_activations == "auto"
+    assert DDPFixConfig(offload_activations="1").offload_activations is True
+    cpu = resolve_plan(RunFacts(checkpointing="non_reentrant"), OFFLOAD_AUTO)  # today: auto meant unset
+    assert cpu.offload_activations.value is False and "today's auto rule kept" in cpu.offload_activations.reason
+    reentrant = replace(_facts(280 * 1024), checkpointing="reentrant", parallel="single")
+    assert resolve_plan(reentrant, OFFLOAD_AUTO).offload_activations.value is False
+    # transformers' own offload request stays what it was
+    asked = replace(_facts(1024), offload_requested=True)
+    assert resolve_plan(asked, OFFLOAD_AUTO).offload_activations.value is True

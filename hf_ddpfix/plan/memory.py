@@ -26,7 +26,10 @@ def decide_memory_fit(facts: RunFacts, c: DDPFixConfig, ckpt: str, offload: Deci
     device holds ``ceil(tokens / sp_size)`` tokens.
     """
     auto = tuple(n for n in AUTO_OPTIONS if getattr(c, n) == "auto")
-    if not auto:
+    if (c.offload_activations == "auto" and offload.value is not True and ckpt == "non_reentrant"
+            and facts.accelerator_available and (facts.rank_device or "cuda").startswith("cuda")):
+        auto += ("offload",)  # where the offload could run (CUDA, non-reentrant checkpointing)
+    if not auto and c.offload_activations != "auto":
         return None
     explicit = [n for n in ("tiled_loss", "tiled_mlp") if getattr(c, n) not in (None, "off", "auto")]
     if c.long_context == _ALL_LONG_CONTEXT:
@@ -40,11 +43,17 @@ def decide_memory_fit(facts: RunFacts, c: DDPFixConfig, ckpt: str, offload: Deci
     return fit_memory(m, auto, tuple(explicit), ckpt)
 
 
-def decide_offload(facts: RunFacts, c: DDPFixConfig, ckpt: str) -> Decision:
-    requested = bool(facts.offload_requested) if c.offload_activations is None else bool(c.offload_activations)
-    source = "activation_checkpointing_kwargs" if c.offload_activations is None else c.source("offload_activations")
+def decide_offload(facts: RunFacts, c: DDPFixConfig, ckpt: str, fit: MemoryFit | None = None) -> Decision:
+    """``offload_activations=auto``: as unset, unless the memory plan (``fit``) turns the offload on."""
+    option = c.offload_activations
+    memo = ""
+    if option == "auto":
+        option = True if fit is not None and fit.turns_on("offload") else None
+        memo = "" if fit is None else f"; auto: {fit.reason}"
+    requested = bool(facts.offload_requested) if option is None else bool(option)
+    source = "activation_checkpointing_kwargs" if option is None else c.source("offload_activations")
     if not requested:
-        return Decision(False, "not requested")
+        return Decision(False, f"not requested{memo}")
     if ckpt == "off":
         return Decision(False, f"requested ({source}) but checkpointing is off: nothing is saved to offload",
                         changed=bool(facts.offload_requested))
@@ -70,8 +79,8 @@ def decide_offload(facts: RunFacts, c: DDPFixConfig, ckpt: str) -> Decision:
                   f"0.99x at 64 MiB) ({c.source('offload_min_layer_mib')})")
     fsdp = ("; under FSDP2 the checkpointed inputs of each layer are copied, the sharded parameters are FSDP's"
             if facts.parallel == "fsdp" else "")
-    return Decision(True, f"async pinned-memory offload of checkpointed layer inputs ({source}); {policy}{fsdp}",
-                    changed=True)
+    return Decision(True, f"async pinned-memory offload of checkpointed layer inputs ({source}); {policy}{fsdp}"
+                    f"{memo}", changed=True)
 
 
 #: Offload policy default (MiB per checkpoint input): the smallest layer input at which offloading cost

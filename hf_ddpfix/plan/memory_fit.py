@@ -2,7 +2,7 @@
 
 Rule. The memory features, ordered by their time cost (cheapest first), are :data:`LADDER`: the tiled loss
 head, TiledMLP, the asynchronous activation offload, the long-context layers. For every option set to
-``auto`` (``tiled_loss``, ``tiled_mlp``, ``long_context``) :func:`fit_memory` projects the device bytes of
+``auto`` (``tiled_loss``, ``tiled_mlp``, ``offload_activations``, ``long_context``) :func:`fit_memory` projects the device bytes of
 one training step for each prefix of the ladder (the features the user turned on explicitly are on in
 every prefix; features that are off or unset are never turned on) and turns on the **smallest prefix whose
 projection fits** ``FIT_FRACTION`` of the device. A length where stock fits runs with no `auto` feature:
@@ -33,7 +33,7 @@ projects 71.0 GiB, measured peak 70.97 GiB; every feature projects 24.9 GiB, mea
 Unknown facts (no accelerator, no length the run names, checkpointing not non-reentrant, sharded
 weights): no projection; :func:`fit_memory` returns ``known=False`` with the reason, and each `auto`
 option keeps today's rule (``tiled_mlp=auto``: tile from 8K tokens; ``tiled_loss=auto``: on;
-``long_context=auto``: stock layers).
+``offload_activations=auto``: as unset; ``long_context=auto``: stock layers).
 
 Guarantees: pure (no torch, no device query); the chosen features are a prefix of the ladder restricted
 to the `auto` options; a prefix is chosen only if its projection fits; ``fits`` is ``False`` exactly when
@@ -51,8 +51,8 @@ __all__ = ["FIT_FRACTION", "LADDER", "LAYER_KIB_PER_TOKEN", "MemoryFit", "fit_me
 
 GIB = 1 << 30
 
-#: Memory features, cheapest time cost first (what each costs: docs/memory.md). Offload is on only when
-#: asked for (``offload_activations`` has no ``auto``); it sits in the ladder to be counted where it is on.
+#: Memory features, cheapest time cost first (what each costs: docs/memory.md). The offload is a candidate
+#: only where it could run (``offload_activations=auto`` on CUDA with non-reentrant checkpointing).
 LADDER: tuple[str, ...] = ("tiled_loss", "tiled_mlp", "offload", "long_context")
 
 #: The share of device memory a projection may use (the offload's "device full" mark is the same 90 %).

@@ -75,6 +75,8 @@ def resolve_plan(facts: RunFacts, config: DDPFixConfig | None = None) -> Plan:
     offload = memory.decide_offload(facts, c, mode)
     fit = memory.decide_memory_fit(  # the `auto` memory options (plan/memory_fit.py)
         facts, c, mode, offload, sp_size_of(sequence_parallel.value))
+    if c.offload_activations == "auto":
+        offload = memory.decide_offload(facts, c, mode, fit)
     guard = ddp_rules.decide_hang_guard(facts, c, ddp, bool(fu.value), bool(stabilizer.value), bool(usage.value))
     return Plan(
         parallel=facts.parallel,
