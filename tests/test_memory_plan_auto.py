@@ -207,3 +207,8 @@ def test_offload_auto_unknown_or_ineligible_is_unset():
     # transformers' own offload request stays what it was
     asked = replace(_facts(1024), offload_requested=True)
     assert resolve_plan(asked, OFFLOAD_AUTO).offload_activations.value is True
+
+
+def test_offload_auto_on_mps_keeps_transformers_offload_as_unset_does():
+    facts = RunFacts(checkpointing="non_reentrant", accelerator_available=True, rank_device="mps", offload_requested=True)
+    assert resolve_plan(facts, OFFLOAD_AUTO).offload_activations == resolve_plan(facts, DDPFixConfig()).offload_activations

@@ -65,7 +65,7 @@ def decide_offload(facts: RunFacts, c: DDPFixConfig, ckpt: str, fit: MemoryFit |
                         "offload to; stock would crash in pin_memory)", changed=bool(facts.offload_requested))
     device_type = (facts.rank_device or "cuda").split(":")[0]
     if device_type not in ("cuda", "cpu", "meta"):  # ROCm reports "cuda" too; MPS, XPU, NPU, HPU do not
-        if facts.offload_requested and c.offload_activations is None:
+        if facts.offload_requested and option is None:  # unset or auto: transformers' request decides
             return Decision("stock", f"on {device_type}: transformers' own offload kept (blocking save_on_cpu "
                             "copies); hf_ddpfix's asynchronous offload supports CUDA/ROCm only")
         return Decision(False, f"off on {device_type}: hf_ddpfix's asynchronous offload supports CUDA/ROCm only, "
