@@ -178,10 +178,13 @@ def gather_facts(trainer: Any, model: nn.Module | None = None) -> RunFacts:
     )
 
 
-#: Where a run names its longest sequence, in the order read: TRL's configs, then a collator that pads to
-#: ``max_length``. The model config's ``max_position_embeddings`` is not read: an upper bound far above
-#: most runs (128K on Llama 3.1) that would turn every memory feature on.
-LENGTH_FIELDS = ("max_length", "max_seq_length")
+#: Where a run names its longest sequence, in the order read: TRL's ``SFTConfig.max_length`` (sequences
+#: are truncated or packed to it), a ``max_seq_length`` field, then a collator that pads to ``max_length``.
+#: Preference / RL configs (DPO, KTO, GRPO, reward: chosen and rejected concatenated, prompt + completion
+#: lengths) are not read: their ``max_length`` is not the tokens of one forward. The model config's
+#: ``max_position_embeddings`` is not read either: an upper bound far above most runs (128K on Llama 3.1)
+#: that would turn every memory feature on.
+LENGTH_FIELDS = {"max_length": ("SFTConfig",), "max_seq_length": None}
 
 
 def tokens_per_step(trainer: Any) -> tuple[int | None, str]:
@@ -189,7 +192,9 @@ def tokens_per_step(trainer: Any) -> tuple[int | None, str]:
     where it was read; ``(None, why)`` when the run names no length."""
     args = trainer.args
     batch = int(getattr(args, "per_device_train_batch_size", 1) or 1)
-    for name in LENGTH_FIELDS:
+    for name, configs in LENGTH_FIELDS.items():
+        if configs is not None and not any(c.__name__ in configs for c in type(args).__mro__):
+            continue
         value = getattr(args, name, None)
         if isinstance(value, int) and not isinstance(value, bool) and value > 0:
             return value * batch, f"{type(args).__name__}.{name}={value} x per_device_train_batch_size={batch}"

@@ -129,8 +129,15 @@ def test_config_keeps_auto():
 
 
 def test_tokens_per_step_sources():
-    args = SimpleNamespace(max_length=2048, per_device_train_batch_size=2)
-    assert tokens_per_step(SimpleNamespace(args=args))[0] == 4096
+    class SFTConfig(SimpleNamespace):
+        pass
+
+    class DPOConfig(SimpleNamespace):  # chosen + rejected concatenated: max_length is not one forward's tokens
+        pass
+
+    assert tokens_per_step(SimpleNamespace(args=SFTConfig(max_length=2048, per_device_train_batch_size=2)))[0] == 4096
+    assert tokens_per_step(SimpleNamespace(args=DPOConfig(max_length=2048, per_device_train_batch_size=2)))[0] is None
+    assert tokens_per_step(SimpleNamespace(args=SimpleNamespace(max_seq_length=512)))[0] == 512
     collator = SimpleNamespace(padding="max_length", max_length=1000)
     plain = SimpleNamespace(per_device_train_batch_size=1)
     assert tokens_per_step(SimpleNamespace(args=plain, data_collator=collator))[0] == 1000
@@ -154,13 +161,13 @@ def test_gather_memory_facts_on_a_cuda_device(monkeypatch):
     model.lm_head.weight.requires_grad_(True)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda d: SimpleNamespace(total_memory=80 * GIB))
-    args = SimpleNamespace(device="cuda:0", max_length=512, per_device_train_batch_size=2, bf16=True)
+    args = SimpleNamespace(device="cuda:0", max_seq_length=512, per_device_train_batch_size=2, bf16=True)
     m = gather_memory_facts(SimpleNamespace(args=args), model, "ddp")
     params = sum(p.numel() * p.element_size() for p in model.parameters())
     assert m == MemoryFacts(device_total_bytes=80 * GIB, tokens=1024, tokens_source=m.tokens_source, layers=2,
                             hidden=32, vocab=128, dtype_bytes=2, fixed_bytes=params + 12 * 128 * 32,
                             host_budget_bytes=m.host_budget_bytes, unknown="")
-    assert "max_length=512" in m.tokens_source
+    assert "max_seq_length=512" in m.tokens_source
     sharded = gather_memory_facts(SimpleNamespace(args=args), model, "fsdp")
     assert sharded.fixed_bytes is None and "sharded" in sharded.unknown
 
