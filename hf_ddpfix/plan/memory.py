@@ -49,7 +49,7 @@ def decide_offload(facts: RunFacts, c: DDPFixConfig, ckpt: str, fit: MemoryFit |
     memo = ""
     if option == "auto":
         option = True if fit is not None and fit.turns_on("offload") else None
-        memo = "" if fit is None else f"; auto: {fit.reason}"
+        memo = "" if fit is None else f"; {fit.reason}"
     requested = bool(facts.offload_requested) if option is None else bool(option)
     source = "activation_checkpointing_kwargs" if option is None else c.source("offload_activations")
     if not requested:
@@ -174,7 +174,7 @@ def decide_tiled_loss(facts: RunFacts, c: DDPFixConfig, fit: MemoryFit | None = 
     if value == "auto":
         if fit is not None and fit.known and not fit.turns_on("tiled_loss"):
             return Decision(False, f"auto: not needed ({c.source('tiled_loss')}); {fit.reason}")
-        value, memo = "on", ("" if fit is None else f"; auto: {fit.reason}")
+        value, memo = "on", ("" if fit is None else f"; {fit.reason}")
     chunk = "auto chunk" if value == "on" else f"{value} tokens per chunk"
     fsdp = ("; under FSDP2 it runs as the forward of lm_head's unit (accelerate's [norm, head]), which gathers the "
             "head's weight and reduce-scatters its gradient" if facts.parallel == "fsdp" else "")
