@@ -90,6 +90,13 @@ def _bool(name: str, value: Any) -> bool | None:
     return parse_bool(name, value, allow_auto=True)
 
 
+def _offload(name: str, value: Any) -> bool | str | None:
+    """A boolean, or auto (resolved by the plan, plan/memory_fit.py: on only where memory needs it)."""
+    if isinstance(value, str) and value.strip().lower() == "auto":
+        return "auto"
+    return parse_bool(name, value)
+
+
 def _checkpointing(name: str, value: Any) -> str | None:
     return parse_choice(name, value, ("auto", "non_reentrant", "reentrant"))
 
@@ -125,7 +132,9 @@ def _tiled_loss(name: str, value: Any) -> str | None:
     low = v.lower()
     if low in _FALSE:
         return "off"
-    if low in _TRUE or low == "auto":
+    if low == "auto":  # resolved by the plan (plan/memory_fit.py): on only where memory needs it
+        return "auto"
+    if low in _TRUE:
         return "on"
     if low.isdigit() and int(low) >= 1:
         return low
@@ -139,6 +148,8 @@ def _long_context(name: str, value: Any) -> str | None:
     v = parse_str(name, value)
     if v is None:
         return None
+    if v.strip().lower() == "auto":  # resolved by the plan (plan/memory_fit.py): on only where memory needs it
+        return "auto"
     feats = parse_long_context_setting(v, name=name)
     return ",".join(feats) if feats else "off"
 
@@ -237,8 +248,10 @@ class DDPFixConfig:
         compat={"UNSLOTH_USE_GRADIENT_CHECKPOINTING": True},
     )
     strict: bool | None = option(_bool, "1: raise before training instead of correcting a known-bad explicit setting.")
-    offload_activations: bool | None = option(
-        _bool, "1: asynchronous CPU offload of checkpointed layer inputs (no-op without an accelerator)."
+    offload_activations: bool | str | None = option(
+        _offload,
+        "1: asynchronous CPU offload of checkpointed layer inputs (no-op without an accelerator); auto: on where "
+        "the memory plan needs it (unknown device memory or length: as unset).",
     )
     offload_min_layer_mib: int | None = option(
         _int0,
@@ -269,19 +282,22 @@ class DDPFixConfig:
     )
     tiled_mlp: str | None = option(
         _tiled_mlp,
-        "TiledMLP: off, auto (no tiling below 8K tokens, then 2K tokens per shard), N shards, arctic "
+        "TiledMLP: off, auto (where the memory plan needs it; unknown device memory or length: no tiling "
+        "below 8K tokens, then 2K tokens per shard), N shards, arctic "
         "(ceil(tokens/hidden) shards), target, target:GB (one shard's MLP intermediate fits GB).",
         compat={"UNSLOTH_TILED_MLP": None},  # value passed through (arctic / target / target:GB)
     )
     tiled_loss: str | None = option(
         _tiled_loss,
         "Tiled lm_head + cross-entropy that never holds the full logits: off, on (chunk size chosen per run), "
-        "auto (the same as on), N label tokens per chunk.",
+        "auto (on where the memory plan needs it; on when device memory or length is unknown), N label tokens "
+        "per chunk.",
     )
     long_context: str | None = option(
         _long_context,
         "Decoder layers for long sequences, by structure (docs/long-context-families.md lists the families "
-        "tested): off, all (on), or a comma list of rms_norm (saves bf16 "
+        "tested): off, all (on), auto (all where the memory plan needs it, else stock layers), or a comma list "
+        "of rms_norm (saves bf16 "
         "input + fp32 rstd), attention (flash per KV-head group), tiled_layer (norms, q/k/v/o with LoRA, rotary "
         "and MLP in 2K-token tiles). Ledger: 345 -> 53 KiB/token per Llama-8B layer.",
     )

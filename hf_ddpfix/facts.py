@@ -23,8 +23,8 @@ from .integrations.deepspeed import gather_deepspeed_facts
 from .integrations.fsdp.units import gather_fsdp_facts
 from .integrations.sequence_parallel.facts import gather_sequence_parallel_facts
 from .integrations.vision import families
-from .ops.offload.host_memory import physical_bytes
-from .plan.types import ParallelMode, RunFacts
+from .ops.offload.host_memory import DEFAULT_HOST_FRACTION, physical_bytes
+from .plan.types import MemoryFacts, ParallelMode, RunFacts
 
 MOE_CONFIG_KEYS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts")
 
@@ -174,6 +174,68 @@ def gather_facts(trainer: Any, model: nn.Module | None = None) -> RunFacts:
         loss_unseen=loss_unseen_reason(trainer),
         sequence_parallel=gather_sequence_parallel_facts(trainer, model),
         checkpoint_function="; ".join(tools) or None,
+        memory=gather_memory_facts(trainer, model, parallel),
+    )
+
+
+#: Where a run names its longest sequence, in the order read: TRL's ``SFTConfig.max_length`` (sequences
+#: are truncated or packed to it), a ``max_seq_length`` field, then a collator that pads to ``max_length``.
+#: Preference / RL configs (DPO, KTO, GRPO, reward: chosen and rejected concatenated, prompt + completion
+#: lengths) are not read: their ``max_length`` is not the tokens of one forward. The model config's
+#: ``max_position_embeddings`` is not read either: an upper bound far above most runs (128K on Llama 3.1)
+#: that would turn every memory feature on.
+LENGTH_FIELDS = {"max_length": ("SFTConfig",), "max_seq_length": None}
+
+
+def tokens_per_step(trainer: Any) -> tuple[int | None, str]:
+    """The longest tokens per micro-batch on one device the run names (length x micro-batch size), and
+    where it was read; ``(None, why)`` when the run names no length."""
+    args = trainer.args
+    batch = int(getattr(args, "per_device_train_batch_size", 1) or 1)
+    for name, configs in LENGTH_FIELDS.items():
+        if configs is not None and not any(c.__name__ in configs for c in type(args).__mro__):
+            continue
+        value = getattr(args, name, None)
+        if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+            return value * batch, f"{type(args).__name__}.{name}={value} x per_device_train_batch_size={batch}"
+    collator = getattr(trainer, "data_collator", None)
+    value = getattr(collator, "max_length", None)
+    if getattr(collator, "padding", None) == "max_length" and isinstance(value, int) and value > 0:
+        return value * batch, f"{type(collator).__name__}.max_length={value} x per_device_train_batch_size={batch}"
+    return None, "the run names no sequence length (args.max_length / max_seq_length, a max_length collator)"
+
+
+def gather_memory_facts(trainer: Any, model: nn.Module, parallel: str) -> MemoryFacts | None:
+    """Device memory, tokens per step and model sizes for the `auto` memory options (plan/memory_fit.py).
+
+    ``None`` unless the run trains on a CUDA device (CPU runs keep today's `auto` rules unchanged). The fixed
+    bytes are an estimate: the parameters' bytes plus 12 bytes per trainable parameter (its fp32 gradient
+    and AdamW's two moments); under FSDP / ZeRO they are left unknown (the weights are sharded).
+    """
+    device = torch.device(trainer.args.device)
+    if device.type != "cuda" or not torch.cuda.is_available():
+        return None
+    tokens, source = tokens_per_step(trainer)
+    config = getattr(model, "config", None)
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    sizes = {n: getattr(text, n, None) for n in ("num_hidden_layers", "hidden_size", "vocab_size")}
+    fixed = None
+    unknown = "" if tokens is not None else source
+    if parallel in ("fsdp", "deepspeed"):
+        unknown = unknown or f"{parallel}: weights sharded, the per-device fixed bytes are not projected"
+    else:
+        fixed = sum(p.numel() * p.element_size() + (12 * p.numel() if p.requires_grad else 0)
+                    for p in model.parameters())
+    host = physical_bytes()
+    args = trainer.args
+    return MemoryFacts(
+        device_total_bytes=int(torch.cuda.get_device_properties(device).total_memory),
+        tokens=tokens, tokens_source=source if tokens is not None else "",
+        layers=sizes["num_hidden_layers"], hidden=sizes["hidden_size"], vocab=sizes["vocab_size"],
+        dtype_bytes=2 if (getattr(args, "bf16", False) or getattr(args, "fp16", False)) else 4,
+        fixed_bytes=fixed,
+        host_budget_bytes=None if host is None else int(host * DEFAULT_HOST_FRACTION) // _local_processes(),
+        unknown=unknown,
     )
 
 

@@ -122,7 +122,8 @@ def test_options_page_table_is_rendered_from_the_config():
     assert block == table.render(), "docs/options.md is stale: python scripts/options_table.py --readme"
     # the compatibility variable reads as what it does: UNSLOTH_DISABLE_DDP_STATIC_GRAPH=1 turns static graph off
     assert "`UNSLOTH_DISABLE_DDP_STATIC_GRAPH`=1 means 0" in block
-    assert "auto (the same as on)" in block  # HF_DDPFIX_TILED_LOSS=auto is accepted: say what it means
+    # HF_DDPFIX_TILED_LOSS=auto is accepted: say what it means (the memory plan decides, plan/memory_fit.py)
+    assert "auto (on where the memory plan needs it; on when device memory or length is unknown)" in block
 
 
 def test_every_variable_named_in_the_package_is_an_option():

@@ -5,15 +5,55 @@ Pure rules (facts + options -> `Decision` with its reason), called by :func:`hf_
 
 from __future__ import annotations
 
+import math
+from dataclasses import replace
+
 from ..config import DDPFixConfig, env_name
+from .memory_fit import MemoryFit, fit_memory
 from .types import Decision, RunFacts
 
+#: The features the `auto` memory plan governs, by option name (plan/memory_fit.py's ladder names).
+AUTO_OPTIONS = ("tiled_loss", "tiled_mlp", "long_context")
+_ALL_LONG_CONTEXT = "rms_norm,attention,tiled_layer"
 
-def decide_offload(facts: RunFacts, c: DDPFixConfig, ckpt: str) -> Decision:
-    requested = bool(facts.offload_requested) if c.offload_activations is None else bool(c.offload_activations)
-    source = "activation_checkpointing_kwargs" if c.offload_activations is None else c.source("offload_activations")
+
+def decide_memory_fit(facts: RunFacts, c: DDPFixConfig, ckpt: str, offload: Decision,
+                      sp_size: int = 1) -> MemoryFit | None:
+    """The `auto` memory plan for this run (``None`` when no memory option is ``auto``).
+
+    Options set explicitly are on in every projection (``long_context`` counted only when it is the full
+    set); the offload counts where the plan runs it; with sequence parallelism of ``sp_size`` ranks each
+    device holds ``ceil(tokens / sp_size)`` tokens.
+    """
+    auto = tuple(n for n in AUTO_OPTIONS if getattr(c, n) == "auto")
+    if (c.offload_activations == "auto" and offload.value is not True and ckpt == "non_reentrant"
+            and facts.accelerator_available and (facts.rank_device or "cuda").startswith("cuda")):
+        auto += ("offload",)  # where the offload could run (CUDA, non-reentrant checkpointing)
+    if not auto and c.offload_activations != "auto":
+        return None
+    explicit = [n for n in ("tiled_loss", "tiled_mlp") if getattr(c, n) not in (None, "off", "auto")]
+    if c.long_context == _ALL_LONG_CONTEXT:
+        explicit.append("long_context")
+    if offload.value is True:
+        explicit.append("offload")
+    m = facts.memory
+    if m is not None and m.tokens and sp_size > 1:
+        m = replace(m, tokens=-(-int(m.tokens) // sp_size),
+                    tokens_source=f"{m.tokens_source} / sequence_parallel={sp_size}")
+    return fit_memory(m, auto, tuple(explicit), ckpt)
+
+
+def decide_offload(facts: RunFacts, c: DDPFixConfig, ckpt: str, fit: MemoryFit | None = None) -> Decision:
+    """``offload_activations=auto``: as unset, unless the memory plan (``fit``) turns the offload on."""
+    option = c.offload_activations
+    memo = ""
+    if option == "auto":
+        option = True if fit is not None and fit.turns_on("offload") else None
+        memo = "" if fit is None else f"; {fit.reason}"
+    requested = bool(facts.offload_requested) if option is None else bool(option)
+    source = "activation_checkpointing_kwargs" if option is None else c.source("offload_activations")
     if not requested:
-        return Decision(False, "not requested")
+        return Decision(False, f"not requested{memo}")
     if ckpt == "off":
         return Decision(False, f"requested ({source}) but checkpointing is off: nothing is saved to offload",
                         changed=bool(facts.offload_requested))
@@ -25,7 +65,7 @@ def decide_offload(facts: RunFacts, c: DDPFixConfig, ckpt: str) -> Decision:
                         "offload to; stock would crash in pin_memory)", changed=bool(facts.offload_requested))
     device_type = (facts.rank_device or "cuda").split(":")[0]
     if device_type not in ("cuda", "cpu", "meta"):  # ROCm reports "cuda" too; MPS, XPU, NPU, HPU do not
-        if facts.offload_requested and c.offload_activations is None:
+        if facts.offload_requested and option is None:  # unset or auto: transformers' request decides
             return Decision("stock", f"on {device_type}: transformers' own offload kept (blocking save_on_cpu "
                             "copies); hf_ddpfix's asynchronous offload supports CUDA/ROCm only")
         return Decision(False, f"off on {device_type}: hf_ddpfix's asynchronous offload supports CUDA/ROCm only, "
@@ -39,8 +79,8 @@ def decide_offload(facts: RunFacts, c: DDPFixConfig, ckpt: str) -> Decision:
                   f"0.99x at 64 MiB) ({c.source('offload_min_layer_mib')})")
     fsdp = ("; under FSDP2 the checkpointed inputs of each layer are copied, the sharded parameters are FSDP's"
             if facts.parallel == "fsdp" else "")
-    return Decision(True, f"async pinned-memory offload of checkpointed layer inputs ({source}); {policy}{fsdp}",
-                    changed=True)
+    return Decision(True, f"async pinned-memory offload of checkpointed layer inputs ({source}); {policy}{fsdp}"
+                    f"{memo}", changed=True)
 
 
 #: Offload policy default (MiB per checkpoint input): the smallest layer input at which offloading cost
@@ -78,10 +118,16 @@ def offload_max_pool_bytes(facts: RunFacts, c: DDPFixConfig | None) -> int | str
     return cap
 
 
-def decide_tiled_mlp(facts: RunFacts, c: DDPFixConfig) -> Decision:
+def decide_tiled_mlp(facts: RunFacts, c: DDPFixConfig, fit: MemoryFit | None = None) -> Decision:
     value = c.tiled_mlp
     if value is None or value == "off":
         return Decision(False, "not requested" if value is None else f"off ({c.source('tiled_mlp')})")
+    if value == "auto" and fit is not None and fit.known:
+        if not fit.turns_on("tiled_mlp"):
+            return Decision(False, f"auto: not needed ({c.source('tiled_mlp')}); {fit.reason}")
+        tokens = fit.tokens
+        if tokens < 8192:  # the auto shard rule would not tile below 8K: a fixed count tiles these steps
+            value = str(max(2, math.ceil(tokens / 2048)))
     rule = {
         "auto": "no tiling below 8K tokens, then ceil(tokens/2048) shards",
         "arctic": "ceil(tokens/hidden) shards",
@@ -90,15 +136,24 @@ def decide_tiled_mlp(facts: RunFacts, c: DDPFixConfig) -> Decision:
     sync = ("; shard count all-reduced (MAX) so FSDP ranks gather alike, in training forwards only (under "
             "no_grad, e.g. a rank-0-only evaluation, the MLP runs untiled with no collective)"
             if facts.parallel == "fsdp" else "")
-    return Decision(value, f"{rule}, one gradient hook per parameter ({c.source('tiled_mlp')}){sync}", True)
+    memo = "" if fit is None else f"; {fit.reason}"
+    return Decision(value, f"{rule}, one gradient hook per parameter ({c.source('tiled_mlp')}){sync}{memo}", True)
 
 
-def decide_long_context(facts: RunFacts, c: DDPFixConfig, ckpt: str) -> Decision:
+def decide_long_context(facts: RunFacts, c: DDPFixConfig, ckpt: str, fit: MemoryFit | None = None) -> Decision:
     """Patched Llama-style layers (integrations/long_context/long_context.py): gradients equal stock (tests), every
-    non-plain call (mask, cache, packing kwargs) runs stock at call time, other layer classes are left alone."""
+    non-plain call (mask, cache, packing kwargs) runs stock at call time, other layer classes are left alone.
+    ``auto``: every layer feature where the memory plan needs it (``fit``), else stock layers."""
     value = c.long_context
     if value is None or value == "off":
         return Decision(False, "not requested" if value is None else f"off ({c.source('long_context')})")
+    memo = ""
+    if value == "auto":
+        if fit is None or not fit.turns_on("long_context"):
+            what = "not needed" if fit is not None and fit.known else "stock layers"
+            return Decision(False, f"auto: {what} ({c.source('long_context')})"
+                            + (f"; {fit.reason}" if fit is not None else ""))
+        value, memo = _ALL_LONG_CONTEXT, f"; {fit.reason}"
     notes = []
     if ckpt == "off":
         notes.append("checkpointing is off: each layer keeps q/k/v and the attention output (28 KiB/token on "
@@ -107,15 +162,21 @@ def decide_long_context(facts: RunFacts, c: DDPFixConfig, ckpt: str) -> Decision
         notes.append("tile count all-reduced (MAX) so FSDP ranks gather alike")
     extra = ("; " + "; ".join(notes)) if notes else ""
     return Decision(value, f"Llama-style layers patched where source-identical to LlamaDecoderLayer, masked/cached "
-                    f"calls run stock ({c.source('long_context')}){extra}", changed=True)
+                    f"calls run stock ({c.source('long_context')}){extra}{memo}", changed=True)
 
 
-def decide_tiled_loss(facts: RunFacts, c: DDPFixConfig) -> Decision:
+def decide_tiled_loss(facts: RunFacts, c: DDPFixConfig, fit: MemoryFit | None = None) -> Decision:
+    """``auto``: on where the memory plan needs it (``fit``); on when its facts are unknown (today's rule)."""
     value = c.tiled_loss
     if value is None or value == "off":
         return Decision(False, "not requested" if value is None else f"off ({c.source('tiled_loss')})")
+    memo = ""
+    if value == "auto":
+        if fit is not None and fit.known and not fit.turns_on("tiled_loss"):
+            return Decision(False, f"auto: not needed ({c.source('tiled_loss')}); {fit.reason}")
+        value, memo = "on", ("" if fit is None else f"; {fit.reason}")
     chunk = "auto chunk" if value == "on" else f"{value} tokens per chunk"
     fsdp = ("; under FSDP2 it runs as the forward of lm_head's unit (accelerate's [norm, head]), which gathers the "
             "head's weight and reduce-scatters its gradient" if facts.parallel == "fsdp" else "")
     return Decision(value, f"lm_head + cross-entropy in chunks, full logits never held, {chunk} "
-                    f"({c.source('tiled_loss')}){fsdp}", changed=True)
+                    f"({c.source('tiled_loss')}){fsdp}{memo}", changed=True)

@@ -23,7 +23,7 @@ from . import ddp as ddp_rules
 from . import deepspeed as ds_rules
 from . import memory, quantized, vision
 from .fsdp import decide_fsdp_units, fsdp_vision_decisions
-from .sequence_parallel import decide_sequence_parallel
+from .sequence_parallel import decide_sequence_parallel, sp_size_of
 from .types import CheckpointMode, Plan, PlanError, RunFacts
 
 __all__ = ["resolve_plan"]
@@ -73,6 +73,10 @@ def resolve_plan(facts: RunFacts, config: DDPFixConfig | None = None) -> Plan:
     fu = ddp_rules.decide_find_unused(facts, c, ddp, mode, unused_reason, bool(stabilizer.value), correct, usage)
     static = ddp_rules.decide_static_graph(facts, c, ddp, checkpointed, unused_reason, correct)
     offload = memory.decide_offload(facts, c, mode)
+    fit = memory.decide_memory_fit(  # the `auto` memory options (plan/memory_fit.py)
+        facts, c, mode, offload, sp_size_of(sequence_parallel.value))
+    if c.offload_activations == "auto":
+        offload = memory.decide_offload(facts, c, mode, fit)
     guard = ddp_rules.decide_hang_guard(facts, c, ddp, bool(fu.value), bool(stabilizer.value), bool(usage.value))
     return Plan(
         parallel=facts.parallel,
@@ -86,10 +90,10 @@ def resolve_plan(facts: RunFacts, config: DDPFixConfig | None = None) -> Plan:
         fsdp_units=units,
         hang_guard=guard,
         # opt-in tiling reads partitioned (empty) weights under ZeRO-3: not verified there, stock kept
-        tiled_mlp=ds_rules.zero3_unverified(facts, memory.decide_tiled_mlp(facts, c)),
-        tiled_loss=ds_rules.zero3_unverified(facts, memory.decide_tiled_loss(facts, c)),
+        tiled_mlp=ds_rules.zero3_unverified(facts, memory.decide_tiled_mlp(facts, c, fit)),
+        tiled_loss=ds_rules.zero3_unverified(facts, memory.decide_tiled_loss(facts, c, fit)),
         sequence_parallel=sequence_parallel,
-        long_context=ds_rules.zero3_unverified(facts, memory.decide_long_context(facts, c, mode)),
+        long_context=ds_rules.zero3_unverified(facts, memory.decide_long_context(facts, c, mode, fit)),
         quantization=quantization,
         parameter_usage=usage,
         deepspeed=ds_rules.engine(facts),

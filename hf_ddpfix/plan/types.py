@@ -46,6 +46,34 @@ class QuantStorageError(PlanError):
 
 
 @dataclass(frozen=True)
+class MemoryFacts:
+    """What the `auto` memory plan (`hf_ddpfix.plan.memory_fit`) reads about one device's step.
+
+    Attributes:
+        device_total_bytes: the training device's memory, `None` when unknown (no accelerator).
+        tokens: the longest tokens per micro-batch on this device (max sequence length x micro-batch size),
+            `None` when the run names no length; `tokens_source` says where it was read.
+        layers / hidden / vocab: the decoder's layer count, hidden size and vocabulary (text config).
+        dtype_bytes: bytes per activation element (2: bf16/fp16 autocast).
+        fixed_bytes: device bytes that do not grow with tokens (weights, trainable gradients and AdamW state:
+            an estimate), `None` when unknown (e.g. weights sharded by FSDP / ZeRO).
+        host_budget_bytes: pinned host memory the offload may hold (the pool's cap), `None`: unknown.
+        unknown: why the gatherer could not read a fact ("" when it read them all).
+    """
+
+    device_total_bytes: int | None = None
+    tokens: int | None = None
+    tokens_source: str = ""
+    layers: int | None = None
+    hidden: int | None = None
+    vocab: int | None = None
+    dtype_bytes: int = 2
+    fixed_bytes: int | None = None
+    host_budget_bytes: int | None = None
+    unknown: str = ""
+
+
+@dataclass(frozen=True)
 class RunFacts:
     """What the plan needs to know about a run. Gathered by `hf_ddpfix.facts`, or built by hand in tests.
 
@@ -81,6 +109,8 @@ class RunFacts:
         fsdp: the wrap facts of an FSDP run (`hf_ddpfix.integrations.fsdp.FsdpFacts`), `None` otherwise.
         deepspeed: version, offload, MoE blocks, dtypes of a DeepSpeed run
             (`hf_ddpfix.integrations.deepspeed.DeepSpeedFacts`), `None` without DeepSpeed.
+        memory: device memory, tokens per step and model sizes for the `auto` memory options
+            (`MemoryFacts`), `None` when not gathered (no accelerator: today's `auto` rules apply).
     """
 
     parallel: ParallelMode = "single"
@@ -110,6 +140,7 @@ class RunFacts:
     sequence_parallel: SequenceParallelFacts | None = None  # attention and heads (plan/sequence_parallel.py)
     loss_unseen: str | None = None
     checkpoint_function: str | None = None
+    memory: MemoryFacts | None = None
 
     def stock_find_unused(self) -> bool:
         """What stock `Trainer._build_accelerator_args` picks (REFERENCES.md §1)."""
