@@ -39,3 +39,11 @@ def test_hf_ddpfix_adds_no_host_read_per_micro_batch_and_no_collective(tmp_path)
             # optimizer step (it has vision parameters to reset), the image rank (0) nothing
             expected = {"read:tolist": 1} if (case == "vlm" and rank == 1) else {}
             assert reads == expected, (case, rank, added)
+        # every agreement is read once on every rank: at the step (a rank with something to reset) or, on the
+        # others, its two trainable-set flag bytes late, from host memory (on_step_end, outside the window above:
+        # no device read; on a GPU a completed event's pinned copy), so a rank that changed nothing still learns
+        # that another did and raises before its next collective (tests/test_trainable_set.py)
+        for rank, agreement in enumerate(per["patched"]["ddp_by_rank"]):
+            assert agreement["agreement_late_waits"] == 0, (case, rank, agreement)
+            assert agreement["agreement_reads"] + agreement["agreement_late_reads"] == agreement["agreement_issued"] > 0, (
+                case, rank, agreement)
