@@ -6,8 +6,9 @@ one byte per trainable tensor). Counts only: the times are the benchmark's, neve
 
 The trainable-set watch (issue 28, ``integrations/trainable_set.py``: a parameter unfrozen after wrapping is
 reduced or refused at that step, never a silent drift) adds nothing either: its "my trainable set changed" flag
-rides in the usage agreement's all-reduce (two more bytes) and is read only by a rank that changed its set or
-has a parameter to reset."""
+rides in the usage agreement's all-reduce (two more bytes) and is read at the step only by a rank that changed its
+set or has a parameter to reset; every other rank reads those two bytes from host memory at ``on_step_end`` (no
+device read; asserted from the agreement's own counters), so it too raises where another rank changed its set."""
 
 from __future__ import annotations
 

@@ -12,7 +12,9 @@ Two collectives of one byte per trainable parameter, used by ``ParameterUsage``
   a rank that used every parameter itself knows the answer (all used) and never reads it: it is waited
   for (a stream wait on NCCL, no host read) at the next step. Only a rank with parameters it did not use
   waits and reads the mask (one device->host read). Every rank issues the same collective at the same
-  point whatever it used, so no rank can wait alone; the answer is the same OR either way.
+  point whatever it used, so no rank can wait alone; the answer is the same OR either way. A per-rank flag
+  can ride along (the trainable-set watch's); a rank that did not read it reads it later from host memory
+  (:meth:`UsageAgreement.late_flags`, before its next collective; no device->host read).
   :func:`agree_used` is the blocking form (the mask as a tensor).
 
 Contract: without an initialised process group (or in a one-process group) each function answers
