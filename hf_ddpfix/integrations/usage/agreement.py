@@ -127,6 +127,7 @@ class UsageAgreement:
         if not dist_ready(group):
             return set(unused_here), (None if flag is None else (bool(flag), bool(flag)))
         self.wait()
+        self._late = None  # a previous step's unread flags: that step's on_step_end did not run (nothing to act on)
         device = collective_device(group)
         read = bool(unused_here) or bool(flag)
         if read:
