@@ -17,7 +17,9 @@ Python's or DDP's reducer's (`c10d.allreduce_` ...; bytes = the input tensors'),
 every host read of a tensor (`item`, `tolist`, `cpu`, `numpy`, `__bool__`, `__int__`, `__float__`,
 `__index__`: on a GPU each waits for the queued work). Each optimizer step is counted between the
 Trainer's `on_step_begin` and `on_step_end`; steps after the first `WARMUP_STEPS` are the steady state
-and must all be equal (the script fails otherwise). Log-time reads (every `logging_steps`) fall outside these windows.
+and must all be equal (the script fails otherwise). Log-time reads (every `logging_steps`) fall outside these windows,
+and so does the trainable-set flags' late read of host memory (hf_ddpfix's `on_step_end`, after this script's):
+the usage agreement's own counters report it (`agreement_*` in each run's `ddp_by_rank` entries).
 
 Timing: `--pairs` pairs of runs (stock then patched, alternating, same weights and data), each `--steps`
 optimizer steps without the counting modes; seconds per step = median over the steady steps of a run;
@@ -178,16 +180,39 @@ def run_once(case: str, steps: int, rank: int, out: str, patched: bool, callback
     if patched:
         patch_trainer()
     try:
-        trainer = build(case, steps, rank, out, patched, callbacks)
+        from transformers import TrainerCallback
+
+        agreed: dict[str, int] = {}
+        held: list[Any] = []
+
+        class AtEnd(TrainerCallback):  # hf_ddpfix's callbacks are removed when train() returns
+            def on_train_end(self, *args: Any, **kwargs: Any) -> None:
+                agreed.update(_agreement_reads(held[0]))
+
+        trainer = build(case, steps, rank, out, patched, [*callbacks, AtEnd()])
+        held.append(trainer)
         trainer.train()
         wrapped = trainer.model_wrapped
         info = {"find_unused_parameters": getattr(wrapped, "find_unused_parameters", None),
-                "static_graph": getattr(wrapped, "static_graph", None)}
+                "static_graph": getattr(wrapped, "static_graph", None), **agreed}
+        held.clear()
         del trainer, wrapped
         return info
     finally:
         if patched:
             unpatch_trainer()
+
+
+def _agreement_reads(trainer: Any) -> dict[str, int]:
+    """The usage agreement's own counters over the run (patched): ``issued`` all-reduces, ``reads`` at the step
+    (device->host on a GPU, counted above too), ``late_reads`` (a rank that did not read at the step reads the
+    trainable-set flags from host memory at ``on_step_end``, after the counting window) and ``late_waits`` (of
+    those, how many had to wait for the all-reduce: a GPU whose host ran ahead)."""
+    for cb in trainer.callback_handler.callbacks:
+        agreement = getattr(getattr(cb, "usage", None), "agreement", None)
+        if agreement is not None and hasattr(agreement, "late_reads"):
+            return {"agreement_" + k: getattr(agreement, k) for k in ("issued", "reads", "late_reads", "late_waits")}
+    return {}
 
 
 #: Optimizer steps before the steady state: DDP rebuilds its buckets at its second iteration where
@@ -229,8 +254,10 @@ def worker(a: argparse.Namespace) -> None:
                 info = run_once(case, a.count_steps, rank, out, mode == "patched", [counts.callback()])
             gathered: list[Any] = [None, None]
             dist.all_gather_object(gathered, counts.steps)
-            per[mode] = {"ddp": info, "per_step_by_rank": [steady(s, f"{case}/{mode}/rank{r}")
-                                                           for r, s in enumerate(gathered)]}
+            infos: list[Any] = [None, None]
+            dist.all_gather_object(infos, info)
+            per[mode] = {"ddp": info, "ddp_by_rank": infos, "per_step_by_rank": [steady(s, f"{case}/{mode}/rank{r}")
+                                                                                  for r, s in enumerate(gathered)]}
             gc.collect()
         per["added_by_rank"] = [diff(p, s) for p, s in zip(per["patched"]["per_step_by_rank"],
                                                             per["stock"]["per_step_by_rank"], strict=True)]

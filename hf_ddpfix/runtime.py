@@ -137,6 +137,8 @@ def attach_runtime(trainer: Any, model: nn.Module, plan: Plan, stack: ExitStack)
     if plan.parallel in ("ddp", "fsdp") and plan.world_size > 1:  # requires_grad changed after wrapping
         rt.trainable_set = TrainableSetWatch(model, plan.parallel, step=lambda: trainer.state.global_step + 1)
         stack.callback(before_gradient_clipping(trainer, _watch_finalize(rt.usage, rt.trainable_set)))
+        if rt.usage is not None and rt.usage.step_flag is not None:  # ranks that did not read the agreement
+            _add_callback(trainer, _WatchLate(rt.usage, rt.trainable_set), stack)
     elif plan.parallel == "deepspeed" and plan.world_size > 1:  # the engine steps inside backward: check first
         rt.trainable_set = TrainableSetWatch(model, plan.parallel, step=lambda: trainer.state.global_step + 1)
         rt.step_contexts.append(_checked_trainable_set(rt.trainable_set))
@@ -295,6 +297,18 @@ def _watch_finalize(usage: ParameterUsage | None, watch: TrainableSetWatch) -> C
         watch.finalize(agreed=usage.take_step_flags())
 
     return finalize
+
+
+class _WatchLate(TrainerCallback):
+    """At ``on_step_end`` (before the Trainer's next collective: its log gather, the next step's token count
+    gather and forward), a rank that did not read the step's agreement reads its flags from host memory and
+    raises where another rank changed its trainable set (``TrainableSetWatch.finalize_late``)."""
+
+    def __init__(self, usage: ParameterUsage, watch: TrainableSetWatch):
+        self.usage, self.watch = usage, watch
+
+    def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        self.watch.finalize_late(self.usage.agreement.late_flags())
 
 
 def _checked_trainable_set(watch: TrainableSetWatch) -> Callable[[], AbstractContextManager[Any]]:

@@ -6,8 +6,9 @@ one byte per trainable tensor). Counts only: the times are the benchmark's, neve
 
 The trainable-set watch (issue 28, ``integrations/trainable_set.py``: a parameter unfrozen after wrapping is
 reduced or refused at that step, never a silent drift) adds nothing either: its "my trainable set changed" flag
-rides in the usage agreement's all-reduce (two more bytes) and is read only by a rank that changed its set or
-has a parameter to reset."""
+rides in the usage agreement's all-reduce (two more bytes) and is read at the step only by a rank that changed its
+set or has a parameter to reset; every other rank reads those two bytes from host memory at ``on_step_end`` (no
+device read; asserted from the agreement's own counters), so it too raises where another rank changed its set."""
 
 from __future__ import annotations
 
@@ -39,3 +40,11 @@ def test_hf_ddpfix_adds_no_host_read_per_micro_batch_and_no_collective(tmp_path)
             # optimizer step (it has vision parameters to reset), the image rank (0) nothing
             expected = {"read:tolist": 1} if (case == "vlm" and rank == 1) else {}
             assert reads == expected, (case, rank, added)
+        # every agreement is read once on every rank: at the step (a rank with something to reset) or, on the
+        # others, its two trainable-set flag bytes late, from host memory (on_step_end, outside the window above:
+        # no device read; on a GPU a completed event's pinned copy), so a rank that changed nothing still learns
+        # that another did and raises before its next collective (tests/test_trainable_set.py)
+        for rank, agreement in enumerate(per["patched"]["ddp_by_rank"]):
+            assert agreement["agreement_late_waits"] == 0, (case, rank, agreement)
+            assert agreement["agreement_reads"] + agreement["agreement_late_reads"] == agreement["agreement_issued"] > 0, (
+                case, rank, agreement)

@@ -32,7 +32,7 @@ def test_fsdp_and_rank_mismatched_unfreezing_are_refused_at_the_step_on_every_ra
     done = torchrun("trainable_set_refusals.py", timeout=120)
     out = done.stdout
     assert "NOT_REFUSED" not in out, out[-3000:]
-    for case in ("fsdp", "ddp_mismatch"):
+    for case in ("fsdp", "ddp_mismatch", "ddp_one_rank"):
         assert sorted(re.findall(rf"REFUSED rank=(\d) case={case} ok=True", out)) == ["0", "1"], out[-3000:]
     assert sorted(re.findall(r"QUIET rank=(\d) reduced=0", out)) == ["0", "1"], out[-3000:]
 

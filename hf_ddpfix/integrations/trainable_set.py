@@ -68,6 +68,15 @@ class TrainableSetChangedError(RuntimeError):
     """Parameters became trainable after wrapping where hf_ddpfix cannot reduce their gradients."""
 
 
+def _differently(parallel: str, step: Any, names: list[str]) -> TrainableSetChangedError:
+    """The error every rank raises when some ranks changed the trainable set and others did not."""
+    return TrainableSetChangedError(
+        f"hf_ddpfix ({parallel}): at optimizer step {step} the ranks changed the trainable set differently after "
+        f"wrapping (this rank: {', '.join(names[:5]) or 'none'}; some rank changed "
+        + ("nothing" if names else "its set") + "); their gradients cannot be averaged. Fix: change requires_grad "
+        "the same way on every rank (e.g. in a TrainerCallback, which runs on every rank).")
+
+
 class TrainableSetWatch:
     """Watch the trainable set of ``model`` from now on (see the module docstring).
 
@@ -119,8 +128,9 @@ class TrainableSetWatch:
         ``agreed``: ``(some rank changed, every rank changed)`` as the usage agreement's all-reduce carried
         :meth:`changed` this step (``ParameterUsage.take_step_flags``): no collective and no host read of its
         own then. A rank that changed nothing and had nothing to read gets ``(False, False)`` and does nothing;
-        a rank that changed reads "every rank" and, where another did not, raises (that rank does not learn it
-        without a read: it stops when the launcher ends the job). ``None``: one all-gather of a byte per rank."""
+        a rank that changed reads "every rank" and, where another did not, raises; a rank that did not read learns it
+        at :meth:`finalize_late` (before its next collective) and raises the same error. ``None``: one all-gather of
+        a byte per rank."""
         step = self.step()
         if once_per_step and step == self._checked_step:
             return
@@ -131,12 +141,7 @@ class TrainableSetWatch:
             self.changed()
             new = list(self._new or [])
             if not agreed[1]:
-                names = [n for n, _ in new]
-                raise TrainableSetChangedError(
-                    f"hf_ddpfix ({self.parallel}): at optimizer step {step} the ranks changed the trainable set "
-                    f"differently after wrapping (this rank: {', '.join(names[:5]) or 'none'}; some rank changed "
-                    "nothing); their gradients cannot be averaged. Fix: change requires_grad the same way on "
-                    "every rank (e.g. in a TrainerCallback, which runs on every rank).")
+                raise _differently(self.parallel, step, [n for n, _ in new])
         else:
             self.changed(fresh=not once_per_step)
             new = list(self._new or [])
@@ -145,6 +150,19 @@ class TrainableSetWatch:
             rows = gather_flags([bool(new)], self.process_group)  # one byte per rank and step
             if not any(r[0] for r in rows):
                 return
+        self._ddp_or_refuse(step, new)
+
+    def finalize_late(self, agreed: tuple[bool, bool] | None) -> None:
+        """The check on a rank that did not read the agreement at :meth:`finalize` (it changed nothing and had
+        nothing to reset): ``agreed`` is ``UsageAgreement.late_flags`` (read before this rank's next collective).
+        Where some rank changed its set, this one changed nothing: the ranks differ, and this rank raises the
+        :class:`TrainableSetChangedError` the ranks that changed raised at :meth:`finalize`, before any further
+        collective, so no rank waits alone in one."""
+        if agreed is not None and agreed[0]:
+            raise _differently(self.parallel, self._checked_step, [])
+
+    def _ddp_or_refuse(self, step: Any, new: list[tuple[str, nn.Parameter]]) -> None:
+        """Reduce the new parameters' gradients (DDP, the same set on every rank) or raise."""
         names = [n for n, _ in new]
         shown = ", ".join(names[:5]) + (f" and {len(names) - 5} more" if len(names) > 5 else "")
         if self.parallel != "ddp":

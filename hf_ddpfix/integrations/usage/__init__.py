@@ -36,7 +36,8 @@ extra graph traversal per step); hf_ddpfix gets fu=False and static graph *by co
    some rank used it, the others contributed exact zeros, which is what stock's reducer averages too.
    The all-reduce is issued asynchronously and read on the host only by a rank that itself left some
    parameter unused or changed its trainable set (:class:`~.agreement.UsageAgreement`; the trainable-set
-   watch's flag rides in it): a text LoRA step reads nothing.
+   watch's flag rides in it): a text LoRA step reads nothing from the device (the others read the flag's two
+   bytes late, from host memory: ``UsageAgreement.late_flags``).
 
 The names below are this folder's public face (``from hf_ddpfix.integrations.usage import ParameterUsage``).
 """

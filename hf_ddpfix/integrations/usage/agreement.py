@@ -12,7 +12,9 @@ Two collectives of one byte per trainable parameter, used by ``ParameterUsage``
   a rank that used every parameter itself knows the answer (all used) and never reads it: it is waited
   for (a stream wait on NCCL, no host read) at the next step. Only a rank with parameters it did not use
   waits and reads the mask (one device->host read). Every rank issues the same collective at the same
-  point whatever it used, so no rank can wait alone; the answer is the same OR either way.
+  point whatever it used, so no rank can wait alone; the answer is the same OR either way. A per-rank flag
+  can ride along (the trainable-set watch's); a rank that did not read it reads it later from host memory
+  (:meth:`UsageAgreement.late_flags`, before its next collective; no device->host read).
   :func:`agree_used` is the blocking form (the mask as a tensor).
 
 Contract: without an initialised process group (or in a one-process group) each function answers
@@ -99,8 +101,11 @@ class UsageAgreement:
 
     def __init__(self) -> None:
         self._pending: tuple[Any, torch.Tensor] | None = None
+        self._late: _LateFlags | None = None
+        self._side: Any = None  # the CUDA stream that copies late flags to host memory
         self.issued = 0
         self.reads = 0
+        self.late_reads = self.late_waits = 0  # late_flags: host-memory reads / event waits (GPU, host ran ahead)
 
     def unused_everywhere(self, unused_here: set[int], n_slots: int, group: Any) -> set[int]:
         """The slot indices no rank used: ``unused_here`` minus those some other rank used. Call on every
@@ -122,6 +127,7 @@ class UsageAgreement:
         if not dist_ready(group):
             return set(unused_here), (None if flag is None else (bool(flag), bool(flag)))
         self.wait()
+        self._late = None  # a previous step's unread flags: that step's on_step_end did not run (nothing to act on)
         device = collective_device(group)
         read = bool(unused_here) or bool(flag)
         if read:
@@ -139,6 +145,10 @@ class UsageAgreement:
         self.issued += 1
         if not read:  # the OR of "used" is all ones whatever the others sent, and no flag of ours to check
             self._pending = (work, flags)
+            if extra:  # but another rank's flag: read late, once the result is in host memory (late_flags)
+                if device.type == "cuda" and self._side is None:
+                    self._side = torch.cuda.Stream(device=device)
+                self._late = _LateFlags(work, flags, n_slots, self._side)
             return set(), (None if flag is None else (False, False))
         work.wait()
         self.reads += 1
@@ -146,9 +156,52 @@ class UsageAgreement:
         agreed = None if flag is None else (bool(row[n_slots]), not row[n_slots + 1])
         return {i for i in unused_here if not row[i]}, agreed
 
+    def late_flags(self) -> tuple[bool, bool] | None:
+        """The flags of the last :meth:`agree` on a rank that did not read them (it set no flag and had nothing to
+        reset): ``(some rank set it, every rank set it)``, once; ``None`` when there is nothing unread.
+
+        Call it before this rank issues its next collective (the Trainer's ``on_step_end``). Cost: no device->host
+        read. On a CPU group (gloo) the result is already in host memory once the (small, already issued by every
+        rank) all-reduce completes: a host-side wait then a read of a CPU tensor. On a GPU the two bytes were copied
+        into pinned host memory behind the all-reduce (``non_blocking``, on a side stream) with an event; an event
+        that has completed makes the read free; one that has not (the host ran ahead of the all-reduce) is waited
+        for alone (``event.synchronize``: the all-reduce and the 2-byte copy, not the queued compute), counted in
+        ``late_waits``."""
+        late, self._late = self._late, None
+        if late is None:
+            return None
+        row = late.read(self)
+        self.late_reads += 1
+        return bool(row[0]), not row[1]
+
     def wait(self) -> None:
         """Complete the collective left in flight by the previous call (no host read on NCCL: a stream wait)."""
         if self._pending is not None:
             work, _ = self._pending
             self._pending = None
             work.wait()
+
+
+class _LateFlags:
+    """The two flag bytes of an in-flight agreement, on their way to host memory (see ``late_flags``)."""
+
+    def __init__(self, work: Any, flags: torch.Tensor, n_slots: int, side: Any) -> None:
+        self.work, self.event = work, None
+        if flags.device.type == "cuda":  # behind the all-reduce, off the compute stream; no host wait here
+            self.host = torch.empty(2, dtype=torch.uint8, pin_memory=True)
+            with torch.cuda.stream(side):
+                work.wait()  # a stream wait on the collective
+                self.host.copy_(flags[n_slots:n_slots + 2], non_blocking=True)
+                self.event = torch.cuda.Event()
+                self.event.record(side)
+            flags.record_stream(side)
+        else:
+            self.host = flags[n_slots:n_slots + 2]
+
+    def read(self, counts: UsageAgreement) -> list[int]:
+        if self.event is None:
+            self.work.wait()  # gloo: the result is written in host memory by the collective itself
+        elif not self.event.query():
+            counts.late_waits += 1
+            self.event.synchronize()
+        return self.host.tolist()  # host memory, complete: not a device read
