@@ -185,7 +185,7 @@ def _eval_sequence_parallel(trainer: Trainer, facts: Any) -> int:
             _ensure_log_handler()
             logger.warning("sequence_parallel: evaluation runs unsharded (%s)", err)
         return 1
-    return sp_size_of(decision.value) if decision.value != "deepspeed" else 1
+    return sp_size_of(decision.value)
 
 
 def resolve_resume(trainer: Trainer, resume_from_checkpoint: str | bool | None) -> str | bool | None:

@@ -56,8 +56,9 @@ __all__ = ["decide_sequence_parallel", "sp_size_of"]
 
 
 def sp_size_of(value: object) -> int:
-    """N from the decision's value ("N=2 ..."); 1 when off."""
-    if not value or not isinstance(value, str):
+    """N hf_ddpfix shards by, from the decision's value ("N=2 ..."); 1 when off or "deepspeed" (DeepSpeed's own
+    Ulysses engine runs, hf_ddpfix shards nothing)."""
+    if not value or not isinstance(value, str) or value == "deepspeed":
         return 1
     return int(value.split()[0].removeprefix("N="))
 
