@@ -40,7 +40,7 @@ from .agreement import UNUSED_FIX, UsageAgreement, gather_missing, raise_if_miss
 from .hang_guard import UnusedParametersError
 from .loss_observer import observe_loss
 from .no_walk import ESTABLISH, NoWalkCheck, UsageChanged
-from .outputs import UsageRecord, anchor_of, replace_in
+from .outputs import UsageRecord, anchor_of, replace_in, tie_anchors
 from .regions import ReentrantRegions
 from .scopes import Scope, build_scopes, collect_slots, unit_pre_hook
 from .step import StepRecord
@@ -243,10 +243,10 @@ class ParameterUsage:
                 f"into the output of {type(scope.module).__name__}: no output tensor requires grad. {UNUSED_FIX}"
             )
         extras = [t for t in (self.slots[i].tensor() for i in missing) if t is not None]
-        tied = ZeroTie.apply(anchor, *extras)
-        self._record.tied += [self.slots[i].name for i in missing]
-        self.ties += len(extras)
-        return replace_in(output, anchor, tied)
+        self._record.tied, self.ties = self._record.tied + [self.slots[i].name for i in missing], self.ties + len(extras)
+        for t in tie_anchors(output, anchor) if self._sharded else [anchor]:  # FSDP2: see tie_anchors
+            output = replace_in(output, t, ZeroTie.apply(t, *extras))
+        return output
 
     def _finish_forward(self, t0: float) -> None:
         self._active = False
