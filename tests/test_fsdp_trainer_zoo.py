@@ -8,9 +8,9 @@ Measured (2026-11-27): DPO 8.9e-8, Reward 0, head in ``compute_loss`` 3.0e-8 (st
 figures). Before ``ParameterUsage.observe_loss`` the head's gradients were reset to ``None`` every step under
 FSDP2 (8 over 4 steps): 2.5e-2, which this test catches. TRL ``SFTTrainer`` on Qwen2-VL, rank 0 with images,
 rank 1 text-only (``sft_vlm``; ``sft_vlm_sgd`` with SGD): 9.9e-7 with AdamW, 7.5e-9 with SGD; stock FSDP2 crashes in
-step 1 (gloo "collective mismatch"; NCCL: hang), and so did hf_ddpfix before the root unit's ties went into every
-output a loss may be built from (the text-only rank tied the vision LoRA into ``loss``, which SFTTrainer's fused LM
-head path never back-propagates: its root reduce-scatter then lacked those gradients). Wall ~25 s + ~45 s.
+step 1 (gloo "collective mismatch"; NCCL: hang), and so did hf_ddpfix before its loss observer moved a unit's
+unreached ties into the loss (the text-only rank tied the vision LoRA into ``loss``, which SFTTrainer's fused LM head
+path never back-propagates: its root reduce-scatter then lacked those gradients). Wall ~25 s + ~45 s (80 s loaded).
 """
 
 from __future__ import annotations
@@ -48,11 +48,13 @@ def test_trainer_zoo_under_trainer_fsdp2_like_stock_ddp(tmp_path):
         diff = max((fixed["weights"][k] - stock["weights"][k]).abs().max().item() for k in stock["weights"])
         tol = CASE_TOL.get(case, TOL)
         assert diff <= tol, f"{case}: max |W_fsdp2 - W_ddp| = {diff:.2e} > {tol:.0e}"
-    # the head called in compute_loss: its gradients kept (what the loss really used), none reset
-    assert "head_in_compute_loss parameter_usage: (0, {'forwards': 4, 'ties_at_output': 8, 'used_at_loss': 8}" \
-        in ours.stdout, ours.stdout[-4000:]
+    # the head called in compute_loss: its gradients kept (what the loss really used), none reset; the ties made at
+    # the output (lm_head's LoRA, unused by the loss on both ranks) are moved into the loss, alike on both ranks
+    assert "head_in_compute_loss parameter_usage: (0, {'forwards': 4, 'ties_at_output': 8, 'used_at_loss': 8, " \
+           "'ties_moved_to_loss': 8}" in ours.stdout, ours.stdout[-4000:]
     # SFTTrainer on the VLM: the text-only rank ties the vision tower's 10 LoRA tensors (folded into the root unit)
-    # every forward, into `log_probs` too (TRL's fused head: SFTTrainer never back-propagates the output's `loss`)
-    assert "[rank 1] sft_vlm parameter_usage: (0, {'forwards': 3, 'ties_at_output': 30}" in ours.stdout, \
-        ours.stdout[-4000:]
+    # into the output's `loss` every forward; SFTTrainer back-propagates `-log_probs` (TRL's fused head), so the loss
+    # observer moves the ties into the loss given to backward
+    assert "[rank 1] sft_vlm parameter_usage: (0, {'forwards': 3, 'ties_at_output': 30, 'ties_moved_to_loss': 30}" \
+        in ours.stdout, ours.stdout[-4000:]
     assert "[rank 0] sft_vlm parameter_usage: (0, {'forwards': 3}" in ours.stdout, ours.stdout[-4000:]

@@ -6,7 +6,6 @@ Used by ``ParameterUsage`` (``integrations/usage/tracker.py``):
   read, not per forward (the hot path keeps slot indices only).
 - :func:`anchor_of`: the output tensor that carries the loss (``loss``, else ``logits``, else the first
   float tensor that requires grad).
-- :func:`tie_anchors`: under FSDP2, every top-level output tensor a loss may be built from (the anchor first).
 - :func:`replace_in`: the output with that tensor replaced by its tied copy.
 """
 
@@ -20,7 +19,7 @@ import torch
 from ..._compat import is_namedtuple
 from .scopes import ParamSlot
 
-__all__ = ["UsageRecord", "anchor_of", "replace_in", "tie_anchors"]
+__all__ = ["UsageRecord", "anchor_of", "replace_in"]
 
 
 class UsageRecord:
@@ -65,20 +64,6 @@ def anchor_of(output: Any) -> torch.Tensor | None:
         if isinstance(t, torch.Tensor) and t.is_floating_point() and t.requires_grad:
             return t
     return None
-
-
-def tie_anchors(output: Any, anchor: torch.Tensor) -> list[torch.Tensor]:
-    """``anchor`` and every other top-level floating tensor of ``output`` (a dict / ModelOutput, tuple or list)
-    that requires grad, each once: where an FSDP2 unit's ties must go when the loss may be built from any of them
-    (TRL's fused LM head: ``loss`` and ``log_probs``, SFTTrainer back-propagates the latter). Tying into each costs
-    one clone of it on a rank that has something to tie (nothing otherwise)."""
-    top = output.values() if isinstance(output, dict) else output if isinstance(output, (tuple, list)) else []
-    out = [anchor]
-    for t in top:
-        if (isinstance(t, torch.Tensor) and t.is_floating_point() and t.requires_grad
-                and not any(t is o for o in out)):
-            out.append(t)
-    return out
 
 
 def replace_in(output: Any, old: torch.Tensor, new: torch.Tensor) -> Any:

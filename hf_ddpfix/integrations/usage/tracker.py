@@ -1,11 +1,10 @@
 """Every trainable parameter used on every rank every step, for any model, with stock semantics.
 
-How (observe, tie, finalize) and why: the package docstring (``integrations/usage/__init__.py``).
-
-At most one walk per micro-batch, none once established: with the Trainer wiring (``at_loss``) and no FSDP2
-units the forward's own walk (a prediction) runs only until the loss route is set (a step whose every loss was
-seen at backward; a loss then unseen brings it back, counted, logged once); then the walk from the loss, until a
-batch signature's pattern is established, then a check at backward instead (``no_walk.py``).
+How (observe, tie, finalize) and why: the package docstring (``integrations/usage/__init__.py``). At most one
+walk per micro-batch, none once established: with the Trainer wiring (``at_loss``) and no FSDP2 units the forward's
+own walk (a prediction) runs only until the loss route is set (a step whose every loss was seen at backward; a loss
+then unseen brings it back, counted, logged once); then the walk from the loss, until a batch signature's pattern is
+established, then a check at backward instead (``no_walk.py``). Tests: tests/scripts/usage_zoo.py.
 
 Guard (``guard=True``: nothing tied): before backward, ranks all-gather "gets no gradient here" per parameter;
 any entry raises :class:`UnusedParametersError` on every rank (parameters, modules, ranks, fix), never a hang.
@@ -14,12 +13,11 @@ Cost (benchmarks/usage_python_cost.py): a walk is ~2-4 µs per autograd node (8-
 4.7k nodes); the check at backward ~50 µs; one zero tensor per tied parameter; one asynchronous all-reduce of
 ``n_trainable`` (+2) bytes per optimizer step; with ``guard`` one all-gather per synchronising forward.
 
-Trainer wiring: attach before or after ``Trainer.train`` wraps the model; :meth:`~ParameterUsage.finalize` runs
-before the Trainer clips or measures gradients (``_compat.before_gradient_clipping``).
+Trainer wiring: attach before or after ``Trainer.train`` wraps the model; :meth:`~ParameterUsage.finalize` runs before
+the Trainer clips or measures gradients (``_compat.before_gradient_clipping``).
 
-Guarantees: with fu=False (and static graph at accumulation 1) every zoo family trains to the weights
-of stock DDP(fu=True) (1e-6; bit-equal where the math is unchanged) with replicas in sync, under
-reentrant or non-reentrant checkpointing, accumulation 1 and 2 (tests/scripts/usage_zoo.py).
+Guarantees: with fu=False (static graph at accumulation 1) every zoo family trains to stock DDP(fu=True)'s weights
+(1e-6; bit-equal where the math is unchanged), replicas in sync, reentrant or non-reentrant checkpointing, GA 1 and 2.
 """
 
 from __future__ import annotations
@@ -38,9 +36,9 @@ from ...ops.autograd_reach import output_tensors, reachable_leaf_ids, reachable_
 from ...ops.zero_tie import ZeroTie, is_zero_tie_node
 from .agreement import UNUSED_FIX, UsageAgreement, gather_missing, raise_if_missing
 from .hang_guard import UnusedParametersError
-from .loss_observer import observe_loss
+from .loss_observer import UnitTies, observe_loss
 from .no_walk import ESTABLISH, NoWalkCheck, UsageChanged
-from .outputs import UsageRecord, anchor_of, replace_in, tie_anchors
+from .outputs import UsageRecord, anchor_of, replace_in
 from .regions import ReentrantRegions
 from .scopes import Scope, build_scopes, collect_slots, unit_pre_hook
 from .step import StepRecord
@@ -112,7 +110,7 @@ class ParameterUsage:
         self.step_flags: tuple[bool, bool] | None = None
         self._active, self._depth = False, 0
         self._forward_used: set[int] = set()
-        self._step = StepRecord()
+        self._step, self._unit_ties = StepRecord(), UnitTies()
         self._warned_unseen = False
         self._route_set = False  # every training forward's loss so far was seen at `tie_loss` for a whole step
         self._route_lost = False  # ... and then one was not: the forward's own walk runs for the rest of the run
@@ -243,10 +241,11 @@ class ParameterUsage:
                 f"into the output of {type(scope.module).__name__}: no output tensor requires grad. {UNUSED_FIX}"
             )
         extras = [t for t in (self.slots[i].tensor() for i in missing) if t is not None]
+        tied = ZeroTie.apply(anchor, *extras)
+        if self._sharded:  # FSDP2: the loss must reach the tie, else it moves there (loss_observer.py)
+            self._unit_ties.add(tied, extras, reached)
         self._record.tied, self.ties = self._record.tied + [self.slots[i].name for i in missing], self.ties + len(extras)
-        for t in tie_anchors(output, anchor) if self._sharded else [anchor]:  # FSDP2: see tie_anchors
-            output = replace_in(output, t, ZeroTie.apply(t, *extras))
-        return output
+        return replace_in(output, anchor, tied)
 
     def _finish_forward(self, t0: float) -> None:
         self._active = False
@@ -348,8 +347,9 @@ class ParameterUsage:
             self.last.used_slots = self._all
 
     def observe_loss(self, loss: Any) -> Any:
-        """FSDP2's loss observer (``loss_observer.py``): the step gains what the loss reaches; returns ``loss``."""
-        if (spent := observe_loss(loss, self._step, self._index)) is not None:
+        """FSDP2's loss observer (``loss_observer.py``: adds what it reaches, moves unreached unit ties into it)."""
+        spent, loss = observe_loss(loss, self._step, self._index, self._unit_ties)
+        if spent is not None:
             self.walks, self.losses, self.seconds = self.walks + 1, self.losses + 1, self.seconds + spent
         return loss
 
