@@ -347,4 +347,8 @@ def test_fsdp_unit_ties_reach_a_loss_built_from_another_output() -> None:
     assert model.unused.weight.grad is not None and not model.unused.weight.grad.any()
     assert feature_counts.snapshot()["parameter_usage"].amounts.get("ties_moved_to_loss") == 2
     assert model.used.weight.grad is not None and model.used.weight.grad.any()
+    model(x)  # a forward the next loss does not reach at all (none of its outputs): its ties stay where they are
+    other = model.used(x).sum()
+    assert usage.observe_loss(other) is other
+    assert feature_counts.snapshot()["parameter_usage"].amounts.get("ties_moved_to_loss") == 2
     usage.remove()

@@ -32,12 +32,13 @@ __all__ = ["UnitTies", "observe_loss"]
 class UnitTies:
     """The ties FSDP2 units made in the training forwards since the last loss seen at backward: per tie its
     autograd node, the tensors tied (the unsharded parameters the unit's graph holds, which FSDP2 reduce-scatters
-    from) and the witness (ids of the trainable tensors the unit's output really reached in that forward)."""
+    from) and the witness (the autograd nodes of the unit's output tensors in that forward, before the tie: which
+    outputs a loss is built from is the trainer's code, the same on every rank, not what a rank used)."""
 
     def __init__(self) -> None:
-        self.pending: list[tuple[Any, list[torch.Tensor], set[int]]] = []
+        self.pending: list[tuple[Any, list[torch.Tensor], set[Any]]] = []
 
-    def add(self, tied: torch.Tensor, extras: list[torch.Tensor], witness: set[int]) -> None:
+    def add(self, tied: torch.Tensor, extras: list[torch.Tensor], witness: set[Any]) -> None:
         if extras and tied.grad_fn is not None:
             self.pending.append((tied.grad_fn, list(extras), set(witness)))
 
@@ -51,7 +52,7 @@ def observe_loss(loss: Any, step: StepRecord, index: Callable[[], dict[int, int]
       ``ParameterUsage.finalize`` would otherwise reset to ``None`` (tests/test_fsdp_trainer_zoo.py). Additions
       only (a resharded unit's parameters are not the tensors its graph holds: the forward's prediction covers them).
     - Every pending tie of ``ties`` whose node ``loss`` does not reach, made in a forward whose graph ``loss`` does
-      reach (its witness meets what ``loss`` reaches), is tied into the loss instead (exact-zero gradients for the
+      reach (``loss`` reaches one of its output tensors), is tied into the loss instead (exact-zero gradients for the
       same tensors, a bitwise copy of ``loss``), counted as ``parameter_usage / ties_moved_to_loss``: so the rank
       reduce-scatters the same gradients as a rank that used them. A forward the loss does not reach at all keeps
       its ties unreached, as its real usage is on every rank. ``ties`` is emptied.
@@ -67,7 +68,7 @@ def observe_loss(loss: Any, step: StepRecord, index: Callable[[], dict[int, int]
     if added:
         step.pending_used |= added
         feature_counts.record_amount("parameter_usage", "used_at_loss", len(added))
-    moved = [e for node, extras, witness in pending if node not in nodes and witness & real for e in extras]
+    moved = [e for node, extras, witness in pending if node not in nodes and witness & nodes for e in extras]
     if moved:
         loss = ZeroTie.apply(loss, *moved)
         feature_counts.record_amount("parameter_usage", "ties_moved_to_loss", len(moved))

@@ -243,7 +243,7 @@ class ParameterUsage:
         extras = [t for t in (self.slots[i].tensor() for i in missing) if t is not None]
         tied = ZeroTie.apply(anchor, *extras)
         if self._sharded:  # FSDP2: the loss must reach the tie, else it moves there (loss_observer.py)
-            self._unit_ties.add(tied, extras, reached)
+            self._unit_ties.add(tied, extras, {t.grad_fn for t in output_tensors(output) if t.grad_fn is not None})
         self._record.tied, self.ties = self._record.tied + [self.slots[i].name for i in missing], self.ties + len(extras)
         return replace_in(output, anchor, tied)
 
