@@ -351,4 +351,8 @@ def test_fsdp_unit_ties_reach_a_loss_built_from_another_output() -> None:
     other = model.used(x).sum()
     assert usage.observe_loss(other) is other
     assert feature_counts.snapshot()["parameter_usage"].amounts.get("ties_moved_to_loss") == 2
+    model(x)  # never back-propagated: its pending ties (and the graph they hold) go with the step at finalize
+    assert usage._step.unit_ties.pending
+    usage.finalize()
+    assert not usage._step.unit_ties.pending
     usage.remove()

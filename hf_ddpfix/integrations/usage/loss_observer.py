@@ -43,23 +43,20 @@ class UnitTies:
             self.pending.append((tied.grad_fn, list(extras), set(witness)))
 
 
-def observe_loss(loss: Any, step: StepRecord, index: Callable[[], dict[int, int]],
-                 ties: UnitTies | None = None) -> tuple[float | None, Any]:
+def observe_loss(loss: Any, step: StepRecord, index: Callable[[], dict[int, int]]) -> tuple[float | None, Any]:
     """Read ``loss`` before backward; returns ``(seconds walked or None, the loss to back-propagate)``.
 
     - Adds to ``step``'s pending usage every watched parameter ``loss`` really reaches (``index()``: tensor id ->
       slot), counted as ``parameter_usage / used_at_loss``: a head called in ``compute_loss``, which
       ``ParameterUsage.finalize`` would otherwise reset to ``None`` (tests/test_fsdp_trainer_zoo.py). Additions
       only (a resharded unit's parameters are not the tensors its graph holds: the forward's prediction covers them).
-    - Every pending tie of ``ties`` whose node ``loss`` does not reach, made in a forward whose graph ``loss`` does
+    - Every pending tie of ``step.unit_ties`` whose node ``loss`` does not reach, made in a forward whose graph ``loss`` does
       reach (``loss`` reaches one of its output tensors), is tied into the loss instead (exact-zero gradients for the
       same tensors, a bitwise copy of ``loss``), counted as ``parameter_usage / ties_moved_to_loss``: so the rank
       reduce-scatters the same gradients as a rank that used them. A forward the loss does not reach at all keeps
-      its ties unreached, as its real usage is on every rank. ``ties`` is emptied.
+      its ties unreached. ``step.unit_ties`` is emptied (and with the step, at finalize).
     No collective; ``loss`` is returned as is unless a tie moved."""
-    pending = ties.pending if ties is not None else []
-    if ties is not None:
-        ties.pending = []
+    pending, step.unit_ties.pending = step.unit_ties.pending, []
     if not isinstance(loss, torch.Tensor) or not loss.requires_grad or (step.pending_forwards == 0 and not pending):
         return None, loss
     t0, ids, nodes = time.perf_counter(), index(), set()

@@ -36,7 +36,7 @@ from ...ops.autograd_reach import output_tensors, reachable_leaf_ids, reachable_
 from ...ops.zero_tie import ZeroTie, is_zero_tie_node
 from .agreement import UNUSED_FIX, UsageAgreement, gather_missing, raise_if_missing
 from .hang_guard import UnusedParametersError
-from .loss_observer import UnitTies, observe_loss
+from .loss_observer import observe_loss
 from .no_walk import ESTABLISH, NoWalkCheck, UsageChanged
 from .outputs import UsageRecord, anchor_of, replace_in
 from .regions import ReentrantRegions
@@ -110,7 +110,7 @@ class ParameterUsage:
         self.step_flags: tuple[bool, bool] | None = None
         self._active, self._depth = False, 0
         self._forward_used: set[int] = set()
-        self._step, self._unit_ties = StepRecord(), UnitTies()
+        self._step = StepRecord()
         self._warned_unseen = False
         self._route_set = False  # every training forward's loss so far was seen at `tie_loss` for a whole step
         self._route_lost = False  # ... and then one was not: the forward's own walk runs for the rest of the run
@@ -243,7 +243,7 @@ class ParameterUsage:
         extras = [t for t in (self.slots[i].tensor() for i in missing) if t is not None]
         tied = ZeroTie.apply(anchor, *extras)
         if self._sharded:  # FSDP2: the loss must reach the tie, else it moves there (loss_observer.py)
-            self._unit_ties.add(tied, extras, {t.grad_fn for t in output_tensors(output) if t.grad_fn is not None})
+            self._step.unit_ties.add(tied, extras, {t.grad_fn for t in output_tensors(output) if t.grad_fn is not None})
         self._record.tied, self.ties = self._record.tied + [self.slots[i].name for i in missing], self.ties + len(extras)
         return replace_in(output, anchor, tied)
 
@@ -348,7 +348,7 @@ class ParameterUsage:
 
     def observe_loss(self, loss: Any) -> Any:
         """FSDP2's loss observer (``loss_observer.py``: adds what it reaches, moves unreached unit ties into it)."""
-        spent, loss = observe_loss(loss, self._step, self._index, self._unit_ties)
+        spent, loss = observe_loss(loss, self._step, self._index)
         if spent is not None:
             self.walks, self.losses, self.seconds = self.walks + 1, self.losses + 1, self.seconds + spent
         return loss
