@@ -315,3 +315,44 @@ def test_no_walk_under_ddp_a_rank_that_leaves_a_parameter_out_is_caught_retried_
     done = torchrun("usage_no_walk_ddp.py", timeout=120)
     assert done.stdout.count("NO_WALK_DDP_OK") == 2, done.stdout[-4000:]
     assert done.stdout.count("same=True retried=1") == 4, done.stdout[-4000:]
+
+
+def test_fsdp_unit_ties_reach_a_loss_built_from_another_output() -> None:
+    """Under FSDP2 (units) a unit's ties are its forward's only chance: TRL's fused LM head returns ``loss`` and
+    ``log_probs`` and SFTTrainer back-propagates ``-log_probs``, never ``loss``. The unused parameter must still get
+    its exact-zero gradient (else that rank's reduce-scatter lacks it: the mixed-rank VLM hang): the loss observer
+    moves the unreached tie into the loss given to backward; outputs and loss unchanged."""
+    from transformers.utils import ModelOutput
+
+    class Fused(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.used, self.unused = nn.Linear(4, 3), nn.Linear(4, 3)
+
+        def forward(self, x: torch.Tensor) -> ModelOutput:
+            log_probs = torch.log_softmax(self.used(x), -1)[:, 0]
+            return ModelOutput(loss=-log_probs.mean(), log_probs=log_probs)
+
+    x = torch.randn(5, 4)
+    model = Fused()
+    want = model(x)["log_probs"].detach().clone()
+    usage = ParameterUsage(model, units=[model]).attach()
+    feature_counts.reset()
+    out = model(x)
+    assert torch.equal(out["log_probs"], want) and torch.equal(out.log_probs, out["log_probs"])
+    loss = -out["log_probs"].sum()
+    seen = usage.observe_loss(loss)  # FSDP2's wiring at accelerator.backward: the tie moves into this loss
+    assert seen is not loss and torch.equal(seen, loss)
+    seen.backward()
+    assert model.unused.weight.grad is not None and not model.unused.weight.grad.any()
+    assert feature_counts.snapshot()["parameter_usage"].amounts.get("ties_moved_to_loss") == 2
+    assert model.used.weight.grad is not None and model.used.weight.grad.any()
+    model(x)  # a forward the next loss does not reach at all (none of its outputs): its ties stay where they are
+    other = model.used(x).sum()
+    assert usage.observe_loss(other) is other
+    assert feature_counts.snapshot()["parameter_usage"].amounts.get("ties_moved_to_loss") == 2
+    model(x)  # never back-propagated: its pending ties (and the graph they hold) go with the step at finalize
+    assert usage._step.unit_ties.pending
+    usage.finalize()
+    assert not usage._step.unit_ties.pending
+    usage.remove()

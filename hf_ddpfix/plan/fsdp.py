@@ -107,10 +107,11 @@ def fsdp_unit_classes(units: Decision) -> tuple[str, ...]:
 def fsdp_usage_reason() -> str:
     """The ``parameter_usage`` reason under FSDP2."""
     return ("per FSDP unit: every trainable parameter of a unit that this rank's forward (and the loss given to "
-            "backward) does not reach is tied into the unit's output with an exact-zero gradient, so every rank "
+            "backward) does not reach is tied into the unit's output with an exact-zero gradient (moved into the "
+            "loss at backward when the loss is built from another output, e.g. TRL's fused LM head), so every rank "
             "reduce-scatters the same gradients in the same order; grads no rank used in the step are reset to "
-            "None before clipping (stock DDP find_unused=True semantics); cost: one graph walk per forward, one "
-            "all-reduce of 1 byte per trainable tensor per step")
+            "None before clipping (stock DDP find_unused=True semantics); cost: one graph walk per forward and one "
+            "per loss, one all-reduce of 1 byte per trainable tensor per step")
 
 
 def _no_unit_in_skippable(facts: RunFacts, units: Decision) -> bool:

@@ -1,5 +1,5 @@
 """The trainer zoo (tests/scripts/trainer_zoo.py: TRL SFT on a VLM, DPO, Reward, a custom ``compute_loss``) under
-the Trainer's FSDP2, against stock DDP. Two launches, both 2 gloo processes:
+the Trainer's FSDP2, against stock DDP (``sft_vlm_sgd``: the same with SGD). Two launches, both 2 gloo processes:
 
     # the reference: stock DDP (find_unused_parameters=True), fp32
     python -m torch.distributed.run --standalone --nproc_per_node=2 tests/scripts/fsdp_trainer_zoo.py \
@@ -30,9 +30,13 @@ sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.dirname(HERE))
 
 from fixtures import trainable_weights  # noqa: E402
-from trainer_zoo import CASES, FP32  # noqa: E402
+from trainer_zoo import CASES, FP32, SGD  # noqa: E402
 
-DEFAULT = ("dpo_text", "reward_text", "head_in_compute_loss")  # sft_vlm: hangs under FSDP2 (docs/fsdp.md)
+# sft_vlm: TRL SFTTrainer (fused LM head: the loss is built from `log_probs`, not `loss`) on Qwen2-VL, rank 0
+# with images, rank 1 text-only; sft_vlm_sgd: the same with SGD (an update linear in the gradient: AdamW turns
+# reduce-scatter-vs-all-reduce rounding into visible differences where a gradient element is near zero)
+VARIANTS = {"sft_vlm_sgd": ("sft_vlm", SGD)}
+DEFAULT = ("dpo_text", "reward_text", "head_in_compute_loss", "sft_vlm", "sft_vlm_sgd")
 
 
 def train(case: str, out: str, patched: bool) -> dict:
@@ -42,7 +46,8 @@ def train(case: str, out: str, patched: bool) -> dict:
     from hf_ddpfix.ops import feature_counts
 
     feature_counts.reset()
-    trainer = CASES[case](out, patched, dict(FP32))
+    builder, extra = VARIANTS.get(case, (case, {}))
+    trainer = CASES[builder](out, patched, {**FP32, **extra})
     trainer.train()
     usage = feature_counts.snapshot().get("parameter_usage")
     print(f"[rank {os.environ.get('RANK', 0)}] {case} parameter_usage: "

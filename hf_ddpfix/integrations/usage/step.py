@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from .loss_observer import UnitTies
+
 __all__ = ["StepRecord"]
 
 
@@ -35,6 +37,7 @@ class StepRecord:
         """Forget everything (a new optimizer step)."""
         self.used: set[int] = set()
         self.forwards = 0
+        self.unit_ties = UnitTies()  # FSDP2: ties the loss must reach (loss_observer.py); their graphs freed here
         self._clear_pending()
 
     def _clear_pending(self) -> None:

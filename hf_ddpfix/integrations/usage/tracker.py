@@ -1,11 +1,10 @@
 """Every trainable parameter used on every rank every step, for any model, with stock semantics.
 
-How (observe, tie, finalize) and why: the package docstring (``integrations/usage/__init__.py``).
-
-At most one walk per micro-batch, none once established: with the Trainer wiring (``at_loss``) and no FSDP2
-units the forward's own walk (a prediction) runs only until the loss route is set (a step whose every loss was
-seen at backward; a loss then unseen brings it back, counted, logged once); then the walk from the loss, until a
-batch signature's pattern is established, then a check at backward instead (``no_walk.py``).
+How (observe, tie, finalize) and why: the package docstring (``integrations/usage/__init__.py``). At most one
+walk per micro-batch, none once established: with the Trainer wiring (``at_loss``) and no FSDP2 units the forward's
+own walk (a prediction) runs only until the loss route is set (a step whose every loss was seen at backward; a loss
+then unseen brings it back, counted, logged once); then the walk from the loss, until a batch signature's pattern is
+established, then a check at backward instead (``no_walk.py``). Tests: tests/scripts/usage_zoo.py.
 
 Guard (``guard=True``: nothing tied): before backward, ranks all-gather "gets no gradient here" per parameter;
 any entry raises :class:`UnusedParametersError` on every rank (parameters, modules, ranks, fix), never a hang.
@@ -14,12 +13,11 @@ Cost (benchmarks/usage_python_cost.py): a walk is ~2-4 µs per autograd node (8-
 4.7k nodes); the check at backward ~50 µs; one zero tensor per tied parameter; one asynchronous all-reduce of
 ``n_trainable`` (+2) bytes per optimizer step; with ``guard`` one all-gather per synchronising forward.
 
-Trainer wiring: attach before or after ``Trainer.train`` wraps the model; :meth:`~ParameterUsage.finalize` runs
-before the Trainer clips or measures gradients (``_compat.before_gradient_clipping``).
+Trainer wiring: attach before or after ``Trainer.train`` wraps the model; :meth:`~ParameterUsage.finalize` runs before
+the Trainer clips or measures gradients (``_compat.before_gradient_clipping``).
 
-Guarantees: with fu=False (and static graph at accumulation 1) every zoo family trains to the weights
-of stock DDP(fu=True) (1e-6; bit-equal where the math is unchanged) with replicas in sync, under
-reentrant or non-reentrant checkpointing, accumulation 1 and 2 (tests/scripts/usage_zoo.py).
+Guarantees: with fu=False (static graph at accumulation 1) every zoo family trains to stock DDP(fu=True)'s weights
+(1e-6; bit-equal where the math is unchanged), replicas in sync, reentrant or non-reentrant checkpointing, GA 1 and 2.
 """
 
 from __future__ import annotations
@@ -244,8 +242,9 @@ class ParameterUsage:
             )
         extras = [t for t in (self.slots[i].tensor() for i in missing) if t is not None]
         tied = ZeroTie.apply(anchor, *extras)
-        self._record.tied += [self.slots[i].name for i in missing]
-        self.ties += len(extras)
+        if self._sharded:  # FSDP2: the loss must reach the tie, else it moves there (loss_observer.py)
+            self._step.unit_ties.add(tied, extras, {t.grad_fn for t in output_tensors(output) if t.grad_fn is not None})
+        self._record.tied, self.ties = self._record.tied + [self.slots[i].name for i in missing], self.ties + len(extras)
         return replace_in(output, anchor, tied)
 
     def _finish_forward(self, t0: float) -> None:
@@ -348,8 +347,9 @@ class ParameterUsage:
             self.last.used_slots = self._all
 
     def observe_loss(self, loss: Any) -> Any:
-        """FSDP2's loss observer (``loss_observer.py``): the step gains what the loss reaches; returns ``loss``."""
-        if (spent := observe_loss(loss, self._step, self._index)) is not None:
+        """FSDP2's loss observer (``loss_observer.py``: adds what it reaches, moves unreached unit ties into it)."""
+        spent, loss = observe_loss(loss, self._step, self._index)
+        if spent is not None:
             self.walks, self.losses, self.seconds = self.walks + 1, self.losses + 1, self.seconds + spent
         return loss
 
