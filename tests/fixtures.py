@@ -550,3 +550,16 @@ def sp_vlm_batches(patch_dim: int) -> dict[str, dict[str, torch.Tensor]]:
         "two_grids": batch([(16, [(2, (2, 4))]), (16, [(9, (4, 4))])]),
         "mixed_padded_prompt_masked": batch([(15, [(3, (4, 4))]), (11, [])], prompt=9),
     }
+
+
+def on_pinned_stack() -> bool:
+    """True on the pinned stack (constraints.txt), whose figures the results files and docs tables record."""
+    import sys
+    from pathlib import Path
+
+    import transformers
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
+    from readme_blocks import on_pinned_stack as pinned
+
+    return pinned({"torch": torch.__version__, "transformers": transformers.__version__})

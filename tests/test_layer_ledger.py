@@ -10,6 +10,8 @@ import pytest
 
 pytest.importorskip("peft")
 
+from fixtures import on_pinned_stack  # noqa: E402
+
 from hf_ddpfix.integrations.long_context.layer_ledger import LayerShape, flash_bwd_workspace, ledger_slope  # noqa: E402
 
 # The issue's target (issue 14): <= 100 KiB/token for one Llama-8B layer with every feature on.
@@ -118,6 +120,8 @@ SMALL_FAMILY_SHAPES = {
 
 @pytest.mark.parametrize("features", ["stock", "hf_ddpfix"])
 @pytest.mark.parametrize("family", list(SMALL_FAMILY_SHAPES))
+
+
 def test_family_ledger_is_within_10_percent_of_the_real_allocator_and_every_cut_ran(family, features):
     """The ledger of another family's layer (read by structure: first-call probe on real values) against
     torch's CPU allocator, as the Llama test above; with every feature on, the layer and all of its RMSNorms
@@ -143,7 +147,11 @@ def test_family_ledger_is_within_10_percent_of_the_real_allocator_and_every_cut_
     print(f"{family} {features}: ledger {ledger.peak_bytes / seq:.0f} B/token, allocator {measured / seq:.0f} "
           f"B/token ({err:+.1%})")
     assert abs(err) <= CHECKED_TOLERANCE, (family, features, ledger.peak_bytes, measured, ledger.peak_op)
-    if features == "hf_ddpfix":
+    if features == "hf_ddpfix" and not on_pinned_stack() and counts is not None and counts.ran == 0:
+        # another release may hand the layer something else (transformers 5.0's Qwen2.5-VL: 3-row M-RoPE
+        # tables): it runs stock, counted with the reason, never silent; the ledger records the pinned stack
+        assert counts.fell_back > 0 and counts.fallbacks, counts
+    elif features == "hf_ddpfix":
         norms = {"qwen3": 4, "qwen2_5_vl_text": 2, "gemma3_text": 6}[family]  # per layer call
         assert counts is not None and counts.fell_back == 0, counts
         # probe call + forward + recompute, each a patched layer call

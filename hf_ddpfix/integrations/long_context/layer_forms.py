@@ -263,7 +263,9 @@ def probe_layer(layer: nn.Module, stock: Callable[..., Any], hidden_states: torc
             plain = stock_attention_function(impl) if impl is not None else None
             with attention_function_override(impl, plain) if plain is not None else contextlib.nullcontext():
                 ref = stock(x, attention_mask=None, position_embeddings=(c, s))
-            ref = ref[0] if isinstance(ref, (tuple, list)) else ref
+            if not isinstance(ref, torch.Tensor):  # e.g. transformers 5.0's Granite layer: callers index [0]
+                return None, (f"{type(layer).__name__} returns {type(ref).__name__} on this release, not the hidden "
+                              "states tensor the patched layer returns: stock"), {}
             for form in forms:
                 got = capture_attention_inputs(attn, form.pre(layer, x), c, s)
                 if got is None:

@@ -336,6 +336,7 @@ def measure_layer(
             ledger.track([x, *rotary], "layer input, cos, sin")
             with torch.autocast("cpu", dtype=torch.bfloat16):
                 out = layer(x, **kwargs)
+            out = out[0] if isinstance(out, (tuple, list)) else out  # a release whose layers return tuples
             ledger.ignore([out])
             # What the layer keeps from its forward until its backward (beyond its input): ~0 when
             # checkpointing works; with 32 layers this is what would pile up per layer.
