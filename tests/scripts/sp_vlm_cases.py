@@ -114,7 +114,8 @@ def generic_vlm_cases(v, n: int, r: int, families: tuple[str, ...] = ("llava", "
                 ref_grads = {k: p.grad.clone() for k, p in params if p.grad is not None}
                 with torch.no_grad():  # what the family's own masks add must matter
                     if name == "gemma3" and "pixel_values" in batch:
-                        plain = _reference_loss(model, {k: x for k, x in batch.items() if k != "token_type_ids"})
+                        # every token typed as text: no bidirectional image block (transformers 5.0 requires the key in training)
+                        plain = _reference_loss(model, {**batch, "token_type_ids": torch.zeros_like(batch["token_type_ids"])})
                     elif name == "mistral3":
                         text_cfg.sliding_window = None
                         plain = _reference_loss(model, batch)
