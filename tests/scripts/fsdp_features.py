@@ -61,6 +61,7 @@ from fixtures import (  # noqa: E402
     single_collate,
     trainable_weights,
 )
+from fsdp_trainer import training_args  # noqa: E402
 
 STEPS = 3
 TOKENS_PER_TILE = 5
@@ -164,22 +165,15 @@ class PlanLines:
 
 def run(cell: str, mode: str, out: str, lines: PlanLines) -> None:
     import torch.distributed as dist
-    from transformers import Trainer, TrainingArguments
+    from transformers import Trainer
 
-    from hf_ddpfix import DDPFixConfig, DDPFixTrainer, checkpointing_training_args
+    from hf_ddpfix import DDPFixConfig, DDPFixTrainer
     from hf_ddpfix.ops import feature_counts
 
     options, ga = CELLS[cell]
     world = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
-    args = TrainingArguments(
-        output_dir=os.path.join(out, f"run-{mode}-{cell}"), max_steps=STEPS, per_device_train_batch_size=1,
-        per_device_eval_batch_size=1, gradient_accumulation_steps=ga, learning_rate=1e-3, weight_decay=0.1,
-        max_grad_norm=1.0, lr_scheduler_type="constant", logging_steps=1, save_strategy="no", report_to="none",
-        train_sampling_strategy="sequential", remove_unused_columns=False, use_cpu=True, seed=0,
-        ddp_find_unused_parameters=True if mode == "stock" else None,
-        **checkpointing_training_args(True, {"use_reentrant": False}),
-    )
+    args = training_args(os.path.join(out, f"run-{mode}-{cell}"), STEPS, ga, mode)
     assert args.device.type == "cpu"  # sets up accelerate's state and the process group (from_pretrained reads it)
     model = qlora_model(out, world) if cell == "qlora" else lora_llama(dtype=DTYPE.get(cell), **MODEL)
     model.config.use_cache = False

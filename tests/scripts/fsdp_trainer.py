@@ -50,6 +50,23 @@ CASES = {"qwen2_5_vl": (2, "non_reentrant"), "gemma3": (1, "reentrant"), "llava"
 MORE_CASES = {"llama": (2, "non_reentrant")}
 
 
+def training_args(output_dir: str, steps: int, ga: int, mode: str, reentrant: bool = False):  # noqa: ANN201
+    """The FSDP/DDP comparison runs' arguments: batch 1 in order, AdamW lr 1e-3 with weight decay 0.1, clipping 1.0,
+    a constant schedule, checkpointing (reentrant when asked); stock mode asks ``find_unused_parameters=True``."""
+    from transformers import TrainingArguments
+
+    from hf_ddpfix import checkpointing_training_args
+
+    return TrainingArguments(
+        output_dir=output_dir, max_steps=steps, per_device_train_batch_size=1,
+        per_device_eval_batch_size=1, gradient_accumulation_steps=ga, learning_rate=1e-3, weight_decay=0.1,
+        max_grad_norm=1.0, lr_scheduler_type="constant", logging_steps=1, save_strategy="no", report_to="none",
+        train_sampling_strategy="sequential", remove_unused_columns=False, use_cpu=True, seed=0,
+        ddp_find_unused_parameters=True if mode == "stock" else None,
+        **checkpointing_training_args(True, {"use_reentrant": reentrant}),
+    )
+
+
 def items(entry, pattern, n_batches: int, world: int, seed: int, ga: int = 1) -> RankItems:  # noqa: ANN001
     """Rank ``r``'s ``k``-th batch: ``entry``'s sample with or without an image as ``pattern`` says."""
     return RankItems(n_batches, world, lambda k, r: entry.batch(pattern[k % len(pattern)][r % 2], seed + 1000 * k + r,
@@ -102,21 +119,15 @@ def generate_mixed(trainer, entry, rank: int) -> torch.Tensor:
 
 
 def run(name: str, mode: str, out: str, saved: bool = False, generate: bool = False) -> None:
-    from transformers import Trainer, TrainingArguments
+    from transformers import Trainer
 
-    from hf_ddpfix import DDPFixTrainer, checkpointing_training_args
+    from hf_ddpfix import DDPFixTrainer
 
     entry = {**ZOO, **MORE_VLMS}[name]
     ga, ckpt = {**CASES, **MORE_CASES}[name]
     world = int(os.environ.get("WORLD_SIZE", "1"))
-    args = TrainingArguments(
-        output_dir=os.path.join(out, f"run-{mode}-{name}"), max_steps=STEPS, per_device_train_batch_size=1,
-        per_device_eval_batch_size=1, gradient_accumulation_steps=ga, learning_rate=1e-3, weight_decay=0.1,
-        max_grad_norm=1.0, lr_scheduler_type="constant", logging_steps=1, save_strategy="no", report_to="none",
-        train_sampling_strategy="sequential", remove_unused_columns=False, use_cpu=True, seed=0,
-        ddp_find_unused_parameters=True if mode == "stock" else None,
-        **checkpointing_training_args(True, {"use_reentrant": ckpt == "reentrant" and mode == "fixed"}),
-    )
+    args = training_args(os.path.join(out, f"run-{mode}-{name}"), STEPS, ga, mode,
+                         reentrant=ckpt == "reentrant" and mode == "fixed")
     assert args.device.type == "cpu"  # sets up accelerate's state and the process group (from_pretrained reads it)
     model = load_saved(entry, out, world) if saved else entry.model(0)
     model.config.use_cache = False

@@ -101,7 +101,7 @@ PER_ITEM_KEYS = ("pixel_values", "image_grid_thw", "pixel_values_videos", "video
 _TEXT_KEYS = ("input_ids", "labels", "attention_mask", "position_ids")
 BATCH_KEYS = _TEXT_KEYS + PER_TOKEN_KEYS + PER_ITEM_KEYS
 #: decoder call keywords the hook passes on unchanged (no per-token content)
-_PASS_KEYWORDS = ("input_ids", "past_key_values", "use_cache", "cache_position", "output_attentions",
+_PASS_KEYWORDS = ("input_ids", "past_key_values", "cache", "use_cache", "cache_position", "output_attentions",
                   "output_hidden_states", "return_dict")
 _CUT = ("inputs_embeds", "position_ids", "attention_mask")
 #: `[B, S]` batch keys a VLM forward may hand on to its decoder through `**kwargs` (transformers 5.0's Qwen-VL
@@ -125,7 +125,8 @@ def reads_text_positions_from_rotary_rows(decoder: nn.Module) -> bool | None:
 
 #: the decoder forward's named parameters a structural family may have (anything else, e.g. Mllama's
 #: `cross_attention_states`, means image features reach the decoder another way than `inputs_embeds`)
-_DECODER_PARAMS = frozenset({"self", "input_ids", "attention_mask", "position_ids", "past_key_values", "inputs_embeds",
+_DECODER_PARAMS = frozenset({"self", "input_ids", "attention_mask", "position_ids", "past_key_values", "cache",
+                             "inputs_embeds",
                              "use_cache", "cache_position", "output_attentions", "output_hidden_states", "return_dict",
                              "kwargs", "args"})
 
@@ -377,7 +378,7 @@ class VisionSequenceSharding:
         if args or embeds is None or kwargs.get("input_ids") is not None:
             raise NotImplementedError("sequence parallelism: the text decoder was called without inputs_embeds "
                                       "(keywords); its inputs cannot be cut after the image merge")
-        if kwargs.get("past_key_values") is not None:
+        if kwargs.get("past_key_values") is not None or kwargs.get("cache") is not None:  # 5.24 names it `cache`
             raise NotImplementedError("sequence parallelism: a decoder call with a KV cache is not sharded")
         unknown = sorted(k for k, v in kwargs.items() if v is not None and k not in
                          (*_CUT, *_CUT_PER_TOKEN, *self.family.cut_keywords, *_PASS_KEYWORDS))
