@@ -36,6 +36,7 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 from fixtures import Verdicts, init_gloo, lora_llama, rank_log, shard_decoder  # noqa: E402
+from sp_vlm_cases import group_grad_diff  # noqa: E402
 
 from hf_ddpfix.integrations.sequence_parallel import install_ulysses_attention, sharded_causal_lm_loss  # noqa: E402
 from hf_ddpfix.ops import feature_counts  # noqa: E402
@@ -285,15 +286,7 @@ def vlm_cases(v: Verdicts, n: int, r: int, families: tuple[str, ...] = ("qwen2_5
                 snap = feature_counts.snapshot().get("sequence_parallel")
                 total = loss.detach().clone()
                 dist.all_reduce(total)
-                gdiff = 0.0
-                for name, p in params:
-                    gr = p.grad.clone() if p.grad is not None else torch.zeros_like(p)
-                    dist.all_reduce(gr)
-                    want = ref_grads.get(name)
-                    if want is None:  # unused in the reference (no image): must be unused or zero here
-                        gdiff = max(gdiff, gr.abs().max().item())
-                    else:
-                        gdiff = max(gdiff, (gr - want).abs().max().item())
+                gdiff = group_grad_diff(params, ref_grads)  # unused in the reference: unused or zero here
                 vision_grads = [name for name in ref_grads if "visual" in name]
                 ldiff = abs(total.item() - ref.item())
                 amounts = snap.amounts if snap else {}

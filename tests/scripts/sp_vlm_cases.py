@@ -21,6 +21,18 @@ TOL_LOSS = 2e-6  # as sp_parity.py's: 2 fp32 ulps of a loss near 5.5
 TOL_GRAD = 1e-6  # measured <= 2.4e-7 (N = 2 and 4, torch 2.13 CPU fp32)
 
 
+def group_grad_diff(params, ref_grads: dict) -> float:  # noqa: ANN001
+    """Largest |summed-over-the-group gradient - reference| over ``params`` (name, parameter); a parameter the
+    reference left without a gradient must be unused or zero here. A collective: call on every rank."""
+    gdiff = 0.0
+    for name, p in params:
+        gr = p.grad.clone() if p.grad is not None else torch.zeros_like(p)
+        dist.all_reduce(gr)
+        want = ref_grads.get(name)
+        gdiff = max(gdiff, (gr if want is None else gr - want).abs().max().item())
+    return gdiff
+
+
 def _batches(with_types: bool, sizes: bool, per_row: bool = False) -> dict[str, dict[str, torch.Tensor]]:
     """An image whose 4 tokens straddle the middle shard border (6..9 of 16), two images in one row, a text-only row,
     and a prompt-masked mixed batch (lengths 15 and 11: right padding, not divisible by N)."""
@@ -134,12 +146,7 @@ def generic_vlm_cases(v, n: int, r: int, families: tuple[str, ...] = ("llava", "
                     model.gradient_checkpointing_disable()
                 total = loss.detach().clone()
                 dist.all_reduce(total)
-                gdiff = 0.0
-                for k, p in params:
-                    gr = p.grad.clone() if p.grad is not None else torch.zeros_like(p)
-                    dist.all_reduce(gr)
-                    want = ref_grads.get(k)
-                    gdiff = max(gdiff, (gr if want is None else gr - want).abs().max().item())
+                gdiff = group_grad_diff(params, ref_grads)
                 has_image = "pixel_values" in batch
                 vision_grads = [k for k in ref_grads if any(t in k for t in ("vision", "projector", "connector"))]
                 ldiff = abs(total.item() - ref.item())
