@@ -63,12 +63,12 @@ def check_env(env: Mapping[str, str] | None = None) -> dict[str, Any]:
                 continue
             entry = {"var": var, "value": env[var], "option": option, "ok": True, "error": None}
             try:
-                if var == env_name(option) or var in ("UNSLOTH_TILED_MLP",):
+                if var == env_name(option):
                     opt.parse(var, env[var])
                 else:
-                    from .config import parse_bool
+                    from .config import compat_value_of
 
-                    parse_bool(var, env[var])
+                    compat_value_of(opt, var, env[var])
             except ValueError as e:
                 entry.update(ok=False, error=str(e))
             settings.append(entry)

@@ -110,7 +110,8 @@ def _int0(name: str, value: Any) -> int | None:
 
 
 def _tiled_mlp(name: str, value: Any) -> str | None:
-    """A TiledMLP setting, normalised: off, auto, arctic, target, target:GB or N (fixed shard count)."""
+    """A TiledMLP setting, normalised: off, on (forced: 1/true/yes/on), auto, arctic, target, target:GB or N
+    (fixed shard count)."""
     from .ops.tiled import parse_tiled_mlp_setting
 
     v = parse_str(name, value)
@@ -123,6 +124,18 @@ def _tiled_mlp(name: str, value: Any) -> str | None:
         return f"target:{setting.target_gb:g}"
     return setting.mode
 
+
+def _unsloth_tiled_mlp(name: str, value: Any) -> str | None:
+    """`UNSLOTH_TILED_MLP` as Unsloth reads it: 1 (or true/yes/on) means arctic (unsloth_zoo's `patch_tiled_mlp`
+    treats "1" as "arctic", ceil(tokens/hidden) shards); 0/off, arctic, target, target:GB, N and auto as
+    `HF_DDPFIX_TILED_MLP`."""
+    v = parse_str(name, value)
+    if v is not None and v.lower() in _TRUE:
+        return "arctic"
+    return _tiled_mlp(name, v)
+
+
+_unsloth_tiled_mlp.alias_doc = "1 means arctic, as in Unsloth; its other values as this variable's"  # type: ignore[attr-defined]
 
 def _tiled_loss(name: str, value: Any) -> str | None:
     """The tiled loss head: off, on (auto chunking) or N (label tokens per chunk)."""
@@ -175,11 +188,22 @@ def _host_gib(name: str, value: Any) -> str | None:
     return f"{gib:g}"
 
 
-#: Compatibility variables whose *value* is passed through instead of implying a fixed value.
-_PASS_THROUGH = {"UNSLOTH_TILED_MLP"}
-
-
 _META_KEY = "hf_ddpfix"
+
+
+def compat_value_of(opt: _Option, var: str, raw: str | None) -> Any:
+    """What the compatibility variable `var` of `opt` set to `raw` asks for (`None`: nothing, e.g. unset, or 0
+    for a variable that implies a fixed value).
+
+    Raises:
+        ValueError: `raw` is not one of the variable's spellings, naming `var` and the allowed values.
+    """
+    if raw is None or raw.strip() == "":
+        return None
+    implied = opt.compat[var]
+    if callable(implied):
+        return implied(var, raw)
+    return implied if parse_bool(var, raw) else None
 
 
 def option(parse: Callable[[str, Any], Any], doc: str, *, compat: Mapping[str, Any] | None = None) -> Any:
@@ -189,8 +213,8 @@ def option(parse: Callable[[str, Any], Any], doc: str, *, compat: Mapping[str, A
         parse: `parse(variable_name, raw_value) -> typed value or None`; raises `ValueError` naming the
             variable and the allowed values.
         doc: one line for docs/options.md's table (scripts/options_table.py) and `hf-ddpfix doctor`.
-        compat: compatibility variables -> the value they imply when set to a true value (`None`: the
-            variable's own value is parsed, e.g. `UNSLOTH_TILED_MLP=arctic`).
+        compat: compatibility variables -> the value they imply when set to a true value, or a parser
+            `parse(variable_name, raw_value)` that reads the variable's own value (e.g. `UNSLOTH_TILED_MLP=arctic`).
     """
     return field(default=None, metadata={_META_KEY: _Option(parse, doc, dict(compat or {}))})
 
@@ -282,10 +306,11 @@ class DDPFixConfig:
     )
     tiled_mlp: str | None = option(
         _tiled_mlp,
-        "TiledMLP: off, auto (where the memory plan needs it; unknown device memory or length: no tiling "
-        "below 8K tokens, then 2K tokens per shard), N shards, arctic "
-        "(ceil(tokens/hidden) shards), target, target:GB (one shard's MLP intermediate fits GB).",
-        compat={"UNSLOTH_TILED_MLP": None},  # value passed through (arctic / target / target:GB)
+        "TiledMLP: off, on/1 (tiled at every length: ceil(tokens/2048) shards, at least 2, whatever the memory "
+        "plan says), auto (where the memory plan needs it; unknown device memory or length: no tiling below 8K "
+        "tokens, then 2K tokens per shard), N shards, arctic (ceil(tokens/hidden) shards), target, target:GB "
+        "(one shard's MLP intermediate fits GB).",
+        compat={"UNSLOTH_TILED_MLP": _unsloth_tiled_mlp},  # Unsloth's values: 1 = arctic, target, target:GB
     )
     tiled_loss: str | None = option(
         _tiled_loss,
@@ -339,16 +364,11 @@ class DDPFixConfig:
         for name, opt in OPTIONS.items():
             env_value = opt.parse(env_name(name), env.get(env_name(name)))
             compat_value, compat_var = None, None
-            for var, implied in opt.compat.items():
+            for var in opt.compat:
                 raw = env.get(var)
-                if raw is None or raw.strip() == "":
-                    continue
-                if var in _PASS_THROUGH:
-                    v = opt.parse(var, raw)
-                elif parse_bool(var, raw):
-                    v = implied
-                else:
-                    continue  # e.g. UNSLOTH_DISABLE_DDP_STATIC_GRAPH=0: asks for nothing
+                v = compat_value_of(opt, var, raw)
+                if v is None:
+                    continue  # unset, or e.g. UNSLOTH_DISABLE_DDP_STATIC_GRAPH=0: asks for nothing
                 compat_value, compat_var = v, var
             if env_value is not None and compat_value is not None and env_value != compat_value:
                 raise ValueError(

@@ -25,9 +25,10 @@ import readme_blocks  # noqa: E402
 
 
 def _alias(var: str, implied: object) -> str:
-    """How a compatibility variable maps: its own value passed through, or what setting it to 1 means."""
-    if implied is None:
-        return f"`{var}` (same values)"
+    """How a compatibility variable maps: its own value read by a parser (whose `alias_doc` says how), or what
+    setting it to 1 means."""
+    if callable(implied):
+        return f"`{var}` ({getattr(implied, 'alias_doc', 'its own values')})"
     return f"`{var}`=1 means {int(bool(implied))} (=0: no effect)"
 
 

@@ -83,10 +83,34 @@ def test_unknown_option_and_bad_explicit_value():
         DDPFixConfig(sync_check_steps=-3)
 
 
-@pytest.mark.parametrize("raw,expected", [("on", "auto"), ("4", "4"), ("arctic", "arctic"), ("off", "off"),
-                                          ("Target", "target"), ("target:1.5", "target:1.5")])
+@pytest.mark.parametrize("raw,expected", [("on", "on"), ("1", "on"), ("TRUE", "on"), ("auto", "auto"), ("4", "4"),
+                                          ("arctic", "arctic"), ("off", "off"), ("0", "off"), ("Target", "target"),
+                                          ("target:1.5", "target:1.5")])
 def test_tiling_spellings(raw, expected):
+    """An explicit on/1/true asks for tiling ("on"), never a spelling of auto (which the memory plan may leave off)."""
     assert DDPFixConfig.from_env({"HF_DDPFIX_TILED_MLP": raw}).tiled_mlp == expected
+
+
+@pytest.mark.parametrize("raw,expected", [("1", "arctic"), ("true", "arctic"), ("arctic", "arctic"), ("0", "off"),
+                                          ("target", "target"), ("target:2", "target:2"), ("auto", "auto")])
+def test_unsloth_tiled_mlp_means_what_unsloth_means(raw, expected):
+    """unsloth_zoo's patch_tiled_mlp reads UNSLOTH_TILED_MLP=1 as "arctic": a request to tile with that rule."""
+    cfg = DDPFixConfig.from_env({"UNSLOTH_TILED_MLP": raw})
+    assert cfg.tiled_mlp == expected and cfg.source("tiled_mlp") == "UNSLOTH_TILED_MLP"
+
+
+def test_unsloth_tiled_mlp_against_hf_ddpfix_variable():
+    assert DDPFixConfig.from_env({"UNSLOTH_TILED_MLP": "1", "HF_DDPFIX_TILED_MLP": "arctic"}).tiled_mlp == "arctic"
+    with pytest.raises(ValueError, match="HF_DDPFIX_TILED_MLP='on' contradicts UNSLOTH_TILED_MLP='1'"):
+        DDPFixConfig.from_env({"UNSLOTH_TILED_MLP": "1", "HF_DDPFIX_TILED_MLP": "on"})
+
+
+@pytest.mark.parametrize("var,raw", [("HF_DDPFIX_TILED_MLP", "sometimes"), ("UNSLOTH_TILED_MLP", "sometimes"),
+                                     ("HF_DDPFIX_TILED_LOSS", "maybe"), ("HF_DDPFIX_LONG_CONTEXT", "most"),
+                                     ("HF_DDPFIX_OFFLOAD_ACTIVATIONS", "perhaps")])
+def test_bad_memory_setting_names_the_variable_and_the_allowed_values(var, raw):
+    with pytest.raises(ValueError, match=rf"{var}='{raw}'.*(?i:allowed).*\bon\b.*"):
+        DDPFixConfig.from_env({var: raw})
 
 
 def test_checkpointing_choice_accepts_dash_spelling():

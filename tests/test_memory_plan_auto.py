@@ -190,6 +190,28 @@ def test_explicit_features_count_in_every_prefix():
     assert "fits with the explicit tiled_loss" in plan.tiled_mlp.reason and "stock fits" not in plan.tiled_mlp.reason
 
 
+@pytest.mark.parametrize("env, option", [
+    ({"HF_DDPFIX_TILED_MLP": "on"}, "tiled_mlp"), ({"HF_DDPFIX_TILED_MLP": "1"}, "tiled_mlp"),
+    ({"UNSLOTH_TILED_MLP": "1"}, "tiled_mlp"), ({"HF_DDPFIX_TILED_LOSS": "1"}, "tiled_loss"),
+    ({"HF_DDPFIX_LONG_CONTEXT": "on"}, "long_context"), ({"HF_DDPFIX_OFFLOAD_ACTIVATIONS": "true"}, "offload_activations"),
+])
+def test_an_explicit_on_runs_where_stock_fits(env, option):
+    """on/1/true asks for the feature: it runs where the memory plan would leave `auto` off (stock fits at 8K
+    tokens on an H100), and only `auto` consults the fit."""
+    c = DDPFixConfig.from_env(env)
+    explicit = resolve_plan(_facts(8192), c)
+    decision = getattr(explicit, option)
+    assert decision.value and decision.value != "auto" and "not needed" not in decision.reason, decision
+    auto = resolve_plan(_facts(8192), DDPFixConfig.from_env({k: "auto" for k in env}))
+    assert not getattr(auto, option).value and "stock fits" in getattr(auto, option).reason
+
+
+def test_tiled_mlp_on_is_forced_not_the_auto_rule():
+    plan = resolve_plan(_facts(8192), DDPFixConfig(tiled_mlp="on", tiled_loss="auto"))
+    assert plan.tiled_mlp.value == "on" and "on as asked" in plan.tiled_mlp.reason
+    assert "fits with the explicit tiled_mlp" in plan.tiled_mlp.reason  # on in every projection
+
+
 OFFLOAD_AUTO = replace(AUTO, offload_activations="auto")
 
 

@@ -265,6 +265,30 @@ def test_short_sequences_under_auto_run_the_original_forward() -> None:
     assert choose_shards(16, 64, 128) == 1
 
 
+def test_on_tiles_short_sequences_that_auto_leaves_whole_and_counts_them() -> None:
+    """``on`` (HF_DDPFIX_TILED_MLP=1) asks for tiling: a 16-token call runs tiled (2 shards), counted as ran,
+    with the untiled gradients."""
+    from hf_ddpfix.ops import feature_counts
+
+    mlp = llama_mlp()
+    x = torch.randn(1, 16, 64, requires_grad=True)
+    g = torch.randn(1, 16, 64)
+    mlp(x).backward(g)
+    ref = grads(mlp, x)
+    feature_counts.reset()
+    handle = apply_tiled_mlp(mlp, shards="on")
+    try:
+        out = mlp(x)
+        assert "Tiled" in type(out.grad_fn).__name__
+        got = feature_counts.snapshot()["tiled_mlp"]
+        assert got.ran == 1 and got.amounts.get("shards") == 2 and not got.amounts.get("untiled_calls")
+        out.backward(g)
+        assert_close_all(grads(mlp, x), ref)
+    finally:
+        handle.remove()
+        feature_counts.reset()
+
+
 @pytest.mark.parametrize("family", ["qwen2_vl", "qwen2_5_vl", "gemma", "qwen3"])
 def test_apply_finds_vlm_vision_and_other_family_mlps(family: str) -> None:
     import transformers as tf
@@ -348,6 +372,10 @@ def test_choose_shards_rules() -> None:
     assert choose_shards(16384, h, i, "arctic") == 4  # ceil(seq / hidden)
     assert choose_shards(100, h, i, 7) == 7 and choose_shards(5, h, i, 7) == 5
     assert choose_shards(16384, h, i, "off") == 1
+    # on (forced): tiles at every length, 2K tokens per shard and at least 2 (auto leaves these whole)
+    assert choose_shards(100, h, i, "on") == 2 and choose_shards(100, h, i, "auto") == 1
+    assert choose_shards(6144, h, i, "on") == 3 and choose_shards(16384, h, i, "on") == 8
+    assert choose_shards(1, h, i, "on") == 1  # one token cannot be split
     # target: 16K tokens x 5.5 x 14336 x 2 bytes = 2.4 GiB -> 3 shards under 1 GiB, 5 under 0.5 GiB
     assert choose_shards(16384, h, i, "target") == 3
     assert choose_shards(16384, h, i, "target:0.5") == 5
@@ -360,8 +388,10 @@ def test_choose_shards_rules() -> None:
     ("arctic", TiledMLPSetting("arctic")),
     ("target", TiledMLPSetting("target")),
     ("target:2.5", TiledMLPSetting("target", target_gb=2.5)),
-    ("TRUE", TiledMLPSetting("auto")),
-    ("1", TiledMLPSetting("auto")),
+    ("TRUE", TiledMLPSetting("on")),
+    ("1", TiledMLPSetting("on")),
+    ("on", TiledMLPSetting("on")),
+    ("Auto", TiledMLPSetting("auto")),
     ("0", TiledMLPSetting("off")),
     (" off ", TiledMLPSetting("off")),
     ("8", TiledMLPSetting("fixed", shards=8)),

@@ -63,7 +63,7 @@ DEFAULT_TARGET_GB = 1.0
 # benchmarks/tiled.py measures 5.43 (exact live-tensor bytes, Llama-8B MLP, bf16, every length).
 INTERMEDIATE_BYTES_PER_TOKEN_FACTOR = 5.5
 
-ALLOWED_SETTINGS = "off|0|false, on|1|true|auto, arctic, target, target:<GB>, <N shards >= 2>"
+ALLOWED_SETTINGS = "off|0|false, on|1|true, auto, arctic, target, target:<GB>, <N shards >= 2>"
 
 
 # --------------------------------------------------------------------------------------------------
@@ -76,14 +76,15 @@ class TiledMLPSetting:
     """A parsed tiled-MLP setting (``HF_DDPFIX_TILED_MLP`` / ``UNSLOTH_TILED_MLP`` spellings).
 
     Attributes:
-        mode: ``"off"``, ``"auto"`` (min-tokens + tokens-per-shard rule), ``"arctic"``
+        mode: ``"off"``, ``"on"`` (forced: every call with 2 or more tokens tiled, ``ceil(tokens /
+            tokens_per_shard)`` shards and at least 2), ``"auto"`` (min-tokens + tokens-per-shard rule), ``"arctic"``
             (``ceil(tokens / hidden)`` shards, ALST/Unsloth rule), ``"target"`` (shards so that one chunk's
             MLP intermediate fits ``target_gb`` GiB) or ``"fixed"`` (exactly ``shards``).
         shards: the shard count for ``"fixed"``.
         target_gb: GiB budget for ``"target"`` (``None`` = ``DEFAULT_TARGET_GB``).
     """
 
-    mode: Literal["off", "auto", "arctic", "target", "fixed"]
+    mode: Literal["off", "on", "auto", "arctic", "target", "fixed"]
     shards: int | None = None
     target_gb: float | None = None
 
@@ -92,8 +93,10 @@ def parse_tiled_mlp_setting(value: str, name: str = "UNSLOTH_TILED_MLP") -> Tile
     """Parse a tiled-MLP setting string.
 
     Args:
-        value: ``off|0|false|no``, ``on|1|true|yes|auto``, ``arctic``, ``target``, ``target:<GB>``
-            (GB a positive number) or an integer ``N >= 2`` (fixed shard count). Case-insensitive.
+        value: ``off|0|false|no``, ``on|1|true|yes`` (forced), ``auto``, ``arctic``, ``target``, ``target:<GB>``
+            (GB a positive number) or an integer ``N >= 2`` (fixed shard count). Case-insensitive. (An explicit
+            ``on`` asks for tiling and gets it: it is not a spelling of ``auto``, which tiles only from
+            ``min_tokens`` on and which the memory plan may leave off.)
         name: the variable name used in error messages.
 
     Raises:
@@ -105,7 +108,9 @@ def parse_tiled_mlp_setting(value: str, name: str = "UNSLOTH_TILED_MLP") -> Tile
     v = str(value).strip().lower()
     if v in ("", "0", "false", "off", "no", "none"):
         return TiledMLPSetting("off")
-    if v in ("1", "true", "on", "yes", "auto"):
+    if v in ("1", "true", "on", "yes"):
+        return TiledMLPSetting("on")
+    if v == "auto":
         return TiledMLPSetting("auto")
     if v == "arctic":
         return TiledMLPSetting("arctic")
@@ -144,6 +149,8 @@ def choose_shards(
         - int ``n``: ``n`` (clamped to ``[1, num_tokens]``).
         - ``"auto"``: 1 below ``min_tokens`` tokens (tiling does not pay there), else
           ``ceil(num_tokens / tokens_per_shard)``.
+        - ``"on"`` (forced): ``max(2, ceil(num_tokens / tokens_per_shard))`` at every length (1 only for
+          a single token).
         - ``"arctic"``: ``ceil(num_tokens / hidden)`` (ALST / Unsloth).
         - ``"target"``: ``ceil(num_tokens * F * intermediate * dtype_bytes / target)`` with
           ``F = INTERMEDIATE_BYTES_PER_TOKEN_FACTOR`` and target ``target_gb`` GiB (default 1 GiB).
@@ -155,7 +162,7 @@ def choose_shards(
         shards = parse_tiled_mlp_setting(shards, name="shards")
     upper = max(1, int(num_tokens))
     if isinstance(shards, bool):
-        raise ValueError("shards must be an int >= 1, 'auto', 'arctic', 'target', 'target:<GB>' or 'off'")
+        raise ValueError("shards must be an int >= 1, 'on', 'auto', 'arctic', 'target', 'target:<GB>' or 'off'")
     if isinstance(shards, int):
         if shards < 1:
             raise ValueError(f"shards={shards}: must be >= 1")
@@ -165,6 +172,8 @@ def choose_shards(
         n = 1
     elif mode == "fixed":
         n = int(shards.shards or 1)
+    elif mode == "on":
+        n = max(2, math.ceil(num_tokens / max(1, tokens_per_shard)))
     elif mode == "arctic":
         n = math.ceil(num_tokens / max(1, hidden))
     elif mode == "target":

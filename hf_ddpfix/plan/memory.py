@@ -119,6 +119,8 @@ def offload_max_pool_bytes(facts: RunFacts, c: DDPFixConfig | None) -> int | str
 
 
 def decide_tiled_mlp(facts: RunFacts, c: DDPFixConfig, fit: MemoryFit | None = None) -> Decision:
+    """``auto``: where the memory plan needs it (``fit``); an explicit ``on`` (``1``) or any other setting
+    runs whatever the memory plan says (it is on in every projection of ``fit``)."""
     value = c.tiled_mlp
     if value is None or value == "off":
         return Decision(False, "not requested" if value is None else f"off ({c.source('tiled_mlp')})")
@@ -129,6 +131,7 @@ def decide_tiled_mlp(facts: RunFacts, c: DDPFixConfig, fit: MemoryFit | None = N
         if tokens < 8192:  # the auto shard rule would not tile below 8K: a fixed count tiles these steps
             value = str(max(2, math.ceil(tokens / 2048)))
     rule = {
+        "on": "on as asked: every MLP call tiled at every length, ceil(tokens/2048) shards and at least 2",
         "auto": "no tiling below 8K tokens, then ceil(tokens/2048) shards",
         "arctic": "ceil(tokens/hidden) shards",
         "target": "shards so one shard's MLP intermediate fits the memory target",

@@ -169,7 +169,8 @@ def apply_tiled_mlp(
         model: any ``nn.Module`` (HF model, ``PeftModel``); patch it before DDP/FSDP wrapping (works
             after too: the parameters are unchanged).
         shards: ``"auto"`` (default: 1 below ``min_tokens`` tokens, else ``ceil(tokens /
-            tokens_per_shard)``), ``"arctic"``, ``"target"``, ``"target:<GB>"``, an int, or a
+            tokens_per_shard)``), ``"on"`` (forced: ``max(2, ceil(tokens / tokens_per_shard))`` at every
+            length), ``"arctic"``, ``"target"``, ``"target:<GB>"``, an int, or a
             ``TiledMLPSetting``. Decided per call from the flattened token count.
         min_tokens: ``"auto"`` does not tile below this many tokens (default 8192).
         tokens_per_shard: ``"auto"`` chunk length target (default 2048).
