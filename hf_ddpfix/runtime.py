@@ -91,10 +91,7 @@ def attach_runtime(trainer: Any, model: nn.Module, plan: Plan, stack: ExitStack)
         rt.step_contexts.append(_logged_offload_steps(trainer, rt.offload))
         stack.callback(rt.offload.clear_pool)
     if plan.parallel == "fsdp" and plan.quantization.value:  # 4-bit weights regathered every forward (_compat)
-        # not undone when train() ends: the model stays FSDP2-wrapped, and evaluate() after it would garble
-        repack_off, _ = disable_cpu_repack(model)
-        if repack_off:
-            feature_counts.record_amount("quantization", "cpu_repack_off", repack_off)
+        cpu_repack_off(model, stack)  # restored when train() ends; an evaluate() after it turns it off again
     if _apply_checkpointing(trainer, model, plan, offload):
         _keep_plan_checkpointing(trainer, model, plan, offload, stack)
     if plan.parallel == "deepspeed":  # before deepspeed.initialize (inside the stock loop): see deepspeed.py
@@ -219,6 +216,17 @@ def _attach_stabilizer(trainer: Any, model: nn.Module, plan: Plan, stack: ExitSt
     stack.callback(stab.remove)
     stack.callback(before_gradient_clipping(trainer, stab.finalize_vision_grads))
     return stab
+
+
+def cpu_repack_off(model: nn.Module, stack: ExitStack) -> int:
+    """Turn bitsandbytes' in-place CPU repack of 4-bit weights off on `model` (FSDP2 rebuilds each weight from its
+    shards every forward: `_compat.disable_cpu_repack`) until `stack` closes, which restores each module's own
+    value. Counted as the amount `quantization/cpu_repack_off`. Returns how many modules were switched off."""
+    n, undo = disable_cpu_repack(model)
+    stack.callback(undo)
+    if n:
+        feature_counts.record_amount("quantization", "cpu_repack_off", n)
+    return n
 
 
 def attach_eval_sync(model: nn.Module, decision: Any, parallel: str, stack: ExitStack) -> Any:

@@ -41,7 +41,7 @@ from .plan.resolve import resolve_plan
 from .plan.sequence_parallel import decide_sequence_parallel, sp_size_of
 from .plan.types import Plan
 from .plan.vision import decide_eval_sync
-from .runtime import attach_eval_sync, attach_runtime
+from .runtime import attach_eval_sync, attach_runtime, cpu_repack_off
 
 logger = logging.getLogger("hf_ddpfix")
 
@@ -137,7 +137,8 @@ def add_feature_metrics(result: Any) -> None:
 def run_evaluation_with_plan(trainer: Trainer, eval_loop: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
     """Run `eval_loop` (the stock `evaluation_loop`, behind `evaluate()` and `predict()`) with the plan's
     `vlm_eval_sync`: under ZeRO-3 / FSDP, a VLM's evaluation forwards agree across ranks on images (see
-    `hf_ddpfix.plan.vision`). Inside `train()` the training runtime already carries it. Reading the run
+    `hf_ddpfix.plan.vision`), and under FSDP2 bitsandbytes' in-place CPU repack of 4-bit weights is off for the
+    loop (`runtime.cpu_repack_off`). Inside `train()` the training runtime already carries both. Reading the run
     never fails an evaluation stock runs: if the facts cannot be read, stock evaluation runs and the log
     says why.
     """
@@ -166,6 +167,8 @@ def run_evaluation_with_plan(trainer: Trainer, eval_loop: Callable[..., Any], *a
         with ExitStack() as stack:
             trainer.hf_ddpfix_eval_sync = attach_eval_sync(unwrap_parallel(trainer.model), decision,
                                                            facts.parallel, stack)
+            if facts.parallel == "fsdp" and facts.quant is not None:  # as inside train(), undone after the loop
+                cpu_repack_off(unwrap_parallel(trainer.model), stack)
             if sp > 1:  # sharded evaluation, as inside train() (integrations/sequence_parallel/trainer.py)
                 attach_sequence_parallel(trainer, unwrap_parallel(trainer.model), sp_size=sp, stack=stack,
                                          stand_down_accelerate=True)  # no-op without ParallelismConfig(sp_size>1)

@@ -311,6 +311,79 @@ def test_plan_command_dry_runs_the_qlora_guardrails(capsys):
 # ---------------------------------------------------------------------------------------------------
 
 
+# ---------------------------------------------------------------------------------------------------
+# bitsandbytes' CPU repack under FSDP2: off for train() and for an evaluation outside it, restored after
+# ---------------------------------------------------------------------------------------------------
+
+
+def _repacking_model():
+    bnb = pytest.importorskip("bitsandbytes")
+    layer = bnb.nn.Linear4bit(8, 8, bias=False, quant_type="nf4")
+    layer.support_avx512bf16_for_cpu = 1  # as on an AVX512-BF16 CPU (an int there)
+    return torch.nn.Sequential(layer), layer
+
+
+def test_cpu_repack_undo_is_idempotent_and_keeps_a_later_library_value():
+    from hf_ddpfix._compat import disable_cpu_repack
+
+    model, layer = _repacking_model()
+    n, undo = disable_cpu_repack(model)
+    assert n == 1 and layer.support_avx512bf16_for_cpu is False
+    assert disable_cpu_repack(model)[0] == 0  # idempotent: nothing left on
+    undo()
+    assert layer.support_avx512bf16_for_cpu == 1
+    layer.support_avx512bf16_for_cpu = 0  # the user turns it off after our undo: a second undo keeps that
+    undo()
+    assert layer.support_avx512bf16_for_cpu == 0
+    layer.support_avx512bf16_for_cpu = 1
+    _, undo = disable_cpu_repack(model)
+    layer.support_avx512bf16_for_cpu = 2  # another library's value set while ours was in force: kept (chained)
+    undo()
+    assert layer.support_avx512bf16_for_cpu == 2
+
+
+def test_train_turns_the_cpu_repack_off_under_fsdp2_and_restores_it_when_it_ends(monkeypatch):
+    """attach_runtime's undo stack (closed when train() ends, here by an exception after the repack step)
+    gives every Linear4bit its own switch back, and the switch-off is counted."""
+    from contextlib import ExitStack
+
+    import hf_ddpfix.runtime as rt
+    from hf_ddpfix.ops import feature_counts
+    from hf_ddpfix.plan.types import Decision
+
+    model, layer = _repacking_model()
+    seen = []
+
+    def stop(*_a, **_k):
+        seen.append(layer.support_avx512bf16_for_cpu)
+        raise RuntimeError("stop")
+
+    monkeypatch.setattr(rt, "_apply_checkpointing", stop)
+    plan = SimpleNamespace(offload_activations=Decision(False, "not requested"), parallel="fsdp",
+                           quantization=Decision("bnb_4bit", "FSDP2"))
+    feature_counts.reset()
+    with pytest.raises(RuntimeError, match="stop"), ExitStack() as stack:
+        rt.attach_runtime(None, model, plan, stack)
+    assert seen == [False] and layer.support_avx512bf16_for_cpu == 1
+    assert feature_counts.snapshot()["quantization"].amounts == {"cpu_repack_off": 1}
+    feature_counts.reset()
+
+
+def test_an_evaluation_outside_train_turns_the_cpu_repack_off_under_fsdp2_for_its_loop(monkeypatch):
+    """evaluate() after train() (the model still FSDP2-wrapped): off during the loop, restored after."""
+    import hf_ddpfix.trainer as tr
+    from hf_ddpfix.config import DDPFixConfig
+
+    model, layer = _repacking_model()
+    quant = QuantFacts(method="bnb_4bit", num_modules=1, quant_bytes=32, storage_dtype="uint8")
+    monkeypatch.setattr(tr, "gather_facts", lambda trainer: RunFacts(parallel="fsdp", world_size=2, quant=quant))
+    monkeypatch.setattr(tr, "_trainer_config", lambda trainer: DDPFixConfig())
+    trainer = SimpleNamespace(model=model, is_world_process_zero=lambda: True)
+    seen = []
+    assert tr.run_evaluation_with_plan(trainer, lambda: seen.append(layer.support_avx512bf16_for_cpu) or "m") == "m"
+    assert seen == [False] and layer.support_avx512bf16_for_cpu == 1
+
+
 @pytest.mark.multiprocess
 def test_qlora_ddp_kbit_defaults_match_stock_non_reentrant_and_placement_guard(tiny_dir, tmp_path):
     """prepare_model_for_kbit_training defaults (reentrant) under patch_trainer == stock non-reentrant fu=True

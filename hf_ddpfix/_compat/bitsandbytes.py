@@ -11,6 +11,11 @@ ranks through accelerate's FSDP2: evaluation loss 5.496 against 5.524 under DDP;
 equal to DDP to 3e-8). CUDA never repacks. With the switch off the forward runs bitsandbytes' ordinary dequantize
 path, the one training uses.
 
+Reversible: the undo puts each module's own value back, once (a second call does nothing), and only on a module
+whose switch is still the ``False`` we set (a value another library set since is kept: patches chain). hf_ddpfix
+undoes it when ``train()`` ends, and turns it off again around each evaluation outside ``train()``
+(``runtime.cpu_repack_off``).
+
 Fallbacks: bitsandbytes not loaded, or a ``Linear4bit`` without the attribute (another release) → nothing changed
 (0 modules); the contract test in tests/test_upstream_contracts.py fails if the attribute or its use goes away.
 """
@@ -31,6 +36,9 @@ def disable_cpu_repack(model: nn.Module) -> tuple[int, Callable[[], None]]:
 
     Returns:
         ``(n, undo)``: how many modules had it on (now off), and a function that turns them back on.
+
+    Guarantees: idempotent (a second call while the first is in force finds nothing on: ``n == 0``); ``undo``
+    restores each module's own value once, and leaves a module alone whose switch was changed after this call.
     """
     import sys
 
@@ -43,7 +51,9 @@ def disable_cpu_repack(model: nn.Module) -> tuple[int, Callable[[], None]]:
         setattr(m, _SWITCH, False)
 
     def undo() -> None:
-        for m, was in switched:
-            setattr(m, _SWITCH, was)
+        while switched:
+            m, was = switched.pop()
+            if getattr(m, _SWITCH, None) is False:  # still ours: another library's later value is kept
+                setattr(m, _SWITCH, was)
 
     return len(switched), undo
