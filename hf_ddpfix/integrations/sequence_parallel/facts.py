@@ -17,8 +17,9 @@ from ..._compat import (
 )
 from .vision import vision_sequence_parallel_support
 
-__all__ = ["SequenceParallelFacts", "gather_sequence_parallel_facts", "sequence_parallel_loss_route",
-           "trainer_loss_override", "trainer_world_statistic"]
+__all__ = ["SequenceParallelFacts", "gather_sequence_parallel_facts", "is_stock_prediction_step",
+           "prediction_ignored_outputs", "sequence_parallel_loss_route", "trainer_loss_override",
+           "trainer_world_statistic"]
 
 
 @dataclass(frozen=True)
@@ -91,6 +92,24 @@ def trainer_loss_override(trainer: Any) -> str | None:
     if method is None or method is Trainer.compute_loss:
         return None
     return getattr(method, "__qualname__", f"{type(trainer).__name__}.compute_loss")
+
+
+def is_stock_prediction_step(trainer: Any) -> bool:
+    """`transformers.Trainer.prediction_step` itself (not a subclass's override nor an instance attribute)."""
+    from transformers import Trainer
+
+    return "prediction_step" not in vars(trainer) and getattr(type(trainer), "prediction_step", None) is \
+        Trainer.prediction_step
+
+
+def prediction_ignored_outputs(trainer: Any, ignore_keys: list[str] | None) -> tuple[str, ...]:
+    """The output keys stock `prediction_step` leaves out of its predictions: `ignore_keys`, else the model config's
+    `keys_to_ignore_at_inference` (default `["past_key_values"]`), as transformers 5.x reads them."""
+    if ignore_keys is not None:
+        return tuple(ignore_keys)
+    config = getattr(getattr(trainer, "model", None), "config", None)
+    return tuple(getattr(config, "keys_to_ignore_at_inference", ["past_key_values"]) or ()) if config is not None \
+        else ()
 
 
 def _text_config(model: nn.Module) -> Any:

@@ -26,7 +26,10 @@ batch exactly as stock `compute_loss` computes it (the Trainer's `num_items_in_b
 batch's mean). When the caller wants logits (`prediction_loss_only=False`), the slices' logits are gathered
 over the group and each rank returns its own rows at its own length: equal to stock at every real token
 (a padding position's logits are those of a pad token that attends to itself only; stock's attend to the
-real tokens before them; neither carries a label). Counted as `sequence_parallel/eval_sharded_batches`.
+real tokens before them; neither carries a label). Counted as `sequence_parallel/eval_sharded_batches`. Any other
+output the caller receives that holds a tensor, however nested (`hidden_states`, `attentions`, a KV cache, a dict,
+Qwen-VL's `rope_deltas`: `ops.sequence_parallel.outputs.held_tensors`), would be this rank's slice of the group's
+padded batch: that call runs stock `compute_loss` unsharded, counted as a fallback naming the outputs.
 
 Vision-language models (Qwen2-VL, Qwen2.5-VL, Qwen3-VL, and any VLM whose image features enter the text
 decoder's `inputs_embeds`: `vision.vision_sequence_parallel_support`): step 2 also concatenates the images
@@ -70,6 +73,7 @@ from ..._compat import (
 from ...ops.feature_counts import record_amount, record_fallback
 from ...ops.sequence_parallel.exchange import exchange_text_batches
 from ...ops.sequence_parallel.inputs import PACKED_ROWS, shard_batch
+from ...ops.sequence_parallel.outputs import held_tensors
 from .attention import (
     FEATURE,
     activate_batch,
@@ -77,7 +81,12 @@ from .attention import (
     install_ulysses_attention,
     keep_full_sequence,
 )
-from .facts import gather_sequence_parallel_facts, sequence_parallel_loss_route
+from .facts import (
+    gather_sequence_parallel_facts,
+    is_stock_prediction_step,
+    prediction_ignored_outputs,
+    sequence_parallel_loss_route,
+)
 from .model import sharded_causal_lm_loss
 from .vision import BATCH_KEYS, VisionSequenceSharding, merge_vision_batches, vision_sequence_parallel_support
 from .whole import exchange, other_models, whole_outputs_forward
@@ -181,10 +190,12 @@ def attach_sequence_parallel(trainer: Any, model: nn.Module, *, sp_size: int, st
     stack.callback(deactivate_batch)
     stock = trainer.compute_loss
     stock_prediction_step = trainer.prediction_step
+    stock_step = is_stock_prediction_step(trainer)
     warned: set[str] = set()
     checked: list[bool] = []
     pad_id = getattr(getattr(model, "config", None), "pad_token_id", None) or 0
-    want_logits = [False]  # set by prediction_step for the compute_loss call inside it
+    want_logits: list[bool | None] = [None]  # set by prediction_step for its compute_loss call (None: outside it)
+    ignored: list[tuple[str, ...]] = [()]  # the outputs stock prediction_step drops (its ignore_keys)
     family, refusal = vision_sequence_parallel_support(model)
     if refusal:  # the plan refuses it first (PlanError); this guards a direct call
         raise ValueError(f"sequence parallelism: {refusal}")
@@ -254,12 +265,17 @@ def attach_sequence_parallel(trainer: Any, model: nn.Module, *, sp_size: int, st
             merged = merge_batches(batches)
         normalised = num_items_in_batch is not None and bool(getattr(trainer, "model_accepts_loss_kwargs", False))
         if not model.training:
-            loss, outputs = _evaluate_sharded(model, merged, batches, groups, pad_id, want_logits[0], forward)
-            extra = sorted(k for k, x in outputs.items() if torch.is_tensor(x) and k not in ("loss", "logits"))
-            if want_logits[0] and extra:  # e.g. transformers 5.0's Qwen-VL rope_deltas: one per merged row, of
-                # the padded group batch; prediction_step returns them beside the logits, so stock's are needed
-                return fall_back(f"prediction outputs {extra} describe the group's padded batch, not this rank's: "
-                                 "the prediction runs unsharded", model, inputs, return_outputs, num_items_in_batch)
+            # outputs a caller receives: stock prediction_step's beside the logits (not with prediction_loss_only);
+            # any other caller's whenever it asks for them (return_outputs outside prediction_step)
+            want = want_logits[0] if want_logits[0] is not None else return_outputs
+            loss, outputs = _evaluate_sharded(model, merged, batches, groups, pad_id, want, forward)
+            skip = ("loss", "logits", *ignored[0])  # stock prediction_step drops its ignore_keys' outputs
+            held = held_tensors({k: v for k, v in outputs.items() if k not in skip})
+            if want and held:  # e.g. hidden_states / attentions (tuples of this rank's slices), a KV cache, Qwen-VL
+                # rope_deltas (one per row of the padded group batch): stock's are needed, the call runs unsharded
+                return fall_back(f"prediction outputs {held[:4]} hold this rank's slice of the group's padded batch, "
+                                 "not its own whole sequence: the prediction runs unsharded", model, inputs,
+                                 return_outputs, num_items_in_batch)
             loss = loss / (num_items_in_batch if normalised else _count(batches[groups.rank]))
             if normalised and trainer.args.average_tokens_across_devices:
                 loss = loss * trainer.accelerator.num_processes  # stock compute_loss's scale
@@ -293,11 +309,13 @@ def attach_sequence_parallel(trainer: Any, model: nn.Module, *, sp_size: int, st
 
     def prediction_step(model: nn.Module, inputs: dict[str, Any], prediction_loss_only: bool,
                         ignore_keys: list[str] | None = None) -> Any:
-        want_logits[0] = not prediction_loss_only
+        # the stock step discards the outputs with prediction_loss_only; a subclass's may read them
+        want_logits[0] = not prediction_loss_only or not stock_step
+        ignored[0] = prediction_ignored_outputs(trainer, ignore_keys) if stock_step else ()
         try:
             return stock_prediction_step(model, inputs, prediction_loss_only, ignore_keys=ignore_keys)
         finally:
-            want_logits[0] = False
+            want_logits[0], ignored[0] = None, ()
             deactivate_batch()
 
     stock_training_step = trainer.training_step
