@@ -64,9 +64,11 @@ def _check_counts(cell: str, counts: dict, extra: dict, *, fsdp: bool, rank: int
         repack = counts.get("quantization", {}).get("amounts", {}).get("cpu_repack_off", 0)
         four_bit = extra["four_bit"]
         assert four_bit["params"] == 7 * LAYERS, (rank, four_bit)
-        if fsdp:  # sharded: each rank holds half of the 4-bit bytes; the evaluation repack switched off
+        assert extra["repack_switch_after"] == [extra["avx512bf16"]], (rank, extra)  # restored after train/evaluate
+        if fsdp:  # sharded: each rank holds half of the 4-bit bytes; the evaluation repack switched off for train()
+            # and again for the evaluate() after it (restored when each ends)
             assert four_bit["local_bytes"] * 2 == 36864, (rank, four_bit)
-            assert repack == (four_bit["params"] if extra["avx512bf16"] else 0), (rank, counts.get("quantization"))
+            assert repack == (2 * four_bit["params"] if extra["avx512bf16"] else 0), (rank, counts.get("quantization"))
         else:
             assert four_bit["local_bytes"] == 36864 and repack == 0, (rank, four_bit)
     if fsdp:

@@ -201,6 +201,11 @@ def run(cell: str, mode: str, out: str, lines: PlanLines) -> None:
         extra["avx512bf16"] = bool(has_avx512bf16())  # bitsandbytes repacks 4-bit weights for evaluation there
         extra["four_bit"] = {"params": len(quantized), "local_bytes": local_bytes(trainer.model, quantized),
                              "full_bytes": local_bytes(model, quantized) if trainer.model is not model else None}
+        from bitsandbytes.nn import Linear4bit
+
+        # each module's own repack switch once train() and evaluate() are over (hf_ddpfix restores it)
+        extra["repack_switch_after"] = sorted({bool(m.support_avx512bf16_for_cpu) for m in trainer.model.modules()
+                                               if isinstance(m, Linear4bit)})
     runtime = getattr(trainer, "hf_ddpfix_runtime", None)
     if cell == "offload" and runtime is not None and runtime.offload is not None:
         s = runtime.offload.stats
