@@ -111,7 +111,7 @@ def parse_args(argv=None):
     p.add_argument("--offload", action="store_true",
                    help="async CPU offload of checkpointed layer inputs (a logged no-op without a GPU)")
     p.add_argument("--tiled-mlp", default=None,
-                   help="TiledMLP: auto, N shards, arctic, target, target:GB (default: off)")
+                   help="TiledMLP: on (every length), auto, N shards, arctic, target, target:GB (default: off)")
     p.add_argument("--tiled-loss", default=None, help="chunked lm_head + loss: on, or N tokens per chunk")
     return p.parse_args(argv)
 
