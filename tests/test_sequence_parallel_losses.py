@@ -127,13 +127,16 @@ def test_positional_model_arguments_are_named_by_the_forward_and_other_models_ar
 
 #: world 4 (DP2 x SP2, gradient accumulation 2): the cases whose scaling differs most (x2, a sequence-level head
 #: under checkpointing, TRL dft, per-rank counts)
-WORLD4 = ("plain", "double", "hidden_head_checkpointed", "sft_dft", "dpo", "avg_tokens_false", "grpo")
+WORLD4 = ("plain", "double", "hidden_head_checkpointed", "sft_dft", "dpo", "avg_tokens_false", "grpo", "reward")
 #: losses no issue names (tests/scripts/sp_other_losses.py) and TRL trainers beyond SFT / DPO (tests/scripts/sp_trl.py)
 #: (CPO: the same path as ORPO, measured once at 2.8e-17; left out of CI for time)
 TRL = ("distill_teacher", "contrastive", "kto_apo", "orpo", "sft_packing", "sft_completion_only", "grpo")
 #: no one-process reference: stock DDP divides by each rank's own count / mean (avg_tokens_false, ORPO, CPO), packs
 #: each rank's rows into its own bins (sft_packing), contrasts its own rows (contrastive) or samples per process (GRPO)
-DDP_ONLY = ("avg_tokens_false", "contrastive", "orpo", "cpo", "sft_packing", "grpo")
+DDP_ONLY = ("avg_tokens_false", "contrastive", "orpo", "cpo", "sft_packing", "grpo", "seqcls")
+#: models without an LM head, on the "head-whole" route (tests/scripts/sp_trl.py): TRL's RewardTrainer on a Qwen2
+#: reward model, the plain Trainer on a Llama classifier
+HEAD_WHOLE = ("reward", "seqcls")
 
 
 @pytest.mark.multiprocess
@@ -152,19 +155,19 @@ def test_every_trainer_loss_under_sequence_parallel_equals_one_process_and_stock
 
     one, out = tmp_path / "one.pt", tmp_path / "spl.json"
     every = ("plain", "double", "double_adamw", "double_find_unused", "hidden_head", "hidden_head_checkpointed", "compute_loss_func",
-             "label_smoothing", "sft_nll", "sft_dft", "dpo", "dpo_ld_alpha", "avg_tokens_false", *TRL)
+             "label_smoothing", "sft_nll", "sft_dft", "dpo", "dpo_ld_alpha", "avg_tokens_false", *TRL, *HEAD_WHOLE)
     cases = ("--cases", ",".join(every if nproc == 2 else WORLD4))
     torchrun("sp_losses.py", str(one), "--single-for", str(nproc), *cases, nproc=1, timeout=400)
     torchrun("sp_losses.py", str(out), "--single", str(one), *cases, nproc=nproc, timeout=600)
     records = {r["case"]: r for r in json.loads(out.read_text())}
-    refused = ("moe_router_loss_refused", "reward_refused", *(("kto_kl_refused",) if nproc == 2 else ()))
+    refused = ("moe_router_loss_refused", *(("kto_kl_refused",) if nproc == 2 else ()))
     assert set(records) == {*(every if nproc == 2 else WORLD4), *refused, "exchange_tensors_equal_objects"}
     assert all(r["ok"] for r in records.values()), [r for r in records.values() if not r["ok"]]
     for case, r in records.items():
         if case == "exchange_tensors_equal_objects":  # the group's batches as tensors, no pickling
             continue
         if case in refused:  # PlanError before step 1, naming the trainer and the fix
-            assert r["steps"] == 0 and ("output_router_logits" in r["error"] or "language-model head" in r["error"]
+            assert r["steps"] == 0 and ("output_router_logits" in r["error"]
                                         or "KTOTrainer: its loss subtracts a KL estimate" in r["error"])
             continue
         assert r["ddp_weight_diff"] <= 1e-12 and r.get("one_weight_diff", 0.0) <= 1e-12, r
@@ -175,7 +178,8 @@ def test_every_trainer_loss_under_sequence_parallel_equals_one_process_and_stock
         # GRPO's generate() forwards run unsharded, as stock (no batch of the group active): counted, nothing else
         assert all(set(f) <= ({"no sequence-parallel batch active (unsharded forward)"} if case == "grpo" else set())
                    for f in r["fallbacks"]), r["fallbacks"]
-        assert r["route"] == ("sharded" if case == "plain" else "gathered") and f"loss {r['route']}" in r["plan"]
+        route = "sharded" if case == "plain" else "head-whole" if case in HEAD_WHOLE else "gathered"
+        assert r["route"] == route and f"loss {route}" in r["plan"]
         assert ("one_weight_diff" in r) == (case not in DDP_ONLY)
         if "ddp_eval_diff" in r:  # evaluate() ran the same route (the Trainer's loop rounds its loss to fp32)
             # 8 evaluation samples, batch 2 per rank, both batches of the group on every rank
@@ -203,8 +207,9 @@ def _zero_code_route_equals_one_process(tmp_path, one):
     torchrun("sp_patches.py", str(out), "--single", str(one), nproc=2, timeout=300,
              env={"PYTHONPATH": path, "HF_DDPFIX_SEQUENCE_PARALLEL": "2"})
     records = {r["case"]: r for r in json.loads(out.read_text())}
-    assert set(records) == {"sft_nll", "dpo"}
+    assert set(records) == {"sft_nll", "dpo", "reward"}
     for r in records.values():
         assert r["ok"] and r["patched"] and "HF_DDPFIX_SEQUENCE_PARALLEL" in r["plan"], r
-        assert r["gathered_batches"] == [8, 8] and not any(r["fallbacks"]), r
+        assert f"loss {r['route']}" in r["plan"] and r["route"] == ("head-whole" if r["case"] == "reward" else "gathered")
+        assert r["route_batches"] == [8, 8] and not any(r["fallbacks"]), r
         assert r["one_weight_diff"] <= 1e-12 and r["one_loss_diff"] <= 1e-5, r
