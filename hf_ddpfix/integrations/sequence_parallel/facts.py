@@ -175,7 +175,7 @@ def sequence_parallel_loss_route(sp: SequenceParallelFacts) -> tuple[str, str, s
     if not sp.lm_head:
         if sp.vision_family or not sp.pooled_head:
             what = (f"on {sp.vision_family}, whose image merge the head-whole route does not run" if sp.vision_family
-                    else f"which the head-whole route cannot run ({sp.pooled_head_refusal})")
+                    else f"which the head-whole route cannot run ({sp.pooled_head_refusal or 'no decoder found under its head'})")
             return "refused", "", (
                 f"{who} trains a model without a language-model head (a sequence-classification or reward model) "
                 f"{what}: its score is pooled over the whole sequence inside the model; train it without sequence "
