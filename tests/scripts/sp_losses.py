@@ -196,7 +196,9 @@ def run(case: str, sp: int | None, batch: int) -> dict:
     trainer.train()
     # evaluate() runs the trainer's own compute_loss too (sharded / gathered as in training); TRL's need their own
     # eval datasets processed: the Trainer cases only
-    ev = trainer.evaluate(dataset(8, 2))["eval_loss"] if not isinstance(cls, str) else None
+    own_eval = getattr(trainer, "sp_eval_dataset", None)  # a TRL-free builder's own evaluation set (sp_trl.seqcls)
+    ev = trainer.evaluate(own_eval if own_eval is not None else dataset(8, 2))["eval_loss"] \
+        if not isinstance(cls, str) or own_eval is not None else None
     snap = {k: c.as_dict() for k, c in feature_counts.snapshot().items()}
     plan = getattr(trainer, "hf_ddpfix_plan", None)
     res = {"weights": trainable_weights(model), "hist": [(h["loss"], h.get("grad_norm"))

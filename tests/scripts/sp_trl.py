@@ -171,7 +171,8 @@ def seqcls(over: dict, opt: dict, batch: int, dtype: torch.dtype) -> Any:
     from sp_trainer import dataset
     from transformers import Trainer, TrainingArguments
 
-    rows = dataset(48, 1).map(lambda r, i: {"labels": i % 3}, with_indices=True)
+    def rows_of(n: int, seed: int) -> Any:
+        return dataset(n, seed).map(lambda r, i: {"labels": i % 3}, with_indices=True)
 
     def collate(b: list) -> dict:
         n = max(len(r["input_ids"]) for r in b)
@@ -181,9 +182,11 @@ def seqcls(over: dict, opt: dict, batch: int, dtype: torch.dtype) -> Any:
 
     model = get_peft_model(_score_model("Llama", 0, 256, 3, dtype), _score_lora())
     common = {k: v for k, v in COMMON.items() if k != "ddp_find_unused_parameters"}
-    args = TrainingArguments(per_device_train_batch_size=batch, remove_unused_columns=False,
+    args = TrainingArguments(per_device_train_batch_size=batch, per_device_eval_batch_size=2, remove_unused_columns=False,
                              ddp_find_unused_parameters=False, **common, **opt, **over)
-    return Trainer(model=model, args=args, train_dataset=rows, data_collator=collate)
+    trainer = Trainer(model=model, args=args, train_dataset=rows_of(48, 1), data_collator=collate)
+    trainer.sp_eval_dataset = rows_of(8, 2)  # sp_losses.py evaluates on it (the head-whole route in evaluation)
+    return trainer
 
 
 BUILDERS = {"kto": kto, "orpo": orpo, "cpo": cpo, "sft2": sft, "grpo": grpo, "reward": reward, "seqcls": seqcls}
