@@ -259,3 +259,26 @@ def _zero_code_route_equals_one_process(tmp_path, one):
         if r["case"] == "reward":  # measured 5.6e-17 (weights), 0.0 (logged losses)
             assert r["one_weight_diff"] <= 1e-15 and r["one_loss_diff"] <= 5e-7, r
         assert r["one_weight_diff"] <= 1e-12 and r["one_loss_diff"] <= 1e-5, r
+
+
+def test_the_head_whole_decoder_call_refuses_what_it_cannot_shard_and_is_undone():
+    """The decoder's stand-in refuses (named, before any collective) inputs_embeds, a KV cache, attention weights and
+    another sequence-shaped tensor; `decoder_sharded` puts the decoder's forward back."""
+    import torch
+    from transformers import LlamaConfig, LlamaForSequenceClassification
+
+    from hf_ddpfix.integrations.sequence_parallel.head import DecoderShardedForward, decoder_sharded
+
+    hook = DecoderShardedForward(lambda **kw: None, None, 0, "RewardTrainer")
+    ids = torch.ones(2, 5, dtype=torch.long)
+    for kw, what in ((dict(inputs_embeds=torch.zeros(2, 5, 4)), "without input_ids"),
+                     (dict(input_ids=ids, past_key_values=object()), "with a KV cache"),
+                     (dict(input_ids=ids, output_attentions=True), "attention weights"),
+                     (dict(input_ids=ids, token_type_ids=torch.zeros(2, 5)), r"sequence-shaped \['token_type_ids'\]")):
+        with pytest.raises(RuntimeError, match=f"RewardTrainer, head-whole route.*{what}"):
+            hook(**kw)
+    model = LlamaForSequenceClassification(LlamaConfig(hidden_size=32, num_hidden_layers=1, num_attention_heads=4,
+                                                       intermediate_size=32, vocab_size=50, pad_token_id=0))
+    with decoder_sharded(model, None, 0) as inside:
+        assert model.model.forward is inside
+    assert "forward" not in vars(model.model)
