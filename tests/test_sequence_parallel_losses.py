@@ -34,12 +34,49 @@ def test_the_stock_loss_runs_sharded_and_every_other_loss_gathered_and_the_plan_
         assert "loss gathered" in reason and said in reason, reason
 
 
+def test_a_model_without_an_lm_head_runs_head_whole_found_by_structure_and_an_encoder_is_refused():
+    """A sequence-classification model (any family built as decoder + score head, LoRA-wrapped or not): the plan
+    says the head-whole route with the decoder it found; a BERT-like encoder (attention not causal) is refused."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import (
+        BertConfig,
+        BertForSequenceClassification,
+        Qwen2Config,
+        Qwen2ForSequenceClassification,
+    )
+
+    from hf_ddpfix.integrations.sequence_parallel.facts import gather_sequence_parallel_facts
+    from hf_ddpfix.integrations.sequence_parallel.head import pooled_head_structure
+
+    small = dict(hidden_size=32, num_hidden_layers=1, num_attention_heads=4, intermediate_size=32, vocab_size=50)
+    model = get_peft_model(Qwen2ForSequenceClassification(Qwen2Config(**small, num_key_value_heads=2, pad_token_id=0,
+                                                                      num_labels=1)),
+                           LoraConfig(task_type="SEQ_CLS", target_modules=["q_proj"]))
+    trainer = object.__new__(Trainer)
+    sp = gather_sequence_parallel_facts(trainer, model)
+    assert not sp.lm_head and sp.pooled_head == ("Qwen2ForSequenceClassification: decoder 'model' (Qwen2Model) "
+                                                 "sharded, score and pooling on the whole sequence")
+    reason = _plan(lm_head=False, pooled_head=sp.pooled_head, trainer_name="RewardTrainer",
+                   trainer_loss="RewardTrainer.compute_loss").reason
+    assert "loss head-whole: Qwen2ForSequenceClassification: decoder 'model'" in reason, reason
+    assert "RewardTrainer's compute_loss" in reason and "[batch, sequence, hidden] gathered" in reason
+    bert = BertForSequenceClassification(BertConfig(**small))
+    head, decoder, why = pooled_head_structure(bert)
+    assert head is None and decoder is None and "BertModel has attention that is not causal" in why
+    sp = gather_sequence_parallel_facts(trainer, bert)
+    assert sp.pooled_head is None and "not causal" in sp.pooled_head_refusal
+
+
 @pytest.mark.parametrize(("kw", "match"), [
     (dict(router_aux_loss=True, trainer_name="SFTTrainer"), "SFTTrainer trains a model that adds a MoE router.*"
      "output_router_logits=False"),
     (dict(trainer_loss="SFTTrainer.compute_loss", trainer_name="SFTTrainer", vision_family="qwen2_5_vl"),
      "SFTTrainer on qwen2_5_vl.*made whole"),
-    (dict(lm_head=False, trainer_name="RewardTrainer"), "RewardTrainer trains a model without a language-model head"),
+    (dict(lm_head=False, trainer_name="RewardTrainer", pooled_head_refusal="BertForSequenceClassification: its "
+          "decoder BertModel has attention that is not causal"), "RewardTrainer trains a model without a language-model "
+     "head .*which the head-whole route cannot run \\(BertForSequenceClassification: .*not causal"),
+    (dict(lm_head=False, trainer_name="Trainer", vision_family="qwen2_5_vl", pooled_head="X: decoder sharded"),
+     "Trainer trains a model without a language-model head .*on qwen2_5_vl"),
     (dict(trainer_loss="KTOTrainer.compute_loss", trainer_name="KTOTrainer", world_statistic="its loss subtracts a KL"),
      "KTOTrainer: its loss subtracts a KL"),
 ])
@@ -127,13 +164,16 @@ def test_positional_model_arguments_are_named_by_the_forward_and_other_models_ar
 
 #: world 4 (DP2 x SP2, gradient accumulation 2): the cases whose scaling differs most (x2, a sequence-level head
 #: under checkpointing, TRL dft, per-rank counts)
-WORLD4 = ("plain", "double", "hidden_head_checkpointed", "sft_dft", "dpo", "avg_tokens_false", "grpo")
+WORLD4 = ("plain", "double", "hidden_head_checkpointed", "sft_dft", "dpo", "avg_tokens_false", "grpo", "reward")
 #: losses no issue names (tests/scripts/sp_other_losses.py) and TRL trainers beyond SFT / DPO (tests/scripts/sp_trl.py)
 #: (CPO: the same path as ORPO, measured once at 2.8e-17; left out of CI for time)
 TRL = ("distill_teacher", "contrastive", "kto_apo", "orpo", "sft_packing", "sft_completion_only", "grpo")
 #: no one-process reference: stock DDP divides by each rank's own count / mean (avg_tokens_false, ORPO, CPO), packs
 #: each rank's rows into its own bins (sft_packing), contrasts its own rows (contrastive) or samples per process (GRPO)
-DDP_ONLY = ("avg_tokens_false", "contrastive", "orpo", "cpo", "sft_packing", "grpo")
+DDP_ONLY = ("avg_tokens_false", "contrastive", "orpo", "cpo", "sft_packing", "grpo", "seqcls")
+#: models without an LM head, on the "head-whole" route (tests/scripts/sp_trl.py): TRL's RewardTrainer on a Qwen2
+#: reward model, the plain Trainer on a Llama classifier
+HEAD_WHOLE = ("reward", "seqcls")
 
 
 @pytest.mark.multiprocess
@@ -146,25 +186,28 @@ def test_every_trainer_loss_under_sequence_parallel_equals_one_process_and_stock
     by 5.7e-11 (x2 with AdamW) to 0.16); a MoE router loss a PlanError before step 1. Beyond: a teacher-distillation
     and an in-batch contrastive subclass, TRL KTO (apo_zero_unpaired), ORPO, CPO, GRPO, SFT packing and
     completion-only (fp64 <= 5.6e-17; before: ORPO / CPO / packing / the teacher stopped at their first micro-batch),
-    TRL KTO with its world-gathered KL a PlanError (before: trained 3.7e-7 off stock DDP), and SFT / DPO through
-    patches/ with HF_DDPFIX_SEQUENCE_PARALLEL=2 (nproc 2)."""
+    TRL KTO with its world-gathered KL a PlanError (before: trained 3.7e-7 off stock DDP), and SFT / DPO / Reward through
+    patches/ with HF_DDPFIX_SEQUENCE_PARALLEL=2 (nproc 2). Models without an LM head on the head-whole route: TRL's
+    RewardTrainer (Qwen2 reward model, margin, center_rewards_coefficient; SP 2 and DP2 x SP2) vs one process and
+    the plain Trainer on a Llama classifier (nproc 2) vs stock DDP, fp64 weights <= 1.8e-16 (before: a PlanError;
+    with the gather's backward not scaled by N: 8e-3 off, with no gradient through it: 1.4e-2)."""
     from launch import torchrun
 
     one, out = tmp_path / "one.pt", tmp_path / "spl.json"
     every = ("plain", "double", "double_adamw", "double_find_unused", "hidden_head", "hidden_head_checkpointed", "compute_loss_func",
-             "label_smoothing", "sft_nll", "sft_dft", "dpo", "dpo_ld_alpha", "avg_tokens_false", *TRL)
+             "label_smoothing", "sft_nll", "sft_dft", "dpo", "dpo_ld_alpha", "avg_tokens_false", *TRL, *HEAD_WHOLE)
     cases = ("--cases", ",".join(every if nproc == 2 else WORLD4))
     torchrun("sp_losses.py", str(one), "--single-for", str(nproc), *cases, nproc=1, timeout=400)
     torchrun("sp_losses.py", str(out), "--single", str(one), *cases, nproc=nproc, timeout=600)
     records = {r["case"]: r for r in json.loads(out.read_text())}
-    refused = ("moe_router_loss_refused", "reward_refused", *(("kto_kl_refused",) if nproc == 2 else ()))
+    refused = ("moe_router_loss_refused", *(("kto_kl_refused",) if nproc == 2 else ()))
     assert set(records) == {*(every if nproc == 2 else WORLD4), *refused, "exchange_tensors_equal_objects"}
     assert all(r["ok"] for r in records.values()), [r for r in records.values() if not r["ok"]]
     for case, r in records.items():
         if case == "exchange_tensors_equal_objects":  # the group's batches as tensors, no pickling
             continue
         if case in refused:  # PlanError before step 1, naming the trainer and the fix
-            assert r["steps"] == 0 and ("output_router_logits" in r["error"] or "language-model head" in r["error"]
+            assert r["steps"] == 0 and ("output_router_logits" in r["error"]
                                         or "KTOTrainer: its loss subtracts a KL estimate" in r["error"])
             continue
         assert r["ddp_weight_diff"] <= 1e-12 and r.get("one_weight_diff", 0.0) <= 1e-12, r
@@ -175,8 +218,13 @@ def test_every_trainer_loss_under_sequence_parallel_equals_one_process_and_stock
         # GRPO's generate() forwards run unsharded, as stock (no batch of the group active): counted, nothing else
         assert all(set(f) <= ({"no sequence-parallel batch active (unsharded forward)"} if case == "grpo" else set())
                    for f in r["fallbacks"]), r["fallbacks"]
-        assert r["route"] == ("sharded" if case == "plain" else "gathered") and f"loss {r['route']}" in r["plan"]
+        route = "sharded" if case == "plain" else "head-whole" if case in HEAD_WHOLE else "gathered"
+        assert r["route"] == route and f"loss {route}" in r["plan"]
         assert ("one_weight_diff" in r) == (case not in DDP_ONLY)
+        if case in HEAD_WHOLE:  # fp64 weights: measured <= 1.8e-16 vs stock DDP and one process (the two references
+            # differ from each other by 5.6e-17); logged losses (fp32 in the Trainer's log) <= 6e-8, 1 ulp at 4 is 4.8e-7
+            assert r["ddp_weight_diff"] <= 1e-15 and r.get("one_weight_diff", 0.0) <= 1e-15, r
+            assert r["ddp_loss_diff"] <= 5e-7 and r.get("one_loss_diff", 0.0) <= 5e-7, r
         if "ddp_eval_diff" in r:  # evaluate() ran the same route (the Trainer's loop rounds its loss to fp32)
             # 8 evaluation samples, batch 2 per rank, both batches of the group on every rank
             assert r["ddp_eval_diff"] <= 2e-6 and r["eval_batches"] == [2 * (8 // (2 * nproc))] * nproc
@@ -190,7 +238,7 @@ def test_every_trainer_loss_under_sequence_parallel_equals_one_process_and_stock
 
 
 def _zero_code_route_equals_one_process(tmp_path, one):
-    """The same TRL SFT (nll) and DPO runs through `patches/` on PYTHONPATH with HF_DDPFIX_SEQUENCE_PARALLEL=2 and no
+    """The same TRL SFT (nll), DPO and Reward runs through `patches/` on PYTHONPATH with HF_DDPFIX_SEQUENCE_PARALLEL=2 and no
     hf_ddpfix call (tests/scripts/sp_patches.py): weights within 1e-12 of one process (measured 2.8e-17), logged
     losses within 1e-5 (fp32 logging: 2.4e-7), the plan saying the env var and the gathered route, 8 gathered
     batches and no fallback on every rank."""
@@ -203,8 +251,34 @@ def _zero_code_route_equals_one_process(tmp_path, one):
     torchrun("sp_patches.py", str(out), "--single", str(one), nproc=2, timeout=300,
              env={"PYTHONPATH": path, "HF_DDPFIX_SEQUENCE_PARALLEL": "2"})
     records = {r["case"]: r for r in json.loads(out.read_text())}
-    assert set(records) == {"sft_nll", "dpo"}
+    assert set(records) == {"sft_nll", "dpo", "reward"}
     for r in records.values():
         assert r["ok"] and r["patched"] and "HF_DDPFIX_SEQUENCE_PARALLEL" in r["plan"], r
-        assert r["gathered_batches"] == [8, 8] and not any(r["fallbacks"]), r
+        assert f"loss {r['route']}" in r["plan"] and r["route"] == ("head-whole" if r["case"] == "reward" else "gathered")
+        assert r["route_batches"] == [8, 8] and not any(r["fallbacks"]), r
+        if r["case"] == "reward":  # measured 5.6e-17 (weights), 0.0 (logged losses)
+            assert r["one_weight_diff"] <= 1e-15 and r["one_loss_diff"] <= 5e-7, r
         assert r["one_weight_diff"] <= 1e-12 and r["one_loss_diff"] <= 1e-5, r
+
+
+def test_the_head_whole_decoder_call_refuses_what_it_cannot_shard_and_is_undone():
+    """The decoder's stand-in refuses (named, before any collective) inputs_embeds, a KV cache, attention weights and
+    another sequence-shaped tensor; `decoder_sharded` puts the decoder's forward back."""
+    import torch
+    from transformers import LlamaConfig, LlamaForSequenceClassification
+
+    from hf_ddpfix.integrations.sequence_parallel.head import DecoderShardedForward, decoder_sharded
+
+    hook = DecoderShardedForward(lambda **kw: None, None, 0, "RewardTrainer")
+    ids = torch.ones(2, 5, dtype=torch.long)
+    for kw, what in ((dict(inputs_embeds=torch.zeros(2, 5, 4)), "without input_ids"),
+                     (dict(input_ids=ids, past_key_values=object()), "with a KV cache"),
+                     (dict(input_ids=ids, output_attentions=True), "attention weights"),
+                     (dict(input_ids=ids, token_type_ids=torch.zeros(2, 5)), r"sequence-shaped \['token_type_ids'\]")):
+        with pytest.raises(RuntimeError, match=f"RewardTrainer, head-whole route.*{what}"):
+            hook(**kw)
+    model = LlamaForSequenceClassification(LlamaConfig(hidden_size=32, num_hidden_layers=1, num_attention_heads=4,
+                                                       intermediate_size=32, vocab_size=50, pad_token_id=0))
+    with decoder_sharded(model, None, 0) as inside:
+        assert model.model.forward is inside
+    assert "forward" not in vars(model.model)

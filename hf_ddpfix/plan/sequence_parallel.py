@@ -12,12 +12,13 @@ Pure: facts in, a `Decision` out, or a `PlanError` before training when the comb
 | a VLM whose images do not enter the decoder's `inputs_embeds` (cross-attention: Mllama), or M-RoPE outside `SEQUENCE_PARALLEL_VISION_FAMILIES` | its image inputs / positions would be cut blindly | train it without SP |
 | a VLM under DeepSpeed ZeRO-1 / ZeRO-3 or FSDP   | the VLM path is tested under DDP and ZeRO-2 | DDP or ZeRO-2              |
 | a MoE router loss (`output_router_logits`)      | a per-slice load-balancing loss is not the sequence's | output_router_logits=False |
-| a model without an LM head (classifier, reward) | its pooled score needs the whole sequence  | train it without SP         |
+| a model without an LM head whose decoder is not found / not causal, or a VLM | the head-whole route cannot run it | train it without SP |
 | a non-stock loss on a VLM                       | the VLM outputs are not made whole yet     | the stock loss, or no SP    |
 
 The loss route (`integrations.sequence_parallel.facts.sequence_parallel_loss_route`, docs/sequence-parallel-
-losses.md) is said in the reason: "loss sharded" (stock loss, token sums per slice) or "loss gathered" (the
-trainer's own compute_loss on outputs made whole across the group).
+losses.md) is said in the reason: "loss sharded" (stock loss, token sums per slice), "loss gathered" (the
+trainer's own compute_loss on outputs made whole across the group) or "loss head-whole" (a model without an LM
+head: the decoder sharded, its last hidden state gathered under the model's own head and pooling).
 
 FSDP2: the Ulysses attention and the token-sum loss are exact under torch's `fully_shard` (tests/scripts/
 sp_parity.py: loss and gathered gradients vs one process, 2 and 4 gloo ranks), with parameters sharded over

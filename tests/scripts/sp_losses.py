@@ -104,7 +104,19 @@ CASES = {
     "grpo": ("grpo", {}, {}, False),
     # stock DDP divides each rank's sum by its own count: one process does not (its reference is stock DDP only)
     "avg_tokens_false": (Trainer, {"average_tokens_across_devices": False}, {}, False),
+    # models without an LM head ("head-whole": the decoder sharded, its last hidden state gathered under the score
+    # head and the pooling): TRL's RewardTrainer (margin, center_rewards_coefficient) and the plain Trainer (labels;
+    # stock DDP is the reference: the model's mean cross-entropy ignores num_items_in_batch, stock compute_loss still
+    # multiplies it by the number of processes, so stock DDP trains world x the one-process gradient)
+    "reward": ("reward", {}, {}, True),
+    "seqcls": ("seqcls", {}, {}, False),
 }
+#: the cases whose loss runs on the head-whole route (else "gathered"; "plain": "sharded")
+HEAD_WHOLE = ("reward", "seqcls")
+
+
+def route_of(case: str) -> str:
+    return "sharded" if case == "plain" else "head-whole" if case in HEAD_WHOLE else "gathered"
 
 
 def sft_trainer(over: dict, opt: dict, batch: int) -> Trainer:
@@ -184,7 +196,9 @@ def run(case: str, sp: int | None, batch: int) -> dict:
     trainer.train()
     # evaluate() runs the trainer's own compute_loss too (sharded / gathered as in training); TRL's need their own
     # eval datasets processed: the Trainer cases only
-    ev = trainer.evaluate(dataset(8, 2))["eval_loss"] if not isinstance(cls, str) else None
+    own_eval = getattr(trainer, "sp_eval_dataset", None)  # a TRL-free builder's own evaluation set (sp_trl.seqcls)
+    ev = trainer.evaluate(own_eval if own_eval is not None else dataset(8, 2))["eval_loss"] \
+        if not isinstance(cls, str) or own_eval is not None else None
     snap = {k: c.as_dict() for k, c in feature_counts.snapshot().items()}
     plan = getattr(trainer, "hf_ddpfix_plan", None)
     res = {"weights": trainable_weights(model), "hist": [(h["loss"], h.get("grad_norm"))
@@ -258,32 +272,6 @@ def exchange_matches_objects(rank: int, world: int) -> dict:
     return {"case": "exchange_tensors_equal_objects", "ok": same}
 
 
-def reward_refused() -> dict:
-    """TRL's RewardTrainer: a sequence-classification model (no LM head, its score pooled at the last token)
-    under SP is a PlanError naming the trainer, before any optimizer step."""
-    from datasets import Dataset
-    from peft import LoraConfig
-    from transformers import LlamaConfig, LlamaForSequenceClassification
-    from trl import RewardConfig, RewardTrainer
-    from trl_sft import WORDS, build_tokenizer
-
-    unpatch_trainer()
-    patch_trainer(sequence_parallel=2)
-    tok = build_tokenizer()
-    torch.manual_seed(0)
-    model = LlamaForSequenceClassification(LlamaConfig(
-        vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=4,
-        num_key_value_heads=2, num_labels=1, pad_token_id=tok.pad_token_id, attn_implementation="sdpa"))
-    rows = {"chosen": [" ".join(WORDS[:3 + i % 5]) for i in range(16)],
-            "rejected": [" ".join(WORDS[5:7 + i % 4]) for i in range(16)]}
-    args = RewardConfig(output_dir="/tmp/sp_losses", max_steps=2, per_device_train_batch_size=2, use_cpu=True,
-                        report_to=[], save_strategy="no", disable_tqdm=True, optim="sgd", learning_rate=5e-2)
-    trainer = RewardTrainer(model=model, args=args, train_dataset=Dataset.from_dict(rows), processing_class=tok,
-                            peft_config=LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"],
-                                                   task_type="SEQ_CLS"))
-    return _train_refused(trainer)
-
-
 def refused(builder) -> dict:  # noqa: ANN001
     """A TRL trainer (sp_trl.py) whose loss cannot be made exact under SP: a PlanError before step 1."""
     unpatch_trainer()
@@ -319,8 +307,8 @@ def main() -> None:
         done[case] = got
         counts: list = [None] * world
         dist.all_gather_object(counts, got["counts"])  # judged on every rank
-        route = "sharded" if case == "plain" else "gathered"
-        key = "sharded_batches" if route == "sharded" else "gathered_batches"
+        route = route_of(case)
+        key = route.replace("-", "_") + "_batches"
         per_rank = [c["amounts"].get(key, 0) for c in counts]
         rec = {"case": case, "route": route, "attention_calls": [c["ran"] for c in counts], "plan": got["plan"], "per_rank_batches": per_rank,
                "fallbacks": [c["fallbacks"] for c in counts], "ddp_weight_diff": wdiff(got, ref),
@@ -352,9 +340,6 @@ def main() -> None:
     moe = moe_refused()
     v.add({"case": "moe_router_loss_refused", **moe, "ok": moe["steps"] == 0 and moe["error"] is not None
            and "output_router_logits" in moe["error"] and "Trainer" in moe["error"]})
-    reward = reward_refused()
-    v.add({"case": "reward_refused", **reward, "ok": reward["steps"] == 0 and reward["error"] is not None
-           and "RewardTrainer trains a model without a language-model head" in reward["error"]})
     kto = refused(sp_trl.kto) if world == 2 else None  # the plan's refusal does not depend on the world
     if kto is not None:
         v.add({"case": "kto_kl_refused", **kto, "ok": kto["steps"] == 0 and kto["error"] is not None

@@ -15,6 +15,7 @@ from ..._compat import (
     parallelism_config_available,
     parallelism_sp_settings,
 )
+from .head import pooled_head_structure
 from .vision import vision_sequence_parallel_support
 
 __all__ = ["SequenceParallelFacts", "gather_sequence_parallel_facts", "is_stock_prediction_step",
@@ -46,7 +47,11 @@ class SequenceParallelFacts:
             estimate, `calculate_KL`): under SP each rank computes it over the group's batch b, not its own, so
             it is refused; None when the trainer shows none.
         lm_head: the model has an output embedding (a language-model head: per-token outputs); False for a
-            sequence-classification / reward model, whose pooled score cannot be made whole from slices.
+            sequence-classification / reward model, whose score is pooled over the whole sequence.
+        pooled_head: for a model without an LM head, how the "head-whole" route runs it (`head.pooled_head_structure`:
+            "LlamaForSequenceClassification: decoder 'model' (LlamaModel) sharded, score and pooling on the whole
+            sequence"), else None.
+        pooled_head_refusal: why that route cannot run it (no decoder found under the head, attention not causal).
     """
 
     attn_implementation: str | None = None
@@ -66,6 +71,8 @@ class SequenceParallelFacts:
     router_aux_loss: bool = False
     lm_head: bool = True
     world_statistic: str | None = None
+    pooled_head: str | None = None
+    pooled_head_refusal: str | None = None
 
 
 def trainer_world_statistic(trainer: Any) -> str | None:
@@ -137,6 +144,11 @@ def gather_sequence_parallel_facts(trainer: Any, model: nn.Module) -> SequencePa
     sp, backend, attn = parallelism_sp_settings(trainer)
     family, refusal = vision_sequence_parallel_support(model)
     args = getattr(trainer, "args", None)
+    lm_head = _has_lm_head(model)
+    head = pooled = None
+    if not lm_head:
+        _, decoder, said = pooled_head_structure(model)
+        head, pooled = (said, None) if decoder is not None else (None, said)
     return SequenceParallelFacts(
         trainer_name=type(trainer).__name__, trainer_loss=trainer_loss_override(trainer),
         compute_loss_func=getattr(trainer, "compute_loss_func", None) is not None,
@@ -144,7 +156,8 @@ def gather_sequence_parallel_facts(trainer: Any, model: nn.Module) -> SequencePa
         or float(getattr(args, "label_smoothing_factor", 0) or 0) > 0,
         average_tokens_across_devices=bool(getattr(args, "average_tokens_across_devices", True)),
         router_aux_loss=bool(getattr(cfg, "output_router_logits", False)),
-        lm_head=_has_lm_head(model), world_statistic=trainer_world_statistic(trainer),
+        lm_head=lm_head, pooled_head=head, pooled_head_refusal=pooled,
+        world_statistic=trainer_world_statistic(trainer),
         vision_family=family.name if family is not None else None, vision_refusal=refusal or None,
         attn_implementation=impl, num_heads=heads, num_kv_heads=kv, parallelism_sp_size=sp,
         parallelism_sp_backend=backend, parallelism_sp_attn=attn,
@@ -156,7 +169,9 @@ def sequence_parallel_loss_route(sp: SequenceParallelFacts) -> tuple[str, str, s
     """How the trainer's loss runs under SP, from what the run shows (docs/sequence-parallel-losses.md):
     `(route, why, refusal)`. "sharded": stock `Trainer.compute_loss` with the model's own causal-LM token sum,
     each rank summing its slice's tokens (no whole logits); "gathered": the trainer's own `compute_loss` on each
-    batch of the group with the model's outputs made whole across it (`whole.py`). `refusal`: why the loss
+    batch of the group with the model's outputs made whole across it (`whole.py`); "head-whole": a model without an
+    LM head (sequence classification, reward), the trainer's own `compute_loss` on each batch of the group with the
+    decoder sharded and its last hidden state gathered under the model's head and pooling (`head.py`). `refusal`: why the loss
     cannot be made exact (naming the trainer and the fix), else None; the plan raises it as a `PlanError`.
     """
     who = sp.trainer_name
@@ -177,10 +192,16 @@ def sequence_parallel_loss_route(sp: SequenceParallelFacts) -> tuple[str, str, s
     if not sp.average_tokens_across_devices:
         why.append("average_tokens_across_devices=False (each batch over its own token count)")
     if not sp.lm_head:
-        return "refused", "", (
-            f"{who} trains a model without a language-model head (a sequence-classification or reward model): its "
-            "score is pooled over the sequence inside the model, which a rank holding a slice cannot compute; "
-            "train it without sequence parallelism")
+        if sp.vision_family or not sp.pooled_head:
+            what = (f"on {sp.vision_family}, whose image merge the head-whole route does not run" if sp.vision_family
+                    else f"which the head-whole route cannot run ({sp.pooled_head_refusal or 'no decoder found under its head'})")
+            return "refused", "", (
+                f"{who} trains a model without a language-model head (a sequence-classification or reward model) "
+                f"{what}: its score is pooled over the whole sequence inside the model; train it without sequence "
+                "parallelism")
+        loss = f"{who}'s compute_loss ({', '.join(why)})" if why else f"{who}'s stock compute_loss"
+        return "head-whole", (f"loss head-whole: {sp.pooled_head}; {loss} runs on each batch of the group, every "
+                              "rank holding its last hidden state [batch, sequence, hidden] gathered"), None
     if not why:
         return "sharded", "loss sharded: stock compute_loss, the model's causal-LM token sum over each rank's slice", None
     if sp.vision_family:

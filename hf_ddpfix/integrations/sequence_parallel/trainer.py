@@ -42,7 +42,10 @@ The route of the loss (docs/sequence-parallel-losses.md) is decided once per run
 runs as above ("sharded"); any other loss (a subclass's or TRL's `compute_loss`, `compute_loss_func`, label
 smoothing, `average_tokens_across_devices=False`) runs the trainer's own `compute_loss` on each batch of the
 group with the model's outputs made whole across it ("gathered", `whole.py`), counted as
-`sequence_parallel/gathered_batches`; a loss that cannot be made exact is refused (the plan's `PlanError`).
+`sequence_parallel/gathered_batches`; a model without an LM head (sequence classification, reward) runs the same
+loop with only its decoder sharded and the last hidden state gathered under its head ("head-whole", `head.py`),
+counted as `sequence_parallel/head_whole_batches`; a loss that cannot be made exact is refused (the plan's
+`PlanError`).
 
 On the sharded route, batches with other keys and batches without labels run stock `compute_loss` unsharded:
 counted as a fallback with its reason (feature "sequence_parallel") and logged once. Under DDP with
@@ -87,6 +90,7 @@ from .facts import (
     prediction_ignored_outputs,
     sequence_parallel_loss_route,
 )
+from .head import decoder_sharded
 from .model import sharded_causal_lm_loss
 from .vision import BATCH_KEYS, VisionSequenceSharding, merge_vision_batches, vision_sequence_parallel_support
 from .whole import exchange, other_models, whole_outputs_forward
@@ -221,13 +225,20 @@ def attach_sequence_parallel(trainer: Any, model: nn.Module, *, sp_size: int, st
             record_amount(FEATURE, "ddp_find_unused_false", 1)
         results = []
         whole = keep_full_sequence(other_models(trainer, model))  # a ref / teacher model: whole sequence, as given
+        # "head-whole" (head.py): the model runs whole, its decoder on this rank's slice; else the model on the slice
+        sharding = decoder_sharded if route == "head-whole" else whole_outputs_forward
         try:
-            with whole_outputs_forward(unwrap_parallel(model), groups.group, pad_id, type(trainer).__name__):
+            with sharding(unwrap_parallel(model), groups.group, pad_id, type(trainer).__name__) as hook:
                 for batch, items in exchange(inputs, num_items_in_batch, groups.group, groups.size):
                     results.append(stock(model, batch, return_outputs=return_outputs, num_items_in_batch=items))
         finally:
             whole()
-        record_amount(FEATURE, "gathered_batches" if training else "eval_gathered_batches", len(results))
+        if route == "head-whole" and hook.calls < len(results):  # every batch's decoder ran sharded
+            raise RuntimeError(f"sequence parallelism ({type(trainer).__name__}, loss {route}): its compute_loss ran "
+                               f"{len(results)} batches but the sharded forward only {hook.calls}; train it without "
+                               "sequence_parallel")
+        kind = "head_whole_batches" if route == "head-whole" else "gathered_batches"
+        record_amount(FEATURE, kind if training else "eval_" + kind, len(results))
         if not training:  # this rank's own batch, as stock returns it
             return results[groups.rank]
         losses = [r[0] if isinstance(r, tuple) else r for r in results]
@@ -236,7 +247,7 @@ def attach_sequence_parallel(trainer: Any, model: nn.Module, *, sp_size: int, st
 
     def compute_loss(model: nn.Module, inputs: dict[str, Any], return_outputs: bool = False,
                      num_items_in_batch: Any = None) -> Any:
-        if route == "gathered":
+        if route in ("gathered", "head-whole"):
             deactivate_batch()
             return gathered_loss(model, inputs, return_outputs, num_items_in_batch)
         reason = _fallback_reason(trainer, model, inputs, vision is not None)
