@@ -24,7 +24,7 @@ from typing import Any
 from ..config import OPTIONS, DDPFixConfig, env_name
 from .types import Decision, Plan, RunFacts
 
-__all__ = ["ASKS", "asked_options", "mark_not_applied", "not_applied_warning"]
+__all__ = ["ASKS", "asked_options", "mark_not_applied", "mark_not_run_by", "not_applied_warning"]
 
 
 @dataclass(frozen=True)
@@ -149,7 +149,7 @@ def asked_options(c: DDPFixConfig) -> list[str]:
 
 
 def _asked_text(c: DDPFixConfig, name: str) -> str:
-    """`asked on (HF_DDPFIX_X=1)`, `asked arctic (UNSLOTH_TILED_MLP)`, `asked on (argument x=True)`."""
+    """`asked on (HF_DDPFIX_VLM_STABILIZER=1)`, `asked arctic (UNSLOTH_TILED_MLP)`, `asked on (argument x=True)`."""
     v, src = getattr(c, name), c.source(name)
     shown = "on" if v is True else str(v)
     raw = "1" if v is True else str(v)
@@ -185,6 +185,24 @@ def mark_not_applied(plan: Plan, facts: RunFacts, c: DDPFixConfig) -> Plan:
         if d is not None:
             changes[name] = Decision(False, said[name], changed=d.changed)
     if not said:
+        return plan
+    return replace(plan, **changes, not_applied=said)
+
+
+def mark_not_run_by(plan: Plan, c: DDPFixConfig, runs: frozenset[str], entry: str) -> Plan:
+    """`plan` for an entry point that runs only the options in `runs` (e.g. `prepare_accelerate_loop`: DDP kwargs,
+    checkpointing, parameter usage): every other option asked on and on in the plan is turned off and listed in
+    `Plan.not_applied` with "not run by <entry>"."""
+    decisions = plan.decisions()
+    changes: dict[str, Decision] = {}
+    said = dict(plan.not_applied)
+    for name in asked_options(c):
+        if name in runs or name in said:
+            continue
+        said[name] = f"{_asked_text(c, name)}: {entry} does not run it (the Trainer entry points do)"
+        if name in decisions:
+            changes[name] = Decision(False, said[name], changed=False)
+    if said == plan.not_applied:
         return plan
     return replace(plan, **changes, not_applied=said)
 
