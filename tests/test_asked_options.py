@@ -9,6 +9,8 @@ run with a `PlanError` naming the setting. A default run (nothing asked) says no
 
 from __future__ import annotations
 
+import logging
+
 import pytest
 
 from hf_ddpfix.config import OPTIONS, DDPFixConfig, env_name
@@ -156,3 +158,60 @@ def test_the_offload_settings_run_where_the_offload_runs():
     assert plan.offload_activations.value is True and plan.not_applied == {}, plan.report()
     plan = resolve_plan(CONTEXTS["ddp text"], config)  # no checkpointing: nothing to offload
     assert set(plan.not_applied) == {"offload_activations", "offload_min_layer_mib", "offload_host_gib"}
+
+
+def _train(tmp_path, config, steps=1):
+    pytest.importorskip("peft")
+    from fixtures import lora, padded_collate, tiny_llama, variable_length_ids
+    from transformers import TrainingArguments
+
+    from hf_ddpfix.trainer import DDPFixTrainer
+
+    model = lora(tiny_llama(attn_implementation="sdpa", use_cache=False))
+    data = [{"input_ids": ids} for ids in variable_length_ids(4)]
+    args = TrainingArguments(str(tmp_path), use_cpu=True, report_to=[], max_steps=steps, per_device_train_batch_size=2,
+                             save_strategy="no", disable_tqdm=True, remove_unused_columns=False)
+    trainer = DDPFixTrainer(model=model, args=args, train_dataset=data, data_collator=padded_collate,
+                            ddpfix_config=config)
+    trainer.train()
+    return trainer
+
+
+def _warnings(caplog):
+    return [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING and r.name == "hf_ddpfix"]
+
+
+def test_a_trainer_run_warns_once_for_what_was_asked_and_not_run_and_stays_silent_by_default(tmp_path, caplog):
+    with caplog.at_level(logging.INFO, logger="hf_ddpfix"):
+        _train(tmp_path / "a", DDPFixConfig.from_env({"HF_DDPFIX_VLM_STABILIZER": "1", "HF_DDPFIX_SYNC_CHECK_STEPS": "5"}))
+    warned = _warnings(caplog)
+    assert len(warned) == 1 and "vlm_stabilizer" in warned[0] and "sync_check_steps" in warned[0], warned
+    assert "asked on (argument vlm_stabilizer=True): a text-only model" in warned[0], warned  # a config: an argument
+    plan_log = [r.getMessage() for r in caplog.records if "hf_ddpfix plan (" in r.getMessage()]
+    assert plan_log and " ! vlm_stabilizer" in plan_log[0] and " ! sync_check_steps" in plan_log[0], plan_log
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="hf_ddpfix"):
+        _train(tmp_path / "b", DDPFixConfig.from_env({}))
+    assert _warnings(caplog) == []
+
+
+def test_an_asked_feature_on_in_the_plan_that_never_ran_is_warned_at_the_end_of_train(tmp_path, caplog):
+    """tiled_mlp=arctic shards by ceil(tokens/hidden): 12 tokens x 2 / hidden 32 is one shard, so no MLP call is
+    tiled (untiled_calls, not a fallback): before, nothing said so."""
+    with caplog.at_level(logging.WARNING, logger="hf_ddpfix"):
+        trainer = _train(tmp_path, DDPFixConfig.from_env({"HF_DDPFIX_TILED_MLP": "arctic"}))
+    assert trainer.hf_ddpfix_plan.tiled_mlp.value == "arctic"
+    warned = _warnings(caplog)
+    assert len(warned) == 1 and "never ran" in warned[0] and "tiled_mlp = arctic" in warned[0], warned
+    assert "hf_ddpfix/tiled_mlp/ran = 0" in warned[0] and "untiled_calls=" in warned[0], warned
+
+
+def test_never_ran_names_only_asked_features_that_are_on_and_counted():
+    from hf_ddpfix.feature_report import never_ran_warning
+    from hf_ddpfix.ops.feature_counts import FeatureCount
+
+    plan = resolve_plan(RunFacts(), DDPFixConfig.from_env({"HF_DDPFIX_TILED_LOSS": "1", "HF_DDPFIX_TILED_MLP": "4"}))
+    ran = {"tiled_loss": FeatureCount(ran=3), "tiled_mlp": FeatureCount(fallbacks={"kwargs": 2})}
+    said = never_ran_warning(plan, ["tiled_loss", "tiled_mlp", "hang_guard"], ran)
+    assert said is not None and "tiled_mlp = 4" in said and "kwargs (x2)" in said and "tiled_loss" not in said, said
+    assert never_ran_warning(plan, [], {}) is None  # nothing asked: nothing said, whatever ran
