@@ -215,3 +215,16 @@ def test_never_ran_names_only_asked_features_that_are_on_and_counted():
     said = never_ran_warning(plan, ["tiled_loss", "tiled_mlp", "hang_guard"], ran)
     assert said is not None and "tiled_mlp = 4" in said and "kwargs (x2)" in said and "tiled_loss" not in said, said
     assert never_ran_warning(plan, [], {}) is None  # nothing asked: nothing said, whatever ran
+
+
+def test_prepare_accelerate_loop_says_which_asked_options_it_does_not_run():
+    from hf_ddpfix.accelerate_loop import LOOP_RUNS
+    from hf_ddpfix.plan.asked import mark_not_run_by
+
+    config = DDPFixConfig.from_env({"HF_DDPFIX_TILED_LOSS": "1", "HF_DDPFIX_STATIC_GRAPH": "1",
+                                    "HF_DDPFIX_VLM_STABILIZER": "1"})
+    plan = mark_not_run_by(resolve_plan(CONTEXTS["ddp text"], config), config, LOOP_RUNS, "prepare_accelerate_loop")
+    assert plan.static_graph.value is True and "static_graph" not in plan.not_applied  # the loop sets DDP kwargs
+    assert plan.tiled_loss.value is False and "prepare_accelerate_loop does not run it" in plan.not_applied["tiled_loss"]
+    assert "a text-only model" in plan.not_applied["vlm_stabilizer"]  # the plan's own reason kept
+    assert set(plan.not_applied) == {"tiled_loss", "vlm_stabilizer"}
