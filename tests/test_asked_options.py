@@ -109,8 +109,7 @@ def test_an_option_asked_on_runs_or_says_so(name, context):
     assert name in plan.not_applied, f"{name}={raw} asked, not applied, not said:\n{report}"
     lines = [ln for ln in report.splitlines() if ln.strip().startswith(f"! {name} ")]
     assert len(lines) == 1, report
-    assert f"asked {'on' if raw in ('1', '2', 'all') else raw}" in lines[0] or "asked" in lines[0], lines[0]
-    assert f"{env_name(name)}={raw}" in lines[0] or env_name(name) in lines[0], lines[0]
+    assert " asked " in lines[0] and f"({env_name(name)}=" in lines[0], lines[0]  # the setting, where it was asked
     why = lines[0].split("):", 1)[-1].strip()
     assert why, lines[0]
     assert warning is not None and f"{name} " in warning and env_name(name) in warning, warning
