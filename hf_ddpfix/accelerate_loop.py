@@ -52,6 +52,7 @@ from .facts import has_conditional_params, is_peft_model
 from .integrations.checkpointing import apply_checkpointing, detect_checkpointing
 from .integrations.usage import ParameterUsage, UsageChanged
 from .integrations.vision import families
+from .plan.asked import mark_not_run_by, not_applied_warning
 from .plan.resolve import resolve_plan
 from .plan.types import ParallelMode, Plan, RunFacts
 
@@ -119,6 +120,12 @@ class AccelerateLoopRun:
         self.close()
 
 
+#: The options this entry point runs (steps 2-4 above, and the run-wide ones); any other option asked on is said
+#: not to run (plan line and warning, plan/asked.py).
+LOOP_RUNS = frozenset({"checkpointing", "find_unused_parameters", "static_graph", "static_graph_with_checkpointing",
+                       "assume_checkpointing", "parameter_usage", "hang_guard", "strict", "log_plan"})
+
+
 def prepare_accelerate_loop(accelerator: Any, model: nn.Module, config: DDPFixConfig | None = None,
                             **options: Any) -> AccelerateLoopRun:
     """Apply the hf_ddpfix plan to an accelerate training loop; call before `accelerator.prepare(model)`.
@@ -143,9 +150,13 @@ def prepare_accelerate_loop(accelerator: Any, model: nn.Module, config: DDPFixCo
     if config is not None and options:
         raise ValueError("prepare_accelerate_loop: pass either config or **options, not both")
     cfg = DDPFixConfig.from_env(**options) if config is None else config
-    plan = resolve_plan(accelerate_loop_facts(accelerator, model), cfg)
+    plan = mark_not_run_by(resolve_plan(accelerate_loop_facts(accelerator, model), cfg), cfg, LOOP_RUNS,
+                           "prepare_accelerate_loop")
     if accelerator.is_main_process:
         logger.info("%s", plan.report())
+        said = not_applied_warning(plan)  # options asked on that this loop does not run: one warning
+        if said:
+            logger.warning("%s", said)
     stack = ExitStack()
     try:
         if plan.checkpointing.value and plan.checkpointing.changed:

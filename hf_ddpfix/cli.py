@@ -336,7 +336,8 @@ def _plan(args: argparse.Namespace) -> int:
     if args.json:
         out = {"facts": dataclasses.asdict(facts), "ddp_kwargs": plan.ddp_kwargs(),
                "decisions": {k: dataclasses.asdict(d) for k, d in plan.decisions().items()},
-               "corrections": list(plan.corrections), "report": plan.report()}
+               "corrections": list(plan.corrections), "not_applied": dict(plan.not_applied),
+               "report": plan.report()}
         print(json.dumps(out, indent=2, default=str))
         return 0
     if info is not None:

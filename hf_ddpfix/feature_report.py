@@ -5,6 +5,9 @@
   rank 0 per (feature, reason), naming the reason and the installed torch / transformers versions; with
   ``strict=True`` it raises :class:`FeatureFallbackError` at that call instead (a strict run never trains
   without a feature it asked for). Fallbacks of features the plan did not turn on are only counted.
+- :func:`never_ran_warning`: at the end of ``train()``, the options asked on explicitly that the plan ran but
+  whose counter's ``ran`` stayed 0 (no fallback needed for that: e.g. every MLP call too short to tile), named
+  with their counts, as one warning (``run_with_plan`` logs it on rank 0).
 - :func:`feature_metrics`: the counts as flat ``hf_ddpfix/<feature>/{ran,fell_back,<amount>}`` integers,
   for every feature that recorded anything (generic: whatever names the features use).
 
@@ -26,7 +29,8 @@ from .errors import DDPFixError
 from .ops.feature_counts import add_fallback_listener, as_metrics
 from .plan.types import Plan
 
-__all__ = ["ATTACH_FIELDS_OF", "FallbackWatch", "attach_fallbacks", "FeatureFallbackError", "feature_metrics", "requested_features"]
+__all__ = ["ATTACH_FIELDS_OF", "RAN_COUNTER", "FallbackWatch", "attach_fallbacks", "FeatureFallbackError", "feature_metrics",
+           "never_ran_warning", "requested_features"]
 
 logger = logging.getLogger("hf_ddpfix")
 
@@ -126,3 +130,46 @@ def feature_metrics() -> dict[str, int]:
     """``hf_ddpfix/<feature>/ran``, ``.../fell_back`` and ``.../<amount>`` for every counted feature
     (rank-local; see the module docstring)."""
     return as_metrics("hf_ddpfix/")
+
+
+#: Option -> the counted feature whose ``ran`` counts each call (or step) it ran its own code, so ``ran == 0`` after
+#: a ``train()`` with steps means it never ran. Options not listed have no such counter: the DDP flags, the hang
+#: guard and the settings act on the wrapper, not on calls; the stabiliser counts dummy images (0 when every
+#: micro-batch has one: nothing to stabilise, not a failure).
+RAN_COUNTER = {"offload_activations": "offload", "tiled_mlp": "tiled_mlp", "tiled_loss": "tiled_loss",
+               "long_context": "long_context", "parameter_usage": "parameter_usage",
+               "zero_skip_unused": "zero_skip_unused", "sequence_parallel": "sequence_parallel"}
+
+
+def never_ran_warning(plan: Plan, asked: list[str], counts: dict[str, Any] | None = None) -> str | None:
+    """The warning for the options in ``asked`` (asked on explicitly) that ``plan`` runs but whose counter's ``ran``
+    is 0 (``counts``: a :func:`~hf_ddpfix.ops.feature_counts.snapshot`, default the live table); ``None``: none.
+
+    Guarantees: names each such option with its counter's fallbacks and amounts; says nothing for an option the
+    plan did not run (the plan log and its warning already say so) or that has no ``ran`` counter
+    (tests/test_asked_options.py)."""
+    from .ops.feature_counts import snapshot
+
+    table = snapshot() if counts is None else counts
+    decisions = plan.decisions()
+    lines = []
+    for name in asked:
+        feature = RAN_COUNTER.get(name)
+        d = decisions.get(name)
+        if feature is None or d is None or not d.value or d.value == "deepspeed":
+            continue
+        c = table.get(feature)
+        if c is not None and c.ran:
+            continue
+        said = [f"hf_ddpfix/{feature}/ran = 0"]
+        if c is not None and c.fallbacks:
+            said.append("fell back: " + "; ".join(f"{r} (x{n})" for r, n in sorted(c.fallbacks.items())))
+        if c is not None and c.amounts:
+            said.append(", ".join(f"{k}={v}" for k, v in sorted(c.amounts.items())))
+        elif c is None:
+            said.append("never called (no module it patches ran, or none was found)")
+        lines.append(f"  {name} = {d.text}: " + "; ".join(said))
+    if not lines:
+        return None
+    return ("hf_ddpfix: asked for and on in the plan, but never ran in this train() (counts of this rank):\n"
+            + "\n".join(lines))

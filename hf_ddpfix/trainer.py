@@ -30,12 +30,13 @@ from .checkpoints import last_complete_checkpoint
 from .config import DDPFixConfig
 from .errors import readable_ddp_errors
 from .facts import gather_facts
-from .feature_report import FallbackWatch, attach_fallbacks, feature_metrics
+from .feature_report import FallbackWatch, attach_fallbacks, feature_metrics, never_ran_warning
 from .integrations.fsdp import apply_fsdp_units
 from .integrations.sequence_parallel.trainer import attach_sequence_parallel
 from .integrations.trainer_hooks import TrainerPatchLayer
 from .ops.dist import destroy_default_group_at_exit
 from .ops.feature_counts import reset as reset_feature_counts
+from .plan.asked import asked_options, not_applied_warning
 from .plan.fsdp import decide_fsdp_units, fsdp_eval_sync, fsdp_unit_classes, fsdp_units_ours
 from .plan.resolve import resolve_plan
 from .plan.sequence_parallel import decide_sequence_parallel, sp_size_of
@@ -111,6 +112,9 @@ def run_with_plan(trainer: Trainer, inner_loop: Callable[..., Any], *args: Any, 
                 trainer.hf_ddpfix_runtime = attach_runtime(trainer, unwrap_parallel(trainer.model), plan, stack)
                 plan = plan.with_attach_fallbacks(attach_fallbacks())  # the report says what runs, before step 1
                 trainer.hf_ddpfix_plan = plan
+                said = not_applied_warning(plan)  # options asked on that this run does not run: one warning
+                if said and trainer.is_world_process_zero():
+                    logger.warning("%s", said)
                 install_callbacks(trainer, default_callbacks(plan, config), stack)  # plan report, sync, metrics
                 model = unwrap_parallel(trainer.model)
                 names = lambda: [n for n, p in model.named_parameters() if p.requires_grad]  # noqa: E731 DDP's order
@@ -120,6 +124,7 @@ def run_with_plan(trainer: Trainer, inner_loop: Callable[..., Any], *args: Any, 
             stack.callback(when_ready_to_prepare(trainer, setup))  # now, or inside the loop (5.0-5.2)
             result = inner_loop(*args, **kwargs)
             add_feature_metrics(result)
+            _warn_never_ran(trainer, config)
             return result
     finally:
         trainer._hf_ddpfix_active = False
@@ -132,6 +137,16 @@ def add_feature_metrics(result: Any) -> None:
     metrics = getattr(result, "metrics", None)
     if isinstance(metrics, dict):
         metrics.update(feature_metrics())
+
+
+def _warn_never_ran(trainer: Trainer, config: DDPFixConfig) -> None:
+    """One warning (rank 0) naming the options asked on that the plan ran but whose counters say never ran."""
+    plan = getattr(trainer, "hf_ddpfix_plan", None)
+    if plan is None or not trainer.state.global_step or not trainer.is_world_process_zero():
+        return
+    said = never_ran_warning(plan, asked_options(config))
+    if said:
+        logger.warning("%s", said)
 
 
 def run_evaluation_with_plan(trainer: Trainer, eval_loop: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:

@@ -22,6 +22,7 @@ from ..config import DDPFixConfig
 from . import ddp as ddp_rules
 from . import deepspeed as ds_rules
 from . import memory, quantized, vision
+from .asked import mark_not_applied
 from .fsdp import decide_fsdp_units, fsdp_vision_decisions
 from .sequence_parallel import decide_sequence_parallel, sp_size_of
 from .types import CheckpointMode, Plan, PlanError, RunFacts
@@ -78,7 +79,7 @@ def resolve_plan(facts: RunFacts, config: DDPFixConfig | None = None) -> Plan:
     if c.offload_activations == "auto":
         offload = memory.decide_offload(facts, c, mode, fit)
     guard = ddp_rules.decide_hang_guard(facts, c, ddp, bool(fu.value), bool(stabilizer.value), bool(usage.value))
-    return Plan(
+    plan = Plan(
         parallel=facts.parallel,
         world_size=facts.world_size,
         checkpointing=ckpt,
@@ -104,3 +105,4 @@ def resolve_plan(facts: RunFacts, config: DDPFixConfig | None = None) -> Plan:
         offload_min_layer_bytes=memory.offload_min_layer_bytes(c),
         offload_max_pool_bytes=memory.offload_max_pool_bytes(facts, c),
     )
+    return mark_not_applied(plan, facts, c)  # options asked on that do not run: said, never dropped

@@ -209,6 +209,9 @@ class Plan:
     zero_skip_unused: Decision = Decision(None, "")
     corrections: tuple[str, ...] = ()
     config_lines: tuple[str, ...] = field(default=())
+    #: option -> "asked ... (<where>): <why>" for every option asked on explicitly that this plan does not run
+    #: (plan/asked.py); the report marks each with `!`, the run logs one warning listing them.
+    not_applied: dict[str, str] = field(default_factory=dict)
     offload_min_layer_bytes: int = 0  # the offload policy's threshold (ActivationOffload(min_layer_bytes=))
     offload_max_pool_bytes: int | str | None = "default"  # the host pool's cap (ActivationOffload(max_pool_bytes=))
 
@@ -261,13 +264,18 @@ class Plan:
         return replace(self, **changes, corrections=self.corrections + notes)
 
     def report(self) -> str:
-        """Multi-line, human-readable plan: every decision, `*` marks what differs from stock."""
+        """Multi-line, human-readable plan: every decision, `*` marks what differs from stock, `!` an option
+        asked on that does not run (with its reason; options that are no decision get a line of their own)."""
         lines = [f"hf_ddpfix plan ({self.parallel}, world size {self.world_size}):"]
-        for name, d in self.decisions().items():
+        decisions = self.decisions()
+        for name, d in decisions.items():
             if d.value is None:
                 continue
-            mark = "*" if d.changed else " "
+            mark = "!" if name in self.not_applied else "*" if d.changed else " "
             lines.append(f" {mark} {name:<23} = {d.text:<14} {d.reason}")
+        for name, text in self.not_applied.items():
+            if name not in decisions:
+                lines.append(f" ! {name:<23} = {'off':<14} {text}")
         for c in self.corrections:
             lines.append(f"   corrected: {c}")
         if self.config_lines:
