@@ -337,14 +337,14 @@ def test_trainer_with_sequence_parallel_equals_the_run_without_it_and_one_proces
 def _long_context_layers_ran_sharded_on_every_rank(records: list[dict], nproc: int, ga: int) -> None:
     """long_context="all" under SP through the Trainer (tests/scripts/sp_trainer.py --long-context): fp64 LoRA Llama
     and Qwen3 (AdamW, wd 0.1, clipping 1.0) and Llama with tiled MLP + tiled loss (SGD), 3-token tiles, checkpointed,
-    vs stock DDP and one process on the whole batch (the script judges at TOL_LC 1e-10, measured <= 1.6e-13 at N=2
+    vs stock DDP and one process on the whole batch (the script judges at TOL_LC 1e-12, measured <= 1.6e-13 at N=2
     and 1.3e-15 at DP2 x SP2; tiled: 3e-9 / 2.5e-7, measured 1.24e-9 / 1.2e-7, the tiled head's fp32 chunks). On every rank: every training attention call ran sharded inside a
     patched layer, nothing fell back (before the fix every layer ran stock: keyword arguments ['shift_labels'])."""
     for r in records:
         tiled = r["case"] == "trainer/long_context_tiled"
-        limit = 3e-9 if tiled else 1e-10
+        limit = 3e-9 if tiled else 1e-12
         assert r["weight_diff"] <= limit and r["one_process"]["weight_diff"] <= limit, r
-        assert max(r["grad_norm_diff"], r["logits_diff"]) <= (2.5e-7 if tiled else 1e-10), r
+        assert max(r["grad_norm_diff"], r["logits_diff"]) <= (2.5e-7 if tiled else 1e-12), r
         assert len(r["per_rank_trained"]) == nproc
         for m in r["per_rank_trained"]:
             # 2 layers x (forward + checkpoint recompute) x 2 steps x ga micro-batches (one merged group batch each)
