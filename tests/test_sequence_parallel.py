@@ -335,11 +335,10 @@ def test_trainer_with_sequence_parallel_equals_the_run_without_it_and_one_proces
 
 
 def _long_context_layers_ran_sharded_on_every_rank(records: list[dict], nproc: int, ga: int) -> None:
-    """long_context="all" under SP through the Trainer (tests/scripts/sp_trainer.py --long-context): fp64 LoRA Llama
-    and Qwen3 (AdamW, wd 0.1, clipping 1.0) and Llama with tiled MLP + tiled loss (SGD), 3-token tiles, checkpointed,
-    vs stock DDP and one process on the whole batch (the script judges at TOL_LC 1e-12, measured <= 1.6e-13 at N=2
-    and 1.3e-15 at DP2 x SP2; tiled: 3e-9 / 2.5e-7, measured 1.24e-9 / 1.2e-7, the tiled head's fp32 chunks). On every rank: every training attention call ran sharded inside a
-    patched layer, nothing fell back (before the fix every layer ran stock: keyword arguments ['shift_labels'])."""
+    """long_context="all" under SP through the Trainer (sp_trainer.py --long-context): fp64 LoRA Llama and Qwen3
+    (AdamW wd 0.1, clipping 1.0), Llama + tiled MLP + tiled loss (SGD), 3-token tiles, vs stock DDP and one process:
+    1e-12 (measured <= 1.6e-13); tiled 3e-9 / 2.5e-7 (measured 1.24e-9 / 1.2e-7: the head's fp32 chunks). Every rank:
+    each training attention call sharded inside a patched layer, no fallback (before: ['shift_labels'] sent all stock)."""
     for r in records:
         tiled = r["case"] == "trainer/long_context_tiled"
         limit = 3e-9 if tiled else 1e-12
