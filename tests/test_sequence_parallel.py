@@ -346,8 +346,7 @@ def _long_context_layers_ran_sharded_on_every_rank(records: list[dict], nproc: i
         assert max(r["grad_norm_diff"], r["logits_diff"]) <= (2.5e-7 if tiled else 1e-12), r
         assert len(r["per_rank_trained"]) == nproc
         for m in r["per_rank_trained"]:
-            # 2 layers x (forward + checkpoint recompute) x 2 steps x ga micro-batches (one merged group batch each)
-            assert m["long_context"]["ran"] == m["sequence_parallel"]["ran"] == 2 * 2 * 2 * ga, m
+            assert m["long_context"]["ran"] == m["sequence_parallel"]["ran"] == 2 * 2 * 2 * ga, m  # layers x (fwd+recompute) x steps x ga
             assert (m["tiled_mlp"]["ran"] > 0 and m["tiled_loss"]["ran"] == 2 * ga) == tiled, m
             assert not any(m[k]["fallbacks"] for k in m), m
 
