@@ -116,6 +116,29 @@ def test_long_context_runs_patched_on_every_layer_of_a_training_forward():
     handle.remove()
 
 
+def test_the_loss_keywords_a_forward_passes_down_leave_every_layer_patched():
+    """The SP forward calls the model with `shift_labels` (and the Trainer with `num_items_in_batch`); transformers
+    hands a forward's `**kwargs` to every decoder layer. The patched layer reads them as the loss's, not its own:
+    before, every layer ran stock under SP through the Trainer (`keyword arguments ['shift_labels']`)."""
+    model = _model()
+    ids = torch.randint(1, 60, (2, 9))
+    shift = torch.nn.functional.pad(ids[:, 1:], (0, 1), value=-100)
+    calls: list = []
+    handles = _record(list(model.model.layers), calls)
+    try:
+        model(input_ids=ids, labels=shift, shift_labels=shift, num_items_in_batch=1, ignore_index=-100)
+    finally:
+        for h in handles:
+            h.remove()
+    assert all("shift_labels" in kw for _, _, kw in calls), _broken("shift_labels no longer reaches the layers")
+    handle = apply_long_context(model, "all")
+    feature_counts.reset()
+    model(input_ids=ids, labels=shift, shift_labels=shift, num_items_in_batch=1, ignore_index=-100).loss.backward()
+    counts = feature_counts.snapshot()["long_context"]
+    assert counts.ran == 2 and counts.fallbacks == {}, counts.as_dict()
+    handle.remove()
+
+
 def test_norms_and_mlps_are_called_with_one_hidden_states_tensor():
     model = _model()
     layer = model.model.layers[0]

@@ -281,14 +281,16 @@ def test_trainer_with_sequence_parallel_equals_the_run_without_it_and_one_proces
     one, out = tmp_path / "one.pt", tmp_path / "spt.json"
     # world 2: + composition and patches/, + Qwen2.5-VL LoRA (images on some ranks only, a step without any)
     compose = ("--compose", "--vlm") if nproc == 2 else ()
+    lc = ("--long-context",)  # long-context layers under SP (Llama, Qwen3; + tiled MLP + tiled loss), fp64
     env = {"PYTHONPATH": os.pathsep.join([str(ROOT / "patches"), str(ROOT)]),  # the zero-code route, as a user
            "HF_DDPFIX_SEQUENCE_PARALLEL": "2"} if compose else None  # launches it (read by the first case)
-    torchrun("sp_trainer.py", str(one), "--ga", str(ga), "--single-for", str(nproc), *compose, nproc=1, timeout=300)
-    torchrun("sp_trainer.py", str(out), "--sp", "2", "--ga", str(ga), "--single", str(one), *compose, nproc=nproc,
+    torchrun("sp_trainer.py", str(one), "--ga", str(ga), "--single-for", str(nproc), *compose, *lc, nproc=1, timeout=300)
+    torchrun("sp_trainer.py", str(out), "--sp", "2", "--ga", str(ga), "--single", str(one), *compose, *lc, nproc=nproc,
              timeout=500, env=env)
     records = json.loads(out.read_text())
     by_case = {r["case"]: r for r in records}
-    assert set(by_case) == {"trainer/sgd", "trainer/adamw_clip"} | (
+    lc_cases = {"trainer/long_context_llama", "trainer/long_context_qwen3", "trainer/long_context_tiled"}
+    assert set(by_case) == {"trainer/sgd", "trainer/adamw_clip"} | lc_cases | (
         {"trainer/compose", "trainer/patches", "trainer/vlm"} if compose else set())
     assert all(r["ok"] for r in records), records
     micro = 2 * ga  # micro-batches per run: 2 optimizer steps x gradient accumulation
@@ -308,6 +310,7 @@ def test_trainer_with_sequence_parallel_equals_the_run_without_it_and_one_proces
         if rope:  # the unsharded prediction's attention calls, counted by the wrapper
             rope.add("no sequence-parallel batch active (unsharded forward)")
         assert set(r["sp_fallbacks"]) == rope, r["sp_fallbacks"]  # nothing else ran unsharded
+    _long_context_layers_ran_sharded_on_every_rank([by_case[c] for c in sorted(lc_cases)], nproc, ga)
     # clipping measures the norm on every release, so its logged grad norms were compared (< 5.3 logs none
     # without clipping: hist_diff then requires both runs to log none)
     assert all(g is not None for g in by_case["trainer/adamw_clip"]["grad_norms_sp"])
@@ -329,6 +332,23 @@ def test_trainer_with_sequence_parallel_equals_the_run_without_it_and_one_proces
         patches = by_case["trainer/patches"]
         # the sitecustomize's own patch, N from the launch's environment (no hf_ddpfix call in that case)
         assert patches["patched_at_start"] and patches["env_from_launch"] and patches["via"] == "patches"
+
+
+def _long_context_layers_ran_sharded_on_every_rank(records: list[dict], nproc: int, ga: int) -> None:
+    """long_context="all" under SP through the Trainer (sp_trainer.py --long-context): fp64 LoRA Llama and Qwen3
+    (AdamW wd 0.1, clipping 1.0), Llama + tiled MLP + tiled loss (SGD), 3-token tiles, vs stock DDP and one process:
+    1e-12 (measured <= 1.6e-13); tiled 3e-9 / 2.5e-7 (measured 1.24e-9 / 1.2e-7: the head's fp32 chunks). Every rank:
+    each training attention call sharded inside a patched layer, no fallback (before: ['shift_labels'] sent all stock)."""
+    for r in records:
+        tiled = r["case"] == "trainer/long_context_tiled"
+        limit = 3e-9 if tiled else 1e-12
+        assert r["weight_diff"] <= limit and r["one_process"]["weight_diff"] <= limit, r
+        assert max(r["grad_norm_diff"], r["logits_diff"]) <= (2.5e-7 if tiled else 1e-12), r
+        assert len(r["per_rank_trained"]) == nproc
+        for m in r["per_rank_trained"]:
+            assert m["long_context"]["ran"] == m["sequence_parallel"]["ran"] == 2 * 2 * 2 * ga, m  # layers x (fwd+recompute) x steps x ga
+            assert (m["tiled_mlp"]["ran"] > 0 and m["tiled_loss"]["ran"] == 2 * ga) == tiled, m
+            assert not any(m[k]["fallbacks"] for k in m), m
 
 
 def test_parallelism_config_means_hf_ddpfix_ulysses_under_ddp_and_deepspeed_and_names_deepspeed_gaps():

@@ -45,6 +45,62 @@ TOL_LOGITS = 2.5e-6  # predict() logits: measured <= 1.2e-6
 #: loop cannot concatenate those batches' tuples with the others' logits)
 NOT_PREDICTIONS = ("past_key_values", "cache", "rope_deltas", "image_outputs")
 
+#: Long-context layers under SP (docs/sequence-parallel.md): optimizer key -> family. fp64, because AdamW's first
+#: steps move a weight by ~lr * sign(g): in fp32 the tiled layer's other summation order (per 3-token tile) flips
+#: near-zero gradient entries and the weights differ by up to lr (a bound that tells nothing); in fp64 a wrong
+#: gradient still moves them by >= 1e-4 while rounding stays near 1e-15. LoRA on every linear layer,
+#: non-reentrant checkpointing (the recompute runs the patched layer again), AdamW wd 0.1, clipping 1.0.
+#: "lc_llama_sgd": with tiled MLP + tiled loss, whose head runs fp32 chunks (as stock's loss upcasts to fp32) and
+#: sums them in another order: fp32 rounding in the loss gradient, which AdamW's sign would amplify; SGD (wd 0.1,
+#: clipping 1.0) keeps it at its size.
+LC_FAMILIES = ("lc_llama", "lc_qwen3", "lc_llama_sgd")
+#: fp64, vs stock DDP and one process alike (2026-11-27, world 2 N=2 GA 2 and world 4 DP2 x SP2 GA 3): weights,
+#: logged grad norms, predict logits measured <= 1.6e-13 (Llama, Qwen3, AdamW); the logged / evaluation losses
+#: are the Trainer's fp32 accumulators: TOL_LOSS
+TOL_LC = 1e-12  # ~6x the worst measured (AdamW amplifies the last bits of near-zero gradients)
+#: with tiled MLP + tiled loss (fp32 head chunks, SGD): weights measured 1.24e-9, grad norms 7.3e-8, predict
+#: logits 1.2e-7 (the same vs one process without SP: the tiled head's fp32 rounding, not sequence parallelism)
+TOL_LC_TILED_WEIGHT, TOL_LC_TILED = 3e-9, 2.5e-7
+
+
+def lc_model(optim: str) -> torch.nn.Module:
+    """The tiny fp64 LoRA decoder of a long-context case (Llama, or Qwen3 with its q/k norms), all-linear LoRA."""
+    if optim in ("lc_llama", "lc_llama_sgd"):
+        return lora_llama(targets="all-linear", dtype=torch.float64, checkpointing="non_reentrant",
+                          attn_implementation="sdpa")
+    from fixtures import SMALL_TEXT
+    from peft import LoraConfig, get_peft_model
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    torch.manual_seed(0)
+    cfg = Qwen3Config(**SMALL_TEXT, head_dim=16, max_position_embeddings=128, attn_implementation="sdpa")
+    model = get_peft_model(Qwen3ForCausalLM(cfg), LoraConfig(r=4, lora_alpha=8, target_modules="all-linear",
+                                                             init_lora_weights=False)).to(torch.float64)
+    for m in model.modules():  # q/k norms start at w=1: random, so a norm applied on the wrong slice shows
+        if type(m).__name__ == "Qwen3RMSNorm":
+            torch.nn.init.normal_(m.weight, mean=1.0, std=0.2)
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.train()
+    return model
+
+
+class _SmallTiles:
+    """The Trainer's long_context applier with 3-token tiles and 5-token norm chunks (the defaults, 2048 / 4096,
+    would run one tile on these short sequences): the runtime's `apply_long_context` with those keywords."""
+
+    def __enter__(self) -> None:
+        import functools
+
+        import hf_ddpfix.runtime as runtime_mod
+
+        self.saved = runtime_mod.apply_long_context
+        runtime_mod.apply_long_context = functools.partial(self.saved, tokens_per_tile=3, norm_chunk_tokens=5)
+
+    def __exit__(self, *exc: object) -> None:
+        import hf_ddpfix.runtime as runtime_mod
+
+        runtime_mod.apply_long_context = self.saved
+
 
 def dataset(n: int, seed: int) -> Dataset:
     g = torch.Generator().manual_seed(seed)
@@ -161,16 +217,20 @@ class _Offload:
         os.environ.pop("HF_DDPFIX_OFFLOAD_MIN_LAYER_MIB", None)
 
 
-def run(optim: str, ga: int, out: str, sp: int | None, via: str, batch: int = 2, compose: bool = False) -> dict:
+def run(optim: str, ga: int, out: str, sp: int | None, via: str, batch: int = 2, compose: bool | str = False) -> dict:
     """One Trainer run: train 2 steps, evaluate, predict. `via`: "patch_trainer", "env" (HF_DDPFIX_SEQUENCE_PARALLEL
-    + patch_trainer()), "patches" (the sitecustomize's own patch, no hf_ddpfix call), or "" (stock, unpatched)."""
+    + patch_trainer()), "patches" (the sitecustomize's own patch, no hf_ddpfix call), or "" (stock, unpatched).
+    `compose`: True (tiled MLP + tiled loss + offload + checkpointing), "lc" (long_context="all"), "lc_tiled"
+    (long_context="all" + tiled MLP + tiled loss)."""
     # the patches case runs first: the sitecustomize's patch and the launch's HF_DDPFIX_SEQUENCE_PARALLEL
     env_from_launch = os.environ.get("HF_DDPFIX_SEQUENCE_PARALLEL") == str(sp) if via == "patches" else None
     os.environ.pop("HF_DDPFIX_SEQUENCE_PARALLEL", None)
     patched_at_start = is_patched()
     if via != "patches":
         unpatch_trainer()
-    extra = dict(tiled_mlp="2", tiled_loss="on", offload_activations=True) if compose else {}
+    lc = isinstance(compose, str)
+    extra = {"lc": dict(long_context="all"), "lc_tiled": dict(long_context="all", tiled_mlp="2", tiled_loss="on")}[
+        compose] if lc else dict(tiled_mlp="2", tiled_loss="on", offload_activations=True) if compose else {}
     if sp and via in ("env", "patches"):  # (patches: the launch's value, put back for a launch without it)
         os.environ["HF_DDPFIX_SEQUENCE_PARALLEL"] = str(sp)
     if sp and via == "env":
@@ -184,19 +244,23 @@ def run(optim: str, ga: int, out: str, sp: int | None, via: str, batch: int = 2,
         from fixtures import add_lora, build_qwen2_5_vl
 
         model = add_lora(build_qwen2_5_vl(0))  # LoRA on every linear layer, vision tower included
+    elif optim in LC_FAMILIES:
+        model = lc_model(optim)
     else:
         model = lora_llama(attn_implementation="sdpa")
     # AdamW's first steps are ~lr * sign(g): float noise in a near-zero gradient moves a weight by up to lr,
     # so its lr is small enough that TOL_WEIGHT is a real bound (SGD: lr * g, no amplification)
     kw = dict(optim="sgd", max_grad_norm=0.0, weight_decay=0.0, learning_rate=5e-2) if optim == "sgd" else \
-        dict(optim="adamw_torch", max_grad_norm=0.05, weight_decay=0.1, learning_rate=2e-4)
+        dict(optim="sgd", max_grad_norm=1.0, weight_decay=0.1, learning_rate=5e-2) if optim == "lc_llama_sgd" else \
+        dict(optim="adamw_torch", max_grad_norm=1.0, weight_decay=0.1, learning_rate=1e-2) if optim in LC_FAMILIES \
+        else dict(optim="adamw_torch", max_grad_norm=0.05, weight_decay=0.1, learning_rate=2e-4)
     args = TrainingArguments(output_dir=out, per_device_train_batch_size=batch, per_device_eval_batch_size=batch,
                              gradient_accumulation_steps=ga, max_steps=3 if vlm else 2, report_to=[],
                              use_cpu=True, save_strategy="no", remove_unused_columns=False, disable_tqdm=True,
                              seed=0, logging_steps=1, **kw,
                              # VLM: stock's default (a text-only rank leaves the tower unused); the SP run: the plan's
                              ddp_find_unused_parameters=None if vlm else False,
-                             **(checkpointing_training_args(True, {"use_reentrant": False}) if compose else {}))
+                             **(checkpointing_training_args(True, {"use_reentrant": False}) if compose is True else {}))
     if vlm:
         eval_ds = vlm_samples(4, 2)
         trainer = InOrder(model=model, args=args, train_dataset=vlm_samples(12, 1), eval_dataset=eval_ds,
@@ -206,8 +270,9 @@ def run(optim: str, ga: int, out: str, sp: int | None, via: str, batch: int = 2,
         trainer = Trainer(model=model, args=args, train_dataset=dataset(48, 1), eval_dataset=eval_ds,
                           data_collator=collate)
     start = trainable_weights(model) if vlm else {}
-    with _Offload() if compose else contextlib.nullcontext():
+    with _Offload() if compose is True else _SmallTiles() if lc else contextlib.nullcontext():
         trainer.train()
+    trained = {k: c.as_dict() for k, c in feature_counts.snapshot().items()}  # training alone
     ev = trainer.evaluate()
     # what a user of these releases passes: outputs that are not predictions (stock gathers every other output)
     pred = trainer.predict(eval_ds, ignore_keys=list(NOT_PREDICTIONS))
@@ -220,7 +285,7 @@ def run(optim: str, ga: int, out: str, sp: int | None, via: str, batch: int = 2,
     text_config = getattr(model.config, "text_config", model.config)
     res = {"weights": weights, "hist": hist, "eval": ev["eval_loss"], "predict_loss":
            pred.metrics["test_loss"], "pred": list(logits), "lengths": real_lengths(eval_ds),
-           "counts": snap, "patched_at_start": patched_at_start, "env_from_launch": env_from_launch, "layers": text_config.num_hidden_layers,
+           "counts": snap, "trained": trained, "patched_at_start": patched_at_start, "env_from_launch": env_from_launch, "layers": text_config.num_hidden_layers,
            "vision_moved": sum(int(not torch.equal(weights[k], start[k])) for k in start if "visual" in k),
            "find_unused": plan.find_unused_parameters.value if plan is not None else None,
            "plan": plan.sequence_parallel.text if plan is not None else None,
@@ -235,7 +300,10 @@ def run(optim: str, ga: int, out: str, sp: int | None, via: str, batch: int = 2,
 #: is the one installed at start-up (every other run unpatches / patches again).
 CASES = (("trainer/patches", "sgd", "patches", False), ("trainer/sgd", "sgd", "patch_trainer", False),
          ("trainer/adamw_clip", "adamw", "env", False), ("trainer/compose", "sgd", "patch_trainer", True),
-         ("trainer/vlm", "vlm_adamw", "patch_trainer", False))
+         ("trainer/vlm", "vlm_adamw", "patch_trainer", False),
+         ("trainer/long_context_llama", "lc_llama", "patch_trainer", "lc"),
+         ("trainer/long_context_qwen3", "lc_qwen3", "patch_trainer", "lc"),
+         ("trainer/long_context_tiled", "lc_llama_sgd", "patch_trainer", "lc_tiled"))
 
 
 def main() -> None:
@@ -251,11 +319,15 @@ def main() -> None:
                    "offload under SP, and SGD through patches/ (launch with patches/ on PYTHONPATH)")
     p.add_argument("--vlm", action="store_true",
                    help="also Qwen2.5-VL LoRA (vision included), AdamW + clipping, 3 steps, images on some ranks only")
+    p.add_argument("--long-context", action="store_true",
+                   help="also long_context='all' (3-token tiles) on a fp64 LoRA Llama and Qwen3, and with tiled MLP + "
+                   "tiled loss, AdamW + clipping, vs stock DDP and one process; counters from every rank")
     a = p.parse_args()
     r, world = init_gloo()
     log = rank_log()
-    cases = [c for c in CASES if c[0] in ("trainer/sgd", "trainer/adamw_clip") or (a.compose and c[0] != "trainer/vlm")
-             or (a.vlm and c[0] == "trainer/vlm")]
+    cases = [c for c in CASES if c[0] in ("trainer/sgd", "trainer/adamw_clip") or (a.compose and c[3] is True)
+             or (a.compose and c[0] == "trainer/patches") or (a.vlm and c[0] == "trainer/vlm")
+             or (a.long_context and c[1] in LC_FAMILIES)]
     optims = sorted({c[1] for c in cases})
     if a.single_for:  # the same global batch in one process: sampler order and GA normalisation are the Trainer's
         # Qwen-VL declares accepts_loss_kwargs=False: stock averages per-micro-batch means, so its one-process
@@ -287,7 +359,11 @@ def main() -> None:
         pdiff = logits_diff(ref, got)
         counts = got["counts"]
         c = counts.get("sequence_parallel") or {"ran": 0, "fallbacks": {}, "amounts": {}}
-        def within(w, lo, g, e, lg):
+        def within(w, lo, g, e, lg, optim=optim):
+            if optim == "lc_llama_sgd":
+                return w <= TOL_LC_TILED_WEIGHT and max(g, lg) <= TOL_LC_TILED and max(lo, e) <= TOL_LOSS
+            if optim in LC_FAMILIES:  # the logged / evaluation losses are fp32 (the Trainer's accumulators)
+                return max(w, g, lg) <= TOL_LC and max(lo, e) <= TOL_LOSS
             return w <= TOL_WEIGHT and max(lo, e) <= TOL_LOSS and g <= TOL_GRAD_NORM and lg <= TOL_LOGITS
 
         ok = (within(wdiff, ldiff, gdiff, ediff, pdiff) and c["ran"] > 0
@@ -308,6 +384,18 @@ def main() -> None:
             ok = (ok and vision["vision_sharded_forwards"] >= 3 * a.ga and vision["full_sequence_attention_calls"] > 0
                   and got["find_unused"] is False and usage.get("output_ties_in_loss", 0) > 0
                   and usage.get("grads_reset", 0) > 0 and got["vision_moved"] > 0)
+        if optim in LC_FAMILIES:  # every rank's training counters, judged here on every rank and in the test
+            mine = {k: {"ran": got["trained"].get(k, {}).get("ran", 0), "fallbacks": got["trained"].get(k, {}).get(
+                "fallbacks", {})} for k in ("long_context", "sequence_parallel", "tiled_mlp", "tiled_loss")}
+            per_rank = [None] * world
+            dist.all_gather_object(per_rank, mine)
+            vision["per_rank_trained"] = per_rank
+            # every training attention call ran sharded inside a patched layer (none stock, nothing fell back);
+            # with tiled MLP + tiled loss, those ran too, without a fallback
+            tiled = compose == "lc_tiled"
+            ok = ok and all(m["long_context"]["ran"] == m["sequence_parallel"]["ran"] > 0
+                            and (m["tiled_mlp"]["ran"] > 0 and m["tiled_loss"]["ran"] > 0) == tiled
+                            and not any(m[k]["fallbacks"] for k in m) for m in per_rank)
         v.add({**vision, "case": case, "world": world, "sp": a.sp, "ga": a.ga, "via": via, "plan": got["plan"], "layers": got["layers"],
                "plan_offload": got["plan_offload"], "patched_at_start": got["patched_at_start"],
                "env_from_launch": got["env_from_launch"],
@@ -317,7 +405,7 @@ def main() -> None:
                "attention_calls": c["ran"], "sharded_batches": c["amounts"].get("sharded_batches"),
                "eval_sharded_batches": c["amounts"].get("eval_sharded_batches"),
                "ddp_find_unused_false": c["amounts"].get("ddp_find_unused_false"), "sp_fallbacks": c["fallbacks"],
-               "counts": {k: counts[k] for k in ("tiled_mlp", "tiled_loss", "offload") if k in counts},
+               "counts": {k: counts[k] for k in ("tiled_mlp", "tiled_loss", "offload", "long_context") if k in counts},
                "one_process": None if one is None else {
                    "weight_diff": one_w, "loss_diff": one_l, "grad_norm_diff": one_g, "eval_diff": one_e,
                    "logits_diff": one_p, "losses": [h[0] for h in one["hist"]]}, "ok": ok})

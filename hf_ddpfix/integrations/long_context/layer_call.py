@@ -24,11 +24,14 @@ from ..._compat import CACHE_KEYWORDS
 __all__ = ["FALSE_ONLY_LAYER_KEYWORDS", "HARMLESS_LAYER_KEYWORDS", "LayerCall", "bind_layer_call"]
 
 #: Keyword arguments transformers 5.x Llama models pass down to a decoder layer that do not change its
-#: math (``num_items_in_batch`` comes from the Trainer's loss normalisation through ``**kwargs``). Any
-#: other keyword with a value (packing ``cu_seq_lens_*``/``max_length_*``, ``output_attentions``, ...)
-#: makes the call run stock.
-HARMLESS_LAYER_KEYWORDS = frozenset({"cache_position", "position_ids", "num_items_in_batch",
-                                     "output_hidden_states", "return_dict"})
+#: math. ``num_items_in_batch``, ``shift_labels`` and ``ignore_index`` are the causal-LM loss's keywords
+#: (``ForCausalLMLoss``): the model's forward passes its ``**kwargs`` on to every layer, where only the loss
+#: reads them (hf_ddpfix's sequence-parallel forward passes ``shift_labels``, the labels shifted on the full
+#: sequence, on every micro-batch: before 2026-11-27 every patched layer ran stock under SP through the
+#: Trainer, counted as ``keyword arguments ['shift_labels']``). Any other keyword with a value (packing
+#: ``cu_seq_lens_*``/``max_length_*``, ``output_attentions``, ...) makes the call run stock.
+HARMLESS_LAYER_KEYWORDS = frozenset({"cache_position", "position_ids", "num_items_in_batch", "shift_labels",
+                                     "ignore_index", "output_hidden_states", "return_dict"})
 
 #: Flags that change nothing while ``False`` (MoE models pass ``output_router_logits=False`` to every layer;
 #: ``True`` records the router's logits per call, which a tiled layer would record once per tile: stock).
