@@ -284,7 +284,9 @@ def run(cell: str, mode: str, out: str, lines: PlanLines, world_of: int = 0) -> 
     if world_of:  # per evaluation item (loss, label tokens): the test rebuilds the N-process evaluation loss
         extra["eval_items"] = eval_items(trainer.model, evaluation)
     if trainer.is_world_process_zero():
-        torch.save({"weights": weights, "eval_loss": metrics["eval_loss"], "eval_items": extra.get("eval_items"), "wrapped": type(trainer.model).__name__,
+        history = [(h["loss"], h["grad_norm"]) for h in trainer.state.log_history if "grad_norm" in h]
+        torch.save({"weights": weights, "eval_loss": metrics["eval_loss"], "eval_items": extra.get("eval_items"),
+                    "history": history, "wrapped": type(trainer.model).__name__,
                     "units": units, "plan": list(lines.lines)}, os.path.join(out, f"{mode}-{cell}.pt"))
         print(f"[{mode}] {cell}: {type(trainer.model).__name__}, {len(units)} FSDP2 units, eval_loss "
               f"{metrics['eval_loss']:.6f}, {time.time() - t0:.1f}s", flush=True)
