@@ -2,10 +2,11 @@
 accelerate_configs/fsdp.yaml``, 2 gloo processes through the FSDP test device, docs/fsdp.md), against the same
 features under DDP (``ddp_cpu.yaml``), each DDP run being itself tested against stock elsewhere.
 
-One launch per engine runs six cells (tests/scripts/fsdp_features.py): tiled MLP (gradient accumulation 2), tiled
+One launch per engine runs seven cells (tests/scripts/fsdp_features.py): tiled MLP (gradient accumulation 2), tiled
 loss, long-context layers (5-token tiles, float64), activation offload (host copies simulated on the CPU), QLoRA
-(bitsandbytes NF4 in float32 storage) and Ulysses sequence parallelism (N=2, gradient accumulation 2; its DDP
-run is what tests/test_sequence_parallel.py checks against one process). Every cell: the model is really FSDP2-wrapped, each feature's counters
+(bitsandbytes NF4 in float32 storage), Ulysses sequence parallelism (N=2, gradient accumulation 2; its DDP
+run is what tests/test_sequence_parallel.py checks against one process) and Qwen2.5-VL with tiled MLP, tiled loss,
+long-context layers and offload all on (gradient accumulation 2, images on one rank, the other, none, both). Every cell: the model is really FSDP2-wrapped, each feature's counters
 on **every rank** say it ran every time (a silent fallback fails), the final trainable weights equal DDP's within
 the tolerance below, ``evaluate()`` afterwards agrees.
 
@@ -16,7 +17,14 @@ tests/test_fsdp_trainer.py: reduce-scatter vs all-reduce order); long-context 1.
 summation order, and AdamW's first steps magnify that on near-zero gradients; float64 shows the math is the same).
 Evaluation losses equal to 5e-7, QLoRA's to 3e-4 (DDP evaluates through bitsandbytes' bf16 repacked CPU kernel,
 which hf_ddpfix switches off under FSDP2: without that, FSDP2 evaluation read garbled weights, 5.496 vs 5.524).
-Wall time: ~35 s + ~35 s (the two launches, on a loaded 2-core machine).
+Qwen2.5-VL with the four memory features: 7.6e-8, evaluation losses equal (before the fix in
+``hf_ddpfix.ops.tiled.holds_fsdp_unit`` its first mixed step hung: the tower's tiled MLPs all-reduced their shard
+count on the image rank only).
+Wall time: ~35 s + ~35 s (the two launches, on a loaded 2-core machine; 144 s for both on 2026-11-27 with six other
+sessions' tests running beside, the VLM cell ~10 s of each).
+
+A second test runs one 4-process launch (DP2 x SP2, SP 4, tiled MLP + offload) against one process on the whole
+global batch (docs/fsdp.md, "4 processes: sequence parallelism and a memory cell"); ~110 s on the loaded machine.
 """
 
 from __future__ import annotations
@@ -76,6 +84,8 @@ def _check_counts(cell: str, counts: dict, extra: dict, *, fsdp: bool, rank: int
         assert c is not None and c["fell_back"] == 0, (cell, rank, c)
     if cell == "tiled_mlp":  # each layer's MLP per micro-batch, forward and checkpoint recompute
         assert c["ran"] == 2 * LAYERS * micro and c["amounts"]["shards"] == 3 * c["ran"], (rank, c)
+        # the MLP lies inside its decoder layer's unit: no shard-count all-reduce (DDP: no sync asked)
+        assert c["amounts"].get("local_count_calls", 0) == (c["ran"] if fsdp else 0), (rank, c)
     elif cell == "tiled_loss":
         assert c["ran"] == micro, (rank, c)
     elif cell == "long_context":

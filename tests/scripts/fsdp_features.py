@@ -32,8 +32,18 @@ non-reentrant checkpointing, 3 optimizer steps, then ``evaluate()``. Cells:
   see the plan's ``quantization`` line), LoRA on top, ``prepare_model_for_kbit_training`` without its reentrant
   checkpointing.
 
+- ``vlm_memory``: Qwen2.5-VL (tests/zoo.py: LoRA on the language model, tower and projector) with tiled MLP, tiled
+  loss, long-context layers and offload all on, gradient accumulation 2, images on one rank, the other, none,
+  both (:data:`VLM_PATTERN`); its MLP calls counted by hooks (``extra["mlp_calls"]``).
+
+Under ``--num_processes 4``: ``sp_dp2`` (``sequence_parallel=2``: DP2 x SP2), ``sp4`` and ``tiled_mlp_offload``, each
+with gradient accumulation 2; their reference is ``--mode off --world-of 4 --cells plain`` in one process (no
+launcher): the 4 ranks' micro-batches of a step as 8 micro-batches of one optimizer step, every feature off, with
+each evaluation item's (loss, label tokens) in ``eval_items`` (the test rebuilds the 4-process evaluation loss).
+
 Rank 0 writes ``OUT/<mode>-<cell>.pt``: {"weights": every trainable tensor (FSDP2 shards gathered), "eval_loss",
-"wrapped": the model's class after prepare, "units": FSDP2 units, "plan": the plan's lines}; every rank writes
+"wrapped": the model's class after prepare, "units": FSDP2 units, "plan": the plan's lines, "history": each
+step's logged (loss, grad_norm)}; every rank writes
 ``OUT/<mode>-<cell>-rank<r>.pt``: {"counts": hf_ddpfix's feature counters after train() and evaluate(),
 "extra": the cell's own figures}. Prints ``FSDP_FEATURES_OK`` at the end.
 """
