@@ -20,11 +20,12 @@ which hf_ddpfix switches off under FSDP2: without that, FSDP2 evaluation read ga
 Qwen2.5-VL with the four memory features: 7.6e-8, evaluation losses equal (before the fix in
 ``hf_ddpfix.ops.tiled.holds_fsdp_unit`` its first mixed step hung: the tower's tiled MLPs all-reduced their shard
 count on the image rank only).
-Wall time: ~35 s + ~35 s (the two launches, on a loaded 2-core machine; 144 s for both on 2026-11-27 with six other
-sessions' tests running beside, the VLM cell ~10 s of each).
+Wall time: ~40 s + ~40 s (the two launches; 77.5 s for both on 2026-11-27 on a 2-core machine shared with other
+sessions, 144 s at its busiest; the VLM cell ~5 s of each launch).
 
 A second test runs one 4-process launch (DP2 x SP2, SP 4, tiled MLP + offload) against one process on the whole
-global batch (docs/fsdp.md, "4 processes: sequence parallelism and a memory cell"); ~110 s on the loaded machine.
+global batch (docs/fsdp.md, "4 processes: sequence parallelism and a memory cell"): 91.5 s on the shared machine
+(the launch ~60 s, the one-process run ~25 s, mostly interpreter start-up and imports).
 """
 
 from __future__ import annotations
