@@ -433,3 +433,27 @@ def test_two_process_training_equals_single_process_reference(script: str, tag: 
     assert records and all(r["ok"] for r in records), records
     if tag == "TILED_DDP":
         assert {r["setting"] for r in records} >= {"fu_false", "fu_true_ckpt", "static_graph_ckpt"}
+
+
+def test_synced_shard_count_is_all_reduced_only_for_an_mlp_that_is_or_holds_an_fsdp_unit(monkeypatch) -> None:
+    """Under FSDP (``sync=True``) an MLP inside a unit (a decoder layer's, a VLM tower folded into the root, which
+    text-only ranks never call) issues no shard-count collective: its chunks gather nothing, and a collective only
+    the image ranks issue hung Qwen2.5-VL (tests/test_fsdp_features.py, ``vlm_memory``). An MLP whose Linear is a
+    unit of its own (each chunk all-gathers) still all-reduces its count."""
+    from torch.distributed.fsdp import FSDPModule
+
+    import hf_ddpfix.integrations.long_context.tiled_mlp as tiled_mlp_mod
+    from hf_ddpfix.ops import feature_counts
+
+    synced: list[int] = []
+    monkeypatch.setattr(tiled_mlp_mod, "sync_shards", lambda n, group=None: synced.append(n) or n)
+    mlp = llama_mlp()
+    handle = apply_tiled_mlp(mlp, 3, sync=True)
+    feature_counts.reset()
+    x = torch.randn(1, 9, 64, requires_grad=True)
+    mlp(x).sum().backward()
+    assert synced == [] and feature_counts.snapshot()["tiled_mlp"].as_dict()["amounts"]["local_count_calls"] == 1
+    mlp.down_proj.__class__ = type("FSDPLinear", (FSDPModule, nn.Linear), {})  # as fully_shard swaps the class
+    mlp(x).sum().backward()
+    assert synced == [3], synced
+    handle.remove()

@@ -43,6 +43,7 @@ __all__ = [
     "INTERMEDIATE_BYTES_PER_TOKEN_FACTOR",
     "TiledMLPSetting",
     "choose_shards",
+    "holds_fsdp_unit",
     "parse_tiled_mlp_setting",
     "sync_shards",
     "tiled_call",
@@ -202,6 +203,24 @@ def sync_shards(n: int, group: Any = None) -> int:
     t = torch.tensor([int(n)], dtype=torch.int64, device=device)
     dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
     return int(t.item())
+
+
+def holds_fsdp_unit(module: nn.Module) -> bool:
+    """Whether ``module`` is, or contains, an FSDP2 unit (``fully_shard``'s ``FSDPModule``): only then can a
+    chunked call issue collectives of its own, so only then must the chunk count agree across ranks.
+
+    A module inside a unit (an MLP in a decoder-layer unit, a vision tower folded into the root) issues none:
+    its unit gathers once around the whole forward and backward, however often its ``forward`` runs, so a
+    per-rank chunk count is safe there, and a count all-reduce would be a collective that only the ranks
+    reaching the module issue (a vision MLP on the image ranks: the others wait in a different collective).
+
+    Guarantees: read only; ``False`` without torch's FSDP2.
+    """
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:  # a torch without FSDP2: nothing gathers per call
+        return False
+    return any(isinstance(m, FSDPModule) for m in module.modules())
 
 
 # --------------------------------------------------------------------------------------------------

@@ -136,8 +136,10 @@ def decide_tiled_mlp(facts: RunFacts, c: DDPFixConfig, fit: MemoryFit | None = N
         "arctic": "ceil(tokens/hidden) shards",
         "target": "shards so one shard's MLP intermediate fits the memory target",
     }.get(value.split(":")[0], f"{value} shards per MLP call")
-    sync = ("; shard count all-reduced (MAX) so FSDP ranks gather alike, in training forwards only (under "
-            "no_grad, e.g. a rank-0-only evaluation, the MLP runs untiled with no collective)"
+    sync = ("; shard count all-reduced (MAX) so FSDP ranks gather alike, for an MLP that is or holds an FSDP unit "
+            "and in training forwards only (under no_grad, e.g. a rank-0-only evaluation, the MLP runs untiled "
+            "with no collective); an MLP inside a unit (a decoder layer's, a vision tower's folded into the root, "
+            "which text-only ranks skip) keeps its own count: its chunks gather nothing"
             if facts.parallel == "fsdp" else "")
     memo = "" if fit is None else f"; {fit.reason}"
     return Decision(value, f"{rule}, one gradient hook per parameter ({c.source('tiled_mlp')}){sync}{memo}", True)

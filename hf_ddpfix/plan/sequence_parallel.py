@@ -28,7 +28,10 @@ mesh would replicate every shard N times and need a second all-reduce over the S
 under accelerate's FSDP2 is the DDP one (the group's batches exchanged in `compute_loss`, the stock loss scale;
 FSDP2's reduce-scatter averages over the world as DDP's all-reduce does): tests/test_fsdp_features.py trains a
 LoRA Llama with N=2 through `accelerate launch --config_file fsdp.yaml` bit-equal to the same run under DDP,
-which tests/test_sequence_parallel.py checks against one process. A VLM under FSDP is refused (tested under DDP
+which tests/test_sequence_parallel.py checks against one process, and at 4 processes DP2 x SP2 and N=4 against
+one process on the whole global batch (weights, each step's loss and gradient norm). The token count is the
+Trainer's `num_items_in_batch` gathered over the world: each rank's loader gives its own batch, so it counts every
+token once although each SP group trains its ranks' batches together. A VLM under FSDP is refused (tested under DDP
 only), as under ZeRO.
 
 The switch is `sequence_parallel=N` (`patch_trainer`, `HF_DDPFIX_SEQUENCE_PARALLEL`) or the ecosystem's own,

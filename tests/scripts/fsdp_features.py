@@ -32,8 +32,18 @@ non-reentrant checkpointing, 3 optimizer steps, then ``evaluate()``. Cells:
   see the plan's ``quantization`` line), LoRA on top, ``prepare_model_for_kbit_training`` without its reentrant
   checkpointing.
 
+- ``vlm_memory``: Qwen2.5-VL (tests/zoo.py: LoRA on the language model, tower and projector) with tiled MLP, tiled
+  loss, long-context layers and offload all on, gradient accumulation 2, images on one rank, the other, none,
+  both (:data:`VLM_PATTERN`); its MLP calls counted by hooks (``extra["mlp_calls"]``).
+
+Under ``--num_processes 4``: ``sp_dp2`` (``sequence_parallel=2``: DP2 x SP2), ``sp4`` and ``tiled_mlp_offload``, each
+with gradient accumulation 2; their reference is ``--mode off --world-of 4 --cells plain`` in one process (no
+launcher): the 4 ranks' micro-batches of a step as 8 micro-batches of one optimizer step, every feature off, with
+each evaluation item's (loss, label tokens) in ``eval_items`` (the test rebuilds the 4-process evaluation loss).
+
 Rank 0 writes ``OUT/<mode>-<cell>.pt``: {"weights": every trainable tensor (FSDP2 shards gathered), "eval_loss",
-"wrapped": the model's class after prepare, "units": FSDP2 units, "plan": the plan's lines}; every rank writes
+"wrapped": the model's class after prepare, "units": FSDP2 units, "plan": the plan's lines, "history": each
+step's logged (loss, grad_norm)}; every rank writes
 ``OUT/<mode>-<cell>-rank<r>.pt``: {"counts": hf_ddpfix's feature counters after train() and evaluate(),
 "extra": the cell's own figures}. Prints ``FSDP_FEATURES_OK`` at the end.
 """
@@ -72,11 +82,31 @@ CELLS = {
     "long_context": ({"long_context": "all"}, 1),
     "qlora": ({}, 1),
     "sequence_parallel": ({"sequence_parallel": 2}, 2),
-    "offload": ({"offload_activations": True, "offload_min_layer_mib": 0}, 1),  # last: its test device stays
+    "offload": ({"offload_activations": True, "offload_min_layer_mib": 0}, 1),  # its test device stays from here
+    "vlm_memory": ({"tiled_mlp": "3", "tiled_loss": "4", "long_context": "all", "offload_activations": True,
+                    "offload_min_layer_mib": 0}, 2),
 }
+#: the cells of the 2-process launch (the default ``--cells``)
+TWO_PROCESS_CELLS = tuple(CELLS)
+#: cells of the 4-process launch (``--num_processes 4``), each against the one-process run of ``plain`` on the whole
+#: global batch (``--world-of 4``): DP2 x SP2, SP over all 4 ranks, and a memory cell
+CELLS.update({
+    "sp_dp2": ({"sequence_parallel": 2}, 2),
+    "sp4": ({"sequence_parallel": 4}, 2),
+    "tiled_mlp_offload": ({"tiled_mlp": "3", "offload_activations": True, "offload_min_layer_mib": 0}, 2),
+    "plain": ({}, 2),
+})
+#: cells with activation offload, run with the offload test device (:func:`_test_device_offload`; it stays on)
+OFFLOAD_CELLS = ("offload", "vlm_memory", "tiled_mlp_offload")
+#: cells whose model is Qwen2.5-VL (tests/zoo.py) with image and text-only ranks mixed (:data:`VLM_PATTERN`)
+VLM_CELLS = ("vlm_memory",)
+#: k-th micro-batch -> (image on even ranks, image on odd ranks): one rank, the other, none, both
+VLM_PATTERN = [(True, False), (False, True), (False, False), (True, True)]
 MODEL = dict(attn_implementation="sdpa")
 #: cells trained in float64 (their float32 run differs from DDP's by the tiling's summation order, see below)
 DTYPE = {"long_context": torch.float64}
+#: model outputs that are not predictions (a VLM's image features exist on image ranks only: tests/scripts/fsdp_trainer.py)
+IGNORE = ["image_hidden_states", "past_key_values", "cache", "rope_deltas", "image_outputs"]
 
 
 def seq_len(k: int, r: int) -> int:
@@ -91,6 +121,50 @@ def items(n_batches: int, world: int, seed: int) -> RankItems:
         ids = torch.randint(1, 250, (1, seq_len(k, r)), generator=g)
         return {"input_ids": ids, "labels": masked_labels(ids, g)}
     return RankItems(n_batches, world, make)
+
+
+def vlm_setup(n_batches: int, world: int):  # noqa: ANN201
+    """Qwen2.5-VL LoRA (tests/zoo.py: language model, tower and projector) and its data: rank ``r``'s ``k``-th
+    micro-batch has an image as :data:`VLM_PATTERN` says, 12 or 16 tokens (tests/zoo.py's ``seq_len``)."""
+    from zoo import ZOO
+    from zoo import seq_len as zoo_len
+
+    entry = ZOO["qwen2_5_vl"]
+
+    def make(pattern, seed):  # noqa: ANN001, ANN202
+        return lambda k, r: entry.batch(pattern[k % len(pattern)][r % 2], seed + 1000 * k + r, zoo_len(k, 0, r))
+
+    return (entry.model(0), RankItems(n_batches, world, make(VLM_PATTERN, 0)),
+            RankItems(3, world, make(VLM_PATTERN, 50_000)))
+
+
+def eval_items(model, dataset) -> list[tuple[float, int]]:  # noqa: ANN001
+    """(mean loss, label tokens) of every evaluation item, one forward each: under N processes the Trainer's
+    ``evaluate()`` averages, per evaluation step, the step's N items weighted by their tokens
+    (``average_tokens_across_devices``), then the steps; one process averages its items' means."""
+    was = model.training
+    model.eval()
+    with torch.no_grad():
+        out = [(float(model(**dataset[i]).loss), int((dataset[i]["labels"][:, 1:] != -100).sum()))
+               for i in range(len(dataset))]
+    model.train(was)
+    return out
+
+
+def count_mlp_calls(model) -> dict[str, int]:  # noqa: ANN001
+    """Calls of the model's MLPs (modules named ``*.mlp``), counted by a forward pre-hook: ``"<tower|text>/<grad|
+    no_grad>"`` -> calls (training forwards and checkpoint recomputes run with grad; evaluation without)."""
+    from collections import Counter
+
+    calls: Counter = Counter()
+
+    def hook(part: str):  # noqa: ANN202
+        return lambda module, args: calls.update([f"{part}/{'grad' if torch.is_grad_enabled() else 'no_grad'}"])
+
+    for name, module in model.named_modules():
+        if name.endswith(".mlp"):
+            module.register_forward_pre_hook(hook("tower" if ".visual." in name else "text"))
+    return calls
 
 
 def qlora_model(out: str, world: int):
@@ -163,7 +237,7 @@ class PlanLines:
         logging.getLogger("hf_ddpfix").addHandler(handler)
 
 
-def run(cell: str, mode: str, out: str, lines: PlanLines) -> None:
+def run(cell: str, mode: str, out: str, lines: PlanLines, world_of: int = 0) -> None:
     import torch.distributed as dist
     from transformers import Trainer
 
@@ -173,13 +247,20 @@ def run(cell: str, mode: str, out: str, lines: PlanLines) -> None:
     options, ga = CELLS[cell]
     world = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
+    data_world = world
+    if world_of:  # one process on the whole global batch of a ``world_of``-process run: its micro-batches in order
+        assert world == 1, "--world-of is the one-process reference"
+        ga, data_world = ga * world_of, world_of
     args = training_args(os.path.join(out, f"run-{mode}-{cell}"), STEPS, ga, mode)
     assert args.device.type == "cpu"  # sets up accelerate's state and the process group (from_pretrained reads it)
-    model = qlora_model(out, world) if cell == "qlora" else lora_llama(dtype=DTYPE.get(cell), **MODEL)
+    if cell in VLM_CELLS:
+        model, train, evaluation = vlm_setup(STEPS * ga // (data_world // world), data_world)
+    else:
+        model = qlora_model(out, world) if cell == "qlora" else lora_llama(dtype=DTYPE.get(cell), **MODEL)
+        train = items(STEPS * ga // (data_world // world), data_world, seed=0)
+        evaluation = items(2, data_world, seed=50_000)
     model.config.use_cache = False
     quantized = four_bit_names(model)
-    train = items(STEPS * ga, world, seed=0)
-    evaluation = items(2, world, seed=50_000)
     if mode == "stock":
         trainer = Trainer(model=model, args=args, data_collator=single_collate, train_dataset=train, eval_dataset=evaluation)
     else:
@@ -188,8 +269,9 @@ def run(cell: str, mode: str, out: str, lines: PlanLines) -> None:
                                 eval_dataset=evaluation, ddpfix_config=config)
     del lines.lines[:]
     t0 = time.time()
+    mlp_calls = count_mlp_calls(model) if cell in VLM_CELLS else None
     result = trainer.train()
-    metrics = trainer.evaluate()
+    metrics = trainer.evaluate(ignore_keys=IGNORE)
     counts = {k: v.as_dict() for k, v in feature_counts.snapshot().items()}
     from torch.distributed.fsdp import FSDPModule
 
@@ -207,13 +289,19 @@ def run(cell: str, mode: str, out: str, lines: PlanLines) -> None:
         extra["repack_switch_after"] = sorted({bool(m.support_avx512bf16_for_cpu) for m in trainer.model.modules()
                                                if isinstance(m, Linear4bit)})
     runtime = getattr(trainer, "hf_ddpfix_runtime", None)
-    if cell == "offload" and runtime is not None and runtime.offload is not None:
+    if mlp_calls is not None:
+        extra["mlp_calls"] = dict(mlp_calls)
+    if cell in OFFLOAD_CELLS and runtime is not None and runtime.offload is not None:
         s = runtime.offload.stats
         extra["offload"] = {"steps": s.steps, "offloaded_tensors": s.offloaded_tensors, "in_flight": s.in_flight}
     torch.save({"counts": counts, "extra": extra}, os.path.join(out, f"{mode}-{cell}-rank{rank}.pt"))
     weights = trainable_weights(trainer.model)
+    if world_of:  # per evaluation item (loss, label tokens): the test rebuilds the N-process evaluation loss
+        extra["eval_items"] = eval_items(trainer.model, evaluation)
     if trainer.is_world_process_zero():
-        torch.save({"weights": weights, "eval_loss": metrics["eval_loss"], "wrapped": type(trainer.model).__name__,
+        history = [(h["loss"], h["grad_norm"]) for h in trainer.state.log_history if "grad_norm" in h]
+        torch.save({"weights": weights, "eval_loss": metrics["eval_loss"], "eval_items": extra.get("eval_items"),
+                    "history": history, "wrapped": type(trainer.model).__name__,
                     "units": units, "plan": list(lines.lines)}, os.path.join(out, f"{mode}-{cell}.pt"))
         print(f"[{mode}] {cell}: {type(trainer.model).__name__}, {len(units)} FSDP2 units, eval_loss "
               f"{metrics['eval_loss']:.6f}, {time.time() - t0:.1f}s", flush=True)
@@ -224,15 +312,17 @@ def run(cell: str, mode: str, out: str, lines: PlanLines) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--mode", choices=("fixed", "stock", "off"), required=True)
-    ap.add_argument("--cells", default=",".join(CELLS))
+    ap.add_argument("--cells", default=",".join(TWO_PROCESS_CELLS))
     ap.add_argument("--out", required=True)
+    ap.add_argument("--world-of", type=int, default=0,
+                    help="one process trains the global batch of this many processes (the reference)")
     a = ap.parse_args()
     lines = PlanLines()
     _small_tiles()
     for cell in a.cells.split(","):
-        if cell == "offload" and a.mode != "stock":
+        if cell in OFFLOAD_CELLS and a.mode != "stock":
             _test_device_offload()
-        run(cell, a.mode, a.out, lines)
+        run(cell, a.mode, a.out, lines, a.world_of)
     print("FSDP_FEATURES_OK", flush=True)
 
 

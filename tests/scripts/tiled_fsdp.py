@@ -4,12 +4,13 @@ Run:  OMP_NUM_THREADS=1 python -m torch.distributed.run --standalone --nproc_per
           tests/scripts/tiled_fsdp.py --out /tmp/tiled_fsdp.json
 
 Every rank builds the same tiny LoRA Llama (float64), tiles its MLPs ("auto" forced on with 10 tokens
-per shard, the shard count synchronised across ranks with ``sync=True``) and its loss head, applies
-``fully_shard`` to each decoder layer and to the root, and trains 3 SGD steps on its part of a global
-batch. Ranks get different sequence lengths (48 vs 38 tokens: 5 vs 4 shards before the sync). Without
-and with non-reentrant checkpointing. The reference trains the untiled model on the same global batch in
-one process. Checks: full (unsharded) trainable weights equal to the reference (1e-6) on every rank, and
-every rank ran the same number of chunks.
+per shard, ``sync=True`` as under FSDP) and its loss head, applies ``fully_shard`` to each decoder layer and to
+the root, and trains 3 SGD steps on its part of a global batch. Ranks get different sequence lengths (48 vs 38
+tokens: 5 vs 4 shards). Without and with non-reentrant checkpointing; and with each MLP a unit of its own
+(``mlp_units``: every chunk all-gathers, so the shard count is all-reduced). The reference trains the untiled
+model on the same global batch in one process. Checks: full (unsharded) trainable weights equal to the reference
+(1e-6) on every rank; an MLP inside its layer's unit runs this rank's own shard count (5 and 4: no collective),
+an MLP that is a unit the all-reduced one (5 on both).
 """
 
 from __future__ import annotations
@@ -68,11 +69,16 @@ def reference(world: int) -> torch.Tensor:
     return flat_trainable(model)
 
 
-def run(ckpt: bool, rank: int, world: int) -> tuple[torch.Tensor, dict]:
+def run(ckpt: bool, rank: int, world: int, mlp_units: bool = False) -> tuple[torch.Tensor, dict]:
     model = build(ckpt)
     handle = apply_tiled_mlp(model, shards="auto", min_tokens=0, tokens_per_shard=10, sync=True)
     loss_handle = patch_model_loss(model, chunk_tokens=7)
     stats = tiled_stats(model)
+    if mlp_units:
+        from torch.distributed.fsdp import fully_shard
+
+        for layer in model.get_base_model().model.layers:
+            fully_shard(layer.mlp)
     shard_decoder(model)
     opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=LR)
     for parts, count in batches(world):
@@ -92,16 +98,17 @@ def main() -> None:
     rank, world = init_gloo()
     ref = reference(world)
     verdicts = Verdicts("TILED_FSDP", args.out)
-    for ckpt in (False, True):
-        w, info = run(ckpt, rank, world)
+    for ckpt, mlp_units in ((False, False), (True, False), (True, True)):
+        w, info = run(ckpt, rank, world, mlp_units)
         diff = torch.tensor([float((w - ref).abs().max())], dtype=torch.float64)
         dist.all_reduce(diff, op=dist.ReduceOp.MAX)
         chunks = [None] * world
         dist.all_gather_object(chunks, info.get("forward_chunks", 0))
-        rec = {"setting": "fsdp2" + ("_ckpt" if ckpt else ""), "max_diff_vs_reference_all_ranks": float(diff),
+        rec = {"setting": "fsdp2" + ("_ckpt" if ckpt else "") + ("_mlp_units" if mlp_units else ""),
+               "max_diff_vs_reference_all_ranks": float(diff),
                "forward_chunks_per_rank": chunks, **info}
         rec["ok"] = bool(rec["max_diff_vs_reference_all_ranks"] < 1e-6 and rec["tiled_modules"] == 2
-                         and len(set(chunks)) == 1 and chunks[0] == STEPS * 2 * 5
+                         and chunks == [STEPS * 2 * 5, STEPS * 2 * (5 if mlp_units else 4)]
                          and rec["loss_calls"] == STEPS and rec.get("backward_tokens", 0) > 0)
         verdicts.add(rec)
     verdicts.finish()

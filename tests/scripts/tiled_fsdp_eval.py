@@ -4,7 +4,8 @@ Run:  OMP_NUM_THREADS=1 python -m torch.distributed.run --standalone --nproc_per
           tests/scripts/tiled_fsdp_eval.py --out /tmp/tiled_fsdp_eval.json
 
 Every rank builds the same tiny LoRA Llama, tiles its MLPs with the shard count all-reduced across ranks
-(``sync=True``, "auto" forced on with 8 tokens per shard), applies ``fully_shard`` per decoder layer and
+(``sync=True``, "auto" forced on with 8 tokens per shard), applies ``fully_shard`` per MLP (so the count is
+all-reduced: an MLP inside its layer's unit keeps its own, ``ops.tiled.holds_fsdp_unit``), per decoder layer and
 to the root, and trains 2 AdamW steps (weight decay, clipping) on its own sequence length. Then all ranks
 unshard the parameters (a collective, as a user would before a rank-0-only evaluation) and keep them
 unsharded, and rank 0 alone runs a ``no_grad`` evaluation forward and a short ``generate`` while rank 1
@@ -50,6 +51,10 @@ def main() -> None:
     model = build()
     handle = apply_tiled_mlp(model, shards="auto", min_tokens=0, tokens_per_shard=8, sync=True)
     stats = tiled_stats(model)
+    from torch.distributed.fsdp import fully_shard
+
+    for layer in model.get_base_model().model.layers:  # each MLP a unit: its chunks gather, so its count is synced
+        fully_shard(layer.mlp)
     shard_decoder(model)
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2, weight_decay=0.1)
     gen = torch.Generator().manual_seed(5 + rank)

@@ -9,7 +9,10 @@ Counts (:mod:`hf_ddpfix.ops.feature_counts`, feature ``"tiled_mlp"``): ``ran`` =
 tiled (forward and checkpoint recompute each count; amount ``shards`` sums their shard counts); a call
 that is not one hidden-states tensor is a fallback with its reason; an input the shard policy leaves
 whole (below ``min_tokens``) is the amount ``untiled_calls``, a synced module's ``no_grad`` call
-``stock_no_grad_calls``.
+``stock_no_grad_calls``. With ``sync`` the shard count is all-reduced only for an MLP that is or holds an FSDP2
+unit (``ops.tiled.holds_fsdp_unit``: only then do its chunks gather); inside a unit (a decoder layer's MLP, a
+vision tower folded into the root, which text-only ranks never call) it stays local, counted as
+``local_count_calls``.
 
 Usage::
 
@@ -35,6 +38,7 @@ from ...ops.tiled import (
     DEFAULT_TOKENS_PER_SHARD,
     TiledMLPSetting,
     choose_shards,
+    holds_fsdp_unit,
     parse_tiled_mlp_setting,
     sync_shards,
     tiled_call,
@@ -84,7 +88,12 @@ class _TiledForward:
             min_tokens=c.min_tokens, tokens_per_shard=c.tokens_per_shard, target_gb=c.target_gb,
             dtype_bytes=x.element_size(),
         )
-        return sync_shards(n, c.group) if c.sync else n
+        if not c.sync:
+            return n
+        if not holds_fsdp_unit(self.module):  # its unit gathers around it: no collective per chunk to align
+            record_amount(FEATURE, "local_count_calls", 1)
+            return n
+        return sync_shards(n, c.group)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         base = self._base_forward()
