@@ -46,6 +46,20 @@ IGNORE = ["image_hidden_states", "past_key_values"]
 CASES = {"qwen2_5_vl": (2, "non_reentrant"), "gemma3": (1, "reentrant"), "llava": (1, "non_reentrant"),
          "aya_vision": (1, "non_reentrant"), "idefics2": (2, "non_reentrant"), "mllama": (1, "non_reentrant"),
          "qwen3_moe": (1, "non_reentrant")}
+#: the zoo's text families and the Qwen-VL towers no FSDP test trained (3 steps each: launch time); BART with
+#: LayerDrop: ranks seeded apart (:data:`RANK_SEEDED`), so they drop different layers
+CASES |= {"qwen3": (1, "non_reentrant"), "qwen2_vl": (1, "non_reentrant"), "qwen3_vl": (2, "non_reentrant"),
+          "qwen3_vl_moe": (1, "non_reentrant"), "bart_layerdrop": (1, "non_reentrant")}
+SHORT = {"qwen3": 3, "qwen2_vl": 3, "qwen3_vl": 2, "qwen3_vl_moe": 3, "bart_layerdrop": 4}
+#: families whose Trainer seed is ``1234 + rank`` in both modes (the Trainer seeds every rank alike, and a
+#: LayerDrop draw is then the same on every rank; a user seeding per rank, or dropout on variable lengths, makes
+#: the streams differ): each rank drops its own layers, the same ones in the fixed and the stock run
+RANK_SEEDED = ("bart_layerdrop",)
+#: families run with the plugin's ``cpu_ram_efficient_loading`` off (fsdp.yaml's ``fsdp_cpu_ram_efficient_loading:
+#: false``, as a user must set it): with it, stock accelerate 1.15 fails in ``prepare`` before any step, with or
+#: without hf_ddpfix (BART: its persistent ``final_logits_bias`` buffer is no DTensor, ``'Tensor' object has no
+#: attribute 'device_mesh'``; its LoRA on the tied lm_head: ``tie_weights`` ``attribute 'weight' already exists``)
+EAGER_LOADING = ("bart_layerdrop",)
 #: families run only when named (``--families``): the 4-process cell's text family
 MORE_CASES = {"llama": (2, "non_reentrant")}
 
@@ -126,18 +140,29 @@ def run(name: str, mode: str, out: str, saved: bool = False, generate: bool = Fa
     entry = {**ZOO, **MORE_VLMS}[name]
     ga, ckpt = {**CASES, **MORE_CASES}[name]
     world = int(os.environ.get("WORLD_SIZE", "1"))
-    args = training_args(os.path.join(out, f"run-{mode}-{name}"), STEPS, ga, mode,
+    steps = SHORT.get(name, STEPS)
+    args = training_args(os.path.join(out, f"run-{mode}-{name}"), steps, ga, mode,
                          reentrant=ckpt == "reentrant" and mode == "fixed")
+    if name in RANK_SEEDED:
+        args.seed = 1234 + int(os.environ.get("RANK", "0"))
     assert args.device.type == "cpu"  # sets up accelerate's state and the process group (from_pretrained reads it)
     model = load_saved(entry, out, world) if saved else entry.model(0)
     model.config.use_cache = False
     cls = DDPFixTrainer if mode == "fixed" else Trainer
     trainer = cls(model=model, args=args, data_collator=single_collate,
-                  train_dataset=items(entry, PATTERN, STEPS * ga, world, seed=0, ga=ga),
+                  train_dataset=items(entry, PATTERN, steps * ga, world, seed=0, ga=ga),
                   eval_dataset=items(entry, EVAL_PATTERN, len(EVAL_PATTERN), world, seed=50_000),
                   preprocess_logits_for_metrics=first_logits)
+    plugin = trainer.accelerator.state.fsdp_plugin if trainer.is_fsdp_enabled else None
+    eager = plugin is not None and name in EAGER_LOADING and plugin.cpu_ram_efficient_loading
+    if eager:  # this run only (the plugin is the launch's): restored below
+        plugin.cpu_ram_efficient_loading = False
     t0 = time.time()
-    trainer.train()
+    try:
+        trainer.train()
+    finally:
+        if eager:
+            plugin.cpu_ram_efficient_loading = True
     # image features in the output exist on image ranks only: stock gathers them there only (DDP too), so skip them
     metrics = trainer.evaluate(ignore_keys=IGNORE)
     predicted = trainer.predict(trainer.eval_dataset, ignore_keys=IGNORE)
