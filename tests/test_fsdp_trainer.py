@@ -12,13 +12,17 @@
 - ``generate()`` after training (Qwen2.5-VL, Gemma 3, LLaVA, Qwen3-MoE): an image prompt on rank 0, a text-only one
   on rank 1, 3 and 6 new tokens (different numbers of decode forwards: transformers sets ``synced_gpus`` for a
   module ``fully_shard`` manages, and the finished rank keeps running forwards), greedy tokens equal stock DDP's;
+- the zoo's other families: Qwen3 (text), Qwen2-VL, Qwen3-VL (accumulation 2) and Qwen3-VL-MoE with mixed ranks
+  (2 to 3 steps each), and LayerDrop (OPT, 4 layers at 0.4, ranks seeded apart so they drop different layers; the
+  plan folds the stacks into the root): weights as stock DDP's, the same per-rank layer calls as the stock run;
 - stock FSDP on the same mixed batches crashes (a stock cell).
 
-Measured (2 cores, torch 2.13, transformers 5.23, accelerate 1.15, 2026-11-27): max |W_fsdp2 - W_ddp| 0 to 4.5e-8
-(reduce-scatter vs all-reduce summation order; Idefics2, Mllama and Qwen3-MoE bit-equal); evaluation and
-prediction losses equal to 4e-7. ``TOL`` is ~3x the largest; one step at lr 1e-3 moves a weight ~1e-3, so a lost
+Measured (2 cores, torch 2.13, transformers 5.23, accelerate 1.15, 2026-11-27): max |W_fsdp2 - W_ddp| 0 to 6.0e-8
+(reduce-scatter vs all-reduce summation order; Idefics2, Mllama and Qwen3-MoE bit-equal; Qwen3 and Qwen3-VL-MoE
+6.0e-8, OPT LayerDrop 3.4e-8); evaluation and prediction losses equal to 4.8e-7. ``TOL`` is ~2.5x the largest; one step at lr 1e-3 moves a weight ~1e-3, so a lost
 or extra gradient, a skipped step or an unsynchronised replica is far above it. Wall time: ~2 min + ~1.5 min
-(the two launches of the first test) + ~35 s.
+(the two launches of the first test; the five families added 2026-11-27 ~1 min of it) + ~35 s. Without the
+LayerDrop fold (``layerdrop_stacks``) the fixed launch hangs at the first step where the ranks drop different layers.
 """
 
 from __future__ import annotations
@@ -114,9 +118,10 @@ def test_four_processes_text_and_vlm_under_trainer_fsdp2_like_stock_ddp(tmp_path
     from zoo import ZOO
 
     families, four = "qwen2_5_vl,llama", ("--num_processes", "4")
+    families += ",qwen3_vl_moe"  # a second VLM (MoE text model) over 4 shards
     fixed = accelerate_launch("fsdp.yaml", SCRIPT, "--mode", "fixed", "--out", str(tmp_path), "--families", families,
                               timeout=600, env=fsdp_device_env(OFFLINE), extra=FP32 + four)
-    assert fixed.stdout.count("(fsdp, world size 4)") == 2, fixed.stdout[-4000:]
+    assert fixed.stdout.count("(fsdp, world size 4)") == len(families.split(",")), fixed.stdout[-4000:]
     stock = accelerate_launch("ddp_cpu.yaml", SCRIPT, "--mode", "stock", "--out", str(tmp_path), "--families",
                               families, timeout=600, env=OFFLINE, extra=four)
     assert "FSDP_TRAINER_OK" in stock.stdout, stock.stdout[-4000:]
