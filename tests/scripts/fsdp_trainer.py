@@ -18,8 +18,12 @@ micro-batch and rank; AdamW with weight decay 0.1, clipping at 1.0, non-reentran
 checkpointing (reentrant asked where ``CASES`` says: the plan runs it non-reentrant); gradient accumulation as
 ``CASES`` says. Then ``evaluate()`` and ``predict()`` on batches mixing image and text ranks.
 
+LayerDrop families (:data:`RANK_SEEDED`: OPT, and BART when named) run with the Trainer seed ``1234 + rank`` in
+both modes, so the ranks drop different layers and each rank drops the same ones in both runs.
+
 Rank 0 writes ``OUT/<mode>-<family>.pt``: {"weights": every trainable tensor (FSDP2 shards gathered),
-"eval_loss", "predict_loss", "wrapped": the model's class after prepare, "units": FSDP2 units}. Prints
+"eval_loss", "predict_loss", "wrapped": the model's class after prepare, "units": FSDP2 units, "layer_calls":
+per rank, the training forwards of each LayerDrop layer (``None`` for other families)}. Prints
 ``FSDP_TRAINER_OK`` at the end.
 """
 
