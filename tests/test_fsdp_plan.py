@@ -92,6 +92,8 @@ def test_layerdrop_is_found_by_structure_on_any_model():
     facts = gather_fsdp_facts(_Trainer(_plugin()), opt)
     decision = decide_fsdp_units(_facts(facts), DDPFixConfig())
     assert decision.value == "root" and "model.decoder.layers" in decision.reason
+    assert facts.folded_bytes == 4 * sum(p.numel() for p in opt.base_model.model.model.decoder.layers.parameters())
+    assert "cost: their parameters (563 KiB) are all-gathered whole on every rank" in decision.reason
     llama = ZOO["llama"].model(0)
     assert layerdrop_stacks(llama) == []
     inner = llama.base_model.model.model
