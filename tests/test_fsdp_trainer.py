@@ -21,7 +21,8 @@ Measured (2 cores, torch 2.13, transformers 5.23, accelerate 1.15, 2026-11-27): 
 (reduce-scatter vs all-reduce summation order; Idefics2, Mllama and Qwen3-MoE bit-equal; Qwen3 and Qwen3-VL-MoE
 6.0e-8, OPT LayerDrop 3.4e-8); evaluation and prediction losses equal to 4.8e-7. ``TOL`` is ~2.5x the largest; one step at lr 1e-3 moves a weight ~1e-3, so a lost
 or extra gradient, a skipped step or an unsynchronised replica is far above it. Wall time: ~2 min + ~1.5 min
-(the two launches of the first test; the five families added 2026-11-27 ~1 min of it) + ~35 s. Without the
+(the two launches of the first test; with the five families added 2026-11-27: 71 s on a quiet 2-core machine,
+277 s beside other jobs; the five cost ~25 s and ~60 s of that) + ~35 s. Without the
 LayerDrop fold (``layerdrop_stacks``) the fixed launch hangs at the first step where the ranks drop different layers.
 """
 
