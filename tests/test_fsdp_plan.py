@@ -80,6 +80,29 @@ def test_layerdrop_stacks_are_folded_into_the_root():
     assert "only blocks a rank may skip" in decision.reason
 
 
+def test_layerdrop_is_found_by_structure_on_any_model():
+    """A module's ``layerdrop`` rate > 0 folds its stacks (OPT: the decoder's; a Llama given one the same way);
+    a rate of 0 or none folds nothing."""
+    from zoo import MORE_TEXT
+
+    from hf_ddpfix.integrations.vision.fsdp_wrap import layerdrop_stacks
+
+    opt = MORE_TEXT["opt_layerdrop"].model(0)
+    assert [type(m[0]).__name__ for m in layerdrop_stacks(opt)] == ["OPTDecoderLayer"]
+    facts = gather_fsdp_facts(_Trainer(_plugin()), opt)
+    decision = decide_fsdp_units(_facts(facts), DDPFixConfig())
+    assert decision.value == "root" and "model.decoder.layers" in decision.reason
+    assert facts.folded_bytes == 4 * sum(p.numel() for p in opt.base_model.model.model.decoder.layers.parameters())
+    assert "cost: their parameters (563 KiB) are all-gathered whole on every rank" in decision.reason
+    llama = ZOO["llama"].model(0)
+    assert layerdrop_stacks(llama) == []
+    inner = llama.base_model.model.model
+    inner.layerdrop = 0.2  # a model keeping its rate on the module, not in its config
+    assert layerdrop_stacks(llama) == [inner.layers]
+    inner.layerdrop = 0.0
+    assert layerdrop_stacks(llama) == []
+
+
 def test_an_explicit_class_list_is_honoured_and_its_risk_said():
     facts = FsdpFacts(user_classes=("Qwen2_5_VLDecoderLayer", "Qwen2_5_VLVisionBlock"),
                       skippable=("Qwen2_5_VLVisionBlock",), folded=("model.visual",))

@@ -12,13 +12,18 @@
 - ``generate()`` after training (Qwen2.5-VL, Gemma 3, LLaVA, Qwen3-MoE): an image prompt on rank 0, a text-only one
   on rank 1, 3 and 6 new tokens (different numbers of decode forwards: transformers sets ``synced_gpus`` for a
   module ``fully_shard`` manages, and the finished rank keeps running forwards), greedy tokens equal stock DDP's;
+- the zoo's other families: Qwen3 (text), Qwen2-VL, Qwen3-VL (accumulation 2) and Qwen3-VL-MoE with mixed ranks
+  (2 to 3 steps each), and LayerDrop (OPT, 4 layers at 0.4, ranks seeded apart so they drop different layers; the
+  plan folds the stacks into the root): weights as stock DDP's, the same per-rank layer calls as the stock run;
 - stock FSDP on the same mixed batches crashes (a stock cell).
 
-Measured (2 cores, torch 2.13, transformers 5.23, accelerate 1.15, 2026-11-27): max |W_fsdp2 - W_ddp| 0 to 4.5e-8
-(reduce-scatter vs all-reduce summation order; Idefics2, Mllama and Qwen3-MoE bit-equal); evaluation and
-prediction losses equal to 4e-7. ``TOL`` is ~3x the largest; one step at lr 1e-3 moves a weight ~1e-3, so a lost
+Measured (2 cores, torch 2.13, transformers 5.23, accelerate 1.15, 2026-11-27): max |W_fsdp2 - W_ddp| 0 to 6.0e-8
+(reduce-scatter vs all-reduce summation order; Idefics2, Mllama and Qwen3-MoE bit-equal; Qwen3 and Qwen3-VL-MoE
+6.0e-8, OPT LayerDrop 3.4e-8); evaluation and prediction losses equal to 4.8e-7. ``TOL`` is ~2.5x the largest; one step at lr 1e-3 moves a weight ~1e-3, so a lost
 or extra gradient, a skipped step or an unsynchronised replica is far above it. Wall time: ~2 min + ~1.5 min
-(the two launches of the first test) + ~35 s.
+(the two launches of the first test; with the five families added 2026-11-27: 71 s on a quiet 2-core machine,
+277 s beside other jobs; the five cost ~25 s and ~60 s of that) + ~35 s. Without the
+LayerDrop fold (``layerdrop_stacks``) the fixed launch hangs at the first step where the ranks drop different layers.
 """
 
 from __future__ import annotations
@@ -31,6 +36,10 @@ from launch import ROOT, accelerate_launch, fsdp_device_env
 
 SCRIPT = ROOT / "tests" / "scripts" / "fsdp_trainer.py"
 FAMILIES = ("qwen2_5_vl", "gemma3", "llava", "aya_vision", "idefics2", "mllama", "qwen3_moe")
+# the zoo's other families (Qwen3 text; Qwen2-VL, Qwen3-VL with accumulation 2, Qwen3-VL-MoE with mixed ranks) and
+# LayerDrop (OPT: ranks seeded apart drop different layers; the zoo's BART fails in stock FSDP2's prepare, docs/fsdp.md)
+FAMILIES += ("qwen3", "qwen2_vl", "qwen3_vl", "qwen3_vl_moe", "opt_layerdrop")
+LAYERDROP = ("opt_layerdrop",)
 TOL = 1.5e-7
 # 4 processes: stock FSDP2 itself differs from stock DDP by 1.97e-7 on Llama (4 shards: another summation order;
 # hf_ddpfix's FSDP2 run equals stock FSDP2's bit for bit there), Qwen2.5-VL 1.2e-7 (measured 2026-11-27): ~2x
@@ -49,7 +58,7 @@ def _launch_fsdp(*args: str, timeout: float, check: bool = True):
 
 @pytest.mark.multiprocess
 def test_vlms_train_evaluate_predict_under_trainer_fsdp2_like_stock_ddp(tmp_path):
-    from zoo import MORE_VLMS, ZOO
+    from zoo import MORE_TEXT, MORE_VLMS, ZOO
 
     fixed = _launch_fsdp("--mode", "fixed", "--out", str(tmp_path), "--from-saved", SAVED, "--generate", GENERATE,
                          timeout=600)
@@ -60,6 +69,8 @@ def test_vlms_train_evaluate_predict_under_trainer_fsdp2_like_stock_ddp(tmp_path
     for lacking in ("SiglipTextEmbeddings", "CLIPTextEmbeddings"):
         assert re.search(rf"fsdp_units\s+= \S+\s+one unit per .*not in the model: {lacking}", log), log[-6000:]
     assert "folded into the enclosing unit" in log and "vlm_stabilizer          = off" in log, log[-6000:]
+    # LayerDrop: no unit inside the stack a rank may skip (the plan says what it folded)
+    assert re.search(r"fsdp_units\s+= root\s+.*folded into the root: model\.decoder\.layers", log), log[-6000:]
     stock = accelerate_launch("ddp_cpu.yaml", SCRIPT, "--mode", "stock", "--out", str(tmp_path), "--from-saved",
                               SAVED, "--generate", GENERATE, timeout=600, env=OFFLINE)
     assert "FSDP_TRAINER_OK" in stock.stdout, stock.stdout[-4000:]
@@ -67,16 +78,22 @@ def test_vlms_train_evaluate_predict_under_trainer_fsdp2_like_stock_ddp(tmp_path
     for name in FAMILIES:
         ours = torch.load(tmp_path / f"fixed-{name}.pt")
         ref = torch.load(tmp_path / f"stock-{name}.pt")
-        assert ours["wrapped"].startswith("FSDP") and len(ours["units"]) >= 4, (name, ours["wrapped"], ours["units"])
+        least = 3 if name in LAYERDROP else 4  # LayerDrop: the embedding, the head and the root (stacks folded)
+        assert ours["wrapped"].startswith("FSDP") and len(ours["units"]) >= least, (name, ours["wrapped"],
+                                                                                   ours["units"])
         assert not ref["units"], name  # the reference really is DDP
         assert ours["weights"].keys() == ref["weights"].keys(), name
         diff = max((ours["weights"][k] - ref["weights"][k]).abs().max().item() for k in ref["weights"])
         assert diff <= TOL, f"{name}: max |W_fsdp2 - W_ddp| = {diff:.2e} > {TOL:.0e}"
-        init = {n: p.detach() for n, p in {**ZOO, **MORE_VLMS}[name].model(0).named_parameters() if p.requires_grad}
+        init = {n: p.detach() for n, p in {**ZOO, **MORE_VLMS, **MORE_TEXT}[name].model(0).named_parameters()
+                if p.requires_grad}
         moved = max((ref["weights"][k] - init[k]).abs().max().item() for k in init)
         assert moved > 1e3 * TOL, f"{name}: training moved the weights by {moved:.2e} only"
         for key in ("eval_loss", "predict_loss"):
             assert abs(ours[key] - ref[key]) <= 1e-5, (name, key, ours[key], ref[key])
+        if name in LAYERDROP:  # the ranks ran different layers (training forwards per layer), as in the stock run
+            calls = ours["layer_calls"]
+            assert calls == ref["layer_calls"] and calls[0] != calls[1], (name, calls, ref["layer_calls"])
         if name in GENERATE.split(","):  # greedy tokens of each rank (ranks ran 3 and 6 decode forwards)
             assert [g.shape[-1] for g in ours["generated"]] == [3, 6], (name, ours["generated"])
             assert all(torch.equal(a, b) for a, b in zip(ours["generated"], ref["generated"], strict=True)), (
@@ -97,14 +114,16 @@ def test_stock_fsdp_fails_on_mixed_image_and_text_ranks(tmp_path):
 @pytest.mark.multiprocess
 def test_four_processes_text_and_vlm_under_trainer_fsdp2_like_stock_ddp(tmp_path):
     """4 gloo processes (``accelerate launch --num_processes 4``): Qwen2.5-VL (ranks 0 and 2 with the image of
-    the step's pattern, ranks 1 and 3 the other) and Llama (text; gradient accumulation 2 both), FSDP2 units
-    over 4 shards; weights vs stock DDP on 4 processes within ``TOL4``, evaluation and prediction losses too."""
+    the step's pattern, ranks 1 and 3 the other) and Llama (text; gradient accumulation 2 both), and Qwen3-VL-MoE
+    (mixed the same way, 3 steps; measured 3.4e-8 from stock DDP), FSDP2 units over 4 shards; weights vs stock DDP on
+    4 processes within ``TOL4``, evaluation and prediction losses too."""
     from zoo import ZOO
 
     families, four = "qwen2_5_vl,llama", ("--num_processes", "4")
+    families += ",qwen3_vl_moe"  # a second VLM (MoE text model) over 4 shards
     fixed = accelerate_launch("fsdp.yaml", SCRIPT, "--mode", "fixed", "--out", str(tmp_path), "--families", families,
                               timeout=600, env=fsdp_device_env(OFFLINE), extra=FP32 + four)
-    assert fixed.stdout.count("(fsdp, world size 4)") == 2, fixed.stdout[-4000:]
+    assert fixed.stdout.count("(fsdp, world size 4)") == len(families.split(",")), fixed.stdout[-4000:]
     stock = accelerate_launch("ddp_cpu.yaml", SCRIPT, "--mode", "stock", "--out", str(tmp_path), "--families",
                               families, timeout=600, env=OFFLINE, extra=four)
     assert "FSDP_TRAINER_OK" in stock.stdout, stock.stdout[-4000:]

@@ -440,3 +440,25 @@ MORE_VLMS: dict[str, ZooEntry] = {
                  can_go_unused=_VISION_UNUSED),
     ]
 }
+
+
+def _opt_layerdrop(seed: int) -> nn.Module:
+    """OPT (decoder-only, tied embedding) with LayerDrop 0.4 over 4 decoder layers."""
+    from transformers import OPTConfig, OPTForCausalLM
+
+    cfg = OPTConfig(vocab_size=256, hidden_size=64, num_hidden_layers=4, ffn_dim=128, num_attention_heads=4,
+                    max_position_embeddings=64, word_embed_proj_dim=64, layerdrop=0.4, dropout=0.0,
+                    attention_dropout=0.0, activation_dropout=0.0, pad_token_id=0, bos_token_id=0, eos_token_id=0)
+    return OPTForCausalLM(cfg)
+
+
+#: text models no DDP test trains: the FSDP2 Trainer test's LayerDrop family (BART, the zoo's own, fails in stock
+#: accelerate 1.15 + torch 2.13's FSDP2 preparation before any step: docs/fsdp.md)
+MORE_TEXT: dict[str, ZooEntry] = {
+    e.name: e
+    for e in [
+        ZooEntry("opt_layerdrop", "OPT with LayerDrop", _opt_layerdrop,
+                 dict(target_modules=["q_proj", "v_proj", "fc1", "fc2"]), _text_batch,
+                 can_go_unused="random decoder layers (LayerDrop), different per rank"),
+    ]
+}

@@ -33,6 +33,7 @@ from .types import Decision, RunFacts
 
 if TYPE_CHECKING:
     from ..config import DDPFixConfig
+    from ..integrations.fsdp import FsdpFacts
 
 __all__ = ["decide_fsdp_units", "fsdp_eval_sync", "fsdp_vision_decisions", "fsdp_unit_classes", "fsdp_units_ours", "fsdp_usage_reason"]
 
@@ -43,6 +44,17 @@ _STOCK_FAILS = ("ranks that skip them (a text-only step, LayerDrop) all-gather d
 def _list(names: tuple[str, ...], limit: int = 4) -> str:
     shown = ", ".join(names[:limit])
     return shown + (f" (+{len(names) - limit})" if len(names) > limit else "")
+
+
+def _cost(f: FsdpFacts) -> str:
+    """What folding costs, said in the plan line: the folded parameters stay unsharded on every rank."""
+    if not f.folded_bytes:
+        return ""
+    size = f.folded_bytes
+    amount = f"{size / 2**30:.2f} GiB" if size >= 2**30 else f"{size / 2**20:.1f} MiB" if size >= 2**20 else (
+        f"{size / 2**10:.0f} KiB")
+    return (f"; cost: their parameters ({amount}) are all-gathered whole on every rank for the enclosing unit's "
+            "forward and backward")
 
 
 def decide_fsdp_units(facts: RunFacts, c: DDPFixConfig) -> Decision:
@@ -78,7 +90,7 @@ def decide_fsdp_units(facts: RunFacts, c: DDPFixConfig) -> Decision:
     if not chosen:  # "root": the plugin gets no class; accelerate's embedding / head units and the root remain
         what = "no block class of its own" if not source else f"only blocks a rank may skip ({_list(source)})"
         return Decision("root", f"the model has {what}: accelerate's embedding and [norm, head] units and the root "
-                        "only" + (f"; folded into the root: {_list(f.folded)}" if f.folded else ""),
+                        "only" + (f"; folded into the root: {_list(f.folded)}{_cost(f)}" if f.folded else ""),
                         changed=bool(f.no_split))
     parts = [f"one unit per {_list(chosen)}, then accelerate's embedding and [norm, head] units and the root"]
     absent = tuple(n for n in f.no_split if n not in f.present)
@@ -90,7 +102,7 @@ def decide_fsdp_units(facts: RunFacts, c: DDPFixConfig) -> Decision:
                      "layer class')")
     if f.folded:
         parts.append(f"folded into the enclosing unit (a rank may skip them, so they get no unit of their own; "
-                     f"every rank gathers them with it): {_list(f.folded)}")
+                     f"every rank gathers them with it): {_list(f.folded)}{_cost(f)}")
     return Decision(",".join(chosen), "; ".join(parts), changed=chosen != f.no_split)
 
 

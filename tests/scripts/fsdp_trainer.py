@@ -18,8 +18,12 @@ micro-batch and rank; AdamW with weight decay 0.1, clipping at 1.0, non-reentran
 checkpointing (reentrant asked where ``CASES`` says: the plan runs it non-reentrant); gradient accumulation as
 ``CASES`` says. Then ``evaluate()`` and ``predict()`` on batches mixing image and text ranks.
 
+LayerDrop families (:data:`RANK_SEEDED`: OPT, and BART when named) run with the Trainer seed ``1234 + rank`` in
+both modes, so the ranks drop different layers and each rank drops the same ones in both runs.
+
 Rank 0 writes ``OUT/<mode>-<family>.pt``: {"weights": every trainable tensor (FSDP2 shards gathered),
-"eval_loss", "predict_loss", "wrapped": the model's class after prepare, "units": FSDP2 units}. Prints
+"eval_loss", "predict_loss", "wrapped": the model's class after prepare, "units": FSDP2 units, "layer_calls":
+per rank, the training forwards of each LayerDrop layer (``None`` for other families)}. Prints
 ``FSDP_TRAINER_OK`` at the end.
 """
 
@@ -36,7 +40,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
 
 from fixtures import RankItems, single_collate, trainable_weights  # noqa: E402
-from zoo import MORE_VLMS, ZOO, seq_len  # noqa: E402
+from zoo import MORE_TEXT, MORE_VLMS, ZOO, seq_len  # noqa: E402
 
 PATTERN = [(True, False), (False, True), (False, False), (True, True)]  # k-th batch -> (rank 0, rank 1) image
 EVAL_PATTERN = [(True, False), (False, True), (False, False)]
@@ -46,8 +50,23 @@ IGNORE = ["image_hidden_states", "past_key_values"]
 CASES = {"qwen2_5_vl": (2, "non_reentrant"), "gemma3": (1, "reentrant"), "llava": (1, "non_reentrant"),
          "aya_vision": (1, "non_reentrant"), "idefics2": (2, "non_reentrant"), "mllama": (1, "non_reentrant"),
          "qwen3_moe": (1, "non_reentrant")}
+#: the zoo's text families and the Qwen-VL towers no FSDP test trained (3 steps each: launch time); BART with
+#: LayerDrop: ranks seeded apart (:data:`RANK_SEEDED`), so they drop different layers
+CASES |= {"qwen3": (1, "non_reentrant"), "qwen2_vl": (1, "non_reentrant"), "qwen3_vl": (2, "non_reentrant"),
+          "qwen3_vl_moe": (1, "non_reentrant"), "opt_layerdrop": (1, "non_reentrant")}
+SHORT = {"qwen3": 3, "qwen2_vl": 3, "qwen3_vl": 2, "qwen3_vl_moe": 3, "opt_layerdrop": 4, "bart_layerdrop": 4}
+#: families whose Trainer seed is ``1234 + rank`` in both modes (the Trainer seeds every rank alike, and a
+#: LayerDrop draw is then the same on every rank; a user seeding per rank, or dropout on variable lengths, makes
+#: the streams differ): each rank drops its own layers, the same ones in the fixed and the stock run
+RANK_SEEDED = ("opt_layerdrop", "bart_layerdrop")
+#: families run with the plugin's ``cpu_ram_efficient_loading`` off (fsdp.yaml's ``fsdp_cpu_ram_efficient_loading:
+#: false``, as a user must set it): with it, stock accelerate 1.15 fails in ``prepare`` before any step, with or
+#: without hf_ddpfix (BART: its persistent ``final_logits_bias`` buffer is no DTensor, ``'Tensor' object has no
+#: attribute 'device_mesh'``; its LoRA on the tied lm_head: ``tie_weights`` ``attribute 'weight' already exists``)
+EAGER_LOADING = ("bart_layerdrop",)
 #: families run only when named (``--families``): the 4-process cell's text family
 MORE_CASES = {"llama": (2, "non_reentrant")}
+MORE_CASES |= {"bart_layerdrop": (1, "non_reentrant")}  # fails in stock accelerate's FSDP2 prepare (docs/fsdp.md)
 
 
 def training_args(output_dir: str, steps: int, ga: int, mode: str, reentrant: bool = False):  # noqa: ANN201
@@ -118,26 +137,57 @@ def generate_mixed(trainer, entry, rank: int) -> torch.Tensor:
     return ids[:, prompt["input_ids"].shape[1]:]
 
 
+def count_layer_calls(model) -> list[int]:  # noqa: ANN001
+    """A list the training forwards fill: how often each LayerDrop layer ran (``nn.ModuleList`` ``layers``),
+    counted by forward pre-hooks in training mode only."""
+    from torch import nn
+
+    layers = [m for n, mods in model.named_modules() if n.endswith("layers") and isinstance(mods, nn.ModuleList)
+              for m in mods]
+    counts = [0] * len(layers)
+
+    def hook(i: int):
+        def pre(mod, args, kwargs=None):  # noqa: ANN001, ANN202
+            counts[i] += int(mod.training)
+        return pre
+
+    for i, m in enumerate(layers):
+        m.register_forward_pre_hook(hook(i))
+    return counts
+
+
 def run(name: str, mode: str, out: str, saved: bool = False, generate: bool = False) -> None:
     from transformers import Trainer
 
     from hf_ddpfix import DDPFixTrainer
 
-    entry = {**ZOO, **MORE_VLMS}[name]
+    entry = {**ZOO, **MORE_VLMS, **MORE_TEXT}[name]
     ga, ckpt = {**CASES, **MORE_CASES}[name]
     world = int(os.environ.get("WORLD_SIZE", "1"))
-    args = training_args(os.path.join(out, f"run-{mode}-{name}"), STEPS, ga, mode,
+    steps = SHORT.get(name, STEPS)
+    args = training_args(os.path.join(out, f"run-{mode}-{name}"), steps, ga, mode,
                          reentrant=ckpt == "reentrant" and mode == "fixed")
+    if name in RANK_SEEDED:
+        args.seed = 1234 + int(os.environ.get("RANK", "0"))
     assert args.device.type == "cpu"  # sets up accelerate's state and the process group (from_pretrained reads it)
     model = load_saved(entry, out, world) if saved else entry.model(0)
     model.config.use_cache = False
     cls = DDPFixTrainer if mode == "fixed" else Trainer
     trainer = cls(model=model, args=args, data_collator=single_collate,
-                  train_dataset=items(entry, PATTERN, STEPS * ga, world, seed=0, ga=ga),
+                  train_dataset=items(entry, PATTERN, steps * ga, world, seed=0, ga=ga),
                   eval_dataset=items(entry, EVAL_PATTERN, len(EVAL_PATTERN), world, seed=50_000),
                   preprocess_logits_for_metrics=first_logits)
+    plugin = trainer.accelerator.state.fsdp_plugin if trainer.is_fsdp_enabled else None
+    eager = plugin is not None and name in EAGER_LOADING and plugin.cpu_ram_efficient_loading
+    if eager:  # this run only (the plugin is the launch's): restored below
+        plugin.cpu_ram_efficient_loading = False
+    calls = count_layer_calls(model) if name in RANK_SEEDED else None
     t0 = time.time()
-    trainer.train()
+    try:
+        trainer.train()
+    finally:
+        if eager:
+            plugin.cpu_ram_efficient_loading = True
     # image features in the output exist on image ranks only: stock gathers them there only (DDP too), so skip them
     metrics = trainer.evaluate(ignore_keys=IGNORE)
     predicted = trainer.predict(trainer.eval_dataset, ignore_keys=IGNORE)
@@ -145,6 +195,12 @@ def run(name: str, mode: str, out: str, saved: bool = False, generate: bool = Fa
 
     units = [n for n, m in trainer.model.named_modules() if isinstance(m, FSDPModule)]
     weights = trainable_weights(trainer.model)
+    if calls is not None:  # training forwards per layer, per rank (LayerDrop: ranks differ)
+        import torch.distributed as dist
+
+        every = [None] * world
+        dist.all_gather_object(every, calls)
+        calls = every
     generated = None
     if generate:
         import torch.distributed as dist
@@ -155,7 +211,7 @@ def run(name: str, mode: str, out: str, saved: bool = False, generate: bool = Fa
     if trainer.is_world_process_zero():
         torch.save({"weights": weights, "eval_loss": metrics["eval_loss"],
                     "predict_loss": predicted.metrics["test_loss"], "wrapped": type(trainer.model).__name__,
-                    "units": units, "generated": generated}, os.path.join(out, f"{mode}-{name}.pt"))
+                    "units": units, "generated": generated, "layer_calls": calls}, os.path.join(out, f"{mode}-{name}.pt"))
         print(f"[{mode}] {name}: {type(trainer.model).__name__}, {len(units)} FSDP2 units, eval_loss "
               f"{metrics['eval_loss']:.6f}, {time.time() - t0:.1f}s", flush=True)
 

@@ -54,6 +54,8 @@ class FsdpFacts:
         folded: names of those subtrees (the vision tower, the projector, LayerDrop stacks...).
         wrapped: the model is already sharded (a second ``train()``): prepare will not wrap it again.
         skipped_units: when ``wrapped``, the names of its FSDP units inside subtrees a rank may skip.
+        folded_bytes: the bytes of the parameters in those subtrees (each counted once): what folding them keeps
+            unsharded on every rank for the enclosing unit's forward and backward.
     """
 
     policy: str = "transformer_based_wrap"
@@ -65,6 +67,7 @@ class FsdpFacts:
     folded: tuple[str, ...] = ()
     wrapped: bool = False
     skipped_units: tuple[str, ...] = ()
+    folded_bytes: int = 0
 
 
 def repeated_block_classes(model: nn.Module) -> list[str]:
@@ -111,6 +114,7 @@ def gather_fsdp_facts(trainer: Any, model: nn.Module) -> FsdpFacts:
         folded=tuple(ids.get(id(s), type(s).__name__) or type(s).__name__ for s in skip),
         wrapped=bool(units),
         skipped_units=tuple(ids.get(id(u), type(u).__name__) for u in units if _inside(u, skip)),
+        folded_bytes=sum({id(p): p.numel() * p.element_size() for s in skip for p in s.parameters()}.values()),
     )
 
 

@@ -7,7 +7,7 @@ from torch import nn
 from ..._compat import no_split_modules, unwrap_model
 from .families import vision_groups
 
-__all__ = ["fsdp_wrap_plan", "skippable_subtrees"]
+__all__ = ["fsdp_wrap_plan", "layerdrop_stacks", "skippable_subtrees"]
 
 
 
@@ -57,18 +57,39 @@ def skippable_subtrees(hf: nn.Module) -> list[nn.Module]:
     """Submodules a training forward may skip on one rank and run on another.
 
     The vision groups of a VLM (a text-only step), decoder layers whose class is a cross-attention
-    layer (Mllama runs them only with an image), and, when the config sets a LayerDrop probability, every
-    ``nn.ModuleList`` of layers (the layer a rank drops is random).
+    layer (Mllama runs them only with an image), and the stacks LayerDrop may skip (:func:`layerdrop_stacks`).
     """
     out = [m for _, m in vision_groups(hf)]
-    cfgs = [getattr(hf, "config", None)]
-    cfgs += [getattr(cfgs[0], k, None) for k in ("text_config", "encoder", "decoder")] if cfgs[0] is not None else []
-    layerdrop = any((getattr(c, k, 0) or 0) > 0 for c in cfgs if c is not None for k in _LAYERDROP_KEYS)
-    for name, mod in hf.named_modules():
+    for _, mod in hf.named_modules():
         if "CrossAttention" in type(mod).__name__ and "Layer" in type(mod).__name__:
             out.append(mod)
-        elif layerdrop and isinstance(mod, nn.ModuleList) and name.rsplit(".", 1)[-1] == "layers":
-            out.append(mod)
+    return out + [m for m in layerdrop_stacks(hf) if not _inside(m, out)]
+
+
+def _rate(obj: object, keys: tuple[str, ...]) -> float:
+    rates = [getattr(obj, k, 0) for k in keys]
+    return max((float(r) for r in rates if isinstance(r, (int, float)) and not isinstance(r, bool)), default=0.0)
+
+
+def layerdrop_stacks(hf: nn.Module) -> list[nn.Module]:
+    """The ``nn.ModuleList`` stacks (with parameters) whose layers a training forward may skip at random.
+
+    Structural signals, any model: a module with a ``layerdrop`` attribute > 0 (transformers' BART, OPT,
+    Whisper, wav2vec2... encoders and decoders keep their rate there and draw ``torch.rand`` per layer in
+    training): its stacks; a config (or its ``text_config`` / ``encoder`` / ``decoder``) setting ``layerdrop``,
+    ``encoder_layerdrop`` or ``decoder_layerdrop`` > 0: every stack of the model (where the rate is read is the
+    model's business, so none is trusted to be safe).
+    """
+    cfg = getattr(hf, "config", None)
+    cfgs = [cfg] + ([getattr(cfg, k, None) for k in ("text_config", "encoder", "decoder")] if cfg is not None else [])
+    everywhere = any(_rate(c, _LAYERDROP_KEYS) > 0 for c in cfgs if c is not None)
+    owners = [hf] if everywhere else [m for m in hf.modules() if _rate(m, ("layerdrop",)) > 0]
+    out: list[nn.Module] = []
+    for owner in owners:
+        for mod in owner.modules():
+            if (isinstance(mod, nn.ModuleList) and len(mod) and any(True for _ in mod.parameters())
+                    and not any(mod is m for m in out)):
+                out.append(mod)
     return out
 
 
