@@ -36,7 +36,9 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
 
 from fixtures import RankItems, single_collate, trainable_weights  # noqa: E402
-from zoo import MORE_VLMS, ZOO, seq_len  # noqa: E402
+from zoo import MORE_VLMS, ZERO_DISCOVERED, ZERO_LOADED, ZOO, seq_len  # noqa: E402
+
+ENTRIES = {**ZOO, **ZERO_DISCOVERED, **ZERO_LOADED, **MORE_VLMS}
 
 PATTERN = [(True, False), (False, True), (False, False), (True, True)]  # k-th batch -> (rank 0, rank 1) image
 EVAL_PATTERN = [(True, False), (False, True), (False, False)]
@@ -45,9 +47,11 @@ IGNORE = ["image_hidden_states", "past_key_values"]
 #: family -> (gradient accumulation, checkpointing asked)
 CASES = {"qwen2_5_vl": (2, "non_reentrant"), "gemma3": (1, "reentrant"), "llava": (1, "non_reentrant"),
          "aya_vision": (1, "non_reentrant"), "idefics2": (2, "non_reentrant"), "mllama": (1, "non_reentrant"),
-         "qwen3_moe": (1, "non_reentrant")}
+         "qwen3_moe": (1, "non_reentrant"), "internvl": (1, "non_reentrant"), "mistral3": (2, "non_reentrant")}
 #: families run only when named (``--families``): the 4-process cell's text family
-MORE_CASES = {"llama": (2, "non_reentrant")}
+MORE_CASES = {"llama": (2, "non_reentrant"), "vipllava": (1, "non_reentrant"), "cohere2_vision": (1, "non_reentrant"),
+              "paligemma": (1, "non_reentrant"), "smolvlm": (1, "non_reentrant"), "idefics3": (1, "non_reentrant"),
+              "llava_next": (1, "non_reentrant"), "got_ocr2": (2, "non_reentrant"), "janus": (1, "non_reentrant")}
 
 
 def training_args(output_dir: str, steps: int, ga: int, mode: str, reentrant: bool = False):  # noqa: ANN201
@@ -123,7 +127,7 @@ def run(name: str, mode: str, out: str, saved: bool = False, generate: bool = Fa
 
     from hf_ddpfix import DDPFixTrainer
 
-    entry = {**ZOO, **MORE_VLMS}[name]
+    entry = ENTRIES[name]
     ga, ckpt = {**CASES, **MORE_CASES}[name]
     world = int(os.environ.get("WORLD_SIZE", "1"))
     args = training_args(os.path.join(out, f"run-{mode}-{name}"), STEPS, ga, mode,
