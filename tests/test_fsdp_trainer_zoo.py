@@ -11,7 +11,7 @@ rank 1 text-only (``sft_vlm``; ``sft_vlm_sgd`` with SGD; ``sft_vlm_ga2`` with gr
 AdamW, 7.5e-9 with SGD, bit-equal with accumulation 2 (AdamW); stock FSDP2 crashes in
 step 1 (gloo "collective mismatch"; NCCL: hang), and so did hf_ddpfix before its loss observer moved a unit's
 unreached ties into the loss (the text-only rank tied the vision LoRA into ``loss``, which SFTTrainer's fused LM head
-path never back-propagates: its root reduce-scatter then lacked those gradients). Wall ~25 s + ~45 s (80 s loaded).
+path never back-propagates: its root reduce-scatter then lacked those gradients). Wall ~25 s + ~60 s (95 s loaded).
 """
 
 from __future__ import annotations
