@@ -48,11 +48,11 @@ IGNORE = ["image_hidden_states", "past_key_values"]
 CASES = {"qwen2_5_vl": (2, "non_reentrant"), "gemma3": (1, "reentrant"), "llava": (1, "non_reentrant"),
          "aya_vision": (1, "non_reentrant"), "idefics2": (2, "non_reentrant"), "mllama": (1, "non_reentrant"),
          "qwen3_moe": (1, "non_reentrant"), "internvl": (1, "non_reentrant"), "mistral3": (2, "non_reentrant"),
-         "llava_next": (1, "non_reentrant"), "got_ocr2": (1, "non_reentrant"), "janus": (1, "non_reentrant"),
-         "paligemma": (1, "non_reentrant")}
+         "llava_next": (1, "non_reentrant"), "got_ocr2": (1, "non_reentrant"), "janus": (1, "non_reentrant")}
 #: families run only when named (``--families``): the 4-process cell's text family; VLMs measured by hand with this
 #: script (docs/fsdp.md) and left out of the tests' launches (launch time)
-MORE_CASES = {"llama": (2, "non_reentrant"), "vipllava": (1, "non_reentrant"), "cohere2_vision": (1, "non_reentrant"),
+MORE_CASES = {"llama": (2, "non_reentrant"), "paligemma": (1, "non_reentrant"), "vipllava": (1, "non_reentrant"),
+              "cohere2_vision": (1, "non_reentrant"),
               "smolvlm": (1, "non_reentrant"), "idefics3": (1, "non_reentrant")}
 
 
