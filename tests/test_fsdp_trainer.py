@@ -30,8 +30,8 @@ set against stock FSDP2, which crashes there; it is not traced to one operation.
 Measured (2 cores, torch 2.13, transformers 5.23, accelerate 1.15, 2026-11-27): max |W_fsdp2 - W_ddp| 0 to 4.5e-8
 (mixed image/text ranks, see the spread above; Idefics2, Mllama and Qwen3-MoE bit-equal); evaluation and
 prediction losses equal to 4e-7. ``TOL`` is ~3x the largest; one step at lr 1e-3 moves a weight ~1e-3, so a lost
-or extra gradient, a skipped step or an unsynchronised replica is far above it. Wall time: ~3 min (the two
-launches of the first test, 13 families, loaded machine) + ~50 s.
+or extra gradient, a skipped step or an unsynchronised replica is far above it. Wall time (2026-11-27, machine
+lightly loaded): 69 s (the two launches of the first test, 12 families; 40 s with the first 7) + 43 s.
 """
 
 from __future__ import annotations
