@@ -5,7 +5,7 @@ The multi-process proof is tests/test_fsdp_trainer.py."""
 from __future__ import annotations
 
 import pytest
-from zoo import MORE_VLMS, ZOO
+from zoo import MORE_VLMS, ZERO_DISCOVERED, ZOO
 
 from hf_ddpfix.config import DDPFixConfig
 from hf_ddpfix.integrations.fsdp import FsdpFacts, gather_fsdp_facts, repeated_block_classes
@@ -33,9 +33,10 @@ def _plugin(**kw):
 
 
 @pytest.mark.parametrize("name, lacking", [("gemma3", "SiglipTextEmbeddings"), ("llava", "CLIPTextEmbeddings"),
-                                           ("aya_vision", "SiglipTextEmbeddings")])
+                                           ("aya_vision", "SiglipTextEmbeddings"), ("llava_next", "CLIPTextEmbeddings"),
+                                           ("paligemma", "SiglipTextEmbeddings")])
 def test_units_are_the_decoder_layers_when_no_split_modules_names_classes_the_model_lacks(name, lacking):
-    model = {**ZOO, **MORE_VLMS}[name].model(0)
+    model = {**ZOO, **ZERO_DISCOVERED, **MORE_VLMS}[name].model(0)
     facts = gather_fsdp_facts(_Trainer(_plugin()), model)
     assert lacking not in facts.present
     # transformers 5.23 names the absent class; 5.0 names none for LLaVA / Aya Vision and only present classes

@@ -7,10 +7,11 @@ weights agree within :data:`TOL`, or the case is refused with a ``PlanError`` wh
 Measured (2026-11-27): DPO 8.9e-8, Reward 0, head in ``compute_loss`` 3.0e-8 (stock FSDP2 vs stock DDP: the same
 figures). Before ``ParameterUsage.observe_loss`` the head's gradients were reset to ``None`` every step under
 FSDP2 (8 over 4 steps): 2.5e-2, which this test catches. TRL ``SFTTrainer`` on Qwen2-VL, rank 0 with images,
-rank 1 text-only (``sft_vlm``; ``sft_vlm_sgd`` with SGD): 9.9e-7 with AdamW, 7.5e-9 with SGD; stock FSDP2 crashes in
+rank 1 text-only (``sft_vlm``; ``sft_vlm_sgd`` with SGD; ``sft_vlm_ga2`` with gradient accumulation 2): 9.9e-7 with
+AdamW, 7.5e-9 with SGD, bit-equal with accumulation 2 (AdamW); stock FSDP2 crashes in
 step 1 (gloo "collective mismatch"; NCCL: hang), and so did hf_ddpfix before its loss observer moved a unit's
 unreached ties into the loss (the text-only rank tied the vision LoRA into ``loss``, which SFTTrainer's fused LM head
-path never back-propagates: its root reduce-scatter then lacked those gradients). Wall ~25 s + ~45 s (80 s loaded).
+path never back-propagates: its root reduce-scatter then lacked those gradients). Wall ~25 s + ~60 s (95 s loaded).
 """
 
 from __future__ import annotations
@@ -21,12 +22,13 @@ from launch import ROOT, accelerate_launch, fsdp_device_env, torchrun
 
 SCRIPT = ROOT / "tests" / "scripts" / "fsdp_trainer_zoo.py"
 OFFLINE = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
-CASES = ("dpo_text", "reward_text", "head_in_compute_loss", "sft_vlm", "sft_vlm_sgd")
+CASES = ("dpo_text", "reward_text", "head_in_compute_loss", "sft_vlm", "sft_vlm_sgd", "sft_vlm_ga2")
 TOL = 1.5e-7  # tests/test_fsdp_trainer.py's FSDP2-vs-DDP spread (reduce-scatter vs all-reduce order)
 # sft_vlm with AdamW: measured 9.9e-7 (a LoRA A element of layer 0's MLP), the same run with SGD 7.5e-9: AdamW's
 # lr * m / (sqrt(v) + eps) turns the reduction-order rounding of a near-zero gradient element into a visible step
 # (trainer_zoo.py's ADAM_TOL note). Stock FSDP2 cannot give its own spread here: it crashes in step 1.
-CASE_TOL = {"sft_vlm": 2e-6}
+# sft_vlm_ga2 (gradient accumulation 2, AdamW): measured bit-equal (0); the AdamW bound of sft_vlm applies to it too
+CASE_TOL = {"sft_vlm": 2e-6, "sft_vlm_ga2": 2e-6}
 
 
 @pytest.mark.multiprocess
@@ -58,3 +60,8 @@ def test_trainer_zoo_under_trainer_fsdp2_like_stock_ddp(tmp_path):
     assert "[rank 1] sft_vlm parameter_usage: (0, {'forwards': 3, 'ties_at_output': 30, 'ties_moved_to_loss': 30}" \
         in ours.stdout, ours.stdout[-4000:]
     assert "[rank 0] sft_vlm parameter_usage: (0, {'forwards': 3}" in ours.stdout, ours.stdout[-4000:]
+    # gradient accumulation 2: 6 forwards (2 micro-batches of different lengths per step, FSDP2 reduce-scatters at
+    # the second only); the text-only rank's ties move into the loss in every micro-batch
+    assert "[rank 1] sft_vlm_ga2 parameter_usage: (0, {'forwards': 6, 'ties_at_output': 60, " \
+        "'ties_moved_to_loss': 60}" in ours.stdout, ours.stdout[-4000:]
+    assert "[rank 0] sft_vlm_ga2 parameter_usage: (0, {'forwards': 6}" in ours.stdout, ours.stdout[-4000:]

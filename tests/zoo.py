@@ -430,7 +430,60 @@ ZERO_LOADED: dict[str, ZooEntry] = {
 }
 
 
-#: VLMs no DDP / ZeRO test trains: the FSDP2 Trainer test checks the class of fix on families it was not built on.
+_CLIP14 = dict(model_type="clip_vision_model", hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+               num_attention_heads=2, image_size=28, patch_size=14, projection_dim=32)
+
+
+def _llava_next(seed: int) -> nn.Module:
+    """LLaVA-NeXT: any-resolution tiles (one 28x28 grid pinpoint: base + 1 tile of 2x2 patches), an
+    ``image_newline`` parameter per row of the tile grid: 4 + 2 x (2 + 1) = 10 image tokens."""
+    from transformers import LlavaNextConfig, LlavaNextForConditionalGeneration
+
+    return LlavaNextForConditionalGeneration(LlavaNextConfig(
+        vision_config=_CLIP14, text_config={**_LLAMA_TEXT, "model_type": "llama"}, image_token_index=IMG,
+        image_grid_pinpoints=[[28, 28]], vision_feature_layer=-1))
+
+
+def _llava_next_batch(has_image: bool, seed: int, seq: int) -> dict[str, torch.Tensor]:
+    """10 image tokens; ``pixel_values`` ``[1, 2 tiles, 3, 28, 28]`` and ``image_sizes``."""
+    b = _pixel_batch(10, 28, lambda g: {"image_sizes": torch.tensor([[28, 28]])})(has_image, seed, seq + 4)
+    if "pixel_values" in b:
+        b["pixel_values"] = torch.stack([b["pixel_values"][0], b["pixel_values"][0].flip(-1)])[None]
+    return b
+
+
+def _got_ocr2(seed: int) -> nn.Module:
+    """GOT-OCR 2: a SAM-style windowed ViT (64x64 image, 16-pixel patches, one global-attention layer), a
+    convolutional projector down to 1 image token, Qwen2 text."""
+    from transformers import GotOcr2Config, GotOcr2ForConditionalGeneration
+
+    vision = dict(hidden_size=32, output_channels=32, num_hidden_layers=2, num_attention_heads=2, image_size=64,
+                  patch_size=16, mlp_dim=64, window_size=2, global_attn_indexes=[1])
+    return GotOcr2ForConditionalGeneration(GotOcr2Config(
+        vision_config=vision, text_config={**_LLAMA_TEXT, "model_type": "qwen2"}, image_token_index=IMG,
+        image_seq_length=1))
+
+
+def _janus(seed: int) -> nn.Module:
+    """Janus: a SigLIP-like understanding tower (``vision_model``) and ``aligner``; a VQ-VAE (``vqmodel``) and
+    a ``generation_aligner`` / ``generation_head`` for image generation, which a captioning forward never runs
+    (their LoRA tensors are unused on every rank, every step); Llama text. 16 image tokens."""
+    from transformers import JanusConfig, JanusForConditionalGeneration
+
+    vision = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, image_size=28, patch_size=7,
+                  projection_dim=64, num_image_tokens=16)
+    vq = dict(embed_dim=8, num_embeddings=32, latent_channels=32, base_channels=32, channel_multiplier=[1, 1],
+              num_res_blocks=1, num_patches=4, projection_dim=64, image_token_embed_dim=64)
+    return JanusForConditionalGeneration(JanusConfig(
+        vision_config=vision, vq_config=vq, text_config={**_LLAMA_TEXT, "model_type": "llama"}, image_token_id=IMG))
+
+
+def _janus_batch(has_image: bool, seed: int, seq: int) -> dict[str, torch.Tensor]:
+    return _pixel_batch(16, 28)(has_image, seed, seq + 16)
+
+
+#: VLMs no DDP / ZeRO test trains: the FSDP2 Trainer test checks the class of fix on families it was not built on
+#: (LLaVA-NeXT, GOT-OCR 2 and Janus: no other test in the repository names them).
 MORE_VLMS: dict[str, ZooEntry] = {
     e.name: e
     for e in [
@@ -438,6 +491,13 @@ MORE_VLMS: dict[str, ZooEntry] = {
                  can_go_unused=_VISION_UNUSED),
         ZooEntry("idefics2", "Idefics2", _idefics2, _VLM_LORA, _idefics3_batch, vlm=True,
                  can_go_unused=_VISION_UNUSED),
+        ZooEntry("llava_next", "LLaVA-NeXT", _llava_next, _VLM_LORA, _llava_next_batch, vlm=True,
+                 can_go_unused=_VISION_UNUSED),
+        ZooEntry("got_ocr2", "GOT-OCR 2", _got_ocr2, _VLM_LORA, _pixel_batch(1, 64), vlm=True,
+                 can_go_unused=_VISION_UNUSED),
+        ZooEntry("janus", "Janus", _janus, _VLM_LORA, _janus_batch, vlm=True,
+                 can_go_unused=_VISION_UNUSED + "; the generation aligner's LoRA on every step (image generation "
+                 "only)"),
     ]
 }
 

@@ -35,8 +35,10 @@ from trainer_zoo import CASES, FP32, SGD  # noqa: E402
 # sft_vlm: TRL SFTTrainer (fused LM head: the loss is built from `log_probs`, not `loss`) on Qwen2-VL, rank 0
 # with images, rank 1 text-only; sft_vlm_sgd: the same with SGD (an update linear in the gradient: AdamW turns
 # reduce-scatter-vs-all-reduce rounding into visible differences where a gradient element is near zero)
-VARIANTS = {"sft_vlm_sgd": ("sft_vlm", SGD)}
-DEFAULT = ("dpo_text", "reward_text", "head_in_compute_loss", "sft_vlm", "sft_vlm_sgd")
+# sft_vlm_ga2: the same with gradient accumulation 2 (two micro-batches of different lengths per step: FSDP2
+# reduce-scatters at the last one only, accelerate's no_sync)
+VARIANTS = {"sft_vlm_sgd": ("sft_vlm", SGD), "sft_vlm_ga2": ("sft_vlm", {"gradient_accumulation_steps": 2})}
+DEFAULT = ("dpo_text", "reward_text", "head_in_compute_loss", "sft_vlm", "sft_vlm_sgd", "sft_vlm_ga2")
 
 
 def train(case: str, out: str, patched: bool) -> dict:

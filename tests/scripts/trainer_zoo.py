@@ -144,14 +144,15 @@ def _vlm_collate(rows: list[dict]) -> dict:
 
 
 def sft_vlm(out: str, patched: bool, extra: dict) -> Any:
-    """Row i goes to rank i % 2: rank 0's rows have an image, rank 1's none."""
+    """Row i goes to rank i % 2: rank 0's rows have an image, rank 1's none (``STEPS`` x accumulation rows each)."""
     from datasets import Dataset as HFDataset
     from trl import SFTConfig, SFTTrainer
 
     model = add_lora(BUILDERS["qwen2_vl"](0))
     args = SFTConfig(output_dir=out, remove_unused_columns=False, dataset_kwargs={"skip_prepare_dataset": True},
                      **_ckpt(patched), **COMMON, **extra)
-    return _in_order(SFTTrainer)(model=model, args=args, train_dataset=HFDataset.from_dict({"i": list(range(2 * STEPS))}),
+    rows = 2 * STEPS * args.gradient_accumulation_steps
+    return _in_order(SFTTrainer)(model=model, args=args, train_dataset=HFDataset.from_dict({"i": list(range(rows))}),
                                  data_collator=_vlm_collate, processing_class=build_tokenizer())
 
 
