@@ -206,6 +206,8 @@ def run(case: str, sp: int | None, batch: int) -> dict:
     plan = getattr(trainer, "hf_ddpfix_plan", None)
     res = {"weights": trainable_weights(model), "hist": [(h["loss"], h.get("grad_norm"))
                                                          for h in trainer.state.log_history if "loss" in h],
+           "logs": [{k: v for k, v in h.items() if isinstance(v, (int, float))} for h in trainer.state.log_history
+                    if "loss" in h],
            "eval": ev, "counts": snap.get("sequence_parallel") or {"ran": 0, "fallbacks": {}, "amounts": {}},
            "plan": f"{plan.sequence_parallel.value}: {plan.sequence_parallel.reason}" if plan is not None else None}
     unpatch_trainer()
@@ -283,6 +285,19 @@ def refused(builder) -> dict:  # noqa: ANN001
     return _train_refused(trainer)
 
 
+def metric_diffs(ref: list[dict], got: list[dict]) -> dict:
+    """Every value the Trainer logged per step (loss, grad_norm, the trainer's own metrics) vs stock DDP's: the largest
+    relative difference per key over the steps (a key one run logged and the other did not: inf)."""
+    out: dict[str, float] = {}
+    for r, g in zip(ref, got, strict=True):
+        for k in set(r) | set(g):
+            if k in ("epoch", "learning_rate", "step"):
+                continue
+            d = float("inf") if k not in r or k not in g else abs(r[k] - g[k]) / max(abs(r[k]), 1e-12)
+            out[k] = max(out.get(k, 0.0), d)
+    return out
+
+
 def wdiff(a: dict, b: dict) -> float:
     return max((a["weights"][k] - b["weights"][k]).abs().max().item() for k in a["weights"])
 
@@ -320,6 +335,7 @@ def main() -> None:
                "ddp_loss_diff": hist_diff(ref["hist"], got["hist"], 0),
                "ddp_grad_norm_diff": hist_diff(ref["hist"], got["hist"], 1),
                "losses_sp": [h[0] for h in got["hist"]], "losses_ref": [h[0] for h in ref["hist"]]}
+        rec["metric_diffs"] = metric_diffs(ref["logs"], got["logs"])
         if got["eval"] is not None:  # vs stock DDP on the same world (one process batches the eval set otherwise)
             rec["ddp_eval_diff"] = abs(got["eval"] - ref["eval"])
             rec["eval_batches"] = [c["amounts"].get("eval_" + key, 0) for c in counts]

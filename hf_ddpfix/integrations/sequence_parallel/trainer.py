@@ -91,6 +91,7 @@ from .facts import (
     sequence_parallel_loss_route,
 )
 from .head import decoder_sharded
+from .metrics import MetricReplay
 from .model import sharded_causal_lm_loss
 from .vision import BATCH_KEYS, VisionSequenceSharding, merge_vision_batches, vision_sequence_parallel_support
 from .whole import exchange, other_models, whole_outputs_forward
@@ -228,9 +229,12 @@ def attach_sequence_parallel(trainer: Any, model: nn.Module, *, sp_size: int, st
         # "head-whole" (head.py): the model runs whole, its decoder on this rank's slice; else the model on the slice
         sharding = decoder_sharded if route == "head-whole" else whole_outputs_forward
         try:
-            with sharding(unwrap_parallel(model), groups.group, pad_id, type(trainer).__name__) as hook:
-                for batch, items in exchange(inputs, num_items_in_batch, groups.group, groups.size):
-                    results.append(stock(model, batch, return_outputs=return_outputs, num_items_in_batch=items))
+            # the trainer's logged metrics: stock's (metrics.py), not the group's batches N times
+            with sharding(unwrap_parallel(model), groups.group, pad_id, type(trainer).__name__) as hook, \
+                    MetricReplay(trainer, groups.rank, groups.size) as replay:
+                for j, (batch, items) in enumerate(exchange(inputs, num_items_in_batch, groups.group, groups.size)):
+                    results.append(replay.call(j, lambda batch=batch, items=items: stock(
+                        model, batch, return_outputs=return_outputs, num_items_in_batch=items)))
         finally:
             whole()
         if route == "head-whole" and hook.calls < len(results):  # every batch's decoder ran sharded
