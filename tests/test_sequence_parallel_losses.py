@@ -233,6 +233,9 @@ def test_every_trainer_loss_under_sequence_parallel_equals_one_process_and_stock
         if "ddp_eval_diff" in r:  # evaluate() ran the same route (the Trainer's loop rounds its loss to fp32)
             # 8 evaluation samples, batch 2 per rank, both batches of the group on every rank
             assert r["ddp_eval_diff"] <= 2e-6 and r["eval_batches"] == [2 * (8 // (2 * nproc))] * nproc
+        # every logged value (TRL's num_tokens, entropy, rewards/*, min_reward ...) is stock DDP's (sp_losses.py
+        # METRIC_TOL, relative; measured <= 1.2e-7) but what metrics.py LIMITS names (METRIC_UNEQUAL)
+        assert not r["metrics_differ"], (case, r["metrics_differ"])
         if "vs_plain" in r:  # the trainer's loss ran: never the plain Trainer's weights
             assert r["vs_plain"] > 1e-4
     # the checkpointed backward recomputed each group batch's sharded attention (2 layers x 2 batches x 4 micro-batches)

@@ -14,12 +14,14 @@ other sets of rows (`min_reward`, `max_reward`, `mean_token_accuracy`, `entropy`
     before the call (in place for dicts and lists), and every accelerate gather / reduce's input is recorded
     (with the line that called it);
   * call `N-1` (the last batch of the group): each gather / reduce contributes, on rank `r`, the input
-    recorded at the same position of call `r` (its *own* batch's, as stock's rank would), so the world sees
+    recorded from the same line (its m-th call there for the m-th) in call `r` (its *own* batch's, as stock's
+    rank would), so the world sees
     exactly stock's tensors once each: what the trainer appends, adds up, takes the min or max of, is stock's.
 The ranks agree before each such gather (one `all_reduce` of a flag over the world) that every one has its
-own input recorded from the same line; where one has not (a data-dependent branch), the gather takes the
-current input, and the metrics of that call may differ from stock: counted as the fallback `METRICS_DIFFER`
-(feature "sequence_parallel") and warned once naming the line.
+own input recorded from that line; where one has not (its own batch took another branch, e.g. TRL KTO's
+`if all_num_rejected > 0` when the own batch, gathered N times, had no rejected row), the gather takes the
+current input and what the trainer derives from it may differ from stock: counted as the fallback
+amount `metric_gathers_differ` (feature "sequence_parallel") and warned once per line, naming it.
 
 The loss is untouched on calls `0 .. N-2`. A world gather that feeds the loss itself (TRL KTO's KL) is refused
 by the plan (`facts.trainer_world_statistic`); an input that requires grad is never replaced.
@@ -41,9 +43,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ...ops.feature_counts import record_amount, record_fallback
+from ...ops.feature_counts import record_amount
 
-__all__ = ["MAX_LEAVES", "METRICS_DIFFER", "MetricReplay"]
+__all__ = ["LIMITS", "MAX_LEAVES", "METRICS_DIFFER", "MetricReplay"]
 
 logger = logging.getLogger("hf_ddpfix")
 FEATURE = "sequence_parallel"
@@ -51,8 +53,13 @@ FEATURE = "sequence_parallel"
 _METHODS = ("gather", "gather_for_metrics", "reduce")
 #: a container with more leaves is not metric state (not copied per call)
 MAX_LEAVES = 100_000
-METRICS_DIFFER = ("a metric's world gather ran on another line for this rank's own batch than for the group's last "
-                  "batch: that call's logged metrics may differ from stock DDP's")
+METRICS_DIFFER = ("a metric's world gather ran for the group's last batch where this rank's own batch did not reach it "
+                  "(a branch on the data): that step's logged metrics from it may differ from stock DDP's")
+#: said once per trainer that logs metrics (rank 0), at its first micro-batch under SP (docs/sequence-parallel-losses.md)
+LIMITS = ("the trainer's logged metrics are replayed to equal stock DDP's, except a statistic computed on the outputs "
+          "at padding positions (e.g. TRL ORPO / CPO logits/chosen, logits/rejected: the unmasked logits mean; a "
+          "padding position under sequence parallelism attends to itself only) and one taken from the rank's own "
+          "batch without an accelerate gather / reduce (rank 0 logs its group's last batch's)")
 _warned: set[str] = set()
 
 
@@ -113,8 +120,10 @@ class MetricReplay:
     def __init__(self, trainer: Any, rank: int, size: int):
         self.trainer, self.rank, self.size = trainer, rank, size
         self.accelerator = getattr(trainer, "accelerator", None)
-        self.recorded: list[list[tuple[str, str, Any]]] = [[] for _ in range(size)]
-        self.j, self.k = 0, 0
+        #: per call: (method, calling line) -> the inputs given there, in order
+        self.recorded: list[dict[tuple[str, str], list[Any]]] = [{} for _ in range(size)]
+        self.seen: dict[tuple[str, str], int] = {}
+        self.j = 0
         self.replaced, self._depth = 0, 0
         self._undo: list[Callable[[], None]] = []
 
@@ -138,12 +147,17 @@ class MetricReplay:
 
     def call(self, j: int, fn: Callable[[], Any]) -> Any:
         """Run `fn` (the trainer's compute_loss on batch `j`); on calls before the last, put its metric state back."""
-        self.j, self.k = j, 0
+        self.j, self.seen = j, {}
         saved = metric_state(self.trainer) if j < self.size - 1 else None
         try:
             return fn()
         finally:
             if saved is not None:
+                if j == 0 and not getattr(self.trainer, "_hf_ddpfix_sp_metrics_said", False) and \
+                        metric_state(self.trainer) != saved:  # the trainer logs metrics of its own: say the limits
+                    self.trainer._hf_ddpfix_sp_metrics_said = True
+                    if dist.get_rank() == 0:
+                        logger.warning("sequence_parallel: %s", LIMITS)
                 restore_metric_state(self.trainer, saved)
 
     def _wrap(self, name: str, original: Callable[..., Any]) -> Callable[..., Any]:
@@ -162,21 +176,23 @@ class MetricReplay:
         if not args:  # given by keyword: the input under its own name
             key = next(iter(kwargs), None)
             args = (kwargs.pop(key),) if key is not None else ()
-        site, k = _caller(), self.k
-        self.k += 1
+        site = (name, _caller())
+        seen = self.seen.setdefault(site, 0)  # the how-many-th call from this line in this compute_loss
+        self.seen[site] = seen + 1
         if self.j < self.size - 1:
-            self.recorded[self.j].append((name, site, _detached(args[0]) if args else None))
+            self.recorded[self.j].setdefault(site, []).append(_detached(args[0]) if args else None)
             return original(*args, **kwargs)
-        return original(*self._own(name, site, k, args), **kwargs)
+        return original(*self._own(site, seen, args), **kwargs)
 
-    def _own(self, name: str, site: str, k: int, args: tuple) -> tuple:
-        """The last call's arguments with this rank's own batch's input at position `k`, when every rank has it."""
+    def _own(self, site: tuple[str, str], seen: int, args: tuple) -> tuple:
+        """The last call's arguments with this rank's own batch's input from the same line (its `seen`-th call
+        there), when every rank has it."""
         if self.rank == self.size - 1:  # its own batch is the last one
             mine, ok = args, bool(args)
         else:
-            rec = self.recorded[self.rank]
-            ok = bool(args) and k < len(rec) and rec[k][:2] == (name, site)
-            mine = (rec[k][2], *args[1:]) if ok else args
+            rec = self.recorded[self.rank].get(site, [])
+            ok = bool(args) and seen < len(rec)
+            mine = (rec[seen], *args[1:]) if ok else args
         device = getattr(self.accelerator, "device", None) or torch.device("cpu")
         agreed = torch.tensor([int(ok)], device=device)
         dist.all_reduce(agreed, op=dist.ReduceOp.MIN)
@@ -184,8 +200,9 @@ class MetricReplay:
             self.replaced += 1
             record_amount(FEATURE, "metric_inputs_replayed", 1)
             return mine
-        record_fallback(FEATURE, METRICS_DIFFER)
-        if site not in _warned and dist.get_rank() == 0:
-            _warned.add(site)
-            logger.warning("sequence_parallel: %s (%s at %s)", METRICS_DIFFER, name, site)
+        record_amount(FEATURE, "metric_gathers_differ", 1)  # not a fallback: the loss and training are exact
+        where = f"{site[0]} at {site[1]}"
+        if where not in _warned and dist.get_rank() == 0:
+            _warned.add(where)
+            logger.warning("sequence_parallel: %s (%s)", METRICS_DIFFER, where)
         return args
