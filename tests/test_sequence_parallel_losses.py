@@ -290,3 +290,54 @@ def test_the_head_whole_decoder_call_refuses_what_it_cannot_shard_and_is_undone(
     with decoder_sharded(model, None, 0) as inside:
         assert model.model.forward is inside
     assert "forward" not in vars(model.model)
+
+
+def test_metric_replay_gives_each_world_gather_the_rank_own_batch_and_keeps_one_call_of_metric_state():
+    """metrics.py on rank 0 of an SP group of 2 (world-1 gloo; the accelerator's gather returns its input): the
+    group's first call (rank 0's own batch) leaves no metric state behind, the last call's gathers get rank 0's own
+    inputs from the same lines (a line the own batch did not reach keeps its input: counted), numbers and
+    containers of numbers are put back in place, tensors and objects are not metric state."""
+    from types import SimpleNamespace
+
+    import torch
+    import torch.distributed as dist
+
+    from hf_ddpfix.integrations.sequence_parallel.metrics import MetricReplay, metric_state
+    from hf_ddpfix.ops import feature_counts
+
+    class Acc:
+        device = torch.device("cpu")
+
+        def gather(self, x):  # noqa: ANN001, ANN201
+            return x
+
+        def gather_for_metrics(self, x):  # noqa: ANN001, ANN201
+            return self.gather(x)  # accelerate's own inner call: passes straight through
+
+    metrics: dict = {"train": {}}
+    trainer = SimpleNamespace(accelerator=Acc(), _metrics=metrics, tokens=0, weights=torch.ones(2), label="x")
+
+    def compute_loss(batch: torch.Tensor, rejected: bool) -> torch.Tensor:
+        seen = trainer.accelerator.gather_for_metrics(batch.sum())
+        trainer.tokens += int(seen)
+        trainer._metrics["train"].setdefault("sum", []).append(float(seen))
+        if rejected:  # a branch only the last batch takes
+            trainer._metrics["train"].setdefault("rej", []).append(float(trainer.accelerator.gather(batch.max())))
+        return batch.sum()
+
+    assert set(metric_state(trainer)) == {"_metrics", "tokens"}  # not the tensor, not the string's object peers
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        feature_counts.reset()
+        own, last = torch.tensor([1.0, 2.0]), torch.tensor([5.0, 7.0])
+        with MetricReplay(trainer, rank=0, size=2) as replay:
+            assert replay.call(0, lambda: compute_loss(own, False)) == 3.0
+            assert trainer.tokens == 0 and metrics == {"train": {}}  # put back, in place
+            assert replay.call(1, lambda: compute_loss(last, True)) == 12.0  # the loss is the last batch's own
+        assert trainer.tokens == 3 and metrics["train"]["sum"] == [3.0]  # rank 0's own batch, once
+        assert metrics["train"]["rej"] == [7.0]  # not reached by the own batch: the current input, counted
+        assert replay.replaced == 1
+        assert feature_counts.snapshot()["sequence_parallel"].amounts["metric_gathers_differ"] == 1
+        assert "gather" not in vars(trainer.accelerator)  # the wrappers are undone
+    finally:
+        dist.destroy_process_group()
