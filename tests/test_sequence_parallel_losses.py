@@ -330,10 +330,13 @@ def test_metric_replay_gives_each_world_gather_the_rank_own_batch_and_keeps_one_
     try:
         feature_counts.reset()
         own, last = torch.tensor([1.0, 2.0]), torch.tensor([5.0, 7.0])
+        losses = []
         with MetricReplay(trainer, rank=0, size=2) as replay:
-            assert replay.call(0, lambda: compute_loss(own, False)) == 3.0
-            assert trainer.tokens == 0 and metrics == {"train": {}}  # put back, in place
-            assert replay.call(1, lambda: compute_loss(last, True)) == 12.0  # the loss is the last batch's own
+            for j, (batch, rejected) in enumerate(((own, False), (last, True))):  # one calling line, as trainer.py's
+                losses.append(replay.call(j, lambda batch=batch, rejected=rejected: compute_loss(batch, rejected)))
+                if j == 0:
+                    assert trainer.tokens == 0 and metrics == {"train": {}}  # put back, in place
+        assert losses == [3.0, 12.0]  # each call's loss is its own batch's
         assert trainer.tokens == 3 and metrics["train"]["sum"] == [3.0]  # rank 0's own batch, once
         assert metrics["train"]["rej"] == [7.0]  # not reached by the own batch: the current input, counted
         assert replay.replaced == 1

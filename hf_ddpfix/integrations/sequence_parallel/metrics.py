@@ -14,7 +14,7 @@ other sets of rows (`min_reward`, `max_reward`, `mean_token_accuracy`, `entropy`
     before the call (in place for dicts and lists), and every accelerate gather / reduce's input is recorded
     (with the line that called it);
   * call `N-1` (the last batch of the group): each gather / reduce contributes, on rank `r`, the input
-    recorded from the same line (its m-th call there for the m-th) in call `r` (its *own* batch's, as stock's
+    recorded from the same line (and its two callers' lines; its m-th call there for the m-th) in call `r` (its *own* batch's, as stock's
     rank would), so the world sees
     exactly stock's tensors once each: what the trainer appends, adds up, takes the min or max of, is stock's.
 The ranks agree before each such gather (one `all_reduce` of a flag over the world) that every one has its
@@ -108,9 +108,14 @@ def _detached(x: Any) -> Any:
     return x
 
 
-def _caller() -> str:
-    frame = sys._getframe(3)  # the trainer's line (past collective and _collective) that called the accelerator's method
-    return f"{frame.f_code.co_filename}:{frame.f_lineno}"
+def _caller(depth: int = 3) -> str:
+    """The lines that called the accelerator's method: the trainer's and `depth - 1` callers above it (a helper
+    called from several lines, e.g. TRL GRPO's `global_masked_mean`, is told apart by its caller)."""
+    frame, lines = sys._getframe(3), []  # past _caller, _collective and the wrapper
+    while frame is not None and len(lines) < depth:
+        lines.append(f"{frame.f_code.co_filename}:{frame.f_lineno}")
+        frame = frame.f_back
+    return " < ".join(lines)
 
 
 class MetricReplay:
