@@ -35,8 +35,8 @@ the logits; a padding position's outputs under SP are those of a pad token that 
 from __future__ import annotations
 
 import copy
+import inspect
 import logging
-import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -111,7 +111,9 @@ def _detached(x: Any) -> Any:
 def _caller(depth: int = 3) -> str:
     """The lines that called the accelerator's method: the trainer's and `depth - 1` callers above it (a helper
     called from several lines, e.g. TRL GRPO's `global_masked_mean`, is told apart by its caller)."""
-    frame, lines = sys._getframe(3), []  # past _caller, _collective and the wrapper
+    frame, lines = inspect.currentframe(), []
+    for _ in range(3):  # past _caller, _collective and the wrapper
+        frame = frame.f_back if frame is not None else None
     while frame is not None and len(lines) < depth:
         lines.append(f"{frame.f_code.co_filename}:{frame.f_lineno}")
         frame = frame.f_back
