@@ -211,14 +211,17 @@ def run(case: str, sp: int | None, batch: int) -> dict:
     # evaluate() runs the trainer's own compute_loss too (sharded / gathered as in training); TRL's need their own
     # eval datasets processed: the Trainer cases only
     own_eval = getattr(trainer, "sp_eval_dataset", None)  # a TRL-free builder's own evaluation set (sp_trl.seqcls)
-    ev = trainer.evaluate(own_eval if own_eval is not None else dataset(8, 2))["eval_loss"] \
-        if not isinstance(cls, str) or own_eval is not None else None
+    evaluated = trainer.evaluate(own_eval if own_eval is not None else dataset(8, 2)) \
+        if not isinstance(cls, str) or own_eval is not None else \
+        trainer.evaluate() if trainer.eval_dataset is not None else None  # a TRL trainer given its eval set (Reward)
+    ev = evaluated["eval_loss"] if evaluated is not None else None
     snap = {k: c.as_dict() for k, c in feature_counts.snapshot().items()}
     plan = getattr(trainer, "hf_ddpfix_plan", None)
     res = {"weights": trainable_weights(model), "hist": [(h["loss"], h.get("grad_norm"))
                                                          for h in trainer.state.log_history if "loss" in h],
            "logs": [{k: v for k, v in h.items() if isinstance(v, (int, float))} for h in trainer.state.log_history
-                    if "loss" in h],
+                    if "loss" in h] + ([{k: v for k, v in evaluated.items() if isinstance(v, (int, float))
+                                         and not k.endswith(("_runtime", "_per_second"))}] if evaluated else []),
            "eval": ev, "counts": snap.get("sequence_parallel") or {"ran": 0, "fallbacks": {}, "amounts": {}},
            "plan": f"{plan.sequence_parallel.value}: {plan.sequence_parallel.reason}" if plan is not None else None}
     unpatch_trainer()

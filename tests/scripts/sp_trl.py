@@ -159,9 +159,12 @@ def reward(over: dict, opt: dict, batch: int, dtype: torch.dtype) -> Any:
     rows = {"chosen": [_words(i, 3 + i % 9) for i in range(48)], "rejected": [_words(i + 5, 2 + i % 6) for i in range(48)],
             "margin": [0.25 * (i % 3) for i in range(48)]}
     over = {"center_rewards_coefficient": 0.1, **over}
-    args = RewardConfig(per_device_train_batch_size=batch, max_length=32, **COMMON, **opt, **over)
+    args = RewardConfig(per_device_train_batch_size=batch, per_device_eval_batch_size=2, max_length=32, **COMMON,
+                        **opt, **over)
+    evals = {k: v[40:] for k, v in rows.items()}  # 8 pairs: sp_losses.py evaluates them (TRL's eval metrics under SP)
     return RewardTrainer(model=_score_model("Qwen2", tok.pad_token_id, len(tok), 1, dtype), args=args,
-                         train_dataset=Dataset.from_dict(rows), processing_class=tok, peft_config=_score_lora())
+                         train_dataset=Dataset.from_dict(rows), eval_dataset=Dataset.from_dict(evals),
+                         processing_class=tok, peft_config=_score_lora())
 
 
 def seqcls(over: dict, opt: dict, batch: int, dtype: torch.dtype) -> Any:
