@@ -45,7 +45,7 @@ group with the model's outputs made whole across it ("gathered", `whole.py`), co
 `sequence_parallel/gathered_batches`; a model without an LM head (sequence classification, reward) runs the same
 loop with only its decoder sharded and the last hidden state gathered under its head ("head-whole", `head.py`),
 counted as `sequence_parallel/head_whole_batches`; a loss that cannot be made exact is refused (the plan's
-`PlanError`).
+`PlanError`). On both, the metrics the trainer logs are made stock DDP's by `metrics.MetricReplay`.
 
 On the sharded route, batches with other keys and batches without labels run stock `compute_loss` unsharded:
 counted as a fallback with its reason (feature "sequence_parallel") and logged once. Under DDP with
