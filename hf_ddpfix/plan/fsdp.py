@@ -35,7 +35,7 @@ if TYPE_CHECKING:
     from ..config import DDPFixConfig
     from ..integrations.fsdp import FsdpFacts
 
-__all__ = ["decide_fsdp_units", "fsdp_eval_sync", "fsdp_vision_decisions", "fsdp_unit_classes", "fsdp_units_ours", "fsdp_usage_reason"]
+__all__ = ["decide_fsdp_shared", "decide_fsdp_units", "fsdp_eval_sync", "fsdp_vision_decisions", "fsdp_unit_classes", "fsdp_units_ours", "fsdp_usage_reason"]
 
 _STOCK_FAILS = ("ranks that skip them (a text-only step, LayerDrop) all-gather different units: mixed batches fail "
                 "(gloo size mismatch, NCCL hang) as in stock")
@@ -104,6 +104,42 @@ def decide_fsdp_units(facts: RunFacts, c: DDPFixConfig) -> Decision:
         parts.append(f"folded into the enclosing unit (a rank may skip them, so they get no unit of their own; "
                      f"every rank gathers them with it): {_list(f.folded)}{_cost(f)}")
     return Decision(",".join(chosen), "; ".join(parts), changed=chosen != f.no_split)
+
+
+def _under(name: str, tops: tuple[str, ...]) -> bool:
+    return any(name == t or name.startswith(t + ".") for t in tops)
+
+
+def decide_fsdp_shared(facts: RunFacts) -> Decision:
+    """The ``fsdp_shared`` decision: whether every module holding a tied tensor joins one FSDP group.
+
+    accelerate 1.15 keeps a tied input / output embedding in one unit (``[final norm, embedding, head]``) and
+    leaves every other module in the root; torch 2.13 refuses a parameter two groups manage (``is shared with a
+    parameter already managed by another FSDP group``, stock's failure at the first forward). So where a tied
+    tensor is held beyond the input and output embedding (BART / T5-style ``encoder.embed_tokens`` and
+    ``decoder.embed_tokens`` beside ``shared``, a tied projection), the modules holding it join the group
+    accelerate makes for the first of them (``_compat.join_shared_holders``).
+
+    Returns:
+        ``Decision(None)`` outside FSDP2 or where no tie reaches beyond the embeddings; ``False`` where the model
+        is already sharded; ``True`` (changed from stock) with the modules that join.
+
+    Guarantee: every module holding a tied tensor is managed by one FSDP group, so the tie holds (one sharded
+    tensor) and each rank all-gathers and reduce-scatters it once per step (tests/test_fsdp_plan.py).
+    """
+    f = facts.fsdp
+    if facts.parallel != "fsdp" or facts.fsdp_version != 2 or f is None:
+        return Decision(None, "")
+    beyond = tuple(h for group in f.shared for h in group if not _under(h, f.carved))
+    if not beyond:
+        return Decision(None, "")
+    if f.wrapped:
+        return Decision(False, f"the model is already sharded: tied tensors held by {_list(beyond)} stay in the "
+                        "groups they have")
+    return Decision(True, f"tied tensors are held beyond the input/output embedding ({_list(beyond)}): every "
+                    "module holding one joins the FSDP group accelerate makes for the first of them (torch refuses "
+                    "a parameter in two groups: stock fails at the first forward with 'shared with a parameter "
+                    "already managed by another FSDP group'); the tie stays one sharded tensor", changed=True)
 
 
 def fsdp_units_ours(units: Decision) -> bool:

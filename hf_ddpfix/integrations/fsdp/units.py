@@ -32,6 +32,7 @@ from ..._compat import (
     fsdp_wrap_classes,
     fsdp_wrap_policy,
     no_split_modules,
+    shared_parameter_holders,
     unwrap_model,
 )
 from ..vision.fsdp_wrap import skippable_subtrees
@@ -56,6 +57,9 @@ class FsdpFacts:
         skipped_units: when ``wrapped``, the names of its FSDP units inside subtrees a rank may skip.
         folded_bytes: the bytes of the parameters in those subtrees (each counted once): what folding them keeps
             unsharded on every rank for the enclosing unit's forward and backward.
+        shared: for every parameter tensor several modules hold (a tie), the names of those modules.
+        carved: the names of the input and output embedding modules (what accelerate keeps together in one unit
+            when their weights are tied), ``()`` where the model has none.
     """
 
     policy: str = "transformer_based_wrap"
@@ -68,6 +72,8 @@ class FsdpFacts:
     wrapped: bool = False
     skipped_units: tuple[str, ...] = ()
     folded_bytes: int = 0
+    shared: tuple[tuple[str, ...], ...] = ()
+    carved: tuple[str, ...] = ()
 
 
 def repeated_block_classes(model: nn.Module) -> list[str]:
@@ -115,7 +121,21 @@ def gather_fsdp_facts(trainer: Any, model: nn.Module) -> FsdpFacts:
         wrapped=bool(units),
         skipped_units=tuple(ids.get(id(u), type(u).__name__) for u in units if _inside(u, skip)),
         folded_bytes=sum({id(p): p.numel() * p.element_size() for s in skip for p in s.parameters()}.values()),
+        shared=tuple(shared_parameter_holders(hf)),
+        carved=tuple(ids[id(m)] for m in _embeddings(hf) if id(m) in ids),
     )
+
+
+def _embeddings(model: nn.Module) -> list[nn.Module]:
+    out = []
+    for getter in ("get_input_embeddings", "get_output_embeddings"):
+        try:
+            mod = getattr(model, getter, lambda: None)()
+        except (AttributeError, NotImplementedError):  # a model without one raises in transformers 5
+            mod = None
+        if isinstance(mod, nn.Module):
+            out.append(mod)
+    return out
 
 
 def _inside(mod: nn.Module, subtrees: list[nn.Module]) -> bool:
