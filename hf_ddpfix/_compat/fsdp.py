@@ -29,8 +29,6 @@ Fallbacks: no plugin (not an FSDP run) → ``None`` / nothing changed.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from contextlib import contextmanager
 from typing import Any
 
 from torch import nn
@@ -150,32 +148,47 @@ def _co_holders(root: nn.Module, modules: list[nn.Module]) -> list[nn.Module]:
         group += extra
 
 
-@contextmanager
-def join_shared_holders(root: nn.Module) -> Iterator[list[tuple[str, ...]]]:
-    """While open, ``torch.distributed.fsdp.fully_shard`` (as accelerate 1.15's ``fsdp2_prepare_model`` imports
-    it) puts every module of ``root`` that holds one of a new group's parameters into that group. Yields the
-    list it appends to: for each call it widened, the names of the modules that joined. A call on ``root``
-    itself, or one whose parameters no outside module holds, is passed through unchanged. Undone on exit."""
-    import torch.distributed.fsdp as fsdp
+class _JoinSharedHolders:
+    """The context :func:`join_shared_holders` returns (idempotent exit: the attribute is put back only while it
+    is still ours)."""
 
-    original = fsdp.fully_shard
-    joined: list[tuple[str, ...]] = []
-    names = {id(m): n for n, m in root.named_modules()}
+    def __init__(self, root: nn.Module) -> None:
+        self.root, self.joined = root, []
+        self._original: Any = None
+        self._ours: Any = None
 
-    def fully_shard(module: Any, *args: Any, **kwargs: Any) -> Any:
-        group = list(module) if isinstance(module, (list, tuple)) else [module]
-        if any(m is root for m in group):
-            return original(module, *args, **kwargs)
-        wider = _co_holders(root, group)
-        if len(wider) == len(group):
-            return original(module, *args, **kwargs)
-        joined.append(tuple(names.get(id(m), type(m).__name__) for m in wider[len(group):]))
-        original(wider, *args, **kwargs)
-        return module  # sharded in place (FSDP2 swaps the classes); accelerate ignores what it returns
+    def __enter__(self) -> list[tuple[str, ...]]:
+        import torch.distributed.fsdp as fsdp
 
-    fsdp.fully_shard = fully_shard
-    try:
-        yield joined
-    finally:
-        if fsdp.fully_shard is fully_shard:
-            fsdp.fully_shard = original
+        original, root, joined = fsdp.fully_shard, self.root, self.joined
+        names = {id(m): n for n, m in root.named_modules()}
+
+        def fully_shard(module: Any, *args: Any, **kwargs: Any) -> Any:
+            group = list(module) if isinstance(module, (list, tuple)) else [module]
+            if any(m is root for m in group):
+                return original(module, *args, **kwargs)
+            wider = _co_holders(root, group)
+            if len(wider) == len(group):
+                return original(module, *args, **kwargs)
+            joined.append(tuple(names.get(id(m), type(m).__name__) for m in wider[len(group):]))
+            original(wider, *args, **kwargs)
+            return module  # sharded in place (FSDP2 swaps the classes); accelerate ignores what it returns
+
+        self._original, self._ours = original, fully_shard
+        fsdp.fully_shard = fully_shard
+        return joined
+
+    def __exit__(self, *exc: Any) -> None:
+        import torch.distributed.fsdp as fsdp
+
+        if self._ours is not None and fsdp.fully_shard is self._ours:
+            fsdp.fully_shard = self._original
+        self._ours = None
+
+
+def join_shared_holders(root: nn.Module) -> _JoinSharedHolders:
+    """A context: while open, ``torch.distributed.fsdp.fully_shard`` (as accelerate 1.15's ``fsdp2_prepare_model``
+    imports it) puts every module of ``root`` that holds one of a new group's parameters into that group. Entering
+    gives the list it appends to: for each call it widened, the names of the modules that joined. A call on
+    ``root`` itself, or one whose parameters no outside module holds, is passed through unchanged. Undone on exit."""
+    return _JoinSharedHolders(root)
