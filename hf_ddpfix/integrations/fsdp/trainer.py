@@ -65,10 +65,11 @@ def rescope_on_wrap(trainer: Any, usage: ParameterUsage, stack: ExitStack, log: 
 
 
 class _JoinedReport(TrainerCallback):
-    def __init__(self, joined: list[tuple[str, ...]], log: Any) -> None:
-        self.joined, self.log = joined, log
+    def __init__(self, context: Any, joined: list[tuple[str, ...]], log: Any) -> None:
+        self.context, self.joined, self.log = context, joined, log
 
     def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        self.context.__exit__(None, None, None)  # the model is wrapped: fully_shard is torch's own again
         names = [n for group in self.joined for n in group]
         feature_counts.record_amount("fsdp", "tied_holders_joined", len(names))
         if self.log is not None:
@@ -77,10 +78,12 @@ class _JoinedReport(TrainerCallback):
 
 def join_tied_holders(trainer: Any, stack: ExitStack, log: Any = None) -> list[tuple[str, ...]]:
     """While ``stack`` is open, accelerate's FSDP2 preparation of ``trainer.model`` puts every module holding a
-    tied tensor into one group (``fsdp_shared``). Returns the list that fills, per widened group, with the names
+    tied tensor into one group (``fsdp_shared``); undone at train begin (accelerate has wrapped the model) or on
+    ``stack``'s exit, whichever comes first. Returns the list that fills, per widened group, with the names
     of the modules that joined; at train begin (the model is wrapped) ``log(line)`` reports them (rank 0)."""
-    joined = stack.enter_context(join_shared_holders(trainer.model))
-    callback = _JoinedReport(joined, log)
+    context = join_shared_holders(trainer.model)
+    joined = stack.enter_context(context)
+    callback = _JoinedReport(context, joined, log)
     trainer.add_callback(callback)
     stack.callback(trainer.remove_callback, callback)
     return joined
