@@ -40,7 +40,7 @@ from .integrations.checkpointing import (
     tool_checkpoint_functions,
 )
 from .integrations.deepspeed import attach_deepspeed
-from .integrations.fsdp import apply_fsdp_units, rescope_on_wrap
+from .integrations.fsdp import apply_fsdp_units, join_tied_holders, rescope_on_wrap
 from .integrations.long_context.long_context import LongContextHandle, apply_long_context
 from .integrations.long_context.loss_patch import TiledLossHandle, patch_model_loss
 from .integrations.long_context.tiled_mlp import TiledMLPHandle, apply_tiled_mlp
@@ -108,6 +108,8 @@ def attach_runtime(trainer: Any, model: nn.Module, plan: Plan, stack: ExitStack)
         rt.zero_skip_unused = attach_zero_skip_unused(trainer, model, stack)
     if fsdp_units_ours(plan.fsdp_units):  # before accelerate wraps the model (inside the stock loop)
         apply_fsdp_units(trainer, fsdp_unit_classes(plan.fsdp_units))
+    if plan.fsdp_shared.value:  # while accelerate wraps the model (inside the stock loop)
+        join_tied_holders(trainer, stack, log=lambda line: _log_rank0(trainer, "%s", line))
     if plan.parameter_usage.value:
         # a parameter read by two reentrant layers fires its DDP hook twice: fine only with static graph (DDP)
         usage = ParameterUsage(model, allow_region_reuse=bool(plan.static_graph.value) or plan.parallel == "fsdp")

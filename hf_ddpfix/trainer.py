@@ -31,13 +31,19 @@ from .config import DDPFixConfig
 from .errors import readable_ddp_errors
 from .facts import gather_facts
 from .feature_report import FallbackWatch, attach_fallbacks, feature_metrics, never_ran_warning
-from .integrations.fsdp import apply_fsdp_units
+from .integrations.fsdp import apply_fsdp_units, join_tied_holders
 from .integrations.sequence_parallel.trainer import attach_sequence_parallel
 from .integrations.trainer_hooks import TrainerPatchLayer
 from .ops.dist import destroy_default_group_at_exit
 from .ops.feature_counts import reset as reset_feature_counts
 from .plan.asked import asked_options, not_applied_warning
-from .plan.fsdp import decide_fsdp_units, fsdp_eval_sync, fsdp_unit_classes, fsdp_units_ours
+from .plan.fsdp import (
+    decide_fsdp_shared,
+    decide_fsdp_units,
+    fsdp_eval_sync,
+    fsdp_unit_classes,
+    fsdp_units_ours,
+)
 from .plan.resolve import resolve_plan
 from .plan.sequence_parallel import decide_sequence_parallel, sp_size_of
 from .plan.types import Plan
@@ -163,6 +169,7 @@ def run_evaluation_with_plan(trainer: Trainer, eval_loop: Callable[..., Any], *a
         facts = gather_facts(trainer)
         config = _trainer_config(trainer)
         units = decide_fsdp_units(facts, config)  # None outside FSDP2
+        shared = decide_fsdp_shared(facts)
         decision = fsdp_eval_sync(facts, units, decide_eval_sync(facts, config))
         if fsdp_units_ours(units):  # an evaluate() before train(): accelerate wraps the model in this loop
             apply_fsdp_units(trainer, fsdp_unit_classes(units))
@@ -182,6 +189,8 @@ def run_evaluation_with_plan(trainer: Trainer, eval_loop: Callable[..., Any], *a
         with ExitStack() as stack:
             trainer.hf_ddpfix_eval_sync = attach_eval_sync(unwrap_parallel(trainer.model), decision,
                                                            facts.parallel, stack)
+            if shared.value:  # an evaluate() before train(): accelerate wraps the model in this loop
+                join_tied_holders(trainer, stack)
             if facts.parallel == "fsdp" and facts.quant is not None:  # as inside train(), undone after the loop
                 cpu_repack_off(unwrap_parallel(trainer.model), stack)
             if sp > 1:  # sharded evaluation, as inside train() (integrations/sequence_parallel/trainer.py)

@@ -9,9 +9,15 @@ from zoo import MORE_VLMS, ZERO_DISCOVERED, ZOO
 
 from hf_ddpfix.config import DDPFixConfig
 from hf_ddpfix.integrations.fsdp import FsdpFacts, gather_fsdp_facts, repeated_block_classes
-from hf_ddpfix.plan.fsdp import decide_fsdp_units, fsdp_unit_classes, fsdp_units_ours
+from hf_ddpfix.plan.fsdp import (
+    check_fsdp_loading,
+    decide_fsdp_shared,
+    decide_fsdp_units,
+    fsdp_unit_classes,
+    fsdp_units_ours,
+)
 from hf_ddpfix.plan.resolve import resolve_plan
-from hf_ddpfix.plan.types import RunFacts
+from hf_ddpfix.plan.types import PlanError, RunFacts
 
 
 def _facts(fsdp: FsdpFacts, **kw) -> RunFacts:
@@ -134,3 +140,52 @@ def test_other_policies_and_parameter_usage_off_keep_accelerates_units():
     assert off.value is False and "parameter_usage disabled" in off.reason
     assert decide_fsdp_units(_facts(FsdpFacts(), fsdp_version=1), DDPFixConfig()).value is None
     assert decide_fsdp_units(RunFacts(parallel="ddp", world_size=2), DDPFixConfig()).value is None
+
+
+def test_a_tied_tensor_held_beyond_the_embeddings_joins_one_fsdp_group():
+    """BART: ``model.shared``'s weight is also ``encoder.embed_tokens``', ``decoder.embed_tokens``' and (LoRA around
+    it) ``lm_head``'s; accelerate keeps only the input / output embedding together, so the plan has every holder
+    join one group. A tie between the input and output embedding only (OPT, Llama) needs nothing."""
+    import dataclasses
+
+    facts = gather_fsdp_facts(_Trainer(_plugin()), ZOO["bart_layerdrop"].model(0))
+    assert facts.carved == ("model.shared", "lm_head") and facts.wrapped_tied_head == "lm_head", facts
+    assert ("model.shared", "model.encoder.embed_tokens", "model.decoder.embed_tokens",
+            "lm_head.base_layer") in facts.shared, facts.shared
+    decision = decide_fsdp_shared(_facts(facts))
+    assert decision.value is True and decision.changed, decision
+    assert "model.encoder.embed_tokens, model.decoder.embed_tokens" in decision.reason, decision.reason
+    plan = resolve_plan(_facts(facts))
+    assert plan.fsdp_shared.value is True and plan.fsdp_units.value == "root"  # LayerDrop stacks folded
+    assert decide_fsdp_shared(_facts(dataclasses.replace(facts, wrapped=True))).value is False
+    assert decide_fsdp_shared(RunFacts(parallel="ddp", world_size=2)).value is None
+    for name in ("opt_layerdrop", "llama"):
+        from zoo import MORE_TEXT
+
+        other = gather_fsdp_facts(_Trainer(_plugin()), {**ZOO, **MORE_TEXT}[name].model(0))
+        assert decide_fsdp_shared(_facts(other)).value is None, (name, other.shared, other.carved)
+        assert resolve_plan(_facts(other)).fsdp_shared.value is None
+
+
+def test_cpu_ram_efficient_loading_that_accelerate_cannot_prepare_is_refused_before_step_one():
+    """accelerate 1.15's ``cpu_ram_efficient_loading`` fails in stock for BART: its persistent ``final_logits_bias``
+    (no DTensor: ``'Tensor' object has no attribute 'device_mesh'``) and LoRA around the tied ``lm_head``
+    (``tie_weights``: ``KeyError: attribute 'weight' already exists``). The plan refuses, naming the setting;
+    without that loading, with a 4-bit base (accelerate skips the path) or for Llama nothing is refused."""
+    import dataclasses
+
+    bart = gather_fsdp_facts(_Trainer(_plugin()), ZOO["bart_layerdrop"].model(0))
+    assert bart.persistent_buffers == ("base_model.model.final_logits_bias",) and not bart.ram_efficient
+    check_fsdp_loading(_facts(bart))  # the loading is off: nothing to refuse
+    on = dataclasses.replace(bart, ram_efficient=True)
+    with pytest.raises(PlanError, match="fsdp_cpu_ram_efficient_loading: false") as err:
+        resolve_plan(_facts(on))
+    assert "final_logits_bias" in str(err.value) and "lm_head" in str(err.value), err.value
+    with pytest.raises(PlanError, match="device_mesh"):
+        check_fsdp_loading(_facts(dataclasses.replace(on, wrapped_tied_head="")))
+    with pytest.raises(PlanError, match="attribute 'weight' already exists"):
+        check_fsdp_loading(_facts(dataclasses.replace(on, persistent_buffers=())))
+    check_fsdp_loading(_facts(dataclasses.replace(on, params4bit=True)))
+    check_fsdp_loading(RunFacts(parallel="ddp", world_size=2, fsdp=on))
+    llama = gather_fsdp_facts(_Trainer(_plugin()), ZOO["llama"].model(0))
+    check_fsdp_loading(_facts(dataclasses.replace(llama, ram_efficient=True)))

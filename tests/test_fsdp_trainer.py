@@ -13,8 +13,11 @@
   on rank 1, 3 and 6 new tokens (different numbers of decode forwards: transformers sets ``synced_gpus`` for a
   module ``fully_shard`` manages, and the finished rank keeps running forwards), greedy tokens equal stock DDP's;
 - the zoo's other families: Qwen3 (text), Qwen2-VL, Qwen3-VL (accumulation 2) and Qwen3-VL-MoE with mixed ranks
-  (2 to 3 steps each), and LayerDrop (OPT, 4 layers at 0.4, ranks seeded apart so they drop different layers; the
-  plan folds the stacks into the root): weights as stock DDP's, the same per-rank layer calls as the stock run;
+  (2 to 3 steps each), and LayerDrop (OPT, 4 layers at 0.4, and BART, encoder and decoder at 0.4, ranks seeded apart
+  so they drop different layers; the plan folds the stacks into the root): weights as stock DDP's, the same per-rank
+  layer calls as the stock run; BART's tied ``shared`` tensor (also ``encoder.embed_tokens``' and
+  ``decoder.embed_tokens``', which stock accelerate leaves in the root: "already managed by another FSDP group")
+  joins one group (``fsdp_shared``), and every tie is still one tensor after training, as under DDP;
 - stock FSDP on the same mixed batches crashes (a stock cell).
 - the same launches also run InternVL, Mistral 3 (accumulation 2) and three VLMs no other test in the repository
   names: LLaVA-NeXT (any-resolution tiles), GOT-OCR 2 (SAM-style tower; its ``_no_split_modules``
@@ -32,9 +35,9 @@ set against stock FSDP2, which crashes there; it is not traced to one operation.
 
 Measured (2 cores, torch 2.13, transformers 5.23, accelerate 1.15, 2026-11-27): max |W_fsdp2 - W_ddp| 0 to 6.0e-8
 (mixed image/text ranks, see the spread above; Idefics2, Mllama, GOT-OCR 2 bit-equal; Qwen3 and Qwen3-VL-MoE
-6.0e-8, OPT LayerDrop 3.4e-8); evaluation and prediction losses equal to 4.8e-7. ``TOL`` is ~2.5x the largest; one
+6.0e-8, OPT LayerDrop 3.4e-8, BART LayerDrop 3.0e-8); evaluation and prediction losses equal to 4.8e-7. ``TOL`` is ~2.5x the largest; one
 step at lr 1e-3 moves a weight ~1e-3, so a lost or extra gradient, a skipped step or an unsynchronised replica is far
-above it. Wall time (2026-11-27, lightly loaded): ~1.5-2 min (the two launches of the first test, 17 families) +
+above it. Wall time (2026-11-27, lightly loaded): ~1.5-2 min (the two launches of the first test, 18 families) +
 ~1 min. Without the LayerDrop fold (``layerdrop_stacks``) the fixed launch hangs at the first step where the ranks
 drop different layers.
 """
@@ -50,10 +53,11 @@ from launch import ROOT, accelerate_launch, fsdp_device_env
 SCRIPT = ROOT / "tests" / "scripts" / "fsdp_trainer.py"
 FAMILIES = ("qwen2_5_vl", "gemma3", "llava", "aya_vision", "idefics2", "mllama", "qwen3_moe")
 # the zoo's other families (Qwen3 text; Qwen2-VL, Qwen3-VL with accumulation 2, Qwen3-VL-MoE with mixed ranks) and
-# LayerDrop (OPT: ranks seeded apart drop different layers; the zoo's BART fails in stock FSDP2's prepare, docs/fsdp.md)
+# LayerDrop (OPT, BART: ranks seeded apart drop different layers; BART's tied ``shared`` is also held by
+# encoder/decoder.embed_tokens, which stock accelerate leaves in the root: torch refuses a tensor in two groups)
 FAMILIES += ("internvl", "mistral3", "llava_next", "got_ocr2", "janus")
-FAMILIES += ("qwen3", "qwen2_vl", "qwen3_vl", "qwen3_vl_moe", "opt_layerdrop")
-LAYERDROP = ("opt_layerdrop",)
+FAMILIES += ("qwen3", "qwen2_vl", "qwen3_vl", "qwen3_vl_moe", "opt_layerdrop", "bart_layerdrop")
+LAYERDROP = ("opt_layerdrop", "bart_layerdrop")
 TOL = 1.5e-7
 # 4 processes: stock FSDP2 itself differs from stock DDP by 1.97e-7 on Llama (4 shards: another summation order;
 # hf_ddpfix's FSDP2 run equals stock FSDP2's bit for bit there), Qwen2.5-VL 1.2e-7 (measured 2026-11-27): ~2x
@@ -89,6 +93,11 @@ def test_vlms_train_evaluate_predict_under_trainer_fsdp2_like_stock_ddp(tmp_path
     assert "folded into the enclosing unit" in log and "vlm_stabilizer          = off" in log, log[-6000:]
     # LayerDrop: no unit inside the stack a rank may skip (the plan says what it folded)
     assert re.search(r"fsdp_units\s+= root\s+.*folded into the root: model\.decoder\.layers", log), log[-6000:]
+    # BART: every module holding the tied ``shared`` tensor joins one group (stock: "already managed by another
+    # FSDP group" at the first forward)
+    assert re.search(r"fsdp_shared\s+= on\s+tied tensors are held beyond the input/output embedding "
+                     r"\(model\.encoder\.embed_tokens, model\.decoder\.embed_tokens\)", log), log[-6000:]
+    assert "joined: base_model.model.model.encoder.embed_tokens, base_model.model.model.decoder.embed_tokens" in log
     stock = accelerate_launch("ddp_cpu.yaml", SCRIPT, "--mode", "stock", "--out", str(tmp_path), "--from-saved",
                               SAVED, "--generate", GENERATE, timeout=600, env=OFFLINE)
     assert "FSDP_TRAINER_OK" in stock.stdout, stock.stdout[-4000:]
@@ -100,6 +109,7 @@ def test_vlms_train_evaluate_predict_under_trainer_fsdp2_like_stock_ddp(tmp_path
         assert ours["wrapped"].startswith("FSDP") and len(ours["units"]) >= least, (name, ours["wrapped"],
                                                                                    ours["units"])
         assert not ref["units"], name  # the reference really is DDP
+        assert ours["ties"] == ref["ties"], (name, ours["ties"], ref["ties"])  # every tie still one tensor
         assert ours["weights"].keys() == ref["weights"].keys(), name
         diff = max((ours["weights"][k] - ref["weights"][k]).abs().max().item() for k in ref["weights"])
         assert diff <= TOL, f"{name}: max |W_fsdp2 - W_ddp| = {diff:.2e} > {TOL:.0e}"

@@ -272,6 +272,8 @@ _OFF_WORDS = {"", "off", "none", "false", "no", "0", "disabled"}
 
 
 def _every_kind_of_run():
+    import dataclasses
+
     from hf_ddpfix.integrations.deepspeed import DeepSpeedFacts
     from hf_ddpfix.integrations.fsdp import FsdpFacts
     from hf_ddpfix.integrations.quantized import QuantFacts
@@ -294,6 +296,9 @@ def _every_kind_of_run():
                      for s, ds in zero.items()]
             wraps = [FsdpFacts(no_split=("Layer", "Block"), present=("Layer", "Block"), skippable=("Block",),
                                folded=("model.visual",)), FsdpFacts(user_classes=("Layer",))]
+            tied = FsdpFacts(shared=(("model.shared", "model.encoder.embed_tokens", "lm_head"),),
+                             carved=("model.shared", "lm_head"))  # BART: a tie beyond the embeddings
+            wraps += [tied, dataclasses.replace(tied, wrapped=True)]
             runs += [RunFacts(parallel="fsdp", world_size=2, fsdp_version=2, fsdp=w, **common) for w in wraps]
     return runs
 

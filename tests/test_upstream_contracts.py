@@ -983,3 +983,59 @@ def test_bitsandbytes_cpu_repack_is_the_switch_we_turn_off():
     assert layer.support_avx512bf16_for_cpu == 1
     layer.support_avx512bf16_for_cpu = False  # a CPU without AVX512-BF16: nothing to switch
     assert _compat.disable_cpu_repack(model)[0] == 0
+
+
+def test_fully_shard_of_a_tied_tensor_needs_one_group_and_join_shared_holders_makes_it():
+    """``_compat.join_shared_holders``: torch 2.13 refuses a parameter two FSDP2 groups manage (at the first
+    forward) and runs one group of several modules; accelerate 1.15's ``fsdp2_prepare_model`` imports
+    ``fully_shard`` from ``torch.distributed.fsdp`` when it runs (so the wrapped attribute is what it calls) and
+    keeps only ``[final norm, input embedding, output embedding]`` of a tie together (BART's ``encoder.embed_tokens``
+    stays in the root)."""
+    import os
+
+    import torch.distributed as dist
+    from accelerate.utils import fsdp_utils
+
+    source = inspect.getsource(fsdp_utils.fsdp2_prepare_model)
+    assert "from torch.distributed.fsdp import" in source and "fully_shard(tail" in source, _broken(
+        "fsdp2_prepare_model no longer imports fully_shard from torch.distributed.fsdp when it runs")
+
+    class Tied(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            torch.manual_seed(0)
+            self.shared, self.enc, self.head = nn.Embedding(8, 4), nn.Embedding(8, 4), nn.Linear(4, 8, bias=False)
+            self.enc.weight = self.head.weight = self.shared.weight
+            self.mid = nn.Linear(4, 4)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.head(self.mid(self.enc(x))).sum()
+
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", "29562")
+    dist.init_process_group("gloo", rank=0, world_size=1)
+    try:
+        from torch.distributed.device_mesh import init_device_mesh
+
+        fsdp = __import__("torch.distributed.fsdp", fromlist=["fully_shard"])
+        mesh = init_device_mesh("cpu", (1,))
+        x = torch.tensor([[1, 2, 3]])
+        stock = Tied()
+        fsdp.fully_shard([stock.shared, stock.head], mesh=mesh)  # accelerate's tied tail
+        fsdp.fully_shard(stock, mesh=mesh)
+        with pytest.raises(ValueError, match="already managed by another FSDP group"):
+            stock(x)
+        ref = Tied()
+        expect = torch.autograd.grad(ref(x), ref.shared.weight)[0]
+        ours = Tied()
+        original = fsdp.fully_shard
+        with _compat.join_shared_holders(ours) as joined:
+            fsdp.fully_shard([ours.shared, ours.head], mesh=mesh)
+            fsdp.fully_shard(ours.mid, mesh=mesh)  # no tied tensor: passed through
+            fsdp.fully_shard(ours, mesh=mesh)
+        assert fsdp.fully_shard is original and joined == [("enc",)], joined
+        ours(x).backward()
+        assert ours.enc.weight is ours.shared.weight is ours.head.weight, _broken("the tie did not survive")
+        assert torch.equal(ours.shared.weight.grad.full_tensor(), expect), _broken("the joined group's gradient")
+    finally:
+        dist.destroy_process_group()

@@ -32,7 +32,15 @@ from .deepspeed import (
     zero3_partitioned,
     zero_flat_slices,
 )
-from .fsdp import fsdp_module_units, fsdp_plugin, fsdp_wrap_classes, fsdp_wrap_policy, set_fsdp_wrap_classes
+from .fsdp import (
+    fsdp_module_units,
+    fsdp_plugin,
+    fsdp_wrap_classes,
+    fsdp_wrap_policy,
+    join_shared_holders,
+    set_fsdp_wrap_classes,
+    shared_parameter_holders,
+)
 from .models import (
     CACHE_KEYWORDS,
     CHECKPOINT_FUNC_ATTR,
@@ -154,7 +162,9 @@ __all__ = [
     "fsdp_plugin",
     "fsdp_wrap_classes",
     "fsdp_wrap_policy",
+    "join_shared_holders",
     "set_fsdp_wrap_classes",
+    "shared_parameter_holders",
     "generate_pre_encodes_images",
     "image_features",
     "in_checkpoint_recompute",

@@ -14,6 +14,16 @@ Read against accelerate 1.15 (``utils/fsdp_utils.py``: ``fsdp2_prepare_model``,
 - it then carves the input embedding (untied) and ``[final norm, output embedding]`` into units of their own and
   shards the root last; every unit is then an instance of ``torch.distributed.fsdp.FSDPModule``.
 
+- a parameter held by several modules (a tied tensor) must be managed by ONE FSDP group: torch 2.13's lazy init
+  raises ``Parameter '...' is shared with a parameter already managed by another FSDP group`` otherwise. accelerate
+  1.15 keeps the tied input / output embedding together (``[final norm, input embedding, output embedding]``), but
+  every other module holding that tensor (BART / T5's ``encoder.embed_tokens`` and ``decoder.embed_tokens``
+  beside ``shared``) stays in the root: a second group. ``fsdp2_prepare_model`` imports ``fully_shard`` from
+  ``torch.distributed.fsdp`` at call time, so :func:`join_shared_holders` wraps that attribute while accelerate
+  prepares: each ``fully_shard(modules)`` call also takes every not yet sharded module that holds one of the
+  group's parameters (torch >= 2.13 runs a group of several modules with one all-gather and one reduce-scatter,
+  ``_register_group_forward_hooks``).
+
 Fallbacks: no plugin (not an FSDP run) → ``None`` / nothing changed.
 """
 
@@ -23,7 +33,8 @@ from typing import Any
 
 from torch import nn
 
-__all__ = ["fsdp_module_units", "fsdp_plugin", "fsdp_wrap_classes", "fsdp_wrap_policy", "set_fsdp_wrap_classes"]
+__all__ = ["fsdp_module_units", "fsdp_plugin", "fsdp_wrap_classes", "fsdp_wrap_policy", "join_shared_holders",
+           "set_fsdp_wrap_classes", "shared_parameter_holders"]
 
 _OURS = "_hf_ddpfix_wrap_classes"  # the class names hf_ddpfix set on the plugin (so they are not "the user's")
 
@@ -76,3 +87,108 @@ def fsdp_module_units(model: nn.Module) -> list[nn.Module]:
     from torch.distributed.fsdp import FSDPModule
 
     return [m for m in model.modules() if isinstance(m, FSDPModule)]
+
+
+def shared_parameter_holders(model: nn.Module) -> list[tuple[str, ...]]:
+    """For every parameter tensor that several modules hold directly (a tie), the names of those modules, in
+    ``named_modules`` order; ties are listed in the order their first holder appears."""
+    holders: dict[int, list[str]] = {}
+    for name, mod in model.named_modules(remove_duplicate=False):
+        for p in mod.parameters(recurse=False):
+            names = holders.setdefault(id(p), [])
+            if name not in names:
+                names.append(name)
+    return [tuple(n) for n in holders.values() if len(n) > 1]
+
+
+def _co_holders(root: nn.Module, modules: list[nn.Module]) -> list[nn.Module]:
+    """``modules`` plus every module of ``root``, not yet in an FSDP group, that holds a parameter the group
+    would manage (repeated until no more join). Ancestors of the group are never added (they enclose it)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    parent: dict[int, nn.Module] = {}
+    holders: dict[int, list[nn.Module]] = {}
+    for mod in root.modules():
+        for child in mod.children():
+            parent.setdefault(id(child), mod)
+        for p in mod.parameters(recurse=False):
+            holders.setdefault(id(p), []).append(mod)
+
+    def managed(group: list[nn.Module]) -> dict[int, nn.Module]:
+        out: dict[int, nn.Module] = {}
+        todo = list(group)
+        while todo:
+            mod = todo.pop()
+            if id(mod) not in out:
+                out[id(mod)] = mod
+                todo.extend(c for c in mod.children() if not isinstance(c, FSDPModule))
+        return out
+
+    def encloses(mod: nn.Module, group: list[nn.Module]) -> bool:
+        for g in group:
+            up = parent.get(id(g))
+            while up is not None:
+                if up is mod:
+                    return True
+                up = parent.get(id(up))
+        return False
+
+    group = list(modules)
+    while True:
+        inside = managed(group)
+        extra: list[nn.Module] = []
+        for mod in inside.values():
+            for p in mod.parameters(recurse=False):
+                for h in holders.get(id(p), ()):
+                    if (id(h) not in inside and not isinstance(h, FSDPModule) and all(h is not e for e in extra)
+                            and not encloses(h, group)):
+                        extra.append(h)
+        if not extra:
+            return group
+        group += extra
+
+
+class _JoinSharedHolders:
+    """The context :func:`join_shared_holders` returns (idempotent exit: the attribute is put back only while it
+    is still ours)."""
+
+    def __init__(self, root: nn.Module) -> None:
+        self.root, self.joined = root, []
+        self._original: Any = None
+        self._ours: Any = None
+
+    def __enter__(self) -> list[tuple[str, ...]]:
+        import torch.distributed.fsdp as fsdp
+
+        original, root, joined = fsdp.fully_shard, self.root, self.joined
+        names = {id(m): n for n, m in root.named_modules()}
+
+        def fully_shard(module: Any, *args: Any, **kwargs: Any) -> Any:
+            group = list(module) if isinstance(module, (list, tuple)) else [module]
+            if any(m is root for m in group):
+                return original(module, *args, **kwargs)
+            wider = _co_holders(root, group)
+            if len(wider) == len(group):
+                return original(module, *args, **kwargs)
+            joined.append(tuple(names.get(id(m), type(m).__name__) for m in wider[len(group):]))
+            original(wider, *args, **kwargs)
+            return module  # sharded in place (FSDP2 swaps the classes); accelerate ignores what it returns
+
+        self._original, self._ours = original, fully_shard
+        fsdp.fully_shard = fully_shard
+        return joined
+
+    def __exit__(self, *exc: Any) -> None:
+        import torch.distributed.fsdp as fsdp
+
+        if self._ours is not None and fsdp.fully_shard is self._ours:
+            fsdp.fully_shard = self._original
+        self._ours = None
+
+
+def join_shared_holders(root: nn.Module) -> _JoinSharedHolders:
+    """A context: while open, ``torch.distributed.fsdp.fully_shard`` (as accelerate 1.15's ``fsdp2_prepare_model``
+    imports it) puts every module of ``root`` that holds one of a new group's parameters into that group. Entering
+    gives the list it appends to: for each call it widened, the names of the modules that joined. A call on
+    ``root`` itself, or one whose parameters no outside module holds, is passed through unchanged. Undone on exit."""
+    return _JoinSharedHolders(root)

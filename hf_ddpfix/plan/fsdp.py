@@ -29,13 +29,13 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from .types import Decision, RunFacts
+from .types import Decision, PlanError, RunFacts
 
 if TYPE_CHECKING:
     from ..config import DDPFixConfig
     from ..integrations.fsdp import FsdpFacts
 
-__all__ = ["decide_fsdp_units", "fsdp_eval_sync", "fsdp_vision_decisions", "fsdp_unit_classes", "fsdp_units_ours", "fsdp_usage_reason"]
+__all__ = ["check_fsdp_loading", "decide_fsdp_shared", "decide_fsdp_units", "fsdp_eval_sync", "fsdp_vision_decisions", "fsdp_unit_classes", "fsdp_units_ours", "fsdp_usage_reason"]
 
 _STOCK_FAILS = ("ranks that skip them (a text-only step, LayerDrop) all-gather different units: mixed batches fail "
                 "(gloo size mismatch, NCCL hang) as in stock")
@@ -104,6 +104,75 @@ def decide_fsdp_units(facts: RunFacts, c: DDPFixConfig) -> Decision:
         parts.append(f"folded into the enclosing unit (a rank may skip them, so they get no unit of their own; "
                      f"every rank gathers them with it): {_list(f.folded)}{_cost(f)}")
     return Decision(",".join(chosen), "; ".join(parts), changed=chosen != f.no_split)
+
+
+def _under(name: str, tops: tuple[str, ...]) -> bool:
+    return any(name == t or name.startswith(t + ".") for t in tops)
+
+
+def decide_fsdp_shared(facts: RunFacts) -> Decision:
+    """The ``fsdp_shared`` decision: whether every module holding a tied tensor joins one FSDP group.
+
+    accelerate 1.15 keeps a tied input / output embedding in one unit (``[final norm, embedding, head]``) and
+    leaves every other module in the root; torch 2.13 refuses a parameter two groups manage (``is shared with a
+    parameter already managed by another FSDP group``, stock's failure at the first forward). So where a tied
+    tensor is held beyond the input and output embedding (BART / T5-style ``encoder.embed_tokens`` and
+    ``decoder.embed_tokens`` beside ``shared``, a tied projection), the modules holding it join the group
+    accelerate makes for the first of them (``_compat.join_shared_holders``).
+
+    Returns:
+        ``Decision(None)`` outside FSDP2 or where no tie reaches beyond the embeddings; ``False`` where the model
+        is already sharded; ``True`` (changed from stock) with the modules that join.
+
+    Guarantee: every module holding a tied tensor is managed by one FSDP group, so the tie holds (one sharded
+    tensor) and each rank all-gathers and reduce-scatters it once per step (tests/test_fsdp_plan.py).
+    """
+    f = facts.fsdp
+    if facts.parallel != "fsdp" or facts.fsdp_version != 2 or f is None:
+        return Decision(None, "")
+    beyond = tuple(h for group in f.shared for h in group if not _under(h, f.carved))
+    if not beyond:
+        return Decision(None, "")
+    if f.wrapped:
+        return Decision(False, f"the model is already sharded: tied tensors held by {_list(beyond)} stay in the "
+                        "groups they have")
+    return Decision(True, f"tied tensors are held beyond the input/output embedding ({_list(beyond)}): every "
+                    "module holding one joins the FSDP group accelerate makes for the first of them (torch refuses "
+                    "a parameter in two groups: stock fails at the first forward with 'shared with a parameter "
+                    "already managed by another FSDP group'); the tie stays one sharded tensor", changed=True)
+
+
+def check_fsdp_loading(facts: RunFacts) -> None:
+    """Raise :class:`PlanError` before step 1 where accelerate 1.15's ``cpu_ram_efficient_loading`` cannot
+    prepare the model (stock fails the same way inside ``accelerator.prepare``, whatever the units):
+
+    - a persistent buffer (BART's ``final_logits_bias``) is a ``state_dict`` entry ``fully_shard`` does not shard,
+      and ``fsdp2_load_full_state_dict`` reads ``.device_mesh`` of every entry: ``'Tensor' object has no attribute
+      'device_mesh'``;
+    - an adapter layer around a tied output embedding (LoRA on a tied ``lm_head``): the ``tie_weights()`` accelerate
+      calls after moving the model to meta sets ``weight`` on the adapter layer, where ``weight`` is a property:
+      ``KeyError: "attribute 'weight' already exists"``.
+
+    Nothing is raised outside FSDP2, without ``cpu_ram_efficient_loading``, for a 4-bit model (accelerate skips
+    that loading path) or a model already sharded."""
+    f = facts.fsdp
+    if facts.parallel != "fsdp" or facts.fsdp_version != 2 or f is None:
+        return
+    if not f.ram_efficient or f.params4bit or f.wrapped:
+        return
+    why = []
+    if f.persistent_buffers:
+        why.append(f"the model has persistent buffers ({_list(f.persistent_buffers)}), which fsdp2_load_full_state_dict "
+                   "reads as DTensors ('Tensor' object has no attribute 'device_mesh')")
+    if f.wrapped_tied_head:
+        why.append(f"the tied output embedding {f.wrapped_tied_head} is wrapped by an adapter layer, on which the "
+                   "tie_weights() of that path raises KeyError: \"attribute 'weight' already exists\" (or leave "
+                   f"{f.wrapped_tied_head.rsplit('.', 1)[-1]} out of the adapter's target_modules)")
+    if why:
+        raise PlanError("FSDP2 with fsdp_cpu_ram_efficient_loading=true cannot prepare this model in accelerate's "
+                        "fsdp2_prepare_model (stock fails there the same way): " + "; ".join(why) + ". Set "
+                        "fsdp_cpu_ram_efficient_loading: false in the accelerate config (FSDP_CPU_RAM_EFFICIENT_LOADING"
+                        "=false); the model is then loaded on every rank and sharded as it is")
 
 
 def fsdp_units_ours(units: Decision) -> bool:

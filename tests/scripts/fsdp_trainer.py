@@ -56,22 +56,23 @@ CASES = {"qwen2_5_vl": (2, "non_reentrant"), "gemma3": (1, "reentrant"), "llava"
 #: the zoo's text families and the Qwen-VL towers no FSDP test trained (3 steps each: launch time); BART with
 #: LayerDrop: ranks seeded apart (:data:`RANK_SEEDED`), so they drop different layers
 CASES |= {"qwen3": (1, "non_reentrant"), "qwen2_vl": (1, "non_reentrant"), "qwen3_vl": (2, "non_reentrant"),
-          "qwen3_vl_moe": (1, "non_reentrant"), "opt_layerdrop": (1, "non_reentrant")}
+          "qwen3_vl_moe": (1, "non_reentrant"), "opt_layerdrop": (1, "non_reentrant"),
+          "bart_layerdrop": (1, "non_reentrant")}
 SHORT = {"qwen3": 3, "qwen2_vl": 3, "qwen3_vl": 2, "qwen3_vl_moe": 3, "opt_layerdrop": 4, "bart_layerdrop": 4}
 #: families whose Trainer seed is ``1234 + rank`` in both modes (the Trainer seeds every rank alike, and a
 #: LayerDrop draw is then the same on every rank; a user seeding per rank, or dropout on variable lengths, makes
 #: the streams differ): each rank drops its own layers, the same ones in the fixed and the stock run
 RANK_SEEDED = ("opt_layerdrop", "bart_layerdrop")
 #: families run with the plugin's ``cpu_ram_efficient_loading`` off (fsdp.yaml's ``fsdp_cpu_ram_efficient_loading:
-#: false``, as a user must set it): with it, stock accelerate 1.15 fails in ``prepare`` before any step, with or
-#: without hf_ddpfix (BART: its persistent ``final_logits_bias`` buffer is no DTensor, ``'Tensor' object has no
-#: attribute 'device_mesh'``; its LoRA on the tied lm_head: ``tie_weights`` ``attribute 'weight' already exists``)
+#: false``, as a user must set it): with it, stock accelerate 1.15 fails in ``prepare`` before any step (BART: its
+#: persistent ``final_logits_bias`` buffer is no DTensor, ``'Tensor' object has no attribute 'device_mesh'``; its
+#: LoRA on the tied lm_head: ``tie_weights`` ``attribute 'weight' already exists``), and hf_ddpfix's plan refuses it
+#: before step 1 naming that setting (``check_fsdp_loading``)
 EAGER_LOADING = ("bart_layerdrop",)
 #: families run only when named (``--families``): the 4-process cell's text family; VLMs measured by hand with this
 #: script (docs/fsdp.md) and left out of the tests' launches (launch time)
 MORE_CASES = {"llama": (2, "non_reentrant"), "paligemma": (1, "non_reentrant"), "vipllava": (1, "non_reentrant"),
               "cohere2_vision": (1, "non_reentrant"), "smolvlm": (1, "non_reentrant"), "idefics3": (1, "non_reentrant")}
-MORE_CASES |= {"bart_layerdrop": (1, "non_reentrant")}  # fails in stock accelerate's FSDP2 prepare (docs/fsdp.md)
 
 
 def training_args(output_dir: str, steps: int, ga: int, mode: str, reentrant: bool = False):  # noqa: ANN201
@@ -200,6 +201,9 @@ def run(name: str, mode: str, out: str, saved: bool = False, generate: bool = Fa
 
     units = [n for n, m in trainer.model.named_modules() if isinstance(m, FSDPModule)]
     weights = trainable_weights(trainer.model)
+    from hf_ddpfix._compat import shared_parameter_holders
+
+    ties = shared_parameter_holders(trainer.model)  # the modules still holding one tensor per tie (FSDP2: one group)
     if calls is not None:  # training forwards per layer, per rank (LayerDrop: ranks differ)
         import torch.distributed as dist
 
@@ -216,7 +220,8 @@ def run(name: str, mode: str, out: str, saved: bool = False, generate: bool = Fa
     if trainer.is_world_process_zero():
         torch.save({"weights": weights, "eval_loss": metrics["eval_loss"],
                     "predict_loss": predicted.metrics["test_loss"], "wrapped": type(trainer.model).__name__,
-                    "units": units, "generated": generated, "layer_calls": calls}, os.path.join(out, f"{mode}-{name}.pt"))
+                    "units": units, "generated": generated, "layer_calls": calls,
+                    "ties": ties}, os.path.join(out, f"{mode}-{name}.pt"))
         print(f"[{mode}] {name}: {type(trainer.model).__name__}, {len(units)} FSDP2 units, eval_loss "
               f"{metrics['eval_loss']:.6f}, {time.time() - t0:.1f}s", flush=True)
 

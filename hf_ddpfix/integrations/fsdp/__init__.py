@@ -9,7 +9,7 @@ The pure decisions live in :mod:`hf_ddpfix.plan.fsdp`; plain ``fully_shard`` loo
 :func:`hf_ddpfix.integrations.vision.fsdp_wrap.fsdp_wrap_plan`.
 """
 
-from .trainer import apply_fsdp_units, rescope_on_wrap
+from .trainer import apply_fsdp_units, join_tied_holders, rescope_on_wrap
 from .units import FsdpFacts, gather_fsdp_facts, repeated_block_classes
 
-__all__ = ["FsdpFacts", "apply_fsdp_units", "gather_fsdp_facts", "repeated_block_classes", "rescope_on_wrap"]
+__all__ = ["FsdpFacts", "apply_fsdp_units", "gather_fsdp_facts", "join_tied_holders", "repeated_block_classes", "rescope_on_wrap"]

@@ -8,6 +8,8 @@
   transformers 5.23 ``_inner_training_loop``) the ties are re-scoped onto the units accelerate really made
   (every ``FSDPModule``: the blocks, the embedding, ``[norm, head]``, the root), so each unit ties what this
   rank did not use in its own forward, before FSDP reshards it.
+- :func:`join_tied_holders`: while accelerate wraps the model, every module holding a tied tensor joins the
+  group made for the first of them (``_compat.join_shared_holders``; the plan's ``fsdp_shared``).
 """
 
 from __future__ import annotations
@@ -18,11 +20,11 @@ from typing import Any
 
 from transformers import TrainerCallback
 
-from ..._compat import fsdp_module_units, fsdp_plugin, set_fsdp_wrap_classes
+from ..._compat import fsdp_module_units, fsdp_plugin, join_shared_holders, set_fsdp_wrap_classes
 from ...ops import feature_counts
 from ..usage import ParameterUsage
 
-__all__ = ["apply_fsdp_units", "rescope_on_wrap"]
+__all__ = ["apply_fsdp_units", "join_tied_holders", "rescope_on_wrap"]
 
 logger = logging.getLogger("hf_ddpfix")
 
@@ -60,3 +62,28 @@ def rescope_on_wrap(trainer: Any, usage: ParameterUsage, stack: ExitStack, log: 
     callback = _Rescope(trainer, usage, log)
     trainer.add_callback(callback)
     stack.callback(trainer.remove_callback, callback)
+
+
+class _JoinedReport(TrainerCallback):
+    def __init__(self, context: Any, joined: list[tuple[str, ...]], log: Any) -> None:
+        self.context, self.joined, self.log = context, joined, log
+
+    def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        self.context.__exit__(None, None, None)  # the model is wrapped: fully_shard is torch's own again
+        names = [n for group in self.joined for n in group]
+        feature_counts.record_amount("fsdp", "tied_holders_joined", len(names))
+        if self.log is not None:
+            self.log("fsdp: tied tensors kept in one FSDP group each; joined: " + (", ".join(names) or "none"))
+
+
+def join_tied_holders(trainer: Any, stack: ExitStack, log: Any = None) -> list[tuple[str, ...]]:
+    """While ``stack`` is open, accelerate's FSDP2 preparation of ``trainer.model`` puts every module holding a
+    tied tensor into one group (``fsdp_shared``); undone at train begin (accelerate has wrapped the model) or on
+    ``stack``'s exit, whichever comes first. Returns the list that fills, per widened group, with the names
+    of the modules that joined; at train begin (the model is wrapped) ``log(line)`` reports them (rank 0)."""
+    context = join_shared_holders(trainer.model)
+    joined = stack.enter_context(context)
+    callback = _JoinedReport(context, joined, log)
+    trainer.add_callback(callback)
+    stack.callback(trainer.remove_callback, callback)
+    return joined

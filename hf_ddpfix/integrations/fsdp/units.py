@@ -32,6 +32,7 @@ from ..._compat import (
     fsdp_wrap_classes,
     fsdp_wrap_policy,
     no_split_modules,
+    shared_parameter_holders,
     unwrap_model,
 )
 from ..vision.fsdp_wrap import skippable_subtrees
@@ -56,6 +57,15 @@ class FsdpFacts:
         skipped_units: when ``wrapped``, the names of its FSDP units inside subtrees a rank may skip.
         folded_bytes: the bytes of the parameters in those subtrees (each counted once): what folding them keeps
             unsharded on every rank for the enclosing unit's forward and backward.
+        shared: for every parameter tensor several modules hold (a tie), the names of those modules.
+        carved: the names of the input and output embedding modules (what accelerate keeps together in one unit
+            when their weights are tied), ``()`` where the model has none.
+        ram_efficient: the plugin's ``cpu_ram_efficient_loading`` (accelerate then moves the model to meta, calls
+            ``tie_weights()`` and broadcasts every ``state_dict`` entry from rank 0 as a DTensor).
+        params4bit: the model holds bitsandbytes ``Params4bit`` (accelerate then skips that loading path).
+        persistent_buffers: names of the model's persistent buffers (``state_dict`` entries that are no parameter).
+        wrapped_tied_head: the name of the output embedding when its weight is the input embedding's but is no
+            parameter of its own (an adapter layer around the tied head, e.g. LoRA's ``lm_head``), else ``""``.
     """
 
     policy: str = "transformer_based_wrap"
@@ -68,6 +78,12 @@ class FsdpFacts:
     wrapped: bool = False
     skipped_units: tuple[str, ...] = ()
     folded_bytes: int = 0
+    shared: tuple[tuple[str, ...], ...] = ()
+    carved: tuple[str, ...] = ()
+    ram_efficient: bool = False
+    params4bit: bool = False
+    persistent_buffers: tuple[str, ...] = ()
+    wrapped_tied_head: str = ""
 
 
 def repeated_block_classes(model: nn.Module) -> list[str]:
@@ -115,7 +131,41 @@ def gather_fsdp_facts(trainer: Any, model: nn.Module) -> FsdpFacts:
         wrapped=bool(units),
         skipped_units=tuple(ids.get(id(u), type(u).__name__) for u in units if _inside(u, skip)),
         folded_bytes=sum({id(p): p.numel() * p.element_size() for s in skip for p in s.parameters()}.values()),
+        shared=tuple(shared_parameter_holders(hf)),
+        carved=tuple(ids[id(m)] for m in _embeddings(hf) if id(m) in ids),
+        ram_efficient=bool(getattr(plugin, "cpu_ram_efficient_loading", False)),
+        params4bit=any(type(p).__name__ == "Params4bit" for p in model.parameters()),
+        persistent_buffers=_persistent_buffers(model),
+        wrapped_tied_head=_wrapped_tied_head(hf, ids),
     )
+
+
+def _persistent_buffers(model: nn.Module) -> tuple[str, ...]:
+    keys = set(model.state_dict(keep_vars=True))
+    return tuple(n for n, _ in model.named_buffers() if n in keys)
+
+
+def _wrapped_tied_head(model: nn.Module, ids: dict[int, str]) -> str:
+    mods = {g: _embedding(model, g) for g in ("get_input_embeddings", "get_output_embeddings")}
+    inp, out = mods["get_input_embeddings"], mods["get_output_embeddings"]
+    if inp is None or out is None or getattr(inp, "weight", None) is None:
+        return ""
+    if getattr(out, "weight", None) is not inp.weight or "weight" in dict(out.named_parameters(recurse=False)):
+        return ""
+    return ids.get(id(out), type(out).__name__)
+
+
+def _embedding(model: nn.Module, getter: str) -> nn.Module | None:
+    try:
+        mod = getattr(model, getter, lambda: None)()
+    except (AttributeError, NotImplementedError):  # a model without one raises in transformers 5
+        return None
+    return mod if isinstance(mod, nn.Module) else None
+
+
+def _embeddings(model: nn.Module) -> list[nn.Module]:
+    found = (_embedding(model, g) for g in ("get_input_embeddings", "get_output_embeddings"))
+    return [m for m in found if m is not None]
 
 
 def _inside(mod: nn.Module, subtrees: list[nn.Module]) -> bool:
