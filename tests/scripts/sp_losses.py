@@ -288,7 +288,32 @@ def exchange_matches_objects(rank: int, world: int) -> dict:
     dist.all_gather_object(want, batch)
     same = all(set(a) == set(b) and all(torch.equal(*torch.broadcast_tensors(a[k], b[k])) and a[k].dtype == b[k].dtype
                                         for k in a) for a, b in zip(got, want, strict=True))
-    return {"case": "exchange_tensors_equal_objects", "ok": same}
+    # the general form (TRL pairs, VLM images): any dtypes, 0-d / 1-d / 4-d, shapes and keys per rank, objects
+    from hf_ddpfix.ops.sequence_parallel.exchange import exchange_batches
+
+    mixed = {"chosen_input_ids": torch.randint(0, 99, (rows, length), generator=g),
+             "pixel_values": torch.randn(rank + 1, 3, 2, 2, generator=g).to(torch.bfloat16),
+             "image_grid_thw": torch.tensor([[1, 2, rank + 1]], dtype=torch.int32),
+             "flags": torch.rand(length, generator=g) > 0.5, "score": torch.tensor(0.5 + rank, dtype=torch.float64),
+             "empty": torch.zeros(0, rank + 1), "strided": torch.randn(3, length, generator=g).t(),
+             "n": 7 + rank, "flag": rank == 1, "maybe": None if rank == 0 else torch.ones(2, dtype=torch.float16),
+             "prompt": ["a" * rank, "b"], **({"even_only": torch.full((2,), rank, dtype=torch.int8)} if rank % 2 == 0 else {})}
+    if rank == world - 1:  # a key first on some rank, in another order
+        mixed = {"last_only": torch.arange(3.0), **dict(reversed(mixed.items()))}
+    got_mixed = exchange_batches(mixed, None, world)
+    want_mixed: list = [None] * world
+    dist.all_gather_object(want_mixed, mixed)
+
+    def equal(a, b) -> bool:  # noqa: ANN001
+        if torch.is_tensor(a) or torch.is_tensor(b):
+            return torch.is_tensor(a) and torch.is_tensor(b) and a.dtype == b.dtype and a.shape == b.shape \
+                and a.device == b.device and torch.equal(a, b)
+        return type(a) is type(b) and a == b
+
+    same_mixed = all(list(a) == list(b) and all(equal(a[k], b[k]) for k in a) for a, b in zip(got_mixed, want_mixed, strict=True))
+    own = all(got_mixed[rank][k] is v for k, v in mixed.items() if torch.is_tensor(v))  # as given, not copies
+    return {"case": "exchange_tensors_equal_objects", "ok": same and same_mixed and own, "text": same,
+            "mixed": same_mixed, "own": own}
 
 
 def refused(builder) -> dict:  # noqa: ANN001
