@@ -74,7 +74,7 @@ from ..._compat import (
     unwrap_parallel,
 )
 from ...ops.feature_counts import record_amount, record_fallback
-from ...ops.sequence_parallel.exchange import exchange_text_batches
+from ...ops.sequence_parallel.exchange import exchange_batches, exchange_text_batches
 from ...ops.sequence_parallel.inputs import PACKED_ROWS, shard_batch
 from ...ops.sequence_parallel.outputs import held_tensors
 from .attention import (
@@ -263,12 +263,8 @@ def attach_sequence_parallel(trainer: Any, model: nn.Module, *, sp_size: int, st
             checked.append(True)
         if vision is None:  # text keys only (else a fallback above): tensor collectives, no pickling
             batches = exchange_text_batches(inputs, groups.group, groups.size)
-        else:  # images, grids, per-token type ids: any keys the VLM path merges
-            mine = {k: inputs[k].detach().cpu() if torch.is_tensor(inputs[k]) else inputs[k] for k in inputs}
-            gathered: list[Any] = [None] * groups.size
-            dist.all_gather_object(gathered, mine, group=groups.group)
-            device = inputs["input_ids"].device
-            batches = [{k: v.to(device) for k, v in b.items()} for b in gathered]
+        else:  # images, grids, per-token type ids: any keys the VLM path merges, as tensors too
+            batches = exchange_batches(inputs, groups.group, groups.size, inputs["input_ids"].device)
         forward: Callable[[], tuple[torch.Tensor, Any]] | None = None
         if vision is not None:  # the vision tower, image merge and 3-D positions on the full sequence
             try:

@@ -43,7 +43,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ..._compat import unwrap_parallel
-from ...ops.sequence_parallel.exchange import TEXT_KEYS, exchange_text_batches
+from ...ops.sequence_parallel.exchange import TEXT_KEYS, exchange_batches, exchange_text_batches
 from ...ops.sequence_parallel.gather import gather_sequence
 from ...ops.sequence_parallel.inputs import shard_batch
 from ...ops.sequence_parallel.loss import valid_target_count
@@ -53,6 +53,8 @@ __all__ = ["WholeOutputsForward", "exchange", "other_models", "whole_outputs_for
 
 _BATCH = ("input_ids", "attention_mask", "position_ids", "labels")
 _DROPPED = ("use_cache", "num_items_in_batch", "return_dict")
+#: the key `exchange` sends a batch's `num_items_in_batch` under, beside the batch (no batch's own key)
+_NUM_ITEMS = "\x00num_items_in_batch"
 #: a packed batch's padding-free kwargs (transformers' flash-attention path), dropped when its position ids say the same
 _PACKED = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k", "seq_idx")
 
@@ -207,7 +209,9 @@ def other_models(trainer: Any, model: nn.Module) -> list[nn.Module]:
 
 def exchange(inputs: Mapping[str, Any], num_items_in_batch: Any, group: Any, size: int) -> list[tuple[dict, Any]]:
     """Every batch of the group with its owner's `num_items_in_batch`, in rank order, on this rank's device: with
-    tensor collectives when the batch holds only text keys (`exchange_text_batches`), else `all_gather_object`."""
+    tensor collectives: `exchange_text_batches` when the batch holds only text keys, else `exchange_batches` (any
+    tensors, e.g. TRL's `chosen_input_ids`; the owner's `num_items_in_batch` as a 0-d tensor, an int or None travels
+    with its batch; only values that are not tensors, None or ints (strings, lists) go by `all_gather_object`)."""
     device = next((v.device for v in inputs.values() if torch.is_tensor(v)), torch.device("cpu"))  # ORPO: no input_ids
     text = set(inputs) <= set(TEXT_KEYS) and inputs.get("labels") is not None and all(
         torch.is_tensor(v) and v.dim() == 2 for v in inputs.values()) and (
@@ -220,9 +224,7 @@ def exchange(inputs: Mapping[str, Any], num_items_in_batch: Any, group: Any, siz
         dist.all_gather(items, mine, group=group)
         counts = [None if int(n) < 0 else n[0] for n in items]
         return list(zip(exchange_text_batches(inputs, group, size), counts, strict=True))
-    mine_obj = ({k: v.detach().cpu() if torch.is_tensor(v) else v for k, v in inputs.items()},
-                num_items_in_batch.detach().cpu() if torch.is_tensor(num_items_in_batch) else num_items_in_batch)
-    gathered: list[Any] = [None] * size
-    dist.all_gather_object(gathered, mine_obj, group=group)
-    return [({k: v.to(device) if torch.is_tensor(v) else v for k, v in b.items()},
-             n.to(device) if torch.is_tensor(n) else n) for b, n in gathered]
+    if _NUM_ITEMS in inputs:
+        raise RuntimeError(f"sequence parallelism: the batch holds the key {_NUM_ITEMS!r} the exchange reserves")
+    batches = exchange_batches({**inputs, _NUM_ITEMS: num_items_in_batch}, group, size, device)
+    return [(b, b.pop(_NUM_ITEMS)) for b in batches]
