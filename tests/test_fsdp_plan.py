@@ -92,7 +92,7 @@ def test_layerdrop_is_found_by_structure_on_any_model():
     a rate of 0 or none folds nothing."""
     from zoo import MORE_TEXT
 
-    from hf_ddpfix.integrations.vision.fsdp_wrap import layerdrop_stacks
+    from hf_ddpfix.integrations.fsdp.wrap import layerdrop_stacks
 
     opt = MORE_TEXT["opt_layerdrop"].model(0)
     assert [type(m[0]).__name__ for m in layerdrop_stacks(opt)] == ["OPTDecoderLayer"]

@@ -20,6 +20,7 @@ from fixtures import BUILDERS, PATCH_DIM, add_lora, make_batch  # noqa: E402
 from launch import torchrun  # noqa: E402
 
 from hf_ddpfix._compat import unwrap_model  # noqa: E402
+from hf_ddpfix.integrations.fsdp.wrap import fsdp_wrap_plan  # noqa: E402
 from hf_ddpfix.integrations.usage.hang_guard import (  # noqa: E402
     HangGuard,
     UnusedParametersError,
@@ -34,7 +35,6 @@ from hf_ddpfix.integrations.vision.families import (  # noqa: E402
     register_vision_family,
     vision_param_names,
 )
-from hf_ddpfix.integrations.vision.fsdp_wrap import fsdp_wrap_plan  # noqa: E402
 from hf_ddpfix.integrations.vision.stabilizer import VisionStabilizer  # noqa: E402
 from hf_ddpfix.ops.zero_tie import ZeroTie  # noqa: E402
 

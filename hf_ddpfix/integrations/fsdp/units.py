@@ -15,7 +15,7 @@ Why (issue 26, accelerate 1.15 through the Trainer, 2 gloo ranks):
 So :class:`FsdpFacts` lists the candidate block classes (``_no_split_modules`` that exist, else the classes of
 the model's repeated blocks: the elements of its ``nn.ModuleList`` stacks) and, of every candidate, whether
 some instance lies inside a subtree a rank may skip
-(:func:`hf_ddpfix.integrations.vision.fsdp_wrap.skippable_subtrees`).
+(:func:`hf_ddpfix.integrations.fsdp.wrap.skippable_subtrees`).
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ from ..._compat import (
     shared_parameter_holders,
     unwrap_model,
 )
-from ..vision.fsdp_wrap import skippable_subtrees
+from .wrap import skippable_subtrees
 
 __all__ = ["FsdpFacts", "gather_fsdp_facts", "repeated_block_classes"]
 

@@ -8,14 +8,13 @@
   stock optimizer semantics, and the evaluation sync for FSDP2.
 - :mod:`.zero` — :class:`ZeroVisionStabilizer`: the dummy image where the real one runs (ZeRO-2/3),
   the evaluation / generation sync for ZeRO-3 (:class:`GenerateSync`).
-- :mod:`.fsdp_wrap` — which modules to ``fully_shard`` so ranks with and without images issue the same
-  collectives.
+(Which modules to ``fully_shard`` so ranks with and without images issue the same collectives:
+:mod:`hf_ddpfix.integrations.fsdp.wrap`.)
 """
 
 from .adapter import VisionAdapter
 from .families import describe_unsupported, find_vision_adapter, register_vision_family, vision_param_names
 from .family import VisionFamily
-from .fsdp_wrap import fsdp_wrap_plan
 from .stabilizer import VisionStabilizer
 from .zero import GenerateSync, ZeroVisionStabilizer
 
@@ -27,7 +26,6 @@ __all__ = [
     "ZeroVisionStabilizer",
     "describe_unsupported",
     "find_vision_adapter",
-    "fsdp_wrap_plan",
     "register_vision_family",
     "vision_param_names",
 ]

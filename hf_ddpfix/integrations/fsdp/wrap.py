@@ -5,7 +5,7 @@ from __future__ import annotations
 from torch import nn
 
 from ..._compat import no_split_modules, unwrap_model
-from .families import vision_groups
+from ..vision.families import vision_groups
 
 __all__ = ["fsdp_wrap_plan", "layerdrop_stacks", "skippable_subtrees"]
 
