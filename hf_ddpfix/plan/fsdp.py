@@ -87,14 +87,26 @@ def decide_fsdp_units(facts: RunFacts, c: DDPFixConfig) -> Decision:
                         f"({c.source('parameter_usage')}): units without a skippable subtree need its ties)")
     source = f.present or f.repeated
     chosen = tuple(n for n in source if n not in f.skippable)
+    only_skippable = bool(f.present) and not chosen  # e.g. transformers 5.0's PaliGemma: only its projector
+    if only_skippable:
+        source = f.repeated
+        chosen = tuple(n for n in source if n not in f.skippable)
     if not chosen:  # "root": the plugin gets no class; accelerate's embedding / head units and the root remain
-        what = "no block class of its own" if not source else f"only blocks a rank may skip ({_list(source)})"
+        blocks = tuple(dict.fromkeys(f.present + source)) if only_skippable else source
+        what = "no block class of its own" if not blocks else f"only blocks a rank may skip ({_list(blocks)})"
         return Decision("root", f"the model has {what}: accelerate's embedding and [norm, head] units and the root "
                         "only" + (f"; folded into the root: {_list(f.folded)}{_cost(f)}" if f.folded else ""),
                         changed=bool(f.no_split))
     parts = [f"one unit per {_list(chosen)}, then accelerate's embedding and [norm, head] units and the root"]
     absent = tuple(n for n in f.no_split if n not in f.present)
-    if not f.present:
+    if only_skippable:
+        parts.append(f"_no_split_modules names only blocks a rank may skip ({_list(f.present)}): classes of its "
+                     "repeated blocks")
+    if only_skippable and absent:
+        parts.append(f"not in the model: {_list(absent)}")
+    elif only_skippable:
+        pass
+    elif not f.present:
         parts.append("_no_split_modules " + ("names none of the model's classes (" + _list(absent) + ")"
                                              if f.no_split else "is empty") + ": classes of its repeated blocks")
     elif absent:
