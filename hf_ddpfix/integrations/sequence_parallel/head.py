@@ -43,6 +43,7 @@ from torch import nn
 from ...ops.sequence_parallel.gather import gather_sequence
 from ...ops.sequence_parallel.inputs import shard_batch
 from .attention import activate_batch
+from .whole import instance_forward
 
 __all__ = ["DecoderShardedForward", "decoder_sharded", "pooled_head_structure"]
 
@@ -152,14 +153,5 @@ def decoder_sharded(model: nn.Module, group: Any, pad_token_id: int,
     _, decoder, why = pooled_head_structure(model)
     if decoder is None:
         raise RuntimeError(f"sequence parallelism ({who}): {why}")
-    had = "forward" in vars(decoder)
-    previous = vars(decoder).get("forward")
-    hook = DecoderShardedForward(decoder.forward, group, pad_token_id, who)
-    decoder.forward = hook
-    try:
+    with instance_forward(decoder, DecoderShardedForward(decoder.forward, group, pad_token_id, who)) as hook:
         yield hook
-    finally:
-        if had:
-            decoder.forward = previous
-        else:
-            del decoder.forward

@@ -180,9 +180,16 @@ def whole_outputs_forward(module: nn.Module, group: Any, pad_token_id: int,
                           who: str = "the trainer") -> Iterator[WholeOutputsForward]:
     """`module.forward` is a `WholeOutputsForward` inside the block (an instance attribute the block sets and
     restores, also when an instance forward was there, e.g. TRL's fused LM head)."""
+    with instance_forward(module, WholeOutputsForward(module.forward, group, pad_token_id, who)) as hook:
+        yield hook
+
+
+@contextmanager
+def instance_forward(module: nn.Module, hook: Any) -> Iterator[Any]:
+    """`module.forward` is `hook` inside the block (an instance attribute), then what it was: the instance forward
+    that was there before (e.g. TRL's fused LM head), or none (the class's)."""
     had = "forward" in vars(module)
     previous = vars(module).get("forward")
-    hook = WholeOutputsForward(module.forward, group, pad_token_id, who)
     module.forward = hook
     try:
         yield hook
