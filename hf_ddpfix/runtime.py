@@ -225,9 +225,10 @@ def _attach_stabilizer(trainer: Any, model: nn.Module, plan: Plan, stack: ExitSt
 def _attach_fsdp_dummy(trainer: Any, model: nn.Module, stack: ExitStack) -> Any:
     """FSDP2 with units inside the tower: the dummy image where an image rank runs its tower (training and
     evaluation); tower gradients reset to `None` in a step no rank saw an image, before clipping."""
-    from .integrations.fsdp.dummy import FsdpDummy
+    from .integrations.fsdp.dummy import FsdpDummy, keep_eval_sync
 
     dummy = FsdpDummy(model).attach()
+    stack.callback(keep_eval_sync, model)  # runs after the removal below: generate() / evaluate() after train()
     stack.callback(dummy.remove)
     stack.callback(before_gradient_clipping(trainer, dummy.finalize))
     return dummy
@@ -260,8 +261,11 @@ def attach_eval_sync(model: nn.Module, decision: Any, parallel: str, stack: Exit
             logger.warning("hf_ddpfix: vlm_eval_sync not applied (stock evaluation): %s", err)
             return None
     elif parallel == "fsdp":  # tower units: the dummy at the language model's start, where the tower runs
+        from .integrations.fsdp.dummy import kept_eval_sync
         from .integrations.vision.zero import ZeroVisionStabilizer
 
+        if kept_eval_sync(model) is not None:  # train() left one attached: it serves this loop
+            return None
         try:
             sync = ZeroVisionStabilizer(model, train=False, sync_eval=True).attach()
         except ValueError:

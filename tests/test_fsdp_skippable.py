@@ -150,7 +150,8 @@ OFFLINE = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "HF_DATASETS_OFFL
 # PaliGemma, SmolVLM (its 5-D pixel layout discovered from the config)
 SHARDED = "qwen2_5_vl,gemma3,llava,aya_vision,llava_onevision,vipllava,cohere2_vision,paligemma,smolvlm"
 TOL = 1.5e-7  # tests/test_fsdp_trainer.py's FSDP2-vs-DDP spread; measured here 3.0e-8 to 1.2e-7 (SmolVLM)
-DETAIL = {"TORCH_DISTRIBUTED_DEBUG": "DETAIL"}  # torch compares every collective's fingerprint across ranks
+DETAIL = {"TORCH_DISTRIBUTED_DEBUG": "DETAIL"}
+GENERATE = "qwen2_5_vl,llava"  # also generate() after train(): image prompt on rank 0, text on rank 1, 3 / 6 tokens  # torch compares every collective's fingerprint across ranks
 
 
 @pytest.mark.multiprocess
@@ -160,7 +161,7 @@ def test_tower_units_with_the_dummy_like_stock_ddp(tmp_path):
     ``fsdp_transformer_layer_cls_to_wrap`` naming the vision blocks (tests/scripts/fsdp_trainer.py
     ``tower_wrap_list``) and once with the plan's own units under ``fsdp_skippable=shard``; the tower blocks are
     FSDP2 units, rank 0 / rank 1 / neither / both have an image by step (an all-text step), then ``evaluate()`` and
-    ``predict()`` on mixed batches. Weights equal stock DDP's (``find_unused_parameters=True``, ddp_cpu.yaml, same
+    ``predict()`` on mixed batches, and ``generate()`` after training (:data:`GENERATE`). Weights equal stock DDP's (``find_unused_parameters=True``, ddp_cpu.yaml, same
     data) within ``TOL``, evaluation and prediction losses within 1e-5 (measured <= 9.5e-7).
 
     The fix is real: the same launch for LLaVA with the dummy disabled (``HF_DDPFIX_VLM_STABILIZER=0``: the plan
@@ -169,7 +170,7 @@ def test_tower_units_with_the_dummy_like_stock_ddp(tmp_path):
     Wall (2 cores, loaded, 2026-11-28): ~250 s (fixed, 16 runs) + ~100 s (stock DDP) + ~70 s (no dummy)."""
     t0 = time.time()
     fixed = accelerate_launch("fsdp.yaml", SCRIPT, "--mode", "fixed", "--out", str(tmp_path), "--families", SHARDED,
-                              "--wraps", "explicit,shard", timeout=900, env=fsdp_device_env({**OFFLINE, **DETAIL}),
+                              "--wraps", "explicit,shard", "--generate", GENERATE, timeout=900, env=fsdp_device_env({**OFFLINE, **DETAIL}),
                               extra=("--mixed_precision", "no"))
     log = fixed.stdout
     n = len(SHARDED.split(","))
@@ -178,7 +179,7 @@ def test_tower_units_with_the_dummy_like_stock_ddp(tmp_path):
     assert len(re.findall(r"fsdp_skippable\s+= shard\s+fold .*; forced", log)) == n, log[-6000:]
     assert log.count("run the") >= n and "vlm_stabilizer          = on" in log, log[-6000:]
     stock = accelerate_launch("ddp_cpu.yaml", SCRIPT, "--mode", "stock", "--out", str(tmp_path), "--families",
-                              SHARDED, timeout=600, env=OFFLINE)
+                              SHARDED, "--generate", GENERATE, timeout=600, env=OFFLINE)
     assert "FSDP_TRAINER_OK" in stock.stdout, stock.stdout[-4000:]
     for wrap in ("explicit", "shard"):
         for name in SHARDED.split(","):
@@ -189,6 +190,9 @@ def test_tower_units_with_the_dummy_like_stock_ddp(tmp_path):
             assert diff <= TOL, f"{wrap} {name}: max |W_fsdp2 - W_ddp| = {diff:.2e} > {TOL:.0e}"
             for key in ("eval_loss", "predict_loss"):
                 assert abs(ours[key] - ref[key]) <= 1e-5, (wrap, name, key, ours[key], ref[key])
+            if name in GENERATE.split(","):  # greedy tokens per rank (ranks ran 3 and 6 decode forwards)
+                assert [g.shape[-1] for g in ours["generated"]] == [3, 6], (name, ours["generated"])
+                assert all(torch.equal(a, b) for a, b in zip(ours["generated"], ref["generated"], strict=True))
     off = accelerate_launch("fsdp.yaml", SCRIPT, "--mode", "fixed", "--out", str(tmp_path / "off"), "--families",
                             "llava", "--wraps", "explicit", timeout=600, check=False, extra=("--mixed_precision", "no"),
                             env=fsdp_device_env({**OFFLINE, **DETAIL, "HF_DDPFIX_VLM_STABILIZER": "0"}))

@@ -10,6 +10,9 @@ dummy's features are tied into ``inputs_embeds`` with an exact-zero gradient, so
 units in the same order too. Evaluation, prediction and ``generate()`` agree on images first (one 1-byte
 all-gather per forward; ``sync_eval``).
 
+After ``train()`` an evaluation-only stabiliser stays attached (:func:`keep_eval_sync`): ``generate()`` on the
+sharded model, whose tower units an image rank all-gathers, agrees across ranks too.
+
 Optimizer semantics: a tower parameter a text rank ran only on the dummy gets a zero gradient, and the averaged
 gradient is stock DDP's (``find_unused_parameters=True``) where some rank saw an image. In a step where **no** rank
 saw an image stock leaves those gradients ``None`` (AdamW skips them); :meth:`FsdpDummy.finalize` (once per
@@ -32,7 +35,9 @@ from torch import nn
 from ...ops.dist import collective_device, dist_ready
 from ..vision.zero import ZeroVisionStabilizer
 
-__all__ = ["FsdpDummy"]
+__all__ = ["FsdpDummy", "keep_eval_sync", "kept_eval_sync"]
+
+_KEPT = "_hf_ddpfix_fsdp_eval_sync"
 
 
 class FsdpDummy:
@@ -98,3 +103,28 @@ class FsdpDummy:
                     if p.requires_grad:
                         p.grad = None
         return seen
+
+
+def keep_eval_sync(model: nn.Module) -> Any:
+    """After ``train()`` with tower units: leave an evaluation-only stabiliser (``train=False, sync_eval=True``)
+    attached to the model, so a ``generate()`` or an evaluation the user runs on the sharded model afterwards
+    all-gathers the tower's units on every rank alike (one per model, idempotent). It changes no output: under
+    ``no_grad`` nothing is tied. Returns it (``None`` where no dummy can be built)."""
+    try:
+        sync = ZeroVisionStabilizer(model, train=False, sync_eval=True)
+    except ValueError:
+        return None
+    kept = getattr(sync.adapter.root, _KEPT, None)
+    if kept is not None:
+        return kept
+    sync.attach()
+    setattr(sync.adapter.root, _KEPT, sync)
+    return sync
+
+
+def kept_eval_sync(model: nn.Module) -> Any:
+    """The stabiliser :func:`keep_eval_sync` left on ``model``, or ``None``."""
+    from ..vision.families import find_vision_adapter
+
+    adapter = find_vision_adapter(model, zero=True)
+    return None if adapter is None else getattr(adapter.root, _KEPT, None)
