@@ -174,7 +174,7 @@ class VisionAdapter:
             if self.kind == "image":
                 hw = image_size_hw(vc)
                 assert hw is not None  # checked by the family's structural check
-                lead = (1,) * (self.pixel_ndim - 4) + ((self.pixel_tiles,) if self.pixel_ndim > 4 else ())
+                lead = (1,) + ((self.pixel_tiles,) if self.pixel_ndim == 5 else ())
                 pv = _ramp((*lead, int(vc.num_channels), *hw), dtype, device)
                 self._dummy_cache[key] = (pv, None)
             else:
