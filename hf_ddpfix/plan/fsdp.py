@@ -21,8 +21,14 @@ parameter in the step its gradient is reset to ``None`` before clipping (stock D
 semantics). No dummy image runs. Cost: the folded subtrees stay unsharded for the root's forward and
 backward (a vision tower's parameters, once per rank).
 
-A user's explicit ``fsdp_transformer_layer_cls_to_wrap`` is honoured as given; if it names a class a rank may
-skip, the plan says that mixed batches then fail as in stock.
+Where folding is not cheap (``fsdp_skippable``, :mod:`hf_ddpfix.plan.fsdp_skippable`: beyond max(64 MiB, 10 % of
+a rank's parameter shard), the tower's blocks become units too and a rank without an image runs the stabiliser's
+dummy image at the language model's start, where an image rank runs its tower
+(:mod:`hf_ddpfix.integrations.fsdp.dummy`). LayerDrop stacks and families without a dummy always fold.
+
+A user's explicit ``fsdp_transformer_layer_cls_to_wrap`` is honoured as given; if it names a class inside the
+tower, the dummy runs there (``fsdp_skippable = shard``); only where no dummy can be built does the plan say that
+mixed batches then fail as in stock.
 """
 
 from __future__ import annotations
