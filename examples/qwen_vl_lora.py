@@ -2,10 +2,11 @@
 
 The default run is fully offline: a tiny random-weight Qwen2.5-VL learns to caption PIL-drawn shapes
 ("a red circle") while also learning a text-only task ("count from three : four five six"), with LoRA
-on every linear layer (vision tower included) and reentrant activation checkpointing. Under stock
-DDP that combination fails: reentrant checkpointing + LoRA raises "Expected to mark a variable ready
-only once", and a step where no rank sees an image leaves the vision LoRA unused. `patch_trainer()`
-plans around both (its plan is printed at the start). Pass `--no-fix` to see the stock failure.
+on every linear layer (vision tower included) and non-reentrant activation checkpointing. A step where
+no rank sees an image leaves the vision LoRA unused; `patch_trainer()` plans around it (its plan is printed
+at the start). Demonstration: `--checkpointing reentrant` asks for the combination stock DDP + LoRA breaks
+on ("Expected to mark a variable ready only once"): hf_ddpfix corrects it (the plan says so), and adding
+`--no-fix` shows the stock failure.
 The default run takes about a minute on 2 CPU cores and reaches ~0.97 caption accuracy (chance 0.29).
 
 Run it:
@@ -101,10 +102,12 @@ def parse_args(argv=None):
     p.add_argument("--eval-steps", type=int, default=0)  # 0: evaluate only at the end (keeps CPU runs short)
     p.add_argument("--train-size", type=int, default=2000)  # synthetic samples; fresh images, ~2 epochs
     p.add_argument("--eval-size", type=int, default=120)  # held-out samples (synthetic or --dataset rows)
-    p.add_argument("--checkpointing", choices=["off", "reentrant", "non_reentrant"], default="reentrant",
-                   help="activation checkpointing; default reentrant: the combo stock DDP + LoRA breaks on")
+    p.add_argument("--checkpointing", choices=["off", "non_reentrant", "reentrant"], default="non_reentrant",
+                   help="activation checkpointing (default non_reentrant); reentrant is the demonstration: the "
+                        "combination stock DDP + LoRA breaks on, which hf_ddpfix corrects (--no-fix: the failure)")
     p.add_argument("--resume", action="store_true", help="continue from the last checkpoint in --output-dir")
-    p.add_argument("--no-fix", action="store_true", help="stock Trainer (no patch_trainer): shows the failure")
+    p.add_argument("--no-fix", action="store_true",
+                   help="stock Trainer (no patch_trainer); with --checkpointing reentrant: the stock failure")
     p.add_argument("--qlora", action="store_true",
                    help="QLoRA: 4-bit NF4 base (bitsandbytes) + LoRA; DDP configs (ddp_cpu.yaml, ddp.yaml)")
     # hf_ddpfix's memory features (each also settable by its HF_DDPFIX_* environment variable)

@@ -151,6 +151,34 @@ class RunFacts:
         return self.checkpointing == "off"
 
 
+#: The longest line `Plan.report()` prints: a terminal's width. A longer line is cut at a clause boundary and ends
+#: with a link to its section of docs/plan.md (one anchor per decision, tests/test_plan_report_width.py); the full
+#: reason stays in `Decision.reason` (and `hf-ddpfix plan --json`).
+REPORT_WIDTH = 160
+PLAN_DOC = "docs/plan.md"
+
+
+def fit_line(line: str, anchor: str, width: int = REPORT_WIDTH) -> str:
+    """``line`` if it fits ``width`` characters, else its longest head that ends at a clause boundary (``; ``,
+    ``: ``, ``, `` within its last quarter; else a space), its open parentheses closed, then `` … (docs/plan.md#<anchor>)``.
+
+    Guarantees: the result has at most ``width`` characters (a link longer than the room aside) and starts with
+    the same text as ``line``; a line that fits is returned unchanged."""
+    if len(line) <= width:
+        return line
+    link = f" … ({PLAN_DOC}#{anchor})"
+    head = line[: max(width - len(link), 0)]
+    clause = max(head.rfind(sep) for sep in ("; ", ": ", ", "))
+    cut = clause if clause > len(head) * 3 // 4 else head.rfind(" ")  # a clause, unless it drops a quarter
+    head = head[:cut] if cut > 0 else head
+    head = head.rstrip(" ,;:")
+    unclosed = max(head.count("(") - head.count(")"), 0)
+    while unclosed and len(head) + unclosed + len(link) > width:  # room for the closing parentheses
+        head = head[: head.rfind(" ")].rstrip(" ,;:")
+        unclosed = max(head.count("(") - head.count(")"), 0)
+    return head + ")" * unclosed + link
+
+
 @dataclass(frozen=True)
 class Decision:
     """One decision: its value, why, and whether it differs from what the stock stack does.
@@ -267,19 +295,21 @@ class Plan:
 
     def report(self) -> str:
         """Multi-line, human-readable plan: every decision, `*` marks what differs from stock, `!` an option
-        asked on that does not run (with its reason; options that are no decision get a line of their own)."""
+        asked on that does not run (with its reason; options that are no decision get a line of their own).
+
+        Guarantees: every line fits `REPORT_WIDTH`; a cut one links its section of docs/plan.md (`fit_line`)."""
         lines = [f"hf_ddpfix plan ({self.parallel}, world size {self.world_size}):"]
         decisions = self.decisions()
         for name, d in decisions.items():
             if d.value is None:
                 continue
             mark = "!" if name in self.not_applied else "*" if d.changed else " "
-            lines.append(f" {mark} {name:<23} = {d.text:<14} {d.reason}")
+            lines.append(fit_line(f" {mark} {name:<23} = {d.text:<14} {d.reason}", name))
         for name, text in self.not_applied.items():
             if name not in decisions:
-                lines.append(f" ! {name:<23} = {'off':<14} {text}")
+                lines.append(fit_line(f" ! {name:<23} = {'off':<14} {text}", "asked-for-not-applied"))
         for c in self.corrections:
-            lines.append(f"   corrected: {c}")
+            lines.append(fit_line(f"   corrected: {c}", "corrected"))
         if self.config_lines:
-            lines.append("   settings: " + "; ".join(self.config_lines))
+            lines.append(fit_line("   settings: " + "; ".join(self.config_lines), "settings"))
         return "\n".join(lines)
