@@ -102,3 +102,34 @@ def quiet_repeated_upstream_warnings() -> None:
         show(message, category, filename, lineno, file, line)
 
     warnings.showwarning = show_once
+
+
+class _DropMessage:
+    """A `logging` filter dropping the records whose message starts with `prefix` (one known line, nothing else)."""
+
+    def __init__(self, prefix: str) -> None:
+        self.prefix = prefix
+
+    def filter(self, record) -> bool:
+        return not str(record.msg).startswith(self.prefix)
+
+
+def quiet_known_upstream_notices() -> None:
+    """Keep two upstream start-up lines out of a CPU run, each harmless by construction (docs/examples.md,
+    "What a first run prints"); call it before peft / transformers / deepspeed are imported.
+
+    - bitsandbytes 0.50 (imported by peft whenever it is installed) logs "Failed to load CPU gemm_4bit_forward
+      from kernels-community ..." when the optional `kernels` package is missing: its own CPU kernel is used
+      then. Only that message of that logger is dropped.
+    - DeepSpeed (imported by accelerate's `unwrap_model` whenever it is installed, also in plain DDP) warns
+      "Setting accelerator to CPU" when it detects no accelerator. Without an accelerator `DS_ACCELERATOR=cpu`
+      names the accelerator it would pick itself, so it does not warn; a value already set is kept.
+    """
+    import logging
+
+    logging.getLogger("bitsandbytes.backends.cpu.ops").addFilter(
+        _DropMessage("Failed to load CPU gemm_4bit_forward from kernels-community"))
+    import torch
+
+    if not torch.accelerator.is_available():
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")

@@ -56,6 +56,7 @@ import dataclasses
 import json
 import os
 import sys
+import warnings
 
 import numpy as np
 import torch
@@ -63,7 +64,15 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # for _offline_vlm when run as a script
 
 import _offline_vlm as offline  # noqa: E402
-from _run_setup import output_dir_for, quiet_repeated_upstream_warnings, record_setup, saved_base  # noqa: E402
+from _run_setup import (  # noqa: E402
+    output_dir_for,
+    quiet_known_upstream_notices,
+    quiet_repeated_upstream_warnings,
+    record_setup,
+    saved_base,
+)
+
+quiet_known_upstream_notices()  # before peft / deepspeed are imported (docs/examples.md: what a run prints)
 
 from hf_ddpfix import checkpointing_training_args  # noqa: E402  (importing hf_ddpfix patches nothing)
 
@@ -342,8 +351,13 @@ def main(argv=None) -> dict:
     torch.manual_seed(args.seed)
     lora = LoraConfig(r=args.lora_r, lora_alpha=2 * args.lora_r,  # alpha = 2r: the usual LoRA scale of 2
                       lora_dropout=0.0, target_modules=LORA_TARGETS)  # no dropout: short runs, no overfitting
-    model = get_peft_model(model, lora)
-    model.config.use_cache = False  # no KV cache in training (and checkpointing would turn it off anyway)
+    with warnings.catch_warnings():  # peft 0.21 reads transformers 5.23's deprecated `is_gradient_checkpointing`
+        warnings.filterwarnings("ignore", message="`is_gradient_checkpointing` is deprecated", category=FutureWarning)
+        model = get_peft_model(model, lora)
+    # no KV cache in training (checkpointing turns it off anyway, saying so): on every (sub-)config, as the
+    # language model reads its own text_config
+    for config in {id(c): c for c in (model.config, getattr(model.config, "text_config", None)) if c}.values():
+        config.use_cache = False
     if rank0():
         model.print_trainable_parameters()
 

@@ -169,7 +169,7 @@ def decide_find_unused(
     why = ("every trainable parameter reaches the loss (tied in where it does not)"
            if usage is not None and usage.value else "every trainable parameter is used every step")
     if facts.is_peft and stock:
-        why += "; stock picks True for every PeftModel: an extra graph walk per step"
+        why += "; stock: True for any PeftModel (a graph walk a step)"
     return Decision(False, why, changed=stock is not False)
 
 

@@ -160,7 +160,8 @@ PLAN_DOC = "docs/plan.md"
 
 def fit_line(line: str, anchor: str, width: int = REPORT_WIDTH) -> str:
     """``line`` if it fits ``width`` characters, else its longest head that ends at a clause boundary (``; ``,
-    ``: ``, ``, `` within its last quarter; else a space), its open parentheses closed, then `` … (docs/plan.md#<anchor>)``.
+    ``: ``, ``, ``, else a space, within its last quarter; else where the width ends), its open parentheses
+    closed, then `` … (docs/plan.md#<anchor>)``.
 
     Guarantees: the result has at most ``width`` characters (a link longer than the room aside) and starts with
     the same text as ``line``; a line that fits is returned unchanged."""
@@ -168,15 +169,18 @@ def fit_line(line: str, anchor: str, width: int = REPORT_WIDTH) -> str:
         return line
     link = f" … ({PLAN_DOC}#{anchor})"
     head = line[: max(width - len(link), 0)]
-    clause = max(head.rfind(sep) for sep in ("; ", ": ", ", "))
-    cut = clause if clause > len(head) * 3 // 4 else head.rfind(" ")  # a clause, unless it drops a quarter
-    head = head[:cut] if cut > 0 else head
-    head = head.rstrip(" ,;:")
-    unclosed = max(head.count("(") - head.count(")"), 0)
-    while unclosed and len(head) + unclosed + len(link) > width:  # room for the closing parentheses
-        head = head[: head.rfind(" ")].rstrip(" ,;:")
-        unclosed = max(head.count("(") - head.count(")"), 0)
-    return head + ")" * unclosed + link
+    unclosed = 0
+    for _ in range(8):  # room for the closing parentheses: at most a few rounds
+        room = max(width - len(link) - unclosed, 0)
+        head = line[:room]
+        clause, space = max(head.rfind(sep) for sep in ("; ", ": ", ", ")), head.rfind(" ")
+        # a clause boundary, else a space, unless either drops more than a quarter: then the characters that fit
+        cut = clause if clause > room * 3 // 4 else space if space > room * 3 // 4 else room
+        head = head[:cut].rstrip(" ,;:")
+        if max(head.count("(") - head.count(")"), 0) <= unclosed:
+            break
+        unclosed = head.count("(") - head.count(")")
+    return head + ")" * max(head.count("(") - head.count(")"), 0) + link
 
 
 @dataclass(frozen=True)
