@@ -29,6 +29,7 @@ from .callbacks import default_callbacks, install_callbacks
 from .checkpoints import last_complete_checkpoint
 from .config import DDPFixConfig
 from .errors import readable_ddp_errors
+from .launcher_errors import is_known_error, report_to_launcher
 from .facts import gather_facts
 from .feature_report import FallbackWatch, attach_fallbacks, feature_metrics, never_ran_warning
 from .integrations.fsdp import apply_fsdp_units, join_tied_holders
@@ -101,6 +102,15 @@ def run_with_plan(trainer: Trainer, inner_loop: Callable[..., Any], *args: Any, 
     """
     if getattr(trainer, "_hf_ddpfix_active", False):  # DDPFixTrainer under patch_trainer(): apply once
         return inner_loop(*args, **kwargs)
+    try:
+        return _run_with_plan(trainer, inner_loop, *args, **kwargs)
+    except Exception as exc:
+        if is_known_error(exc):  # the launcher's summary ends with our message, not only "exitcode: 1"
+            report_to_launcher(exc)
+        raise
+
+
+def _run_with_plan(trainer: Trainer, inner_loop: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
     config = _trainer_config(trainer)
     _ensure_log_handler()
     destroy_default_group_at_exit()  # a gloo group left to interpreter shutdown can abort the process
@@ -292,7 +302,11 @@ def patch_trainer(**options: Any) -> None:
     replaces the options); undone by `unpatch_trainer()`.
     """
     global _patch_options, _layer
-    DDPFixConfig.from_env(**options)  # validate now
+    try:
+        DDPFixConfig.from_env(**options)  # validate now
+    except ValueError as exc:
+        report_to_launcher(exc)  # the launcher's summary ends with the setting and its allowed values
+        raise
     _patch_options = dict(options)
     destroy_default_group_at_exit()  # registered early: atexit handlers the user adds later run before it
     if _layer is None:
