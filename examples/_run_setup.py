@@ -29,6 +29,16 @@ def setup_of(args) -> dict:
     return {"model": model, "base": "4bit-nf4" if args.qlora else "full", "lora_r": args.lora_r, "launch": launch}
 
 
+def refuse(message: str) -> None:
+    """Stop the run with ``message``: `SystemExit` (the message on stderr, exit status 1), and under torchrun /
+    `accelerate launch` the message as the launcher's "Root Cause", so it is the last thing printed."""
+    from hf_ddpfix import report_to_launcher
+
+    error = SystemExit(message)
+    report_to_launcher(error)
+    raise error
+
+
 def output_dir_for(args) -> str:
     """`--output-dir`, or `outputs/qwen_vl_lora/<set-up>` when it is not given, so runs of different set-ups
     never share checkpoints (a `--resume` after a `--qlora` run in one folder failed with a size mismatch).
@@ -44,7 +54,7 @@ def output_dir_for(args) -> str:
             before = json.load(f)
         if before != setup:
             diff = ", ".join(f"{k}: {before.get(k)!r} there, {v!r} now" for k, v in setup.items() if before.get(k) != v)
-            raise SystemExit(f"--output-dir {args.output_dir} holds a run of another set-up ({diff}); its "
+            refuse(f"--output-dir {args.output_dir} holds a run of another set-up ({diff}); its "
                              "checkpoints and adapter do not fit this model (e.g. a --qlora run's base has hidden "
                              "size 128, the LoRA base 96: a size mismatch at --resume). Give another --output-dir, or "
                              "leave it out: each set-up gets its own folder under outputs/qwen_vl_lora/.")

@@ -69,6 +69,7 @@ from _run_setup import (  # noqa: E402
     quiet_known_upstream_notices,
     quiet_repeated_upstream_warnings,
     record_setup,
+    refuse,
     saved_base,
 )
 
@@ -289,7 +290,7 @@ def build_hub_data(args):
     ds = load_dataset(args.dataset, split=args.dataset_split)
     missing = {"image", "text"} - set(ds.column_names)
     if missing:
-        raise SystemExit(f"--dataset needs columns image and text; {args.dataset} lacks {sorted(missing)}")
+        refuse(f"--dataset needs columns image and text; {args.dataset} lacks {sorted(missing)}")
     split = ds.train_test_split(test_size=args.eval_size, seed=args.seed)
     return HubRows(split["train"]), HubRows(split["test"])
 
@@ -318,7 +319,7 @@ def main(argv=None) -> dict:
     quiet_repeated_upstream_warnings()
     args.output_dir = output_dir_for(args)
     if args.dataset and not args.model:
-        raise SystemExit("--dataset needs --model: the offline tokenizer only knows the synthetic vocabulary")
+        refuse("--dataset needs --model: the offline tokenizer only knows the synthetic vocabulary")
     if not args.no_fix:
         from hf_ddpfix import patch_trainer
 
@@ -401,7 +402,7 @@ def main(argv=None) -> dict:
 
     if os.environ.get("ACCELERATE_USE_FSDP", "").lower() == "true" and not trainer.is_fsdp_enabled:
         # accelerate 1.15 turns a CPU launch into plain DDP (MULTI_CPU is never promoted to FSDP): say so
-        raise SystemExit("FSDP needs an accelerator: this launch asks for FSDP (accelerate_configs/fsdp.yaml), but "
+        refuse("FSDP needs an accelerator: this launch asks for FSDP (accelerate_configs/fsdp.yaml), but "
                          "accelerate chose plain DDP (on a machine without an accelerator it never runs FSDP). On "
                          "the CPU use ddp_cpu.yaml, zero2.yaml or zero3.yaml (the test suite runs this launch "
                          "through its FSDP test device: docs/fsdp.md).")

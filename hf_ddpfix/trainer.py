@@ -29,12 +29,12 @@ from .callbacks import default_callbacks, install_callbacks
 from .checkpoints import last_complete_checkpoint
 from .config import DDPFixConfig
 from .errors import readable_ddp_errors
-from .launcher_errors import is_known_error, report_to_launcher
 from .facts import gather_facts
 from .feature_report import FallbackWatch, attach_fallbacks, feature_metrics, never_ran_warning
 from .integrations.fsdp import apply_fsdp_units, join_tied_holders
 from .integrations.sequence_parallel.trainer import attach_sequence_parallel
 from .integrations.trainer_hooks import TrainerPatchLayer
+from .launcher_errors import is_known_error, report_to_launcher
 from .ops.dist import destroy_default_group_at_exit
 from .ops.feature_counts import reset as reset_feature_counts
 from .plan.asked import asked_options, not_applied_warning
