@@ -34,7 +34,8 @@ _PACKAGES = ("torch", "transformers", "accelerate", "peft", "trl", "datasets", "
 #: HF_DDPFIX_* variables that are not `DDPFixConfig` options.
 _EXTRA_VARS = {"HF_DDPFIX_DISABLE": "1/true/yes/on: `patches/` (the `PYTHONPATH` zero-code patch, "
                                    "patches/sitecustomize.py) does nothing; 0/false/no/off or unset: it runs; any "
-                                   "other value raises ValueError when transformers.trainer is imported."}
+                                   "other value is a ValueError on every route (patch_trainer, DDPFixTrainer, "
+                                   "patches/, hf-ddpfix plan)."}
 _RELATED_VARS = ("TORCH_DISTRIBUTED_DEBUG", "NCCL_DEBUG", "TORCH_NCCL_ASYNC_ERROR_HANDLING",
                  "TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "OMP_NUM_THREADS", "CUDA_VISIBLE_DEVICES",
                  "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "ACCELERATE_USE_FSDP")

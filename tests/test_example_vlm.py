@@ -199,6 +199,9 @@ def test_example_under_fsdp_yaml_on_cpu_says_fsdp_cannot_run(tmp_path):
     assert "RESULT " not in done.stdout
     assert "FSDP needs an accelerator" in done.stdout, done.stdout[-4000:]
     assert ABORT not in done.stdout, done.stdout[-4000:]
+    # the refusal is the launcher summary's Root Cause, said once there (not only "exitcode: 1")
+    summary = done.stdout[done.stdout.rindex("Failures:"):]
+    assert "Root Cause" in summary and summary.count("FSDP needs an accelerator") == 1, summary
 
 
 def _example_module():

@@ -166,10 +166,10 @@ def decide_find_unused(
         return Decision(False, f"explicit ({source})", changed=stock is not False)
     if unused is not None:
         return Decision(True, unused, changed=stock is not True)
-    why = ("every trainable parameter reaches the loss (tied in where it does not)"
+    why = ("every trainable parameter reaches the loss (tied in where not)"
            if usage is not None and usage.value else "every trainable parameter is used every step")
     if facts.is_peft and stock:
-        why += "; stock: True for any PeftModel (a graph walk a step)"
+        why += "; stock: True for a PeftModel (a graph walk a step)"
     return Decision(False, why, changed=stock is not False)
 
 
