@@ -116,7 +116,8 @@ def main() -> None:
         logging_steps=1, save_strategy="no", report_to=[],
     )
     # offload only where there is device memory to free (on the CPU it is a no-op the plan would warn about)
-    config = DDPFixConfig(offload_activations=torch.accelerator.is_available(), tiled_loss="on", long_context="all")
+    config = DDPFixConfig(offload_activations=torch.accelerator.is_available() or None, tiled_loss="on",
+                          long_context="all")
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", FutureWarning)
         trainer = DDPFixTrainer(model=model, args=training_args, train_dataset=data, ddpfix_config=config)
