@@ -175,6 +175,8 @@ def _doctor(args: argparse.Namespace) -> int:
                               "env": check_env()}
     info, model_error = _model_info(args)
     report["model"] = dataclasses.asdict(info) if info else None
+    if info is not None and args.config_kwargs:
+        report["config_kwargs"] = args.config_kwargs  # the size is the user's, not a default config's
     if model_error:
         report["model_error"] = model_error
     dev = report["devices"]
