@@ -297,23 +297,28 @@ class Plan:
         notes = tuple(f"{name}: {decisions[name].text} -> off at attach time ({fallbacks[name]})" for name in changes)
         return replace(self, **changes, corrections=self.corrections + notes)
 
-    def report(self) -> str:
+    def report(self, width: int | None = REPORT_WIDTH) -> str:
         """Multi-line, human-readable plan: every decision, `*` marks what differs from stock, `!` an option
         asked on that does not run (with its reason; options that are no decision get a line of their own).
 
-        Guarantees: every line fits `REPORT_WIDTH`; a cut one links its section of docs/plan.md (`fit_line`)."""
+        Guarantees: every line fits `width` (default `REPORT_WIDTH`; `None`: the whole reasons, uncut); a cut one
+        links its section of docs/plan.md (`fit_line`)."""
+
+        def fit(line: str, anchor: str) -> str:
+            return line if width is None else fit_line(line, anchor, width)
+
         lines = [f"hf_ddpfix plan ({self.parallel}, world size {self.world_size}):"]
         decisions = self.decisions()
         for name, d in decisions.items():
             if d.value is None:
                 continue
             mark = "!" if name in self.not_applied else "*" if d.changed else " "
-            lines.append(fit_line(f" {mark} {name:<23} = {d.text:<14} {d.reason}", name))
+            lines.append(fit(f" {mark} {name:<23} = {d.text:<14} {d.reason}", name))
         for name, text in self.not_applied.items():
             if name not in decisions:
-                lines.append(fit_line(f" ! {name:<23} = {'off':<14} {text}", "asked-for-not-applied"))
+                lines.append(fit(f" ! {name:<23} = {'off':<14} {text}", "asked-for-not-applied"))
         for c in self.corrections:
-            lines.append(fit_line(f"   corrected: {c}", "corrected"))
+            lines.append(fit(f"   corrected: {c}", "corrected"))
         if self.config_lines:
-            lines.append(fit_line("   settings: " + "; ".join(self.config_lines), "settings"))
+            lines.append(fit("   settings: " + "; ".join(self.config_lines), "settings"))
         return "\n".join(lines)
