@@ -34,7 +34,8 @@ _PACKAGES = ("torch", "transformers", "accelerate", "peft", "trl", "datasets", "
 #: HF_DDPFIX_* variables that are not `DDPFixConfig` options.
 _EXTRA_VARS = {"HF_DDPFIX_DISABLE": "1/true/yes/on: `patches/` (the `PYTHONPATH` zero-code patch, "
                                    "patches/sitecustomize.py) does nothing; 0/false/no/off or unset: it runs; any "
-                                   "other value raises ValueError when transformers.trainer is imported."}
+                                   "other value is a ValueError on every route (patch_trainer, DDPFixTrainer, "
+                                   "patches/, hf-ddpfix plan)."}
 _RELATED_VARS = ("TORCH_DISTRIBUTED_DEBUG", "NCCL_DEBUG", "TORCH_NCCL_ASYNC_ERROR_HANDLING",
                  "TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "OMP_NUM_THREADS", "CUDA_VISIBLE_DEVICES",
                  "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "ACCELERATE_USE_FSDP")
@@ -174,6 +175,8 @@ def _doctor(args: argparse.Namespace) -> int:
                               "env": check_env()}
     info, model_error = _model_info(args)
     report["model"] = dataclasses.asdict(info) if info else None
+    if info is not None and args.config_kwargs:
+        report["config_kwargs"] = args.config_kwargs  # the size is the user's, not a default config's
     if model_error:
         report["model_error"] = model_error
     dev = report["devices"]
@@ -242,7 +245,7 @@ def _print_doctor(r: dict[str, Any], torch: Any) -> None:
         shape = f", {m['num_layers']} layers, hidden {m['hidden_size']}" if m["num_layers"] else ""
         kind = (" VLM" + (f" (adapter {m['vlm_adapter']})" if m["vlm_adapter"] else "")) if m["is_vlm"] else ""
         p(f"  model: {m['source']} ({m['model_type']}{kind}{', MoE' if m['is_moe'] else ''}): "
-          f"{m['num_params'] / 1e9:.3f}B params{shape}")
+          f"{m['num_params'] / 1e9:.3f}B params{shape}{_default_config_note(m['source'], r.get('config_kwargs'))}")
     rec = r.get("recommendation")
     if rec:
         p(f"  recommendation: {rec['mode'].upper()} on {rec['world_size']} device(s)"
@@ -342,11 +345,21 @@ def _plan(args: argparse.Namespace) -> int:
         return 0
     if info is not None:
         print(f"model: {info.source} ({info.model_type}{', VLM' if info.is_vlm else ''}"
-              f"{', MoE' if info.is_moe else ''}), {info.num_params / 1e9:.3f}B params")
+              f"{', MoE' if info.is_moe else ''}), {info.num_params / 1e9:.3f}B params"
+              f"{_default_config_note(info.source, args.config_kwargs)}")
     print(plan.report())
     if plan.parallel == "ddp":
         print(f"DDP kwargs: {plan.ddp_kwargs()}")
     return 0
+
+
+def _default_config_note(source: str, config_kwargs: Any = None) -> str:
+    """What the size means when `--model` named a model type or a config class: transformers' default config of
+    that type (`qwen2_5_vl` is a 75.8 B model), not a checkpoint of yours."""
+    if os.path.exists(source) or "/" in source or config_kwargs:
+        return ""
+    return (f" -- the default config of {source!r}, not your checkpoint: pass its config.json, its folder, a Hub "
+            "id or --config-kwargs for your size")
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -355,7 +368,7 @@ def _parser() -> argparse.ArgumentParser:
 
     def model_args(p: argparse.ArgumentParser) -> None:
         p.add_argument("--model", help="config.json path, model folder, config class (LlamaConfig), "
-                       "model type (llama), or Hub id (needs the network)")
+                       "model type (llama; its default config: qwen2_5_vl is 75.8 B), or Hub id (needs the network)")
         p.add_argument("--config-kwargs", help='JSON object of config overrides, e.g. \'{"hidden_size": 64}\'')
         p.add_argument("--params", type=float, help="parameter count when no config is at hand, e.g. 7e9")
         p.add_argument("--full", action="store_true", help="full fine-tune (default: LoRA / adapters)")
@@ -390,8 +403,9 @@ def _parser() -> argparse.ArgumentParser:
                    help="bnb_4bit_quant_storage (default uint8)")
     p.add_argument("--mixed-precision", choices=["no", "bf16", "fp16"], default="no",
                    help="TrainingArguments bf16/fp16: the dtype FSDP / DeepSpeed cast parameters to")
-    p.add_argument("--fsdp-version", type=int, choices=[1, 2], default=2)
-    p.add_argument("--zero-stage", type=int, choices=[0, 1, 2, 3], default=3)
+    p.add_argument("--fsdp-version", type=int, choices=[1, 2], default=2, help="under --parallel fsdp (default: 2)")
+    p.add_argument("--zero-stage", type=int, choices=[0, 1, 2, 3], default=3,
+                   help="under --parallel deepspeed (default: 3)")
     p.add_argument("--placement", help="devices one rank's hf_device_map names, e.g. 'cuda:0,cuda:1' "
                    "(device_map='auto' on a 2-GPU node)")
     p.add_argument("--set", action="append", metavar="OPTION=VALUE",
@@ -403,7 +417,21 @@ def _parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of `hf-ddpfix` and `python -m hf_ddpfix`. Returns the exit status."""
     args = _parser().parse_args(argv)
+    _quiet_bitsandbytes_kernels_notice()
     return int(args.func(args) or 0)
+
+
+def _quiet_bitsandbytes_kernels_notice() -> None:
+    """bitsandbytes 0.50, imported by peft whenever it is installed, logs "Failed to load CPU gemm_4bit_forward
+    from kernels-community ..." on a CPU without the optional `kernels` package (it then uses its own kernel);
+    the CLI quantizes nothing, so that one message of that one logger is dropped (docs/examples.md)."""
+    import logging
+
+    class _Drop(logging.Filter):
+        def filter(self, record: logging.LogRecord) -> bool:
+            return not str(record.msg).startswith("Failed to load CPU gemm_4bit_forward from kernels-community")
+
+    logging.getLogger("bitsandbytes.backends.cpu.ops").addFilter(_Drop())
 
 
 if __name__ == "__main__":  # pragma: no cover
