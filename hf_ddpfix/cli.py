@@ -269,23 +269,116 @@ def _tri(value: str | None) -> bool | None:
     return parse_bool("flag", value, allow_auto=True)
 
 
-def build_facts(args: argparse.Namespace, info: ModelInfo | None) -> Any:
-    """`RunFacts` for `hf-ddpfix plan` from the command line and the model description."""
+def build_facts(args: argparse.Namespace, info: ModelInfo | None, model: Any = None, plugin: Any = None) -> Any:
+    """`RunFacts` for `hf-ddpfix plan` from the command line and the model description.
+
+    With ``model`` (the meta-device model built from ``--model``, LoRA applied where ``--lora-targets`` names it),
+    the model's facts are read from it by the run's own functions (`facts.model_facts`; under FSDP,
+    `integrations.fsdp.fsdp_facts` with ``plugin``, the plugin the launch would build); a LoRA run whose targets
+    are not given keeps the flags (``--train-vision``, ``--train-experts``)."""
     from .plan.types import RunFacts
 
     world = args.world_size
-    parallel = args.parallel or ("single" if world == 1 else "ddp")
+    parallel = _parallel(args)
     ckpt = args.checkpointing
     is_vlm = bool(info and info.is_vlm)
+    from_model: dict[str, Any] = {}
+    if model is not None:
+        from .facts import model_facts
+
+        from_model = model_facts(model, parallel)
+        if not args.full and not args.lora_targets:  # a LoRA run whose adapter the command line does not describe
+            from_model.update(is_peft=True, trainable_vision_params=from_model["is_vlm"] and args.train_vision,
+                              conditional_params=bool(info and info.is_moe and args.train_experts))
+        if parallel == "fsdp" and plugin is not None:
+            from .integrations.fsdp import fsdp_facts
+
+            from_model["fsdp"] = fsdp_facts(plugin, model)
+    else:
+        from_model = dict(
+            is_peft=not args.full, is_vlm=is_vlm,
+            vlm_adapter=(info.zero_vlm_adapter if parallel == "deepspeed" else info.vlm_adapter) if info else None,
+            trainable_vision_params=is_vlm and (args.train_vision or args.full),
+            conditional_params=bool(info and info.is_moe and (args.full or args.train_experts)))
     return RunFacts(
-        parallel=parallel, world_size=world, checkpointing=ckpt, is_peft=not args.full, is_vlm=is_vlm,
-        vlm_adapter=(info.zero_vlm_adapter if parallel == "deepspeed" else info.vlm_adapter) if info else None,
-        trainable_vision_params=is_vlm and (args.train_vision or args.full),
-        conditional_params=bool(info and info.is_moe and (args.full or args.train_experts)),
+        parallel=parallel, world_size=world, checkpointing=ckpt, **from_model,
         grad_accum_steps=args.ga, user_find_unused=_tri(args.find_unused), user_static_graph=_tri(args.static_graph),
         user_reentrant={"reentrant": True, "non_reentrant": False}.get(ckpt), offload_requested=args.offload,
         accelerator_available=not args.cpu, **_quant_facts(args, info, parallel),
     )
+
+
+def _parallel(args: argparse.Namespace) -> str:
+    return args.parallel or ("single" if args.world_size == 1 else "ddp")
+
+
+#: The ``fsdp_config`` of accelerate_configs/fsdp.yaml, used for ``--parallel fsdp`` without ``--accelerate-config``.
+DEFAULT_FSDP_CONFIG = {"fsdp_version": 2, "fsdp_auto_wrap_policy": "TRANSFORMER_BASED_WRAP",
+                       "fsdp_reshard_after_forward": True, "fsdp_cpu_ram_efficient_loading": True,
+                       "fsdp_offload_params": False}
+
+
+def _launch_config(args: argparse.Namespace) -> None:
+    """Fill ``--parallel``, ``--world-size`` and ``--mixed-precision`` from ``--accelerate-config`` (what
+    ``accelerate launch --config_file`` would give the run) where the command line leaves them unset; keep the
+    file's ``fsdp_config`` on ``args``."""
+    import yaml
+
+    args.fsdp_config = None
+    if args.accelerate_config:
+        try:
+            with open(args.accelerate_config) as f:
+                data = yaml.safe_load(f) or {}
+        except OSError as e:
+            raise SystemExit(f"hf-ddpfix: --accelerate-config: cannot read {args.accelerate_config}: {e}") from None
+        kind = str(data.get("distributed_type", "")).upper()
+        if args.parallel is None:
+            args.parallel = {"FSDP": "fsdp", "DEEPSPEED": "deepspeed", "MULTI_GPU": "ddp", "MULTI_CPU": "ddp",
+                             "NO": "single"}.get(kind)
+        if args.world_size is None and data.get("num_processes"):
+            args.world_size = int(data["num_processes"])
+        if args.mixed_precision is None and data.get("mixed_precision"):
+            args.mixed_precision = str(data["mixed_precision"])
+        if kind == "FSDP":
+            args.fsdp_config = dict(data.get("fsdp_config") or {})
+            args.fsdp_version = int(args.fsdp_config.get("fsdp_version", 1))
+    if args.world_size is None:
+        args.world_size = 2
+    if args.mixed_precision is None:
+        args.mixed_precision = "no"
+    if args.parallel == "fsdp":
+        cfg = dict(args.fsdp_config if args.fsdp_config is not None else DEFAULT_FSDP_CONFIG)
+        if args.accelerate_config is None:
+            cfg["fsdp_version"] = args.fsdp_version
+        if args.wrap_classes is not None:
+            cfg["fsdp_transformer_layer_cls_to_wrap"] = args.wrap_classes
+        args.fsdp_config = cfg
+
+
+def _meta_model(args: argparse.Namespace) -> tuple[ModelInfo | None, Any, str | None]:
+    """``(info, model, error)``: ``--model`` built on the meta device in ``--dtype``, with a LoRA adapter on
+    ``--lora-targets`` (peft's ``get_peft_model``), or ``--params`` alone (no model)."""
+    from ._advice import build_meta_model, describe_built
+
+    if not args.model:
+        info, error = _model_info(args)
+        return info, None, error
+    try:
+        config, model = build_meta_model(args.model, _json_kwargs(args.config_kwargs), args.dtype)
+    except ValueError as e:
+        return None, None, str(e)
+    info = describe_built(args.model, config, model)
+    if args.lora_targets and not args.full:
+        from peft import LoraConfig, get_peft_model
+
+        targets = args.lora_targets
+        if targets != "all-linear" and "," in targets or targets.isidentifier():
+            targets = [t.strip() for t in targets.split(",")]
+        try:
+            model = get_peft_model(model, LoraConfig(r=args.lora_r, lora_alpha=2 * args.lora_r, target_modules=targets))
+        except ValueError as e:
+            return None, None, f"--lora-targets {args.lora_targets!r}: {e}"
+    return info, model, None
 
 
 def _quant_facts(args: argparse.Namespace, info: ModelInfo | None, parallel: str) -> dict[str, Any]:
@@ -318,7 +411,8 @@ def _plan(args: argparse.Namespace) -> int:
     from .plan.resolve import resolve_plan
     from .plan.types import PlanError
 
-    info, model_error = _model_info(args)
+    _launch_config(args)
+    info, model, model_error = _meta_model(args)
     if model_error:
         print(f"hf-ddpfix: {model_error}", file=sys.stderr)
         return 2
@@ -326,27 +420,68 @@ def _plan(args: argparse.Namespace) -> int:
     for item in args.set or []:
         key, _, value = item.partition("=")
         explicit[key.strip()] = value.strip()
+    plugin = None
     try:
         config = DDPFixConfig.from_env(**explicit)
-        facts = build_facts(args, info)
+        if _parallel(args) == "fsdp":
+            from ._compat import fsdp_plugin_from_launch
+
+            plugin = fsdp_plugin_from_launch(args.fsdp_config)
+            args.fsdp_version = int(plugin.fsdp_version)
+        facts = build_facts(args, info, model, plugin)
         plan = resolve_plan(facts, config)
     except (ValueError, PlanError) as e:
         print(f"hf-ddpfix: {e}", file=sys.stderr)
         return 2
+    layout = _fsdp_layout(plan, facts, model, plugin, args.world_size)
     if args.json:
         out = {"facts": dataclasses.asdict(facts), "ddp_kwargs": plan.ddp_kwargs(),
                "decisions": {k: dataclasses.asdict(d) for k, d in plan.decisions().items()},
                "corrections": list(plan.corrections), "not_applied": dict(plan.not_applied),
-               "report": plan.report()}
+               "report": plan.report(), "model": dataclasses.asdict(info) if info else None,
+               "fsdp_layout": dataclasses.asdict(layout) if layout else None}
         print(json.dumps(out, indent=2, default=str))
         return 0
     if info is not None:
-        print(f"model: {info.source} ({info.model_type}{', VLM' if info.is_vlm else ''}"
-              f"{', MoE' if info.is_moe else ''}), {info.num_params / 1e9:.3f}B params")
+        print(_model_line(info))
     print(plan.report())
     if plan.parallel == "ddp":
         print(f"DDP kwargs: {plan.ddp_kwargs()}")
+    for line in layout.lines() if layout else ():
+        print(line)
     return 0
+
+
+def _model_line(info: ModelInfo) -> str:
+    kind = f"{info.model_type}{', VLM' if info.is_vlm else ''}{', MoE' if info.is_moe else ''}"
+    size = f"{info.num_params / 1e9:.3f}B" if info.num_params >= 1e8 else f"{info.num_params / 1e6:.3f}M"
+    line = f"model: {info.source} ({kind}), {size} params, {info.dtype} on the meta device"
+    if info.default_config:
+        line += (f" -- the DEFAULT config of {info.model_type!r}, not a checkpoint's: pass the model's config.json / "
+                 "folder / hub id (or --config-kwargs) for its real size")
+    return line
+
+
+def _fsdp_layout(plan: Any, facts: Any, model: Any, plugin: Any, world: int) -> Any:
+    """Under FSDP2 with a model: the units accelerate makes with the plan's classes, sharded at ``world`` ranks
+    (rank 0) on a meta copy (`integrations.fsdp.scale.shard_layout`); ``None`` otherwise or when accelerate's
+    prepare refuses (the plan already says why: e.g. a class the model lacks in an explicit list)."""
+    if model is None or plugin is None or plan.parallel != "fsdp" or getattr(facts, "fsdp_version", 2) != 2:
+        return None
+    import copy
+
+    from ._compat import set_fsdp_wrap_classes
+    from .integrations.fsdp.scale import shard_layout
+    from .plan.fsdp import fsdp_unit_classes, fsdp_units_ours
+
+    plugin = copy.copy(plugin)
+    if fsdp_units_ours(plan.fsdp_units):  # what the run's applier hands accelerate (runtime.attach_runtime)
+        set_fsdp_wrap_classes(plugin, fsdp_unit_classes(plan.fsdp_units))
+    try:
+        return shard_layout(model, plugin, world, join_shared=bool(plan.fsdp_shared.value))
+    except (ValueError, RuntimeError) as e:
+        print(f"hf-ddpfix: per-rank bytes not measured: {type(e).__name__}: {e}", file=sys.stderr)
+        return None
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -378,8 +513,17 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--find-unused", help="ddp_find_unused_parameters: true/false (default: unset)")
     p.add_argument("--static-graph", help="ddp_static_graph: true/false (default: unset)")
     p.add_argument("--ga", type=int, default=1, help="gradient_accumulation_steps")
-    p.add_argument("--world-size", type=int, default=2)
+    p.add_argument("--world-size", type=int, help="processes of the run (default: --accelerate-config's "
+                   "num_processes, else 2); under FSDP2 the per-rank bytes of the units are printed for it")
     p.add_argument("--parallel", choices=["single", "ddp", "fsdp", "deepspeed"])
+    p.add_argument("--accelerate-config", help="the accelerate yaml the run is launched with (distributed_type, "
+                   "num_processes, mixed_precision, fsdp_config); default under --parallel fsdp: fsdp.yaml's settings")
+    p.add_argument("--wrap-classes", help="fsdp_transformer_layer_cls_to_wrap, e.g. 'LlamaDecoderLayer,SiglipEncoderLayer'")
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
+                   help="dtype of the model's parameters (auto: the config's dtype, else float32)")
+    p.add_argument("--lora-targets", help="LoRA target_modules of the run (comma list, a regex or all-linear): the "
+                   "adapter is put on the meta model and the plan reads its trainable parameters")
+    p.add_argument("--lora-r", type=int, default=8, help="LoRA rank for --lora-targets")
     p.add_argument("--train-vision", action="store_true", help="LoRA/training on the vision tower or merger")
     p.add_argument("--train-experts", action="store_true", help="MoE experts are trainable (LoRA on them)")
     p.add_argument("--offload", action="store_true", help="activation_checkpointing_kwargs={'offload': True}")
@@ -388,7 +532,7 @@ def _parser() -> argparse.ArgumentParser:
                    help="bitsandbytes base weights (BitsAndBytesConfig load_in_4bit / load_in_8bit)")
     p.add_argument("--quant-storage", default="uint8", choices=["uint8", "bfloat16", "float16", "float32"],
                    help="bnb_4bit_quant_storage (default uint8)")
-    p.add_argument("--mixed-precision", choices=["no", "bf16", "fp16"], default="no",
+    p.add_argument("--mixed-precision", choices=["no", "bf16", "fp16"],
                    help="TrainingArguments bf16/fp16: the dtype FSDP / DeepSpeed cast parameters to")
     p.add_argument("--fsdp-version", type=int, choices=[1, 2], default=2)
     p.add_argument("--zero-stage", type=int, choices=[0, 1, 2, 3], default=3)
