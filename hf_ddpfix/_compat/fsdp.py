@@ -299,9 +299,13 @@ def fsdp_groups(model: nn.Module) -> list[tuple[tuple[nn.Module, ...], list[tupl
     ``named_modules`` order: ``(modules, [(full numel, local numel incl. padding, element size)] per parameter,
     reshards after forward)``. Reads torch 2.13's ``FSDPModule._get_fsdp_state()._fsdp_param_group``
     (``fsdp_params[i]._orig_size`` / ``_sharded_param_data``, ``post_forward_mesh_info``: ``None`` when the group
-    stays gathered from its forward to its backward)."""
+    stays gathered from its forward to its backward). The root's group, sharded without a
+    ``reshard_after_forward`` (accelerate 1.15 leaves it to torch), stays gathered too: torch's lazy init sets its
+    ``post_forward_mesh_info`` to ``None`` at the first forward when ``_auto_reshard_after_forward`` is set
+    (``FSDPState._lazy_init``), which has not run on a model that never ran a forward."""
     from torch.distributed.fsdp import FSDPModule
 
+    root = model._get_fsdp_state() if isinstance(model, FSDPModule) else None
     seen: set[int] = set()
     out = []
     for mod in model.modules():
@@ -314,5 +318,6 @@ def fsdp_groups(model: nn.Module) -> list[tuple[tuple[nn.Module, ...], list[tupl
         seen.add(id(group))
         params = [(fp._orig_size.numel(), fp._sharded_param_data.numel(), fp.sharded_param.element_size())
                   for fp in group.fsdp_params]
-        out.append((tuple(group.modules), params, group.post_forward_mesh_info is not None))
+        held = group.post_forward_mesh_info is None or (state is root and bool(state._auto_reshard_after_forward))
+        out.append((tuple(group.modules), params, not held))
     return out

@@ -7,9 +7,10 @@ its full bytes (what an all-gather materialises), the bytes this rank stores (it
 stays gathered from its forward to its backward (accelerate 1.15: the root and ``[final norm, head]``). Used by
 ``hf-ddpfix plan --parallel fsdp --world-size N`` and tests/test_fsdp_scale.py.
 
-Guarantees (tests/test_fsdp_scale.py): the stored bytes are each rank's real shard (equal to ``fully_shard``'s
-``to_local()`` sizes plus padding; summed over the ranks they are the model's bytes, padding aside); the model
-passed in is left unchanged (a fresh meta copy is sharded); nothing outlives the call (the fake group is destroyed).
+Guarantees (tests/test_fsdp_scale.py): the stored bytes are each rank's real shard (``fully_shard``'s ``to_local()``
+padded to the chunk: ``ceil(rows / N)`` rows of every parameter; the ``to_local()`` sizes of all ranks add up to the
+model); the model passed in is left unchanged (a fresh meta copy is sharded); nothing outlives the call (the fake
+group is destroyed).
 """
 
 from __future__ import annotations
