@@ -294,6 +294,7 @@ def _dtype(config: Any, dtype: str | None) -> Any:
 
 def _meta_model(config: Any, dtype: Any = None) -> Any:
     import torch
+    import transformers
     from transformers import AutoModel, AutoModelForCausalLM
 
     classes: list[Any] = [AutoModelForCausalLM]
@@ -303,12 +304,18 @@ def _meta_model(config: Any, dtype: Any = None) -> Any:
         classes.insert(0 if getattr(config, "vision_config", None) is not None else 1, AutoModelForImageTextToText)
     except ImportError:  # pragma: no cover - older transformers
         pass
+    if getattr(config, "is_encoder_decoder", False):
+        classes.insert(0, transformers.AutoModelForSeq2SeqLM)
+    # a checkpoint's config.json names the class it was saved from: the model users load
+    named = [getattr(transformers, a, None) for a in (getattr(config, "architectures", None) or [])]
+    classes = [c for c in named if isinstance(c, type)] + classes
     classes.append(AutoModel)
     last: Exception | None = None
     for cls in classes:
         try:
+            make = cls.from_config if hasattr(cls, "from_config") else cls._from_config  # auto class / model class
             with torch.device("meta"):
-                return cls.from_config(config, **({"dtype": dtype} if dtype is not None else {}))
+                return make(config, **({"dtype": dtype} if dtype is not None else {}))
         except Exception as e:  # noqa: BLE001 - try the next auto class
             last = e
     raise ValueError(f"cannot build {type(config).__name__} on the meta device: {last}; pass --params instead")

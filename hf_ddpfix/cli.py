@@ -330,7 +330,7 @@ def _launch_config(args: argparse.Namespace) -> None:
             with open(args.accelerate_config) as f:
                 data = yaml.safe_load(f) or {}
         except OSError as e:
-            raise SystemExit(f"hf-ddpfix: --accelerate-config: cannot read {args.accelerate_config}: {e}") from None
+            raise ValueError(f"--accelerate-config: cannot read {args.accelerate_config}: {e}") from None
         kind = str(data.get("distributed_type", "")).upper()
         if args.parallel is None:
             args.parallel = {"FSDP": "fsdp", "DEEPSPEED": "deepspeed", "MULTI_GPU": "ddp", "MULTI_CPU": "ddp",
@@ -371,11 +371,14 @@ def _meta_model(args: argparse.Namespace) -> tuple[ModelInfo | None, Any, str | 
     if args.lora_targets and not args.full:
         from peft import LoraConfig, get_peft_model
 
-        targets = args.lora_targets
-        if targets != "all-linear" and "," in targets or targets.isidentifier():
+        targets: Any = args.lora_targets
+        if targets != "all-linear" and ("," in targets or targets.isidentifier()):  # else a regex
             targets = [t.strip() for t in targets.split(",")]
+        extra = {"target_parameters": [t.strip() for t in args.lora_target_parameters.split(",")]
+                 } if args.lora_target_parameters else {}
         try:
-            model = get_peft_model(model, LoraConfig(r=args.lora_r, lora_alpha=2 * args.lora_r, target_modules=targets))
+            model = get_peft_model(model, LoraConfig(r=args.lora_r, lora_alpha=2 * args.lora_r, target_modules=targets,
+                                                     **extra))
         except ValueError as e:
             return None, None, f"--lora-targets {args.lora_targets!r}: {e}"
     return info, model, None
@@ -411,7 +414,11 @@ def _plan(args: argparse.Namespace) -> int:
     from .plan.resolve import resolve_plan
     from .plan.types import PlanError
 
-    _launch_config(args)
+    try:
+        _launch_config(args)
+    except ValueError as e:
+        print(f"hf-ddpfix: {e}", file=sys.stderr)
+        return 2
     info, model, model_error = _meta_model(args)
     if model_error:
         print(f"hf-ddpfix: {model_error}", file=sys.stderr)
@@ -523,6 +530,8 @@ def _parser() -> argparse.ArgumentParser:
                    help="dtype of the model's parameters (auto: the config's dtype, else float32)")
     p.add_argument("--lora-targets", help="LoRA target_modules of the run (comma list, a regex or all-linear): the "
                    "adapter is put on the meta model and the plan reads its trainable parameters")
+    p.add_argument("--lora-target-parameters", help="LoRA target_parameters with --lora-targets (peft: fused MoE "
+                   "expert tensors, e.g. 'mlp.experts.gate_up_proj,mlp.experts.down_proj')")
     p.add_argument("--lora-r", type=int, default=8, help="LoRA rank for --lora-targets")
     p.add_argument("--train-vision", action="store_true", help="LoRA/training on the vision tower or merger")
     p.add_argument("--train-experts", action="store_true", help="MoE experts are trainable (LoRA on them)")
