@@ -281,8 +281,8 @@ def test_plan_under_fsdp_reads_the_model_and_the_launch_as_the_run_does(capsys, 
     assert plan["decisions"]["fsdp_units"]["value"] is False, plan["decisions"]["fsdp_units"]
     names = [u["name"] for u in plan["fsdp_layout"]["units"]]
     assert "model.visual.blocks.0" in names and "model.language_model.layers.1" in names, names
-    rc, _ = _run(capsys, "plan", "--model", str(folder), "--accelerate-config", str(tmp_path / "missing.yaml"))
-    assert rc == 2 and "cannot read" in capsys.readouterr().err
+    rc = main(["plan", "--model", str(folder), "--accelerate-config", str(tmp_path / "missing.yaml")])
+    assert rc == 2 and "--accelerate-config: cannot read" in capsys.readouterr().err
 
 
 def test_plan_says_when_it_built_a_default_config_and_which_size(capsys):
