@@ -313,9 +313,15 @@ def _meta_model(config: Any, dtype: Any = None) -> Any:
     last: Exception | None = None
     for cls in classes:
         try:
-            make = cls.from_config if hasattr(cls, "from_config") else cls._from_config  # auto class / model class
             with torch.device("meta"):
-                return make(config, **({"dtype": dtype} if dtype is not None else {}))
+                if hasattr(cls, "from_config"):  # an auto class
+                    return cls.from_config(config, **({"dtype": dtype} if dtype is not None else {}))
+                default = torch.get_default_dtype()  # a model class: built in the default dtype
+                torch.set_default_dtype(dtype or default)
+                try:
+                    return cls(config)
+                finally:
+                    torch.set_default_dtype(default)
         except Exception as e:  # noqa: BLE001 - try the next auto class
             last = e
     raise ValueError(f"cannot build {type(config).__name__} on the meta device: {last}; pass --params instead")
