@@ -440,7 +440,7 @@ def _plan(args: argparse.Namespace) -> int:
     except (ValueError, PlanError) as e:
         print(f"hf-ddpfix: {e}", file=sys.stderr)
         return 2
-    layout = _fsdp_layout(plan, facts, model, plugin, args.world_size)
+    layout = _fsdp_layout(plan, facts, model, plugin, args.world_size, args.mixed_precision)
     if args.json:
         out = {"facts": dataclasses.asdict(facts), "ddp_kwargs": plan.ddp_kwargs(),
                "decisions": {k: dataclasses.asdict(d) for k, d in plan.decisions().items()},
@@ -469,7 +469,7 @@ def _model_line(info: ModelInfo) -> str:
     return line
 
 
-def _fsdp_layout(plan: Any, facts: Any, model: Any, plugin: Any, world: int) -> Any:
+def _fsdp_layout(plan: Any, facts: Any, model: Any, plugin: Any, world: int, mixed_precision: str = "no") -> Any:
     """Under FSDP2 with a model: the units accelerate makes with the plan's classes, sharded at ``world`` ranks
     (rank 0) on a meta copy (`integrations.fsdp.scale.shard_layout`); ``None`` otherwise or when accelerate's
     prepare refuses (the plan already says why: e.g. a class the model lacks in an explicit list)."""
@@ -485,7 +485,8 @@ def _fsdp_layout(plan: Any, facts: Any, model: Any, plugin: Any, world: int) -> 
     if fsdp_units_ours(plan.fsdp_units):  # what the run's applier hands accelerate (runtime.attach_runtime)
         set_fsdp_wrap_classes(plugin, fsdp_unit_classes(plan.fsdp_units))
     try:
-        return shard_layout(model, plugin, world, join_shared=bool(plan.fsdp_shared.value))
+        return shard_layout(model, plugin, world, join_shared=bool(plan.fsdp_shared.value),
+                            mixed_precision=mixed_precision)
     except (ValueError, RuntimeError) as e:
         print(f"hf-ddpfix: per-rank bytes not measured: {type(e).__name__}: {e}", file=sys.stderr)
         return None

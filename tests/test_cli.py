@@ -271,6 +271,10 @@ def test_plan_under_fsdp_reads_the_model_and_the_launch_as_the_run_does(capsys, 
     assert layout["total_bytes"] == sum(p.numel() * p.element_size() for p in model.parameters())
     assert sum(u["local_bytes"] for u in layout["units"]) == sum(
         math.ceil(p.shape[0] / 4) * (p.numel() // p.shape[0]) * p.element_size() for p in model.parameters())
+    # mixed precision bf16 (fsdp.yaml's): accelerate stores the trainable parameters of a full fine-tune in float32
+    rc, out = _run(capsys, "plan", "--model", str(folder), "--parallel", "fsdp", "--cpu", "--full", "--dtype",
+                   "bfloat16", "--mixed-precision", "bf16", "--json")
+    assert json.loads(out)["fsdp_layout"]["total_bytes"] == 4 * sum(p.numel() for p in model.parameters())
     # the launch's yaml: FSDP, 2 processes; an explicit wrap list that names the vision blocks is kept (as in stock)
     rc, out = _run(capsys, "plan", "--model", str(folder), "--accelerate-config",
                    str(ROOT / "accelerate_configs" / "fsdp.yaml"), "--cpu", "--wrap-classes",

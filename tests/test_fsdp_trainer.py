@@ -18,7 +18,9 @@
   layer calls as the stock run; BART's tied ``shared`` tensor (also ``encoder.embed_tokens``' and
   ``decoder.embed_tokens``', which stock accelerate leaves in the root: "already managed by another FSDP group")
   joins one group (``fsdp_shared``), and every tie is still one tensor after training, as under DDP;
-- stock FSDP on the same mixed batches crashes (a stock cell).
+- stock FSDP on the same mixed batches crashes (a stock cell);
+- ``hf-ddpfix plan`` prints, for each family of both fixed launches, the plan block the run printed, line for line
+  (tests/plan_parity.py; ~20 s for the 18 families, in-process, meta-device models; issue 36 item 4).
 - the same launches also run InternVL, Mistral 3 (accumulation 2) and three VLMs no other test in the repository
   names: LLaVA-NeXT (any-resolution tiles), GOT-OCR 2 (SAM-style tower; its ``_no_split_modules``
   names the decoder layer only, so stock keeps the tower in the root and fails on the root's reduce-scatter,

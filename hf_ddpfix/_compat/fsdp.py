@@ -273,18 +273,19 @@ class fake_process_group:  # noqa: N801 - a context manager used like a function
             dist.destroy_process_group()
 
 
-def prepare_like_accelerate(model: nn.Module, plugin: Any) -> nn.Module:
+def prepare_like_accelerate(model: nn.Module, plugin: Any, mixed_precision: str = "no") -> nn.Module:
     """Shard ``model`` (on the meta device, inside a process group) with accelerate's own ``fsdp2_prepare_model``
     (accelerate 1.15: the plugin's wrap policy over ``get_module_children_bottom_up``, the carved input embedding
-    and ``[final norm, head]`` units, the root last), through a stand-in accelerator: mixed precision ``"no"``
-    (parameters keep their dtype), no device mesh, and ``cpu_ram_efficient_loading`` off for the call (its
-    rank-0 broadcast needs real weights; the units do not depend on it). Returns the sharded model."""
+    and ``[final norm, head]`` units, the root last), through a stand-in accelerator: the launch's
+    ``mixed_precision`` (other than ``"no"``, accelerate stores trainable parameters in float32), no device mesh,
+    and ``cpu_ram_efficient_loading`` off for the call (its rank-0 broadcast needs real weights; the units do not
+    depend on it). Returns the sharded model."""
     from types import SimpleNamespace
 
     import torch
     from accelerate.utils.fsdp_utils import fsdp2_prepare_model
 
-    accelerator = SimpleNamespace(state=SimpleNamespace(fsdp_plugin=plugin), mixed_precision="no",
+    accelerator = SimpleNamespace(state=SimpleNamespace(fsdp_plugin=plugin), mixed_precision=mixed_precision,
                                   is_main_process=False, device=torch.device("meta"), torch_device_mesh=None)
     ram = getattr(plugin, "cpu_ram_efficient_loading", False)
     plugin.cpu_ram_efficient_loading = False

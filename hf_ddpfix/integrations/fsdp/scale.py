@@ -24,9 +24,11 @@ from torch import nn
 
 from ..._compat import fake_process_group, fsdp_groups, join_shared_holders, prepare_like_accelerate
 
-__all__ = ["ShardLayout", "UnitBytes", "shard_layout"]
+__all__ = ["UNSHARDED", "ShardLayout", "UnitBytes", "shard_layout"]
 
 GiB = 2**30
+#: The pseudo-unit of the parameters FSDP does not shard (stored whole on every rank).
+UNSHARDED = "(not sharded)"
 
 
 @dataclass(frozen=True)
@@ -44,7 +46,8 @@ class UnitBytes:
 class ShardLayout:
     """The units of one sharded model as rank ``rank`` of ``world_size`` stores them.
 
-    ``shard_bytes``: what the rank stores between steps (every unit's shard). ``peak_bytes``: during a forward, the
+    ``shard_bytes``: what the rank stores between steps (every unit's shard, and the parameters FSDP leaves whole:
+    the pseudo-unit :data:`UNSHARDED`). ``peak_bytes``: during a forward, the
     shard plus every held unit gathered (root, ``[norm, head]``) plus the largest other unit gathered (one at a time;
     prefetching gathers the next one early, which the bound below leaves out). ``total_bytes``: the whole model."""
 
@@ -82,7 +85,7 @@ class ShardLayout:
         root = self.root
         held = [u for u in self.units if u.held and u is not root]
         big = self.largest_unit
-        out = [f"fsdp2 units at world size {self.world_size} (rank {self.rank}, parameters as stored; "
+        out = [f"fsdp2 units at world size {self.world_size} (rank {self.rank}, parameters as FSDP stores them; "
                f"accelerate's fsdp2_prepare_model on the meta device): {len(self.units)} units, model "
                f"{_size(self.total_bytes)}",
                f"  per rank: shard {_size(self.shard_bytes)}; peak in a forward {_size(self.peak_bytes)} (the shard "
@@ -90,6 +93,9 @@ class ShardLayout:
                f"  root unit (gathered for the whole forward): {_size(root.full_bytes) if root else '0 B'}"]
         if held:
             out.append("  also held gathered: " + ", ".join(f"[{u.name}] {_size(u.full_bytes)}" for u in held))
+        whole = next((u for u in self.units if u.name == UNSHARDED), None)
+        if whole is not None:
+            out.append(f"  not sharded by FSDP (whole on every rank): {_size(whole.full_bytes)}")
         out.append(f"  largest unit: [{big.name or 'root'}] {_size(big.full_bytes)}")
         return out
 
@@ -103,17 +109,17 @@ def _size(n: int) -> str:
 
 
 def shard_layout(model: nn.Module, plugin: Any, world_size: int, rank: int = 0, *, join_shared: bool = False,
-                 before: Callable[[nn.Module], None] | None = None) -> ShardLayout:
+                 mixed_precision: str = "no", before: Callable[[nn.Module], None] | None = None) -> ShardLayout:
     """Shard a meta-device copy of ``model`` as accelerate would under ``plugin`` at ``world_size`` ranks and read
     rank ``rank``'s units (:class:`ShardLayout`). ``join_shared``: the plan's ``fsdp_shared`` (every module holding
-    a tied tensor joins one group, as the run's applier does). ``before(copy)``: called on the copy first.
+    a tied tensor joins one group, as the run's applier does). ``mixed_precision``: the launch's (``"bf16"``:
+    accelerate stores the trainable parameters in float32). ``before(copy)``: called on the copy first.
 
     Raises:
         ValueError: ``model`` has a parameter that is not on the meta device (a real model would be copied).
     """
     if any(p.device.type != "meta" for p in model.parameters()):
         raise ValueError("shard_layout needs a meta-device model (build it under `with torch.device('meta')`)")
-    total = sum({id(p): p.numel() * p.element_size() for p in model.parameters()}.values())
     work = copy.deepcopy(model)
     if before is not None:
         before(work)
@@ -121,12 +127,17 @@ def shard_layout(model: nn.Module, plugin: Any, world_size: int, rank: int = 0, 
     with fake_process_group(world_size, rank):
         if join_shared:
             with join_shared_holders(work):
-                prepare_like_accelerate(work, plugin)
+                prepare_like_accelerate(work, plugin, mixed_precision)
         else:
-            prepare_like_accelerate(work, plugin)
+            prepare_like_accelerate(work, plugin, mixed_precision)
+        every = {id(p): p for p in work.parameters()}
+        total = sum(p.numel() * p.element_size() for p in every.values())  # a DTensor's numel is the full one
+        whole = sum(p.numel() * p.element_size() for p in every.values() if not hasattr(p, "to_local"))
         units = tuple(
             UnitBytes(name=", ".join(names.get(id(m), type(m).__name__) for m in mods),
                       full_bytes=sum(full * size for full, _, size in params),
                       local_bytes=sum(local * size for _, local, size in params), held=not reshards)
             for mods, params, reshards in fsdp_groups(work))
+    if whole:  # parameters FSDP leaves out (accelerate's ignored modules, 4-bit weights in uint8): whole on every rank
+        units += (UnitBytes(UNSHARDED, whole, whole, False),)
     return ShardLayout(world_size=world_size, rank=rank, units=units, total_bytes=total)
