@@ -5,13 +5,19 @@
     hf-ddpfix doctor --model LlamaConfig --config-kwargs '{"hidden_size": 4096, ...}'
     hf-ddpfix doctor --params 7e9 --devices 8 --device-mem-gb 80 --full --json
     hf-ddpfix plan --model Qwen/Qwen2.5-VL-7B-Instruct --checkpointing reentrant --world-size 8 --ga 4
+    hf-ddpfix plan --model path/to/model --accelerate-config accelerate_configs/fsdp.yaml --world-size 64
     python -m hf_ddpfix doctor                        # same thing
 
-Nothing here launches processes, initialises torch.distributed or downloads weights: models are built
-on the meta device from their config only (a Hub id needs the network for its config.json).
+Nothing here launches processes or downloads weights: models are built on the meta device from their config only
+(a Hub id needs the network for its config.json). Under FSDP2, `plan` shards a meta copy of the model with
+accelerate's own `fsdp2_prepare_model` inside torch's fake process group (no communication; destroyed before it
+prints) to report rank 0's unit bytes at `--world-size`.
 
 Guarantees: `doctor` reports an invalid `HF_DDPFIX_*` value (and unknown `HF_DDPFIX_*` names) instead of
-crashing, and exits 1 when it found one; `recommend_launch` is a pure function.
+crashing, and exits 1 when it found one; `recommend_launch` is a pure function; `plan` builds its facts with the
+run's own functions (`facts.model_facts`, `integrations.fsdp.fsdp_facts` with the plugin `accelerate launch`
+builds from `--accelerate-config`), so for the same model and launch it prints the run's plan lines
+(tests/test_fsdp_trainer.py compares them with the FSDP2 launches' plans, every family).
 """
 
 from __future__ import annotations
