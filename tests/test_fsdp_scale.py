@@ -18,8 +18,8 @@ Asserted per family and N:
 
 The budget and the units come from the plan: :func:`plan_decides_by_cost` says whether the plan already chooses
 between folding and sharding by cost (issue 36 item 2, the ``fsdp_skippable`` option). Until it does, the plan folds
-every skippable subtree into the root and the budget test fails where the issue says (Mllama-90B: 17.9 B
-parameters, 33.4 GiB, in the root at any N): those cases are marked ``xfail`` (not strict: families whose folded
+every skippable subtree into the root and the budget test fails where the issue says (Mllama-90B: 18.0 B
+parameters, 33.6 GiB, in the root at any N): those cases are marked ``xfail`` (not strict: families whose folded
 tower fits pass), and the same test run with the stand-in units :func:`sharded_stand_in` (every skippable subtree a
 unit of its own: what ``fsdp_wrap_plan(fold_skippable=False)`` lists) passes, which shows the harness measures what
 the plan will change. ``python tests/test_fsdp_scale.py`` prints the table (docs/fsdp.md, "At scale").
