@@ -2,7 +2,7 @@
 
 Each family is a hand-written config dict with the numbers of the public ``config.json`` it mirrors (no network),
 saved with ``save_pretrained`` and read back the way ``hf-ddpfix plan --model DIR`` reads it. For each family and
-world size N (8, 64) the test goes through the CLI's own path (``hf_ddpfix.cli``: the meta-device model in bf16,
+world size N (8, 64) the test goes through the CLI's own path (``hf_ddpfix.offline_plan``: the meta-device model in bf16,
 the plugin ``accelerate launch --config_file accelerate_configs/fsdp.yaml`` builds, the run's fact functions,
 ``resolve_plan``), hands accelerate the plan's unit classes as the run's applier does, and shards the model with
 accelerate 1.15's own ``fsdp2_prepare_model`` inside torch's fake process group of N ranks
@@ -121,12 +121,12 @@ def _saved(family: str, root: str) -> str:
 def _built(family: str, root: str) -> tuple[Any, Any, Any]:
     """``(args, info, meta model)`` as ``hf-ddpfix plan --model DIR --parallel fsdp --full --dtype bfloat16 --cpu``
     builds them (the model once per family)."""
-    from hf_ddpfix import cli
+    from hf_ddpfix import cli, offline_plan
 
     args = cli._parser().parse_args(["plan", "--model", _saved(family, root), "--parallel", "fsdp", "--full",
                                      "--dtype", "bfloat16", "--cpu", "--checkpointing", "non_reentrant"])
-    cli._launch_config(args)
-    info, model, error = cli._meta_model(args)
+    offline_plan.launch_config(args)
+    info, model, error = offline_plan.meta_model(args)
     assert error is None, error
     return args, info, model
 
@@ -154,7 +154,7 @@ def measure(family: str, world: int, root: str, stand_in: bool = False) -> dict[
     the plan's classes (``stand_in``: :func:`sharded_stand_in`'s classes instead)."""
     import copy
 
-    from hf_ddpfix import cli
+    from hf_ddpfix import offline_plan
     from hf_ddpfix.config import DDPFixConfig
     from hf_ddpfix.plan.resolve import resolve_plan
 
@@ -164,7 +164,7 @@ def measure(family: str, world: int, root: str, stand_in: bool = False) -> dict[
     from hf_ddpfix._compat import fsdp_plugin_from_launch
 
     plugin = fsdp_plugin_from_launch(args.fsdp_config)
-    facts = cli.build_facts(args, info, model, plugin)
+    facts = offline_plan.build_facts(args, info, model, plugin)
     plan = resolve_plan(facts, DDPFixConfig())
     if stand_in:
         from dataclasses import replace
@@ -172,7 +172,7 @@ def measure(family: str, world: int, root: str, stand_in: bool = False) -> dict[
         from hf_ddpfix.plan.types import Decision
 
         plan = replace(plan, fsdp_units=Decision(",".join(sharded_stand_in(model)), "stand-in", changed=True))
-    layout = cli._fsdp_layout(plan, facts, model, plugin, world)
+    layout = offline_plan.fsdp_layout(plan, facts, model, plugin, world)
     assert layout is not None
     return {"family": family, "world": world, "plan": plan, "facts": facts, "layout": layout,
             "budget": budget(facts, layout.total_bytes), "params": info.num_params}
