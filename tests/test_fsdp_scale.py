@@ -96,13 +96,13 @@ def plan_decides_by_cost() -> bool:
 
 def budget(facts: Any, total_bytes: int) -> int:
     """Bytes the root unit may hold gathered for a whole forward: the plan's own budget where it has one
-    (``hf_ddpfix.plan.fsdp.fold_budget_bytes(facts)``), else the stand-in ``STAND_IN_FRACTION x total / N``."""
-    from hf_ddpfix.plan import fsdp as plan_fsdp
-
-    own = getattr(plan_fsdp, "fold_budget_bytes", None)
-    if own is not None:
-        return int(own(facts))
-    return int(STAND_IN_FRACTION * total_bytes / facts.world_size)
+    (``hf_ddpfix.plan.fsdp_skippable.fold_budget(total, N)``, issue 36 item 2: max(64 MiB, 10 % of the shard)),
+    else the stand-in ``STAND_IN_FRACTION x total / N``."""
+    try:
+        from hf_ddpfix.plan.fsdp_skippable import fold_budget
+    except ImportError:  # the plan before its cost decision
+        return int(STAND_IN_FRACTION * total_bytes / facts.world_size)
+    return int(fold_budget(total_bytes, facts.world_size))
 
 
 @functools.cache
