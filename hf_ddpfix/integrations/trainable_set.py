@@ -97,29 +97,40 @@ class TrainableSetWatch:
         self._checked_step: Any = None
         self._frozen: list[tuple[str, nn.Parameter]] | None = None  # the candidates, taken at the first check
         self._frozen_params: list[nn.Parameter] = []
+        self._trained: list[tuple[str, nn.Parameter]] = []  # trainable when the watch started (taken with _frozen)
+        self._trained_params: list[nn.Parameter] = []
         self._new: list[tuple[str, nn.Parameter]] | None = None
         self._new_step: Any = None
+        self._froze: tuple[str, ...] = ()  # frozen since the watch started, as of this step's check
+        self._froze_agreed: tuple[str, ...] = ()  # ... as last agreed by every rank
         self._announced: set[tuple[str, ...]] = set()
         self.reduced = 0  # parameter reductions done so far (tests, logs)
+        self.frozen_changes = 0  # steps in which the set of parameters frozen since wrapping changed (agreed)
 
     def new_trainable(self) -> list[tuple[str, nn.Parameter]]:
         """``(name, parameter)`` that require grad now and did not when the watch started, in module order."""
         return [(n, p) for n, p in self.model.named_parameters() if p.requires_grad and _plain(n) in self.known and _plain(n) not in self.baseline]
 
     def changed(self, fresh: bool = False) -> bool:
-        """True when some parameter requires grad now that did not when the watch started (this rank). Taken
-        once per optimizer step and kept for :meth:`finalize`: what ``ParameterUsage`` carries in its agreement
-        (``step_flag``). Cost: a C-level scan of the frozen parameters' ``requires_grad`` (no Python loop)."""
+        """True when, on this rank, some parameter requires grad now that did not when the watch started, or the
+        set of parameters frozen since then differs from the one the ranks last agreed on (a parameter frozen in
+        this step). Taken once per optimizer step and kept for :meth:`finalize`: what ``ParameterUsage``
+        carries in its agreement (``step_flag``). Cost: a C-level scan of every known parameter's
+        ``requires_grad`` (no Python loop) while nothing changed."""
         step = self.step()
         if fresh or self._new_step != step or self._new is None:
             if self._frozen is None:  # after wrapping (FSDP2 swaps the parameter objects when it wraps)
-                self._frozen = [(n, p) for n, p in self.model.named_parameters()
-                                if _plain(n) in self.known and _plain(n) not in self.baseline]
+                named = [(n, p) for n, p in self.model.named_parameters() if _plain(n) in self.known]
+                self._frozen = [(n, p) for n, p in named if _plain(n) not in self.baseline]
+                self._trained = [(n, p) for n, p in named if _plain(n) in self.baseline]
                 self._frozen_params = [p for _, p in self._frozen]
+                self._trained_params = [p for _, p in self._trained]
             self._new_step = step
             self._new = ([(n, p) for n, p in self._frozen if p.requires_grad]
                          if any(map(_REQUIRES_GRAD, self._frozen_params)) else [])
-        return bool(self._new)
+            self._froze = (tuple(n for n, p in self._trained if not p.requires_grad)
+                           if not all(map(_REQUIRES_GRAD, self._trained_params)) else ())
+        return bool(self._new) or self._froze != self._froze_agreed
 
     def finalize(self, once_per_step: bool = True, agreed: tuple[bool, bool] | None = None) -> None:
         """Check (and under DDP reduce) once per optimizer step; a second call in the same step does nothing
@@ -141,16 +152,58 @@ class TrainableSetWatch:
             self.changed()
             new = list(self._new or [])
             if not agreed[1]:
-                raise _differently(self.parallel, step, [n for n, _ in new])
+                raise _differently(self.parallel, step, [n for n, _ in new] + list(self._froze))
         else:
-            self.changed(fresh=not once_per_step)
+            mine = self.changed(fresh=not once_per_step)
             new = list(self._new or [])
             if not dist_ready(self.process_group):
+                self._froze_agreed = self._froze
                 return
-            rows = gather_flags([bool(new)], self.process_group)  # one byte per rank and step
+            rows = gather_flags([mine], self.process_group)  # one byte per rank and step
             if not any(r[0] for r in rows):
                 return
-        self._ddp_or_refuse(step, new)
+            if not all(r[0] for r in rows):
+                raise _differently(self.parallel, step, [n for n, _ in new] + list(self._froze))
+        self._agree_changes(step, new)
+        if new:
+            self._ddp_or_refuse(step, new)
+
+    def _agree_changes(self, step: Any, new: list[tuple[str, nn.Parameter]]) -> None:
+        """Every rank changed its set in this step: check that they unfroze and froze the same parameters since
+        wrapping (one ``all_gather_object`` of the names, only in a step where some set changed), else raise the
+        same :class:`TrainableSetChangedError` on every rank; a new frozen set is logged once and counted
+        (``trainable_set`` / ``frozen_params``). Nothing else to do for a frozen parameter: under DDP it is still
+        tied into every backward (``ZeroTie.tie``), so the reducer gets its hook and no collective changes; it
+        gets no gradient, and the usage finalize leaves its ``.grad`` ``None`` unless a micro-batch of this step
+        gave it one before it was frozen (then that gradient is averaged and stepped, as stock DDP does). FSDP2 /
+        ZeRO: see the module docstring."""
+        names = list(self._froze)
+        if dist_ready(self.process_group):
+            mine = ([n for n, _ in new], names)
+            everyone: list[Any] = [None] * dist.get_world_size(self.process_group)
+            dist.all_gather_object(everyone, mine, group=self.process_group)
+            if any(other != mine for other in everyone):
+                shown = ", ".join(names[:5]) or "none"
+                raise TrainableSetChangedError(
+                    f"hf_ddpfix ({self.parallel}): at optimizer step {step} the ranks changed the trainable set "
+                    f"differently after wrapping (this rank froze: {shown}; unfroze: "
+                    f"{', '.join(mine[0][:5]) or 'none'}); every rank must train the same set. Fix: change "
+                    "requires_grad the same way on every rank (e.g. in a TrainerCallback, which runs on every rank).")
+        if self._froze == self._froze_agreed:
+            return
+        added = [n for n in names if n not in self._froze_agreed]
+        self._froze_agreed = self._froze
+        self.frozen_changes += 1
+        record_ran(FEATURE)
+        record_amount(FEATURE, "frozen_params", len(added))
+        key = ("frozen", *names)
+        if added and key not in self._announced:
+            self._announced.add(key)
+            shown = ", ".join(added[:5]) + (f" and {len(added) - 5} more" if len(added) > 5 else "")
+            logger.warning("hf_ddpfix (%s): at optimizer step %s, %d parameter(s) stopped requiring grad after the "
+                           "model was wrapped (%s) on every rank: from now on they get no gradient, as in stock %s "
+                           "(counted: trainable_set / frozen_params)", self.parallel, step, len(added), shown,
+                           self.parallel.upper())
 
     def finalize_late(self, agreed: tuple[bool, bool] | None) -> None:
         """The check on a rank that did not read the agreement at :meth:`finalize` (it changed nothing and had
@@ -178,13 +231,6 @@ class TrainableSetWatch:
                 "trainer.train()" + (" (before deepspeed.initialize)" if ds else "") + " and keep such a "
                 "parameter's learning rate at 0 until the step you want, or save a checkpoint and start a new "
                 "train() with the new trainable set.")
-        everyone: list[Any] = [None] * dist.get_world_size(self.process_group)
-        dist.all_gather_object(everyone, names, group=self.process_group)  # only in a step where the set changed
-        if any(other != names for other in everyone):
-            raise TrainableSetChangedError(
-                f"hf_ddpfix (ddp): at optimizer step {step} the ranks unfroze different parameters after wrapping "
-                f"(this rank: {shown or 'none'}); their gradients cannot be averaged. Fix: change requires_grad "
-                "the same way on every rank (e.g. in a TrainerCallback, which runs on every rank).")
         has = gather_flags([p.grad is not None for _, p in new], self.process_group)
         world = dist.get_world_size(self.process_group)
         for i, (_, p) in enumerate(new):

@@ -22,6 +22,7 @@ Guarantees: with fu=False (static graph at accumulation 1) every zoo family trai
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from collections.abc import Callable, Iterable
@@ -33,7 +34,7 @@ from torch import nn
 from ..._compat import ddp_syncs_grads, is_ddp_sink_node, unwrap_parallel
 from ...ops import feature_counts
 from ...ops.autograd_reach import output_tensors, reachable_leaf_ids, reachable_leaf_ids_split
-from ...ops.zero_tie import ZeroTie, is_zero_tie_node
+from ...ops.zero_tie import ZeroTie, is_tie_zero, is_zero_tie_node
 from .agreement import UNUSED_FIX, UsageAgreement, gather_missing, raise_if_missing
 from .hang_guard import UnusedParametersError
 from .loss_observer import observe_loss
@@ -47,6 +48,14 @@ from .step import StepRecord
 UNSEEN_LOSS = "loss not seen at backward: usage read from the model output"
 
 __all__ = ["ESTABLISH", "ParameterUsage", "UsageChanged", "UsageRecord", "UnusedParametersError", "reachable_leaf_ids"]
+
+def _mark_real(step: StepRecord, slot: int, grad: Any) -> None:
+    """A watched leaf's gradient hook: anything but exactly a tie's zero is a real gradient (``_watch_real``)."""
+    if grad is not None and not is_tie_zero(grad):
+        if slot not in step.used:
+            feature_counts.record_amount("parameter_usage", "real_grads_outside_loss", 1)
+        step.used.add(slot)
+
 
 class ParameterUsage:
     """Observe, tie and finalize: every trainable parameter takes part in every backward.
@@ -241,7 +250,8 @@ class ParameterUsage:
                 f"into the output of {type(scope.module).__name__}: no output tensor requires grad. {UNUSED_FIX}"
             )
         extras = [t for t in (self.slots[i].tensor() for i in missing) if t is not None]
-        tied = ZeroTie.apply(anchor, *extras)
+        self._watch_real(missing)
+        tied = ZeroTie.tie(anchor, extras)
         if self._sharded:  # FSDP2: the loss must reach the tie, else it moves there (loss_observer.py)
             self._step.unit_ties.add(tied, extras, {t.grad_fn for t in output_tensors(output) if t.grad_fn is not None})
         self._record.tied, self.ties = self._record.tied + [self.slots[i].name for i in missing], self.ties + len(extras)
@@ -327,9 +337,10 @@ class ParameterUsage:
             self._check(missing)
         if not self._predicting:  # the signature's pattern: every parameter used, nothing tied anywhere
             self.no_walk.walked(not unused_ids and single, regions)
+        self._watch_real(missing)
         if self.tie and missing:
             extras = [t for t in (self.slots[i].tensor() for i in missing) if t is not None]
-            loss = ZeroTie.apply(loss, *extras)
+            loss = ZeroTie.tie(loss, extras)
             self.loss_ties += len(extras)
             feature_counts.record_amount("parameter_usage", "ties_at_loss", len(extras))
             if self.last is not None:
@@ -337,6 +348,21 @@ class ParameterUsage:
         self.no_walk.loss_done()
         self.seconds += time.perf_counter() - t0
         return loss
+
+    def _watch_real(self, slots: list[int]) -> None:
+        """Until the step ends, a slot of ``slots`` (left out of the loss seen: tied, or observed only) whose leaf
+        receives a gradient other than a tie's zero in any backward (a regulariser added below the loss seen, a
+        hook, a second backward) counts as used in this step: ``.grad`` as backward left it is kept. One gradient
+        hook per such slot and step (:func:`hf_ddpfix.ops.zero_tie.is_tie_zero`); none for a slot already
+        watched, or whose tensor does not require grad (frozen: it receives nothing)."""
+        hooks = self._step.real_hooks
+        for i in slots:
+            if i in hooks:
+                continue
+            t = self.slots[i].tensor()
+            if t is None or not t.requires_grad:
+                continue
+            hooks[i] = t.register_hook(functools.partial(_mark_real, self._step, i))
 
     def _all_used(self) -> None:
         """The check at backward found every watched parameter about to get its gradient: all used."""
