@@ -9,25 +9,50 @@ outside their buckets and partitions altogether.
 
 :class:`TrainableSetWatch` takes the trainable set when hf_ddpfix attaches (before the model is wrapped) and
 checks it after the last backward of every optimizer step, before the gradients are clipped, measured or
-stepped (:func:`hf_ddpfix._compat.before_gradient_clipping`): the step where the change takes effect.
+stepped (:func:`hf_ddpfix._compat.before_gradient_clipping`): the step where the change takes effect. The check
+compares every known parameter's ``requires_grad`` with the set the ranks last agreed on (a C-level scan, no
+Python loop); its "changed here" flag rides in the usage agreement's all-reduce where that runs (DDP, FSDP2), so
+a step where nothing changed costs no collective of its own. In a step where some rank changed its set, every
+rank must have made the same change (one ``all_gather_object`` of the names, that step only); otherwise every
+rank raises :class:`TrainableSetChangedError` at that step (a rank that did not change learns it from the same
+agreement before its next collective: ``finalize_late``).
+
+Unfreezing (a parameter that did not require grad at wrapping and does now):
 
 - DDP: the gradients of the parameters unfrozen since wrapping are averaged over the ranks (one
   ``all_reduce`` per parameter, a rank without a gradient adding zeros; none when no rank has one), what
   DDP does for every registered parameter: the optimizer and the clip see what a one-process run with the
-  same global batch sees. Every rank must have unfrozen the same parameters (checked by name in a step where
-  the set changed; otherwise :class:`TrainableSetChangedError` on every rank). Logged once per new
-  set, counted as feature ``trainable_set`` (``ran``, amount ``reduced_params``).
+  same global batch sees. Logged once per new set, counted as feature ``trainable_set`` (``ran``, amount
+  ``reduced_params``).
 - FSDP: :class:`TrainableSetChangedError` at that step, naming the parameters, the step and the
   fix (unfreeze before ``trainer.train()``, with a zero learning rate until the step you want, or restart
   from a checkpoint with the new trainable set), before the optimizer steps: no replica has drifted.
-
 - DeepSpeed ZeRO (1/2/3): the engine reduces, clips and steps inside ``accelerator.backward`` (``engine.step``),
   where the clipping hook point above is never reached, and its partitions hold only the parameters trainable
-  at ``deepspeed.initialize``. So the check runs at the start of every micro-batch's ``training_step`` (before
-  its forward, backward and the engine's step; one byte gathered per rank and micro-batch) and refuses:
-  :class:`TrainableSetChangedError` on every rank, naming the parameters, the step and the fix.
+  at ``deepspeed.initialize``: :class:`TrainableSetChangedError` on every rank, naming the parameters, the step
+  and the fix.
 
-A parameter frozen after wrapping needs nothing: it gets no gradient and the optimizer skips it, as stock.
+Freezing (a parameter trainable at wrapping that no longer requires grad; issue 38) trains as stock does under
+the same parallelism: from the micro-batch where it is frozen the parameter gets no gradient. What "as stock"
+means, exactly (each backed by a bit-equal comparison with the stock Trainer, tests/test_trainable_set.py):
+
+- DDP (stock: ``find_unused_parameters=True``): DDP leaves a parameter no rank used without a gradient and
+  AdamW skips it (no update, no weight decay, its moments frozen). A gradient it got in an earlier micro-batch
+  of the same step (frozen between the micro-batches of an accumulation) is averaged over the ranks and stepped
+  once more. hf_ddpfix keeps the plan's ``find_unused_parameters=False`` / static graph: the reducer still waits
+  for the frozen parameter's hook, so ``ParameterUsage`` keeps tying it into every backward
+  (:meth:`hf_ddpfix.ops.zero_tie.ZeroTie.tie`: its ``AccumulateGrad`` runs and accumulates nothing), and its
+  finalize leaves ``.grad`` ``None`` where no micro-batch of the step gave it one: the same gradients, the same
+  weights. No collective changes, so a rank that froze alone cannot hang DDP; the agreement raises at that step.
+- FSDP2 (stock FSDP2 reduce-scatters only the gradients of parameters that require grad): nothing to change,
+  but a rank that froze alone would reduce-scatter other tensors than its peers inside backward (a hang), so
+  under FSDP2 the check also runs before every micro-batch's forward (one byte all-gathered per rank and
+  micro-batch, read on the host) and raises there.
+- DeepSpeed ZeRO (stock ZeRO keeps stepping the flat partition: a frozen parameter's zero-filled gradient
+  slice, with AdamW's weight decay, as DeepSpeed does; with ``zero_skip_unused`` it is skipped, as stock DDP):
+  nothing to change; the per-micro-batch check above refuses a rank that froze alone.
+
+Logged once per new frozen set, counted as feature ``trainable_set`` (``ran``, amount ``frozen_params``).
 """
 
 from __future__ import annotations
