@@ -10,12 +10,15 @@ parameter (frozen ones included). Cases:
 - ``freeze_ga2``: the same at gradient accumulation 2, frozen between the two micro-batches of step 3
   (``on_substep_end``): the first micro-batch's gradient of the head is stepped, as in stock.
 - ``freeze_lora``: a LoRA model (stock: find_unused True for a PeftModel); one layer's LoRA modules frozen at step 3.
+- ``freeze_trl_vlm``: TRL's ``SFTTrainer`` (``patch_trainer()``) on a tiny Qwen2-VL, images on rank 0 only, the
+  vision tower's LoRA frozen at step 3 (tolerance 1e-6: the zoo's, non-reentrant vs reentrant asked).
 - ``reg_accelerator``: an ``Accelerator`` subclass whose ``backward`` adds a regulariser over an auxiliary
   module the model's forward never uses; stock with ``ddp_find_unused_parameters=False`` (stock True fails: a
   parameter used outside forward) reduces its gradient; hf_ddpfix must keep it (bit-equal).
-- ``reg_second``: ``training_step`` runs a second ``accelerator.backward`` of that regulariser after the loss's;
-  stock DDP cannot train it (either find_unused setting fails), so it is compared with stock ``reg_accelerator``
-  (the same gradients at GA 1): hf_ddpfix must keep it.
+- ``reg_second`` (DDP): ``training_step`` runs a second ``accelerator.backward`` of that regulariser after the
+  loss's; stock DDP cannot reduce it (find_unused True: "gradient which is undefined, but still allreduced";
+  False: "Expected to have finished reduction"), and neither can hf_ddpfix's static graph: a named
+  ``DDPFixError`` saying to add the term to the loss (``REFUSED rank=<r> case=reg_second ok=<bool>``).
 
 Then ``one_rank``: only rank 0 freezes the head at step 3: ``TrainableSetChangedError`` on every rank
 (``REFUSED rank=<r> case=one_rank ok=<bool>``), no hang (the test's hard timeout).
@@ -142,22 +145,58 @@ def train(kind: str, case: str, ranks=None) -> dict[str, torch.Tensor]:  # noqa:
     return {n: _full(p).clone() for n, p in model.named_parameters()}
 
 
+def train_trl_vlm(kind: str) -> dict[str, torch.Tensor]:
+    """TRL's ``SFTTrainer`` on the zoo's tiny Qwen2-VL with LoRA on the tower too (tests/scripts/trainer_zoo.py's
+    ``sft_vlm``: rank 0's rows have an image, rank 1's none), through ``patch_trainer()`` (fixed) or stock; the
+    vision tower's LoRA frozen at the start of step 3."""
+    import trainer_zoo as zoo
+
+    from hf_ddpfix import patch_trainer, unpatch_trainer
+
+    zoo.STEPS, zoo.COMMON = STEPS, {**zoo.COMMON, "max_steps": STEPS}
+    if kind == "fixed":
+        patch_trainer()
+    try:
+        trainer = zoo.sft_vlm(f"/tmp/hf_ddpfix_ts_trl_{kind}", kind == "fixed", {})
+        model = trainer.model
+        freeze = Freeze(model, lambda n: "visual" in n and "lora_" in n, AT)
+        trainer.add_callback(freeze)
+        trainer.train()
+        assert freeze.frozen, "nothing frozen"
+        return {n: _full(p).clone() for n, p in model.named_parameters()}
+    finally:
+        if kind == "fixed":
+            unpatch_trainer()
+
+
 def main() -> None:
     if os.environ.get("TS_DUMP"):
         import faulthandler
         faulthandler.dump_traceback_later(int(os.environ["TS_DUMP"]), exit=True)
     cases = sys.argv[1].split(",") if len(sys.argv) > 1 else [
-        "freeze", "freeze_ga2", "freeze_lora", "reg_accelerator"]
+        "freeze", "freeze_ga2", "freeze_lora", "freeze_trl_vlm", "reg_accelerator"]
     for case in cases:
         if case == "one_rank":
             continue
         t0 = time.time()
-        stock = train("stock", STOCK_OF.get(case, case))
-        fixed = train("fixed", case)
+        if case == "freeze_trl_vlm":
+            stock, fixed = train_trl_vlm("stock"), train_trl_vlm("fixed")
+        else:
+            stock = train("stock", STOCK_OF.get(case, case))
+            fixed = train("fixed", case)
         diff = max((stock[n] - fixed[n]).abs().max().item() for n in stock)
-        start = dict(build(case).named_parameters())
-        aux = (fixed["aux.weight"] - start["aux.weight"]).abs().max().item() if "aux.weight" in fixed else -1.0
+        aux = -1.0
+        if "aux.weight" in fixed:
+            aux = (fixed["aux.weight"] - dict(build(case).named_parameters())["aux.weight"]).abs().max().item()
         print(f"CASE rank={RANK} case={case} diff={diff} aux_moved={aux:.3g} s={time.time() - t0:.1f}", flush=True)
+    if "reg_second" in cases or (len(sys.argv) == 1 and PARALLEL == "ddp"):
+        t0 = time.time()
+        try:  # stock DDP cannot reduce it (either find_unused setting fails): a named refusal, not a silent reset
+            train("fixed", "reg_second")
+            print(f"NOT_REFUSED rank={RANK} case=reg_second", flush=True)
+        except Exception as err:  # noqa: BLE001
+            ok = type(err).__name__ == "DDPFixError" and "apart from the loss" in str(err)
+            print(f"REFUSED rank={RANK} case=reg_second ok={ok} s={time.time() - t0:.1f} :: {str(err)[:300]}", flush=True)
     if "one_rank" in cases or len(sys.argv) == 1:
         t0 = time.time()
         try:
