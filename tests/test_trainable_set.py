@@ -195,3 +195,58 @@ def test_the_watch_sees_a_freeze_once_and_costs_nothing_while_the_set_is_unchang
     assert watch._froze_agreed == ("1.weight",)
     step[0] = 3
     assert not watch.changed()  # frozen since, unchanged: nothing to agree on
+
+
+def test_no_walk_comes_back_after_a_freeze_and_the_frozen_parameter_stays_without_a_gradient():
+    """The no-walk check (``ParameterUsage`` at the loss, ``backward_retries``): after ``b`` is frozen the check fails
+    once (``b``'s node will not run), the retry walks and ties ``b`` (``ZeroTie.tie``), and after ESTABLISH clean
+    walks the loss is checked at backward again, ``b`` tied in without a walk; ``b`` unfrozen again is walked and
+    used. Every step's gradients equal the untouched model's, ``b``'s ``None`` while frozen."""
+    from hf_ddpfix.integrations.usage import ParameterUsage, UsageChanged
+    from hf_ddpfix.integrations.usage.no_walk import ESTABLISH
+
+    class TwoLayers(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)
+
+        def forward(self, x):
+            return self.b(self.a(x)).pow(2).mean()
+
+    torch.manual_seed(0)
+    model, ref = TwoLayers(), TwoLayers()
+    ref.load_state_dict(model.state_dict())
+    usage = ParameterUsage(model).attach()
+    usage.at_loss = usage.backward_retries = True
+    retried = []
+
+    def backward(loss):
+        try:
+            usage.tie_loss(loss).backward()
+        except UsageChanged:
+            retried.append(True)
+            usage.tie_loss(loss).backward()
+
+    x = torch.randn(3, 4)
+    checks = []
+    freeze_at = ESTABLISH + 3  # the check runs from step ESTABLISH + 1
+    unfreeze_at = freeze_at + ESTABLISH + 4
+    steps = unfreeze_at + ESTABLISH + 3
+    for step in range(steps):
+        if step in (freeze_at, unfreeze_at):
+            for m in (model, ref):
+                m.b.weight.requires_grad_(step == unfreeze_at)
+        model.zero_grad(set_to_none=True)
+        ref.zero_grad(set_to_none=True)
+        backward(model(x))
+        usage.finalize()
+        ref(x).backward()
+        for (n, p), q in zip(model.named_parameters(), ref.parameters(), strict=True):
+            assert (p.grad is None) == (q.grad is None), (step, n)
+            if q.grad is not None:
+                assert torch.equal(p.grad, q.grad), (step, n)
+        checks.append(usage.no_walk.checks)
+    assert retried == [True], (retried, checks)  # the freeze (caught by the check); the unfreeze is walked
+    frozen_checks = checks[unfreeze_at - 1] - checks[freeze_at + ESTABLISH]
+    assert frozen_checks == unfreeze_at - 1 - (freeze_at + ESTABLISH) > 0, checks  # checked, not walked, while frozen
+    assert checks[-1] > checks[unfreeze_at], checks  # and again once b trains

@@ -126,6 +126,8 @@ class ParameterUsage:
         self._predicting = True
         self.at_loss = self.backward_retries = False  # set by whoever routes every loss through `tie_loss` / retries
         self.no_walk = NoWalkCheck()  # no walk once a batch signature's usage is established (no_walk.py)
+        self._frozen: frozenset[int] = frozenset()  # slots frozen after wrapping, as the last walk found them
+        self._frozen_tensors: list[torch.Tensor] = []
         self.last: UsageRecord | None = None
         self.forwards = self.walks = self.ties = self.losses = self.loss_ties = self.resets = 0
         self.seconds = 0.0
@@ -301,8 +303,13 @@ class ParameterUsage:
             return loss
         regions, single = bool(self._step.region_outputs), self._step.pending_forwards == 1
         ready = self.backward_retries and not self._predicting and self.tie and not self.guard and not self._sharded
-        if self.no_walk.may_skip(loss, ready and single, regions):  # the signature's usage is established: no walk
-            return self.no_walk.install(loss, lambda: [s.tensor() for s in self.slots], self._all_used)
+        frozen = self._frozen
+        watched = lambda: [s.tensor() for i, s in enumerate(self.slots) if i not in frozen]  # noqa: E731
+        if (self.no_walk.may_skip(loss, ready and single, regions) and self._frozen_still()
+                and self.no_walk.take_nodes(watched)):  # the signature's usage is established: no walk
+            if frozen:  # frozen since wrapping: tied in as before (DDP waits for their hooks), never checked
+                loss = ZeroTie.tie(loss, self._frozen_tensors)
+            return self.no_walk.install(loss, watched, self._all_used)
         t0 = time.perf_counter()
         real_nodes, side_nodes = set[Any](), set[Any]()
         real, tied_only = reachable_leaf_ids_split([loss], is_zero_tie_node, is_ddp_sink_node,
@@ -335,8 +342,9 @@ class ParameterUsage:
             feature_counts.record_amount("parameter_usage", "output_ties_in_loss", tied_before)
         if self.guard and not self.tie:
             self._check(missing)
-        if not self._predicting:  # the signature's pattern: every parameter used, nothing tied anywhere
-            self.no_walk.walked(not unused_ids and single, regions)
+        frozen = self._note_frozen(missing)
+        if not self._predicting:  # the signature's pattern: every parameter used (but the frozen), no other tie
+            self.no_walk.walked(len(unused_ids) == len(frozen) and single, regions)
         self._watch_real(missing)
         if self.tie and missing:
             extras = [t for t in (self.slots[i].tensor() for i in missing) if t is not None]
@@ -365,12 +373,28 @@ class ParameterUsage:
             hooks[i] = t.register_hook(functools.partial(_mark_real, self._step, i))
 
     def _all_used(self) -> None:
-        """The check at backward found every watched parameter about to get its gradient: all used."""
-        self._step.loss_seen(self._all)
+        """The check at backward found every watched parameter about to get its gradient: all used (but those frozen
+        since wrapping, tied in)."""
+        used = self._all - self._frozen if self._frozen else self._all
+        self._step.loss_seen(used)
         self.losses += 1
         feature_counts.record_ran("parameter_usage")
         if self.last is not None:
-            self.last.used_slots = self._all
+            self.last.used_slots = used
+
+    def _note_frozen(self, missing: list[int]) -> frozenset[int]:
+        """The slots of ``missing`` whose tensor does not require grad (frozen after wrapping: a loop over the
+        slots left out only), kept for the no-walk path; a change forgets the check's cached nodes."""
+        frozen = frozenset(i for i in missing if (t := self.slots[i].tensor()) is not None and not t.requires_grad)
+        if frozen != self._frozen:
+            self._frozen = frozen
+            self._frozen_tensors = [t for t in (self.slots[i].tensor() for i in sorted(frozen)) if t is not None]
+            self.no_walk.grad_nodes = None
+        return frozen
+
+    def _frozen_still(self) -> bool:
+        """No slot known frozen requires grad again (else the walk decides: it may be used now)."""
+        return not self._frozen or not any(t.requires_grad for t in self._frozen_tensors)
 
     def observe_loss(self, loss: Any) -> Any:
         """FSDP2's loss observer (``loss_observer.py``: adds what it reaches, moves unreached unit ties into it)."""
