@@ -74,7 +74,7 @@ def test_the_plan_line_stays_short_and_bad_values_name_the_setting(monkeypatch):
     f = SkippableFacts(world_size=64, dummy="qwen2_5_vl_long_family_name", **MLLAMA_90B)
     for mode in ("auto", "fold", "shard"):
         reason = decide_skippable(f, mode).reason
-        assert len(reason) <= MAX_REASON and "docs/plan.md#fsdp-skippable" in reason, reason
+        assert len(reason) <= MAX_REASON and "docs/plan.md#fsdp_skippable" in reason, reason
         assert len(f"   {'fsdp_skippable':<23} = {'shard':<14} {reason}") <= 160
     with pytest.raises(ValueError, match="fsdp_skippable='both'.*allowed: auto, fold, shard"):
         decide_skippable(f, "both")

@@ -2,7 +2,7 @@
 
 A subtree a rank may skip (a VLM's vision tower and projector on a text-only step) cannot hold an FSDP2 unit of
 its own unless every rank runs it: otherwise ranks all-gather different units (gloo size mismatch, NCCL hang).
-Two ways keep the collectives equal (docs/plan.md#fsdp-skippable):
+Two ways keep the collectives equal (docs/plan.md#fsdp_skippable):
 
 - **fold**: no unit inside the subtree; its parameters belong to the enclosing unit (the root for a tower), which
   every rank all-gathers whole for that unit's forward and backward. Cost: ``folded_bytes`` unsharded on every
@@ -40,7 +40,7 @@ FOLD_FRACTION = 0.1
 #: the longest reason: the plan line stays near 160 characters
 MAX_REASON = 130
 SKIPPABLE_MODES = ("auto", "fold", "shard")
-_ANCHOR = "docs/plan.md#fsdp-skippable"
+_ANCHOR = "docs/plan.md#fsdp_skippable"
 
 
 @dataclass(frozen=True)
