@@ -147,6 +147,8 @@ def decide_fsdp_units(facts: RunFacts, c: DDPFixConfig, skippable: Decision | No
     if only_skippable:
         source = f.repeated
         chosen = tuple(n for n in source if n not in avoid)
+    if shard and chosen:  # the tower model and projector too: their own parameters leave the root
+        chosen += tuple(c for c in f.shard_roots if c not in chosen and c not in f.fold_only)
     if not chosen:  # "root": the plugin gets no class; accelerate's embedding / head units and the root remain
         blocks = tuple(dict.fromkeys(f.present + source)) if only_skippable else source
         what = "no block class of its own" if not blocks else f"only blocks a rank may skip ({_list(blocks)})"

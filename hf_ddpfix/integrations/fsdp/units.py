@@ -74,6 +74,9 @@ class FsdpFacts:
             ``""`` when none can be built; ``no_dummy`` says why.
         dummy_tokens: patches of that dummy image (an estimate from ``vision_config``).
         tower_params: parameters the dummy's forward reads (tower and projector).
+        shard_roots: classes of the skippable subtrees a dummy runs (the tower model, the projector) that are no
+            ``torch.nn`` built-in and have no instance elsewhere: under ``shard`` they become units too, so their
+            own parameters (patch embedding, merger, projector) leave the root.
     """
 
     policy: str = "transformer_based_wrap"
@@ -99,6 +102,7 @@ class FsdpFacts:
     no_dummy: str = ""
     dummy_tokens: int = 0
     tower_params: int = 0
+    shard_roots: tuple[str, ...] = ()
 
 
 def repeated_block_classes(model: nn.Module) -> list[str]:
@@ -169,7 +173,20 @@ def fsdp_facts(plugin: Any, model: nn.Module) -> FsdpFacts:
         no_dummy=dummy[1],
         dummy_tokens=dummy[2],
         tower_params=dummy[3],
+        shard_roots=_shard_roots(hf, runnable),
     )
+
+
+def _shard_roots(hf: nn.Module, runnable: list[nn.Module]) -> tuple[str, ...]:
+    inside = {id(m) for s in runnable for m in s.modules()}
+    out: list[str] = []
+    for s in runnable:
+        cls = type(s)
+        if cls.__module__.startswith("torch.") or cls.__name__ in out:
+            continue
+        if all(id(m) in inside for m in hf.modules() if type(m) is cls):
+            out.append(cls.__name__)
+    return tuple(out)
 
 
 def _bytes(subtrees: Iterable[nn.Module]) -> int:
