@@ -167,7 +167,7 @@ def test_tower_units_with_the_dummy_like_stock_ddp(tmp_path):
     The fix is real: the same launch for LLaVA with the dummy disabled (``HF_DDPFIX_VLM_STABILIZER=0``: the plan
     then keeps the explicit list "as in stock") fails with torch's "Detected mismatch between collectives".
 
-    Wall (2 cores, loaded, 2026-11-28): ~250 s (fixed, 16 runs) + ~100 s (stock DDP) + ~70 s (no dummy)."""
+    Wall (2 cores, 2026-11-28): 136 s lightly loaded (fixed 18 runs + stock DDP 9 + no dummy 1), 319 s loaded."""
     t0 = time.time()
     fixed = accelerate_launch("fsdp.yaml", SCRIPT, "--mode", "fixed", "--out", str(tmp_path), "--families", SHARDED,
                               "--wraps", "explicit,shard", "--generate", GENERATE, timeout=900, env=fsdp_device_env({**OFFLINE, **DETAIL}),

@@ -74,9 +74,9 @@ class FsdpFacts:
             ``""`` when none can be built; ``no_dummy`` says why.
         dummy_tokens: patches of that dummy image (an estimate from ``vision_config``).
         tower_params: parameters the dummy's forward reads (tower and projector).
-        shard_roots: classes of the skippable subtrees a dummy runs (the tower model, the projector) that are no
-            ``torch.nn`` built-in and have no instance elsewhere: under ``shard`` they become units too, so their
-            own parameters (patch embedding, merger, projector) leave the root.
+        shard_roots: classes of the skippable subtrees a dummy runs that are no model of their own (the projector),
+            no ``torch.nn`` built-in and have no instance elsewhere: under ``shard`` they become units too, so the
+            projector's parameters leave the root.
     """
 
     policy: str = "transformer_based_wrap"
@@ -182,7 +182,9 @@ def _shard_roots(hf: nn.Module, runnable: list[nn.Module]) -> tuple[str, ...]:
     out: list[str] = []
     for s in runnable:
         cls = type(s)
-        if cls.__module__.startswith("torch.") or cls.__name__ in out:
+        # a tower model (a PreTrainedModel: it has a config) stays out: as a unit of its own its hidden states
+        # are no longer captured (LLaVA's get_image_features read None); its blocks are units already
+        if cls.__module__.startswith("torch.") or cls.__name__ in out or hasattr(s, "config"):
             continue
         if all(id(m) in inside for m in hf.modules() if type(m) is cls):
             out.append(cls.__name__)
