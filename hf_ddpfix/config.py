@@ -101,6 +101,10 @@ def _checkpointing(name: str, value: Any) -> str | None:
     return parse_choice(name, value, ("auto", "non_reentrant", "reentrant"))
 
 
+def _fsdp_skippable(name: str, value: Any) -> str | None:
+    return parse_choice(name, value, ("auto", "fold", "shard"))
+
+
 def _int1(name: str, value: Any) -> int | None:
     return parse_positive_int(name, value)
 
@@ -315,6 +319,12 @@ class DDPFixConfig:
         _bool,
         "Tie every trainable parameter a forward did not use into the loss with an exact-zero gradient (observed "
         "each forward), so DDP runs with find_unused_parameters=False for any model (auto: on under DDP).",
+    )
+    fsdp_skippable: str | None = option(
+        _fsdp_skippable,
+        "FSDP2: a subtree a rank may skip (vision tower, projector) is folded into the enclosing unit (fold: "
+        "gathered whole on every rank) or sharded with a dummy image on ranks without one (shard); auto: fold "
+        "only within max(64 MiB, 10% of a rank's parameter shard). docs/plan.md#fsdp_skippable.",
     )
     zero_skip_unused: bool | None = option(
         _bool,

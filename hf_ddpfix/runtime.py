@@ -100,6 +100,8 @@ def attach_runtime(trainer: Any, model: nn.Module, plan: Plan, stack: ExitStack)
                                           leaf_classes=tuple(leaf.split(",")) if leaf else (),
                                           log=lambda line: _log_rank0(trainer, "%s", line),
                                           sync_eval=bool(plan.vlm_eval_sync.value))
+    elif plan.parallel == "fsdp" and plan.fsdp_skippable.value == "shard" and plan.vlm_stabilizer.value:
+        rt.zero_vision = _attach_fsdp_dummy(trainer, model, stack)  # tower units: the dummy where the tower runs
     elif plan.vlm_stabilizer.value:
         rt.stabilizer = _attach_stabilizer(trainer, model, plan, stack)
     if plan.zero_skip_unused.value:  # observe from the first forward; the optimizer is hooked at train begin
@@ -224,6 +226,18 @@ def _attach_stabilizer(trainer: Any, model: nn.Module, plan: Plan, stack: ExitSt
     return stab
 
 
+def _attach_fsdp_dummy(trainer: Any, model: nn.Module, stack: ExitStack) -> Any:
+    """FSDP2 with units inside the tower: the dummy image where an image rank runs its tower (training and
+    evaluation); tower gradients reset to `None` in a step no rank saw an image, before clipping."""
+    from .integrations.fsdp.dummy import FsdpDummy, keep_eval_sync
+
+    dummy = FsdpDummy(model).attach()
+    stack.callback(keep_eval_sync, model)  # runs after the removal below: generate() / evaluate() after train()
+    stack.callback(dummy.remove)
+    stack.callback(before_gradient_clipping(trainer, dummy.finalize))
+    return dummy
+
+
 def cpu_repack_off(model: nn.Module, stack: ExitStack) -> int:
     """Turn bitsandbytes' in-place CPU repack of 4-bit weights off on `model` (FSDP2 rebuilds each weight from its
     shards every forward: `_compat.disable_cpu_repack`) until `stack` closes, which restores each module's own
@@ -250,6 +264,16 @@ def attach_eval_sync(model: nn.Module, decision: Any, parallel: str, stack: Exit
             feature_counts.record_fallback("stabilizer", str(err))
             logger.warning("hf_ddpfix: vlm_eval_sync not applied (stock evaluation): %s", err)
             return None
+    elif parallel == "fsdp":  # tower units: the dummy at the language model's start, where the tower runs
+        from .integrations.fsdp.dummy import kept_eval_sync
+        from .integrations.vision.zero import ZeroVisionStabilizer
+
+        if kept_eval_sync(model) is not None:  # train() left one attached: it serves this loop
+            return None
+        try:
+            sync = ZeroVisionStabilizer(model, train=False, sync_eval=True).attach()
+        except ValueError:
+            sync = VisionStabilizer(model, run_when_frozen=True, train=False, sync_eval=True).attach()
     else:
         sync = VisionStabilizer(model, run_when_frozen=True, train=False, sync_eval=True).attach()
     stack.callback(sync.remove)

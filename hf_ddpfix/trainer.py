@@ -40,6 +40,7 @@ from .ops.feature_counts import reset as reset_feature_counts
 from .plan.asked import asked_options, not_applied_warning
 from .plan.fsdp import (
     decide_fsdp_shared,
+    decide_fsdp_skippable,
     decide_fsdp_units,
     fsdp_eval_sync,
     fsdp_unit_classes,
@@ -178,9 +179,10 @@ def run_evaluation_with_plan(trainer: Trainer, eval_loop: Callable[..., Any], *a
     try:
         facts = gather_facts(trainer)
         config = _trainer_config(trainer)
-        units = decide_fsdp_units(facts, config)  # None outside FSDP2
+        skippable = decide_fsdp_skippable(facts, config)  # None outside FSDP2
+        units = decide_fsdp_units(facts, config, skippable)  # None outside FSDP2
         shared = decide_fsdp_shared(facts)
-        decision = fsdp_eval_sync(facts, units, decide_eval_sync(facts, config))
+        decision = fsdp_eval_sync(facts, units, decide_eval_sync(facts, config), skippable)
         if fsdp_units_ours(units):  # an evaluate() before train(): accelerate wraps the model in this loop
             apply_fsdp_units(trainer, fsdp_unit_classes(units))
     except Exception as err:  # noqa: BLE001 - reading the run must not fail an evaluation stock runs

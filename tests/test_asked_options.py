@@ -62,7 +62,7 @@ NOT_A_DECISION = {
 
 # spellings tried, in order, to ask an option on through its environment variable: the first its parser takes
 # and that asks for something ("2" before "1": sequence_parallel=1 means off)
-_CANDIDATES = ("2", "1", "all", "non_reentrant")
+_CANDIDATES = ("2", "1", "all", "non_reentrant", "shard")
 
 
 def _asked_value(name: str) -> str:

@@ -347,5 +347,6 @@ def test_every_decision_spells_off_one_way():
                 assert f" {name:<23} = {d.text} " in report, where
     # the sweep reaches the off state of every decision that can be off, and an "on" state of each
     # sequence_parallel: on only for DDP + sdpa facts, a PlanError elsewhere (tests/test_sequence_parallel.py)
-    for name in fields - {"quantization", "deepspeed", "sequence_parallel"}:
+    # fsdp_skippable: two variants (fold / shard), no off state; its sweep is tests/test_fsdp_skippable.py
+    for name in fields - {"quantization", "deepspeed", "sequence_parallel", "fsdp_skippable"}:
         assert "False" in seen[name] and ({"True", "str"} & seen[name]), (name, seen[name])

@@ -444,6 +444,16 @@ def _llava_next(seed: int) -> nn.Module:
         image_grid_pinpoints=[[28, 28]], vision_feature_layer=-1))
 
 
+def _llava_onevision(seed: int) -> nn.Module:
+    """LLaVA-OneVision: any-resolution base image + one 28x28 tile of 2x2 patches (CLS dropped), an
+    ``image_newline`` per row, Qwen2 text: 10 image tokens, as :func:`_llava_next_batch` gives."""
+    from transformers import LlavaOnevisionConfig, LlavaOnevisionForConditionalGeneration
+
+    return LlavaOnevisionForConditionalGeneration(LlavaOnevisionConfig(
+        vision_config=_CLIP14, text_config={**_LLAMA_TEXT, "model_type": "qwen2"}, image_token_index=IMG,
+        image_grid_pinpoints=[[28, 28]], vision_feature_layer=-1, vision_feature_select_strategy="default"))
+
+
 def _llava_next_batch(has_image: bool, seed: int, seq: int) -> dict[str, torch.Tensor]:
     """10 image tokens; ``pixel_values`` ``[1, 2 tiles, 3, 28, 28]`` and ``image_sizes``."""
     b = _pixel_batch(10, 28, lambda g: {"image_sizes": torch.tensor([[28, 28]])})(has_image, seed, seq + 4)
@@ -492,6 +502,8 @@ MORE_VLMS: dict[str, ZooEntry] = {
         ZooEntry("idefics2", "Idefics2", _idefics2, _VLM_LORA, _idefics3_batch, vlm=True,
                  can_go_unused=_VISION_UNUSED),
         ZooEntry("llava_next", "LLaVA-NeXT", _llava_next, _VLM_LORA, _llava_next_batch, vlm=True,
+                 can_go_unused=_VISION_UNUSED),
+        ZooEntry("llava_onevision", "LLaVA-OneVision", _llava_onevision, _VLM_LORA, _llava_next_batch, vlm=True,
                  can_go_unused=_VISION_UNUSED),
         ZooEntry("got_ocr2", "GOT-OCR 2", _got_ocr2, _VLM_LORA, _pixel_batch(1, 64), vlm=True,
                  can_go_unused=_VISION_UNUSED),

@@ -21,21 +21,29 @@ parameter in the step its gradient is reset to ``None`` before clipping (stock D
 semantics). No dummy image runs. Cost: the folded subtrees stay unsharded for the root's forward and
 backward (a vision tower's parameters, once per rank).
 
-A user's explicit ``fsdp_transformer_layer_cls_to_wrap`` is honoured as given; if it names a class a rank may
-skip, the plan says that mixed batches then fail as in stock.
+Where folding is not cheap (``fsdp_skippable``, :mod:`hf_ddpfix.plan.fsdp_skippable`: beyond max(64 MiB, 10 % of
+a rank's parameter shard), the tower's blocks become units too and a rank without an image runs the stabiliser's
+dummy image at the language model's start, where an image rank runs its tower
+(:mod:`hf_ddpfix.integrations.fsdp.dummy`). LayerDrop stacks and families without a dummy always fold.
+
+A user's explicit ``fsdp_transformer_layer_cls_to_wrap`` is honoured as given; if it names a class inside the
+tower, the dummy runs there (``fsdp_skippable = shard``); only where no dummy can be built does the plan say that
+mixed batches then fail as in stock.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from typing import TYPE_CHECKING
 
+from .fsdp_skippable import SkippableFacts, decide_skippable
 from .types import Decision, PlanError, RunFacts
 
 if TYPE_CHECKING:
     from ..config import DDPFixConfig
     from ..integrations.fsdp import FsdpFacts
 
-__all__ = ["check_fsdp_loading", "decide_fsdp_shared", "decide_fsdp_units", "fsdp_eval_sync", "fsdp_vision_decisions", "fsdp_unit_classes", "fsdp_units_ours", "fsdp_usage_reason"]
+__all__ = ["check_fsdp_loading", "decide_fsdp_shared", "decide_fsdp_skippable", "decide_fsdp_units", "skippable_facts", "fsdp_eval_sync", "fsdp_vision_decisions", "fsdp_unit_classes", "fsdp_units_ours", "fsdp_usage_reason"]
 
 _STOCK_FAILS = ("ranks that skip them (a text-only step, LayerDrop) all-gather different units: mixed batches fail "
                 "(gloo size mismatch, NCCL hang) as in stock")
@@ -57,7 +65,48 @@ def _cost(f: FsdpFacts) -> str:
             "forward and backward")
 
 
-def decide_fsdp_units(facts: RunFacts, c: DDPFixConfig) -> Decision:
+def skippable_facts(facts: RunFacts) -> SkippableFacts | None:
+    """The facts :func:`~hf_ddpfix.plan.fsdp_skippable.decide_skippable` reads, from an FSDP2 run's facts."""
+    f = facts.fsdp
+    if facts.parallel != "fsdp" or facts.fsdp_version != 2 or f is None:
+        return None
+    user = f.user_classes is not None and f.policy == "transformer_based_wrap" and any(
+        n in f.skippable and n not in f.fold_only for n in f.user_classes)
+    return SkippableFacts(folded_bytes=f.shardable_bytes if f.dummy else f.folded_bytes,
+                          total_bytes=f.total_bytes, world_size=max(1, facts.world_size), dummy=f.dummy,
+                          no_dummy=f.no_dummy, dummy_tokens=f.dummy_tokens, tower_params=f.tower_params,
+                          user_shards=user)
+
+
+def decide_fsdp_skippable(facts: RunFacts, c: DDPFixConfig) -> Decision:
+    """The ``fsdp_skippable`` decision (``"fold"`` / ``"shard"``; ``None`` outside FSDP2 or with nothing a rank
+    may skip that a dummy could run). A model already sharded keeps its units: ``"shard"`` where some lie inside
+    a subtree a dummy runs (the dummy then runs), else ``None``. The user's ``fsdp_transformer_layer_cls_to_wrap``
+    naming classes inside such a subtree means ``"shard"``; ``parameter_usage`` off or another wrap policy: ``None``
+    (accelerate's units, as stock)."""
+    sf = skippable_facts(facts)
+    f = facts.fsdp
+    if sf is None or f is None:
+        return Decision(None, "")
+    if f.wrapped:
+        if f.skipped_units and f.dummy:
+            return Decision("shard", f"the model is already sharded with units inside skippable subtrees: "
+                            f"{f.dummy} dummy on ranks without an image", changed=True)
+        return Decision(None, "")
+    if f.policy != "transformer_based_wrap" or (c.parameter_usage is False and not sf.user_shards):
+        return Decision(None, "")
+    if c.vlm_stabilizer is False and f.dummy:  # the dummy is the stabiliser's: disabled, nothing runs it
+        sf = dataclasses.replace(sf, dummy="", no_dummy=f"vlm_stabilizer disabled ({c.source('vlm_stabilizer')})",
+                                 user_shards=False)
+        return Decision(None, "") if f.user_classes is not None else decide_skippable(sf, "fold")
+    if not f.shardable_bytes and not sf.user_shards:
+        if f.folded and not f.dummy and f.no_dummy != "LayerDrop only":
+            return decide_skippable(sf, "fold")
+        return Decision(None, "")
+    return decide_skippable(sf, c.fsdp_skippable)
+
+
+def decide_fsdp_units(facts: RunFacts, c: DDPFixConfig, skippable: Decision | None = None) -> Decision:
     """The ``fsdp_units`` decision: the class names accelerate's transformer policy is to wrap.
 
     Returns:
@@ -72,6 +121,9 @@ def decide_fsdp_units(facts: RunFacts, c: DDPFixConfig) -> Decision:
     f = facts.fsdp
     if facts.parallel != "fsdp" or facts.fsdp_version != 2 or f is None:
         return Decision(None, "")
+    if skippable is None:
+        skippable = decide_fsdp_skippable(facts, c)
+    shard = skippable.value == "shard"
     if f.wrapped:
         return Decision(False, "the model is already sharded: its units stay as they are")
     if f.policy != "transformer_based_wrap":
@@ -81,16 +133,22 @@ def decide_fsdp_units(facts: RunFacts, c: DDPFixConfig) -> Decision:
     if f.user_classes is not None:
         risky = tuple(n for n in f.user_classes if n in f.skippable)
         note = f"; {_list(risky)} lie inside subtrees a rank may skip: {_STOCK_FAILS}" if risky else ""
+        if risky and shard and not any(n in f.fold_only for n in risky):
+            note = (f"; {_list(risky)} lie inside subtrees a rank may skip: ranks without an image run the "
+                    f"{f.dummy} dummy there (fsdp_skippable)")
         return Decision(False, f"explicit fsdp_transformer_layer_cls_to_wrap kept: {_list(f.user_classes)}{note}")
     if c.parameter_usage is False:
         return Decision(False, f"accelerate's units from _no_split_modules kept (parameter_usage disabled "
                         f"({c.source('parameter_usage')}): units without a skippable subtree need its ties)")
     source = f.present or f.repeated
-    chosen = tuple(n for n in source if n not in f.skippable)
+    avoid = f.fold_only if shard else f.skippable  # shard: units inside the tower too (the dummy runs them)
+    chosen = tuple(n for n in source if n not in avoid)
     only_skippable = bool(f.present) and not chosen  # e.g. transformers 5.0's PaliGemma: only its projector
     if only_skippable:
         source = f.repeated
-        chosen = tuple(n for n in source if n not in f.skippable)
+        chosen = tuple(n for n in source if n not in avoid)
+    if shard and chosen:  # the tower model and projector too: their own parameters leave the root
+        chosen += tuple(c for c in f.shard_roots if c not in chosen and c not in f.fold_only)
     if not chosen:  # "root": the plugin gets no class; accelerate's embedding / head units and the root remain
         blocks = tuple(dict.fromkeys(f.present + source)) if only_skippable else source
         what = "no block class of its own" if not blocks else f"only blocks a rank may skip ({_list(blocks)})"
@@ -112,7 +170,13 @@ def decide_fsdp_units(facts: RunFacts, c: DDPFixConfig) -> Decision:
     elif absent:
         parts.append(f"not in the model: {_list(absent)} (accelerate would raise 'Could not find the transformer "
                      "layer class')")
-    if f.folded:
+    if shard:
+        inside = tuple(n for n in chosen if n in f.skippable)
+        parts.append(f"units inside subtrees a rank may skip ({_list(inside)}): ranks without an image run the "
+                     f"{f.dummy} dummy there (fsdp_skippable)")
+        if f.fold_only:
+            parts.append(f"folded (no dummy): {_list(f.fold_only)}")
+    elif f.folded:
         parts.append(f"folded into the enclosing unit (a rank may skip them, so they get no unit of their own; "
                      f"every rank gathers them with it): {_list(f.folded)}{_cost(f)}")
     return Decision(",".join(chosen), "; ".join(parts), changed=chosen != f.no_split)
@@ -223,10 +287,26 @@ _EVAL_NOT_NEEDED = ("not needed under FSDP2: no unit inside the vision tower, so
                     "generation forwards all-gather the same units in the same order on every rank, images or not")
 
 
-def fsdp_vision_decisions(facts: RunFacts, units: Decision, usage: Decision) -> tuple[Decision, Decision] | None:
+_DUMMY = ("{family}: units inside the tower (fsdp_skippable = shard): a rank without an image runs the dummy "
+          "image at the language model's start, where an image rank runs its tower, tied with an exact-zero "
+          "gradient; tower gradients reset to None in a step no rank saw an image (stock DDP find_unused=True)")
+_DUMMY_EVAL = ("{family}: evaluation, prediction and generation forwards agree on images across ranks (one "
+               "1-byte all-gather each); ranks without one run the dummy image (no grad) where the others run "
+               "their tower, so every rank all-gathers the tower's units in the same order")
+
+
+def fsdp_vision_decisions(facts: RunFacts, units: Decision, usage: Decision,
+                          skippable: Decision | None = None) -> tuple[Decision, Decision] | None:
     """``(vlm_stabilizer, vlm_eval_sync)`` for a VLM under FSDP2 whose units hold nothing a rank may skip and
-    whose unused parameters ``parameter_usage`` ties per unit; ``None``: the general rules decide."""
-    if facts.parallel != "fsdp" or facts.fsdp_version != 2 or not facts.is_vlm or not usage.value:
+    whose unused parameters ``parameter_usage`` ties per unit, or whose tower units the dummy runs
+    (``skippable`` is ``"shard"``); ``None``: the general rules decide."""
+    if facts.parallel != "fsdp" or facts.fsdp_version != 2 or not facts.is_vlm:
+        return None
+    if skippable is not None and skippable.value == "shard" and facts.fsdp is not None:
+        family = facts.fsdp.dummy
+        return (Decision(True, _DUMMY.format(family=family), changed=True),
+                Decision(True, _DUMMY_EVAL.format(family=family), changed=True))
+    if not usage.value:
         return None
     if not _no_unit_in_skippable(facts, units):
         return None
@@ -238,9 +318,15 @@ def fsdp_vision_decisions(facts: RunFacts, units: Decision, usage: Decision) -> 
     )
 
 
-def fsdp_eval_sync(facts: RunFacts, units: Decision, eval_sync: Decision) -> Decision:
+def fsdp_eval_sync(facts: RunFacts, units: Decision, eval_sync: Decision,
+                   skippable: Decision | None = None) -> Decision:
     """``vlm_eval_sync`` for an evaluation outside ``train()``: not needed where no unit lies inside a subtree
     a rank may skip (the units hf_ddpfix chooses), else ``eval_sync`` (the general rule)."""
+    if facts.parallel == "fsdp" and facts.fsdp_version == 2 and facts.is_vlm and facts.fsdp is not None:
+        f = facts.fsdp
+        if (f.wrapped and f.skipped_units and f.dummy) or (not f.wrapped and skippable is not None
+                                                          and skippable.value == "shard"):
+            return Decision(True, _DUMMY_EVAL.format(family=f.dummy), changed=True)
     if facts.parallel == "fsdp" and facts.fsdp_version == 2 and facts.is_vlm and _no_unit_in_skippable(facts, units):
         return Decision(False, _EVAL_NOT_NEEDED)
     return eval_sync

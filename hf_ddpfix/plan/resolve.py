@@ -23,7 +23,13 @@ from . import ddp as ddp_rules
 from . import deepspeed as ds_rules
 from . import memory, quantized, vision
 from .asked import mark_not_applied
-from .fsdp import check_fsdp_loading, decide_fsdp_shared, decide_fsdp_units, fsdp_vision_decisions
+from .fsdp import (
+    check_fsdp_loading,
+    decide_fsdp_shared,
+    decide_fsdp_skippable,
+    decide_fsdp_units,
+    fsdp_vision_decisions,
+)
 from .sequence_parallel import decide_sequence_parallel, sp_size_of
 from .types import CheckpointMode, Plan, PlanError, RunFacts
 
@@ -65,10 +71,11 @@ def resolve_plan(facts: RunFacts, config: DDPFixConfig | None = None) -> Plan:
     checkpointed = bool(ckpt.value) or bool(c.assume_checkpointing)
     usage = ddp_rules.decide_parameter_usage(facts, c, mode)
     check_fsdp_loading(facts)  # raises PlanError: accelerate's cpu_ram_efficient_loading cannot prepare the model
-    units = decide_fsdp_units(facts, c)
+    skippable = decide_fsdp_skippable(facts, c)
+    units = decide_fsdp_units(facts, c, skippable)
     stabilizer = ddp_rules.decide_stabilizer(facts, c, distributed, bool(usage.value))
     eval_sync = vision.decide_eval_sync(facts, c)
-    fsdp_vision = fsdp_vision_decisions(facts, units, usage)
+    fsdp_vision = fsdp_vision_decisions(facts, units, usage, skippable)
     if fsdp_vision is not None:
         stabilizer, eval_sync = fsdp_vision
     unused_reason = ddp_rules.unused_reason(facts, bool(stabilizer.value), usage)
@@ -90,6 +97,7 @@ def resolve_plan(facts: RunFacts, config: DDPFixConfig | None = None) -> Plan:
         vlm_stabilizer=stabilizer,
         vlm_eval_sync=eval_sync,
         fsdp_units=units,
+        fsdp_skippable=skippable,
         fsdp_shared=decide_fsdp_shared(facts),
         hang_guard=guard,
         # opt-in tiling reads partitioned (empty) weights under ZeRO-3: not verified there, stock kept

@@ -238,6 +238,7 @@ class Plan:
     sequence_parallel: Decision = Decision(None, "")
     vlm_eval_sync: Decision = Decision(None, "")
     fsdp_units: Decision = Decision(None, "")
+    fsdp_skippable: Decision = Decision(None, "")
     fsdp_shared: Decision = Decision(None, "")
     zero_skip_unused: Decision = Decision(None, "")
     corrections: tuple[str, ...] = ()
@@ -262,6 +263,7 @@ class Plan:
         return {
             "checkpointing": self.checkpointing,
             "fsdp_units": self.fsdp_units,
+            "fsdp_skippable": self.fsdp_skippable,
             "fsdp_shared": self.fsdp_shared,
             "parameter_usage": self.parameter_usage,
             "find_unused_parameters": self.find_unused_parameters,

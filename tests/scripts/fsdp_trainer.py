@@ -72,7 +72,8 @@ EAGER_LOADING = ("bart_layerdrop",)
 #: families run only when named (``--families``): the 4-process cell's text family; VLMs measured by hand with this
 #: script (docs/fsdp.md) and left out of the tests' launches (launch time)
 MORE_CASES = {"llama": (2, "non_reentrant"), "paligemma": (1, "non_reentrant"), "vipllava": (1, "non_reentrant"),
-              "cohere2_vision": (1, "non_reentrant"), "smolvlm": (1, "non_reentrant"), "idefics3": (1, "non_reentrant")}
+              "cohere2_vision": (1, "non_reentrant"), "smolvlm": (1, "non_reentrant"), "idefics3": (1, "non_reentrant"),
+              "llava_onevision": (1, "non_reentrant")}
 
 
 def training_args(output_dir: str, steps: int, ga: int, mode: str, reentrant: bool = False):  # noqa: ANN201
@@ -162,10 +163,23 @@ def count_layer_calls(model) -> list[int]:  # noqa: ANN001
     return counts
 
 
-def run(name: str, mode: str, out: str, saved: bool = False, generate: bool = False) -> None:
+def tower_wrap_list(model) -> list[str]:  # noqa: ANN001
+    """An explicit ``fsdp_transformer_layer_cls_to_wrap`` as VLM guides write one: every block class the model
+    stacks (the decoder layer and the vision tower's blocks), as its ``_no_split_modules`` names them where it has
+    them (else its repeated blocks)."""
+    from hf_ddpfix._compat import no_split_modules, unwrap_model
+    from hf_ddpfix.integrations.fsdp import repeated_block_classes
+
+    hf = unwrap_model(model)
+    have = {type(m).__name__ for m in hf.modules()}
+    named = [n for n in sorted(no_split_modules(hf)) if n in have]
+    return list(dict.fromkeys(named + repeated_block_classes(hf)))
+
+
+def run(name: str, mode: str, out: str, saved: bool = False, generate: bool = False, wrap: str = "plan") -> None:
     from transformers import Trainer
 
-    from hf_ddpfix import DDPFixTrainer
+    from hf_ddpfix import DDPFixConfig, DDPFixTrainer
 
     entry = ENTRIES[name]
     ga, ckpt = {**CASES, **MORE_CASES}[name]
@@ -179,7 +193,8 @@ def run(name: str, mode: str, out: str, saved: bool = False, generate: bool = Fa
     model = load_saved(entry, out, world) if saved else entry.model(0)
     model.config.use_cache = False
     cls = DDPFixTrainer if mode == "fixed" else Trainer
-    trainer = cls(model=model, args=args, data_collator=single_collate,
+    own = {"ddpfix_config": DDPFixConfig(fsdp_skippable="shard")} if wrap == "shard" and mode == "fixed" else {}
+    trainer = cls(model=model, **own, args=args, data_collator=single_collate,
                   train_dataset=items(entry, PATTERN, steps * ga, world, seed=0, ga=ga),
                   eval_dataset=items(entry, EVAL_PATTERN, len(EVAL_PATTERN), world, seed=50_000),
                   preprocess_logits_for_metrics=first_logits)
@@ -187,6 +202,11 @@ def run(name: str, mode: str, out: str, saved: bool = False, generate: bool = Fa
     eager = plugin is not None and name in EAGER_LOADING and plugin.cpu_ram_efficient_loading
     if eager:  # this run only (the plugin is the launch's): restored below
         plugin.cpu_ram_efficient_loading = False
+    explicit = plugin is not None and wrap == "explicit"
+    if explicit:  # as fsdp_transformer_layer_cls_to_wrap in the accelerate config: restored below
+        saved_names = plugin.transformer_cls_names_to_wrap
+        plugin.transformer_cls_names_to_wrap = tower_wrap_list(model)
+        print(f"[{mode}] {name}: explicit wrap list {plugin.transformer_cls_names_to_wrap}", flush=True)
     calls = count_layer_calls(model) if name in RANK_SEEDED else None
     t0 = time.time()
     try:
@@ -194,6 +214,8 @@ def run(name: str, mode: str, out: str, saved: bool = False, generate: bool = Fa
     finally:
         if eager:
             plugin.cpu_ram_efficient_loading = True
+        if explicit:
+            plugin.transformer_cls_names_to_wrap = saved_names
     # image features in the output exist on image ranks only: stock gathers them there only (DDP too), so skip them
     metrics = trainer.evaluate(ignore_keys=IGNORE)
     predicted = trainer.predict(trainer.eval_dataset, ignore_keys=IGNORE)
@@ -221,7 +243,7 @@ def run(name: str, mode: str, out: str, saved: bool = False, generate: bool = Fa
         torch.save({"weights": weights, "eval_loss": metrics["eval_loss"],
                     "predict_loss": predicted.metrics["test_loss"], "wrapped": type(trainer.model).__name__,
                     "units": units, "generated": generated, "layer_calls": calls,
-                    "ties": ties}, os.path.join(out, f"{mode}-{name}.pt"))
+                    "ties": ties}, os.path.join(out, f"{mode}{'' if wrap == 'plan' else '-' + wrap}-{name}.pt"))
         print(f"[{mode}] {name}: {type(trainer.model).__name__}, {len(units)} FSDP2 units, eval_loss "
               f"{metrics['eval_loss']:.6f}, {time.time() - t0:.1f}s", flush=True)
         plan = getattr(trainer, "hf_ddpfix_plan", None)
@@ -235,10 +257,14 @@ def main() -> None:
     ap.add_argument("--families", default=",".join(CASES))
     ap.add_argument("--out", required=True)
     ap.add_argument("--generate", default="", help="families that also generate() with mixed ranks, comma-separated")
+    ap.add_argument("--wraps", default="plan", help="plan (the plan's units), explicit (a wrap list naming the tower's "
+                    "block classes), shard (fsdp_skippable=shard); comma-separated: each family runs once per wrap")
     ap.add_argument("--from-saved", default="", help="families loaded with from_pretrained (load_saved), comma-separated")
     a = ap.parse_args()
-    for name in a.families.split(","):
-        run(name, a.mode, a.out, saved=name in a.from_saved.split(","), generate=name in a.generate.split(","))
+    for wrap in a.wraps.split(","):
+        for name in a.families.split(","):
+            run(name, a.mode, a.out, saved=name in a.from_saved.split(","), generate=name in a.generate.split(","),
+                wrap=wrap)
     print("FSDP_TRAINER_OK", flush=True)
 
 

@@ -35,7 +35,7 @@ from ..._compat import (
     shared_parameter_holders,
     unwrap_model,
 )
-from .wrap import skippable_subtrees
+from .wrap import layerdrop_stacks, skippable_subtrees
 
 __all__ = ["FsdpFacts", "fsdp_facts", "gather_fsdp_facts", "repeated_block_classes"]
 
@@ -66,6 +66,17 @@ class FsdpFacts:
         persistent_buffers: names of the model's persistent buffers (``state_dict`` entries that are no parameter).
         wrapped_tied_head: the name of the output embedding when its weight is the input embedding's but is no
             parameter of its own (an adapter layer around the tied head, e.g. LoRA's ``lm_head``), else ``""``.
+        fold_only: candidate classes with an instance in a subtree no dummy can run (LayerDrop stacks; every
+            skippable subtree of a family without a dummy): they never get a unit of their own.
+        shardable_bytes: bytes of the skippable subtrees a dummy can run (``folded_bytes`` less LayerDrop).
+        total_bytes: bytes of every parameter of the model (each tensor once).
+        dummy: the stabiliser family whose dummy image runs where the tower runs (``fsdp_skippable = shard``),
+            ``""`` when none can be built; ``no_dummy`` says why.
+        dummy_tokens: patches of that dummy image (an estimate from ``vision_config``).
+        tower_params: parameters the dummy's forward reads (tower and projector).
+        shard_roots: classes of the skippable subtrees a dummy runs that are no model of their own (the projector),
+            no ``torch.nn`` built-in and have no instance elsewhere: under ``shard`` they become units too, so the
+            projector's parameters leave the root.
     """
 
     policy: str = "transformer_based_wrap"
@@ -84,6 +95,14 @@ class FsdpFacts:
     params4bit: bool = False
     persistent_buffers: tuple[str, ...] = ()
     wrapped_tied_head: str = ""
+    fold_only: tuple[str, ...] = ()
+    shardable_bytes: int = 0
+    total_bytes: int = 0
+    dummy: str = ""
+    no_dummy: str = ""
+    dummy_tokens: int = 0
+    tower_params: int = 0
+    shard_roots: tuple[str, ...] = ()
 
 
 def repeated_block_classes(model: nn.Module) -> list[str]:
@@ -126,6 +145,10 @@ def fsdp_facts(plugin: Any, model: nn.Module) -> FsdpFacts:
     candidates = set(no_split) | set(repeated) | set(user or ())
     ids = {id(m): n for n, m in hf.named_modules()}
     units = fsdp_module_units(model)
+    drop = [m for m in layerdrop_stacks(hf) if _inside(m, skip)]
+    dummy = _dummy_facts(hf, skip)
+    runnable = [s for s in skip if not any(s is d for d in drop)] if dummy[0] else []
+    no_dummy_inside = _classes_inside([s for s in skip if not any(s is r for r in runnable)])
     return FsdpFacts(
         policy=fsdp_wrap_policy(plugin) if plugin is not None else "transformer_based_wrap",
         user_classes=user,
@@ -143,7 +166,58 @@ def fsdp_facts(plugin: Any, model: nn.Module) -> FsdpFacts:
         params4bit=any(type(p).__name__ == "Params4bit" for p in model.parameters()),
         persistent_buffers=_persistent_buffers(model),
         wrapped_tied_head=_wrapped_tied_head(hf, ids),
+        fold_only=tuple(sorted(c for c in candidates if c in no_dummy_inside)),
+        shardable_bytes=_bytes(runnable),
+        total_bytes=_bytes([hf]),
+        dummy=dummy[0],
+        no_dummy=dummy[1],
+        dummy_tokens=dummy[2],
+        tower_params=dummy[3],
+        shard_roots=_shard_roots(hf, runnable),
     )
+
+
+def _shard_roots(hf: nn.Module, runnable: list[nn.Module]) -> tuple[str, ...]:
+    inside = {id(m) for s in runnable for m in s.modules()}
+    out: list[str] = []
+    for s in runnable:
+        cls = type(s)
+        # a tower model (a PreTrainedModel: it has a config) stays out: as a unit of its own its hidden states
+        # are no longer captured (LLaVA's get_image_features read None); its blocks are units already
+        if cls.__module__.startswith("torch.") or cls.__name__ in out or hasattr(s, "config"):
+            continue
+        if all(id(m) in inside for m in hf.modules() if type(m) is cls):
+            out.append(cls.__name__)
+    return tuple(out)
+
+
+def _bytes(subtrees: Iterable[nn.Module]) -> int:
+    return sum({id(p): p.numel() * p.element_size() for s in subtrees for p in s.parameters()}.values())
+
+
+def _dummy_facts(hf: nn.Module, skip: list[nn.Module]) -> tuple[str, str, int, int]:
+    """(family, why not, tokens, tower parameters) of the dummy image that could run a skippable subtree."""
+    from ..vision.adapter import image_size_hw
+    from ..vision.families import describe_unsupported, find_vision_adapter
+    from ..vision.zero import language_model_of
+
+    vision = [s for s in skip if not isinstance(s, nn.ModuleList)]
+    if not vision:
+        return "", "LayerDrop only", 0, 0
+    if any("CrossAttention" in type(m).__name__ for m in hf.modules()):
+        return "", "cross-attention layers: no dummy states yet", 0, 0
+    adapter = find_vision_adapter(hf, zero=True)
+    if adapter is None:
+        return "", describe_unsupported(hf, zero=True)[:60], 0, 0
+    if language_model_of(adapter) is None:
+        return "", "no language model module to run it before", 0, 0
+    vc = adapter.vision_config
+    hw = image_size_hw(vc) or (224, 224)
+    patch = getattr(vc, "patch_size", None) or 14
+    patch = patch if isinstance(patch, int) else 14
+    tokens = max(1, (hw[0] // patch) * (hw[1] // patch))
+    params = sum({id(p): p.numel() for _, m in adapter.parts() for p in m.parameters()}.values())
+    return adapter.family.name, "", tokens, params
 
 
 def _persistent_buffers(model: nn.Module) -> tuple[str, ...]:

@@ -43,7 +43,7 @@ VISUAL_INPUT_NAMES = ("pixel_values", "pixel_values_videos")
 
 
 #: A discovered family's verified pixel layout per model: ``root -> (family name, pixel ndim)``.
-_VERDICTS: weakref.WeakKeyDictionary[nn.Module, tuple[str, int]] = weakref.WeakKeyDictionary()
+_VERDICTS: weakref.WeakKeyDictionary[nn.Module, tuple[str, tuple[int, int]]] = weakref.WeakKeyDictionary()
 
 
 def get_submodule(root: nn.Module, path: str) -> nn.Module | None:
@@ -127,6 +127,7 @@ class VisionAdapter:
     )
     _forward_params: tuple[str, ...] = field(default=(), repr=False)
     pixel_ndim: int = 4  # "image" kind: 4 ([1, C, H, W]) or 5 ([1, 1, C, H, W]: Idefics3 / SmolVLM); see verify
+    pixel_tiles: int = 1  # 5-D only: images per sample (2: an any-resolution base image + one tile, LLaVA-OneVision)
     verified: bool = False
 
     def __post_init__(self) -> None:
@@ -173,7 +174,7 @@ class VisionAdapter:
             if self.kind == "image":
                 hw = image_size_hw(vc)
                 assert hw is not None  # checked by the family's structural check
-                lead = (1,) * (self.pixel_ndim - 3)
+                lead = (1,) + ((self.pixel_tiles,) if self.pixel_ndim == 5 else ())
                 pv = _ramp((*lead, int(vc.num_channels), *hw), dtype, device)
                 self._dummy_cache[key] = (pv, None)
             else:
@@ -200,8 +201,9 @@ class VisionAdapter:
     def verify(self) -> None:
         """Run-time check of a discovered family's dummy, before training (no-op for hand-written ones).
 
-        Runs the dummy once under ``no_grad``, as ``[1, C, H, W]`` and else ``[1, 1, C, H, W]`` (Idefics3 /
-        SmolVLM take a list of images per sample), and keeps the first layout whose ``pooler_output`` gives
+        Runs the dummy once under ``no_grad``, as ``[1, C, H, W]``, else ``[1, 1, C, H, W]`` (Idefics3 /
+        SmolVLM take a list of images per sample), else ``[1, 2, C, H, W]`` (LLaVA-OneVision's any-resolution
+        base image and one tile for ``image_sizes`` = the tower's size), and keeps the first layout whose ``pooler_output`` gives
         image features to tie where real ones enter. A model built partitioned (``from_pretrained`` under a
         ZeRO-3 config: ``zero.Init``) has empty tower weights on every rank, so the trial runs with the
         tower's and projector's parameters gathered (:func:`hf_ddpfix._compat.zero3_gathered`: one
@@ -218,7 +220,7 @@ class VisionAdapter:
             return
         known = _VERDICTS.get(self.root)
         if known is not None and known[0] == self.family.name:
-            self.pixel_ndim, self.verified = known[1], True
+            (self.pixel_ndim, self.pixel_tiles), self.verified = known[1], True
             return
         params = [p for _, m in self.parts() for p in m.parameters()]
         if any(p.numel() == 0 and not zero3_partitioned(p) for p in params):
@@ -226,24 +228,24 @@ class VisionAdapter:
                              "partitioned: a dummy image cannot be checked before training")
         errors = []
         with zero3_gathered(params):
-            for ndim in (4, 5):
-                self.pixel_ndim = ndim
+            for ndim, tiles in ((4, 1), (5, 1), (5, 2)):  # 5-D x 2: any-resolution base + one tile
+                self.pixel_ndim, self.pixel_tiles = ndim, tiles
                 self._dummy_cache.clear()
                 try:
                     with torch.no_grad():
                         out = self.run_dummy()
                 except Exception as err:  # noqa: BLE001 - a trial: any failure means "not this layout"
-                    errors.append(f"{ndim}-D: {type(err).__name__}: {str(err)[:120]}")
+                    errors.append(f"{ndim}-D x{tiles}: {type(err).__name__}: {str(err)[:120]}")
                     continue
                 pooled = image_features(out)
                 tensors = output_tensors(pooled) if pooled is not None else []
                 if tensors and all(t.numel() > 0 for t in tensors):
                     self.verified = True
-                    _VERDICTS[self.root] = (self.family.name, ndim)
+                    _VERDICTS[self.root] = (self.family.name, (ndim, tiles))
                     return
-                errors.append(f"{ndim}-D: get_image_features returned no pooler_output features")
+                errors.append(f"{ndim}-D x{tiles}: get_image_features returned no pooler_output features")
         self._dummy_cache.clear()
-        self.pixel_ndim = 4
+        self.pixel_ndim, self.pixel_tiles = 4, 1
         raise ValueError(f"{self.family.name}: no dummy image built from vision_config runs through "
                          f"get_image_features ({'; '.join(errors)})")
 

@@ -1,0 +1,130 @@
+"""The dummy image for FSDP2 units inside a vision tower (``fsdp_skippable = shard``): every rank all-gathers and
+reduce-scatters the tower's units in the same order, images or not.
+
+Where it runs: :class:`~hf_ddpfix.integrations.vision.zero.ZeroVisionStabilizer`'s placement, a forward pre-hook
+on the language model (the module the VLM calls with ``inputs_embeds`` after merging image features). An image
+rank runs its tower after the input embedding and before the language model (transformers 5.23: every family the
+stabiliser knows or discovers embeds, then encodes images, then calls the language model), so a text rank's dummy
+sits at the same point of the unit order: [root, embedding, tower blocks..., decoder layers..., norm/head]. The
+dummy's features are tied into ``inputs_embeds`` with an exact-zero gradient, so the backward reaches the tower
+units in the same order too. Evaluation, prediction and ``generate()`` agree on images first (one 1-byte
+all-gather per forward; ``sync_eval``).
+
+After ``train()`` an evaluation-only stabiliser stays attached (:func:`keep_eval_sync`): ``generate()`` on the
+sharded model, whose tower units an image rank all-gathers, agrees across ranks too.
+
+Optimizer semantics: a tower parameter a text rank ran only on the dummy gets a zero gradient, and the averaged
+gradient is stock DDP's (``find_unused_parameters=True``) where some rank saw an image. In a step where **no** rank
+saw an image stock leaves those gradients ``None`` (AdamW skips them); :meth:`FsdpDummy.finalize` (once per
+optimizer step, before clipping: one all-reduce of one int) resets them to ``None`` then.
+
+Guarantees (tests/test_fsdp_skippable.py, through the FSDP test device): with tower units (an explicit
+``fsdp_transformer_layer_cls_to_wrap`` naming the vision blocks, or ``fsdp_skippable = shard``) mixed image/text
+ranks and an all-text step train, evaluate and predict like stock DDP; without the dummy the same run fails
+(gloo size mismatch).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ...ops.dist import collective_device, dist_ready
+from ..vision.zero import ZeroVisionStabilizer
+
+__all__ = ["FsdpDummy", "keep_eval_sync", "kept_eval_sync"]
+
+_KEPT = "_hf_ddpfix_fsdp_eval_sync"
+
+
+class FsdpDummy:
+    """The training (and evaluation) dummy for tower units under FSDP2.
+
+    Args:
+        model: the HF VLM (or a PeftModel / wrapper around it), before or after accelerate wraps it.
+        sync_eval: also agree on images in evaluation, prediction and generation forwards.
+
+    Raises:
+        ValueError: no dummy image for this model (the plan then folds; see ``fsdp_skippable``).
+    """
+
+    def __init__(self, model: nn.Module, *, sync_eval: bool = True, process_group: Any = None) -> None:
+        self.stabilizer = ZeroVisionStabilizer(model, train=True, sync_eval=sync_eval, process_group=process_group)
+        self.adapter = self.stabilizer.adapter
+        self.process_group = process_group
+        self._handle: Any = None
+        self._step_images = False
+        self._step_forwards = 0
+
+    @property
+    def dummy_runs(self) -> int:
+        """Dummy tower forwards so far (training and evaluation)."""
+        return self.stabilizer.dummy_runs
+
+    def attach(self) -> FsdpDummy:
+        """Register the hooks (idempotent)."""
+        self.stabilizer.attach()
+        if self._handle is None:
+            self._handle = self.adapter.root.register_forward_pre_hook(self._record, with_kwargs=True)
+        return self
+
+    def remove(self) -> None:
+        """Remove the hooks (idempotent)."""
+        self.stabilizer.remove()
+        if self._handle is not None:
+            self._handle.remove()
+            self._handle = None
+        self._step_images, self._step_forwards = False, 0
+
+    def _record(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        if module.training and torch.is_grad_enabled():
+            self._step_forwards += 1
+            self._step_images = self._step_images or self.adapter.has_visual_input(args, kwargs)
+
+    def finalize(self) -> bool | None:
+        """Before clipping, once per optimizer step: where no rank passed an image in any micro-batch of the step,
+        every tower and projector gradient becomes ``None`` (stock DDP ``find_unused_parameters=True``). Returns
+        whether some rank saw an image; ``None`` (no collective) when no training forward ran since the last call."""
+        if not self._step_forwards:
+            return None
+        local, self._step_images, self._step_forwards = self._step_images, False, 0
+        if dist_ready(self.process_group):
+            flag = torch.tensor([int(local)], dtype=torch.int32, device=collective_device(self.process_group))
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.process_group)
+            seen = bool(flag.item())
+        else:
+            seen = local
+        if not seen:
+            for _, mod in self.adapter.parts():
+                for p in mod.parameters():
+                    if p.requires_grad:
+                        p.grad = None
+        return seen
+
+
+def keep_eval_sync(model: nn.Module) -> Any:
+    """After ``train()`` with tower units: leave an evaluation-only stabiliser (``train=False, sync_eval=True``)
+    attached to the model, so a ``generate()`` or an evaluation the user runs on the sharded model afterwards
+    all-gathers the tower's units on every rank alike (one per model, idempotent). It changes no output: under
+    ``no_grad`` nothing is tied. Returns it (``None`` where no dummy can be built)."""
+    try:
+        sync = ZeroVisionStabilizer(model, train=False, sync_eval=True)
+    except ValueError:
+        return None
+    kept = getattr(sync.adapter.root, _KEPT, None)
+    if kept is not None:
+        return kept
+    sync.attach()
+    setattr(sync.adapter.root, _KEPT, sync)
+    return sync
+
+
+def kept_eval_sync(model: nn.Module) -> Any:
+    """The stabiliser :func:`keep_eval_sync` left on ``model``, or ``None``."""
+    from ..vision.families import find_vision_adapter
+
+    adapter = find_vision_adapter(model, zero=True)
+    return None if adapter is None else getattr(adapter.root, _KEPT, None)
