@@ -1041,3 +1041,27 @@ def test_fully_shard_of_a_tied_tensor_needs_one_group_and_join_shared_holders_ma
         assert torch.equal(ours.shared.weight.grad.full_tensor(), expect), _broken("the joined group's gradient")
     finally:
         dist.destroy_process_group()
+
+
+def test_prediction_ignore_keys_and_evaluation_loop_options_read_what_the_trainer_reads():
+    """`prediction_ignore_keys`' default is the one `Trainer.prediction_step` spells; `evaluation_loop_options`
+    binds `evaluation_loop`'s own parameters (hf_ddpfix.integrations.eval_outputs reads both)."""
+    import json
+    from types import SimpleNamespace
+
+    from transformers import Trainer
+
+    from hf_ddpfix._compat import default_prediction_ignore_keys, evaluation_loop_options, prediction_ignore_keys
+
+    source = inspect.getsource(Trainer.prediction_step)
+    assert f'"keys_to_ignore_at_inference", {json.dumps(default_prediction_ignore_keys())}' in source
+    trainer = SimpleNamespace(model=SimpleNamespace(config=SimpleNamespace()), args=SimpleNamespace(
+        prediction_loss_only=False))
+    assert prediction_ignore_keys(trainer, None) == default_prediction_ignore_keys()
+    assert prediction_ignore_keys(trainer, ["x"]) == ["x"]
+    trainer.model.config.keys_to_ignore_at_inference = ["y"]
+    assert prediction_ignore_keys(trainer, None) == ["y"]
+    assert evaluation_loop_options(trainer, ("dl", "Evaluation"), {"prediction_loss_only": None}) == (False, None)
+    assert evaluation_loop_options(trainer, ("dl", "Evaluation", True, ["z"]), {}) == (True, ["z"])
+    trainer.args.prediction_loss_only = True
+    assert evaluation_loop_options(trainer, ("dl", "Prediction"), {"ignore_keys": ["k"]}) == (True, ["k"])
