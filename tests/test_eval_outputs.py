@@ -75,6 +75,7 @@ def test_a_kept_field_a_rank_lacks_later_is_a_minus_100_placeholder_of_the_same_
     got = _run(outs, agreements)
     assert _structure(_without_loss(got[0])) == _structure(_without_loss(got[1]))
     ph = got[1]["image_outputs"]
+    assert type(ph) is BaseModelOutputWithPooling  # the class of the first step: the Trainer concatenates by class
     assert ph["last_hidden_state"].shape == (16, 4) and bool((ph["last_hidden_state"] == PAD).all())
     assert got[0]["image_outputs"] is outs[0]["image_outputs"] and agreements[1].placeholders == 1
 

@@ -117,14 +117,27 @@ def _fill(dtype: torch.dtype) -> int | bool:
     return 0
 
 
-def _placeholder(target: Signature, device: torch.device) -> Any:
+def _types(value: Any) -> Any:
+    """The container classes of ``value`` (``None`` for a tensor): placeholders are built of the same classes, as the
+    Trainer's step-to-step concatenation (``nested_concat``) requires."""
+    if isinstance(value, Mapping):
+        return (type(value), {k: _types(v) for k, v in value.items()})
+    if isinstance(value, (tuple, list)):
+        return (type(value), [_types(v) for v in value])
+    return None
+
+
+def _placeholder(target: Signature, device: torch.device, types: Any = None) -> Any:
     kind = target[0]
     if kind == "t":
         dtype = _dtype(target[1])
         return torch.full(target[2], _fill(dtype), dtype=dtype, device=device)
+    cls, sub = types if types is not None else (None, None)
     if kind == "seq":
-        return tuple(_placeholder(c, device) for c in target[1])
-    return {k: _placeholder(c, device) for k, c in target[1]}
+        items = [_placeholder(c, device, sub[i] if sub else None) for i, c in enumerate(target[1])]
+        return cls(items) if cls in (tuple, list) else tuple(items)
+    values = {k: _placeholder(c, device, sub.get(k) if sub else None) for k, c in target[1]}
+    return _rebuild_as(cls, values) if cls is not None else values
 
 
 def _pad(value: Any, target: Signature) -> tuple[Any, int]:
@@ -154,7 +167,10 @@ def _pad(value: Any, target: Signature) -> tuple[Any, int]:
 def _rebuild(output: Mapping[str, Any], values: dict[str, Any]) -> Any:
     """A mapping of ``output``'s type holding ``values`` (a ``ModelOutput`` dataclass: built from its fields, so
     the key order is the dataclass's on every rank); a plain ``dict`` when the type cannot be built so."""
-    cls = type(output)
+    return _rebuild_as(type(output), values)
+
+
+def _rebuild_as(cls: type, values: dict[str, Any]) -> Any:
     if dataclasses.is_dataclass(cls):
         names = {f.name for f in dataclasses.fields(cls)}
         if set(values) <= names:
@@ -182,6 +198,7 @@ class OutputAgreement:
     rank: int
     skip: Collection[str] = ()
     kept: dict[int, dict[str, Signature]] = field(default_factory=dict)  # index -> field -> first-step signature
+    kept_types: dict[int, dict[str, Any]] = field(default_factory=dict)  # index -> field -> this rank's classes
     dropped: dict[str, str] = field(default_factory=dict)  # field -> why (first reason seen)
     forwards: int = 0  # forwards agreed
     changed: int = 0  # forwards whose output was rebuilt
@@ -211,6 +228,7 @@ class OutputAgreement:
         ranks: list[dict[str, Signature]] = [s for s in sigs if s is not None]
         if index not in self.kept:
             self.kept[index] = self._first_step(ranks)
+            self.kept_types[index] = {k: _types(output[k]) for k in self.kept[index]}  # every rank has each one
         kept = self.kept[index]
         mine = ranks[self.rank]
         changed = any(k not in kept for k in mine)
@@ -228,7 +246,7 @@ class OutputAgreement:
                 self.padded += n
                 changed |= bool(n)
             else:
-                values[k] = _placeholder(target, device)
+                values[k] = _placeholder(target, device, self.kept_types[index].get(k))
                 self.placeholders += 1
                 changed = True
         if not changed:
