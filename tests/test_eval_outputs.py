@@ -133,3 +133,48 @@ def test_the_plan_agrees_on_outputs_wherever_more_than_one_process_gathers(paral
     if value:
         off = decide_eval_outputs(facts, DDPFixConfig.from_env(eval_outputs=False))
         assert off.value is False and "as in stock" in off.reason
+
+
+# ----------------------------------------------------------------------------- 2 processes, as users launch
+
+OFFLINE = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
+
+
+@pytest.mark.multiprocess
+def test_vlm_outputs_that_differ_by_rank_evaluate_and_predict_as_stock_ddp_under_ddp_fsdp2_and_zero3(tmp_path):
+    """tests/scripts/eval_outputs.py, one launch per parallel mode (ddp_cpu.yaml, fsdp.yaml through the FSDP test
+    device, zero3.yaml), no ``ignore_keys``: Qwen2.5-VL and LLaVA (``output_hidden_states`` asked) with image and
+    text ranks mixed from the first step, images everywhere (nothing may change), images first then mixed
+    (placeholders). ``evaluate()``'s loss and gathered predictions and ``predict()``'s equal stock DDP's (the
+    DDP launch's stock ``Trainer``, given the differing fields as ``ignore_keys``: stock 5.23's tuple for
+    Qwen2.5-VL) bit for bit. Without the agreement (``HF_DDPFIX_EVAL_OUTPUTS=0``) transformers 5.24 fails the first
+    launch with gloo's size mismatch ("448 vs 8"); 5.23 fails it on LLaVA's ``image_hidden_states``.
+
+    Measured (2 cores shared, torch 2.13, accelerate 1.15, 2026-11-28): 5.24: ddp 28 s, fsdp 46 s, zero3 45 s;
+    5.23: ddp 30 s."""
+    import json
+
+    from fixtures import build_deepspeed_shm_op
+    from launch import ROOT, accelerate_launch, fsdp_device_env
+
+    script = ROOT / "tests" / "scripts" / "eval_outputs.py"
+    out = str(tmp_path)
+    launches = [("ddp", "ddp_cpu.yaml", OFFLINE, ()), ("fsdp", "fsdp.yaml", fsdp_device_env(OFFLINE),
+                                                        ("--mixed_precision", "no"))]
+    if _has_deepspeed():
+        build_deepspeed_shm_op()
+        launches.append(("zero3", "zero3.yaml", OFFLINE, ()))
+    for mode, config, env, extra in launches:  # ddp first: it writes the stock reference the others compare with
+        done = accelerate_launch(config, script, "--mode", mode, "--out", out, timeout=300, env=env, extra=extra)
+        assert "EVAL_OUTPUTS_OK" in done.stdout, done.stdout[-3000:]
+        report = json.loads((tmp_path / f"{mode}.json").read_text())["cases"]
+        for case, r in report.items():
+            assert all(v == 0.0 for v in r["diff"].values()), (mode, case, r)
+        assert report["qwen2_5_vl-images"]["agreement"]["changed"] == 0, report  # nothing differs: untouched
+    assert _has_deepspeed(), "deepspeed is part of the pinned and the newest stack: the ZeRO-3 launch must run"
+
+
+def _has_deepspeed() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("deepspeed") is not None

@@ -10,8 +10,8 @@ Run (one launch per parallel mode; the DDP launch writes the stock reference the
 Cases (each: ``evaluate()`` with a ``compute_metrics`` that keeps the gathered predictions, then ``predict()``;
 batch size 1, rank ``r`` gets item ``k * world + r`` as its ``k``-th batch, sequence lengths varying by rank/step):
 
-- ``<family>-mixed`` (Qwen2.5-VL; LLaVA with ``output_hidden_states=True``, i.e. a prediction field the user asked
-  for): image on rank 0 / text on rank 1, then the reverse, then text on both; hf_ddpfix (``DDPFixTrainer``, no
+- ``<family>-mixed`` (Qwen2.5-VL; LLaVA with ``output_hidden_states=True`` in its batches, a prediction field the
+  user asked for): image on rank 0 / text on rank 1, then the reverse, then text on both; hf_ddpfix (``DDPFixTrainer``, no
   ``ignore_keys``) must drop exactly the fields a local forward with an image has and one without lacks (observed
   here, e.g. 5.24's ``image_outputs``, 5.23's ``image_hidden_states``) and nothing else;
 - ``qwen2_5_vl-images``: an image on every rank at every step: nothing differs, nothing may change (no field
@@ -55,17 +55,15 @@ SEQ = ((12, 16), (16, 12), (14, 10))  # step -> rank -> sequence length
 
 
 def build(family: str):  # noqa: ANN201
-    model = ZOO[family].model(0)
-    if family in HIDDEN_STATES:
-        model.config.output_hidden_states = True
-    return model.eval()
+    return ZOO[family].model(0).eval()
 
 
 def dataset(case: str, world: int) -> RankItems:
     family, pattern = CASES[case]
     entry = ZOO[family]
-    return RankItems(len(pattern), world,
-                     lambda k, r: entry.batch(pattern[k][r % 2], 5000 + 100 * k + r, SEQ[k % len(SEQ)][r % 2]))
+    asked = {"output_hidden_states": True} if family in HIDDEN_STATES else {}
+    return RankItems(len(pattern), world, lambda k, r: {
+        **entry.batch(pattern[k][r % 2], 5000 + 100 * k + r, SEQ[k % len(SEQ)][r % 2]), **asked})
 
 
 def conditional_fields(family: str) -> set[str]:
@@ -78,7 +76,7 @@ def conditional_fields(family: str) -> set[str]:
     outs = {}
     for image in (True, False):
         with torch.no_grad():
-            outs[image] = model(**ZOO[family].batch(image, 1, 12))
+            outs[image] = model(**ZOO[family].batch(image, 1, 12), output_hidden_states=family in HIDDEN_STATES)
     from hf_ddpfix._compat import default_prediction_ignore_keys
 
     skip = set(default_prediction_ignore_keys()) | {"loss"}
@@ -91,11 +89,14 @@ def args_for(out: str, mode: str):  # noqa: ANN201
     from transformers import TrainingArguments
 
     return TrainingArguments(output_dir=os.path.join(out, f"run-{mode}"), per_device_eval_batch_size=1,
+                             per_device_train_batch_size=1, max_steps=1, learning_rate=0.0, weight_decay=0.0,
                              report_to="none", remove_unused_columns=False, use_cpu=True, seed=0, save_strategy="no")
 
 
-def run(case: str, trainer_cls, out: str, mode: str, ignore_keys=None) -> dict:  # noqa: ANN001
-    """``evaluate()`` (predictions kept by ``compute_metrics``) then ``predict()`` of ``case``."""
+def run(case: str, model, trainer_cls, out: str, mode: str, ignore_keys=None) -> dict:  # noqa: ANN001
+    """``evaluate()`` (predictions kept by ``compute_metrics``) then ``predict()`` of ``case`` on ``model``. Under FSDP2
+    one training step at learning rate 0 first (the weights stay exactly as built): accelerate 1.15 cannot prepare an
+    FSDP2 model for ``evaluate()`` alone ("a model and optimizer must be passed together")."""
     import torch.distributed as dist
 
     kept: list = []
@@ -104,12 +105,18 @@ def run(case: str, trainer_cls, out: str, mode: str, ignore_keys=None) -> dict: 
         kept.append(pred.predictions)
         return {"n": float(len(np.asarray(pred.label_ids)))}
 
-    model = build(CASES[case][0])  # before TrainingArguments: no zero.Init (peft cannot wrap a partitioned Conv3d)
-    trainer = trainer_cls(model=model, args=args_for(out, mode), data_collator=single_collate,
-                          compute_metrics=compute_metrics)
     ds = dataset(case, dist.get_world_size())
+    trainer = trainer_cls(model=model, args=args_for(out, mode), data_collator=single_collate,
+                          compute_metrics=compute_metrics, train_dataset=ds)
+    if mode == "fsdp":
+        trainer.train()
     metrics = trainer.evaluate(eval_dataset=ds, ignore_keys=ignore_keys)
     pred = trainer.predict(ds, ignore_keys=ignore_keys)
+    really = {"ddp": not trainer.is_fsdp_enabled and not trainer.is_deepspeed_enabled,
+              "fsdp": trainer.is_fsdp_enabled and type(trainer.model).__name__.startswith("FSDP"),
+              "zero3": trainer.is_deepspeed_enabled and trainer.deepspeed is not None
+              and trainer.deepspeed.zero_optimization_stage() == 3}[mode]
+    assert really, f"{case}: the launch did not run {mode} ({type(trainer.model).__name__})"
     sync = getattr(trainer, "hf_ddpfix_eval_outputs", None)
     res = {"eval_loss": metrics["eval_loss"], "test_loss": pred.metrics["test_loss"], "eval_predictions": kept[0],
            "predictions": pred.predictions, "label_ids": pred.label_ids}
@@ -163,11 +170,20 @@ def main() -> None:
     report: dict = {}
     refs: dict = {}
     ref_path = os.path.join(a.out, "reference.pt")
-    for case in a.cases.split(","):
+    from accelerate import PartialState
+
+    PartialState()  # the process group (as TrainingArguments would), without DeepSpeed's zero.Init
+    cases = a.cases.split(",")
+    # every model and observation before the first TrainingArguments (under zero3.yaml they switch zero.Init on for
+    # any later build, and peft cannot wrap a partitioned Conv3d): the DeepSpeed engine partitions them itself
+    expect = {f: conditional_fields(f) for f in {CASES[c][0] for c in cases}}
+    models = {(c, kind): build(CASES[c][0]) for c in cases for kind in (("fixed", "stock") if a.mode == "ddp"
+                                                                         else ("fixed",))}
+    for case in cases:
         family = CASES[case][0]
-        expected = conditional_fields(family)
+        expected = expect[family]
         stock_ignore = default_prediction_ignore_keys() + sorted(expected)
-        got = run(case, DDPFixTrainer, a.out, a.mode)
+        got = run(case, models[case, "fixed"], DDPFixTrainer, a.out, a.mode)
         if family in HIDDEN_STATES:  # the field the user asked for (every rank has it) is kept: logits + layers
             assert len(flat(got["predictions"])) > 2, (case, list(flat(got["predictions"])))
         agreement = got["agreement"]
@@ -179,7 +195,7 @@ def main() -> None:
         else:  # mixed from the first step: exactly the conditional fields dropped
             assert agreement["dropped"] == sorted(expected), (case, agreement, expected)
         if a.mode == "ddp":
-            ref = run(case, Trainer, a.out, a.mode, ignore_keys=stock_ignore)
+            ref = run(case, models[case, "stock"], Trainer, a.out, a.mode, ignore_keys=stock_ignore)
             if case.endswith("-later") and expected:  # the placeholder field: compare the logits part only
                 got_cmp = {**got, "eval_predictions": got["eval_predictions"][0], "predictions": got["predictions"][0]}
                 check_placeholders(case, got)
