@@ -1051,7 +1051,11 @@ def test_prediction_ignore_keys_and_evaluation_loop_options_read_what_the_traine
 
     from transformers import Trainer
 
-    from hf_ddpfix._compat import default_prediction_ignore_keys, evaluation_loop_options, prediction_ignore_keys
+    from hf_ddpfix._compat import (
+        default_prediction_ignore_keys,
+        evaluation_loop_options,
+        prediction_ignore_keys,
+    )
 
     source = inspect.getsource(Trainer.prediction_step)
     assert f'"keys_to_ignore_at_inference", {json.dumps(default_prediction_ignore_keys())}' in source

@@ -119,8 +119,8 @@ def _warn_dropped(trainer: Any, sync: EvalOutputSync) -> None:
     if trainer.is_world_process_zero():
         names = ", ".join(f"{k} ({why})" for k, why in new.items())
         logger.warning(
-            "eval_outputs: left out of the predictions on every rank: %s. A field some ranks lack would fail the "
-            "Trainer's gathers (gloo size mismatch, NCCL hang). To keep one, every rank must produce it from the "
+            "eval_outputs: left out of the predictions on every rank: %s. A field that differs by rank would fail "
+            "the Trainer's gathers (gloo size mismatch, NCCL hang). To keep one, every rank must produce it from the "
             "first evaluation batch on (e.g. an image on every rank); to silence this, pass ignore_keys=%r.",
             names, sorted(new))
 
