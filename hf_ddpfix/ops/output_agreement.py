@@ -32,7 +32,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["PAD", "OutputAgreement", "Signature", "describe"]
+__all__ = ["PAD", "OutputAgreement", "Signature", "describe", "gatherable"]
 
 #: The value the Trainer pads predictions with (``EvalLoopContainer(padding_index=-100)``,
 #: ``pad_across_processes(pad_index=-100)``): a placeholder or a padded row reads as "no prediction here".
@@ -71,14 +71,15 @@ def _structure(sig: Signature) -> Signature:
     return sig
 
 
-def _gatherable(sig: Signature) -> bool:
+def gatherable(sig: Signature) -> bool:
+    """True when ``sig`` holds only tensors in tuples, lists and mappings (what the Trainer's gather takes)."""
     kind = sig[0]
     if kind == "t":
         return True
     if kind == "seq":
-        return all(_gatherable(c) for c in sig[1])
+        return all(gatherable(c) for c in sig[1])
     if kind == "map":
-        return all(_gatherable(c) for _, c in sig[1])
+        return all(gatherable(c) for _, c in sig[1])
     return False
 
 
@@ -88,7 +89,7 @@ def _not_gatherable(sig: Signature) -> str:
     if kind == "x":
         return str(sig[1])
     children = sig[1] if kind == "seq" else [c for _, c in sig[1]] if kind == "map" else []
-    return next((_not_gatherable(c) for c in children if not _gatherable(c)), "")
+    return next((_not_gatherable(c) for c in children if not gatherable(c)), "")
 
 
 def _max_shapes(sigs: list[Signature]) -> Signature:
@@ -268,7 +269,7 @@ class OutputAgreement:
             other = next((i for i, r in enumerate(ranks) if _structure(r[k]) != _structure(sig)), None)
             if other is not None:
                 self.dropped.setdefault(k, f"structure differs on rank {other} at the first evaluation step")
-            elif not _gatherable(sig):
+            elif not gatherable(sig):
                 self.dropped.setdefault(k, f"holds a {_not_gatherable(sig)}, which the Trainer's gather cannot take")
             else:
                 kept[k] = sig

@@ -70,7 +70,7 @@ def conditional_fields(family: str) -> set[str]:
     """The output fields a local forward with an image has and one without lacks, plus fields the Trainer's gather
     cannot take (a ``None`` inside: 5.24's ``image_outputs.hidden_states`` with ``output_hidden_states``): observed
     on this stack, no list of names."""
-    from hf_ddpfix.ops.output_agreement import _gatherable, describe
+    from hf_ddpfix.ops.output_agreement import describe, gatherable
 
     model = build(family)
     outs = {}
@@ -81,7 +81,7 @@ def conditional_fields(family: str) -> set[str]:
 
     skip = set(default_prediction_ignore_keys()) | {"loss"}
     lacking = set(outs[True].keys()) - set(outs[False].keys())
-    ungatherable = {k for k, v in outs[True].items() if k not in skip and not _gatherable(describe(v))}
+    ungatherable = {k for k, v in outs[True].items() if k not in skip and not gatherable(describe(v))}
     return (lacking | ungatherable) - skip
 
 
