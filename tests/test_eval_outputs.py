@@ -1,5 +1,5 @@
 """Outputs that differ by rank never reach the Trainer's prediction gathers unequal (hf_ddpfix.ops.output_agreement,
-hf_ddpfix.plan.evaluation). The 2-process runs under DDP, FSDP2 and ZeRO-3: tests/test_eval_outputs_launch.py."""
+hf_ddpfix.plan.evaluation); the 2-process runs under DDP, FSDP2 and ZeRO-3 (tests/scripts/eval_outputs.py) last."""
 
 from __future__ import annotations
 

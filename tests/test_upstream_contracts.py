@@ -1056,8 +1056,11 @@ def test_prediction_ignore_keys_and_evaluation_loop_options_read_what_the_traine
         evaluation_loop_options,
         prediction_ignore_keys,
     )
+    from hf_ddpfix._compat.trainer import EVALUATION_LOOP_PARAMETERS
 
-    source = inspect.getsource(Trainer.prediction_step)
+    stock_loop = inspect.unwrap(Trainer.evaluation_loop)  # patch_trainer()'s layer (another test's) wraps it
+    assert tuple(inspect.signature(stock_loop).parameters)[1:] == EVALUATION_LOOP_PARAMETERS
+    source = inspect.getsource(inspect.unwrap(Trainer.prediction_step))
     assert f'"keys_to_ignore_at_inference", {json.dumps(default_prediction_ignore_keys())}' in source
     trainer = SimpleNamespace(model=SimpleNamespace(config=SimpleNamespace()), args=SimpleNamespace(
         prediction_loss_only=False))
