@@ -1047,6 +1047,7 @@ def test_prediction_ignore_keys_and_evaluation_loop_options_read_what_the_traine
     """`prediction_ignore_keys`' default is the one `Trainer.prediction_step` spells; `evaluation_loop_options`
     binds `evaluation_loop`'s own parameters (hf_ddpfix.integrations.eval_outputs reads both)."""
     import json
+    import sys
     from types import SimpleNamespace
 
     from transformers import Trainer
@@ -1058,9 +1059,12 @@ def test_prediction_ignore_keys_and_evaluation_loop_options_read_what_the_traine
     )
     from hf_ddpfix._compat.trainer import EVALUATION_LOOP_PARAMETERS
 
-    stock_loop = inspect.unwrap(Trainer.evaluation_loop)  # patch_trainer()'s layer (another test's) wraps it
-    assert tuple(inspect.signature(stock_loop).parameters)[1:] == EVALUATION_LOOP_PARAMETERS
-    source = inspect.getsource(inspect.unwrap(Trainer.prediction_step))
+    # read from the installed file: a patch_trainer() layer left on by another test hides the class attributes
+    module_source = Path(inspect.getsourcefile(sys.modules[Trainer.__module__])).read_text()
+    methods = {f.name: f for c in ast.parse(module_source).body if isinstance(c, ast.ClassDef) and c.name == "Trainer"
+               for f in c.body if isinstance(f, ast.FunctionDef)}
+    assert tuple(a.arg for a in methods["evaluation_loop"].args.args)[1:] == EVALUATION_LOOP_PARAMETERS
+    source = ast.get_source_segment(module_source, methods["prediction_step"])
     assert f'"keys_to_ignore_at_inference", {json.dumps(default_prediction_ignore_keys())}' in source
     trainer = SimpleNamespace(model=SimpleNamespace(config=SimpleNamespace()), args=SimpleNamespace(
         prediction_loss_only=False))
