@@ -159,10 +159,14 @@ def test_vlm_outputs_that_differ_by_rank_evaluate_and_predict_as_stock_ddp_under
 
     script = ROOT / "tests" / "scripts" / "eval_outputs.py"
     out = str(tmp_path)
-    build_deepspeed_shm_op()  # cached; outside the launches' hard timeouts
+    import importlib.util
+
     launches = [("ddp", "ddp_cpu.yaml", OFFLINE, ()),
-                ("fsdp", "fsdp.yaml", fsdp_device_env(OFFLINE), ("--mixed_precision", "no")),
-                ("zero3", "zero3.yaml", OFFLINE, ())]
+                ("fsdp", "fsdp.yaml", fsdp_device_env(OFFLINE), ("--mixed_precision", "no"))]
+    has_deepspeed = importlib.util.find_spec("deepspeed") is not None
+    if has_deepspeed:
+        build_deepspeed_shm_op()  # cached; outside the launches' hard timeouts
+        launches.append(("zero3", "zero3.yaml", OFFLINE, ()))
     for mode, config, env, extra in launches:  # ddp first: it writes the stock reference the others compare with
         done = accelerate_launch(config, script, "--mode", mode, "--out", out, timeout=300, env=env, extra=extra)
         assert "EVAL_OUTPUTS_OK" in done.stdout, done.stdout[-3000:]
@@ -170,3 +174,5 @@ def test_vlm_outputs_that_differ_by_rank_evaluate_and_predict_as_stock_ddp_under
         for case, r in report.items():
             assert all(v == 0.0 for v in r["diff"].values()), (mode, case, r)
         assert report["qwen2_5_vl-images"]["agreement"]["changed"] == 0, report  # nothing differs: untouched
+    if not has_deepspeed:  # DDP and FSDP2 passed; say that ZeRO-3 did not run
+        pytest.skip("ZeRO-3 launch not run: deepspeed is not installed (test extra: DS_BUILD_OPS=0 pip install deepspeed)")
