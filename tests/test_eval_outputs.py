@@ -150,7 +150,7 @@ def test_vlm_outputs_that_differ_by_rank_evaluate_and_predict_as_stock_ddp_under
     Qwen2.5-VL) bit for bit. Without the agreement (``HF_DDPFIX_EVAL_OUTPUTS=0``) transformers 5.24 fails the first
     launch at the first mixed case with gloo's size mismatch ("8192 vs 8", 2026-11-28).
 
-    Wall (2 cores shared with other jobs, torch 2.13, accelerate 1.15, 2026-11-28): 140 s on 5.23 (load ~7), 204 s
+    Wall (2 cores shared with other jobs, torch 2.13, accelerate 1.15, 2026-11-28): 140-330 s on 5.23 (load 7-20), 204 s
     on 5.24 (load ~11); launches alone at lighter load: ddp 28 s, fsdp 46 s, zero3 45 s."""
     import json
 
