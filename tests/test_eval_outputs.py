@@ -129,7 +129,7 @@ def test_the_plan_agrees_on_outputs_wherever_more_than_one_process_gathers(paral
 
     facts = RunFacts(parallel=parallel, world_size=world)
     decision = decide_eval_outputs(facts, DDPFixConfig())
-    assert decision.value is value and len(EVAL_OUTPUTS_HOW) <= 160
+    assert decision.value is value and len(f" * {'eval_outputs':<23} = {'on':<14} {EVAL_OUTPUTS_HOW}") <= 160
     if value:
         off = decide_eval_outputs(facts, DDPFixConfig.from_env(eval_outputs=False))
         assert off.value is False and "as in stock" in off.reason

@@ -19,9 +19,9 @@ if TYPE_CHECKING:
 
 __all__ = ["EVAL_OUTPUTS_HOW", "decide_eval_outputs"]
 
-#: The plan line's reason (<= 160 characters).
-EVAL_OUTPUTS_HOW = ("predictions: fields every rank has at the 1st eval step (1 small all_gather_object per step); "
-                    "others dropped, warned; later gaps padded -100")
+#: The plan line's reason: the whole line fits the report's 160 characters uncut (docs/plan.md#eval_outputs).
+EVAL_OUTPUTS_HOW = ("predictions keep the fields all ranks have at eval step 1 (1 small all_gather_object a step); "
+                    "the rest dropped")
 
 
 def decide_eval_outputs(facts: RunFacts, c: DDPFixConfig) -> Decision:
