@@ -315,6 +315,10 @@ class DDPFixConfig:
     hang_guard: bool | None = option(
         _bool, "Detect ranks disagreeing on used parameter groups before backward and raise (auto: on)."
     )
+    eval_outputs: bool | None = option(
+        _bool, "Evaluation/prediction: every rank hands the Trainer's gathers the same prediction fields (those all "
+        "ranks have at the first step; auto: on with more than one process)."
+    )
     parameter_usage: bool | None = option(
         _bool,
         "Tie every trainable parameter a forward did not use into the loss with an exact-zero gradient (observed "

@@ -31,6 +31,7 @@ from .config import DDPFixConfig
 from .errors import readable_ddp_errors
 from .facts import gather_facts
 from .feature_report import FallbackWatch, attach_fallbacks, feature_metrics, never_ran_warning
+from .integrations.eval_outputs import agreed_eval_outputs
 from .integrations.fsdp import apply_fsdp_units, join_tied_holders
 from .integrations.sequence_parallel.trainer import attach_sequence_parallel
 from .integrations.trainer_hooks import TrainerPatchLayer
@@ -38,6 +39,7 @@ from .launcher_errors import is_known_error, report_to_launcher
 from .ops.dist import destroy_default_group_at_exit
 from .ops.feature_counts import reset as reset_feature_counts
 from .plan.asked import asked_options, not_applied_warning
+from .plan.evaluation import decide_eval_outputs
 from .plan.fsdp import (
     decide_fsdp_shared,
     decide_fsdp_skippable,
@@ -48,7 +50,7 @@ from .plan.fsdp import (
 )
 from .plan.resolve import resolve_plan
 from .plan.sequence_parallel import decide_sequence_parallel, sp_size_of
-from .plan.types import Plan
+from .plan.types import Decision, Plan
 from .plan.vision import decide_eval_sync
 from .runtime import attach_eval_sync, attach_runtime, cpu_repack_off
 
@@ -168,11 +170,44 @@ def _warn_never_ran(trainer: Trainer, config: DDPFixConfig) -> None:
 
 def run_evaluation_with_plan(trainer: Trainer, eval_loop: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
     """Run `eval_loop` (the stock `evaluation_loop`, behind `evaluate()` and `predict()`) with the plan's
-    `vlm_eval_sync`: under ZeRO-3 / FSDP, a VLM's evaluation forwards agree across ranks on images (see
-    `hf_ddpfix.plan.vision`), and under FSDP2 bitsandbytes' in-place CPU repack of 4-bit weights is off for the
-    loop (`runtime.cpu_repack_off`). Inside `train()` the training runtime already carries both. Reading the run
-    never fails an evaluation stock runs: if the facts cannot be read, stock evaluation runs and the log
-    says why.
+    `eval_outputs` (inside `train()` too: every rank hands the Trainer's prediction gathers the same fields,
+    `hf_ddpfix.integrations.eval_outputs`) and, outside `train()`, `vlm_eval_sync` (`_evaluate_under_plan`)."""
+    if getattr(trainer, "_hf_ddpfix_outputs_active", False):  # DDPFixTrainer under patch_trainer(): apply once
+        return _evaluate_under_plan(trainer, eval_loop, *args, **kwargs)
+    trainer._hf_ddpfix_outputs_active = True
+    try:
+        with agreed_eval_outputs(trainer, _eval_outputs_decision(trainer), args, kwargs):
+            return _evaluate_under_plan(trainer, eval_loop, *args, **kwargs)
+    finally:
+        trainer._hf_ddpfix_outputs_active = False
+
+
+def _eval_outputs_decision(trainer: Trainer) -> Decision:
+    """The plan's `eval_outputs`: the training plan's inside `train()`, else decided now (and logged once on rank 0
+    when no training plan was). A run that cannot be read gets stock gathers, with the reason logged."""
+    plan = getattr(trainer, "hf_ddpfix_plan", None)
+    if getattr(trainer, "_hf_ddpfix_active", False) and plan is not None:
+        return plan.eval_outputs
+    try:
+        decision = decide_eval_outputs(gather_facts(trainer), _trainer_config(trainer))
+    except Exception as err:  # noqa: BLE001 - reading the run must not fail an evaluation stock runs
+        _ensure_log_handler()
+        logger.warning("eval_outputs: not applied, the run could not be read (%s): stock gathers", err)
+        return Decision(None, "")
+    if decision.value is not None and plan is None and not getattr(trainer, "_hf_ddpfix_outputs_logged", False):
+        trainer._hf_ddpfix_outputs_logged = True
+        if trainer.is_world_process_zero():
+            _ensure_log_handler()
+            logger.info("eval_outputs = %s  %s", decision.text, decision.reason)
+    return decision
+
+
+def _evaluate_under_plan(trainer: Trainer, eval_loop: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    """`eval_loop` with the plan's `vlm_eval_sync`: under ZeRO-3 / FSDP, a VLM's evaluation forwards agree across
+    ranks on images (see `hf_ddpfix.plan.vision`), and under FSDP2 bitsandbytes' in-place CPU repack of 4-bit
+    weights is off for the loop (`runtime.cpu_repack_off`). Inside `train()` the training runtime already carries
+    both. Reading the run never fails an evaluation stock runs: if the facts cannot be read, stock evaluation runs
+    and the log says why.
     """
     if getattr(trainer, "_hf_ddpfix_active", False) or getattr(trainer, "_hf_ddpfix_eval_active", False):
         return eval_loop(*args, **kwargs)

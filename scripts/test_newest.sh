@@ -81,5 +81,6 @@ py=("$venv/bin/python" -m pytest -q -p no:cacheprovider)
   "tests/test_sequence_parallel.py::test_trainer_with_sequence_parallel_equals_the_run_without_it_and_one_process[2-2]" \
   "tests/test_sequence_parallel.py::test_ulysses_attention_and_a_lora_llama_match_one_process_on_the_full_sequence[2]" \
   tests/test_trainer_zoo.py \
-  "tests/test_deepspeed.py::test_zero_skip_unused_with_accumulation_2_and_reentrant_checkpointing_matches_stock_ddp"
+  "tests/test_deepspeed.py::test_zero_skip_unused_with_accumulation_2_and_reentrant_checkpointing_matches_stock_ddp" \
+  "tests/test_eval_outputs.py::test_vlm_outputs_that_differ_by_rank_evaluate_and_predict_as_stock_ddp_under_ddp_fsdp2_and_zero3"
 bash scripts/run_examples.sh "$venv/bin/python"

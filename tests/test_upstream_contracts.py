@@ -1086,3 +1086,38 @@ def _tiny_llama_meta():
 
     return LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
                                         num_attention_heads=2, num_key_value_heads=1))
+
+
+def test_prediction_ignore_keys_and_evaluation_loop_options_read_what_the_trainer_reads():
+    """`prediction_ignore_keys`' default is the one `Trainer.prediction_step` spells; `evaluation_loop_options`
+    binds `evaluation_loop`'s own parameters (hf_ddpfix.integrations.eval_outputs reads both)."""
+    import json
+    import sys
+    from types import SimpleNamespace
+
+    from transformers import Trainer
+
+    from hf_ddpfix._compat import (
+        default_prediction_ignore_keys,
+        evaluation_loop_options,
+        prediction_ignore_keys,
+    )
+    from hf_ddpfix._compat.trainer import EVALUATION_LOOP_PARAMETERS
+
+    # read from the installed file: a patch_trainer() layer left on by another test hides the class attributes
+    module_source = Path(inspect.getsourcefile(sys.modules[Trainer.__module__])).read_text()
+    methods = {f.name: f for c in ast.parse(module_source).body if isinstance(c, ast.ClassDef) and c.name == "Trainer"
+               for f in c.body if isinstance(f, ast.FunctionDef)}
+    assert tuple(a.arg for a in methods["evaluation_loop"].args.args)[1:] == EVALUATION_LOOP_PARAMETERS
+    source = ast.get_source_segment(module_source, methods["prediction_step"])
+    assert f'"keys_to_ignore_at_inference", {json.dumps(default_prediction_ignore_keys())}' in source
+    trainer = SimpleNamespace(model=SimpleNamespace(config=SimpleNamespace()), args=SimpleNamespace(
+        prediction_loss_only=False))
+    assert prediction_ignore_keys(trainer, None) == default_prediction_ignore_keys()
+    assert prediction_ignore_keys(trainer, ["x"]) == ["x"]
+    trainer.model.config.keys_to_ignore_at_inference = ["y"]
+    assert prediction_ignore_keys(trainer, None) == ["y"]
+    assert evaluation_loop_options(trainer, ("dl", "Evaluation"), {"prediction_loss_only": None}) == (False, None)
+    assert evaluation_loop_options(trainer, ("dl", "Evaluation", True, ["z"]), {}) == (True, ["z"])
+    trainer.args.prediction_loss_only = True
+    assert evaluation_loop_options(trainer, ("dl", "Prediction"), {"ignore_keys": ["k"]}) == (True, ["k"])

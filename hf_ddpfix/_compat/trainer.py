@@ -237,3 +237,51 @@ def disable_model_checkpointing(model: nn.Module) -> None:
         model.activation_checkpointing_disable()
     else:
         model.gradient_checkpointing_disable()
+
+
+# --------------------------------------------------------------------------------------------------
+# What Trainer.evaluation_loop gathers as predictions (evaluation output agreement)
+# --------------------------------------------------------------------------------------------------
+
+#: ``Trainer.prediction_step``'s default ``ignore_keys`` when the model's config names none
+#: (``keys_to_ignore_at_inference``): the KV-cache field, ``cache`` from transformers 5.24, ``past_key_values``
+#: in 5.0-5.23 (tests/test_upstream_contracts.py reads it from the installed source).
+def default_prediction_ignore_keys() -> list[str]:
+    import transformers
+    from packaging.version import Version
+
+    return ["cache"] if Version(transformers.__version__).release[:2] >= (5, 24) else ["past_key_values"]
+
+
+def prediction_ignore_keys(trainer: Any, ignore_keys: list[str] | None) -> list[str]:
+    """The output keys ``Trainer.prediction_step`` leaves out of the predictions (5.0-5.24): ``ignore_keys`` when
+    given, else ``trainer.model.config.keys_to_ignore_at_inference``, else the cache field
+    (:func:`default_prediction_ignore_keys`); ``[]`` for a model without a config."""
+    if ignore_keys is not None:
+        return list(ignore_keys)
+    config = getattr(trainer.model, "config", None)
+    if config is None:
+        return []
+    return list(getattr(config, "keys_to_ignore_at_inference", default_prediction_ignore_keys()))
+
+
+def evaluation_loop_options(trainer: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[bool, list[str] | None]:
+    """``(prediction_loss_only, ignore_keys)`` of a ``Trainer.evaluation_loop(dataloader, description,
+    prediction_loss_only=None, ignore_keys=None, metric_key_prefix="eval")`` call (5.0-5.24), resolved as the loop
+    resolves them (``prediction_loss_only`` None: ``args.prediction_loss_only``)."""
+    named = {**dict(zip(EVALUATION_LOOP_PARAMETERS, args, strict=False)), **kwargs}  # fewer args than names
+    loss_only = named.get("prediction_loss_only")
+    if loss_only is None:
+        loss_only = bool(getattr(trainer.args, "prediction_loss_only", False))
+    return bool(loss_only), named.get("ignore_keys")
+
+
+#: ``Trainer.evaluation_loop``'s parameters after ``self`` (5.0-5.24; a patched class attribute hides the signature,
+#: so it is spelled here and checked against the stock function by the contract test).
+EVALUATION_LOOP_PARAMETERS = ("dataloader", "description", "prediction_loss_only", "ignore_keys", "metric_key_prefix")
+
+
+def shadow_method(obj: Any, name: str, method: Callable[..., Any]) -> Callable[[], None]:
+    """Shadow ``obj.name`` with ``method`` on the instance (e.g. ``trainer.prediction_step``, ``model.generate``);
+    returns the undo, which leaves a later shadow alone."""
+    return _shadow(obj, name, method)

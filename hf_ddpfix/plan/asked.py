@@ -127,6 +127,7 @@ ASKS: dict[str, Ask] = {
                             runs=lambda f, p: p.offload_activations.value is True),
     "vlm_stabilizer": Ask(_true, _stabilizer_why),
     "hang_guard": Ask(_true, _hang_guard_why),
+    "eval_outputs": Ask(_true, lambda f, p: "one process: the Trainer gathers predictions across no ranks"),
     "parameter_usage": Ask(_true, _usage_why),
     "fsdp_skippable": Ask(lambda v: v in ("fold", "shard"),
                           lambda f, p: f"an FSDP2 setting for subtrees a rank may skip; this run is {_where(f)}",

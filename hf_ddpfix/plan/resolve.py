@@ -23,6 +23,7 @@ from . import ddp as ddp_rules
 from . import deepspeed as ds_rules
 from . import memory, quantized, vision
 from .asked import mark_not_applied
+from .evaluation import decide_eval_outputs
 from .fsdp import (
     check_fsdp_loading,
     decide_fsdp_shared,
@@ -96,6 +97,7 @@ def resolve_plan(facts: RunFacts, config: DDPFixConfig | None = None) -> Plan:
         offload_activations=offload,
         vlm_stabilizer=stabilizer,
         vlm_eval_sync=eval_sync,
+        eval_outputs=decide_eval_outputs(facts, c),
         fsdp_units=units,
         fsdp_skippable=skippable,
         fsdp_shared=decide_fsdp_shared(facts),

@@ -237,6 +237,7 @@ class Plan:
     long_context: Decision = Decision(None, "")
     sequence_parallel: Decision = Decision(None, "")
     vlm_eval_sync: Decision = Decision(None, "")
+    eval_outputs: Decision = Decision(None, "")
     fsdp_units: Decision = Decision(None, "")
     fsdp_skippable: Decision = Decision(None, "")
     fsdp_shared: Decision = Decision(None, "")
@@ -271,6 +272,7 @@ class Plan:
             "offload_activations": self.offload_activations,
             "vlm_stabilizer": self.vlm_stabilizer,
             "vlm_eval_sync": self.vlm_eval_sync,
+            "eval_outputs": self.eval_outputs,
             "hang_guard": self.hang_guard,
             "tiled_mlp": self.tiled_mlp,
             "tiled_loss": self.tiled_loss,
