@@ -287,6 +287,23 @@ def test_the_fsdp2_column_shows_each_family_verdict_and_number_from_the_results_
 def test_trainer_runs_mllama_and_layerdrop_with_fu_false_like_stock(tmp_path) -> None:
     """The issue's headline: stock's old plan picked fu=False + static graph for LoRA Mllama (text-only
     steps skip the cross-attention layers) and LayerDrop models, which DDP cannot train (shown failing in
-    the ga 1 zoo test above); under patch_trainer they train with fu=False to the stock Trainer's weights."""
-    done = torchrun("usage_trainer.py", "--families", "mllama,bart_layerdrop", "--out", str(tmp_path), timeout=300)
+    the ga 1 zoo test above); under patch_trainer they train with fu=False to the stock Trainer's weights.
+
+    The same launch (``--no-walk``, issue 38): the "no walk once established" check and its retry through the
+    Trainer's ``accelerator.backward``: TRL SFT on OPT and a LLaVA with an OPT language model, gradient
+    accumulation 1 and 2, 7 steps; from step 5 rank 1's decoder drops its layers (same batch signature). The check
+    decided micro-batches on both ranks before that, failed on rank 1 at the change, the retry ran, and the weights
+    are bit-equal to the stock Trainer's (find_unused_parameters=True)."""
+    done = torchrun("usage_trainer.py", "--families", "mllama,bart_layerdrop", "--no-walk", "--out", str(tmp_path),
+                    timeout=600)
     assert done.stdout.count("USAGE_TRAINER_OK") == 2, done.stdout[-3000:]
+    assert done.stdout.count("USAGE_NO_WALK_OK") == 2, done.stdout[-3000:]
+    for case in ("sft_opt", "llava_opt"):
+        for ga in (1, 2):
+            for rank in (0, 1):
+                line = re.search(rf"\[rank {rank}\] no-walk {case} ga={ga}: fu stock=True fixed=False "
+                                 rf"checks=(\d+) failed=(\d+) bit-equal=True", done.stdout)
+                assert line, (case, ga, rank, done.stdout[-3000:])
+                checks, failed = int(line.group(1)), int(line.group(2))
+                # the check took over on both ranks; on rank 1 (its layers dropped) it failed and the retry ran
+                assert checks > 0 and (failed > 0 if rank == 1 else failed == 0), (case, ga, rank, checks, failed)
