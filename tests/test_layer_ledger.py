@@ -179,19 +179,17 @@ def test_family_ledger_is_within_10_percent_of_the_real_allocator_and_every_cut_
         assert ledger.peak_bytes < stock.peak_bytes
 
 
-def test_the_other_families_are_at_most_the_readme_ceiling_and_one_reaches_it():
-    """Qwen3-8B, the Qwen2.5-VL-7B text decoder, Mistral-7B and Gemma-3-12B's global layer at their real shapes, every
-    feature on: each at most the README's "<= 55.6 KiB/token", and the largest IS 55.6 (the figure stated is the one
-    measured, not a loose bound)."""
+def test_gemma3_12b_global_layer_is_the_readme_ceiling():
+    """The README's "<= 55.6 KiB/token" for the other families is Gemma-3-12B's global layer (the largest in the
+    committed benchmark file, which the test below holds to the README): re-measured here at that value. The three
+    others (Qwen3-8B, Qwen2.5-VL-7B text, Mistral-7B) are held to it through the committed file only: re-measuring
+    them costs ~3 more minutes of CI (benchmarks/long_context_families.py measures all five)."""
     from hf_ddpfix.integrations.long_context.layer_ledger import FAMILY_LAYERS
 
     if not on_pinned_stack():
         pytest.skip("the README states the pinned stack's ledger (constraints.txt)")
-    got = {name: ledger_slope("hf_ddpfix", shape=shape)["kib_per_token"]
-           for name, shape in FAMILY_LAYERS.items() if name != "Llama-3.1-8B"}
-    ceiling, half_unit = README_FAMILIES_CEILING_KIB
-    assert all(kib <= ceiling + half_unit for kib in got.values()), got
-    assert _as_stated(max(got.values()), README_FAMILIES_CEILING_KIB), got
+    kib = ledger_slope("hf_ddpfix", shape=FAMILY_LAYERS["Gemma-3-12B global"])["kib_per_token"]
+    assert _as_stated(kib, README_FAMILIES_CEILING_KIB), kib
 
 
 def test_the_readme_states_the_committed_ledger_figures():
