@@ -26,6 +26,8 @@ SLOW = (  # node id prefixes, relative to the repository root
     "tests/test_cli.py::test_python_dash_m_entry_point",
     "tests/test_layer_ledger.py::test_llama8b_layer_hf_ddpfix_is_at_most_100_kib_per_token_and_below_stock",
     "tests/test_layer_ledger.py::test_each_feature_alone_never_costs_memory",
+    "tests/test_layer_ledger.py::test_gemma3_12b_global_layer_is_the_readme_ceiling",
+    "tests/test_asked_options.py::test_an_option_asked_on_in_a_trainer_run_is_applied_exactly_when_its_counters_moved",
 )
 
 

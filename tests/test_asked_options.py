@@ -4,12 +4,19 @@ its own parser, and an option that is neither a plan decision nor classified in 
 
 "Says so" = the option is in `Plan.not_applied`, the report has a line naming it, that it was asked (with where
 from) and why not; `not_applied_warning(plan)` (the one warning a run logs) names it. Or the plan refuses the
-run with a `PlanError` naming the setting. A default run (nothing asked) says nothing.
+run with a `PlanError` naming the setting, where `EXPECTED_REFUSALS` names that refusal (any other fails).
+A default run (nothing asked) says nothing.
+
+"Runs" is judged from what ran, not from the plan's own decision, wherever a run can show it:
+`test_an_option_asked_on_in_a_trainer_run_is_applied_exactly_when_its_counters_moved` trains a one-process
+Trainer per option that has a counter (`feature_report.RAN_COUNTER`) and judges "applied" from
+`feature_counts` (a feature planned on whose counters stay 0 is not applied, and fails unless the plan said so).
 """
 
 from __future__ import annotations
 
 import logging
+import re
 
 import pytest
 
@@ -65,6 +72,15 @@ NOT_A_DECISION = {
 _CANDIDATES = ("2", "1", "all", "non_reentrant", "shard")
 
 
+#: option -> (contexts, a regular expression the PlanError must match): the refusals the plan is meant to make.
+#: sequence_parallel: one process cannot share a sequence; the RunFacts above name no attention implementation.
+EXPECTED_REFUSALS: dict[str, tuple[tuple[str, ...], str]] = {
+    "sequence_parallel": (tuple(CONTEXTS), r"sequence_parallel=2 \(HF_DDPFIX_SEQUENCE_PARALLEL\): (hf_ddpfix's Ulysses "
+                          r"sequence parallelism shares each sequence between N processes \(this run: single"
+                          r"|attention implementation None cannot be sharded)"),
+}
+
+
 def _asked_value(name: str) -> str:
     for raw in _CANDIDATES:
         try:
@@ -98,9 +114,12 @@ def test_an_option_asked_on_runs_or_says_so(name, context):
     config = DDPFixConfig.from_env({env_name(name): raw})
     try:
         plan = resolve_plan(facts, config)
-    except PlanError as err:  # refused before training, naming the setting: not silent
-        assert name in str(err), err
+    except PlanError as err:  # refused before training, naming the setting: only where that refusal is expected
+        contexts, message = EXPECTED_REFUSALS.get(name, ((), ""))
+        assert context in contexts, f"{name} refused in {context!r}, which EXPECTED_REFUSALS does not name: {err}"
+        assert name in str(err) and re.match(message, str(err)), err
         return
+    assert context not in EXPECTED_REFUSALS.get(name, ((),))[0], f"{name} in {context!r}: expected a refusal"
     report, warning = plan.report(), not_applied_warning(plan)
     if _applied(name, facts, plan):
         assert name not in plan.not_applied, (plan.not_applied, report)
@@ -227,3 +246,47 @@ def test_prepare_accelerate_loop_says_which_asked_options_it_does_not_run():
     assert plan.tiled_loss.value is False and "prepare_accelerate_loop does not run it" in plan.not_applied["tiled_loss"]
     assert "a text-only model" in plan.not_applied["vlm_stabilizer"]  # the plan's own reason kept
     assert set(plan.not_applied) == {"tiled_loss", "vlm_stabilizer"}
+
+
+def test_an_option_asked_on_in_a_trainer_run_is_applied_exactly_when_its_counters_moved(tmp_path, caplog):
+    """One-process Trainer runs (tiny LoRA Llama, checkpointing, 40-60 token rows: long enough for every tiled
+    path), one per option with a counter: "applied" is ``feature_counts``' ``ran > 0``, not the plan's decision. An
+    option that ran must not be reported as not applied; one whose counters stayed 0 must be in the plan's
+    ``not_applied`` with its line (a feature planned on that never ran fails here); a refusal must be expected."""
+    pytest.importorskip("peft")
+    from fixtures import lora, padded_collate, tiny_llama, variable_length_ids
+    from transformers import TrainingArguments
+
+    from hf_ddpfix.feature_report import RAN_COUNTER
+    from hf_ddpfix.ops import feature_counts
+    from hf_ddpfix.trainer import DDPFixTrainer
+
+    ran_somewhere = []
+    for name, feature in RAN_COUNTER.items():
+        raw = _asked_value(name)
+        model = lora(tiny_llama(attn_implementation="sdpa", use_cache=False))
+        data = [{"input_ids": ids} for ids in variable_length_ids(4, lengths=(40, 50, 60, 45))]
+        args = TrainingArguments(str(tmp_path / name), use_cpu=True, report_to=[], max_steps=2,
+                                 per_device_train_batch_size=2, save_strategy="no", disable_tqdm=True,
+                                 remove_unused_columns=False, gradient_checkpointing=True)
+        try:
+            trainer = DDPFixTrainer(model=model, args=args, train_dataset=data, data_collator=padded_collate,
+                                    ddpfix_config=DDPFixConfig.from_env({env_name(name): raw}))
+            trainer.train()
+        except PlanError as err:
+            contexts, message = EXPECTED_REFUSALS.get(name, ((), ""))
+            assert "single text ckpt" in contexts, f"{name}: refused, which EXPECTED_REFUSALS does not name: {err}"
+            assert re.match(message.replace("HF_DDPFIX_SEQUENCE_PARALLEL", "argument"), str(err)), err
+            continue
+        plan = trainer.hf_ddpfix_plan
+        count = feature_counts.snapshot().get(feature)
+        applied = count is not None and count.ran > 0  # what ran, not what the plan decided
+        if applied:
+            ran_somewhere.append(name)
+            assert name not in plan.not_applied, (name, plan.not_applied)
+        else:
+            assert name in plan.not_applied, (f"{name}={raw}: the plan ran it ({plan.decisions()[name].value!r}) "
+                                              f"but its counters stayed at 0 ({count}) and nothing said so")
+            assert any(ln.strip().startswith(f"! {name} ") for ln in plan.report().splitlines()), plan.report()
+    # the options this one-process run can apply did run (tiled MLP, tiled loss, long context)
+    assert {"tiled_mlp", "tiled_loss", "long_context"} <= set(ran_somewhere), ran_somewhere

@@ -2,7 +2,9 @@
 ``RewardTrainer`` and a plain ``Trainer`` whose ``compute_loss`` calls a head of the model outside its forward,
 each through ``patch_trainer()`` under ``fsdp.yaml`` (2 gloo processes, the FSDP test device), against stock DDP
 (``find_unused_parameters`` as stock needs it) on the same data in fp32: the model is FSDP2-wrapped and the
-weights agree within :data:`TOL`, or the case is refused with a ``PlanError`` whose reason is recorded.
+weights agree within :data:`TOL`, or the case is refused with a ``PlanError`` whose reason is recorded; a refusal
+passes only where :data:`EXPECTED_REFUSALS` names that case and its message (none today: every case trains), any
+other refusal fails the test.
 
 Measured (2026-11-27): DPO 8.9e-8, Reward 0, head in ``compute_loss`` 3.0e-8 (stock FSDP2 vs stock DDP: the same
 figures). Before ``ParameterUsage.observe_loss`` the head's gradients were reset to ``None`` every step under
@@ -15,6 +17,8 @@ path never back-propagates: its root reduce-scatter then lacked those gradients)
 """
 
 from __future__ import annotations
+
+import re
 
 import pytest
 import torch
@@ -29,6 +33,22 @@ TOL = 1.5e-7  # tests/test_fsdp_trainer.py's FSDP2-vs-DDP spread (reduce-scatter
 # (trainer_zoo.py's ADAM_TOL note). Stock FSDP2 cannot give its own spread here: it crashes in step 1.
 # sft_vlm_ga2 (gradient accumulation 2, AdamW): measured bit-equal (0); the AdamW bound of sft_vlm applies to it too
 CASE_TOL = {"sft_vlm": 2e-6, "sft_vlm_ga2": 2e-6}
+#: case -> (the error's kind, a regular expression its message must match): the refusals that are the expected
+#: behaviour. Empty: every case trains under FSDP2 (a PlanError in any of them is a failure, not a pass).
+EXPECTED_REFUSALS: dict[str, tuple[str, str]] = {}
+
+
+def check_refusal(case: str, error: str | None) -> bool:
+    """True when ``case`` was refused as :data:`EXPECTED_REFUSALS` says (the caller skips its weight check); False
+    when it trained; an unexpected refusal, or an expected one that did not come, fails."""
+    expected = EXPECTED_REFUSALS.get(case)
+    if error is None:
+        assert expected is None, f"{case}: expected the refusal {expected}, but it trained"
+        return False
+    assert expected is not None, f"{case}: refused, which no expected refusal names: {error}"
+    kind, message = expected
+    assert error.startswith(f"{kind}: ") and re.search(message, error), (case, error, expected)
+    return True
 
 
 @pytest.mark.multiprocess
@@ -42,8 +62,7 @@ def test_trainer_zoo_under_trainer_fsdp2_like_stock_ddp(tmp_path):
     for case in CASES:
         stock, fixed = torch.load(tmp_path / f"{case}.pt"), torch.load(tmp_path / f"fsdp-{case}.pt")
         assert stock["error"] is None and not stock["units"], (case, stock["error"])
-        if fixed["error"] is not None:
-            assert fixed["error"].startswith("PlanError"), (case, fixed["error"])
+        if check_refusal(case, fixed["error"]):
             continue
         assert fixed["wrapped"].startswith("FSDP") and len(fixed["units"]) >= 2, (case, fixed["wrapped"])
         assert fixed["weights"].keys() == stock["weights"].keys(), case
@@ -65,3 +84,16 @@ def test_trainer_zoo_under_trainer_fsdp2_like_stock_ddp(tmp_path):
     assert "[rank 1] sft_vlm_ga2 parameter_usage: (0, {'forwards': 6, 'ties_at_output': 60, " \
         "'ties_moved_to_loss': 60}" in ours.stdout, ours.stdout[-4000:]
     assert "[rank 0] sft_vlm_ga2 parameter_usage: (0, {'forwards': 6}" in ours.stdout, ours.stdout[-4000:]
+
+
+def test_a_refusal_passes_only_where_it_is_the_expected_one(monkeypatch):
+    """The parity test's refusal rule: an unnamed refusal fails, a named one must carry its kind and message."""
+    assert check_refusal("dpo_text", None) is False
+    with pytest.raises(AssertionError, match="no expected refusal names"):
+        check_refusal("dpo_text", "PlanError: fsdp2: something")
+    monkeypatch.setitem(EXPECTED_REFUSALS, "dpo_text", ("PlanError", r"fsdp_cpu_ram_efficient_loading: false"))
+    assert check_refusal("dpo_text", "PlanError: set fsdp_cpu_ram_efficient_loading: false") is True
+    with pytest.raises(AssertionError):
+        check_refusal("dpo_text", "PlanError: another reason")
+    with pytest.raises(AssertionError, match="but it trained"):
+        check_refusal("dpo_text", None)

@@ -11,6 +11,7 @@ import pytest
 pytest.importorskip("peft")
 
 from fixtures import on_pinned_stack  # noqa: E402
+from test_long_context_families import not_claimed  # noqa: E402
 
 from hf_ddpfix.integrations.long_context.layer_ledger import LayerShape, flash_bwd_workspace, ledger_slope  # noqa: E402
 
@@ -21,11 +22,29 @@ TARGET_KIB_PER_TOKEN = 100
 CHECKED_TOLERANCE = 0.10
 
 
+# The README's headline (Features table, "345 -> 53 KiB/token per Llama-8B layer") and the ceiling it states for the
+# other families ("<= 55.6"), asserted at those values. The spread of the measurement itself is zero: the ledger
+# counts bytes of fake tensors, and two runs gave the same bytes per token (stock 353128, hf_ddpfix 53888 for
+# Llama-8B; 2026-11-28, pinned stack). So the only tolerance is the rounding of the stated figure: half a unit of
+# its last digit (0.5 KiB for "345" and "53", 0.05 KiB for "55.6").
+README_LLAMA8B_KIB = {"stock": (345, 0.5), "hf_ddpfix": (53, 0.5)}
+README_FAMILIES_CEILING_KIB = (55.6, 0.05)
+
+
+def _as_stated(kib: float, stated: tuple[float, float]) -> bool:
+    value, half_unit = stated
+    return abs(kib - value) <= half_unit
+
+
 def test_llama8b_layer_hf_ddpfix_is_at_most_100_kib_per_token_and_below_stock():
     stock = ledger_slope("stock")
     ours = ledger_slope("hf_ddpfix")
     assert ours["kib_per_token"] * (1 + CHECKED_TOLERANCE) <= TARGET_KIB_PER_TOKEN, ours["breakdown"][:8]
     assert stock["kib_per_token"] > 3 * ours["kib_per_token"], (stock["kib_per_token"], ours["kib_per_token"])
+    if on_pinned_stack():  # the README states the pinned stack's figures
+        for name, got in (("stock", stock), ("hf_ddpfix", ours)):
+            assert _as_stated(got["kib_per_token"], README_LLAMA8B_KIB[name]), (
+                f"{name}: {got['kib_per_token']:.2f} KiB/token, the README states {README_LLAMA8B_KIB[name][0]}")
     # Both include the modelled FlashAttention-2 backward workspace; ours runs it per KV-head group.
     assert 0 < ours["modelled_workspace_bytes"] < stock["modelled_workspace_bytes"]
     # Checkpointing still holds with the patched layer: nothing per token survives from the forward
@@ -147,10 +166,11 @@ def test_family_ledger_is_within_10_percent_of_the_real_allocator_and_every_cut_
     print(f"{family} {features}: ledger {ledger.peak_bytes / seq:.0f} B/token, allocator {measured / seq:.0f} "
           f"B/token ({err:+.1%})")
     assert abs(err) <= CHECKED_TOLERANCE, (family, features, ledger.peak_bytes, measured, ledger.peak_op)
-    if features == "hf_ddpfix" and not on_pinned_stack() and counts is not None and counts.ran == 0:
-        # another release may hand the layer something else (transformers 5.0's Qwen2.5-VL: 3-row M-RoPE
-        # tables): it runs stock, counted with the reason, never silent; the ledger records the pinned stack
-        assert counts.fell_back > 0 and counts.fallbacks, counts
+    unclaimed = not_claimed(family)  # the releases where the family is not claimed patched (with the reason)
+    if features == "hf_ddpfix" and unclaimed is not None and counts is not None and counts.ran == 0:
+        # e.g. transformers 5.0's Qwen2.5-VL (3-row M-RoPE tables): it runs stock, counted with the reason, never
+        # silent; anywhere the family is claimed, zero patched calls fail below
+        assert counts.fell_back > 0 and all(unclaimed[1] in r for r in counts.fallbacks), counts
     elif features == "hf_ddpfix":
         norms = {"qwen3": 4, "qwen2_5_vl_text": 2, "gemma3_text": 6}[family]  # per layer call
         assert counts is not None and counts.fell_back == 0, counts
@@ -159,3 +179,36 @@ def test_family_ledger_is_within_10_percent_of_the_real_allocator_and_every_cut_
         assert counts.amounts.get("rms_norm_calls", 0) >= 3 * norms, counts
         stock = measure_layer("stock", seq, shape=shape, fake=False, flash_workspace=False, tokens_per_tile=128)
         assert ledger.peak_bytes < stock.peak_bytes
+
+
+def test_gemma3_12b_global_layer_is_the_readme_ceiling():
+    """The README's "<= 55.6 KiB/token" for the other families is Gemma-3-12B's global layer (the largest in the
+    committed benchmark file, which the test below holds to the README): re-measured here at that value. The three
+    others (Qwen3-8B, Qwen2.5-VL-7B text, Mistral-7B) are held to it through the committed file only: re-measuring
+    them costs ~3 more minutes of CI (benchmarks/long_context_families.py measures all five)."""
+    from hf_ddpfix.integrations.long_context.layer_ledger import FAMILY_LAYERS
+
+    if not on_pinned_stack():
+        pytest.skip("the README states the pinned stack's ledger (constraints.txt)")
+    kib = ledger_slope("hf_ddpfix", shape=FAMILY_LAYERS["Gemma-3-12B global"])["kib_per_token"]
+    assert _as_stated(kib, README_FAMILIES_CEILING_KIB), kib
+
+
+def test_the_readme_states_the_committed_ledger_figures():
+    """The README line carries the figures the tests above assert (and the committed benchmark file holds)."""
+    import json
+    import re
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    line = next(ln for ln in (root / "README.md").read_text().splitlines() if "KiB/token per Llama-8B layer" in ln)
+    found = re.search(r"\((\d+) → (\d+) KiB/token per Llama-8B layer; .* ≤ ([\d.]+):", line)
+    assert found, line
+    assert (int(found.group(1)), int(found.group(2))) == (README_LLAMA8B_KIB["stock"][0], README_LLAMA8B_KIB["hf_ddpfix"][0])
+    assert float(found.group(3)) == README_FAMILIES_CEILING_KIB[0], line
+    rows = json.loads((root / "benchmarks" / "results" / "long_context_families_ledger.json").read_text())["rows"]
+    llama = rows["Llama-3.1-8B"]
+    assert _as_stated(llama["stock"]["kib_per_token"], README_LLAMA8B_KIB["stock"]), llama
+    assert _as_stated(llama["hf_ddpfix"]["kib_per_token"], README_LLAMA8B_KIB["hf_ddpfix"]), llama
+    others = [r["hf_ddpfix"]["kib_per_token"] for n, r in rows.items() if n != "Llama-3.1-8B"]
+    assert _as_stated(max(others), README_FAMILIES_CEILING_KIB), others

@@ -60,6 +60,28 @@ def _qwen2_5_vl():
 EXPECT_STOCK = {"gemma2": "attention implementation 'eager'"}
 #: families whose layers are not patched at all, with the reason apply_long_context reports for each layer
 EXPECT_UNPATCHED = {"cohere": "no self_attn.o_proj or no known norm/MLP wiring"}
+#: Where a family is NOT claimed to run patched: family -> (transformers releases, the counted fallback reason, why).
+#: Everywhere else a family outside EXPECT_STOCK / EXPECT_UNPATCHED is claimed patched on every stack CI runs
+#: (docs/long-context-families.md: measured on the pinned stack; the oldest 5.0.0 and newest 5.24 run this file),
+#: and the test asserts its patched calls, whatever the stack. Measured on 5.0.0 (2026-11-28); 5.1-5.2 not measured,
+#: so not claimed.
+NOT_CLAIMED = {
+    "qwen2_5_vl_text": ("<5.3", "position embeddings of shape (3, ", "transformers 5.0's Qwen2.5-VL text decoder hands "
+                        "its layers 3-row M-RoPE position embeddings: the layer runs stock, the reason counted"),
+    "granite": ("<5.3", "GraniteDecoderLayer returns tuple on this release", "transformers 5.0's GraniteDecoderLayer "
+                "returns a tuple, not the hidden states: the first-call probe sends the layer to stock, counted"),
+}
+
+
+def not_claimed(name: str) -> tuple[str, str, str] | None:
+    """``NOT_CLAIMED[name]`` when the installed transformers is in its releases, else None."""
+    from packaging.specifiers import SpecifierSet
+    from packaging.version import Version
+
+    entry = NOT_CLAIMED.get(name)
+    if entry is None or not SpecifierSet(entry[0]).contains(Version(transformers.__version__), prereleases=True):
+        return None
+    return entry
 
 
 
@@ -125,15 +147,18 @@ def _run_family(name: str) -> dict:
         assert handle.stats["patched calls"] == 0 and (counts is None or counts.ran == 0), counts
     else:
         assert len(layers) == n_layers, handle.report
-    # Off the pinned stack a family may run stock where its release hands the layer something else (transformers
-    # 5.0's Qwen2.5-VL text decoder passes 3-row M-RoPE position embeddings): counted with its reason, never silent
-    other_release = not on_pinned_stack() and handle.stats["patched calls"] == 0
+    # A family runs patched on every release where it is claimed (NOT_CLAIMED lists the releases where it is not,
+    # with the counted reason): zero patched calls anywhere else is a failure, on every stack
+    unclaimed = not_claimed(name)
+    ran_unclaimed_stock = unclaimed is not None and handle.stats["patched calls"] == 0
     if unpatched is not None:
         pass
-    elif name in EXPECT_STOCK or other_release:  # every training call stock, counted with its reason
-        assert handle.stats["patched calls"] == 0, dict(handle.stats)
+    elif name in EXPECT_STOCK or ran_unclaimed_stock:
+        assert handle.stats["patched calls"] == 0, dict(handle.stats)  # every training call stock, counted
         assert counts is not None and counts.fell_back == 2 * n_layers, counts
         assert all(EXPECT_STOCK.get(name, "") in r for r in counts.fallbacks), counts
+        if ran_unclaimed_stock:
+            assert all(unclaimed[1] in r for r in counts.fallbacks), counts
     else:
         assert handle.stats["patched calls"] == 2 * n_layers, dict(handle.stats)  # forward + recompute
         assert counts is not None and counts.fell_back == 0, counts
@@ -155,6 +180,8 @@ def _run_family(name: str) -> dict:
     refused = sorted({e.reason for e in handle.report if not e.patched})
     forms = sorted({k.split(": ", 2)[2].split(" (")[0] for k in handle.stats if k.startswith("probe: ")})
     handle.remove()
+    if ran_unclaimed_stock:  # equal stock (asserted above), as it must be where the family is not claimed
+        pytest.skip(f"{name}: not claimed patched on transformers {transformers.__version__}: {unclaimed[2]}")
     return {"family": name, "brings": FAMILIES[name][1], "transformers": transformers.__version__,
             "decoder_layers": n_layers, "layers_patched": 0 if name in EXPECT_STOCK else len(layers),
             "stock_reason": EXPECT_STOCK.get(name), "forms": forms,
@@ -229,8 +256,10 @@ def test_padded_and_packed_batches_run_patched_and_equal_stock(name, kind):
     loss1, g1 = _grads(model, **batch)
     counts = feature_counts.snapshot().get("long_context")
     n_layers = model.config.get_text_config().num_hidden_layers
-    if not on_pinned_stack() and handle.stats["patched calls"] == 0:  # another release: stock, counted (above)
+    if not_claimed(name) is not None and handle.stats["patched calls"] == 0:  # not claimed here: stock, counted
         assert counts is not None and counts.fell_back == 2 * n_layers, counts
+        handle.remove()
+        pytest.skip(f"{name}: not claimed patched on transformers {transformers.__version__}: {not_claimed(name)[2]}")
     else:
         assert handle.stats["patched calls"] == 2 * n_layers, dict(handle.stats)
         assert handle.stats["document-masked calls"] == (0 if mrope_packed else 2 * n_layers), dict(handle.stats)

@@ -146,6 +146,10 @@ def _own_private_names(tree: ast.AST) -> set[str]:
         elif (isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store)
               and isinstance(node.value, ast.Name) and node.value.id in ("self", "cls")):
             names.add(node.attr)
+        elif (isinstance(node, ast.Subscript) and isinstance(node.ctx, ast.Store) and _is_namespace(node.value)
+              and isinstance(node.slice, ast.Constant) and isinstance(node.slice.value, str)
+              and _namespace_of(node.value) in ("self", "cls")):  # self.__dict__["_x"] = ...: its own
+            names.add(node.slice.value)
         if isinstance(node, ast.ClassDef):
             for stmt in node.body:
                 targets = stmt.targets if isinstance(stmt, ast.Assign) else [getattr(stmt, "target", None)]
@@ -158,6 +162,56 @@ def _own_private_names(tree: ast.AST) -> set[str]:
     return {n for n in names if _is_private(n)}
 
 
+def _constants(tree: ast.AST) -> dict[str, str]:
+    """Names bound once in ``tree`` to a string the rule can resolve (``NAME = "..."``, an f-string or ``+`` of such):
+    a ``getattr(o, NAME)`` through them is read as the literal. A name bound twice to different values is left out."""
+    seen: dict[str, set[str | None]] = {}
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.Assign, ast.AnnAssign)) and node.value is not None:
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            for t in targets:
+                if isinstance(t, ast.Name):
+                    seen.setdefault(t.id, set()).add(_resolve(node.value, {}))
+    return {n: next(iter(v)) for n, v in seen.items() if len(v) == 1 and None not in v}  # type: ignore[misc]
+
+
+def _resolve(node: ast.AST, consts: dict[str, str]) -> str | None:
+    """The string ``node`` always evaluates to, where the rule can tell (a constant, a known name, an f-string or
+    ``+`` of those); None otherwise."""
+    if isinstance(node, ast.Constant) and isinstance(node.value, str):
+        return node.value
+    if isinstance(node, ast.Name):
+        return consts.get(node.id)
+    if isinstance(node, ast.JoinedStr):
+        parts = [_resolve(v.value if isinstance(v, ast.FormattedValue) else v, consts) for v in node.values]
+        return None if None in parts else "".join(parts)  # type: ignore[arg-type]
+    if isinstance(node, ast.BinOp) and isinstance(node.op, ast.Add):
+        left, right = _resolve(node.left, consts), _resolve(node.right, consts)
+        return None if left is None or right is None else left + right
+    return None
+
+
+def _is_namespace(node: ast.AST) -> bool:
+    """``vars(o)`` or ``o.__dict__``: an object's attributes read as a mapping."""
+    return ((isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "vars")
+            or (isinstance(node, ast.Attribute) and node.attr == "__dict__"))
+
+
+def _namespace_of(node: ast.AST) -> str | None:
+    """The object ``vars(o)`` / ``o.__dict__`` reads, where it is a plain name."""
+    target = node.args[0] if isinstance(node, ast.Call) and node.args else getattr(node, "value", None)
+    return target.id if isinstance(target, ast.Name) else None
+
+
+def _imported_module(node: ast.Call, consts: dict[str, str]) -> str | None:
+    """The module name of ``importlib.import_module("m")`` / ``import_module("m")`` / ``__import__("m")``."""
+    func = node.func
+    name = func.attr if isinstance(func, ast.Attribute) else func.id if isinstance(func, ast.Name) else None
+    if name not in ("import_module", "__import__") or not node.args:
+        return None
+    return _resolve(node.args[0], consts)
+
+
 def private_accesses(source: str) -> list[tuple[int, str]]:
     """Every private upstream access in ``source`` (a module of hf_ddpfix outside ``_compat/``):
     ``(line, what)``.
@@ -168,15 +222,21 @@ def private_accesses(source: str) -> list[tuple[int, str]]:
     - hf_ddpfix's own marker attributes (``_hf_ddpfix_*``), stamped on objects we do not own;
     - a private name imported from hf_ddpfix itself (relative import or ``hf_ddpfix.``).
     Anything else fails, whatever the name: ``obj._x``, ``getattr`` / ``hasattr`` / ``setattr`` /
-    ``delattr`` with a literal ``"_x"``, ``from pkg._mod import y``, ``from pkg import _y``,
-    ``import pkg._mod``; and the few upstream internals named without an underscore
+    ``delattr`` with ``"_x"`` or a name the rule resolves to it (a constant, an f-string or ``+`` of constants),
+    ``vars(o)["_x"]`` / ``o.__dict__["_x"]`` (and their ``.get`` / ``.pop`` / ``.setdefault``), ``from pkg._mod
+    import y``, ``from pkg import _y``, ``import pkg._mod``, ``importlib.import_module("pkg._mod")`` /
+    ``__import__("pkg._mod")``; and the few upstream internals named without an underscore
     (:data:`_INTERNALS_WITHOUT_UNDERSCORE`).
     """
     tree = ast.parse(source)
     own = _own_private_names(tree)
+    consts = _constants(tree)
 
     def allowed(name: str) -> bool:
         return not _is_private(name) or name in own or name.startswith(OWN_PREFIX)
+
+    def private_module(name: str) -> bool:
+        return name.split(".")[0] != "hf_ddpfix" and any(_is_private(p) for p in name.split("."))
 
     found: list[tuple[int, str]] = []
     for node in ast.walk(tree):
@@ -186,11 +246,25 @@ def private_accesses(source: str) -> list[tuple[int, str]]:
                 found.append((line, f"{ast.unparse(node.value)}.{node.attr}"))
         elif isinstance(node, ast.Name) and node.id in _INTERNALS_WITHOUT_UNDERSCORE:
             found.append((line, node.id))
-        elif (isinstance(node, ast.Call) and isinstance(node.func, ast.Name)
-              and node.func.id in ("getattr", "hasattr", "setattr", "delattr") and len(node.args) >= 2
-              and isinstance(node.args[1], ast.Constant) and isinstance(node.args[1].value, str)
-              and not allowed(node.args[1].value)):
-            found.append((line, f"{node.func.id}(..., {node.args[1].value!r})"))
+        elif isinstance(node, ast.Subscript) and _is_namespace(node.value):
+            key = _resolve(node.slice, consts)
+            if key is not None and not allowed(key):
+                found.append((line, ast.unparse(node)))
+        elif isinstance(node, ast.Call):
+            func = node.func
+            module = _imported_module(node, consts)
+            if module is not None and private_module(module):
+                found.append((line, ast.unparse(node)))
+            elif (isinstance(func, ast.Name) and func.id in ("getattr", "hasattr", "setattr", "delattr")
+                    and len(node.args) >= 2):
+                key = _resolve(node.args[1], consts)
+                if key is not None and not allowed(key):
+                    found.append((line, f"{func.id}(..., {key!r})"))
+            elif (isinstance(func, ast.Attribute) and func.attr in ("get", "pop", "setdefault")
+                    and _is_namespace(func.value) and node.args):
+                key = _resolve(node.args[0], consts)
+                if key is not None and not allowed(key):
+                    found.append((line, ast.unparse(node)))
         elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module.split(".")[0] != "hf_ddpfix":
             parts = node.module.split(".")
             names = [a.name for a in node.names]
@@ -199,7 +273,7 @@ def private_accesses(source: str) -> list[tuple[int, str]]:
                 found.append((line, f"from {node.module} import {', '.join(names)}"))
         elif isinstance(node, ast.Import):
             for a in node.names:
-                if a.name.split(".")[0] != "hf_ddpfix" and any(_is_private(p) for p in a.name.split(".")):
+                if private_module(a.name):
                     found.append((line, f"import {a.name}"))
     return found
 
@@ -230,9 +304,86 @@ def test_private_access_only_in_the_contract_layer():
     ("from .tiled import _split_sizes", False),
     ("from hf_ddpfix.ops import _x", False),
     ("x.__class__.__name__", False),
+    # issue 38: namespaces read as mappings, computed names, modules imported by name
+    ("state = vars(trainer)['_metrics']", True),
+    ("state = trainer.__dict__['_stored_metrics']", True),
+    ("n = vars(trainer).get('_total_train_tokens', 0)", True),
+    ("trainer.__dict__.pop('_metrics')", True),
+    ("x = vars(trainer)['args']", False),
+    ("class H:\n    def f(self):\n        self.__dict__['_last'] = 1\n        return self.__dict__.get('_last')", False),
+    ("NAME = '_metrics'\ny = getattr(trainer, NAME)", True),
+    ("y = getattr(trainer, f'_{\"metrics\"}')", True),
+    ("y = getattr(trainer, '_' + 'metrics')", True),
+    ("y = getattr(trainer, name)", False),  # not resolvable: the rule says nothing
+    ("import importlib\nm = importlib.import_module('torch._dynamo')", True),
+    ("from importlib import import_module\nm = import_module('torch.distributed._tools')", True),
+    ("m = __import__('torch._C')", True),
+    ("import importlib\nm = importlib.import_module('torch.distributed')", False),
+    ("import importlib\nm = importlib.import_module('hf_ddpfix.ops._x')", False),
 ])
 def test_the_private_access_rule_catches_what_it_says(source, caught):
     assert bool(private_accesses(source)) is caught, private_accesses(source)
+
+
+# ------------------------------------------------------------------------------------------- TRL
+
+
+def _private_snapshot(obj) -> dict:
+    import copy
+
+    return {k: copy.deepcopy(v) for k, v in vars(obj).items() if k.startswith("_") and
+            isinstance(v, (int, float, dict, list, str, type(None)))}
+
+
+def test_trl_metric_state_is_the_named_list(tmp_path):
+    """What the SP metric replay restores of a TRL trainer is ``_compat.TRL_METRIC_STATE``'s list for the installed
+    TRL: an SFTTrainer's ``compute_loss`` (the loss and its logged statistics) changes private attributes of the
+    trainer only among those names, and does change ``_metrics`` (and ``_total_train_tokens``, where the release
+    keeps it): the list is neither short of a name nor a list of names TRL no longer writes. Runs on every stack CI
+    installs (pinned trl 1.16, oldest trl 0.24, newest)."""
+    trl = pytest.importorskip("trl")
+    import sys
+
+    from datasets import Dataset
+    from trl import SFTConfig, SFTTrainer
+
+    sys.path.insert(0, str(PKG.parent / "examples"))
+    from trl_sft import WORDS, build_tokenizer
+
+    tok = build_tokenizer()
+    from fixtures import tiny_llama
+
+    model = tiny_llama(vocab_size=len(tok), pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id)
+    texts = [" ".join(WORDS[(i * k + 3) % len(WORDS)] for k in range(1, 7)) for i in range(4)]
+    args = SFTConfig(str(tmp_path), use_cpu=True, report_to=[], max_length=16, per_device_train_batch_size=2,
+                     bf16=False, disable_tqdm=True)
+    trainer = SFTTrainer(model=model, args=args, processing_class=tok, train_dataset=Dataset.from_dict({"text": texts}))
+    batch = next(iter(trainer.get_train_dataloader()))
+    names = _compat.trl_metric_names()
+    assert names == _compat.trl_metric_names(trl.__version__) and "_metrics" in names, (trl.__version__, names)
+    before = _private_snapshot(trainer)
+    trainer.model.train()
+    trainer.compute_loss(trainer.model, batch)
+    after = _private_snapshot(trainer)
+    changed = {k for k in before.keys() | after.keys() if before.get(k) != after.get(k)}
+    assert changed <= set(names), _broken(f"trl {trl.__version__}'s compute_loss changed private attributes "
+                                          f"{sorted(changed - set(names))} that TRL_METRIC_STATE does not name")
+    assert "_metrics" in changed, _broken(f"trl {trl.__version__}'s SFTTrainer no longer logs into _metrics")
+    assert ("_total_train_tokens" in changed) == ("_total_train_tokens" in before), changed
+    # the contract functions: only the named attributes, read and written back in place
+    state = _compat.trl_metric_state(trainer)
+    assert set(state) == set(names) & set(vars(trainer)) and state["_metrics"] is trainer._metrics
+    held = trainer._metrics
+    _compat.restore_trl_metric_state(trainer, {"_metrics": {"train": {}}})
+    assert trainer._metrics is held and held == {"train": {}}
+    with pytest.raises(ValueError, match="not TRL metric state"):
+        _compat.restore_trl_metric_state(trainer, {"_other": 1})
+
+
+def test_trl_metric_names_pick_the_release_at_or_below():
+    assert _compat.trl_metric_names("0.24.0") == _compat.TRL_METRIC_STATE[(0, 24)]
+    assert _compat.trl_metric_names("1.20.1") == _compat.TRL_METRIC_STATE[(1, 16)]
+    assert _compat.trl_metric_names("0.20.0") == _compat.TRL_METRIC_STATE[(0, 24)]  # below the oldest: its entry
 
 
 # ------------------------------------------------------------------------------------------- Trainer

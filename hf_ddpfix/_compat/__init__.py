@@ -117,6 +117,7 @@ from .trainer import (
     trainer_callbacks,
     when_ready_to_prepare,
 )
+from .trl_metrics import TRL_METRIC_STATE, restore_trl_metric_state, trl_metric_names, trl_metric_state
 from .versions import CHECKED_AGAINST, OLDEST_SUPPORTED
 
 __all__ = [
@@ -131,6 +132,7 @@ __all__ = [
     "TRAINER_INNER_LOOP",
     "TRAINER_STEP_HOOKS",
     "TRAINER_WRAP_MODEL",
+    "TRL_METRIC_STATE",
     "TorchDispatchMode",
     "attn_implementation",
     "autograd_function_class",
@@ -140,6 +142,9 @@ __all__ = [
     "no_split_modules",
     "profiler_memory_events",
     "tree_flatten",
+    "restore_trl_metric_state",
+    "trl_metric_names",
+    "trl_metric_state",
     "around_backward",
     "attention_function_override",
     "attention_implementation",

@@ -11,7 +11,7 @@ the Trainer's FSDP2, against stock DDP (``sft_vlm_sgd``: the same with SGD). Two
 Each case is trainer_zoo's builder, unchanged (same data, AdamW with weight decay, clipping, ``STEPS`` steps), in
 fp32 (trainer_zoo.FP32: TRL's configs default to bf16). ``stock-ddp``: rank 0 writes ``DIR/<case>.pt`` (the
 trained weights). ``fsdp``: ``patch_trainer()``, then each case trains; a ``PlanError`` is recorded with its
-reason; rank 0 writes ``DIR/fsdp-<case>.pt`` ({"weights", "wrapped": the model's class, "units": FSDP2 units,
+reason (the test fails it unless its EXPECTED_REFUSALS names that case and message); rank 0 writes ``DIR/fsdp-<case>.pt`` ({"weights", "wrapped": the model's class, "units": FSDP2 units,
 "error": the PlanError's text or None}). Prints ``FSDP_TRAINER_ZOO_OK``.
 """
 

@@ -9,10 +9,12 @@ appends one entry (N per micro-batch, stock: one) and each world gather holds th
 other sets of rows (`min_reward`, `max_reward`, `mean_token_accuracy`, `entropy`).
 
 `MetricReplay` makes them stock's, for any trainer that does so:
-  * calls `0 .. N-2`: the trainer's metric state (every instance attribute that is a number, or a dict / list
-    holding only numbers, strings and such containers, up to `MAX_LEAVES` leaves) is put back as it was
-    before the call (in place for dicts and lists), and every accelerate gather / reduce's input is recorded
-    (with the line that called it);
+  * calls `0 .. N-2`: the trainer's metric state (every public instance attribute that is a number, or a dict /
+    list holding only numbers, strings and such containers, up to `MAX_LEAVES` leaves; and TRL's private metric
+    attributes, read only through `_compat.trl_metric_state`: the names `_compat.TRL_METRIC_STATE` lists for the
+    installed TRL, e.g. `_metrics`, `_stored_metrics`, `_total_train_tokens`) is put back as it was before the
+    call (in place for dicts and lists), and every accelerate gather / reduce's input is recorded (with the line
+    that called it);
   * call `N-1` (the last batch of the group): each gather / reduce contributes, on rank `r`, the input
     recorded from the same line (and its two callers' lines; its m-th call there for the m-th) in call `r` (its *own* batch's, as stock's
     rank would), so the world sees
@@ -26,7 +28,8 @@ amount `metric_gathers_differ` (feature "sequence_parallel") and warned once per
 The loss is untouched on calls `0 .. N-2`. A world gather that feeds the loss itself (TRL KTO's KL) is refused
 by the plan (`facts.trainer_world_statistic`); an input that requires grad is never replaced.
 
-What this cannot make stock's (docs/sequence-parallel-losses.md): a statistic a trainer computes from its own
+What this cannot make stock's (docs/sequence-parallel-losses.md): a statistic a trainer keeps in a private attribute
+of its own that `_compat.TRL_METRIC_STATE` does not name (a user's `self._my_counts`: counted N times), a statistic a trainer computes from its own
 batch without a world gather (rank 0 logs the group's last batch's, stock rank 0 its own), and one computed on
 the outputs at padding positions (TRL ORPO / CPO `logits/chosen`, `logits/rejected`: the unmasked mean of
 the logits; a padding position's outputs under SP are those of a pad token that attends to itself only).
@@ -43,6 +46,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from ..._compat import restore_trl_metric_state, trl_metric_state
 from ...ops.feature_counts import record_amount
 
 __all__ = ["LIMITS", "MAX_LEAVES", "METRICS_DIFFER", "MetricReplay"]
@@ -75,12 +79,20 @@ def _leaves(value: Any, budget: list[int]) -> bool:
     return False
 
 
+def _is_metric_value(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) or \
+        isinstance(value, (dict, list)) and _leaves(value, [MAX_LEAVES])
+
+
 def metric_state(trainer: Any) -> dict[str, Any]:
-    """A deep copy of the trainer's instance attributes that are metric state (see the module docstring)."""
-    out = {}
+    """A deep copy of the trainer's metric state (see the module docstring): its public instance attributes that
+    are metric values, and TRL's named private ones (``_compat.trl_metric_state``), by name."""
+    out: dict[str, Any] = {}
     for name, value in vars(trainer).items():
-        if isinstance(value, (int, float)) and not isinstance(value, bool) or \
-                isinstance(value, (dict, list)) and _leaves(value, [MAX_LEAVES]):
+        if not name.startswith("_") and _is_metric_value(value):
+            out[name] = copy.deepcopy(value)
+    for name, value in trl_metric_state(trainer).items():
+        if _is_metric_value(value):
             out[name] = copy.deepcopy(value)
     return out
 
@@ -88,6 +100,8 @@ def metric_state(trainer: Any) -> dict[str, Any]:
 def restore_metric_state(trainer: Any, saved: dict[str, Any]) -> None:
     """Put back what `metric_state` saved: dicts and lists in place (a reference the trainer holds stays valid)."""
     for name, value in saved.items():
+        if name.startswith("_"):  # TRL's, through the contract layer below
+            continue
         current = vars(trainer).get(name)
         if isinstance(current, dict) and isinstance(value, dict):
             current.clear()
@@ -96,6 +110,7 @@ def restore_metric_state(trainer: Any, saved: dict[str, Any]) -> None:
             current[:] = value
         else:
             setattr(trainer, name, value)
+    restore_trl_metric_state(trainer, {name: v for name, v in saved.items() if name.startswith("_")})
 
 
 def _detached(x: Any) -> Any:
