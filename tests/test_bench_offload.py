@@ -48,8 +48,21 @@ def test_stock_offload_wrapper_is_recognised_only_when_transformers_installs_it(
     assert not bench.hf_offload_installed(old)
 
 
+def _pinning_fails_without_an_accelerator() -> bool:
+    """The stock failure this test checks, probed on the installed torch: `pin_memory()` raises without an
+    accelerator on torch <= 2.13 (the CPU build CI pins); torch 2.14.1 (PyPI's CUDA build, no GPU) pins."""
+    try:
+        torch.empty(1).pin_memory()
+    except RuntimeError:
+        return True
+    return False
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only failure of stock offload")
 def test_trainer_path_reaches_stocks_save_on_cpu_which_cannot_pin_without_an_accelerator():
+    if not _pinning_fails_without_an_accelerator():
+        pytest.skip(f"torch {torch.__version__} pins memory without an accelerator: the stock failure this test "
+                    "checks is fixed in this release (not a regression of ours)")
     bench = _bench()
     model = bench.build_model(SPEC, torch.device("cpu"))
     with pytest.raises(RuntimeError, match="pin_memory"):
