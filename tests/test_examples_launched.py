@@ -89,11 +89,7 @@ def test_readme_example_trains_and_evaluates_on_two_processes(tmp_path, case):
         # the adapter names a base that still exists after the run (it named a deleted temporary folder)
         base = json.loads((tmp_path / "adapter_config.json").read_text())["base_model_name_or_path"]
         assert (tmp_path / "base_model" / "config.json").is_file() and base == str(tmp_path / "base_model"), base
-        # a --resume without --qlora into this folder is refused with the reason, before any model is built
-        refused = torchrun(VLM, "--output-dir", str(tmp_path), "--resume", *TINY, timeout=120, env=OFFLINE,
-                           check=False)
-        assert refused.returncode != 0 and "holds a run of another set-up (base: '4bit-nf4' there, 'full' now" \
-            in refused.stdout, refused.stdout[-3000:]
+        # (a --resume of another set-up into this folder is refused: tests/test_example_vlm.py, in one process)
 
 
 @pytest.mark.multiprocess
@@ -104,7 +100,7 @@ def test_long_context_example_trains_on_two_processes_with_every_feature_on_each
     assert ABORT not in out, out[-4000:]
     assert "pre-flight:" in out and "long_context: 7 modules patched" in out, out[-4000:]
     assert "(ddp, world size 2)" in out, out[-4000:]
-    ranks = [json.loads(line.split(":", 1)[1]) for line in out.splitlines() if line.startswith("feature counts:")]
+    ranks = [json.loads(found) for found in re.findall(r"feature counts: (\{[^}]*\})", out)]
     assert len(ranks) == 2, out[-4000:]  # every rank prints its own (rank-local) counts
     layers, steps = 2, 2
     for counts in ranks:  # the patched code ran on each rank: layers x steps x (forward + recompute), no fallback
