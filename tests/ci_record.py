@@ -12,7 +12,8 @@ Guarantees (tests/test_ci_report.py):
   its work, not the wall time of the run);
 - ``counts`` counts each test once by its outcome: passed, failed (a failed setup, call or teardown), skipped,
   xfailed, xpassed; ``exitstatus`` is pytest's own exit code;
-- ``versions`` are the installed distributions' versions and the running torch's own ``torch.__version__``;
+- ``versions`` are the installed distributions' versions, torch's as the running torch reports it when the tests
+  imported it (``torch.__version__``, build tag included);
 - nothing is written by an xdist worker (the controller writes the one file).
 """
 
@@ -20,6 +21,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 import time
 from collections import defaultdict
 from importlib import metadata
@@ -38,12 +40,9 @@ def installed_versions() -> dict[str, str | None]:
             out[name] = metadata.version(name)
         except metadata.PackageNotFoundError:
             out[name] = None
-    try:
-        import torch
-
-        out["torch"] = torch.__version__  # the build tag (+cpu, +cu130) is in the running torch's version only
-    except ImportError:
-        pass
+    torch = sys.modules.get("torch")  # imported by the tests that ran; never imported here just to ask
+    if torch is not None:
+        out["torch"] = str(torch.__version__)  # the build tag (+cpu, +cu130) is in the running torch's version only
     return out
 
 
