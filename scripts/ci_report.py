@@ -1,7 +1,7 @@
 """CI's records, read: the per-file seconds table, one results file per stack, and docs/versions.md's table.
 
 Every pytest run under CI writes a record (tests/ci_record.py: seconds per file, counts, versions) into
-``$HF_DDPFIX_CI_DIR/<stack>/``. This script reads them. CI commits nothing: ``.ci/run`` calls ``summary``, which
+``$DDPFIX_CI_DIR/<stack>/``. This script reads them. CI commits nothing: ``.ci/run`` calls ``summary``, which
 prints the table of the slowest files and writes the merged ``<dir>/stacks/<stack>.json``; after a green run a
 person keeps those (``keep``), which copies them to tests/results/stacks/ and regenerates docs/versions.md's
 table from them (``tests/test_ci_report.py`` checks the page matches the kept files).

@@ -66,7 +66,7 @@ print('newest stack: torch', torch.__version__, 'transformers', transformers.__v
 accelerate.__version__, 'peft', peft.__version__, 'trl', trl.__version__, 'deepspeed', deepspeed.__version__, \
 'bitsandbytes', bitsandbytes.__version__)"
 
-export OMP_NUM_THREADS=1 HF_DDPFIX_STACK=newest
+export OMP_NUM_THREADS=1 DDPFIX_CI_STACK=newest
 py=("$venv/bin/python" -m pytest -q -p no:cacheprovider)
 failed=0
 run_tests unit "${py[@]}" tests -m "not multiprocess" || failed=1

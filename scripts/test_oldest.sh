@@ -37,7 +37,7 @@ export TORCH_EXTENSIONS_DIR="$venv/torch_extensions"
 torch.__version__, 'transformers', transformers.__version__, 'accelerate', accelerate.__version__, 'peft', \
 peft.__version__, 'trl', trl.__version__, 'deepspeed', deepspeed.__version__, 'bitsandbytes', bitsandbytes.__version__)"
 
-export OMP_NUM_THREADS=1 HF_DDPFIX_STACK=oldest
+export OMP_NUM_THREADS=1 DDPFIX_CI_STACK=oldest
 py=("$venv/bin/python" -m pytest -q -p no:cacheprovider)
 failed=0
 # transformers 5.0.0-5.1's Qwen2.5-VL cannot run a forward from inputs_embeds alone (get_rope_index reads

@@ -1,8 +1,9 @@
 """What a pytest run records for CI: seconds per test file, pass counts and the versions it ran on.
 
-Active only when ``HF_DDPFIX_CI_DIR`` is set (``.ci/run`` and the stack scripts set it); a developer's plain
+Active only when ``DDPFIX_CI_DIR`` is set (not ``HF_DDPFIX_*``: ``hf-ddpfix doctor`` reports every unknown
+``HF_DDPFIX_*`` variable as a likely typo and the suite checks it does) (``.ci/run`` and the stack scripts set it); a developer's plain
 ``pytest`` writes nothing. Each pytest invocation writes one JSON file
-``$HF_DDPFIX_CI_DIR/<stack>/<label>-<pid>.json`` (``HF_DDPFIX_STACK``, default ``pinned``; ``HF_DDPFIX_CI_LABEL``,
+``$DDPFIX_CI_DIR/<stack>/<label>-<pid>.json`` (``DDPFIX_CI_STACK``, default ``pinned``; ``DDPFIX_CI_LABEL``,
 default ``pytest``), which ``scripts/ci_report.py`` merges into one results file per stack and the table of the
 slowest files printed at the end of every CI run.
 
@@ -84,9 +85,9 @@ class CIRecord:
 
 
 def register(config) -> None:
-    """Register the plugin when ``HF_DDPFIX_CI_DIR`` is set (called from tests/conftest.py)."""
-    out = os.environ.get("HF_DDPFIX_CI_DIR")
+    """Register the plugin when ``DDPFIX_CI_DIR`` is set (called from tests/conftest.py)."""
+    out = os.environ.get("DDPFIX_CI_DIR")
     if out:
-        plugin = CIRecord(Path(out), os.environ.get("HF_DDPFIX_STACK", "pinned"),
-                          os.environ.get("HF_DDPFIX_CI_LABEL", "pytest"))
+        plugin = CIRecord(Path(out), os.environ.get("DDPFIX_CI_STACK", "pinned"),
+                          os.environ.get("DDPFIX_CI_LABEL", "pytest"))
         config.pluginmanager.register(plugin, "hf_ddpfix_ci_record")

@@ -11,7 +11,7 @@ import ci_record  # noqa: E402
 
 
 def pytest_configure(config):
-    ci_record.register(config)  # seconds per file, counts, versions: only under CI (HF_DDPFIX_CI_DIR)
+    ci_record.register(config)  # seconds per file, counts, versions: only under CI (DDPFIX_CI_DIR)
 
 
 # ---- the fast tier: `python -m pytest -m "not slow" tests` (docs/testing.md) ----------------------------------

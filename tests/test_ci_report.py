@@ -2,7 +2,7 @@
 
 - docs/versions.md's table is the one scripts/ci_report.py renders from the kept results (tests/results/stacks/);
 - pyproject.toml's lower bounds are constraints-oldest.txt's versions (the oldest stack tests what is declared);
-- a pytest run under ``HF_DDPFIX_CI_DIR`` records each test once by outcome and the seconds of each file;
+- a pytest run under ``DDPFIX_CI_DIR`` records each test once by outcome and the seconds of each file;
 - merging refuses a stack whose runs saw different versions; pytest's exit 5 is a failure in CI's runner.
 """
 
@@ -72,9 +72,9 @@ def test_a_run_records_each_test_once_by_outcome_and_seconds_per_file(pytester, 
             raise RuntimeError("teardown")
         def test_teardown_error(broken): pass
     """, test_b="def test_b(): pass\n")
-    monkeypatch.setenv("HF_DDPFIX_CI_DIR", str(tmp_path))
-    monkeypatch.setenv("HF_DDPFIX_STACK", "oldest")
-    monkeypatch.setenv("HF_DDPFIX_CI_LABEL", "unit")
+    monkeypatch.setenv("DDPFIX_CI_DIR", str(tmp_path))
+    monkeypatch.setenv("DDPFIX_CI_STACK", "oldest")
+    monkeypatch.setenv("DDPFIX_CI_LABEL", "unit")
     pytester.runpytest_subprocess("-p", "no:cacheprovider")
     [record_file] = (tmp_path / "oldest").glob("unit-*.json")
     record = json.loads(record_file.read_text())
