@@ -97,7 +97,8 @@ def render_table(results: dict[str, dict]) -> str:
     lines.append("| **tested** | " + " | ".join(results[s]["date"] for s in stacks) + " |")
     for s in stacks:
         c, runs = results[s]["counts"], results[s]["runs"]
-        what = "; ".join(f"{r['label']} ({r['counts'].get('passed', 0)} passed)" for r in runs)
+        what = "; ".join(f"{r['label']} ({r['counts'].get('passed', 0)} passed, {r['counts'].get('failed', 0)} failed)"
+                         for r in runs)
         lines.append("")
         lines.append(f"- **{s}**, {results[s]['date']}: {c['passed']} passed, {c['failed']} failed, {c['skipped']} "
                      f"skipped; runs: {what}.")
