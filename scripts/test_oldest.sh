@@ -1,8 +1,7 @@
 #!/usr/bin/env bash
 # CI, second stack: the unit tests (not multiprocess), a few 2-process cells and every example under every launch
 # config (2 processes) on the OLDEST supported stack (constraints-oldest.txt, = pyproject.toml's lower bounds,
-# torch included: the registry's build of that release is a CUDA build with its nvidia packages; it runs on the
-# CPU), in a venv of its own.
+# torch included), in a venv of its own.
 #
 # The venv is cached under ~/.cache/hf_ddpfix/ (or $XDG_CACHE_HOME), keyed by the constraints file and this
 # script's install lines (between the INSTALL markers: editing the list of cells does not rebuild it), so a
@@ -61,8 +60,8 @@ run_tests cells "${py[@]}" \
 # every example under every launch config, 2 processes (README example: DDP, FSDP2 test device, ZeRO-2/3, QLoRA;
 # long context under DDP; the unchanged TRL script under DDP, stock failing and patched training)
 # Not run here (printed): the README example under zero2.yaml / zero3.yaml. Stock (`--no-fix`) fails the same way on
-# this stack: transformers 5.0 + deepspeed 0.19.8 + torch 2.10 raise "zip() argument 2 is longer than argument 1"
-# at the first lr_scheduler.step() (measured 2026-11-28); the pinned and newest stacks run both.
+# this stack: transformers 5.0 + deepspeed 0.19.8 raise "zip() argument 2 is longer than argument 1" at the first
+# lr_scheduler.step() (measured 2026-11-28 with torch 2.10); the pinned and newest stacks run both.
 zero=("tests/test_examples_launched.py::test_readme_example_trains_and_evaluates_on_two_processes[zero2]"
       "tests/test_examples_launched.py::test_readme_example_trains_and_evaluates_on_two_processes[zero3]")
 echo "oldest stack: NOT RUN (stock fails the same way on this stack): ${zero[*]}"
