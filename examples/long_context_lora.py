@@ -92,7 +92,7 @@ def preflight(model: torch.nn.Module, args: argparse.Namespace) -> None:
         working_bytes_per_token=WORKING_BYTES_PER_HIDDEN_UNIT * cfg.hidden_size,
         # max_keep=None: the Trainer's offload keeps as many inputs on the device as fit (keep_on_device="auto")
     )
-    print("pre-flight:", budget.describe())
+    print("pre-flight:", budget.describe(), flush=True)
 
 
 def main() -> None:
@@ -124,10 +124,10 @@ def main() -> None:
         result = trainer.train()
     # what each requested feature really ran (rank-local counts; fell_back > 0 means stock code ran)
     print("feature counts:", json.dumps({k: v for k, v in result.metrics.items() if k.startswith("hf_ddpfix/")},
-                                        sort_keys=True))
+                                        sort_keys=True), flush=True)  # one write per line: ranks share stdout
     losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
     peak = f", peak {torch.cuda.max_memory_allocated() / GIB:.1f} GiB" if torch.cuda.is_available() else ""
-    print(f"trained {args.max_steps} steps of {args.seq} tokens: losses {[round(x, 4) for x in losses]}{peak}")
+    print(f"trained {args.max_steps} steps of {args.seq} tokens: losses {[round(x, 4) for x in losses]}{peak}", flush=True)
 
 
 if __name__ == "__main__":

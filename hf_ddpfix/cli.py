@@ -104,12 +104,19 @@ def check_env(env: Mapping[str, str] | None = None) -> dict[str, Any]:
 
 
 def _versions() -> dict[str, str | None]:
+    """The installed version of each package; torch's as the running torch reports it (``torch.__version__``):
+    its build tag (``+cpu``, ``+cu130``) says which build runs, and PyPI's CUDA wheels carry it there only
+    (their distribution metadata says ``2.14.1``, the running torch ``2.14.1+cu130``)."""
     out: dict[str, str | None] = {"python": platform.python_version()}
     for pkg in _PACKAGES:
         try:
             out[pkg] = metadata.version(pkg)
         except metadata.PackageNotFoundError:
             out[pkg] = None
+    if out.get("torch") is not None:
+        import torch
+
+        out["torch"] = str(torch.__version__)
     return out
 
 

@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
-# CI, third stack: the unit tests (not multiprocess) and the 2-process cells that matter most on the NEWEST
-# releases of transformers, accelerate, peft, trl, deepspeed and bitsandbytes (unpinned; torch stays 2.13.0,
-# the CPU build CI uses everywhere), in a venv of its own.
+# CI, third stack: the unit tests (not multiprocess), the 2-process cells that matter most and every example under
+# every launch config (2 processes) on the NEWEST releases of torch, transformers, accelerate, peft, trl,
+# deepspeed and bitsandbytes (unpinned), in a venv of its own. torch is the newest the package index serves this
+# machine (2.14.1 on 2026-11-28: a CUDA build, ~6 GB with its nvidia packages; it runs on the CPU. Without its
+# nvidia packages it does not import: libcudnn.so.9 missing, so it is installed whole).
 #
 # The venv is cached under ~/.cache/hf_ddpfix/ (or $XDG_CACHE_HOME), keyed by the install lines of this
 # script (the lines between the INSTALL markers); a venv is used only when its install finished (.complete
@@ -9,17 +11,19 @@
 # requirements into the cached venv (~10 s) says which newer releases exist; only then are they installed in
 # place (and DeepSpeed's CPU op rebuilt when DeepSpeed moved). No index reachable: it says so and tests the
 # cached versions. HF_DDPFIX_NEWEST_REFRESH=1 rebuilds the venv from scratch; HF_DDPFIX_NEWEST_VENV overrides
-# the place. The versions under test are printed before any test.
+# the place. The versions under test are printed before any test. `--install-only`: build or refresh the venv,
+# test nothing (.ci/run builds it in the background while the pinned stack tests).
 set -euo pipefail
 cd "$(dirname "$0")/.."
+source scripts/ci_lib.sh
 
 key=$(sed -n '/^# INSTALL-BEGIN/,/^# INSTALL-END/p' scripts/test_newest.sh | sha256sum | cut -c1-12)
 venv=${HF_DDPFIX_NEWEST_VENV:-${XDG_CACHE_HOME:-${HOME:-/tmp}/.cache}/hf_ddpfix/venv-newest-$key}
 pip_q=(--quiet --disable-pip-version-check)
 if [[ "${HF_DDPFIX_NEWEST_REFRESH:-0}" == 1 ]]; then rm -rf "$venv"; fi
 # INSTALL-BEGIN
-# torch exactly (a bare `torch` requirement would pull a multi-GB CUDA build); the rest newest
-newest=("torch==2.13.0" transformers accelerate peft trl deepspeed bitsandbytes datasets evaluate pillow pytest
+# everything newest, torch included (the registry's newest is a CUDA build: it runs on the CPU)
+newest=(torch transformers accelerate peft trl deepspeed bitsandbytes datasets evaluate pillow pytest
         pytest-timeout)
 build_shm_op() {  # DeepSpeed's CPU shared-memory op, built into this venv's own extension cache
   rm -rf "$venv/torch_extensions"
@@ -29,7 +33,6 @@ build_shm_op() {  # DeepSpeed's CPU shared-memory op, built into this venv's own
 if [[ ! -f "$venv/.complete" ]]; then
   rm -rf "$venv"
   python -m venv "$venv"  # a plain venv: it must not see the pinned stack of the main environment
-  "$venv/bin/python" -m pip install "${pip_q[@]}" "torch==2.13.0"
   DS_BUILD_OPS=0 "$venv/bin/python" -m pip install "${pip_q[@]}" "${newest[@]}"
   build_shm_op
   touch "$venv/.complete"
@@ -54,6 +57,7 @@ print(' '.join(i['metadata']['name'] + '==' + i['metadata']['version'] for i in 
 else
   echo "newest stack: could NOT re-resolve (package index unreachable): testing the cached versions below"
 fi
+if [[ "${1:-}" == --install-only ]]; then exit 0; fi  # hf_ddpfix itself: when testing (one stack at a time)
 export TORCH_EXTENSIONS_DIR="$venv/torch_extensions"
 "$venv/bin/python" -m pip install "${pip_q[@]}" --no-deps -e .
 "$venv/bin/python" -m pip check >/dev/null
@@ -62,9 +66,10 @@ print('newest stack: torch', torch.__version__, 'transformers', transformers.__v
 accelerate.__version__, 'peft', peft.__version__, 'trl', trl.__version__, 'deepspeed', deepspeed.__version__, \
 'bitsandbytes', bitsandbytes.__version__)"
 
-export OMP_NUM_THREADS=1
+export OMP_NUM_THREADS=1 DDPFIX_CI_STACK=newest
 py=("$venv/bin/python" -m pytest -q -p no:cacheprovider)
-"${py[@]}" tests -m "not multiprocess"
+failed=0
+run_tests unit "${py[@]}" tests -m "not multiprocess" || failed=1
 # 2-process cells (gloo): long context under DDP vs a single-process stock reference, TiledMLP + tiled loss
 # under DDP (patched calls counted: MLPs x steps x passes, no fallback), the reentrant-checkpointing fix
 # through the Trainer, and a VLM matrix cell with gradient accumulation; then the cells that matter most on new
@@ -73,7 +78,7 @@ py=("$venv/bin/python" -m pytest -q -p no:cacheprovider)
 # `cache` there and Qwen-VL adds `image_outputs` on image batches) and its Ulysses parity, the trainer zoo (TRL's
 # newest trainers, ZeRO-2/3: its README table is not compared off the pinned stack, its cell classes are), and
 # ZeRO skip-unused with accumulation 2 and reentrant checkpointing.
-"${py[@]}" \
+run_tests cells "${py[@]}" \
   "tests/test_long_context.py::test_two_process_ddp_equals_single_process_stock_reference" \
   "tests/test_tiled.py::test_two_process_training_equals_single_process_reference[tiled_ddp.py-TILED_DDP]" \
   "tests/test_trainer_entry_points.py::test_ddp_with_reentrant_checkpointing_matches_single_process[patch]" \
@@ -82,5 +87,10 @@ py=("$venv/bin/python" -m pytest -q -p no:cacheprovider)
   "tests/test_sequence_parallel.py::test_ulysses_attention_and_a_lora_llama_match_one_process_on_the_full_sequence[2]" \
   tests/test_trainer_zoo.py \
   "tests/test_deepspeed.py::test_zero_skip_unused_with_accumulation_2_and_reentrant_checkpointing_matches_stock_ddp" \
-  "tests/test_eval_outputs.py::test_vlm_outputs_that_differ_by_rank_evaluate_and_predict_as_stock_ddp_under_ddp_fsdp2_and_zero3"
-bash scripts/run_examples.sh "$venv/bin/python"
+  "tests/test_eval_outputs.py::test_vlm_outputs_that_differ_by_rank_evaluate_and_predict_as_stock_ddp_under_ddp_fsdp2_and_zero3" \
+  || failed=1
+# every example under every launch config, 2 processes (README example: DDP, FSDP2 test device, ZeRO-2/3, QLoRA;
+# long context under DDP; the unchanged TRL script under DDP, stock failing and patched training)
+run_tests examples "${py[@]}" tests/test_examples_launched.py \
+  "tests/test_patches.py::test_unmodified_trl_sft_script_stock_fails_and_trains_with_patches" || failed=1
+exit $failed

@@ -7,6 +7,12 @@ import pytest
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # `from launch import torchrun`
 
+import ci_record  # noqa: E402
+
+
+def pytest_configure(config):
+    ci_record.register(config)  # seconds per file, counts, versions: only under CI (DDPFIX_CI_DIR)
+
 
 # ---- the fast tier: `python -m pytest -m "not slow" tests` (docs/testing.md) ----------------------------------
 # Every test that starts processes is `slow`: the multiprocess-marked ones (2 gloo ranks each) and the ones below,

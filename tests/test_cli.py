@@ -10,6 +10,7 @@ import sys
 import pytest
 import torch
 from launch import ROOT
+from packaging.version import Version
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from hf_ddpfix._advice import GiB, recommend_launch
@@ -56,8 +57,9 @@ def test_doctor_json_reports_versions_devices_backends_and_recommendation(capsys
     report = json.loads(out)
     assert rc == 0 and report["ok"]
     versions = report["versions"]
-    assert versions["torch"] == torch.__version__  # the running torch, local build tag included
-    for pkg in ("torch", "transformers", "accelerate", "peft", "trl"):
+    assert versions["torch"] == torch.__version__  # the running torch, build tag included (+cpu, +cu130)
+    assert Version(versions["torch"]).public == Version(importlib.metadata.version("torch")).public
+    for pkg in ("transformers", "accelerate", "peft", "trl"):
         assert versions[pkg] == importlib.metadata.version(pkg), pkg  # the installed version, not just "some"
     assert versions["python"] == platform.python_version()
     assert report["distributed"]["gloo"] is True and "nccl" in report["distributed"]

@@ -1,8 +1,8 @@
-"""examples/long_context_lora.py runs (tiny model, CPU) and fails early with the budget error when it cannot fit."""
+"""examples/long_context_lora.py fails early with the budget error when it cannot fit (one process, before any
+training); its 2-process training run is tests/test_examples_launched.py's."""
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys
@@ -14,22 +14,6 @@ pytest.importorskip("peft")
 
 ROOT = Path(__file__).resolve().parents[1]
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
-
-
-@pytest.mark.timeout(300)
-def test_example_trains_tiny_model_with_every_long_context_feature(tmp_path):
-    p = subprocess.run([sys.executable, "examples/long_context_lora.py", "--tiny", "--seq", "256", "--max-steps", "2",
-                        "--output-dir", str(tmp_path)], cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=280)
-    out = p.stdout + p.stderr
-    assert p.returncode == 0, out[-4000:]
-    assert "pre-flight:" in out and "long_context: 7 modules patched" in out
-    assert "trained 2 steps of 256 tokens" in out
-    # the patched code ran, by its counts: 2 layers x 2 steps x (forward + checkpoint recompute), no fallback
-    counts = json.loads(next(line for line in out.splitlines() if line.startswith("feature counts:")).split(":", 1)[1])
-    layers = 2
-    assert counts["hf_ddpfix/long_context/ran"] == layers * 2 * 2, counts
-    assert counts["hf_ddpfix/long_context/fell_back"] == 0, counts
-    assert counts["hf_ddpfix/tiled_loss/ran"] == 2 and counts["hf_ddpfix/tiled_loss/fell_back"] == 0, counts
 
 
 @pytest.mark.timeout(300)

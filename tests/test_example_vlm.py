@@ -4,9 +4,8 @@ the CPU, a hard timeout each), train + evaluate:
 - `accelerate launch --config_file accelerate_configs/ddp_cpu.yaml`: trains, beats chance, saves the
   adapter; `--resume` (here through `torchrun`, the example's other launch line) continues from the saved
   checkpoint to a larger `--max-steps`;
-- `zero2.yaml` / `zero3.yaml` (DeepSpeed picks its CPU accelerator by itself) and `--qlora` (4-bit NF4 base
-  on the CPU) under `ddp_cpu.yaml`: a few steps, then the full evaluation set, whose batches mix images and
-  text-only samples (stock ZeRO-3 hangs there);
+- `zero2.yaml` / `zero3.yaml` and `--qlora`, and a short run of every launch config on every CI stack:
+  tests/test_examples_launched.py;
 - `fsdp.yaml` through the FSDP test device (tests/fsdp_device/, docs/fsdp.md: accelerate's own FSDP2 path on the
   CPU, bf16 as the yaml asks): trains to the accuracy bar of the DDP run, evaluates (the evaluation set mixes
   image and text-only batches: stock FSDP fails there), saves the adapter; the model is FSDP2-wrapped;
@@ -123,46 +122,6 @@ def plan_value(log: str, name: str) -> str:
     found = re.findall(rf"^ [ *] {name}\s+= (\S+)", log, flags=re.M)
     assert found, f"no '{name}' line in the plan log\n{log[-4000:]}"
     return found[0]
-
-
-@pytest.mark.multiprocess
-@pytest.mark.parametrize("config, stage", [("zero2.yaml", 2), ("zero3.yaml", 3)])
-def test_example_trains_and_evaluates_under_deepspeed_on_cpu(tmp_path, config, stage):
-    pytest.importorskip("deepspeed")
-    # the first DeepSpeed run on a machine compiles its shared-memory op (45-210 s, cached afterwards)
-    done = accelerate_launch(config, EXAMPLE, "--output-dir", str(tmp_path), *SHORT, timeout=480, env=OFFLINE)
-    result = result_of(done, config)
-    assert result["global_step"] == 4, result
-    assert result["eval_loss"] == result["eval_loss"] and result["eval_loss"] < 10, result  # evaluated, finite
-    log = done.stdout
-    assert "(deepspeed, world size 2)" in log, log[-4000:]
-    assert plan_value(log, "deepspeed") == f"ZeRO-{stage}"
-    # ZeRO-3: evaluation forwards all-gather parameters, so ranks with and without images must agree
-    assert plan_value(log, "vlm_eval_sync") == ("on" if stage == 3 else "off"), log[-4000:]
-    # DeepSpeed's deprecated torch collectives: each warning once per rank (it was once per call: ~4,800 lines)
-    deprecated = re.findall(r"FutureWarning: (`torch\.distributed\.\w+` is deprecated)", log)
-    assert all(deprecated.count(m) <= 2 for m in set(deprecated)), {m: deprecated.count(m) for m in set(deprecated)}
-
-
-@pytest.mark.multiprocess
-def test_example_qlora_on_cpu(tmp_path):
-    pytest.importorskip("bitsandbytes")
-    done = accelerate_launch("ddp_cpu.yaml", EXAMPLE, "--qlora", "--output-dir", str(tmp_path), *SHORT,
-                             timeout=240, env=OFFLINE)
-    result = result_of(done, "ddp_cpu.yaml --qlora")
-    assert result["global_step"] == 4, result
-    assert result["eval_loss"] == result["eval_loss"] and result["eval_loss"] < 10, result
-    assert re.search(r"quantization\s+= bnb 4-bit nf4", done.stdout), done.stdout[-4000:]
-    # peft's default reentrant checkpointing (stock DDP: "marked ready only once") planned to non-reentrant
-    assert plan_value(done.stdout, "checkpointing") == "non_reentrant"
-    # the adapter names a base that still exists after the run (it named a deleted temporary folder)
-    base = json.loads((tmp_path / "adapter_config.json").read_text())["base_model_name_or_path"]
-    assert (tmp_path / "base_model" / "config.json").is_file() and base == str(tmp_path / "base_model"), base
-    # a --resume without --qlora into this folder is refused with the reason, before any model is built
-    refused = torchrun(EXAMPLE, "--output-dir", str(tmp_path), "--resume", *SHORT, timeout=120, env=OFFLINE,
-                       check=False)
-    assert refused.returncode != 0 and "holds a run of another set-up (base: '4bit-nf4' there, 'full' now" \
-        in refused.stdout, refused.stdout[-3000:]
 
 
 @pytest.mark.multiprocess

@@ -1,0 +1,93 @@
+"""CI's records and what is generated from them (tests/ci_record.py, scripts/ci_report.py), all in one process:
+
+- docs/versions.md's table is the one scripts/ci_report.py renders from the kept results (tests/results/stacks/);
+- pyproject.toml's lower bounds are constraints-oldest.txt's versions (the oldest stack tests what is declared);
+- a pytest run under ``DDPFIX_CI_DIR`` records each test once by outcome and the seconds of each file;
+- merging refuses a stack whose runs saw different versions; pytest's exit 5 is a failure in CI's runner.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import re
+import subprocess
+
+import pytest
+from launch import ROOT
+
+pytest_plugins = ["pytester"]
+
+
+def _report():
+    spec = importlib.util.spec_from_file_location("ci_report", ROOT / "scripts" / "ci_report.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_versions_page_is_generated_from_the_kept_results():
+    report = _report()
+    kept = report.load_kept()
+    assert {"oldest", "pinned", "newest"} <= set(kept), f"kept results: {sorted(kept)} (tests/results/stacks/)"
+    page = (ROOT / "docs" / "versions.md").read_text()
+    assert report.page_with_table(page, report.render_table(kept)) == page, \
+        "docs/versions.md differs from tests/results/stacks/: python scripts/ci_report.py versions"
+    for stack, result in kept.items():  # the page states the date and the counts of each stack
+        assert f"**{stack}**, {result['date']}: {result['counts']['passed']} passed" in page
+
+
+def test_pyproject_lower_bounds_are_the_oldest_tested_versions():
+    pins = dict(re.findall(r"^([A-Za-z0-9_.-]+)==(\S+)", (ROOT / "constraints-oldest.txt").read_text(), flags=re.M))
+    text = (ROOT / "pyproject.toml").read_text()
+    dependencies = re.search(r"^dependencies = \[(.*?)^\]", text, flags=re.M | re.S).group(1)
+    extras = [re.search(rf"^{extra} = \[(.*?)\]", text, flags=re.M).group(1) for extra in ("qlora", "deepspeed")]
+    declared = re.findall(r'"([^"]+>=[^"]+)"', dependencies + " ".join(extras))
+    checked = 0
+    for requirement in declared:
+        name, bound = re.match(r"([A-Za-z0-9_.-]+)>=([0-9.]+)", requirement).groups()
+        if name == "packaging":
+            continue
+        assert name in pins, f"{name} is declared ({requirement}) but the oldest stack does not pin it"
+        assert tuple(map(int, pins[name].split("."))) == tuple(map(int, bound.split("."))) + (0,) * (
+            len(pins[name].split(".")) - len(bound.split("."))), f"{requirement} vs constraints-oldest {pins[name]}"
+        checked += 1
+    assert checked >= 6  # torch, transformers, accelerate, peft, bitsandbytes, deepspeed
+
+
+def test_a_run_records_each_test_once_by_outcome_and_seconds_per_file(pytester, tmp_path, monkeypatch):
+    pytester.makeconftest(f"import sys; sys.path.insert(0, {str(ROOT / 'tests')!r})\n"
+                          "import ci_record\n\ndef pytest_configure(config):\n    ci_record.register(config)\n")
+    pytester.makepyfile(test_a="""
+        import pytest, time
+        def test_pass(): time.sleep(0.2)
+        def test_fail(): assert 0
+        @pytest.mark.skip(reason="x")
+        def test_skip(): pass
+        @pytest.mark.xfail
+        def test_xfail(): assert 0
+        @pytest.fixture
+        def broken():
+            yield
+            raise RuntimeError("teardown")
+        def test_teardown_error(broken): pass
+    """, test_b="def test_b(): pass\n")
+    monkeypatch.setenv("DDPFIX_CI_DIR", str(tmp_path))
+    monkeypatch.setenv("DDPFIX_CI_STACK", "oldest")
+    monkeypatch.setenv("DDPFIX_CI_LABEL", "unit")
+    pytester.runpytest_subprocess("-p", "no:cacheprovider")
+    [record_file] = (tmp_path / "oldest").glob("unit-*.json")
+    record = json.loads(record_file.read_text())
+    assert record["counts"] == {"passed": 2, "failed": 2, "skipped": 1, "xfailed": 1, "xpassed": 0}, record
+    assert record["exitstatus"] == 1 and record["versions"]["torch"]
+    assert set(record["files"]) == {"test_a.py", "test_b.py"} and record["files"]["test_a.py"] >= 0.2
+    merged = _report().merge([record, {**record, "label": "cells"}])
+    assert merged["counts"]["passed"] == 4 and merged["files"]["test_a.py"] == round(2 * record["files"]["test_a.py"], 2)
+    with pytest.raises(ValueError, match="different versions"):
+        _report().merge([record, {**record, "versions": {**record["versions"], "torch": "0.0"}}])
+
+
+def test_ci_runner_treats_no_test_run_as_a_failure(tmp_path):
+    script = f"source {ROOT / 'scripts' / 'ci_lib.sh'}; run_tests empty bash -c 'exit 5'; echo rc=$?"
+    done = subprocess.run(["bash", "-c", script], capture_output=True, text=True, timeout=30)
+    assert "rc=5" in done.stdout and "ran NO test (pytest exit 5)" in done.stdout, done.stdout
