@@ -27,10 +27,10 @@ from ._compat import (
     before_gradient_clipping,
     checkpointable_layers,
     checkpointing_args,
-    disable_cpu_repack,
     is_checkpointing,
     layer_checkpoint_func,
 )
+from .eval_setup import cpu_repack_off
 from .integrations.checkpointing import (
     apply_checkpointing,
     checkpoint_kwargs_without_mode,
@@ -41,6 +41,7 @@ from .integrations.checkpointing import (
 )
 from .integrations.deepspeed import attach_deepspeed
 from .integrations.fsdp import apply_fsdp_units, join_tied_holders, rescope_on_wrap
+from .integrations.fsdp.dummy import attach_fsdp_dummy
 from .integrations.long_context.long_context import LongContextHandle, apply_long_context
 from .integrations.long_context.loss_patch import TiledLossHandle, patch_model_loss
 from .integrations.long_context.tiled_mlp import TiledMLPHandle, apply_tiled_mlp
@@ -101,7 +102,7 @@ def attach_runtime(trainer: Any, model: nn.Module, plan: Plan, stack: ExitStack)
                                           log=lambda line: _log_rank0(trainer, "%s", line),
                                           sync_eval=bool(plan.vlm_eval_sync.value))
     elif plan.parallel == "fsdp" and plan.fsdp_skippable.value == "shard" and plan.vlm_stabilizer.value:
-        rt.zero_vision = _attach_fsdp_dummy(trainer, model, stack)  # tower units: the dummy where the tower runs
+        rt.zero_vision = attach_fsdp_dummy(model, stack, lambda fn: before_gradient_clipping(trainer, fn))
     elif plan.vlm_stabilizer.value:
         rt.stabilizer = _attach_stabilizer(trainer, model, plan, stack)
     if plan.zero_skip_unused.value:  # observe from the first forward; the optimizer is hooked at train begin
@@ -224,60 +225,6 @@ def _attach_stabilizer(trainer: Any, model: nn.Module, plan: Plan, stack: ExitSt
     stack.callback(stab.remove)
     stack.callback(before_gradient_clipping(trainer, stab.finalize_vision_grads))
     return stab
-
-
-def _attach_fsdp_dummy(trainer: Any, model: nn.Module, stack: ExitStack) -> Any:
-    """FSDP2 with units inside the tower: the dummy image where an image rank runs its tower (training and
-    evaluation); tower gradients reset to `None` in a step no rank saw an image, before clipping."""
-    from .integrations.fsdp.dummy import FsdpDummy, keep_eval_sync
-
-    dummy = FsdpDummy(model).attach()
-    stack.callback(keep_eval_sync, model)  # runs after the removal below: generate() / evaluate() after train()
-    stack.callback(dummy.remove)
-    stack.callback(before_gradient_clipping(trainer, dummy.finalize))
-    return dummy
-
-
-def cpu_repack_off(model: nn.Module, stack: ExitStack) -> int:
-    """Turn bitsandbytes' in-place CPU repack of 4-bit weights off on `model` (FSDP2 rebuilds each weight from its
-    shards every forward: `_compat.disable_cpu_repack`) until `stack` closes, which restores each module's own
-    value. Counted as the amount `quantization/cpu_repack_off`. Returns how many modules were switched off."""
-    n, undo = disable_cpu_repack(model)
-    stack.callback(undo)
-    if n:
-        feature_counts.record_amount("quantization", "cpu_repack_off", n)
-    return n
-
-
-def attach_eval_sync(model: nn.Module, decision: Any, parallel: str, stack: ExitStack) -> Any:
-    """For an evaluation outside `train()`: attach the eval-only stabiliser the plan's `vlm_eval_sync`
-    decision asks for (ZeRO-3: `ZeroVisionStabilizer`, FSDP: `VisionStabilizer`, both `train=False,
-    sync_eval=True`); its undo goes on `stack`. Returns it, or `None` when the decision is off."""
-    if not decision.value:
-        return None
-    if parallel == "deepspeed":
-        from .integrations.vision.zero import ZeroVisionStabilizer
-
-        try:
-            sync: Any = ZeroVisionStabilizer(model, train=False, sync_eval=True).attach()
-        except ValueError as err:  # a failed trial run of a discovered family: stock evaluation, said why
-            feature_counts.record_fallback("stabilizer", str(err))
-            logger.warning("hf_ddpfix: vlm_eval_sync not applied (stock evaluation): %s", err)
-            return None
-    elif parallel == "fsdp":  # tower units: the dummy at the language model's start, where the tower runs
-        from .integrations.fsdp.dummy import kept_eval_sync
-        from .integrations.vision.zero import ZeroVisionStabilizer
-
-        if kept_eval_sync(model) is not None:  # train() left one attached: it serves this loop
-            return None
-        try:
-            sync = ZeroVisionStabilizer(model, train=False, sync_eval=True).attach()
-        except ValueError:
-            sync = VisionStabilizer(model, run_when_frozen=True, train=False, sync_eval=True).attach()
-    else:
-        sync = VisionStabilizer(model, run_when_frozen=True, train=False, sync_eval=True).attach()
-    stack.callback(sync.remove)
-    return sync
 
 
 def _attach_usage(trainer: Any, model: nn.Module, usage: ParameterUsage, stack: ExitStack,

@@ -29,6 +29,7 @@ from .callbacks import default_callbacks, install_callbacks
 from .checkpoints import last_complete_checkpoint
 from .config import DDPFixConfig
 from .errors import readable_ddp_errors
+from .eval_setup import attach_eval_sync, cpu_repack_off
 from .facts import gather_facts
 from .feature_report import FallbackWatch, attach_fallbacks, feature_metrics, never_ran_warning
 from .integrations.eval_outputs import agreed_eval_outputs
@@ -52,7 +53,7 @@ from .plan.resolve import resolve_plan
 from .plan.sequence_parallel import decide_sequence_parallel, sp_size_of
 from .plan.types import Decision, Plan
 from .plan.vision import decide_eval_sync
-from .runtime import attach_eval_sync, attach_runtime, cpu_repack_off
+from .runtime import attach_runtime
 
 logger = logging.getLogger("hf_ddpfix")
 
@@ -205,7 +206,7 @@ def _eval_outputs_decision(trainer: Trainer) -> Decision:
 def _evaluate_under_plan(trainer: Trainer, eval_loop: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
     """`eval_loop` with the plan's `vlm_eval_sync`: under ZeRO-3 / FSDP, a VLM's evaluation forwards agree across
     ranks on images (see `hf_ddpfix.plan.vision`), and under FSDP2 bitsandbytes' in-place CPU repack of 4-bit
-    weights is off for the loop (`runtime.cpu_repack_off`). Inside `train()` the training runtime already carries
+    weights is off for the loop (`eval_setup.cpu_repack_off`). Inside `train()` the training runtime already carries
     both. Reading the run never fails an evaluation stock runs: if the facts cannot be read, stock evaluation runs
     and the log says why.
     """

@@ -262,7 +262,10 @@ def test_plan_under_fsdp_reads_the_model_and_the_launch_as_the_run_does(capsys, 
     rc, out = _run(capsys, "plan", "--model", str(folder), "--parallel", "fsdp", "--cpu", "--full",
                    "--world-size", "4")
     assert rc == 0, out
-    assert re.search(r"\* fsdp_units\s+= Qwen2_5_VLDecoderLayer .*folded into the enclosing unit.*model\.visual", out)
+    assert re.search(r"\* fsdp_units\s+= Qwen2_5_VLDecoderLayer ", out), out
+    rc, whole = _run(capsys, "plan", "--model", str(folder), "--parallel", "fsdp", "--cpu", "--full", "--json")
+    units = json.loads(whole)["decisions"]["fsdp_units"]["reason"]  # the plan line is cut at 160 characters
+    assert re.search(r"folded into the enclosing unit.*model\.visual", units), units
     assert re.search(r"vlm_stabilizer\s+= off\s+not needed under FSDP2", out), out
     assert re.search(r"\* parameter_usage\s+= on\s+per FSDP unit", out), out
     assert "fsdp2 units at world size 4 (rank 0" in out and "root unit (gathered for the whole forward)" in out

@@ -14,7 +14,7 @@ path, the one training uses.
 Reversible: the undo puts each module's own value back, once (a second call does nothing), and only on a module
 whose switch is still the ``False`` we set (a value another library set since is kept: patches chain). hf_ddpfix
 undoes it when ``train()`` ends, and turns it off again around each evaluation outside ``train()``
-(``runtime.cpu_repack_off``).
+(``eval_setup.cpu_repack_off``).
 
 Fallbacks: bitsandbytes not loaded, or a ``Linear4bit`` without the attribute (another release) → nothing changed
 (0 modules); the contract test in tests/test_upstream_contracts.py fails if the attribute or its use goes away.

@@ -128,3 +128,15 @@ def kept_eval_sync(model: nn.Module) -> Any:
 
     adapter = find_vision_adapter(model, zero=True)
     return None if adapter is None else getattr(adapter.root, _KEPT, None)
+
+
+def attach_fsdp_dummy(model: Any, stack: Any, before_clip: Any) -> FsdpDummy:
+    """Attach :class:`FsdpDummy` for a `train()` (FSDP2 with units inside the tower): the dummy image where an image
+    rank runs its tower, training and evaluation; tower gradients reset to `None` in a step no rank saw an image
+    (``before_clip(fn)`` registers ``fn`` before gradient clipping and returns its undo). Every undo goes on
+    ``stack``; the evaluation-only stabiliser :func:`keep_eval_sync` stays after it (generate() after train())."""
+    dummy = FsdpDummy(model).attach()
+    stack.callback(keep_eval_sync, model)  # runs after the removal below
+    stack.callback(dummy.remove)
+    stack.callback(before_clip(dummy.finalize))
+    return dummy
