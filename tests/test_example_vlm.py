@@ -7,7 +7,7 @@ the CPU, a hard timeout each), train + evaluate:
 - `zero2.yaml` / `zero3.yaml` (DeepSpeed picks its CPU accelerator by itself) and `--qlora` (4-bit NF4 base
   on the CPU) under `ddp_cpu.yaml`: a few steps, then the full evaluation set, whose batches mix images and
   text-only samples (stock ZeRO-3 hangs there);
-- `fsdp.yaml` through the FSDP test device (tests/fsdp_device/, docs/fsdp.md: accelerate's own FSDP2 path on the
+- `fsdp.yaml` through the FSDP test device (hf_ddpfix/rehearse/device/, docs/fsdp.md: accelerate's own FSDP2 path on the
   CPU, bf16 as the yaml asks): trains to the accuracy bar of the DDP run, evaluates (the evaluation set mixes
   image and text-only batches: stock FSDP fails there), saves the adapter; the model is FSDP2-wrapped;
 - `fsdp.yaml` on a machine without an accelerator and without the device: accelerate 1.15 makes every CPU launch
