@@ -16,7 +16,8 @@ so the launchers (accelerate's CLI, torchrun's agent) are untouched. In a rank i
   evaluation, prediction, checkpoints) and checks replicas in sync at the end (hf_ddpfix's ``ReplicaSyncCallback``),
   evaluation/prediction sets cut to a few batches, and with ``--skew`` the last rank's batches made text-only and
   shorter;
-- ``--stock``: ``hf_ddpfix.patch_trainer()`` called by the script does nothing (and ``HF_DDPFIX_DISABLE=1`` turns
+- hf_ddpfix on every Trainer (``patch_trainer()``, as ``patches/`` does; a script that calls it itself only sets its
+  options); ``--stock``: ``hf_ddpfix.patch_trainer()`` called by the script does nothing (and ``HF_DDPFIX_DISABLE=1`` turns
   ``patches/`` off), so the same launch runs without hf_ddpfix;
 - the watchdog (:mod:`hf_ddpfix.rehearse.watchdog`) and an exception hook that writes the failing frames.
 
@@ -217,8 +218,8 @@ def _from_pretrained(inner: Any, cls: Any, name: Any, *args: Any, **kwargs: Any)
     config = _config_for(cls, name, kwargs)
     folder, lines, model_cls = _shrunk_dir(cls, name, config)
     subs = []
+    asked_dtype = str(kwargs.get("dtype") or kwargs.get("torch_dtype") or "")  # the real run's weights
     _substitute(kwargs, subs)
-    asked_dtype = str(kwargs.get("dtype") or kwargs.get("torch_dtype") or "")
     for key in ("config", "revision", "subfolder", "gguf_file", "cache_dir", "local_files_only", "token"):
         kwargs.pop(key, None)
     note("models", {"name": str(name), "class": cls.__name__, "model_class": model_cls.__name__,
@@ -505,16 +506,20 @@ def _patch_trainer(module: Any) -> None:
             note("skew", {"rank": _rank(), "media_token_ids": sorted(media), "pad_id": int(pad)})
 
     @functools.wraps(train)
-    def train_(self, *args, **kwargs):
+    def train_(self, resume_from_checkpoint=None, *args, **kwargs):
         resume = _env("RESUME")
         if resume:
-            kwargs["resume_from_checkpoint"] = resume
+            resume_from_checkpoint = resume
             note("resumed_from", resume)
-        return train(self, *args, **kwargs)
+        return train(self, resume_from_checkpoint, *args, **kwargs)
 
     __init__._rehearse = True  # type: ignore[attr-defined]
     cls.__init__ = __init__
     cls.train = train_
+    if _env("STOCK") != "1":  # hf_ddpfix on every Trainer, as patches/ does; a script's own call only sets options
+        from .. import patch_trainer
+
+        patch_trainer()
 
 
 def _patch_hf_ddpfix_trainer(module: Any) -> None:
@@ -552,6 +557,14 @@ def _excepthook(inner: Any) -> Any:
     return hook
 
 
+def _patch_torch_distributed(module: Any) -> None:
+    """DETAIL + DDP crashes torch 2.13's DDP usage log on gloo: hf_ddpfix._compat.torch_internals."""
+    if os.environ.get("TORCH_DISTRIBUTED_DEBUG", "").upper() == "DETAIL":
+        from .._compat.torch_internals import ddp_logger_without_construction_log
+
+        ddp_logger_without_construction_log(module)
+
+
 def _is_rank() -> bool:
     return "LOCAL_RANK" in os.environ or _env("SINGLE") == "1"
 
@@ -565,7 +578,8 @@ def install() -> None:
     hooks: dict[str, Any] = {"transformers.modeling_utils": _patch_modeling,
                              "transformers.models.auto.auto_factory": _patch_auto,
                              "transformers.training_args": _patch_training_args,
-                             "transformers.trainer": _patch_trainer, "peft.peft_model": _patch_peft}
+                             "transformers.trainer": _patch_trainer, "peft.peft_model": _patch_peft,
+                             "torch.nn.parallel.distributed": lambda m: _patch_torch_distributed(m.dist)}
     if _env("STOCK") == "1":
         hooks["hf_ddpfix.trainer"] = _patch_hf_ddpfix_trainer
     for name in list(hooks):

@@ -105,7 +105,7 @@ def project_memory(record: dict[str, Any], mode: str, world: int) -> tuple[list[
     if mode == "fsdp":
         from ..integrations.fsdp.wrap import fsdp_wrap_plan
 
-        units = fsdp_wrap_plan(model, fold_skippable=True)
+        units = [(n, u) for n, u in fsdp_wrap_plan(model, fold_skippable=True) if u is not model]  # root last
         sizes = [sum(p.numel() for p in u.parameters()) for _, u in units]
         root = params - sum(sizes)
         largest = max(sizes, default=0)

@@ -15,20 +15,31 @@ from typing import Any
 __all__ = ["build_report", "format_report"]
 
 _MISMATCH = re.compile(r"Detected mismatch between collectives on ranks\.[^\n]*")
-_FINGERPRINT = re.compile(r"Rank (\d+) is running collective: (CollectiveFingerPrint\([^)]*\))")
+_FINGERPRINT = re.compile(r"Rank (\d+) is running collective: CollectiveFingerPrint\((.*?)TensorDeviceTypes")
+_FIELDS = re.compile(r"(SequenceNumber|OpType|TensorShape|TensorDtypes)=([^,]*(?:\[[^\]]*\])?[^,]*)")
+
+
+def _short(path: str) -> str:
+    path = path.replace("\\", "/")
+    for marker in ("site-packages/", "dist-packages/"):
+        if marker in path:
+            return path.split(marker, 1)[1]
+    return path
 
 
 def _frame(f: dict[str, Any] | None) -> str:
     if not f:
         return "?"
-    return f"{f['file']}:{f['line']} in {f['func']}" + (f"  `{f['code']}`" if f.get("code") else "")
+    return f"{_short(f['file'])}:{f['line']} in {f['func']}" + (f"  `{f['code']}`" if f.get("code") else "")
 
 
 def _mismatch(message: str) -> dict[str, Any] | None:
     m = _MISMATCH.search(message)
     if not m:
         return None
-    prints = {int(r): fp for r, fp in _FINGERPRINT.findall(message)}
+    prints = {}
+    for rank, body in _FINGERPRINT.findall(message):
+        prints[int(rank)] = ", ".join(f"{k}={v.strip()}" for k, v in _FIELDS.findall(body))
     return {"summary": m.group(0)[:600], "fingerprints": prints}
 
 
@@ -51,7 +62,10 @@ def _rank_failure(rank: int, rec: dict[str, Any], hang: dict[str, Any] | None, s
                    issued_at=_frame(hang.get("issued_at")), frames=[_frame(f) for f in hang.get("user_frames", [])])
     elif rec.get("error"):
         err = rec["error"]
-        out.update(kind="error", error=f"{err['type']}: {err['message'].strip().splitlines()[0][:300] if err['message'].strip() else ''}",
+        first = err["message"].strip().splitlines()[0] if err["message"].strip() else ""
+        mm_head = _MISMATCH.search(first)
+        first = "Detected mismatch between collectives on ranks (TORCH_DISTRIBUTED_DEBUG=DETAIL)" if mm_head else first
+        out.update(kind="error", error=f"{err['type']}: {first[:300]}",
                    collective=err.get("collective"), issued_at=_frame(err.get("issued_at")),
                    frames=[_frame(f) for f in err.get("user_frames", [])])
         mm = _mismatch(err["message"])
@@ -154,7 +168,7 @@ def format_report(r: dict[str, Any], verbose: bool = True) -> str:
                        f"{p['skew']['media_token_ids']} -> {p['skew']['pad_id']}), last half of each sequence")
         if p.get("plan"):
             out.append("hf_ddpfix plan (what differs from stock):")
-            out += [f"  {line}" for line in p["plan"][:14]]
+            out += [f"  {line[:150]}{'...' if len(line) > 150 else ''}" for line in p["plan"][:16]]
         elif p.get("mode"):
             out.append("hf_ddpfix: not active (" + (p.get("stock_note") or "stock run") + ")")
         if p.get("features"):
@@ -173,7 +187,7 @@ def format_report(r: dict[str, Any], verbose: bool = True) -> str:
                 for rank, fp in sorted(f["mismatch"]["fingerprints"].items()):
                     out.append(f"    rank {rank} collective: {fp[:220]}")
             if f.get("collective"):
-                out.append(f"    collective: {f['collective']}  issued at {f.get('issued_at')}")
+                out.append(f"    in collective: {f['collective']} (torch.distributed), from these frames (innermost last):")
             out += [f"    frame: {fr}" for fr in f.get("frames", [])]
         if p.get("log_tail") and verbose:
             out.append("output tail:")

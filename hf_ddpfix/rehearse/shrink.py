@@ -49,8 +49,15 @@ _HEAD_WIDTHS = {"head_dim": HEAD_DIM, "qk_rope_head_dim": HEAD_DIM // 2, "qk_nop
 _EVERY = ("decoder_sparse_step", "moe_layer_freq", "interleave_moe_layer_step", "global_attn_every_n_layers",
           "full_attention_interval", "sliding_window_pattern", "first_k_dense_replace", "cross_attention_frequency")
 #: Words that mark a field as geometry, a count or an id: never rescaled as a width.
-_NOT_WIDTH = ("token", "vocab", "position", "image", "patch", "window", "merge", "channel", "batch", "num_", "layer",
-              "expert", "tile", "frame", "sample", "length", "bucket", "rank", "seq", "max_", "id")
+_NOT_WIDTH = frozenset(("token", "tokens", "vocab", "position", "positions", "image", "patch", "window", "merge",
+                        "channel", "channels", "batch", "num", "n", "layer", "layers", "expert", "experts", "tile",
+                        "tiles", "frame", "frames", "sample", "samples", "length", "bucket", "rank", "seq", "max",
+                        "id", "ids", "index", "idx"))
+
+
+def _geometry_or_count(key: str) -> bool:
+    """True for a field named as geometry, a count or an id (its ``_``-separated words; see ``_NOT_WIDTH``)."""
+    return bool(_NOT_WIDTH & set(key.lower().split("_")))
 
 
 @dataclass
@@ -191,7 +198,7 @@ def _shrink_node(cfg: Any, path: str, lines: list[str]) -> tuple[int | None, int
                 _set(cfg, p, key, 2 * new_h, lines)
         for key, value in list(vars(cfg).items()):  # k x hidden widths (e.g. Mllama's vision_output_dim)
             if key in _MLP or key == hkey or key in _HEAD_WIDTHS or not isinstance(value, int) or \
-                    isinstance(value, bool) or any(w in key for w in _NOT_WIDTH):
+                    isinstance(value, bool) or _geometry_or_count(key):
                 continue
             if not any(w in key for w in ("size", "dim", "hidden", "width")):
                 continue
@@ -249,6 +256,6 @@ def shrink_config(config: Any) -> Shrunk:
         for key, value in list(vars(node).items()):
             if isinstance(value, int) and not isinstance(value, bool) and value in hiddens and \
                     value != hiddens[value] and any(w in key for w in ("size", "dim", "hidden")) and \
-                    not any(w in key for w in _NOT_WIDTH) and value > 64:
+                    not _geometry_or_count(key) and value > 64:
                 _set(node, p, key, hiddens[value], lines)
     return Shrunk(cfg, lines)

@@ -28,10 +28,16 @@ from typing import Any
 __all__ = ["COMM_FILES", "PERIOD", "collective_of", "frames_of", "start"]
 
 PERIOD = 0.5  # seconds between two samples of the main thread's stack
-#: Path fragments of modules whose frames are communication (where a rank waits on the others).
-COMM_FILES = ("torch/distributed/", "deepspeed/comm/", "accelerate/utils/operations.py")
+#: Path fragments of modules whose frames are communication (where a rank waits on the others): a frame that stays
+#: the innermost one in these for the timeout is a hang.
+COMM_FILES = ("torch/distributed/", "deepspeed/comm/")
+#: The collective APIs themselves: the innermost of these in a failing stack names the collective.
+COLLECTIVE_FILES = ("torch/distributed/distributed_c10d.py", "torch/distributed/_functional_collectives.py",
+                    "deepspeed/comm/")
 _INTERNAL = ("torch/distributed/", "deepspeed/", "accelerate/", "torch/nn/modules/module.py", "torch/utils/",
-             "torch/autograd/", "torch/_tensor.py", "torch/_dynamo", "torch/_functorch", "/threading.py")
+             "torch/autograd/", "torch/_tensor.py", "torch/_dynamo", "torch/_functorch", "/threading.py",
+             "transformers/utils/", "transformers/integrations/", "transformers/modeling_layers.py", "peft/tuners/",
+             "hf_ddpfix/rehearse/", "torch/_compile.py", "/contextlib.py", "/functools.py")
 
 
 def frames_of(frame: FrameType | None, limit: int = 40) -> list[dict[str, Any]]:
@@ -47,9 +53,9 @@ def collective_of(frames: list[dict[str, Any]]) -> tuple[str | None, dict[str, A
     operations helpers)."""
     for i in range(len(frames) - 1, -1, -1):
         f = frames[i]
-        if any(c in f["file"].replace("\\", "/") for c in COMM_FILES):
+        if any(c in f["file"].replace("\\", "/") for c in COLLECTIVE_FILES):
             j = i
-            while j > 0 and any(c in frames[j - 1]["file"].replace("\\", "/") for c in COMM_FILES):
+            while j > 0 and any(c in frames[j - 1]["file"].replace("\\", "/") for c in COLLECTIVE_FILES):
                 j -= 1
             name = frames[i]["func"]
             issuer = frames[j - 1] if j > 0 else None
