@@ -22,7 +22,6 @@ import time
 from pathlib import Path
 
 import pytest
-
 from launch import ROOT
 
 OFFLINE = {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
@@ -187,7 +186,7 @@ def test_memory_projection_of_the_real_model_shards_by_world_size():
     assert f"trainable {trainable / 1e6:.1f} M" in ddp[0]
     fsdp, _ = project_memory(record, "fsdp", 8)
     total = lambda lines: float(lines[-2].split("= ")[1].split(" GiB")[0])  # noqa: E731
-    assert total(fsdp) < total(ddp) / 3, (fsdp, ddp)
+    assert total(fsdp) < total(ddp) / 2, (fsdp, ddp)  # 1/8 of the weights + the root unit (the tower) whole
     assert any("root unit" in line for line in fsdp)
     assert project_memory({}, "ddp", 8)[0] is None
 
@@ -248,13 +247,21 @@ def _finish(runs, timeout: float) -> dict[str, tuple[int, dict, str, float]]:
 def test_fsdp_vlm_with_a_text_only_rank_stock_names_the_mismatch_and_hf_ddpfix_passes(tmp_path):
     line = ["accelerate", "launch", "--config_file", "accelerate_configs/fsdp.yaml", "examples/qwen_vl_lora.py",
             "--output-dir", str(tmp_path / "user-out"), "--eval-size", "8"]
-    runs = [_start(tmp_path, "stock", ["--stock", "--skew"], line), _start(tmp_path, "fixed", ["--skew"], line)]
+    runs = [_start(tmp_path, "stock", ["--stock", "--skew"], line), _start(tmp_path, "fixed", ["--skew"], line),
+            _start(tmp_path, "hang", ["--hang-timeout", "5"], ["torchrun", "--nproc_per_node=2",
+                                                              "tests/scripts/rehearse_hang.py"])]
     done = _finish(runs, timeout=420)
+    code, hang, text, _ = done["hang"]  # a hang ends in seconds, both ranks' frames named
+    assert code == 1 and hang["status"] == "hang" and hang["phases"][0]["seconds"] < 120, text[-3000:]
+    by_rank = {f["rank"]: f for f in hang["phases"][0]["failures"]}
+    assert by_rank[0]["kind"] == "hang" and by_rank[0]["collective"] == "all_reduce", by_rank
+    assert any("rank_zero_only_sync" in fr for fr in by_rank[0]["frames"]), by_rank
+    assert any("rehearse_hang.py" in fr for fr in by_rank[1]["frames"]), by_rank
     code, stock, text, _ = done["stock"]
     assert code == 1 and stock["status"] == "failed", text[-4000:]
     phase = stock["phases"][0]
     assert phase["fsdp"] and phase["hf_ddpfix"] is False, text[-3000:]
-    assert phase["seconds"] < 60, phase["seconds"]
+    assert phase["seconds_to_failure"] < 60, phase  # from the first training step; the wall time includes start-up
     failures = {f["rank"]: f for f in phase["failures"]}
     assert set(failures) == {0, 1}, text[-3000:]
     for f in failures.values():  # both ranks: the collective, both fingerprints, and the model frame

@@ -482,6 +482,14 @@ def _patch_trainer(module: Any) -> None:
 
     @functools.wraps(init)
     def __init__(self, *args, **kwargs):
+        if _env("STOCK") != "1" and not getattr(cls, "_rehearse_patched", False):
+            # hf_ddpfix on every Trainer, as patches/ does (a script's own patch_trainer() call only sets options);
+            # here, not at import: the script may be importing hf_ddpfix.trainer itself right then
+            cls._rehearse_patched = True
+            from ..trainer import is_patched, patch_trainer
+
+            if not is_patched():
+                patch_trainer()
         init(self, *args, **kwargs)
         if type(self).__init__ is not cls.__init__ and getattr(self, "_rehearse_ready", False):
             return
@@ -516,10 +524,6 @@ def _patch_trainer(module: Any) -> None:
     __init__._rehearse = True  # type: ignore[attr-defined]
     cls.__init__ = __init__
     cls.train = train_
-    if _env("STOCK") != "1":  # hf_ddpfix on every Trainer, as patches/ does; a script's own call only sets options
-        from .. import patch_trainer
-
-        patch_trainer()
 
 
 def _patch_hf_ddpfix_trainer(module: Any) -> None:
@@ -549,7 +553,7 @@ def _excepthook(inner: Any) -> Any:
             frames = [{"file": f.filename, "line": f.lineno, "func": f.name, "code": (f.line or "").strip()}
                       for f in traceback.extract_tb(tb)]
             name, issuer = collective_of(frames)
-            note("error", {"type": exc_type.__name__, "message": str(exc)[:6000], "collective": name,
+            note("error", {"type": exc_type.__name__, "message": str(exc)[:6000], "collective": name, "at": time.time(),
                            "issued_at": issuer, "user_frames": user_frames(frames), "stack": frames[-25:]})
         finally:
             inner(exc_type, exc, tb)
@@ -557,12 +561,22 @@ def _excepthook(inner: Any) -> Any:
     return hook
 
 
-def _patch_torch_distributed(module: Any) -> None:
-    """DETAIL + DDP crashes torch 2.13's DDP usage log on gloo: hf_ddpfix._compat.torch_internals."""
-    if os.environ.get("TORCH_DISTRIBUTED_DEBUG", "").upper() == "DETAIL":
+def _patch_ddp(module: Any) -> None:
+    """DETAIL + DDP crashes torch 2.13's DDP usage log on gloo (hf_ddpfix._compat.torch_internals): the shim is put
+    in place when the first ``DistributedDataParallel`` is built (not now: this runs while ``import torch`` is still
+    executing, where importing anything else of torch breaks its start-up)."""
+    if os.environ.get("TORCH_DISTRIBUTED_DEBUG", "").upper() != "DETAIL":
+        return
+    cls = module.DistributedDataParallel
+    init = cls.__init__
+
+    def __init__(self, *args, **kwargs):
         from .._compat.torch_internals import ddp_logger_without_construction_log
 
-        ddp_logger_without_construction_log(module)
+        ddp_logger_without_construction_log(module.dist)
+        init(self, *args, **kwargs)
+
+    cls.__init__ = __init__
 
 
 def _is_rank() -> bool:
@@ -579,7 +593,7 @@ def install() -> None:
                              "transformers.models.auto.auto_factory": _patch_auto,
                              "transformers.training_args": _patch_training_args,
                              "transformers.trainer": _patch_trainer, "peft.peft_model": _patch_peft,
-                             "torch.nn.parallel.distributed": lambda m: _patch_torch_distributed(m.dist)}
+                             "torch.nn.parallel.distributed": _patch_ddp}
     if _env("STOCK") == "1":
         hooks["hf_ddpfix.trainer"] = _patch_hf_ddpfix_trainer
     for name in list(hooks):

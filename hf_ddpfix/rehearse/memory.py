@@ -8,8 +8,9 @@ module), the parallel mode and the launch's world size. FSDP2 units come from th
 
 Per rank, bytes:
     weights     DDP / ZeRO-2: all of them; FSDP2 / ZeRO-3: 1/world of them
-    gathered    FSDP2: the root unit (what no unit wraps: embeddings, towers a rank may skip) gathered whole, plus
-                two of the largest unit (the one running and the one prefetched); ZeRO-3: two of the largest block
+    gathered    FSDP2: the root unit (what no unit wraps: towers a rank may skip, norms; accelerate carves the input
+                embedding and the head as units of their own) gathered whole, plus two of the largest unit (the one
+                running and the one prefetched); ZeRO-3: two of the largest block
     gradients   trainable x 4 (fp32), divided by world under FSDP2 / ZeRO-2 / ZeRO-3, plus DDP's bucket copy
     optimizer   Adam: trainable x 8 (two fp32 moments), + 4 for the fp32 master copy under ZeRO; sharded likewise
 Not included: activations (``hf-ddpfix plan`` and docs/memory.md project those for a sequence length), the CUDA
@@ -106,6 +107,11 @@ def project_memory(record: dict[str, Any], mode: str, world: int) -> tuple[list[
         from ..integrations.fsdp.wrap import fsdp_wrap_plan
 
         units = [(n, u) for n, u in fsdp_wrap_plan(model, fold_skippable=True) if u is not model]  # root last
+        inside = {id(p) for _, u in units for p in u.parameters()}
+        for carved in (model.get_input_embeddings(), model.get_output_embeddings()):  # accelerate's own units
+            if carved is not None and not any(id(p) in inside for p in carved.parameters()):
+                units.append(("carved", carved))
+                inside |= {id(p) for p in carved.parameters()}
         sizes = [sum(p.numel() for p in u.parameters()) for _, u in units]
         root = params - sum(sizes)
         largest = max(sizes, default=0)

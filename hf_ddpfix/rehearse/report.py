@@ -16,6 +16,8 @@ __all__ = ["build_report", "format_report"]
 
 _MISMATCH = re.compile(r"Detected mismatch between collectives on ranks\.[^\n]*")
 _FINGERPRINT = re.compile(r"Rank (\d+) is running collective: CollectiveFingerPrint\((.*?)TensorDeviceTypes")
+_CUDA = re.compile(r"Torch not compiled with CUDA|No CUDA GPUs are available|Found no NVIDIA driver|CUDA driver|"
+                   r"requires a GPU|only supported on CUDA|Cannot access accelerator device|nccl", re.IGNORECASE)
 _FIELDS = re.compile(r"(SequenceNumber|OpType|TensorShape|TensorDtypes)=([^,]*(?:\[[^\]]*\])?[^,]*)")
 
 
@@ -73,8 +75,14 @@ def _rank_failure(rank: int, rec: dict[str, Any], hang: dict[str, Any] | None, s
             out["mismatch"] = mm
         if "rehearse, step" in err["message"]:
             out["cannot"] = err["message"].strip()[:800]
+        elif _CUDA.search(err["message"]) or any("torch/cuda/" in f["file"].replace("\\", "/")
+                                                  for f in err.get("stack", [])):
+            where = out["frames"][-1] if out["frames"] else "?"
+            out["cannot"] = (f"rehearse, step 'run the script': it needs CUDA here ({first[:160]}) at {where}. A CPU "
+                             "rehearsal cannot run CUDA-only code; guard it with torch.cuda.is_available() (the "
+                             "collectives and wrapping are rehearsed without it)")
     elif stacks:
-        out.update(kind="stopped", frames=_stack_head(stacks))
+        out.update(kind="not in a collective when the others hung; its frame then", frames=_stack_head(stacks))
     else:
         out.update(kind="ended" if rec.get("train_done") is not None else "no record of the failure")
     return out
@@ -100,6 +108,10 @@ def _phase(o: Any, processes: int) -> dict[str, Any]:
         "training_args": r0.get("training_args"), "skew": recs.get(max(ranks), {}).get("skew") if ranks else None,
         "stock_note": r0.get("stock"),
     }
+    starts = [r["train"]["started"] for r in recs.values() if (r.get("train") or {}).get("started")]
+    errors = [r["error"]["at"] for r in recs.values() if (r.get("error") or {}).get("at")]
+    if starts and errors:  # the launch's start-up (imports, model load) excluded
+        phase["seconds_to_failure"] = round(max(0.0, min(errors) - min(starts)), 1)
     if o.status != "passed":
         phase["failures"] = [_rank_failure(r, recs.get(r, {}), o.hangs.get(r), o.stacks.get(r))
                              for r in sorted(set(ranks) | set(o.hangs))]
@@ -146,7 +158,9 @@ def format_report(r: dict[str, Any], verbose: bool = True) -> str:
     if r.get("cannot"):
         out.append(f"CANNOT REHEARSE: {r['cannot']}")
     for p in r["phases"]:
-        out.append(f"--- {p['label']}: {p['status']} in {p['seconds']} s (exit codes {p['returncodes']})")
+        out.append(f"--- {p['label']}: {p['status']} in {p['seconds']} s (exit codes {p['returncodes']})"
+                   + (f"; failed {p['seconds_to_failure']} s after training started" if "seconds_to_failure" in p
+                      else ""))
         if p.get("mode"):
             par = "FSDP" if p["fsdp"] else (f"DeepSpeed ZeRO-{p['zero_stage']}" if p["zero_stage"] is not None else
                                              p["mode"])

@@ -217,7 +217,7 @@ def _shrink_node(cfg: Any, path: str, lines: list[str]) -> tuple[int | None, int
                 lines[-1] += f" ({'; '.join(why)})"
             types = getattr(cfg, "layer_types", None)
             if isinstance(types, list | tuple) and len(types) == n:
-                setattr(cfg, "layer_types", list(types)[:need])
+                cfg.layer_types = list(types)[:need]
             for key, idx in lists.items():
                 if _is_periodic(idx) or len(idx) == 1:
                     new = [i for i in idx if i < need]
