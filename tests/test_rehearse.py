@@ -266,7 +266,7 @@ def test_fsdp_vlm_with_a_text_only_rank_stock_names_the_mismatch_and_hf_ddpfix_p
     assert set(failures) == {0, 1}, text[-3000:]
     for f in failures.values():  # both ranks: the collective, both fingerprints, and the model frame
         assert f["kind"] == "error" and "mismatch between collectives" in f["error"], f
-        assert set(f["mismatch"]["fingerprints"]) == {0, 1}
+        assert set(f["mismatch"]["fingerprints"]) == {"0", "1"}  # JSON keys
         assert any("modeling_qwen2_5_vl.py" in fr for fr in f["frames"]), f
     assert "Detected mismatch" in text and "rank 1 collective" in text
     code, fixed, text, _ = done["fixed"]

@@ -409,7 +409,8 @@ def _rehearsal_callback(trainer: Any) -> Any:
             acc = getattr(trainer, "accelerator", None)
             mode = str(getattr(getattr(acc, "state", None), "distributed_type", "?")).split(".")[-1]
             inner = unwrap_model(trainer.model)
-            trainable = [(n, tuple(p.shape)) for n, p in inner.named_parameters() if p.requires_grad]
+            trainable = [(n, tuple(getattr(p, "ds_shape", p.shape)))  # ZeRO-3 partitions: ds_shape is the whole
+                         for n, p in inner.named_parameters() if p.requires_grad]
             units = 0
             try:
                 from torch.distributed.fsdp import FSDPModule
