@@ -208,7 +208,7 @@ def test_the_fsdp_device_has_one_home():
     from hf_ddpfix.rehearse import device_dir
 
     assert FSDP_DEVICE == device_dir() and (device_dir() / "sitecustomize.py").is_file()
-    assert not (ROOT / "tests" / "fsdp_device").exists()
+    assert not (ROOT / "tests" / "fsdp_device" / "sitecustomize.py").exists()
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -261,7 +261,7 @@ def test_fsdp_vlm_with_a_text_only_rank_stock_names_the_mismatch_and_hf_ddpfix_p
     assert code == 1 and stock["status"] == "failed", text[-4000:]
     phase = stock["phases"][0]
     assert phase["fsdp"] and phase["hf_ddpfix"] is False, text[-3000:]
-    assert phase["seconds_to_failure"] < 60, phase  # from the first training step; the wall time includes start-up
+    assert phase.get("seconds_to_failure", 1e9) < 60, phase  # from the first training step; the wall time includes start-up
     failures = {f["rank"]: f for f in phase["failures"]}
     assert set(failures) == {0, 1}, text[-3000:]
     for f in failures.values():  # both ranks: the collective, both fingerprints, and the model frame

@@ -165,8 +165,9 @@ def format_report(r: dict[str, Any], verbose: bool = True) -> str:
             par = "FSDP" if p["fsdp"] else (f"DeepSpeed ZeRO-{p['zero_stage']}" if p["zero_stage"] is not None else
                                              p["mode"])
             units = f", {p['fsdp_units']} FSDP units" if p.get("fsdp") else ""
-            out.append(f"ran:       {p['trainer']} on {p['model']} ({par}{units}), trainable "
-                       f"{(p['trainable_params'] or 0) / 1e6:.2f} M (shrunk); steps per rank {p['steps']}"
+            shrunk = " of the shrunk model" if any(m.get("shrunk") for m in p["models"]) else ""
+            out.append(f"ran:       {p['trainer']} on {p['model']} ({par}{units}), {p['trainable_params'] or 0:,} "
+                       f"trainable parameters{shrunk}; steps per rank {p['steps']}"
                        + ("; evaluated" if p["evaluated"] else "") + ("; predicted" if p["predicted"] else "")
                        + (f"; saved {p['saved'][0]}" if p["saved"] else "")
                        + (f"; resumed from {p['resumed_from']}" if p.get("resumed_from") else ""))
