@@ -450,7 +450,9 @@ def _rehearsal_callback(trainer: Any) -> Any:
             note("features", counters)
             sharded = bool(getattr(trainer, "is_fsdp_enabled", False)) or (
                 _record.get("train", {}).get("zero_stage") == 3)
-            if sharded:
+            if args.world_size <= 1:
+                note("replicas", "one process: nothing to compare")
+            elif sharded:
                 note("replicas", "sharded (FSDP / ZeRO-3 keep one copy of each parameter): nothing to compare")
             elif model is not None:
                 from ..callbacks import ReplicaSyncCallback

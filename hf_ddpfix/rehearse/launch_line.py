@@ -284,7 +284,9 @@ def parse_launch_line(line: list[str] | str) -> LaunchSpec:
         if rest and not rest[0].startswith("-"):
             script = _script_mode(rest[1:])
             return LaunchSpec("python", [], rest[0], False, rest[1:], 1, 1, script[0] if script else "single",
-                              script[1] if script else "python (one process)")
+                              script[1] if script else "python (one process)",
+                              notes=["one process: no collective is rehearsed; --nproc N runs the script as N ranks "
+                                     "under torch.distributed.run"])
         raise LaunchLineError(f"python {' '.join(rest[:1])}: expected `python script.py` or `python -m module`")
     raise LaunchLineError(f"{tokens[0]!r}: not a launcher the rehearsal understands; use accelerate launch, torchrun, "
                           "python -m torch.distributed.run, deepspeed or python")
