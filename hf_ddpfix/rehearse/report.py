@@ -202,7 +202,10 @@ def format_report(r: dict[str, Any], verbose: bool = True) -> str:
                 for rank, fp in sorted(f["mismatch"]["fingerprints"].items()):
                     out.append(f"    rank {rank} collective: {fp[:220]}")
             if f.get("collective"):
-                out.append(f"    in collective: {f['collective']} (torch.distributed), from these frames (innermost last):")
+                issued = f.get("issued_at") or "?"
+                by = f" issued in {issued}" if not any(w in issued for w in ("_contextlib", "contextlib.py", "?")) else ""
+                out.append(f"    in collective: {f['collective']} (torch.distributed){by}; model/script frames "
+                           "(innermost last):")
             out += [f"    frame: {fr}" for fr in f.get("frames", [])]
         if p.get("log_tail") and verbose:
             out.append("output tail:")
