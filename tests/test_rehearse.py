@@ -249,8 +249,11 @@ def test_fsdp_vlm_with_a_text_only_rank_stock_names_the_mismatch_and_hf_ddpfix_p
             "--output-dir", str(tmp_path / "user-out"), "--eval-size", "8"]
     runs = [_start(tmp_path, "stock", ["--stock", "--skew"], line), _start(tmp_path, "fixed", ["--skew"], line),
             _start(tmp_path, "hang", ["--hang-timeout", "5"], ["torchrun", "--nproc_per_node=2",
-                                                              "tests/scripts/rehearse_hang.py"])]
+                                                              "tests/scripts/rehearse_hang.py"]),
+            _start(tmp_path, "cannot", [], ["torchrun", "--nproc_per_node=2", "tests/scripts/rehearse_offline_tokenizer.py"])]
     done = _finish(runs, timeout=420)
+    code, cannot, text, _ = done["cannot"]  # a step that cannot run here is named, exit 2
+    assert code == 2 and cannot["status"] == "cannot" and "step 'load the tokenizer'" in cannot["cannot"], text[-2000:]
     code, hang, text, _ = done["hang"]  # a hang ends in seconds, both ranks' frames named
     assert code == 1 and hang["status"] == "hang" and hang["phases"][0]["seconds"] < 120, text[-3000:]
     by_rank = {f["rank"]: f for f in hang["phases"][0]["failures"]}

@@ -287,6 +287,30 @@ def _patch_peft(module: Any) -> None:
     cls.from_pretrained = classmethod(from_pretrained)
 
 
+def _named_step(step: str) -> Any:
+    """A ``from_pretrained`` wrapper that names ``step`` when loading fails (e.g. a Hub id offline)."""
+
+    def wrapper(inner: Any, cls: Any, name: Any, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return inner(cls, name, *args, **kwargs)
+        except (OSError, ValueError) as e:
+            raise RehearsalStepError(
+                f"rehearse, step '{step}' ({cls.__name__}.from_pretrained({name!r})): {type(e).__name__}: "
+                f"{str(e)[:300]}. The rehearsal loads tokenizers and processors as the script asks (they are small): "
+                "run it where the Hub is reachable once (the files are cached), or point the script at a local "
+                "copy.") from e
+
+    return wrapper
+
+
+def _patch_tokenizer_auto(module: Any) -> None:
+    _wrap_classmethod(module.AutoTokenizer, "from_pretrained", _named_step("load the tokenizer"))
+
+
+def _patch_processor_auto(module: Any) -> None:
+    _wrap_classmethod(module.AutoProcessor, "from_pretrained", _named_step("load the processor"))
+
+
 # --------------------------------------------------------------------------------------------------
 # TrainingArguments and Trainer
 # --------------------------------------------------------------------------------------------------
@@ -596,7 +620,9 @@ def install() -> None:
                              "transformers.models.auto.auto_factory": _patch_auto,
                              "transformers.training_args": _patch_training_args,
                              "transformers.trainer": _patch_trainer, "peft.peft_model": _patch_peft,
-                             "torch.nn.parallel.distributed": _patch_ddp}
+                             "torch.nn.parallel.distributed": _patch_ddp,
+                             "transformers.models.auto.tokenization_auto": _patch_tokenizer_auto,
+                             "transformers.models.auto.processing_auto": _patch_processor_auto}
     if _env("STOCK") == "1":
         hooks["hf_ddpfix.trainer"] = _patch_hf_ddpfix_trainer
     for name in list(hooks):
