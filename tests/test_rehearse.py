@@ -170,6 +170,19 @@ def test_skewed_batch_is_text_only_and_shorter_but_keeps_labels():
     assert skew_batch(prompt_only, {1}, 0)["input_ids"].shape == (1, 10)  # nothing to score in the last half
 
 
+def test_the_report_reads_both_ranks_fingerprints_from_torchs_mismatch_message():
+    from hf_ddpfix.rehearse.report import _mismatch
+
+    msg = ("Detected mismatch between collectives on ranks. Rank 0 is running collective: CollectiveFingerPrint("
+           "SequenceNumber=24, OpType=ALLGATHER, TensorShape=[1, 2], TensorDtypes=Long, TensorDeviceTypes=TensorOptions("
+           "dtype=float (default), device=cpu)), but Rank 1 is running collective: CollectiveFingerPrint(SequenceNumber="
+           "24, OpType=ALLGATHER, TensorShape=[8, 14], TensorDtypes=Long, TensorDeviceTypes=TensorOptions(...)")
+    assert _mismatch(msg)["fingerprints"] == {
+        0: "SequenceNumber=24, OpType=ALLGATHER, TensorShape=[1, 2], TensorDtypes=Long",
+        1: "SequenceNumber=24, OpType=ALLGATHER, TensorShape=[8, 14], TensorDtypes=Long"}
+    assert _mismatch("RuntimeError: something else") is None
+
+
 def test_memory_projection_of_the_real_model_shards_by_world_size():
     from hf_ddpfix.rehearse.memory import project_memory
 

@@ -18,7 +18,7 @@ _MISMATCH = re.compile(r"Detected mismatch between collectives on ranks\.[^\n]*"
 _FINGERPRINT = re.compile(r"Rank (\d+) is running collective: CollectiveFingerPrint\((.*?)TensorDeviceTypes")
 _CUDA = re.compile(r"Torch not compiled with CUDA|No CUDA GPUs are available|Found no NVIDIA driver|CUDA driver|"
                    r"requires a GPU|only supported on CUDA|Cannot access accelerator device|nccl", re.IGNORECASE)
-_FIELDS = re.compile(r"(SequenceNumber|OpType|TensorShape|TensorDtypes)=([^,]*(?:\[[^\]]*\])?[^,]*)")
+_FIELDS = re.compile(r"(SequenceNumber|OpType|TensorShape|TensorDtypes)=(\[[^\]]*\]|[^,]*)")
 
 
 def _short(path: str) -> str:
