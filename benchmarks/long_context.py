@@ -54,8 +54,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 RESULTS = Path(__file__).resolve().parent / "results"
 KIB, GIB = 1 << 10, 1 << 30
 LADDER = [16384, 32768, 49152, 65536, 98304, 131072, 196608, 262144, 393216, 524288, 655360]
-MODES = ["stock", "offload_tiled", "+rms_norm", "+attention", "+tiled_layer", "hf_ddpfix"]
+MODES = ["stock", "offload_tiled", "+rms_norm", "+attention", "+tiled_layer", "hf_ddpfix", "auto"]
 LLAMA_8B = dict(hidden=4096, intermediate=14336, heads=32, kv_heads=8, layers=32, vocab=128256, lora_r=16)
+# Qwen3-8B (its public config.json: hidden 4096, intermediate 12288, 36 layers, 32 heads of 128, 8 KV heads)
+QWEN3_8B = dict(hidden=4096, intermediate=12288, heads=32, kv_heads=8, layers=36, vocab=151936, lora_r=16, head_dim=128)
+FAMILIES = {"llama": LLAMA_8B, "qwen3": QWEN3_8B}
 
 
 def _env() -> dict[str, Any]:
@@ -193,12 +196,18 @@ def write_ledger(res: dict[str, Any], stem: Path) -> None:
 # ------------------------------------------------------------------------------------------------ GPU
 
 
-def _trial(mode: str, seq: int, steps: int, host_gib: float, tiny: bool = False) -> dict[str, Any]:
-    """One trial in this process: a LoRA Llama trained ``steps`` steps at ``seq`` tokens **through the
-    Trainer** (``transformers.Trainer`` for ``stock``, ``DDPFixTrainer`` with the mode's options otherwise).
+def _trial(mode: str, seq: int, steps: int, host_gib: float, tiny: bool = False, family: str = "llama",
+           cap_gib: float | None = None, profile: str | None = None) -> dict[str, Any]:
+    """One trial in this process: a LoRA Llama-8B (or Qwen3-8B: ``family``) trained ``steps`` steps at ``seq``
+    tokens **through the Trainer** (``transformers.Trainer`` for ``stock``, ``DDPFixTrainer`` with the mode's
+    options otherwise; ``auto``: every memory option ``auto``, so features run only where the memory plan needs
+    them).
 
     ``tiny``: a 2-layer toy shape on the CPU (a smoke test of this code path; no timing meaning; on CPU the
-    plan turns the offload off, which the result's ``feature_counts`` shows).
+    plan turns the offload off, which the result's ``feature_counts`` shows). ``cap_gib``: the process may
+    allocate at most this much of the GPU (``torch.cuda.set_per_process_memory_fraction``: an 80 GB GPU on a
+    larger one). ``profile``: a directory; the last step is recorded with ``torch.profiler`` (Chrome trace
+    ``<mode>_<seq>.json``) and the result carries the 15 ops with the most device time.
     """
     from peft import LoraConfig, get_peft_model
     from transformers import LlamaConfig, LlamaForCausalLM, Trainer, TrainerCallback, TrainingArguments
@@ -209,22 +218,32 @@ def _trial(mode: str, seq: int, steps: int, host_gib: float, tiny: bool = False)
 
     cuda = torch.cuda.is_available() and not tiny
     dev = torch.device("cuda" if cuda else "cpu")
-    m = dict(LLAMA_8B) if not tiny else dict(hidden=64, intermediate=160, heads=8, kv_heads=2, layers=2, vocab=256,
-                                               lora_r=4)
-    cfg = LlamaConfig(hidden_size=m["hidden"], intermediate_size=m["intermediate"], num_attention_heads=m["heads"],
-                      num_key_value_heads=m["kv_heads"], num_hidden_layers=m["layers"], vocab_size=m["vocab"],
-                      max_position_embeddings=max(seq, 8192), attn_implementation="sdpa", use_cache=False)
+    m = dict(FAMILIES[family]) if not tiny else dict(hidden=64, intermediate=160, heads=8, kv_heads=2, layers=2,
+                                                      vocab=256, lora_r=4)
+    common = dict(hidden_size=m["hidden"], intermediate_size=m["intermediate"], num_attention_heads=m["heads"],
+                  num_key_value_heads=m["kv_heads"], num_hidden_layers=m["layers"], vocab_size=m["vocab"],
+                  max_position_embeddings=max(seq, 8192), attn_implementation="sdpa", use_cache=False)
+    if family == "qwen3":
+        from transformers import Qwen3Config, Qwen3ForCausalLM
+
+        cfg, model_cls = Qwen3Config(**common, head_dim=m.get("head_dim", m["hidden"] // m["heads"])), Qwen3ForCausalLM
+    else:
+        cfg, model_cls = LlamaConfig(**common), LlamaForCausalLM
+    if cuda and cap_gib:
+        torch.cuda.set_per_process_memory_fraction(min(1.0, cap_gib * GIB / torch.cuda.get_device_properties(dev).total_memory))
     torch.manual_seed(0)
     old = torch.get_default_dtype()
     torch.set_default_dtype(torch.bfloat16)
     with dev:
-        model = LlamaForCausalLM(cfg)
+        model = model_cls(cfg)
     torch.set_default_dtype(old)
     model = get_peft_model(model, LoraConfig(r=m["lora_r"], lora_alpha=2 * m["lora_r"], target_modules="all-linear"))
-    info: dict[str, Any] = {"mode": mode, "seq": seq, "via": "Trainer"}
+    info: dict[str, Any] = {"mode": mode, "seq": seq, "via": "Trainer", "family": family, "cap_gib": cap_gib}
     feature_counts.reset()
-    if mode != "stock":
+    if mode not in ("stock", "auto"):
         total = torch.cuda.get_device_properties(dev).total_memory if cuda else 64 * GIB
+        if cuda and cap_gib:
+            total = min(total, int(cap_gib * GIB))
         used = torch.cuda.memory_allocated(dev) if cuda else sum(p.numel() * p.element_size() for p in model.parameters())
         budget = plan_offload_budget(layers=m["layers"], tokens=seq, layer_bytes=seq * m["hidden"] * 2,
                                      device_budget_bytes=int(0.97 * total), host_budget_bytes=int(host_gib * GIB),
@@ -257,10 +276,17 @@ def _trial(mode: str, seq: int, steps: int, host_gib: float, tiny: bool = False)
             if cuda:
                 torch.cuda.synchronize(dev)
             times.append(time.perf_counter() - seen["t0"])
+            if profile and state.global_step == steps - 1:  # record the last step
+                seen["prof"] = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU] + (
+                    [torch.profiler.ProfilerActivity.CUDA] if cuda else []))
+                seen["prof"].__enter__()
 
     kwargs: dict[str, Any] = dict(model=model, args=args, train_dataset=data, callbacks=[_Clock()])
     if mode == "stock":
         trainer = Trainer(**kwargs)
+    elif mode == "auto":
+        trainer = DDPFixTrainer(**kwargs, ddpfix_config=DDPFixConfig(
+            offload_activations="auto", tiled_mlp="auto", tiled_loss="auto", long_context="auto"))
     else:
         trainer = DDPFixTrainer(**kwargs, ddpfix_config=DDPFixConfig(
             offload_activations=True, offload_min_layer_mib=0, tiled_mlp="auto", tiled_loss="on", long_context=feats))
@@ -269,6 +295,14 @@ def _trial(mode: str, seq: int, steps: int, host_gib: float, tiny: bool = False)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", FutureWarning)
         out = trainer.train()
+    if seen.get("prof") is not None:
+        prof = seen.pop("prof")
+        prof.__exit__(None, None, None)
+        Path(profile).mkdir(parents=True, exist_ok=True)
+        prof.export_chrome_trace(str(Path(profile) / f"{family}_{mode}_{seq}.json"))
+        key = "self_device_time_total" if cuda else "self_cpu_time_total"
+        ops = sorted(prof.key_averages(), key=lambda e: getattr(e, key, 0), reverse=True)[:15]
+        info["profile_top_ops_ms"] = {e.key: round(getattr(e, key, 0) / 1000, 2) for e in ops}
     timed = sorted(times[1:] or times)
     info.update(ok=True, step_s=round(timed[len(timed) // 2], 3), loss=float(out.training_loss),
                 peak_gib=round(torch.cuda.max_memory_allocated(dev) / GIB, 2) if cuda else None)
@@ -383,11 +417,15 @@ def main() -> None:
     ap.add_argument("--seqs", default="")
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--trial-timeout", type=float, default=1800)
+    ap.add_argument("--family", choices=sorted(FAMILIES), default="llama", help="trial: the 8B shape")
+    ap.add_argument("--cap-gib", type=float, default=None, help="trial: cap the GPU memory this process may use")
+    ap.add_argument("--profile", default=None, help="trial: write a torch.profiler trace of the last step here")
     ap.add_argument("--out", default=None)
     ap.add_argument("--png", default=None)
     args = ap.parse_args()
     if args.trial or args.tiny_trial:
-        print("TRIAL " + json.dumps(_trial(args.mode, args.seq, args.steps, args.host_gib, tiny=args.tiny_trial)),
+        print("TRIAL " + json.dumps(_trial(args.mode, args.seq, args.steps, args.host_gib, tiny=args.tiny_trial,
+                                           family=args.family, cap_gib=args.cap_gib, profile=args.profile)),
               flush=True)
         return
     if args.gpu:

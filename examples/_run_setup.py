@@ -29,6 +29,16 @@ def setup_of(args) -> dict:
     return {"model": model, "base": "4bit-nf4" if args.qlora else "full", "lora_r": args.lora_r, "launch": launch}
 
 
+def refuse(message: str) -> None:
+    """Stop the run with ``message``: `SystemExit` (the message on stderr, exit status 1), and under torchrun /
+    `accelerate launch` the message as the launcher's "Root Cause", so it is the last thing printed."""
+    from hf_ddpfix import report_to_launcher
+
+    error = SystemExit(message)
+    report_to_launcher(error)
+    raise error
+
+
 def output_dir_for(args) -> str:
     """`--output-dir`, or `outputs/qwen_vl_lora/<set-up>` when it is not given, so runs of different set-ups
     never share checkpoints (a `--resume` after a `--qlora` run in one folder failed with a size mismatch).
@@ -44,7 +54,7 @@ def output_dir_for(args) -> str:
             before = json.load(f)
         if before != setup:
             diff = ", ".join(f"{k}: {before.get(k)!r} there, {v!r} now" for k, v in setup.items() if before.get(k) != v)
-            raise SystemExit(f"--output-dir {args.output_dir} holds a run of another set-up ({diff}); its "
+            refuse(f"--output-dir {args.output_dir} holds a run of another set-up ({diff}); its "
                              "checkpoints and adapter do not fit this model (e.g. a --qlora run's base has hidden "
                              "size 128, the LoRA base 96: a size mismatch at --resume). Give another --output-dir, or "
                              "leave it out: each set-up gets its own folder under outputs/qwen_vl_lora/.")
@@ -102,3 +112,34 @@ def quiet_repeated_upstream_warnings() -> None:
         show(message, category, filename, lineno, file, line)
 
     warnings.showwarning = show_once
+
+
+class _DropMessage:
+    """A `logging` filter dropping the records whose message starts with `prefix` (one known line, nothing else)."""
+
+    def __init__(self, prefix: str) -> None:
+        self.prefix = prefix
+
+    def filter(self, record) -> bool:
+        return not str(record.msg).startswith(self.prefix)
+
+
+def quiet_known_upstream_notices() -> None:
+    """Keep two upstream start-up lines out of a CPU run, each harmless by construction (docs/examples.md,
+    "What a first run prints"); call it before peft / transformers / deepspeed are imported.
+
+    - bitsandbytes 0.50 (imported by peft whenever it is installed) logs "Failed to load CPU gemm_4bit_forward
+      from kernels-community ..." when the optional `kernels` package is missing: its own CPU kernel is used
+      then. Only that message of that logger is dropped.
+    - DeepSpeed (imported by accelerate's `unwrap_model` whenever it is installed, also in plain DDP) warns
+      "Setting accelerator to CPU" when it detects no accelerator. Without an accelerator `DS_ACCELERATOR=cpu`
+      names the accelerator it would pick itself, so it does not warn; a value already set is kept.
+    """
+    import logging
+
+    logging.getLogger("bitsandbytes.backends.cpu.ops").addFilter(
+        _DropMessage("Failed to load CPU gemm_4bit_forward from kernels-community"))
+    import torch
+
+    if not torch.accelerator.is_available():
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")

@@ -38,7 +38,7 @@ import torch
 from peft import LoraConfig, get_peft_model
 from transformers import LlamaConfig, LlamaForCausalLM, TrainingArguments
 
-from hf_ddpfix import DDPFixConfig, DDPFixTrainer
+from hf_ddpfix import DDPFixConfig, DDPFixTrainer, checkpointing_training_args
 from hf_ddpfix.ops.dist import destroy_default_group
 from hf_ddpfix.ops.offload.budget import plan_offload_budget
 from hf_ddpfix.ops.offload.host_pool import default_max_bytes
@@ -70,7 +70,9 @@ def build(args: argparse.Namespace) -> torch.nn.Module:
                 model = LlamaForCausalLM(cfg)
         finally:
             torch.set_default_dtype(old)
-    return get_peft_model(model, LoraConfig(r=16, lora_alpha=32, target_modules="all-linear"))
+    with warnings.catch_warnings():  # peft 0.21 reads transformers 5.23's deprecated `is_gradient_checkpointing`
+        warnings.filterwarnings("ignore", message="`is_gradient_checkpointing` is deprecated", category=FutureWarning)
+        return get_peft_model(model, LoraConfig(r=16, lora_alpha=32, target_modules="all-linear"))
 
 
 def preflight(model: torch.nn.Module, args: argparse.Namespace) -> None:
@@ -110,10 +112,12 @@ def main() -> None:
     training_args = TrainingArguments(
         args.output_dir, max_steps=args.max_steps, per_device_train_batch_size=1, learning_rate=1e-4,
         weight_decay=0.01, max_grad_norm=1.0, bf16=torch.cuda.is_available(), use_cpu=not torch.cuda.is_available(),
-        gradient_checkpointing=True, gradient_checkpointing_kwargs={"use_reentrant": False},
+        **checkpointing_training_args(True, {"use_reentrant": False}),  # the switch's name on this transformers
         logging_steps=1, save_strategy="no", report_to=[],
     )
-    config = DDPFixConfig(offload_activations=True, tiled_loss="on", long_context="all")
+    # offload only where there is device memory to free (on the CPU it is a no-op the plan would warn about)
+    config = DDPFixConfig(offload_activations=torch.accelerator.is_available() or None, tiled_loss="on",
+                          long_context="all")
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", FutureWarning)
         trainer = DDPFixTrainer(model=model, args=training_args, train_dataset=data, ddpfix_config=config)

@@ -2,10 +2,11 @@
 
 The default run is fully offline: a tiny random-weight Qwen2.5-VL learns to caption PIL-drawn shapes
 ("a red circle") while also learning a text-only task ("count from three : four five six"), with LoRA
-on every linear layer (vision tower included) and reentrant activation checkpointing. Under stock
-DDP that combination fails: reentrant checkpointing + LoRA raises "Expected to mark a variable ready
-only once", and a step where no rank sees an image leaves the vision LoRA unused. `patch_trainer()`
-plans around both (its plan is printed at the start). Pass `--no-fix` to see the stock failure.
+on every linear layer (vision tower included) and non-reentrant activation checkpointing. A step where
+no rank sees an image leaves the vision LoRA unused; `patch_trainer()` plans around it (its plan is printed
+at the start). Demonstration: `--checkpointing reentrant` asks for the combination stock DDP + LoRA breaks
+on ("Expected to mark a variable ready only once"): hf_ddpfix corrects it (the plan says so), and adding
+`--no-fix` shows the stock failure.
 The default run takes about a minute on 2 CPU cores and reaches ~0.97 caption accuracy (chance 0.29).
 
 Run it:
@@ -55,6 +56,7 @@ import dataclasses
 import json
 import os
 import sys
+import warnings
 
 import numpy as np
 import torch
@@ -62,7 +64,16 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # for _offline_vlm when run as a script
 
 import _offline_vlm as offline  # noqa: E402
-from _run_setup import output_dir_for, quiet_repeated_upstream_warnings, record_setup, saved_base  # noqa: E402
+from _run_setup import (  # noqa: E402
+    output_dir_for,
+    quiet_known_upstream_notices,
+    quiet_repeated_upstream_warnings,
+    record_setup,
+    refuse,
+    saved_base,
+)
+
+quiet_known_upstream_notices()  # before peft / deepspeed are imported (docs/examples.md: what a run prints)
 
 from hf_ddpfix import checkpointing_training_args  # noqa: E402  (importing hf_ddpfix patches nothing)
 
@@ -101,10 +112,12 @@ def parse_args(argv=None):
     p.add_argument("--eval-steps", type=int, default=0)  # 0: evaluate only at the end (keeps CPU runs short)
     p.add_argument("--train-size", type=int, default=2000)  # synthetic samples; fresh images, ~2 epochs
     p.add_argument("--eval-size", type=int, default=120)  # held-out samples (synthetic or --dataset rows)
-    p.add_argument("--checkpointing", choices=["off", "reentrant", "non_reentrant"], default="reentrant",
-                   help="activation checkpointing; default reentrant: the combo stock DDP + LoRA breaks on")
+    p.add_argument("--checkpointing", choices=["off", "non_reentrant", "reentrant"], default="non_reentrant",
+                   help="activation checkpointing (default non_reentrant); reentrant is the demonstration: the "
+                        "combination stock DDP + LoRA breaks on, which hf_ddpfix corrects (--no-fix: the failure)")
     p.add_argument("--resume", action="store_true", help="continue from the last checkpoint in --output-dir")
-    p.add_argument("--no-fix", action="store_true", help="stock Trainer (no patch_trainer): shows the failure")
+    p.add_argument("--no-fix", action="store_true",
+                   help="stock Trainer (no patch_trainer); with --checkpointing reentrant: the stock failure")
     p.add_argument("--qlora", action="store_true",
                    help="QLoRA: 4-bit NF4 base (bitsandbytes) + LoRA; DDP configs (ddp_cpu.yaml, ddp.yaml)")
     # hf_ddpfix's memory features (each also settable by its HF_DDPFIX_* environment variable)
@@ -277,7 +290,7 @@ def build_hub_data(args):
     ds = load_dataset(args.dataset, split=args.dataset_split)
     missing = {"image", "text"} - set(ds.column_names)
     if missing:
-        raise SystemExit(f"--dataset needs columns image and text; {args.dataset} lacks {sorted(missing)}")
+        refuse(f"--dataset needs columns image and text; {args.dataset} lacks {sorted(missing)}")
     split = ds.train_test_split(test_size=args.eval_size, seed=args.seed)
     return HubRows(split["train"]), HubRows(split["test"])
 
@@ -306,7 +319,7 @@ def main(argv=None) -> dict:
     quiet_repeated_upstream_warnings()
     args.output_dir = output_dir_for(args)
     if args.dataset and not args.model:
-        raise SystemExit("--dataset needs --model: the offline tokenizer only knows the synthetic vocabulary")
+        refuse("--dataset needs --model: the offline tokenizer only knows the synthetic vocabulary")
     if not args.no_fix:
         from hf_ddpfix import patch_trainer
 
@@ -339,8 +352,13 @@ def main(argv=None) -> dict:
     torch.manual_seed(args.seed)
     lora = LoraConfig(r=args.lora_r, lora_alpha=2 * args.lora_r,  # alpha = 2r: the usual LoRA scale of 2
                       lora_dropout=0.0, target_modules=LORA_TARGETS)  # no dropout: short runs, no overfitting
-    model = get_peft_model(model, lora)
-    model.config.use_cache = False  # no KV cache in training (and checkpointing would turn it off anyway)
+    with warnings.catch_warnings():  # peft 0.21 reads transformers 5.23's deprecated `is_gradient_checkpointing`
+        warnings.filterwarnings("ignore", message="`is_gradient_checkpointing` is deprecated", category=FutureWarning)
+        model = get_peft_model(model, lora)
+    # no KV cache in training (checkpointing turns it off anyway, saying so): on every (sub-)config, as the
+    # language model reads its own text_config
+    for config in {id(c): c for c in (model.config, getattr(model.config, "text_config", None)) if c}.values():
+        config.use_cache = False
     if rank0():
         model.print_trainable_parameters()
 
@@ -384,7 +402,7 @@ def main(argv=None) -> dict:
 
     if os.environ.get("ACCELERATE_USE_FSDP", "").lower() == "true" and not trainer.is_fsdp_enabled:
         # accelerate 1.15 turns a CPU launch into plain DDP (MULTI_CPU is never promoted to FSDP): say so
-        raise SystemExit("FSDP needs an accelerator: this launch asks for FSDP (accelerate_configs/fsdp.yaml), but "
+        refuse("FSDP needs an accelerator: this launch asks for FSDP (accelerate_configs/fsdp.yaml), but "
                          "accelerate chose plain DDP (on a machine without an accelerator it never runs FSDP). On "
                          "the CPU use ddp_cpu.yaml, zero2.yaml or zero3.yaml (the test suite runs this launch "
                          "through its FSDP test device: docs/fsdp.md).")

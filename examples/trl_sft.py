@@ -8,7 +8,8 @@ Stock (fails under DDP; works as a single process):
     torchrun --nproc_per_node=2 examples/trl_sft.py
 With hf_ddpfix, unchanged script, every Trainer in the process patched by `patches/sitecustomize.py`:
     PYTHONPATH=patches torchrun --nproc_per_node=2 examples/trl_sft.py
-CPU only: both commands run as 2 gloo processes (`use_cpu=True` below); on GPUs drop `--cpu`.
+Without CUDA both commands run as 2 gloo CPU processes (`--cpu`, on by default there); with GPUs they use
+them, nothing to change.
 
 `--dump-weights DIR` writes each rank's trainable weights to DIR/rank{R}.pt (used by tests/test_patches.py).
 """

@@ -223,6 +223,8 @@ class ModelInfo:
     is_moe: bool
     vlm_adapter: str | None = None
     zero_vlm_adapter: str | None = None  # the adapter under DeepSpeed ZeRO (LLaVA / Gemma 3 too: families docstring)
+    default_config: bool = False  # built from a class / model type name with its default sizes (no file, no hub id)
+    dtype: str = "float32"  # the parameters' dtype of the meta model
 
 
 def load_config(spec: str, config_kwargs: Mapping[str, Any] | None = None) -> Any:
@@ -260,8 +262,39 @@ def load_config(spec: str, config_kwargs: Mapping[str, Any] | None = None) -> An
                          "or the size with --params (e.g. --params 7e9)") from e
 
 
-def _meta_model(config: Any) -> Any:
+def is_default_config(spec: str) -> bool:
+    """True when :func:`load_config` reads ``spec`` as a config class or model type name: the class's default
+    sizes (``qwen2_5_vl`` is a 75.8 B-parameter default), not a user's model."""
+    import transformers
+    from transformers import CONFIG_MAPPING
+
+    if os.path.exists(spec):
+        return False
+    return (spec.endswith("Config") and isinstance(getattr(transformers, spec, None), type)) or spec in CONFIG_MAPPING
+
+
+def build_meta_model(spec: str, config_kwargs: Mapping[str, Any] | None = None, dtype: str | None = None) -> Any:
+    """``(config, model)``: ``spec``'s config (:func:`load_config`) and its model built on the meta device, with
+    parameters in ``dtype`` (``"float32"``, ``"bfloat16"``, ``"float16"``; ``None`` / ``"auto"``: the config's own
+    ``dtype`` when it names one, else float32, as ``from_pretrained(dtype="auto")`` loads it)."""
+    config = load_config(spec, config_kwargs)
+    return config, _meta_model(config, _dtype(config, dtype))
+
+
+def _dtype(config: Any, dtype: str | None) -> Any:
     import torch
+
+    if dtype in (None, "auto"):
+        own = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
+        dtype = str(own).replace("torch.", "") if own is not None else "float32"
+    if dtype not in ("float32", "bfloat16", "float16"):
+        raise ValueError(f"dtype: expected auto, float32, bfloat16 or float16, got {dtype!r}")
+    return getattr(torch, dtype)
+
+
+def _meta_model(config: Any, dtype: Any = None) -> Any:
+    import torch
+    import transformers
     from transformers import AutoModel, AutoModelForCausalLM
 
     classes: list[Any] = [AutoModelForCausalLM]
@@ -271,12 +304,24 @@ def _meta_model(config: Any) -> Any:
         classes.insert(0 if getattr(config, "vision_config", None) is not None else 1, AutoModelForImageTextToText)
     except ImportError:  # pragma: no cover - older transformers
         pass
+    if getattr(config, "is_encoder_decoder", False):
+        classes.insert(0, transformers.AutoModelForSeq2SeqLM)
+    # a checkpoint's config.json names the class it was saved from: the model users load
+    named = [getattr(transformers, a, None) for a in (getattr(config, "architectures", None) or [])]
+    classes = [c for c in named if isinstance(c, type)] + classes
     classes.append(AutoModel)
     last: Exception | None = None
     for cls in classes:
         try:
             with torch.device("meta"):
-                return cls.from_config(config)
+                if hasattr(cls, "from_config"):  # an auto class
+                    return cls.from_config(config, **({"dtype": dtype} if dtype is not None else {}))
+                default = torch.get_default_dtype()  # a model class: built in the default dtype
+                torch.set_default_dtype(dtype or default)
+                try:
+                    return cls(config)
+                finally:
+                    torch.set_default_dtype(default)
         except Exception as e:  # noqa: BLE001 - try the next auto class
             last = e
     raise ValueError(f"cannot build {type(config).__name__} on the meta device: {last}; pass --params instead")
@@ -284,8 +329,12 @@ def _meta_model(config: Any) -> Any:
 
 def describe_model(spec: str, config_kwargs: Mapping[str, Any] | None = None) -> ModelInfo:
     """Parameter count and shape of the model `spec` names, built on the meta device (no memory)."""
-    config = load_config(spec, config_kwargs)
-    model = _meta_model(config)
+    config, model = build_meta_model(spec, config_kwargs, "float32")
+    return describe_built(spec, config, model)
+
+
+def describe_built(spec: str, config: Any, model: Any) -> ModelInfo:
+    """:class:`ModelInfo` of a model built from ``config`` (:func:`build_meta_model`)."""
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
     is_vlm = getattr(config, "vision_config", None) is not None
     adapter = zero_adapter = None
@@ -309,6 +358,9 @@ def describe_model(spec: str, config_kwargs: Mapping[str, Any] | None = None) ->
         is_moe=any((getattr(c, k, None) or 0) > 1 for c in (config, text) for k in MOE_CONFIG_KEYS),
         vlm_adapter=adapter,
         zero_vlm_adapter=zero_adapter,
+        default_config=is_default_config(spec),
+        dtype=str(next(iter(model.parameters())).dtype).replace("torch.", "") if any(True for _ in model.parameters())
+        else "float32",
     )
 
 

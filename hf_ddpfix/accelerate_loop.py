@@ -47,7 +47,7 @@ from torch import nn
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from ._compat import around_backward, ddp_kwargs_handler, set_ddp_kwargs, unwrap_parallel
-from .config import DDPFixConfig
+from .config import DDPFixConfig, check_disable
 from .facts import has_conditional_params, is_peft_model
 from .integrations.checkpointing import apply_checkpointing, detect_checkpointing
 from .integrations.usage import ParameterUsage, UsageChanged
@@ -149,6 +149,7 @@ def prepare_accelerate_loop(accelerator: Any, model: nn.Module, config: DDPFixCo
                          f"wraps it (got a {type(model).__name__}): DDP's kwargs are fixed when it is built")
     if config is not None and options:
         raise ValueError("prepare_accelerate_loop: pass either config or **options, not both")
+    check_disable()  # HF_DDPFIX_DISABLE is validated on every route, a given config too
     cfg = DDPFixConfig.from_env(**options) if config is None else config
     plan = mark_not_run_by(resolve_plan(accelerate_loop_facts(accelerator, model), cfg), cfg, LOOP_RUNS,
                            "prepare_accelerate_loop")

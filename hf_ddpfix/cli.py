@@ -6,14 +6,20 @@
     hf-ddpfix doctor --model LlamaConfig --config-kwargs '{"hidden_size": 4096, ...}'
     hf-ddpfix doctor --params 7e9 --devices 8 --device-mem-gb 80 --full --json
     hf-ddpfix plan --model Qwen/Qwen2.5-VL-7B-Instruct --checkpointing reentrant --world-size 8 --ga 4
+    hf-ddpfix plan --model path/to/model --accelerate-config accelerate_configs/fsdp.yaml --world-size 64
     python -m hf_ddpfix doctor                        # same thing
     hf-ddpfix rehearse --skew -- accelerate launch --config_file fsdp.yaml train.py --my-args
 
-Except `rehearse`, nothing here launches processes, initialises torch.distributed or downloads weights: models are built
-on the meta device from their config only (a Hub id needs the network for its config.json).
+Except `rehearse`, nothing here launches processes or downloads weights: models are built on the meta device
+from their config only (a Hub id needs the network for its config.json). Under FSDP2, `plan` shards a meta copy of the model with
+accelerate's own `fsdp2_prepare_model` inside torch's fake process group (no communication; destroyed before it
+prints) to report rank 0's unit bytes at `--world-size`.
 
 Guarantees: `doctor` reports an invalid `HF_DDPFIX_*` value (and unknown `HF_DDPFIX_*` names) instead of
-crashing, and exits 1 when it found one; `recommend_launch` is a pure function.
+crashing, and exits 1 when it found one; `recommend_launch` is a pure function; `plan` builds its facts with the
+run's own functions (`facts.model_facts`, `integrations.fsdp.fsdp_facts` with the plugin `accelerate launch`
+builds from `--accelerate-config`), so for the same model and launch it prints the run's plan lines
+(tests/test_fsdp_trainer.py compares them with the FSDP2 launches' plans, every family).
 """
 
 from __future__ import annotations
@@ -36,7 +42,8 @@ _PACKAGES = ("torch", "transformers", "accelerate", "peft", "trl", "datasets", "
 #: HF_DDPFIX_* variables that are not `DDPFixConfig` options.
 _EXTRA_VARS = {"HF_DDPFIX_DISABLE": "1/true/yes/on: `patches/` (the `PYTHONPATH` zero-code patch, "
                                    "patches/sitecustomize.py) does nothing; 0/false/no/off or unset: it runs; any "
-                                   "other value raises ValueError when transformers.trainer is imported."}
+                                   "other value is a ValueError on every route (patch_trainer, DDPFixTrainer, "
+                                   "patches/, hf-ddpfix plan)."}
 _RELATED_VARS = ("TORCH_DISTRIBUTED_DEBUG", "NCCL_DEBUG", "TORCH_NCCL_ASYNC_ERROR_HANDLING",
                  "TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "OMP_NUM_THREADS", "CUDA_VISIBLE_DEVICES",
                  "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "ACCELERATE_USE_FSDP")
@@ -176,6 +183,8 @@ def _doctor(args: argparse.Namespace) -> int:
                               "env": check_env()}
     info, model_error = _model_info(args)
     report["model"] = dataclasses.asdict(info) if info else None
+    if info is not None and args.config_kwargs:
+        report["config_kwargs"] = args.config_kwargs  # the size is the user's, not a default config's
     if model_error:
         report["model_error"] = model_error
     dev = report["devices"]
@@ -244,7 +253,7 @@ def _print_doctor(r: dict[str, Any], torch: Any) -> None:
         shape = f", {m['num_layers']} layers, hidden {m['hidden_size']}" if m["num_layers"] else ""
         kind = (" VLM" + (f" (adapter {m['vlm_adapter']})" if m["vlm_adapter"] else "")) if m["is_vlm"] else ""
         p(f"  model: {m['source']} ({m['model_type']}{kind}{', MoE' if m['is_moe'] else ''}): "
-          f"{m['num_params'] / 1e9:.3f}B params{shape}")
+          f"{m['num_params'] / 1e9:.3f}B params{shape}{_default_config_note(m['source'], r.get('config_kwargs'))}")
     rec = r.get("recommendation")
     if rec:
         p(f"  recommendation: {rec['mode'].upper()} on {rec['world_size']} device(s)"
@@ -263,64 +272,18 @@ def _print_doctor(r: dict[str, Any], torch: Any) -> None:
         p(f"  {line}")
 
 
-def _tri(value: str | None) -> bool | None:
-    if value is None:
-        return None
-    from .config import parse_bool
-
-    return parse_bool("flag", value, allow_auto=True)
-
-
-def build_facts(args: argparse.Namespace, info: ModelInfo | None) -> Any:
-    """`RunFacts` for `hf-ddpfix plan` from the command line and the model description."""
-    from .plan.types import RunFacts
-
-    world = args.world_size
-    parallel = args.parallel or ("single" if world == 1 else "ddp")
-    ckpt = args.checkpointing
-    is_vlm = bool(info and info.is_vlm)
-    return RunFacts(
-        parallel=parallel, world_size=world, checkpointing=ckpt, is_peft=not args.full, is_vlm=is_vlm,
-        vlm_adapter=(info.zero_vlm_adapter if parallel == "deepspeed" else info.vlm_adapter) if info else None,
-        trainable_vision_params=is_vlm and (args.train_vision or args.full),
-        conditional_params=bool(info and info.is_moe and (args.full or args.train_experts)),
-        grad_accum_steps=args.ga, user_find_unused=_tri(args.find_unused), user_static_graph=_tri(args.static_graph),
-        user_reentrant={"reentrant": True, "non_reentrant": False}.get(ckpt), offload_requested=args.offload,
-        accelerator_available=not args.cpu, **_quant_facts(args, info, parallel),
-    )
-
-
-def _quant_facts(args: argparse.Namespace, info: ModelInfo | None, parallel: str) -> dict[str, Any]:
-    """The QLoRA / placement part of `RunFacts` from `--quant`, `--quant-storage`, `--mixed-precision`,
-    `--fsdp-version`, `--zero-stage` and `--placement` (4-bit bytes estimated as half the parameters)."""
-    from .integrations.quantized import QuantFacts, device_name, dtype_name
-
-    out: dict[str, Any] = {"placement": tuple(sorted({device_name(d.strip()) for d in args.placement.split(",")}))
-                           if args.placement else ()}
-    if args.quant != "none":
-        four = args.quant == "4bit"
-        storage = dtype_name(args.quant_storage) if four else "int8"
-        params = int(info.num_params) if info else 0
-        out["quant"] = QuantFacts("bnb_4bit" if four else "bnb_8bit", 0, params // 2 if four else params,
-                                  storage, None, "nf4" if four else None, None)
-    cast = None if args.mixed_precision == "no" else dtype_name(args.mixed_precision)
-    if parallel == "fsdp":
-        out.update(fsdp_version=args.fsdp_version, shard_cast_dtype=cast)
-    elif parallel == "deepspeed":
-        from .integrations.deepspeed import DeepSpeedFacts, deepspeed_version
-
-        out.update(zero_stage=args.zero_stage, shard_cast_dtype=cast,
-                   deepspeed=DeepSpeedFacts(stage=args.zero_stage, version=deepspeed_version(), source="command line",
-                                            cast_dtype=cast))
-    return out
-
-
 def _plan(args: argparse.Namespace) -> int:
     from .config import DDPFixConfig
+    from .offline_plan import build_facts, fsdp_layout, launch_config, meta_model, model_line
     from .plan.resolve import resolve_plan
     from .plan.types import PlanError
 
-    info, model_error = _model_info(args)
+    try:
+        launch_config(args)
+    except ValueError as e:
+        print(f"hf-ddpfix: {e}", file=sys.stderr)
+        return 2
+    info, model, model_error = meta_model(args)
     if model_error:
         print(f"hf-ddpfix: {model_error}", file=sys.stderr)
         return 2
@@ -328,27 +291,45 @@ def _plan(args: argparse.Namespace) -> int:
     for item in args.set or []:
         key, _, value = item.partition("=")
         explicit[key.strip()] = value.strip()
+    plugin = None
     try:
         config = DDPFixConfig.from_env(**explicit)
-        facts = build_facts(args, info)
+        if args.parallel == "fsdp":
+            from ._compat import fsdp_plugin_from_launch
+
+            plugin = fsdp_plugin_from_launch(args.fsdp_config)
+            args.fsdp_version = int(plugin.fsdp_version)
+        facts = build_facts(args, info, model, plugin)
         plan = resolve_plan(facts, config)
     except (ValueError, PlanError) as e:
         print(f"hf-ddpfix: {e}", file=sys.stderr)
         return 2
+    layout = fsdp_layout(plan, facts, model, plugin, args.world_size, args.mixed_precision)
     if args.json:
         out = {"facts": dataclasses.asdict(facts), "ddp_kwargs": plan.ddp_kwargs(),
                "decisions": {k: dataclasses.asdict(d) for k, d in plan.decisions().items()},
                "corrections": list(plan.corrections), "not_applied": dict(plan.not_applied),
-               "report": plan.report()}
+               "report": plan.report(), "model": dataclasses.asdict(info) if info else None,
+               "fsdp_layout": dataclasses.asdict(layout) if layout else None}
         print(json.dumps(out, indent=2, default=str))
         return 0
     if info is not None:
-        print(f"model: {info.source} ({info.model_type}{', VLM' if info.is_vlm else ''}"
-              f"{', MoE' if info.is_moe else ''}), {info.num_params / 1e9:.3f}B params")
+        print(model_line(info))
     print(plan.report())
     if plan.parallel == "ddp":
         print(f"DDP kwargs: {plan.ddp_kwargs()}")
+    for line in layout.lines() if layout else ():
+        print(line)
     return 0
+
+
+def _default_config_note(source: str, config_kwargs: Any = None) -> str:
+    """What the size means when `--model` named a model type or a config class: transformers' default config of
+    that type (`qwen2_5_vl` is a 75.8 B model), not a checkpoint of yours."""
+    if os.path.exists(source) or "/" in source or config_kwargs:
+        return ""
+    return (f" -- the default config of {source!r}, not your checkpoint: pass its config.json, its folder, a Hub "
+            "id or --config-kwargs for your size")
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -357,7 +338,7 @@ def _parser() -> argparse.ArgumentParser:
 
     def model_args(p: argparse.ArgumentParser) -> None:
         p.add_argument("--model", help="config.json path, model folder, config class (LlamaConfig), "
-                       "model type (llama), or Hub id (needs the network)")
+                       "model type (llama; its default config: qwen2_5_vl is 75.8 B), or Hub id (needs the network)")
         p.add_argument("--config-kwargs", help='JSON object of config overrides, e.g. \'{"hidden_size": 64}\'')
         p.add_argument("--params", type=float, help="parameter count when no config is at hand, e.g. 7e9")
         p.add_argument("--full", action="store_true", help="full fine-tune (default: LoRA / adapters)")
@@ -380,8 +361,19 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--find-unused", help="ddp_find_unused_parameters: true/false (default: unset)")
     p.add_argument("--static-graph", help="ddp_static_graph: true/false (default: unset)")
     p.add_argument("--ga", type=int, default=1, help="gradient_accumulation_steps")
-    p.add_argument("--world-size", type=int, default=2)
+    p.add_argument("--world-size", type=int, help="processes of the run (default: --accelerate-config's "
+                   "num_processes, else 2); under FSDP2 the per-rank bytes of the units are printed for it")
     p.add_argument("--parallel", choices=["single", "ddp", "fsdp", "deepspeed"])
+    p.add_argument("--accelerate-config", help="the accelerate yaml the run is launched with (distributed_type, "
+                   "num_processes, mixed_precision, fsdp_config); default under --parallel fsdp: fsdp.yaml's settings")
+    p.add_argument("--wrap-classes", help="fsdp_transformer_layer_cls_to_wrap, e.g. 'LlamaDecoderLayer,SiglipEncoderLayer'")
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
+                   help="dtype of the model's parameters (auto: the config's dtype, else float32)")
+    p.add_argument("--lora-targets", help="LoRA target_modules of the run (comma list, a regex or all-linear): the "
+                   "adapter is put on the meta model and the plan reads its trainable parameters")
+    p.add_argument("--lora-target-parameters", help="LoRA target_parameters with --lora-targets (peft: fused MoE "
+                   "expert tensors, e.g. 'mlp.experts.gate_up_proj,mlp.experts.down_proj')")
+    p.add_argument("--lora-r", type=int, default=8, help="LoRA rank for --lora-targets")
     p.add_argument("--train-vision", action="store_true", help="LoRA/training on the vision tower or merger")
     p.add_argument("--train-experts", action="store_true", help="MoE experts are trainable (LoRA on them)")
     p.add_argument("--offload", action="store_true", help="activation_checkpointing_kwargs={'offload': True}")
@@ -390,10 +382,11 @@ def _parser() -> argparse.ArgumentParser:
                    help="bitsandbytes base weights (BitsAndBytesConfig load_in_4bit / load_in_8bit)")
     p.add_argument("--quant-storage", default="uint8", choices=["uint8", "bfloat16", "float16", "float32"],
                    help="bnb_4bit_quant_storage (default uint8)")
-    p.add_argument("--mixed-precision", choices=["no", "bf16", "fp16"], default="no",
+    p.add_argument("--mixed-precision", choices=["no", "bf16", "fp16"],
                    help="TrainingArguments bf16/fp16: the dtype FSDP / DeepSpeed cast parameters to")
-    p.add_argument("--fsdp-version", type=int, choices=[1, 2], default=2)
-    p.add_argument("--zero-stage", type=int, choices=[0, 1, 2, 3], default=3)
+    p.add_argument("--fsdp-version", type=int, choices=[1, 2], default=2, help="under --parallel fsdp (default: 2)")
+    p.add_argument("--zero-stage", type=int, choices=[0, 1, 2, 3], default=3,
+                   help="under --parallel deepspeed (default: 3)")
     p.add_argument("--placement", help="devices one rank's hf_device_map names, e.g. 'cuda:0,cuda:1' "
                    "(device_map='auto' on a 2-GPU node)")
     p.add_argument("--set", action="append", metavar="OPTION=VALUE",
@@ -421,7 +414,21 @@ def _rehearse(args: argparse.Namespace) -> int:
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of `hf-ddpfix` and `python -m hf_ddpfix`. Returns the exit status."""
     args = _parser().parse_args(argv)
+    _quiet_bitsandbytes_kernels_notice()
     return int(args.func(args) or 0)
+
+
+def _quiet_bitsandbytes_kernels_notice() -> None:
+    """bitsandbytes 0.50, imported by peft whenever it is installed, logs "Failed to load CPU gemm_4bit_forward
+    from kernels-community ..." on a CPU without the optional `kernels` package (it then uses its own kernel);
+    the CLI quantizes nothing, so that one message of that one logger is dropped (docs/examples.md)."""
+    import logging
+
+    class _Drop(logging.Filter):
+        def filter(self, record: logging.LogRecord) -> bool:
+            return not str(record.msg).startswith("Failed to load CPU gemm_4bit_forward from kernels-community")
+
+    logging.getLogger("bitsandbytes.backends.cpu.ops").addFilter(_Drop())
 
 
 if __name__ == "__main__":  # pragma: no cover

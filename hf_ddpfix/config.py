@@ -219,6 +219,24 @@ def option(parse: Callable[[str, Any], Any], doc: str, *, compat: Mapping[str, A
     return field(default=None, metadata={_META_KEY: _Option(parse, doc, dict(compat or {}))})
 
 
+#: The variable that turns the zero-code route (patches/) off; no option, but validated on every route.
+DISABLE_VAR = "HF_DDPFIX_DISABLE"
+
+
+def check_disable(env: Mapping[str, str] | None = None) -> bool:
+    """`HF_DDPFIX_DISABLE` as patches/sitecustomize.py reads it: True for 1/true/yes/on, False for 0/false/no/off or
+    unset / empty.
+
+    Raises:
+        ValueError: any other value, naming the variable and the allowed values (so the library route,
+            `patch_trainer()` / `DDPFixTrainer`, and the CLI refuse what patches/ refuses).
+    """
+    raw = (os.environ if env is None else env).get(DISABLE_VAR, "")
+    if not raw.strip():
+        return False
+    return bool(parse_bool(DISABLE_VAR, raw))
+
+
 def env_name(option: str) -> str:
     """The `HF_DDPFIX_*` variable of an option, e.g. `static_graph` -> `HF_DDPFIX_STATIC_GRAPH`."""
     return "HF_DDPFIX_" + option.upper()
@@ -356,6 +374,7 @@ class DDPFixConfig:
             ValueError: an unknown option, an invalid value, or contradicting variables.
         """
         env = os.environ if env is None else env
+        check_disable(env)
         unknown = set(explicit) - set(OPTIONS)
         if unknown:
             raise ValueError(f"unknown hf_ddpfix option(s) {sorted(unknown)}; allowed: {', '.join(OPTIONS)}")

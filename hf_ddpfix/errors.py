@@ -51,6 +51,7 @@ class ReplicaDivergenceError(DDPFixError):
 _PATTERNS: tuple[tuple[str, re.Pattern[str]], ...] = (
     ("ready_twice", re.compile(r"Expected to mark a variable ready only once|marked (as )?ready twice", re.I)),
     ("unfinished_reduction", re.compile(r"Expected to have finished reduction in the prior iteration", re.I)),
+    ("outside_backward", re.compile(r"gradient which is undefined, but still allreduced", re.I)),
     ("graph_changed", re.compile(r"graph has changed", re.I)),
     ("autograd_hooks", re.compile(r"expect_autograd_hooks_", re.I)),
     ("peer_closed", re.compile(r"Connection closed by peer|Connection reset by peer|Broken pipe", re.I)),
@@ -151,6 +152,18 @@ def _unfinished_reduction(plan: Plan | None, facts: RunFacts | None, text: str,
     return what, cause + seen, fix
 
 
+def _outside_backward() -> tuple[str, str, str]:
+    what = ("DDP met a parameter's gradient hook outside the backward it reduces ('Encountered gradient which is "
+            "undefined, but still allreduced by DDP reducer').")
+    cause = ("a term over parameters the model's forward does not use was back-propagated apart from the loss "
+             "(a second accelerator.backward / loss.backward before the optimizer step, or a backward inside a "
+             "hook): DDP reduces gradients only within the backward of the forward it wrapped, and stock DDP "
+             "fails here with either find_unused_parameters setting.")
+    fix = ("Add the term to the loss before it is back-propagated (in compute_loss, or in an Accelerator "
+           "subclass's backward): hf_ddpfix keeps such a gradient and DDP reduces it.")
+    return what, cause, fix
+
+
 def _graph_changed(plan: Plan | None, facts: RunFacts | None) -> tuple[str, str, str]:
     what = ("DDP static_graph=True, but the set of parameters used changed between iterations "
             "('Your training graph has changed').")
@@ -234,6 +247,8 @@ def explain(exc: BaseException, plan: Plan | None = None, *, facts: RunFacts | N
         what, cause, fix = _unfinished_reduction(plan, facts, text, param_names)
     elif key == "graph_changed":
         what, cause, fix = _graph_changed(plan, facts)
+    elif key == "outside_backward":
+        what, cause, fix = _outside_backward()
     elif key == "autograd_hooks":
         what, cause, fix = _autograd_hooks(plan, facts)
     else:

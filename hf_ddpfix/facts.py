@@ -124,6 +124,19 @@ def loss_unseen_reason(trainer: Any) -> str | None:
     return None
 
 
+def model_facts(model: nn.Module, parallel: str) -> dict[str, Any]:
+    """The `RunFacts` fields read from the model alone (``is_peft``, ``is_vlm``, ``vlm_adapter``,
+    ``trainable_vision_params``, ``conditional_params``): what `gather_facts` reads in a run, and what
+    ``hf-ddpfix plan`` reads from its meta-device model, through this one function."""
+    vision = families.is_vision_language_model(model)
+    # LLaVA / Gemma 3: a dummy image under ZeRO only; DDP / FSDP keep parameter_usage (families docstring)
+    adapter = families.find_vision_adapter(model, zero=parallel == "deepspeed") if vision else None
+    return {"is_peft": is_peft_model(model), "is_vlm": vision,
+            "vlm_adapter": adapter.family.name if adapter is not None else None,
+            "trainable_vision_params": vision and families.has_trainable_vision_params(model),
+            "conditional_params": has_conditional_params(model)}
+
+
 def gather_facts(trainer: Any, model: nn.Module | None = None) -> RunFacts:
     """Facts about `trainer`'s run: parallel mode, checkpointing, model kind, explicit DDP flags.
 
@@ -144,19 +157,12 @@ def gather_facts(trainer: Any, model: nn.Module | None = None) -> RunFacts:
     tools = tool_checkpoint_functions(model)
     if tools:  # a trainer / tool installed its own function: what it really runs decides (not the kwargs)
         mode = "reentrant" if any(i.reentrant for i in tools.values()) else "non_reentrant"
-    vision = families.is_vision_language_model(model)
-    # LLaVA / Gemma 3: a dummy image under ZeRO only; DDP / FSDP keep parameter_usage (families docstring)
-    adapter = families.find_vision_adapter(model, zero=parallel == "deepspeed") if vision else None
     quant = quantized.quantization_facts(model)
     return RunFacts(
         parallel=parallel,
         world_size=world,
         checkpointing=mode,  # type: ignore[arg-type]
-        is_peft=is_peft_model(model),
-        is_vlm=vision,
-        vlm_adapter=adapter.family.name if adapter is not None else None,
-        trainable_vision_params=vision and families.has_trainable_vision_params(model),
-        conditional_params=has_conditional_params(model),
+        **model_facts(model, parallel),
         grad_accum_steps=int(args.gradient_accumulation_steps or 1),
         user_find_unused=args.ddp_find_unused_parameters,
         user_static_graph=getattr(args, "ddp_static_graph", None),

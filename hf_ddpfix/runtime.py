@@ -135,9 +135,13 @@ def attach_runtime(trainer: Any, model: nn.Module, plan: Plan, stack: ExitStack)
             stand_down_accelerate="parallelism_config" in str(plan.sequence_parallel.value))
     if plan.parallel in ("ddp", "fsdp") and plan.world_size > 1:  # requires_grad changed after wrapping
         rt.trainable_set = TrainableSetWatch(model, plan.parallel, step=lambda: trainer.state.global_step + 1)
-        stack.callback(before_gradient_clipping(trainer, _watch_finalize(rt.usage, rt.trainable_set)))
+        # FSDP2's clipping is a collective: every rank must know before it (DDP's is local: on_step_end reads)
+        stack.callback(before_gradient_clipping(trainer, _watch_finalize(rt.usage, rt.trainable_set,
+                                                                         now=plan.parallel == "fsdp")))
         if rt.usage is not None and rt.usage.step_flag is not None:  # ranks that did not read the agreement
             _add_callback(trainer, _WatchLate(rt.usage, rt.trainable_set), stack)
+        if plan.parallel == "fsdp":  # FSDP2 reduce-scatters what requires grad: ranks must agree before backward
+            rt.step_contexts.append(_checked_trainable_set(rt.trainable_set))
     elif plan.parallel == "deepspeed" and plan.world_size > 1:  # the engine steps inside backward: check first
         rt.trainable_set = TrainableSetWatch(model, plan.parallel, step=lambda: trainer.state.global_step + 1)
         rt.step_contexts.append(_checked_trainable_set(rt.trainable_set))
@@ -293,11 +297,13 @@ def _add_callback(trainer: Any, callback: TrainerCallback, stack: ExitStack) -> 
     stack.callback(trainer.remove_callback, callback)
 
 
-def _watch_finalize(usage: ParameterUsage | None, watch: TrainableSetWatch) -> Callable[[], None]:
+def _watch_finalize(usage: ParameterUsage | None, watch: TrainableSetWatch, now: bool = False) -> Callable[[], None]:
     """The trainable-set check of an optimizer step. With the usage agreement running (same group), the watch's
     "my set changed" flag rides in its all-reduce (``ParameterUsage.step_flag``): no collective and, where no
     rank changed anything, no host read of its own; the usage finalize runs first here (a second call in the
-    step is a no-op). Without it, the watch's own one-byte all-gather."""
+    step is a no-op). Without it, the watch's own one-byte all-gather. ``now``: a rank that did not read the
+    flags reads them here (``finalize_late``), not at ``on_step_end``: the next collective comes first (FSDP2's
+    gradient clipping)."""
     if usage is None or usage.process_group is not None:
         return watch.finalize
     usage.step_flag = watch.changed
@@ -305,6 +311,8 @@ def _watch_finalize(usage: ParameterUsage | None, watch: TrainableSetWatch) -> C
     def finalize() -> None:
         usage.finalize()
         watch.finalize(agreed=usage.take_step_flags())
+        if now:
+            watch.finalize_late(usage.agreement.late_flags())
 
     return finalize
 
@@ -322,7 +330,8 @@ class _WatchLate(TrainerCallback):
 
 
 def _checked_trainable_set(watch: TrainableSetWatch) -> Callable[[], AbstractContextManager[Any]]:
-    """A step context that refuses a changed trainable set before the micro-batch's forward (DeepSpeed)."""
+    """A step context that checks the trainable set before the micro-batch's forward (DeepSpeed, FSDP2: their
+    collectives in backward follow ``requires_grad``, so ranks that changed it differently would diverge there)."""
 
     @contextmanager
     def check() -> Iterator[None]:

@@ -34,6 +34,7 @@ from .feature_report import FallbackWatch, attach_fallbacks, feature_metrics, ne
 from .integrations.fsdp import apply_fsdp_units, join_tied_holders
 from .integrations.sequence_parallel.trainer import attach_sequence_parallel
 from .integrations.trainer_hooks import TrainerPatchLayer
+from .launcher_errors import is_known_error, report_to_launcher
 from .ops.dist import destroy_default_group_at_exit
 from .ops.feature_counts import reset as reset_feature_counts
 from .plan.asked import asked_options, not_applied_warning
@@ -101,6 +102,15 @@ def run_with_plan(trainer: Trainer, inner_loop: Callable[..., Any], *args: Any, 
     """
     if getattr(trainer, "_hf_ddpfix_active", False):  # DDPFixTrainer under patch_trainer(): apply once
         return inner_loop(*args, **kwargs)
+    try:
+        return _run_with_plan(trainer, inner_loop, *args, **kwargs)
+    except Exception as exc:
+        if is_known_error(exc):  # the launcher's summary ends with our message, not only "exitcode: 1"
+            report_to_launcher(exc)
+        raise
+
+
+def _run_with_plan(trainer: Trainer, inner_loop: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
     config = _trainer_config(trainer)
     _ensure_log_handler()
     destroy_default_group_at_exit()  # a gloo group left to interpreter shutdown can abort the process
@@ -292,7 +302,11 @@ def patch_trainer(**options: Any) -> None:
     replaces the options); undone by `unpatch_trainer()`.
     """
     global _patch_options, _layer
-    DDPFixConfig.from_env(**options)  # validate now
+    try:
+        DDPFixConfig.from_env(**options)  # validate now
+    except ValueError as exc:
+        report_to_launcher(exc)  # the launcher's summary ends with the setting and its allowed values
+        raise
     _patch_options = dict(options)
     destroy_default_group_at_exit()  # registered early: atexit handlers the user adds later run before it
     if _layer is None:

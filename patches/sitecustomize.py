@@ -15,7 +15,8 @@ that never build a Trainer never load hf_ddpfix (nor torch/transformers because 
   looks it up past its own folder and executes it, so putting `patches` first hides nothing.
 - hf_ddpfix options come from `HF_DDPFIX_*` variables as usual; an invalid value raises `ValueError`
   (naming the variable) when `transformers.trainer` is imported, before any model is loaded.
-- If `hf_ddpfix` is not installed, the repository root next to this folder is added to `sys.path`.
+- If `hf_ddpfix` is not installed (or a folder named `hf_ddpfix` beside the script, e.g. the clone, was taken
+  for an empty namespace package), the repository root next to this folder is added to `sys.path`.
 """
 
 from __future__ import annotations
@@ -52,11 +53,16 @@ def _patch() -> None:
         raise ValueError(error)
     try:
         import hf_ddpfix
+
+        if getattr(hf_ddpfix, "__file__", None) is None:  # a folder named hf_ddpfix (e.g. the clone) taken
+            raise ImportError("hf_ddpfix is an empty namespace package here")  # for a namespace package
     except ImportError:
         root = os.path.dirname(_HERE)
-        if not os.path.isdir(os.path.join(root, "hf_ddpfix")):
+        if not os.path.isfile(os.path.join(root, "hf_ddpfix", "__init__.py")):
             raise
-        sys.path.append(root)
+        for name in [m for m in sys.modules if m == "hf_ddpfix" or m.startswith("hf_ddpfix.")]:
+            del sys.modules[name]
+        sys.path.append(root)  # a regular package on a later path entry wins over a namespace folder
         import hf_ddpfix
     hf_ddpfix.patch_trainer()
 

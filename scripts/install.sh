@@ -3,6 +3,12 @@
 # kind of machine; a bare `torch` requirement would pull a multi-GB CUDA build.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+# A warning, not a stop: CI installs into its container's python on purpose.
+if [ -z "${VIRTUAL_ENV:-}" ] && [ -z "${CONDA_PREFIX:-}" ] \
+    && python -c 'import sys; sys.exit(sys.prefix != sys.base_prefix)'; then
+  echo "install.sh: warning: no virtual environment active; installing into $(command -v python)" \
+       "(python -m venv .venv && . .venv/bin/activate first to keep it apart)" >&2
+fi
 python -m pip install --quiet --disable-pip-version-check "torch==2.13.0"
 python -m pip install --quiet --disable-pip-version-check -c constraints.txt -e ".[dev,vlm,qlora]"
 # DeepSpeed without its CUDA ops (they are JIT-built when used); on CPU it uses its own gloo-backed accelerator.

@@ -228,3 +228,72 @@ def test_plan_reports_the_adapter_of_a_supported_vlm_family(capsys, tmp_path):
     assert rc == 0 and plan["facts"]["is_vlm"] and plan["facts"]["vlm_adapter"] == "qwen2_5_vl", plan["facts"]
     rc, out = _run(capsys, "plan", "--model", str(path), "--train-vision", "--world-size", "2")
     assert "no adapter" not in out, out
+
+
+def _tiny_qwen2_5_vl(tmp_path):
+    from transformers import Qwen2_5_VLConfig
+
+    cfg = Qwen2_5_VLConfig(
+        text_config={"vocab_size": 64, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
+                     "num_attention_heads": 2, "num_key_value_heads": 1, "rope_scaling": {"type": "mrope",
+                     "mrope_section": [2, 2, 4]}},
+        vision_config={"depth": 2, "hidden_size": 16, "intermediate_size": 32, "num_heads": 2, "out_hidden_size": 32,
+                       "patch_size": 2, "spatial_merge_size": 2, "temporal_patch_size": 1, "in_channels": 3,
+                       "window_size": 8, "fullatt_block_indexes": [0]},
+        image_token_id=60, video_token_id=61, vision_start_token_id=62,
+    )
+    cfg.save_pretrained(tmp_path / "qwen")
+    return tmp_path / "qwen"
+
+
+def test_plan_under_fsdp_reads_the_model_and_the_launch_as_the_run_does(capsys, tmp_path):
+    """`plan --parallel fsdp` builds the run's facts (issue 36: it printed `vlm_stabilizer = on` and no
+    `fsdp_units`): the FSDP2 unit decision from the meta model, the stabiliser off (nothing a rank may skip has a
+    unit), per-FSDP-unit usage ties; with `--world-size N` rank 0's bytes of the units accelerate makes, equal to
+    FSDP2's chunking (ceil(rows / N) rows of every parameter). tests/test_fsdp_trainer.py checks these lines
+    against a real FSDP2 run's."""
+    import math
+
+    from hf_ddpfix._advice import build_meta_model
+
+    folder = _tiny_qwen2_5_vl(tmp_path)
+    rc, out = _run(capsys, "plan", "--model", str(folder), "--parallel", "fsdp", "--cpu", "--full",
+                   "--world-size", "4")
+    assert rc == 0, out
+    assert re.search(r"\* fsdp_units\s+= Qwen2_5_VLDecoderLayer .*folded into the enclosing unit.*model\.visual", out)
+    assert re.search(r"vlm_stabilizer\s+= off\s+not needed under FSDP2", out), out
+    assert re.search(r"\* parameter_usage\s+= on\s+per FSDP unit", out), out
+    assert "fsdp2 units at world size 4 (rank 0" in out and "root unit (gathered for the whole forward)" in out
+    rc, out = _run(capsys, "plan", "--model", str(folder), "--parallel", "fsdp", "--cpu", "--full", "--world-size", "4",
+                   "--json")
+    layout = json.loads(out)["fsdp_layout"]
+    _, model = build_meta_model(str(folder))
+    assert layout["total_bytes"] == sum(p.numel() * p.element_size() for p in model.parameters())
+    assert sum(u["local_bytes"] for u in layout["units"]) == sum(
+        math.ceil(p.shape[0] / 4) * (p.numel() // p.shape[0]) * p.element_size() for p in model.parameters())
+    # mixed precision bf16 (fsdp.yaml's): accelerate stores the trainable parameters of a full fine-tune in float32
+    rc, out = _run(capsys, "plan", "--model", str(folder), "--parallel", "fsdp", "--cpu", "--full", "--dtype",
+                   "bfloat16", "--mixed-precision", "bf16", "--json")
+    assert json.loads(out)["fsdp_layout"]["total_bytes"] == 4 * sum(p.numel() for p in model.parameters())
+    # the launch's yaml: FSDP, 2 processes; an explicit wrap list that names the vision blocks is kept (as in stock)
+    rc, out = _run(capsys, "plan", "--model", str(folder), "--accelerate-config",
+                   str(ROOT / "accelerate_configs" / "fsdp.yaml"), "--cpu", "--wrap-classes",
+                   "Qwen2_5_VLDecoderLayer,Qwen2_5_VLVisionBlock", "--json")
+    plan = json.loads(out)
+    assert plan["facts"]["parallel"] == "fsdp" and plan["facts"]["world_size"] == 2
+    assert plan["facts"]["fsdp"]["user_classes"] == ["Qwen2_5_VLDecoderLayer", "Qwen2_5_VLVisionBlock"]
+    assert plan["decisions"]["fsdp_units"]["value"] is False, plan["decisions"]["fsdp_units"]
+    names = [u["name"] for u in plan["fsdp_layout"]["units"]]
+    assert "model.visual.blocks.0" in names and "model.language_model.layers.1" in names, names
+    rc = main(["plan", "--model", str(folder), "--accelerate-config", str(tmp_path / "missing.yaml")])
+    assert rc == 2 and "--accelerate-config: cannot read" in capsys.readouterr().err
+
+
+def test_plan_says_when_it_built_a_default_config_and_which_size(capsys):
+    """`--model <type>` builds that type's default config (issue 40: `qwen2_5_vl` silently meant 75.8 B): the
+    model line says so and prints the size it built."""
+    rc, out = _run(capsys, "plan", "--model", "llama", "--world-size", "2")
+    assert rc == 0 and "model: llama (llama), 6.738B params" in out, out
+    assert "the DEFAULT config of 'llama'" in out and "config.json" in out
+    rc, out = _run(capsys, "plan", "--model", "llama", "--config-kwargs", json.dumps(TINY))
+    assert "DEFAULT" in out  # overrides on a default config still start from the defaults

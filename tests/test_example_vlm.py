@@ -59,6 +59,11 @@ def test_example_trains_beats_chance_saves_and_resumes(tmp_path):
     assert "[hf_ddpfix]" in log and "(ddp, world size 2)" in log, "the plan log should be printed"
     warned = [ln for ln in log.splitlines() if "[hf_ddpfix] WARNING" in ln or "[hf_ddpfix] ERROR" in ln]
     assert not warned, f"a plain LoRA run of the README example logged {len(warned)} hf_ddpfix warnings: {warned[:5]}"
+    # a first run is clean: what the user asked for is what runs (no `corrected:`), and nothing but the example's
+    # own lines is printed (upstream noise: docs/examples.md, "What a first run prints")
+    assert "corrected:" not in log and plan_value(log, "checkpointing") == "non_reentrant", log[-4000:]
+    other = unexpected_lines(log)
+    assert not other, f"README command 1 printed {len(other)} lines besides its own:\n" + "\n".join(other[:20])
     sample = _plan_log_sample()  # docs/plan.md shows what this command prints
     assert sample.page_block((ROOT / "docs" / "plan.md").read_text()) == sample.extract(log), \
         "docs/plan.md's plan log differs from what README command 1 printed: python scripts/plan_log_sample.py --readme"
@@ -71,6 +76,27 @@ def test_example_trains_beats_chance_saves_and_resumes(tmp_path):
     assert result2["global_step"] == MORE_STEPS, (result2, log2[-4000:])
     assert result2["caption_accuracy"] >= max(2 * chance, chance + 0.25), result2
     assert (out_dir / f"checkpoint-{MORE_STEPS}").is_dir()
+
+
+def unexpected_lines(log: str) -> list[str]:
+    """The lines of a run of the example that are none of its own: progress bars (the last segment of each
+    carriage-return-updated line), Trainer metric dicts, the eval metrics block, the plan block and the
+    example's `trainable params` / `output dir` / `resumed from` / `RESULT` lines."""
+    own = re.compile(r"^(\s*$|\{'|\*\*\*\*\* \w+ metrics \*\*\*\*\*|  \w+\s+=\s|\[hf_ddpfix\] hf_ddpfix plan |"
+                     r" [ *!] \w+\s+= |   corrected: |   settings: |trainable params: |output dir: |resumed from |RESULT )")
+    shown = [ln.split("\r")[-1] for ln in log.splitlines()]
+    bar = re.compile(r"^\s*\d+%\|[^|]*\|\s*\d+/\d+ \[[^\]]*\](\s*|\s+\{'.*)$")  # a bar, or a bar and metrics
+    return [ln for ln in shown if not own.match(ln) and not bar.match(ln)]
+
+
+def test_unexpected_lines_keeps_only_what_is_not_the_examples_own():
+    log = ("trainable params: 1\noutput dir: x\n[hf_ddpfix] hf_ddpfix plan (ddp, world size 2):\n"
+           " * checkpointing           = non_reentrant  why\n  0%|  | 0/4 [00:00<?, ?it/s]\r100%|##| 4/4 [00:01<00:00]\n"
+           "{'loss': '1.0'}\n***** eval metrics *****\n  eval_loss   =   1.0\nRESULT {}\n"
+           "Failed to load CPU gemm_4bit_forward from kernels-community\n"
+           "  0%|  | 0/4 [00:00<?, ?it/s][transformers] `use_cache=True` is incompatible\n")
+    assert unexpected_lines(log) == ["Failed to load CPU gemm_4bit_forward from kernels-community",
+                                     "  0%|  | 0/4 [00:00<?, ?it/s][transformers] `use_cache=True` is incompatible"]
 
 
 def _plan_log_sample():
@@ -173,6 +199,9 @@ def test_example_under_fsdp_yaml_on_cpu_says_fsdp_cannot_run(tmp_path):
     assert "RESULT " not in done.stdout
     assert "FSDP needs an accelerator" in done.stdout, done.stdout[-4000:]
     assert ABORT not in done.stdout, done.stdout[-4000:]
+    # the refusal is the launcher summary's Root Cause, said once there (not only "exitcode: 1")
+    summary = done.stdout[done.stdout.rindex("Failures:"):]
+    assert "Root Cause" in summary and summary.count("FSDP needs an accelerator") == 1, summary
 
 
 def _example_module():

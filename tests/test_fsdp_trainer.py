@@ -18,7 +18,9 @@
   layer calls as the stock run; BART's tied ``shared`` tensor (also ``encoder.embed_tokens``' and
   ``decoder.embed_tokens``', which stock accelerate leaves in the root: "already managed by another FSDP group")
   joins one group (``fsdp_shared``), and every tie is still one tensor after training, as under DDP;
-- stock FSDP on the same mixed batches crashes (a stock cell).
+- stock FSDP on the same mixed batches crashes (a stock cell);
+- ``hf-ddpfix plan`` prints, for each family of both fixed launches, the plan block the run printed, line for line
+  (tests/plan_parity.py; ~20 s for the 18 families, in-process, meta-device models; issue 36 item 4).
 - the same launches also run InternVL, Mistral 3 (accumulation 2) and three VLMs no other test in the repository
   names: LLaVA-NeXT (any-resolution tiles), GOT-OCR 2 (SAM-style tower; its ``_no_split_modules``
   names the decoder layer only, so stock keeps the tower in the root and fails on the root's reduce-scatter,
@@ -45,6 +47,7 @@ drop different layers.
 from __future__ import annotations
 
 import re
+import sys
 
 import pytest
 import torch
@@ -75,6 +78,23 @@ def _entries() -> dict:
     return {**ZOO, **MORE_TEXT, **ZERO_DISCOVERED, **ZERO_LOADED, **MORE_VLMS}
 
 
+def _check_cli_prints_the_run_plans(log: str, tmp_path, families: tuple[str, ...], world: int) -> None:
+    """``hf-ddpfix plan`` (tests/plan_parity.py: the family's config, fsdp.yaml, the zoo's LoRA, the case's
+    accumulation and checkpointing) prints each family's plan block exactly as the run printed it: every
+    decision line, ``fsdp_units`` / ``fsdp_shared`` / ``parameter_usage`` / ``vlm_stabilizer`` included (issue 36:
+    the CLI said ``vlm_stabilizer = on`` where the run said ``off``, and printed no ``fsdp_units``)."""
+    sys.path.insert(0, str(ROOT / "tests" / "scripts"))
+    from fsdp_trainer import CASES, EAGER_LOADING, MORE_CASES
+    from plan_parity import cli_plan, run_plans
+
+    runs = run_plans(log)
+    assert sorted(runs) == sorted(families), (sorted(runs), log[-3000:])
+    for name in families:
+        ga, ckpt = {**CASES, **MORE_CASES}[name]
+        cli = cli_plan(_entries()[name], ga, ckpt, tmp_path, world=world, eager=name in EAGER_LOADING)
+        assert cli == runs[name], f"{name}: hf-ddpfix plan differs from the run's plan\nrun:\n{runs[name]}\ncli:\n{cli}"
+
+
 def _launch_fsdp(*args: str, timeout: float, check: bool = True):
     return accelerate_launch("fsdp.yaml", SCRIPT, *args, timeout=timeout, env=fsdp_device_env(OFFLINE),
                              check=check, extra=FP32)
@@ -98,6 +118,7 @@ def test_vlms_train_evaluate_predict_under_trainer_fsdp2_like_stock_ddp(tmp_path
     assert re.search(r"fsdp_shared\s+= on\s+tied tensors are held beyond the input/output embedding "
                      r"\(model\.encoder\.embed_tokens, model\.decoder\.embed_tokens\)", log), log[-6000:]
     assert "joined: base_model.model.model.encoder.embed_tokens, base_model.model.model.decoder.embed_tokens" in log
+    _check_cli_prints_the_run_plans(log, tmp_path, FAMILIES, world=2)
     stock = accelerate_launch("ddp_cpu.yaml", SCRIPT, "--mode", "stock", "--out", str(tmp_path), "--from-saved",
                               SAVED, "--generate", GENERATE, timeout=600, env=OFFLINE)
     assert "FSDP_TRAINER_OK" in stock.stdout, stock.stdout[-4000:]
@@ -152,6 +173,7 @@ def test_four_processes_text_and_vlm_under_trainer_fsdp2_like_stock_ddp(tmp_path
     fixed = accelerate_launch("fsdp.yaml", SCRIPT, "--mode", "fixed", "--out", str(tmp_path), "--families", families,
                               timeout=600, env=fsdp_device_env(OFFLINE), extra=FP32 + four)
     assert fixed.stdout.count("(fsdp, world size 4)") == len(families.split(",")), fixed.stdout[-4000:]
+    _check_cli_prints_the_run_plans(fixed.stdout, tmp_path, tuple(families.split(",")), world=4)
     stock = accelerate_launch("ddp_cpu.yaml", SCRIPT, "--mode", "stock", "--out", str(tmp_path), "--families",
                               families, timeout=600, env=OFFLINE, extra=four)
     assert "FSDP_TRAINER_OK" in stock.stdout, stock.stdout[-4000:]

@@ -1,5 +1,7 @@
 """resolve_plan: one test per row of the REFERENCES.md §1 failure table, plus overrides and strict mode."""
 
+from pathlib import Path
+
 import pytest
 
 from hf_ddpfix import DDPFixConfig, PlanError, RunFacts, resolve_plan
@@ -249,7 +251,9 @@ def test_explicit_find_unused_is_kept_while_something_can_go_unused():
 
 def test_plan_log_says_how_every_parameter_is_used_and_the_cost():
     text = resolve_plan(ddp(checkpointing="non_reentrant")).report()
-    assert "parameter_usage" in text and "exact-zero" in text and "cost:" in text
+    assert "parameter_usage" in text and "exact-zero" in text and "docs/plan.md#parameter_usage" in text
+    section = (Path(__file__).resolve().parents[1] / "docs" / "plan.md").read_text().split("### parameter_usage")[1]
+    assert "Cost:" in section.split("\n### ")[0]  # the cost lives in the linked section (a plan line fits a terminal)
     off = resolve_plan(ddp(checkpointing="non_reentrant"), NO_USAGE)
     assert off.ddp_kwargs()["find_unused_parameters"] is True  # stock's choice for a PeftModel is kept
     assert "parameter_usage is off" in off.find_unused_parameters.reason

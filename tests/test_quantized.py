@@ -9,6 +9,7 @@ what it refuses really fails in stock.
 
 from __future__ import annotations
 
+import json
 import os
 import re
 from types import SimpleNamespace
@@ -303,7 +304,10 @@ def test_plan_command_dry_runs_the_qlora_guardrails(capsys):
     assert main(["plan", "--parallel", "fsdp", "--quant", "4bit", "--quant-storage", "bfloat16",
                  "--mixed-precision", "bf16"]) == 0
     out = capsys.readouterr().out
-    assert "quantization" in out and "sharded in bfloat16 storage" in out and "the 4-bit bytes" in out
+    assert "quantization" in out and "sharded in bfloat16 storage" in out and "docs/plan.md#quantization" in out
+    assert main(["plan", "--parallel", "fsdp", "--quant", "4bit", "--quant-storage", "bfloat16",
+                 "--mixed-precision", "bf16", "--json"]) == 0  # the whole reason (the report's line fits 160)
+    assert "the 4-bit bytes" in json.loads(capsys.readouterr().out)["decisions"]["quantization"]["reason"]
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -1041,3 +1041,48 @@ def test_fully_shard_of_a_tied_tensor_needs_one_group_and_join_shared_holders_ma
         assert torch.equal(ours.shared.weight.grad.full_tensor(), expect), _broken("the joined group's gradient")
     finally:
         dist.destroy_process_group()
+
+
+def test_the_offline_fsdp2_path_reads_what_a_launch_and_torch_do():
+    """``_compat.fsdp_plugin_from_launch``, ``fake_process_group``, ``prepare_like_accelerate``, ``fsdp_groups``
+    (``hf-ddpfix plan`` and tests/test_fsdp_scale.py): accelerate 1.15's launcher exports ``fsdp_config`` as the
+    ``FSDP_*`` variables ``LAUNCH_FSDP_ENV`` names, which the plugin reads; ``fsdp2_prepare_model`` shards a meta
+    model under torch's fake process group through a stand-in accelerator; torch 2.13's FSDP2 state exposes its
+    parameter groups (sizes, padded shards, ``post_forward_mesh_info``) and keeps the root gathered after forward
+    when ``reshard_after_forward`` is left to it (``_auto_reshard_after_forward``, set in the root's lazy init)."""
+    from accelerate.utils import launch
+    from torch.distributed.fsdp._fully_shard import _fsdp_state
+
+    launcher = inspect.getsource(launch.prepare_multi_gpu_env)
+    for var in _compat.fsdp.LAUNCH_FSDP_ENV.values():
+        assert f'"{var[len("FSDP_"):]}"' in launcher or f'"{var}"' in launcher, _broken(f"the launcher no longer exports {var}")
+    lazy = inspect.getsource(_fsdp_state.FSDPState._lazy_init)
+    assert "_auto_reshard_after_forward" in lazy and "post_forward_mesh_info = None" in lazy, _broken(
+        "FSDPState._lazy_init no longer keeps the root gathered after forward")
+    import os
+
+    before = {k: v for k, v in os.environ.items() if k.startswith(("FSDP_", "ACCELERATE_"))}
+    plugin = _compat.fsdp_plugin_from_launch({"fsdp_version": 2, "fsdp_auto_wrap_policy": "TRANSFORMER_BASED_WRAP",
+                                              "fsdp_transformer_layer_cls_to_wrap": ["LlamaDecoderLayer"],
+                                              "fsdp_cpu_ram_efficient_loading": True})
+    assert plugin.fsdp_version == 2 and plugin.cpu_ram_efficient_loading is True
+    assert _compat.fsdp_wrap_classes(plugin) == (("LlamaDecoderLayer",), False)
+    assert {k: v for k, v in os.environ.items() if k.startswith(("FSDP_", "ACCELERATE_"))} == before  # restored
+    with torch.device("meta"):
+        model = _tiny_llama_meta()
+    with _compat.fake_process_group(4, 1):
+        _compat.prepare_like_accelerate(model, plugin)
+        groups = _compat.fsdp_groups(model)
+    assert not torch.distributed.is_initialized()
+    assert [len(params) for _, params, _ in groups] == [1, 9, 9, 2], _broken("FSDP2 parameter groups")
+    assert [reshards for *_, reshards in groups] == [True, True, True, False], _broken("reshard_after_forward")
+    for _, params, _ in groups:
+        for full, local, size in params:
+            assert size == 4 and local * 4 >= full, _broken("FSDP2 padded shard sizes")
+
+
+def _tiny_llama_meta():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    return LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
+                                        num_attention_heads=2, num_key_value_heads=1))

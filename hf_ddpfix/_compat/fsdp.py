@@ -33,8 +33,9 @@ from typing import Any
 
 from torch import nn
 
-__all__ = ["fsdp_module_units", "fsdp_plugin", "fsdp_wrap_classes", "fsdp_wrap_policy", "join_shared_holders",
-           "set_fsdp_wrap_classes", "shared_parameter_holders"]
+__all__ = ["LAUNCH_FSDP_ENV", "fake_process_group", "fsdp_groups", "fsdp_module_units", "fsdp_plugin",
+           "fsdp_plugin_from_launch", "fsdp_wrap_classes", "fsdp_wrap_policy", "join_shared_holders",
+           "prepare_like_accelerate", "set_fsdp_wrap_classes", "shared_parameter_holders"]
 
 _OURS = "_hf_ddpfix_wrap_classes"  # the class names hf_ddpfix set on the plugin (so they are not "the user's")
 
@@ -192,3 +193,132 @@ def join_shared_holders(root: nn.Module) -> _JoinSharedHolders:
     gives the list it appends to: for each call it widened, the names of the modules that joined. A call on
     ``root`` itself, or one whose parameters no outside module holds, is passed through unchanged. Undone on exit."""
     return _JoinSharedHolders(root)
+
+
+# ----------------------------------------------------------------------------------------------------
+# Offline: the plugin a launch builds, and the units accelerate makes, without a launch (meta device)
+# ----------------------------------------------------------------------------------------------------
+
+#: ``accelerate launch`` exports a yaml's ``fsdp_config`` as these variables (accelerate 1.15
+#: ``utils/launch.py: prepare_multi_gpu_env``), which ``FullyShardedDataParallelPlugin.__post_init__`` reads.
+LAUNCH_FSDP_ENV = {
+    "fsdp_version": "FSDP_VERSION",
+    "fsdp_auto_wrap_policy": "FSDP_AUTO_WRAP_POLICY",
+    "fsdp_transformer_layer_cls_to_wrap": "FSDP_TRANSFORMER_CLS_TO_WRAP",
+    "fsdp_min_num_params": "FSDP_MIN_NUM_PARAMS",
+    "fsdp_reshard_after_forward": "FSDP_RESHARD_AFTER_FORWARD",
+    "fsdp_offload_params": "FSDP_OFFLOAD_PARAMS",
+    "fsdp_cpu_ram_efficient_loading": "FSDP_CPU_RAM_EFFICIENT_LOADING",
+    "fsdp_state_dict_type": "FSDP_STATE_DICT_TYPE",
+}
+
+
+def fsdp_plugin_from_launch(fsdp_config: dict[str, Any]) -> Any:
+    """The ``FullyShardedDataParallelPlugin`` ``Accelerator()`` builds in a process that ``accelerate launch`` started
+    with a yaml whose ``fsdp_config`` is ``fsdp_config``: its keys are exported as ``FSDP_*`` variables
+    (:data:`LAUNCH_FSDP_ENV`; booleans lower-cased, lists comma-joined, as the launcher writes them) and the plugin
+    is built from that environment. The process environment is restored afterwards (the plugin's own writes too).
+    Keys the plan does not read (sharding of optimizer state, prefetch...) are ignored."""
+    import os
+
+    from accelerate.utils import FullyShardedDataParallelPlugin
+
+    env = {"FSDP_VERSION": "1"}
+    for key, value in fsdp_config.items():
+        var = LAUNCH_FSDP_ENV.get(key)
+        if var is None or value is None:
+            continue
+        if isinstance(value, bool):
+            value = str(value).lower()
+        elif isinstance(value, (list, tuple)):
+            value = ",".join(str(v) for v in value)
+        env[var] = str(value)
+    saved = dict(os.environ)
+    try:
+        for var in LAUNCH_FSDP_ENV.values():
+            os.environ.pop(var, None)
+        os.environ.update(env)
+        return FullyShardedDataParallelPlugin()
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
+
+
+class fake_process_group:  # noqa: N801 - a context manager used like a function
+    """``with fake_process_group(world_size, rank):`` a default process group of ``world_size`` ranks in this one
+    process, whose collectives do nothing (torch's testing ``FakeStore`` + the ``"fake"`` backend, torch 2.13:
+    ``torch/testing/_internal/distributed/fake_pg.py``). Lets ``fully_shard`` shard a meta-device model as rank
+    ``rank`` of ``world_size`` would. Refuses to run where a process group already exists (a real run); the group
+    is destroyed on exit."""
+
+    def __init__(self, world_size: int, rank: int = 0) -> None:
+        if world_size < 1 or not 0 <= rank < world_size:
+            raise ValueError(f"world_size must be >= 1 and 0 <= rank < world_size, got {world_size}, {rank}")
+        self.world_size, self.rank = world_size, rank
+
+    def __enter__(self) -> Any:
+        import torch.distributed as dist
+        from torch.testing._internal.distributed.fake_pg import FakeStore
+
+        if dist.is_initialized():
+            raise RuntimeError("a torch.distributed process group already exists: the fake one is for offline "
+                               "planning only")
+        dist.init_process_group("fake", store=FakeStore(), rank=self.rank, world_size=self.world_size)
+        return dist.group.WORLD
+
+    def __exit__(self, *exc: Any) -> None:
+        import torch.distributed as dist
+
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def prepare_like_accelerate(model: nn.Module, plugin: Any, mixed_precision: str = "no") -> nn.Module:
+    """Shard ``model`` (on the meta device, inside a process group) with accelerate's own ``fsdp2_prepare_model``
+    (accelerate 1.15: the plugin's wrap policy over ``get_module_children_bottom_up``, the carved input embedding
+    and ``[final norm, head]`` units, the root last), through a stand-in accelerator: the launch's
+    ``mixed_precision`` (other than ``"no"``, accelerate stores trainable parameters in float32), no device mesh,
+    and ``cpu_ram_efficient_loading`` off for the call (its rank-0 broadcast needs real weights; the units do not
+    depend on it). Returns the sharded model."""
+    from types import SimpleNamespace
+
+    import torch
+    from accelerate.utils.fsdp_utils import fsdp2_prepare_model
+
+    accelerator = SimpleNamespace(state=SimpleNamespace(fsdp_plugin=plugin), mixed_precision=mixed_precision,
+                                  is_main_process=False, device=torch.device("meta"), torch_device_mesh=None)
+    ram = getattr(plugin, "cpu_ram_efficient_loading", False)
+    plugin.cpu_ram_efficient_loading = False
+    try:
+        return fsdp2_prepare_model(accelerator, model)
+    finally:
+        plugin.cpu_ram_efficient_loading = ram
+
+
+def fsdp_groups(model: nn.Module) -> list[tuple[tuple[nn.Module, ...], list[tuple[int, int, int]], bool]]:
+    """Every FSDP2 parameter group of ``model`` (one per ``fully_shard`` call that manages parameters), in
+    ``named_modules`` order: ``(modules, [(full numel, local numel incl. padding, element size)] per parameter,
+    reshards after forward)``. Reads torch 2.13's ``FSDPModule._get_fsdp_state()._fsdp_param_group``
+    (``fsdp_params[i]._orig_size`` / ``_sharded_param_data``, ``post_forward_mesh_info``: ``None`` when the group
+    stays gathered from its forward to its backward). The root's group, sharded without a
+    ``reshard_after_forward`` (accelerate 1.15 leaves it to torch), stays gathered too: torch's lazy init sets its
+    ``post_forward_mesh_info`` to ``None`` at the first forward when ``_auto_reshard_after_forward`` is set
+    (``FSDPState._lazy_init``), which has not run on a model that never ran a forward."""
+    from torch.distributed.fsdp import FSDPModule
+
+    root = model._get_fsdp_state() if isinstance(model, FSDPModule) else None
+    seen: set[int] = set()
+    out = []
+    for mod in model.modules():
+        if not isinstance(mod, FSDPModule):
+            continue
+        state = mod._get_fsdp_state()
+        group = state._fsdp_param_group
+        if group is None or id(group) in seen:
+            continue
+        seen.add(id(group))
+        params = [(fp._orig_size.numel(), fp._sharded_param_data.numel(), fp.sharded_param.element_size())
+                  for fp in group.fsdp_params]
+        held = group.post_forward_mesh_info is None or (state is root and bool(state._auto_reshard_after_forward))
+        out.append((tuple(group.modules), params, not held))
+    return out

@@ -9,25 +9,50 @@ outside their buckets and partitions altogether.
 
 :class:`TrainableSetWatch` takes the trainable set when hf_ddpfix attaches (before the model is wrapped) and
 checks it after the last backward of every optimizer step, before the gradients are clipped, measured or
-stepped (:func:`hf_ddpfix._compat.before_gradient_clipping`): the step where the change takes effect.
+stepped (:func:`hf_ddpfix._compat.before_gradient_clipping`): the step where the change takes effect. The check
+compares every known parameter's ``requires_grad`` with the set the ranks last agreed on (a C-level scan, no
+Python loop); its "changed here" flag rides in the usage agreement's all-reduce where that runs (DDP, FSDP2), so
+a step where nothing changed costs no collective of its own. In a step where some rank changed its set, every
+rank must have made the same change (one ``all_gather_object`` of the names, that step only); otherwise every
+rank raises :class:`TrainableSetChangedError` at that step (a rank that did not change learns it from the same
+agreement before its next collective: ``finalize_late``).
+
+Unfreezing (a parameter that did not require grad at wrapping and does now):
 
 - DDP: the gradients of the parameters unfrozen since wrapping are averaged over the ranks (one
   ``all_reduce`` per parameter, a rank without a gradient adding zeros; none when no rank has one), what
   DDP does for every registered parameter: the optimizer and the clip see what a one-process run with the
-  same global batch sees. Every rank must have unfrozen the same parameters (checked by name in a step where
-  the set changed; otherwise :class:`TrainableSetChangedError` on every rank). Logged once per new
-  set, counted as feature ``trainable_set`` (``ran``, amount ``reduced_params``).
+  same global batch sees. Logged once per new set, counted as feature ``trainable_set`` (``ran``, amount
+  ``reduced_params``).
 - FSDP: :class:`TrainableSetChangedError` at that step, naming the parameters, the step and the
   fix (unfreeze before ``trainer.train()``, with a zero learning rate until the step you want, or restart
   from a checkpoint with the new trainable set), before the optimizer steps: no replica has drifted.
-
 - DeepSpeed ZeRO (1/2/3): the engine reduces, clips and steps inside ``accelerator.backward`` (``engine.step``),
   where the clipping hook point above is never reached, and its partitions hold only the parameters trainable
-  at ``deepspeed.initialize``. So the check runs at the start of every micro-batch's ``training_step`` (before
-  its forward, backward and the engine's step; one byte gathered per rank and micro-batch) and refuses:
-  :class:`TrainableSetChangedError` on every rank, naming the parameters, the step and the fix.
+  at ``deepspeed.initialize``: :class:`TrainableSetChangedError` on every rank, naming the parameters, the step
+  and the fix.
 
-A parameter frozen after wrapping needs nothing: it gets no gradient and the optimizer skips it, as stock.
+Freezing (a parameter trainable at wrapping that no longer requires grad; issue 38) trains as stock does under
+the same parallelism: from the micro-batch where it is frozen the parameter gets no gradient. What "as stock"
+means, exactly (each backed by a bit-equal comparison with the stock Trainer, tests/test_trainable_set.py):
+
+- DDP (stock: ``find_unused_parameters=True``): DDP leaves a parameter no rank used without a gradient and
+  AdamW skips it (no update, no weight decay, its moments frozen). A gradient it got in an earlier micro-batch
+  of the same step (frozen between the micro-batches of an accumulation) is averaged over the ranks and stepped
+  once more. hf_ddpfix keeps the plan's ``find_unused_parameters=False`` / static graph: the reducer still waits
+  for the frozen parameter's hook, so ``ParameterUsage`` keeps tying it into every backward
+  (:meth:`hf_ddpfix.ops.zero_tie.ZeroTie.tie`: its ``AccumulateGrad`` runs and accumulates nothing), and its
+  finalize leaves ``.grad`` ``None`` where no micro-batch of the step gave it one: the same gradients, the same
+  weights. No collective changes, so a rank that froze alone cannot hang DDP; the agreement raises at that step.
+- FSDP2 (stock FSDP2 reduce-scatters only the gradients of parameters that require grad): nothing to change,
+  but a rank that froze alone would reduce-scatter other tensors than its peers inside backward (a hang), so
+  under FSDP2 the check also runs before every micro-batch's forward (one byte all-gathered per rank and
+  micro-batch, read on the host) and raises there.
+- DeepSpeed ZeRO (stock ZeRO keeps stepping the flat partition: a frozen parameter's zero-filled gradient
+  slice, with AdamW's weight decay, as DeepSpeed does; with ``zero_skip_unused`` it is skipped, as stock DDP):
+  nothing to change; the per-micro-batch check above refuses a rank that froze alone.
+
+Logged once per new frozen set, counted as feature ``trainable_set`` (``ran``, amount ``frozen_params``).
 """
 
 from __future__ import annotations
@@ -97,29 +122,40 @@ class TrainableSetWatch:
         self._checked_step: Any = None
         self._frozen: list[tuple[str, nn.Parameter]] | None = None  # the candidates, taken at the first check
         self._frozen_params: list[nn.Parameter] = []
+        self._trained: list[tuple[str, nn.Parameter]] = []  # trainable when the watch started (taken with _frozen)
+        self._trained_params: list[nn.Parameter] = []
         self._new: list[tuple[str, nn.Parameter]] | None = None
         self._new_step: Any = None
+        self._froze: tuple[str, ...] = ()  # frozen since the watch started, as of this step's check
+        self._froze_agreed: tuple[str, ...] = ()  # ... as last agreed by every rank
         self._announced: set[tuple[str, ...]] = set()
         self.reduced = 0  # parameter reductions done so far (tests, logs)
+        self.frozen_changes = 0  # steps in which the set of parameters frozen since wrapping changed (agreed)
 
     def new_trainable(self) -> list[tuple[str, nn.Parameter]]:
         """``(name, parameter)`` that require grad now and did not when the watch started, in module order."""
         return [(n, p) for n, p in self.model.named_parameters() if p.requires_grad and _plain(n) in self.known and _plain(n) not in self.baseline]
 
     def changed(self, fresh: bool = False) -> bool:
-        """True when some parameter requires grad now that did not when the watch started (this rank). Taken
-        once per optimizer step and kept for :meth:`finalize`: what ``ParameterUsage`` carries in its agreement
-        (``step_flag``). Cost: a C-level scan of the frozen parameters' ``requires_grad`` (no Python loop)."""
+        """True when, on this rank, some parameter requires grad now that did not when the watch started, or the
+        set of parameters frozen since then differs from the one the ranks last agreed on (a parameter frozen in
+        this step). Taken once per optimizer step and kept for :meth:`finalize`: what ``ParameterUsage``
+        carries in its agreement (``step_flag``). Cost: a C-level scan of every known parameter's
+        ``requires_grad`` (no Python loop) while nothing changed."""
         step = self.step()
         if fresh or self._new_step != step or self._new is None:
             if self._frozen is None:  # after wrapping (FSDP2 swaps the parameter objects when it wraps)
-                self._frozen = [(n, p) for n, p in self.model.named_parameters()
-                                if _plain(n) in self.known and _plain(n) not in self.baseline]
+                named = [(n, p) for n, p in self.model.named_parameters() if _plain(n) in self.known]
+                self._frozen = [(n, p) for n, p in named if _plain(n) not in self.baseline]
+                self._trained = [(n, p) for n, p in named if _plain(n) in self.baseline]
                 self._frozen_params = [p for _, p in self._frozen]
+                self._trained_params = [p for _, p in self._trained]
             self._new_step = step
             self._new = ([(n, p) for n, p in self._frozen if p.requires_grad]
                          if any(map(_REQUIRES_GRAD, self._frozen_params)) else [])
-        return bool(self._new)
+            self._froze = (tuple(n for n, p in self._trained if not p.requires_grad)
+                           if not all(map(_REQUIRES_GRAD, self._trained_params)) else ())
+        return bool(self._new) or self._froze != self._froze_agreed
 
     def finalize(self, once_per_step: bool = True, agreed: tuple[bool, bool] | None = None) -> None:
         """Check (and under DDP reduce) once per optimizer step; a second call in the same step does nothing
@@ -141,16 +177,58 @@ class TrainableSetWatch:
             self.changed()
             new = list(self._new or [])
             if not agreed[1]:
-                raise _differently(self.parallel, step, [n for n, _ in new])
+                raise _differently(self.parallel, step, [n for n, _ in new] + list(self._froze))
         else:
-            self.changed(fresh=not once_per_step)
+            mine = self.changed(fresh=not once_per_step)
             new = list(self._new or [])
             if not dist_ready(self.process_group):
+                self._froze_agreed = self._froze
                 return
-            rows = gather_flags([bool(new)], self.process_group)  # one byte per rank and step
+            rows = gather_flags([mine], self.process_group)  # one byte per rank and step
             if not any(r[0] for r in rows):
                 return
-        self._ddp_or_refuse(step, new)
+            if not all(r[0] for r in rows):
+                raise _differently(self.parallel, step, [n for n, _ in new] + list(self._froze))
+        self._agree_changes(step, new)
+        if new:
+            self._ddp_or_refuse(step, new)
+
+    def _agree_changes(self, step: Any, new: list[tuple[str, nn.Parameter]]) -> None:
+        """Every rank changed its set in this step: check that they unfroze and froze the same parameters since
+        wrapping (one ``all_gather_object`` of the names, only in a step where some set changed), else raise the
+        same :class:`TrainableSetChangedError` on every rank; a new frozen set is logged once and counted
+        (``trainable_set`` / ``frozen_params``). Nothing else to do for a frozen parameter: under DDP it is still
+        tied into every backward (``ZeroTie.tie``), so the reducer gets its hook and no collective changes; it
+        gets no gradient, and the usage finalize leaves its ``.grad`` ``None`` unless a micro-batch of this step
+        gave it one before it was frozen (then that gradient is averaged and stepped, as stock DDP does). FSDP2 /
+        ZeRO: see the module docstring."""
+        names = list(self._froze)
+        if dist_ready(self.process_group):
+            mine = ([n for n, _ in new], names)
+            everyone: list[Any] = [None] * dist.get_world_size(self.process_group)
+            dist.all_gather_object(everyone, mine, group=self.process_group)
+            if any(other != mine for other in everyone):
+                shown = ", ".join(names[:5]) or "none"
+                raise TrainableSetChangedError(
+                    f"hf_ddpfix ({self.parallel}): at optimizer step {step} the ranks changed the trainable set "
+                    f"differently after wrapping (this rank froze: {shown}; unfroze: "
+                    f"{', '.join(mine[0][:5]) or 'none'}); every rank must train the same set. Fix: change "
+                    "requires_grad the same way on every rank (e.g. in a TrainerCallback, which runs on every rank).")
+        if self._froze == self._froze_agreed:
+            return
+        added = [n for n in names if n not in self._froze_agreed]
+        self._froze_agreed = self._froze
+        self.frozen_changes += 1
+        record_ran(FEATURE)
+        record_amount(FEATURE, "frozen_params", len(added))
+        key = ("frozen", *names)
+        if added and key not in self._announced:
+            self._announced.add(key)
+            shown = ", ".join(added[:5]) + (f" and {len(added) - 5} more" if len(added) > 5 else "")
+            logger.warning("hf_ddpfix (%s): at optimizer step %s, %d parameter(s) stopped requiring grad after the "
+                           "model was wrapped (%s) on every rank: from now on they get no gradient, as in stock %s "
+                           "(counted: trainable_set / frozen_params)", self.parallel, step, len(added), shown,
+                           self.parallel.upper())
 
     def finalize_late(self, agreed: tuple[bool, bool] | None) -> None:
         """The check on a rank that did not read the agreement at :meth:`finalize` (it changed nothing and had
@@ -178,13 +256,6 @@ class TrainableSetWatch:
                 "trainer.train()" + (" (before deepspeed.initialize)" if ds else "") + " and keep such a "
                 "parameter's learning rate at 0 until the step you want, or save a checkpoint and start a new "
                 "train() with the new trainable set.")
-        everyone: list[Any] = [None] * dist.get_world_size(self.process_group)
-        dist.all_gather_object(everyone, names, group=self.process_group)  # only in a step where the set changed
-        if any(other != names for other in everyone):
-            raise TrainableSetChangedError(
-                f"hf_ddpfix (ddp): at optimizer step {step} the ranks unfroze different parameters after wrapping "
-                f"(this rank: {shown or 'none'}); their gradients cannot be averaged. Fix: change requires_grad "
-                "the same way on every rank (e.g. in a TrainerCallback, which runs on every rank).")
         has = gather_flags([p.grad is not None for _, p in new], self.process_group)
         world = dist.get_world_size(self.process_group)
         for i, (_, p) in enumerate(new):

@@ -5,6 +5,16 @@ gradient unchanged and every ``extra`` gets an exact-zero gradient. Tying a tens
 parameters into the loss this way makes those parameters take part in backward (their
 ``AccumulateGrad`` and DDP hooks fire, FSDP reduce-scatters them) without changing the loss or any
 other gradient by a single bit, whatever the dtype or autocast state (no ``0 * inf`` NaN either).
+
+Each zero gradient a tie hands out is a zero-strided view of one scalar zero, marked (:func:`is_tie_zero`): a
+leaf's gradient hook that receives it knows nothing but the tie reached that leaf in this backward (the autograd
+engine sums every contribution to a leaf before its hooks run, and never in place into a non-contiguous
+tensor: any real contribution gives the hook another tensor). ``ParameterUsage`` decides "used" by it, from
+what backward really ran (a regulariser added below the loss it saw, a hook, a second backward).
+
+:meth:`ZeroTie.tie` also ties a parameter that stopped requiring grad after the model was wrapped: DDP's reducer
+still waits for its hook, which fires when its ``AccumulateGrad`` runs; autograd accumulates nothing into a leaf
+that does not require grad, so it gets no gradient, as frozen.
 """
 
 from __future__ import annotations
@@ -15,7 +25,20 @@ import torch
 
 from .._compat import autograd_function_class
 
-__all__ = ["ZeroTie", "is_zero_tie_node", "tie_zero"]
+__all__ = ["ZeroTie", "is_tie_zero", "is_zero_tie_node", "tie_zero"]
+
+_MARK = "_hf_ddpfix_tie_zero"
+
+
+def _marked_zero(shape: Any, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    z = torch.zeros((), dtype=dtype, device=device).expand(shape)
+    setattr(z, _MARK, True)  # kept with the tensor while autograd holds it (PyObject preservation)
+    return z
+
+
+def is_tie_zero(grad: Any) -> bool:
+    """True for a gradient that is exactly a tie's zero (no other contribution was summed into it)."""
+    return getattr(grad, _MARK, False) is True
 
 
 class ZeroTie(torch.autograd.Function):
@@ -36,8 +59,22 @@ class ZeroTie(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        zeros = [torch.zeros(s, dtype=d, device=dev) for s, d, dev in ctx.extra_meta]
+        zeros = [_marked_zero(s, d, dev) for s, d, dev in ctx.extra_meta]
         return (grad, *zeros)
+
+    @staticmethod
+    def tie(x: torch.Tensor, extras: list[torch.Tensor]) -> torch.Tensor:
+        """``ZeroTie.apply(x, *extras)``, with every extra that does not require grad now (a parameter frozen
+        after the model was wrapped) tied too: its ``requires_grad`` is switched on only while the tie is built,
+        so its ``AccumulateGrad`` node (and a DDP hook on it) runs in backward and accumulates nothing."""
+        frozen = [e for e in extras if not e.requires_grad and e.is_leaf and e.is_floating_point()]
+        for e in frozen:
+            e.requires_grad_(True)
+        try:
+            return ZeroTie.apply(x, *extras)
+        finally:
+            for e in frozen:
+                e.requires_grad_(False)
 
 
 def is_zero_tie_node(node: Any) -> bool:

@@ -48,17 +48,10 @@ def decide_checkpointing(facts: RunFacts, c: DDPFixConfig, distributed: bool, co
     return Decision(asked, "as requested")
 
 
-_USAGE_HOW = (
-    "at run time, every trainable parameter the loss given to accelerator.backward does not reach is tied "
-    "into that loss with an exact-zero gradient (observed per micro-batch by an autograd-graph walk from the "
-    "loss, reentrant checkpointed layers by the tensors they read); grads no rank used in the step are reset "
-    "to None before clipping (stock fu=True semantics)"
-)
-_USAGE_COST = ("cost: at most one graph walk per micro-batch (from the loss; the forward's own only until every loss is "
-               "seen at backward; none once a batch signature's usage is established: a check at backward instead), one "
-               "asynchronous all-reduce of 1 byte per trainable tensor (+2: the trainable-set check's flag) per optimizer "
-               "step, in place of stock's used-parameter all-reduce, read on the host only by a rank that left a "
-               "parameter unused or changed its trainable set (docs/fast-path.md)")
+# The long form (how the usage is observed, what it costs, stock fu=True semantics) is docs/plan.md#parameter_usage:
+# a plan line fits a terminal (Plan.report).
+_USAGE_HOW = "unused trainable parameters tied into the loss with exact-zero gradients at run time"
+_USAGE_COST = "docs/plan.md#parameter_usage"
 
 
 def decide_parameter_usage(facts: RunFacts, c: DDPFixConfig, ckpt: str) -> Decision:
@@ -81,7 +74,7 @@ def decide_parameter_usage(facts: RunFacts, c: DDPFixConfig, ckpt: str) -> Decis
     if facts.loss_unseen is not None:
         return Decision(False, f"cannot observe the loss that is back-propagated ({facts.loss_unseen}): stock "
                         "find_unused_parameters kept")
-    return Decision(True, f"{_USAGE_HOW}; {_USAGE_COST}", changed=True)
+    return Decision(True, f"{_USAGE_HOW} ({_USAGE_COST})", changed=True)
 
 
 def decide_stabilizer(facts: RunFacts, c: DDPFixConfig, distributed: bool, usage: bool = False) -> Decision:
@@ -173,10 +166,10 @@ def decide_find_unused(
         return Decision(False, f"explicit ({source})", changed=stock is not False)
     if unused is not None:
         return Decision(True, unused, changed=stock is not True)
-    why = ("every trainable parameter reaches the loss given to backward (tied in at run time where it does not)"
+    why = ("every trainable parameter reaches the loss (tied in where not)"
            if usage is not None and usage.value else "every trainable parameter is used every step")
     if facts.is_peft and stock:
-        why += " (stock picks True for every PeftModel: an extra graph traversal per step)"
+        why += "; stock: True for a PeftModel (a graph walk a step)"
     return Decision(False, why, changed=stock is not False)
 
 

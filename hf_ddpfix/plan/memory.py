@@ -166,7 +166,7 @@ def decide_long_context(facts: RunFacts, c: DDPFixConfig, ckpt: str, fit: Memory
     if facts.parallel == "fsdp" and "tiled_layer" in value:
         notes.append("tile count all-reduced (MAX) so FSDP ranks gather alike")
     extra = ("; " + "; ".join(notes)) if notes else ""
-    return Decision(value, f"Llama-style layers patched where source-identical to LlamaDecoderLayer, masked/cached "
+    return Decision(value, f"decoder layers patched by structure where a known wiring reproduces them, masked/cached "
                     f"calls run stock ({c.source('long_context')}){extra}{memo}", changed=True)
 
 

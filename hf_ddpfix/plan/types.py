@@ -151,6 +151,38 @@ class RunFacts:
         return self.checkpointing == "off"
 
 
+#: The longest line `Plan.report()` prints: a terminal's width. A longer line is cut at a clause boundary and ends
+#: with a link to its section of docs/plan.md (one anchor per decision, tests/test_plan_report_width.py); the full
+#: reason stays in `Decision.reason` (and `hf-ddpfix plan --json`).
+REPORT_WIDTH = 160
+PLAN_DOC = "docs/plan.md"
+
+
+def fit_line(line: str, anchor: str, width: int = REPORT_WIDTH) -> str:
+    """``line`` if it fits ``width`` characters, else its longest head that ends at a clause boundary (``; ``,
+    ``: ``, ``, ``, else a space, within its last quarter; else where the width ends), its open parentheses
+    closed, then `` … (docs/plan.md#<anchor>)``.
+
+    Guarantees: the result has at most ``width`` characters (a link longer than the room aside) and starts with
+    the same text as ``line``; a line that fits is returned unchanged."""
+    if len(line) <= width:
+        return line
+    link = f" … ({PLAN_DOC}#{anchor})"
+    head = line[: max(width - len(link), 0)]
+    unclosed = 0
+    for _ in range(8):  # room for the closing parentheses: at most a few rounds
+        room = max(width - len(link) - unclosed, 0)
+        head = line[:room]
+        clause, space = max(head.rfind(sep) for sep in ("; ", ": ", ", ")), head.rfind(" ")
+        # a clause boundary, else a space, unless either drops more than a quarter: then the characters that fit
+        cut = clause if clause > room * 3 // 4 else space if space > room * 3 // 4 else room
+        head = head[:cut].rstrip(" ,;:")
+        if max(head.count("(") - head.count(")"), 0) <= unclosed:
+            break
+        unclosed = head.count("(") - head.count(")")
+    return head + ")" * max(head.count("(") - head.count(")"), 0) + link
+
+
 @dataclass(frozen=True)
 class Decision:
     """One decision: its value, why, and whether it differs from what the stock stack does.
@@ -265,21 +297,28 @@ class Plan:
         notes = tuple(f"{name}: {decisions[name].text} -> off at attach time ({fallbacks[name]})" for name in changes)
         return replace(self, **changes, corrections=self.corrections + notes)
 
-    def report(self) -> str:
+    def report(self, width: int | None = REPORT_WIDTH) -> str:
         """Multi-line, human-readable plan: every decision, `*` marks what differs from stock, `!` an option
-        asked on that does not run (with its reason; options that are no decision get a line of their own)."""
+        asked on that does not run (with its reason; options that are no decision get a line of their own).
+
+        Guarantees: every line fits `width` (default `REPORT_WIDTH`; `None`: the whole reasons, uncut); a cut one
+        links its section of docs/plan.md (`fit_line`)."""
+
+        def fit(line: str, anchor: str) -> str:
+            return line if width is None else fit_line(line, anchor, width)
+
         lines = [f"hf_ddpfix plan ({self.parallel}, world size {self.world_size}):"]
         decisions = self.decisions()
         for name, d in decisions.items():
             if d.value is None:
                 continue
             mark = "!" if name in self.not_applied else "*" if d.changed else " "
-            lines.append(f" {mark} {name:<23} = {d.text:<14} {d.reason}")
+            lines.append(fit(f" {mark} {name:<23} = {d.text:<14} {d.reason}", name))
         for name, text in self.not_applied.items():
             if name not in decisions:
-                lines.append(f" ! {name:<23} = {'off':<14} {text}")
+                lines.append(fit(f" ! {name:<23} = {'off':<14} {text}", "asked-for-not-applied"))
         for c in self.corrections:
-            lines.append(f"   corrected: {c}")
+            lines.append(fit(f"   corrected: {c}", "corrected"))
         if self.config_lines:
-            lines.append("   settings: " + "; ".join(self.config_lines))
+            lines.append(fit("   settings: " + "; ".join(self.config_lines), "settings"))
         return "\n".join(lines)

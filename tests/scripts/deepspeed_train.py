@@ -266,7 +266,7 @@ def run(name: str, model: nn.Module, rows: list[dict], collate, *, stage: int | 
     rt = getattr(trainer, "hf_ddpfix_runtime", None)
     zv = getattr(rt, "zero_vision", None)
     out = {"weights": trainable_weights(model), "seconds": time.time() - t0,
-           "plan": plan.report() if plan is not None else None,
+           "plan": plan.report(width=None) if plan is not None else None,
            "checkpointing": plan.checkpointing.value if plan is not None else None,
            "stabilizer": plan.vlm_stabilizer.value if plan is not None else None,
            "leaf": plan.zero3_leaf_modules.value if plan is not None else None,
@@ -331,7 +331,7 @@ def train_and_evaluate(name: str, model: nn.Module, rows: list[dict], eval_rows:
            "seconds": time.time() - t0,
            "train_dummies": train_counts.amounts.get("train_dummies", 0) if train_counts else 0,
            "eval_dummies": eval_counts.amounts.get("eval_dummies", 0) if eval_counts else 0,
-           "plan": trainer.hf_ddpfix_plan.report() if getattr(trainer, "hf_ddpfix_plan", None) else None}
+           "plan": trainer.hf_ddpfix_plan.report(width=None) if getattr(trainer, "hf_ddpfix_plan", None) else None}
     dist.barrier()
     del trainer
     gc.collect()

@@ -302,12 +302,18 @@ def run(cell: str, mode: str, out: str, lines: PlanLines, world_of: int = 0) -> 
         history = [(h["loss"], h["grad_norm"]) for h in trainer.state.log_history if "grad_norm" in h]
         torch.save({"weights": weights, "eval_loss": metrics["eval_loss"], "eval_items": extra.get("eval_items"),
                     "history": history, "wrapped": type(trainer.model).__name__,
-                    "units": units, "plan": list(lines.lines)}, os.path.join(out, f"{mode}-{cell}.pt"))
+                    "units": units, "plan": list(lines.lines) + _full_plan(trainer)}, os.path.join(out, f"{mode}-{cell}.pt"))
         print(f"[{mode}] {cell}: {type(trainer.model).__name__}, {len(units)} FSDP2 units, eval_loss "
               f"{metrics['eval_loss']:.6f}, {time.time() - t0:.1f}s", flush=True)
     if world > 1:
         dist.barrier()
 
+
+
+def _full_plan(trainer) -> list[str]:
+    """The plan's lines with the whole reasons (the logged lines are cut at 160 characters)."""
+    plan = getattr(trainer, "hf_ddpfix_plan", None)
+    return plan.report(width=None).splitlines() if plan is not None else []
 
 def main() -> None:
     ap = argparse.ArgumentParser()

@@ -224,6 +224,9 @@ def run(name: str, mode: str, out: str, saved: bool = False, generate: bool = Fa
                     "ties": ties}, os.path.join(out, f"{mode}-{name}.pt"))
         print(f"[{mode}] {name}: {type(trainer.model).__name__}, {len(units)} FSDP2 units, eval_loss "
               f"{metrics['eval_loss']:.6f}, {time.time() - t0:.1f}s", flush=True)
+        plan = getattr(trainer, "hf_ddpfix_plan", None)
+        if plan is not None:  # the whole reasons (the logged plan's lines are cut at 160 characters)
+            print("\n".join("full plan: " + ln for ln in plan.report(width=None).splitlines()[1:]), flush=True)
 
 
 def main() -> None:

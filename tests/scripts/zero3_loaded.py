@@ -125,7 +125,7 @@ def run(name: str, family: str, path: str, rows: list[dict], *, persistence: str
     eval_counts = feature_counts.snapshot().get("stabilizer")
     plan = getattr(trainer, "hf_ddpfix_plan", None)
     out = {"weights": trainable_weights(model), "seconds": time.time() - t0, "partitioned": partitioned,
-           "eval_loss": metrics.get("eval_loss"), "plan": plan.report() if plan is not None else None,
+           "eval_loss": metrics.get("eval_loss"), "plan": plan.report(width=None) if plan is not None else None,
            "stabilizer": plan.vlm_stabilizer.value if plan is not None else None,
            "train_dummies": train_counts.amounts.get("train_dummies", 0) if train_counts else 0,
            "eval_dummies": eval_counts.amounts.get("eval_dummies", 0) if eval_counts else 0,

@@ -12,8 +12,8 @@ The pure decisions live in :mod:`hf_ddpfix.plan.fsdp`.
 """
 
 from .trainer import apply_fsdp_units, join_tied_holders, rescope_on_wrap
-from .units import FsdpFacts, gather_fsdp_facts, repeated_block_classes
+from .units import FsdpFacts, fsdp_facts, gather_fsdp_facts, repeated_block_classes
 from .wrap import fsdp_wrap_plan, layerdrop_stacks, skippable_subtrees
 
-__all__ = ["FsdpFacts", "apply_fsdp_units", "fsdp_wrap_plan", "gather_fsdp_facts", "join_tied_holders", "layerdrop_stacks",
+__all__ = ["FsdpFacts", "apply_fsdp_units", "fsdp_facts", "fsdp_wrap_plan", "gather_fsdp_facts", "join_tied_holders", "layerdrop_stacks",
            "repeated_block_classes", "rescope_on_wrap", "skippable_subtrees"]

@@ -37,7 +37,7 @@ from ..._compat import (
 )
 from .wrap import skippable_subtrees
 
-__all__ = ["FsdpFacts", "gather_fsdp_facts", "repeated_block_classes"]
+__all__ = ["FsdpFacts", "fsdp_facts", "gather_fsdp_facts", "repeated_block_classes"]
 
 
 @dataclass(frozen=True)
@@ -106,9 +106,15 @@ def _classes_inside(subtrees: Iterable[nn.Module]) -> set[str]:
 
 
 def gather_fsdp_facts(trainer: Any, model: nn.Module) -> FsdpFacts:
-    """The facts for the Trainer's FSDP run on ``model`` (read-only). A ``_no_split_modules`` set (Gemma 3,
-    LLaVA) is read in sorted order, so every process spells the plan the same way whatever its hash seed."""
-    plugin = fsdp_plugin(trainer)
+    """The facts for the Trainer's FSDP run on ``model`` (read-only): :func:`fsdp_facts` with the Trainer's plugin."""
+    return fsdp_facts(fsdp_plugin(trainer), model)
+
+
+def fsdp_facts(plugin: Any, model: nn.Module) -> FsdpFacts:
+    """The facts for an FSDP run of ``model`` under accelerate's ``plugin`` (``None``: the transformer policy with
+    the model's classes), read-only; the run (:func:`gather_fsdp_facts`) and ``hf-ddpfix plan`` (a meta-device
+    model, the plugin a launch would build) both read them here. A ``_no_split_modules`` set (Gemma 3, LLaVA) is
+    read in sorted order, so every process spells the plan the same way whatever its hash seed."""
     hf = unwrap_model(model)
     names, ours = fsdp_wrap_classes(plugin) if plugin is not None else (None, False)
     no_split = tuple(no_split_modules(hf))

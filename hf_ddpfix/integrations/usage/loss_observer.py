@@ -67,6 +67,6 @@ def observe_loss(loss: Any, step: StepRecord, index: Callable[[], dict[int, int]
         feature_counts.record_amount("parameter_usage", "used_at_loss", len(added))
     moved = [e for node, extras, witness in pending if node not in nodes and witness & nodes for e in extras]
     if moved:
-        loss = ZeroTie.apply(loss, *moved)
+        loss = ZeroTie.tie(loss, moved)
         feature_counts.record_amount("parameter_usage", "ties_moved_to_loss", len(moved))
     return time.perf_counter() - t0, loss

@@ -83,6 +83,16 @@ class NoWalkCheck:
         """The loss was handled (walked and tied, or checked): ties made so far are accounted for."""
         self.tie_mark = ZeroTie.applied
 
+    def take_nodes(self, tensors: Callable[[], list[torch.Tensor]]) -> bool:
+        """Take (once, until forgotten) the ``AccumulateGrad`` node of every tensor of ``tensors()``; False, and
+        nothing taken, when one does not require grad (frozen since the nodes were last taken: the caller walks)."""
+        if self.grad_nodes is None:
+            ts = tensors()
+            if not all(t.requires_grad for t in ts):
+                return False
+            self.grad_nodes = [torch.autograd.graph.get_gradient_edge(t).node for t in ts]
+        return True
+
     def install(self, loss: torch.Tensor, tensors: Callable[[], list[torch.Tensor]],
                 all_used: Callable[[], None]) -> torch.Tensor:
         """Put the check on ``loss``'s node (returned unchanged): when backward starts, every ``AccumulateGrad``

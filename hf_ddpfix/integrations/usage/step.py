@@ -20,7 +20,8 @@ class StepRecord:
 
     Attributes:
         used: slot indices the losses seen at backward used (or, for a forward whose loss was never seen,
-            its output's prediction, merged in by :meth:`close`).
+            its output's prediction, merged in by :meth:`close`), and those left out of such a loss that received
+            a real gradient in some backward of the step (``real_hooks``: ``ParameterUsage._watch_real``).
         forwards: training forwards in this step.
         pending_forwards: training forwards since the last loss seen at backward.
         pending_used: the union of those forwards' predictions.
@@ -34,7 +35,10 @@ class StepRecord:
         self.clear()
 
     def clear(self) -> None:
-        """Forget everything (a new optimizer step)."""
+        """Forget everything (a new optimizer step); the real-gradient hooks of the step are removed."""
+        for handle in getattr(self, "real_hooks", {}).values():
+            handle.remove()
+        self.real_hooks: dict[int, Any] = {}  # slot -> the hook that marks it used on a real gradient
         self.used: set[int] = set()
         self.forwards = 0
         self.unit_ties = UnitTies()  # FSDP2: ties the loss must reach (loss_observer.py); their graphs freed here

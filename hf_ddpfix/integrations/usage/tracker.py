@@ -22,6 +22,7 @@ Guarantees: with fu=False (static graph at accumulation 1) every zoo family trai
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from collections.abc import Callable, Iterable
@@ -33,7 +34,7 @@ from torch import nn
 from ..._compat import ddp_syncs_grads, is_ddp_sink_node, unwrap_parallel
 from ...ops import feature_counts
 from ...ops.autograd_reach import output_tensors, reachable_leaf_ids, reachable_leaf_ids_split
-from ...ops.zero_tie import ZeroTie, is_zero_tie_node
+from ...ops.zero_tie import ZeroTie, is_tie_zero, is_zero_tie_node
 from .agreement import UNUSED_FIX, UsageAgreement, gather_missing, raise_if_missing
 from .hang_guard import UnusedParametersError
 from .loss_observer import observe_loss
@@ -47,6 +48,14 @@ from .step import StepRecord
 UNSEEN_LOSS = "loss not seen at backward: usage read from the model output"
 
 __all__ = ["ESTABLISH", "ParameterUsage", "UsageChanged", "UsageRecord", "UnusedParametersError", "reachable_leaf_ids"]
+
+def _mark_real(step: StepRecord, slot: int, grad: Any) -> None:
+    """A watched leaf's gradient hook: anything but exactly a tie's zero is a real gradient (``_watch_real``)."""
+    if grad is not None and not is_tie_zero(grad):
+        if slot not in step.used:
+            feature_counts.record_amount("parameter_usage", "real_grads_outside_loss", 1)
+        step.used.add(slot)
+
 
 class ParameterUsage:
     """Observe, tie and finalize: every trainable parameter takes part in every backward.
@@ -117,6 +126,8 @@ class ParameterUsage:
         self._predicting = True
         self.at_loss = self.backward_retries = False  # set by whoever routes every loss through `tie_loss` / retries
         self.no_walk = NoWalkCheck()  # no walk once a batch signature's usage is established (no_walk.py)
+        self._frozen: frozenset[int] = frozenset()  # slots frozen after wrapping, as the last walk found them
+        self._frozen_tensors: list[torch.Tensor] = []
         self.last: UsageRecord | None = None
         self.forwards = self.walks = self.ties = self.losses = self.loss_ties = self.resets = 0
         self.seconds = 0.0
@@ -241,7 +252,8 @@ class ParameterUsage:
                 f"into the output of {type(scope.module).__name__}: no output tensor requires grad. {UNUSED_FIX}"
             )
         extras = [t for t in (self.slots[i].tensor() for i in missing) if t is not None]
-        tied = ZeroTie.apply(anchor, *extras)
+        self._watch_real(missing)
+        tied = ZeroTie.tie(anchor, extras)
         if self._sharded:  # FSDP2: the loss must reach the tie, else it moves there (loss_observer.py)
             self._step.unit_ties.add(tied, extras, {t.grad_fn for t in output_tensors(output) if t.grad_fn is not None})
         self._record.tied, self.ties = self._record.tied + [self.slots[i].name for i in missing], self.ties + len(extras)
@@ -291,8 +303,13 @@ class ParameterUsage:
             return loss
         regions, single = bool(self._step.region_outputs), self._step.pending_forwards == 1
         ready = self.backward_retries and not self._predicting and self.tie and not self.guard and not self._sharded
-        if self.no_walk.may_skip(loss, ready and single, regions):  # the signature's usage is established: no walk
-            return self.no_walk.install(loss, lambda: [s.tensor() for s in self.slots], self._all_used)
+        frozen = self._frozen
+        watched = lambda: [s.tensor() for i, s in enumerate(self.slots) if i not in frozen]  # noqa: E731
+        if (self.no_walk.may_skip(loss, ready and single, regions) and self._frozen_still()
+                and self.no_walk.take_nodes(watched)):  # the signature's usage is established: no walk
+            if frozen:  # frozen since wrapping: tied in as before (DDP waits for their hooks), never checked
+                loss = ZeroTie.tie(loss, self._frozen_tensors)
+            return self.no_walk.install(loss, watched, self._all_used)
         t0 = time.perf_counter()
         real_nodes, side_nodes = set[Any](), set[Any]()
         real, tied_only = reachable_leaf_ids_split([loss], is_zero_tie_node, is_ddp_sink_node,
@@ -325,11 +342,13 @@ class ParameterUsage:
             feature_counts.record_amount("parameter_usage", "output_ties_in_loss", tied_before)
         if self.guard and not self.tie:
             self._check(missing)
-        if not self._predicting:  # the signature's pattern: every parameter used, nothing tied anywhere
-            self.no_walk.walked(not unused_ids and single, regions)
+        frozen = self._note_frozen(missing)
+        if not self._predicting:  # the signature's pattern: every parameter used (but the frozen), no other tie
+            self.no_walk.walked(len(unused_ids) == len(frozen) and single, regions)
+        self._watch_real(missing)
         if self.tie and missing:
             extras = [t for t in (self.slots[i].tensor() for i in missing) if t is not None]
-            loss = ZeroTie.apply(loss, *extras)
+            loss = ZeroTie.tie(loss, extras)
             self.loss_ties += len(extras)
             feature_counts.record_amount("parameter_usage", "ties_at_loss", len(extras))
             if self.last is not None:
@@ -338,13 +357,44 @@ class ParameterUsage:
         self.seconds += time.perf_counter() - t0
         return loss
 
+    def _watch_real(self, slots: list[int]) -> None:
+        """Until the step ends, a slot of ``slots`` (left out of the loss seen: tied, or observed only) whose leaf
+        receives a gradient other than a tie's zero in any backward (a regulariser added below the loss seen, a
+        hook, a second backward) counts as used in this step: ``.grad`` as backward left it is kept. One gradient
+        hook per such slot and step (:func:`hf_ddpfix.ops.zero_tie.is_tie_zero`); none for a slot already
+        watched, or whose tensor does not require grad (frozen: it receives nothing)."""
+        hooks = self._step.real_hooks
+        for i in slots:
+            if i in hooks:
+                continue
+            t = self.slots[i].tensor()
+            if t is None or not t.requires_grad:
+                continue
+            hooks[i] = t.register_hook(functools.partial(_mark_real, self._step, i))
+
     def _all_used(self) -> None:
-        """The check at backward found every watched parameter about to get its gradient: all used."""
-        self._step.loss_seen(self._all)
+        """The check at backward found every watched parameter about to get its gradient: all used (but those frozen
+        since wrapping, tied in)."""
+        used = self._all - self._frozen if self._frozen else self._all
+        self._step.loss_seen(used)
         self.losses += 1
         feature_counts.record_ran("parameter_usage")
         if self.last is not None:
-            self.last.used_slots = self._all
+            self.last.used_slots = used
+
+    def _note_frozen(self, missing: list[int]) -> frozenset[int]:
+        """The slots of ``missing`` whose tensor does not require grad (frozen after wrapping: a loop over the
+        slots left out only), kept for the no-walk path; a change forgets the check's cached nodes."""
+        frozen = frozenset(i for i in missing if (t := self.slots[i].tensor()) is not None and not t.requires_grad)
+        if frozen != self._frozen:
+            self._frozen = frozen
+            self._frozen_tensors = [t for t in (self.slots[i].tensor() for i in sorted(frozen)) if t is not None]
+            self.no_walk.grad_nodes = None
+        return frozen
+
+    def _frozen_still(self) -> bool:
+        """No slot known frozen requires grad again (else the walk decides: it may be used now)."""
+        return not self._frozen or not any(t.requires_grad for t in self._frozen_tensors)
 
     def observe_loss(self, loss: Any) -> Any:
         """FSDP2's loss observer (``loss_observer.py``: adds what it reaches, moves unreached unit ties into it)."""

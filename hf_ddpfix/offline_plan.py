@@ -1,0 +1,202 @@
+"""``hf-ddpfix plan``'s run, built without the run: `RunFacts` from the command line and a meta-device model.
+
+Under FSDP the facts come through the run's own functions (`facts.model_facts`, `integrations.fsdp.fsdp_facts`
+with the plugin ``accelerate launch`` builds from the yaml: `_compat.fsdp_plugin_from_launch`), and the units the
+plan hands accelerate are sharded on a meta copy inside torch's fake process group
+(`integrations.fsdp.scale.shard_layout`) for rank 0's bytes. Used by :mod:`hf_ddpfix.cli` and
+tests/test_fsdp_scale.py.
+
+Guarantee: for the same model and launch, the plan built here prints the run's plan lines
+(tests/test_fsdp_trainer.py, every family of its FSDP2 launches).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Any
+
+from ._advice import ModelInfo
+
+__all__ = ["DEFAULT_FSDP_CONFIG", "build_facts", "fsdp_layout", "launch_config", "meta_model", "model_line"]
+
+def _tri(value: str | None) -> bool | None:
+    if value is None:
+        return None
+    from .config import parse_bool
+
+    return parse_bool("flag", value, allow_auto=True)
+
+
+def build_facts(args: argparse.Namespace, info: ModelInfo | None, model: Any = None, plugin: Any = None) -> Any:
+    """`RunFacts` for `hf-ddpfix plan` from the command line and the model description.
+
+    With ``model`` (the meta-device model built from ``--model``, LoRA applied where ``--lora-targets`` names it),
+    the model's facts are read from it by the run's own functions (`facts.model_facts`; under FSDP,
+    `integrations.fsdp.fsdp_facts` with ``plugin``, the plugin the launch would build); a LoRA run whose targets
+    are not given keeps the flags (``--train-vision``, ``--train-experts``)."""
+    from .plan.types import RunFacts
+
+    world = args.world_size
+    parallel = _parallel(args)
+    ckpt = args.checkpointing
+    is_vlm = bool(info and info.is_vlm)
+    from_model: dict[str, Any] = {}
+    if model is not None:
+        from .facts import model_facts
+
+        from_model = model_facts(model, parallel)
+        if not args.full and not args.lora_targets:  # a LoRA run whose adapter the command line does not describe
+            from_model.update(is_peft=True, trainable_vision_params=from_model["is_vlm"] and args.train_vision,
+                              conditional_params=bool(info and info.is_moe and args.train_experts))
+        if parallel == "fsdp" and plugin is not None:
+            from .integrations.fsdp import fsdp_facts
+
+            from_model["fsdp"] = fsdp_facts(plugin, model)
+    else:
+        from_model = dict(
+            is_peft=not args.full, is_vlm=is_vlm,
+            vlm_adapter=(info.zero_vlm_adapter if parallel == "deepspeed" else info.vlm_adapter) if info else None,
+            trainable_vision_params=is_vlm and (args.train_vision or args.full),
+            conditional_params=bool(info and info.is_moe and (args.full or args.train_experts)))
+    return RunFacts(
+        parallel=parallel, world_size=world, checkpointing=ckpt, **from_model,
+        grad_accum_steps=args.ga, user_find_unused=_tri(args.find_unused), user_static_graph=_tri(args.static_graph),
+        user_reentrant={"reentrant": True, "non_reentrant": False}.get(ckpt), offload_requested=args.offload,
+        accelerator_available=not args.cpu, **_quant_facts(args, info, parallel),
+    )
+
+
+def _parallel(args: argparse.Namespace) -> str:
+    return args.parallel or ("single" if args.world_size == 1 else "ddp")
+
+
+#: The ``fsdp_config`` of accelerate_configs/fsdp.yaml, used for ``--parallel fsdp`` without ``--accelerate-config``.
+DEFAULT_FSDP_CONFIG = {"fsdp_version": 2, "fsdp_auto_wrap_policy": "TRANSFORMER_BASED_WRAP",
+                       "fsdp_reshard_after_forward": True, "fsdp_cpu_ram_efficient_loading": True,
+                       "fsdp_offload_params": False}
+
+
+def launch_config(args: argparse.Namespace) -> None:
+    """Fill ``--parallel``, ``--world-size`` and ``--mixed-precision`` from ``--accelerate-config`` (what
+    ``accelerate launch --config_file`` would give the run) where the command line leaves them unset; keep the
+    file's ``fsdp_config`` on ``args``."""
+    import yaml
+
+    args.fsdp_config = None
+    if args.accelerate_config:
+        try:
+            with open(args.accelerate_config) as f:
+                data = yaml.safe_load(f) or {}
+        except OSError as e:
+            raise ValueError(f"--accelerate-config: cannot read {args.accelerate_config}: {e}") from None
+        kind = str(data.get("distributed_type", "")).upper()
+        if args.parallel is None:
+            args.parallel = {"FSDP": "fsdp", "DEEPSPEED": "deepspeed", "MULTI_GPU": "ddp", "MULTI_CPU": "ddp",
+                             "NO": "single"}.get(kind)
+        if args.world_size is None and data.get("num_processes"):
+            args.world_size = int(data["num_processes"])
+        if args.mixed_precision is None and data.get("mixed_precision"):
+            args.mixed_precision = str(data["mixed_precision"])
+        if kind == "FSDP":
+            args.fsdp_config = dict(data.get("fsdp_config") or {})
+            args.fsdp_version = int(args.fsdp_config.get("fsdp_version", 1))
+    if args.world_size is None:
+        args.world_size = 2
+    if args.mixed_precision is None:
+        args.mixed_precision = "no"
+    if args.parallel == "fsdp":
+        cfg = dict(args.fsdp_config if args.fsdp_config is not None else DEFAULT_FSDP_CONFIG)
+        if args.accelerate_config is None:
+            cfg["fsdp_version"] = args.fsdp_version
+        if args.wrap_classes is not None:
+            cfg["fsdp_transformer_layer_cls_to_wrap"] = args.wrap_classes
+        args.fsdp_config = cfg
+
+
+def meta_model(args: argparse.Namespace) -> tuple[ModelInfo | None, Any, str | None]:
+    """``(info, model, error)``: ``--model`` built on the meta device in ``--dtype``, with a LoRA adapter on
+    ``--lora-targets`` (peft's ``get_peft_model``), or ``--params`` alone (no model)."""
+    from ._advice import build_meta_model, describe_built
+    from .cli import _json_kwargs, _model_info
+
+    if not args.model:
+        info, error = _model_info(args)
+        return info, None, error
+    try:
+        config, model = build_meta_model(args.model, _json_kwargs(args.config_kwargs), args.dtype)
+    except ValueError as e:
+        return None, None, str(e)
+    info = describe_built(args.model, config, model)
+    if args.lora_targets and not args.full:
+        from peft import LoraConfig, get_peft_model
+
+        targets: Any = args.lora_targets
+        if targets != "all-linear" and ("," in targets or targets.isidentifier()):  # else a regex
+            targets = [t.strip() for t in targets.split(",")]
+        extra = {"target_parameters": [t.strip() for t in args.lora_target_parameters.split(",")]
+                 } if args.lora_target_parameters else {}
+        try:
+            model = get_peft_model(model, LoraConfig(r=args.lora_r, lora_alpha=2 * args.lora_r, target_modules=targets,
+                                                     **extra))
+        except ValueError as e:
+            return None, None, f"--lora-targets {args.lora_targets!r}: {e}"
+    return info, model, None
+
+
+def _quant_facts(args: argparse.Namespace, info: ModelInfo | None, parallel: str) -> dict[str, Any]:
+    """The QLoRA / placement part of `RunFacts` from `--quant`, `--quant-storage`, `--mixed-precision`,
+    `--fsdp-version`, `--zero-stage` and `--placement` (4-bit bytes estimated as half the parameters)."""
+    from .integrations.quantized import QuantFacts, device_name, dtype_name
+
+    out: dict[str, Any] = {"placement": tuple(sorted({device_name(d.strip()) for d in args.placement.split(",")}))
+                           if args.placement else ()}
+    if args.quant != "none":
+        four = args.quant == "4bit"
+        storage = dtype_name(args.quant_storage) if four else "int8"
+        params = int(info.num_params) if info else 0
+        out["quant"] = QuantFacts("bnb_4bit" if four else "bnb_8bit", 0, params // 2 if four else params,
+                                  storage, None, "nf4" if four else None, None)
+    cast = None if args.mixed_precision == "no" else dtype_name(args.mixed_precision)
+    if parallel == "fsdp":
+        out.update(fsdp_version=args.fsdp_version, shard_cast_dtype=cast)
+    elif parallel == "deepspeed":
+        from .integrations.deepspeed import DeepSpeedFacts, deepspeed_version
+
+        out.update(zero_stage=args.zero_stage, shard_cast_dtype=cast,
+                   deepspeed=DeepSpeedFacts(stage=args.zero_stage, version=deepspeed_version(), source="command line",
+                                            cast_dtype=cast))
+    return out
+
+
+def model_line(info: ModelInfo) -> str:
+    kind = f"{info.model_type}{', VLM' if info.is_vlm else ''}{', MoE' if info.is_moe else ''}"
+    size = f"{info.num_params / 1e9:.3f}B" if info.num_params >= 1e8 else f"{info.num_params / 1e6:.3f}M"
+    line = f"model: {info.source} ({kind}), {size} params, {info.dtype} on the meta device"
+    if info.default_config:
+        line += (f" -- the DEFAULT config of {info.model_type!r}, not a checkpoint's: pass the model's config.json / "
+                 "folder / hub id (or --config-kwargs) for its real size")
+    return line
+
+
+def fsdp_layout(plan: Any, facts: Any, model: Any, plugin: Any, world: int, mixed_precision: str = "no") -> Any:
+    """Under FSDP2 with a model: the units accelerate makes with the plan's classes, sharded at ``world`` ranks
+    (rank 0) on a meta copy (`integrations.fsdp.scale.shard_layout`); ``None`` otherwise or when accelerate's
+    prepare refuses (the plan already says why: e.g. a class the model lacks in an explicit list)."""
+    if model is None or plugin is None or plan.parallel != "fsdp" or getattr(facts, "fsdp_version", 2) != 2:
+        return None
+    import copy
+
+    from ._compat import set_fsdp_wrap_classes
+    from .integrations.fsdp.scale import shard_layout
+    from .plan.fsdp import fsdp_unit_classes, fsdp_units_ours
+
+    plugin = copy.copy(plugin)
+    if fsdp_units_ours(plan.fsdp_units):  # what the run's applier hands accelerate (runtime.attach_runtime)
+        set_fsdp_wrap_classes(plugin, fsdp_unit_classes(plan.fsdp_units))
+    try:
+        return shard_layout(model, plugin, world, join_shared=bool(plan.fsdp_shared.value),
+                            mixed_precision=mixed_precision)
+    except (ValueError, RuntimeError) as e:
+        print(f"hf-ddpfix: per-rank bytes not measured: {type(e).__name__}: {e}", file=sys.stderr)
+        return None
