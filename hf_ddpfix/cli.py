@@ -1,4 +1,5 @@
-"""`hf-ddpfix` command line: `doctor` (environment check + launch advice) and `plan` (dry-run plan).
+"""`hf-ddpfix` command line: `doctor` (environment check + launch advice), `plan` (dry-run plan) and `rehearse`
+(run your own multi-GPU launch line on CPU processes with the model shrunk: hf_ddpfix/rehearse/, docs/rehearse.md).
 
     hf-ddpfix doctor                                  # versions, devices, backends, HF_DDPFIX_* settings
     hf-ddpfix doctor --model path/to/config.json      # + a launch recommendation for that model
@@ -7,9 +8,10 @@
     hf-ddpfix plan --model Qwen/Qwen2.5-VL-7B-Instruct --checkpointing reentrant --world-size 8 --ga 4
     hf-ddpfix plan --model path/to/model --accelerate-config accelerate_configs/fsdp.yaml --world-size 64
     python -m hf_ddpfix doctor                        # same thing
+    hf-ddpfix rehearse --skew -- accelerate launch --config_file fsdp.yaml train.py --my-args
 
-Nothing here launches processes or downloads weights: models are built on the meta device from their config only
-(a Hub id needs the network for its config.json). Under FSDP2, `plan` shards a meta copy of the model with
+Except `rehearse`, nothing here launches processes or downloads weights: models are built on the meta device
+from their config only (a Hub id needs the network for its config.json). Under FSDP2, `plan` shards a meta copy of the model with
 accelerate's own `fsdp2_prepare_model` inside torch's fake process group (no communication; destroyed before it
 prints) to report rank 0's unit bytes at `--world-size`.
 
@@ -397,7 +399,23 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--set", action="append", metavar="OPTION=VALUE",
                    help="an hf_ddpfix option as if passed to patch_trainer(), e.g. --set static_graph=0")
     p.set_defaults(func=_plan)
+
+    r = sub.add_parser("rehearse", help="run your own launch line on CPU processes, model shrunk: what breaks "
+                       "before you pay for GPUs (docs/rehearse.md)",
+                       description="Run `-- <launch line>` (accelerate launch / torchrun / deepspeed / python) on "
+                       "CPU gloo processes with the checkpoint shrunk, a few steps, collectives fingerprinted; "
+                       "report what ran, what broke and where, and the projected memory of the real model.")
+    from .rehearse.run import add_arguments  # no torch: the rehearsal imports it in the launched ranks only
+
+    add_arguments(r)
+    r.set_defaults(func=_rehearse)
     return top
+
+
+def _rehearse(args: argparse.Namespace) -> int:
+    from .rehearse.run import rehearse
+
+    return rehearse(args)[0]
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -9,12 +9,12 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPTS = Path(__file__).resolve().parent / "scripts"
-FSDP_DEVICE = Path(__file__).resolve().parent / "fsdp_device"
+FSDP_DEVICE = ROOT / "hf_ddpfix" / "rehearse" / "device"  # the package's FSDP device (one copy: hf_ddpfix.rehearse)
 
 
 def fsdp_device_env(env: dict[str, str] | None = None) -> dict[str, str]:
-    """``env`` plus the FSDP test device on ``PYTHONPATH`` (tests/fsdp_device/sitecustomize.py: accelerate's
-    FSDP2 path on the CPU; docs/fsdp.md), ahead of the worktree root."""
+    """``env`` plus the FSDP device on ``PYTHONPATH`` (hf_ddpfix/rehearse/device/sitecustomize.py, the one
+    ``hf-ddpfix rehearse`` uses: accelerate's FSDP2 path on the CPU; docs/fsdp.md), ahead of the worktree root."""
     path = os.pathsep.join([str(FSDP_DEVICE), str(ROOT), os.environ.get("PYTHONPATH", "")])
     return {**(env or {}), "PYTHONPATH": path}
 

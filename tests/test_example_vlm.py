@@ -6,7 +6,7 @@ the CPU, a hard timeout each), train + evaluate:
   checkpoint to a larger `--max-steps`;
 - `zero2.yaml` / `zero3.yaml` and `--qlora`, and a short run of every launch config on every CI stack:
   tests/test_examples_launched.py;
-- `fsdp.yaml` through the FSDP test device (tests/fsdp_device/, docs/fsdp.md: accelerate's own FSDP2 path on the
+- `fsdp.yaml` through the FSDP test device (hf_ddpfix/rehearse/device/, docs/fsdp.md: accelerate's own FSDP2 path on the
   CPU, bf16 as the yaml asks): trains to the accuracy bar of the DDP run, evaluates (the evaluation set mixes
   image and text-only batches: stock FSDP fails there), saves the adapter; the model is FSDP2-wrapped;
 - `fsdp.yaml` on a machine without an accelerator and without the device: accelerate 1.15 makes every CPU launch

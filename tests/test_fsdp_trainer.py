@@ -1,5 +1,5 @@
 """The Trainer's FSDP2 path as users launch it: ``accelerate launch --config_file accelerate_configs/fsdp.yaml``,
-2 gloo processes on the CPU through the FSDP test device (tests/fsdp_device/sitecustomize.py, docs/fsdp.md).
+2 gloo processes on the CPU through the FSDP test device (hf_ddpfix/rehearse/device/sitecustomize.py, docs/fsdp.md).
 
 - hf_ddpfix: Qwen2.5-VL (gradient accumulation 2), Gemma 3 (reentrant checkpointing asked), LLaVA, two VLMs no
   other test trains (Aya Vision; Idefics2 with accumulation 2), Mllama (cross-attention layers skipped on a

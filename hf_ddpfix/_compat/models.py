@@ -222,3 +222,25 @@ def generate_pre_encodes_images(model: nn.Module) -> bool:
     if forward is None or MM_ENCODER_OUTPUTS_KWARG not in inspect.signature(forward).parameters:
         return False
     return callable(getattr(getattr(model, "base_model", None), "get_image_features", None))
+
+
+# --------------------------------------------------------------------------------------------------
+# Auto classes
+# --------------------------------------------------------------------------------------------------
+
+
+def auto_model_class(auto_cls: Any, config: Any) -> Any:
+    """The concrete model class an ``AutoModel*`` class builds for ``config`` (its private ``_model_mapping``,
+    transformers 5.0-5.24), or ``None`` when the auto class has no entry for the config's type.
+
+    Guarantees: ``auto_model_class(AutoModelForCausalLM, LlamaConfig()) is LlamaForCausalLM``
+    (tests/test_rehearse.py::test_auto_model_class_contract).
+    """
+    mapping = getattr(auto_cls, "_model_mapping", None)
+    if mapping is None:
+        return None
+    try:
+        found = mapping[type(config)]
+    except KeyError:
+        return None
+    return found[0] if isinstance(found, list | tuple) else found

@@ -190,3 +190,29 @@ def profiler_memory_events(prof: Any) -> list[tuple[int, int]]:
     running peak needs."""
     events = [(e.start_ns(), e.nbytes()) for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"]
     return sorted(events, key=lambda e: e[0])
+
+
+def ddp_logger_without_construction_log(dist: Any) -> bool:
+    """Make ``DistributedDataParallel`` constructible under ``TORCH_DISTRIBUTED_DEBUG=DETAIL`` on gloo: replace
+    ``torch.distributed.Logger`` (which DDP's ``_ddp_init_helper`` builds by name) with a subclass whose
+    ``set_construction_data_and_log`` does nothing. Measured 2026-11-28, torch 2.13.0+cpu, 2 gloo ranks: any DDP
+    construction with DETAIL dies with SIGSEGV in that call (DDP's usage log only; the reducer, the collective
+    fingerprints and DDP's error messages are unaffected). Used by ``hf-ddpfix rehearse`` only.
+
+    Returns True when replaced now, False when already replaced or ``dist`` has no ``Logger``.
+
+    Guarantees: idempotent; the replacement is a subclass, so ``Reducer.set_logger`` accepts it
+    (tests/test_rehearse.py::test_ddp_logger_shim_contract).
+    """
+    real = getattr(dist, "Logger", None)
+    if real is None or getattr(real, "_hf_ddpfix_quiet", False):
+        return False
+
+    class QuietLogger(real):  # type: ignore[misc, valid-type]
+        _hf_ddpfix_quiet = True
+
+        def set_construction_data_and_log(self, *args: Any, **kwargs: Any) -> None:
+            return None
+
+    dist.Logger = QuietLogger
+    return True

@@ -3,7 +3,7 @@
 Run (one launch per parallel mode; the DDP launch writes the stock reference the other two compare with):
 
     accelerate launch --config_file accelerate_configs/ddp_cpu.yaml tests/scripts/eval_outputs.py --mode ddp --out OUT
-    PYTHONPATH=tests/fsdp_device:. accelerate launch --config_file accelerate_configs/fsdp.yaml --mixed_precision no \
+    PYTHONPATH=hf_ddpfix/rehearse/device:. accelerate launch --config_file accelerate_configs/fsdp.yaml --mixed_precision no \
         tests/scripts/eval_outputs.py --mode fsdp --out OUT
     accelerate launch --config_file accelerate_configs/zero3.yaml tests/scripts/eval_outputs.py --mode zero3 --out OUT
 

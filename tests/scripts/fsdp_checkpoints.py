@@ -3,7 +3,7 @@
 Run (2 gloo processes on the CPU through the FSDP test device, docs/fsdp.md), twice: the run that loses a rank,
 then the relaunch that resumes (as a job scheduler relaunches a failed job):
 
-    PYTHONPATH=tests/fsdp_device:. accelerate launch --config_file accelerate_configs/fsdp.yaml \
+    PYTHONPATH=hf_ddpfix/rehearse/device:. accelerate launch --config_file accelerate_configs/fsdp.yaml \
         --mixed_precision no tests/scripts/fsdp_checkpoints.py --out OUT --phase kill
     ... the same ... --phase resume
 

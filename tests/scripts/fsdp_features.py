@@ -2,7 +2,7 @@
 
 Run (2 gloo processes on the CPU; the FSDP test device makes accelerate run FSDP2 there, docs/fsdp.md):
 
-    PYTHONPATH=tests/fsdp_device:. accelerate launch --config_file accelerate_configs/fsdp.yaml \
+    PYTHONPATH=hf_ddpfix/rehearse/device:. accelerate launch --config_file accelerate_configs/fsdp.yaml \
         --mixed_precision no tests/scripts/fsdp_features.py --mode fixed --out OUT
     accelerate launch --config_file accelerate_configs/ddp_cpu.yaml tests/scripts/fsdp_features.py --mode stock --out OUT
 

@@ -5,7 +5,7 @@ the Trainer's FSDP2, against stock DDP (``sft_vlm_sgd``: the same with SGD). Two
     python -m torch.distributed.run --standalone --nproc_per_node=2 tests/scripts/fsdp_trainer_zoo.py \
         --mode stock-ddp --dir DIR
     # hf_ddpfix under fsdp.yaml through the FSDP test device (docs/fsdp.md)
-    PYTHONPATH=tests/fsdp_device:. accelerate launch --config_file accelerate_configs/fsdp.yaml \
+    PYTHONPATH=hf_ddpfix/rehearse/device:. accelerate launch --config_file accelerate_configs/fsdp.yaml \
         --mixed_precision no tests/scripts/fsdp_trainer_zoo.py --mode fsdp --dir DIR
 
 Each case is trainer_zoo's builder, unchanged (same data, AdamW with weight decay, clipping, ``STEPS`` steps), in

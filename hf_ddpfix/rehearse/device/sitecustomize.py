@@ -1,4 +1,6 @@
-"""Test device: accelerate's FSDP2 path on a CPU-only machine (gloo). Test-only; never imported by hf_ddpfix.
+"""The FSDP device: accelerate's FSDP2 path on a CPU-only machine (gloo). A supported part of hf_ddpfix: put this
+folder on ``PYTHONPATH`` (``hf-ddpfix rehearse`` does, for launches that ask for FSDP; the test suite does through
+tests/launch.py's ``fsdp_device_env()``). hf_ddpfix itself never imports this module.
 
 Why (REFERENCES.md §12): accelerate 1.15 never selects FSDP without an accelerator. ``accelerate launch
 --config_file accelerate_configs/fsdp.yaml`` exports the yaml as environment (``ACCELERATE_USE_FSDP=true``,
@@ -7,7 +9,7 @@ Why (REFERENCES.md §12): accelerate 1.15 never selects FSDP without an accelera
 ``FullyShardedDataParallelPlugin`` from it, and ``AcceleratorState.__init__`` then drops the plugin because its
 FSDP branch lists only multi-accelerator types: ``MULTI_CPU`` stays, and the Trainer trains plain DDP.
 
-What this does: put this folder on ``PYTHONPATH`` (tests/launch.py's ``fsdp_device_env()``); Python imports this
+What this does: with this folder on ``PYTHONPATH`` (``hf_ddpfix.rehearse.device_dir()``), Python imports this
 ``sitecustomize`` at start-up in every process of the launch. When ``accelerate.state`` is imported (not before:
 nothing is imported eagerly), ``AcceleratorState.__init__`` is wrapped: after the stock ``__init__``, a state that
 stayed ``MULTI_CPU`` although FSDP was asked for (``ACCELERATE_USE_FSDP=true`` or an explicit plugin) becomes
@@ -116,10 +118,16 @@ def _install() -> None:
 
 
 def _chain_next_sitecustomize() -> None:
-    """Run the next ``sitecustomize`` on ``sys.path`` (Python imports only the first one it finds)."""
+    """Run the next ``sitecustomize`` on ``sys.path`` after this folder (Python imports only the first one it
+    finds); once per process, so two start-up hooks that chain each other cannot loop."""
+    if getattr(sys, "_hf_ddpfix_fsdp_device_chained", False):
+        return
+    sys._hf_ddpfix_fsdp_device_chained = True
     here = os.path.dirname(os.path.abspath(__file__))
-    for entry in sys.path:
-        if not entry or os.path.abspath(entry) == here:
+    entries = [os.path.abspath(e) if e else "" for e in sys.path]
+    after = entries[entries.index(here) + 1:] if here in entries else entries
+    for entry in after:
+        if not entry or entry == here:
             continue
         candidate = os.path.join(entry, "sitecustomize.py")
         if os.path.isfile(candidate):

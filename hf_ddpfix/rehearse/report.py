@@ -1,0 +1,223 @@
+"""The rehearsal report: what ran, what broke and where, what hf_ddpfix changed, the projected real memory.
+
+:func:`build_report` turns the launches' outcomes into a plain dict (what ``--json`` writes); :func:`format_report`
+prints it in about forty lines.
+
+Guarantees: ``status`` is ``"passed"`` only when every launch passed (every rank finished training); a rank that
+raised, hung or was killed is listed with its collective and frames when the rank recorded them.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+__all__ = ["build_report", "format_report"]
+
+_MISMATCH = re.compile(r"Detected mismatch between collectives on ranks\.[^\n]*")
+_FINGERPRINT = re.compile(r"Rank (\d+) is running collective: CollectiveFingerPrint\((.*?)TensorDeviceTypes")
+_CUDA = re.compile(r"Torch not compiled with CUDA|No CUDA GPUs are available|Found no NVIDIA driver|CUDA driver|"
+                   r"requires a GPU|only supported on CUDA|Cannot access accelerator device|nccl", re.IGNORECASE)
+_FIELDS = re.compile(r"(SequenceNumber|OpType|TensorShape|TensorDtypes)=(\[[^\]]*\]|[^,]*)")
+
+
+def _short(path: str) -> str:
+    path = path.replace("\\", "/")
+    for marker in ("site-packages/", "dist-packages/"):
+        if marker in path:
+            return path.split(marker, 1)[1]
+    return path
+
+
+def _frame(f: dict[str, Any] | None) -> str:
+    if not f:
+        return "?"
+    return f"{_short(f['file'])}:{f['line']} in {f['func']}" + (f"  `{f['code']}`" if f.get("code") else "")
+
+
+def _mismatch(message: str) -> dict[str, Any] | None:
+    m = _MISMATCH.search(message)
+    if not m:
+        return None
+    prints = {}
+    for rank, body in _FINGERPRINT.findall(message):
+        prints[int(rank)] = ", ".join(f"{k}={v.strip()}" for k, v in _FIELDS.findall(body))
+    return {"summary": m.group(0)[:600], "fingerprints": prints}
+
+
+def _stack_head(text: str, n: int = 4) -> list[str]:
+    """The innermost frames of the main thread from a faulthandler dump (most recent first)."""
+    blocks = re.split(r"\n(?=(?:Current thread|Thread) 0x)", text)
+    for block in blocks:
+        if "hf_ddpfix/rehearse/watchdog.py" in block or "threading.py" in block.split("\n", 2)[-1][:400]:
+            continue
+        frames = [line.strip() for line in block.splitlines()[1:] if line.strip().startswith("File")]
+        if frames:
+            return frames[:n]
+    return []
+
+
+def _rank_failure(rank: int, rec: dict[str, Any], hang: dict[str, Any] | None, stacks: str | None) -> dict[str, Any]:
+    out: dict[str, Any] = {"rank": rank, "steps": rec.get("steps", 0)}
+    if hang:
+        out.update(kind="hang", collective=hang.get("collective"), waited_s=hang.get("waited_s"),
+                   issued_at=_frame(hang.get("issued_at")), frames=[_frame(f) for f in hang.get("user_frames", [])])
+    elif rec.get("error"):
+        err = rec["error"]
+        first = err["message"].strip().splitlines()[0] if err["message"].strip() else ""
+        mm_head = _MISMATCH.search(first)
+        first = "Detected mismatch between collectives on ranks (TORCH_DISTRIBUTED_DEBUG=DETAIL)" if mm_head else first
+        out.update(kind="error", error=f"{err['type']}: {first[:300]}",
+                   collective=err.get("collective"), issued_at=_frame(err.get("issued_at")),
+                   frames=[_frame(f) for f in err.get("user_frames", [])])
+        mm = _mismatch(err["message"])
+        if mm:
+            out["mismatch"] = mm
+        if "rehearse, step" in err["message"]:
+            out["cannot"] = err["message"].strip()[:800]
+        elif _CUDA.search(err["message"]) or any("torch/cuda/" in f["file"].replace("\\", "/")
+                                                  for f in err.get("stack", [])):
+            where = out["frames"][-1] if out["frames"] else "?"
+            out["cannot"] = (f"rehearse, step 'run the script': it needs CUDA here ({first[:160]}) at {where}. A CPU "
+                             "rehearsal cannot run CUDA-only code; guard it with torch.cuda.is_available() (the "
+                             "collectives and wrapping are rehearsed without it)")
+    elif stacks:
+        out.update(kind="not in a collective when the others hung; its frame then", frames=_stack_head(stacks))
+    else:
+        out.update(kind="ended" if rec.get("train_done") is not None else "no record of the failure")
+    return out
+
+
+def _phase(o: Any, processes: int) -> dict[str, Any]:
+    recs = o.records
+    r0 = recs.get(0, {})
+    train = r0.get("train") or {}
+    ranks = sorted(recs)
+    phase: dict[str, Any] = {
+        "label": o.label, "status": o.status, "seconds": round(o.seconds, 1), "returncodes": o.returncodes,
+        "folder": o.folder, "ranks_seen": len(ranks), "processes": processes,
+        "mode": train.get("mode"), "fsdp": train.get("fsdp"), "zero_stage": train.get("zero_stage"),
+        "trainer": train.get("trainer"), "model": train.get("model"), "fsdp_units": train.get("fsdp_units"),
+        "trainable_params": train.get("trainable_params"), "hf_ddpfix": train.get("hf_ddpfix"),
+        "plan": train.get("plan"), "steps": {r: recs[r].get("steps", 0) for r in ranks},
+        "evaluated": bool(r0.get("evaluated")), "predicted": bool(r0.get("predicted")),
+        "saved": (r0.get("saved") or [])[-1:] or None, "resumed_from": r0.get("resumed_from"),
+        "replicas": r0.get("replicas"), "features": r0.get("features"), "models": [
+            {k: m.get(k) for k in ("name", "class", "model_class", "shrunk", "shrink", "substitutions")}
+            for m in r0.get("models", [])],
+        "training_args": r0.get("training_args"), "skew": recs.get(max(ranks), {}).get("skew") if ranks else None,
+        "stock_note": r0.get("stock"),
+    }
+    starts = [r["train"]["started"] for r in recs.values() if (r.get("train") or {}).get("started")]
+    errors = [r["error"]["at"] for r in recs.values() if (r.get("error") or {}).get("at")]
+    if starts and errors:  # the launch's start-up (imports, model load) excluded
+        phase["seconds_to_failure"] = round(max(0.0, min(errors) - min(starts)), 1)
+    if o.status != "passed":
+        phase["failures"] = [_rank_failure(r, recs.get(r, {}), o.hangs.get(r), o.stacks.get(r))
+                             for r in sorted(set(ranks) | set(o.hangs))]
+        if not any(f.get("kind") in ("error", "hang") for f in phase["failures"]):
+            phase["log_tail"] = [line for text in o.logs for line in text.strip().splitlines()[-25:]]
+    return phase
+
+
+def build_report(spec: Any, args: Any, processes: int, real_world: int | None, outcomes: list[Any],
+                 workdir: str) -> dict[str, Any]:
+    """The report as a dict (see :func:`format_report` for the printed form)."""
+    from .memory import project_memory
+
+    phases = [_phase(o, processes) for o in outcomes]
+    cannot = [f["cannot"] for p in phases for f in p.get("failures", []) if f.get("cannot")]
+    status = "cannot" if cannot else ("passed" if all(p["status"] == "passed" for p in phases) else
+                                      next(p["status"] for p in phases if p["status"] != "passed"))
+    mode = spec.mode
+    first = phases[0]
+    if first.get("fsdp"):
+        mode = "fsdp"
+    elif first.get("zero_stage") is not None:
+        mode = "zero3" if first["zero_stage"] == 3 else "zero2"
+    world = real_world or processes
+    rec0 = outcomes[0].records.get(0, {})
+    memory, why = project_memory(rec0, mode, world)
+    n_note = ("same world size as the launch" if real_world == processes else
+              f"the launch runs {real_world if real_world else 'an unstated number of'} processes, rehearsed on "
+              f"{processes}: the same collectives in the same order per rank; shard sizes, per-rank batch counts "
+              "and the global batch differ")
+    return {"status": status, "cannot": cannot[0] if cannot else None, "launch": spec.describe(),
+            "launch_notes": spec.notes, "rehearsed": f"{processes} CPU processes (gloo) on {spec.nodes} localhost "
+            f"node(s)", "world_note": n_note, "mode": mode, "stock": bool(args.stock), "skew": bool(args.skew),
+            "steps_asked": args.steps, "phases": phases, "memory": memory, "memory_missing": why,
+            "workdir": workdir}
+
+
+def format_report(r: dict[str, Any], verbose: bool = True) -> str:
+    """The report in plain text, about forty lines."""
+    out = [f"=== hf-ddpfix rehearse: {r['status'].upper()} "
+           f"({'stock, without hf_ddpfix' if r['stock'] else 'with hf_ddpfix'}{', skewed batches' if r['skew'] else ''})"
+           " ===", f"launch:    {r['launch']}", f"rehearsed: {r['rehearsed']}; {r['world_note']}"]
+    out += [f"note:      {n}" for n in r["launch_notes"]]
+    if r.get("cannot"):
+        out.append(f"CANNOT REHEARSE: {r['cannot']}")
+    for p in r["phases"]:
+        out.append(f"--- {p['label']}: {p['status']} in {p['seconds']} s (exit codes {p['returncodes']})"
+                   + (f"; failed {p['seconds_to_failure']} s after training started" if "seconds_to_failure" in p
+                      else ""))
+        if p.get("mode"):
+            par = "FSDP" if p["fsdp"] else (f"DeepSpeed ZeRO-{p['zero_stage']}" if p["zero_stage"] is not None else
+                                             p["mode"])
+            units = f", {p['fsdp_units']} FSDP units" if p.get("fsdp") else ""
+            shrunk = " of the shrunk model" if any(m.get("shrunk") for m in p["models"]) else ""
+            out.append(f"ran:       {p['trainer']} on {p['model']} ({par}{units}), {p['trainable_params'] or 0:,} "
+                       f"trainable parameters{shrunk}; steps per rank {p['steps']}"
+                       + ("; evaluated" if p["evaluated"] else "") + ("; predicted" if p["predicted"] else "")
+                       + (f"; saved {p['saved'][0]}" if p["saved"] else "")
+                       + (f"; resumed from {p['resumed_from']}" if p.get("resumed_from") else ""))
+        for m in p["models"]:
+            cut = "; ".join(m.get("shrink") or [])
+            out.append(f"model:     {m['class']}.from_pretrained({m['name']!r}) -> {m.get('model_class') or ''} "
+                       f"{'shrunk: ' + (cut[:400] + ('...' if len(cut) > 400 else '')) if m.get('shrunk') else 'full size'}")
+            out += [f"           substituted: {s}" for s in m.get("substitutions") or []]
+        ta = p.get("training_args") or {}
+        out += [f"args:      substituted: {s}" for s in ta.get("substitutions", [])]
+        if p.get("skew"):
+            out.append(f"skew:      rank {p['skew']['rank']}: text-only (media keys dropped, media tokens "
+                       f"{p['skew']['media_token_ids']} -> {p['skew']['pad_id']}), last half of each sequence")
+        if p.get("plan"):
+            out.append("hf_ddpfix plan (what differs from stock):")
+            out += [f"  {line[:150]}{'...' if len(line) > 150 else ''}" for line in p["plan"][:16]]
+        elif p.get("mode"):
+            out.append("hf_ddpfix: not active (" + (p.get("stock_note") or "stock run") + ")")
+        if p.get("features"):
+            out.append("features:  " + ", ".join(f"{k.replace('hf_ddpfix/', '')}={v}" for k, v in
+                                                  sorted(p["features"].items())[:12]))
+        if p.get("replicas"):
+            out.append(f"replicas:  {p['replicas']}")
+        for f in p.get("failures", []):
+            head = f"rank {f['rank']} (after {f['steps']} steps): {f['kind']}"
+            if f.get("error"):
+                head += f": {f['error']}"
+            if f.get("waited_s"):
+                head += f" (waited {f['waited_s']} s)"
+            out.append(head)
+            if f.get("mismatch"):
+                for rank, fp in sorted(f["mismatch"]["fingerprints"].items()):
+                    out.append(f"    rank {rank} collective: {fp[:220]}")
+            if f.get("collective"):
+                issued = f.get("issued_at") or "?"
+                by = f" issued in {issued}" if not any(w in issued for w in ("_contextlib", "contextlib.py", "?")) else ""
+                out.append(f"    in collective: {f['collective']} (torch.distributed){by}; model/script frames "
+                           "(innermost last):")
+            out += [f"    frame: {fr}" for fr in f.get("frames", [])]
+        if p.get("log_tail") and verbose:
+            out.append("output tail:")
+            out += [f"  {line}" for line in p["log_tail"][-30:]]
+    if r["memory"]:
+        out.append(f"projected memory of the REAL model (a projection, not measured; {r['mode']}):")
+        out += [f"  {line}" for line in r["memory"]]
+    elif r.get("memory_missing"):
+        out.append(f"projected memory: none ({r['memory_missing']})")
+    out.append(f"records, logs, checkpoints: {r['workdir']}")
+    if r["status"] != "passed" and not r["stock"]:
+        out.append("compare with stock: the same command with --stock")
+    elif r["status"] == "passed" and r["stock"]:
+        out.append("stock passes this rehearsal")
+    return "\n".join(out)

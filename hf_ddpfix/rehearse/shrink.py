@@ -1,0 +1,261 @@
+"""The shrunk model: a checkpoint's config with layers and widths cut, keeping what decides the collectives.
+
+Rule, for the config and every sub-config in it (``text_config``, ``vision_config``, ...):
+
+- **kept**: the vocabulary size, every token id (``*_token_id``, ``*_token_index``), tied embeddings, the image /
+  patch / window geometry (``image_size``, ``patch_size``, ``spatial_merge_size``, ``window_size`` ...), MoE expert
+  counts and routing (``num_experts``, ``num_local_experts``, ``n_routed_experts``, ``num_experts_per_tok`` ...),
+  the attention kind per layer (``layer_types``: the pattern's period, e.g. Gemma 3's 5 sliding + 1 full), the
+  positions of special layers (``cross_attention_layers``, ``fullatt_block_indexes``, ...: the pattern up to its
+  second occurrence, e.g. Mllama's cross-attention at 3 and 8 of every 5), the "every k layers" settings
+  (``decoder_sparse_step``, ``first_k_dense_replace`` ...), and the number of layer taps a tower feeds on
+  (``intermediate_layers_indices``: same count, spread over the cut stack);
+- **cut**: attention heads to at most :data:`MAX_HEADS` (the key/value grouping kept: 32 heads / 8 kv become 4 / 1),
+  head width to :data:`HEAD_DIM`, hidden sizes to heads x head width, every width that was k x hidden to k x the
+  new hidden (and a width equal to another sub-config's hidden, e.g. a projector's output, to that one's new
+  hidden), MLP / expert widths to 2 x hidden, layer counts to the smallest stack that still holds the patterns
+  above (at least :data:`MIN_LAYERS`), M-RoPE sections rescaled to the new head width.
+
+Guarantees: :func:`shrink_config` never mutates its argument; every kept field above is equal in the result
+(tests/test_rehearse.py checks a Qwen2.5-VL-7B, a Llama-3.2-11B-Vision, a Gemma-3 and a Qwen3-MoE shape); the
+report lines say every field it changed, old -> new.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass, field
+from typing import Any
+
+__all__ = ["HEAD_DIM", "MAX_HEADS", "MIN_LAYERS", "Shrunk", "shrink_config"]
+
+HEAD_DIM = 16  # per-head width of the shrunk model: the smallest that keeps rotary sections and GQA meaningful
+MAX_HEADS = 4  # heads per attention: enough for a key/value grouping of 4 (Llama/Mllama GQA 32/8 -> 4/1)
+MIN_LAYERS = 2  # a stack of one block hides the order of per-layer collectives
+
+_HIDDEN = ("hidden_size", "d_model", "n_embd", "embed_dim")
+_HEADS = ("num_attention_heads", "num_heads", "attention_heads", "n_head", "encoder_attention_heads",
+          "decoder_attention_heads")
+_KV = ("num_key_value_heads", "n_head_kv", "num_kv_heads")
+_LAYERS = ("num_hidden_layers", "num_layers", "n_layer", "depth")
+_OTHER_LAYERS = ("num_global_layers", "encoder_layers", "decoder_layers", "num_encoder_layers", "num_decoder_layers")
+_MLP = ("intermediate_size", "ffn_dim", "encoder_ffn_dim", "decoder_ffn_dim", "n_inner", "moe_intermediate_size",
+        "shared_expert_intermediate_size", "expert_intermediate_size", "intermediate_size_mlp", "dense_intermediate_size")
+#: Multi-latent attention and similar per-head widths, cut to fixed small values.
+_HEAD_WIDTHS = {"head_dim": HEAD_DIM, "qk_rope_head_dim": HEAD_DIM // 2, "qk_nope_head_dim": HEAD_DIM // 2,
+                "v_head_dim": HEAD_DIM, "kv_lora_rank": 2 * HEAD_DIM, "q_lora_rank": 2 * HEAD_DIM,
+                "global_head_dim": HEAD_DIM, "attention_head_dim": HEAD_DIM}
+#: "Every k layers" settings: the cut stack keeps at least k (+1) layers so the kind still alternates.
+_EVERY = ("decoder_sparse_step", "moe_layer_freq", "interleave_moe_layer_step", "global_attn_every_n_layers",
+          "full_attention_interval", "sliding_window_pattern", "first_k_dense_replace", "cross_attention_frequency")
+#: Words that mark a field as geometry, a count or an id: never rescaled as a width.
+_NOT_WIDTH = frozenset(("token", "tokens", "vocab", "position", "positions", "image", "patch", "window", "merge",
+                        "channel", "channels", "batch", "num", "n", "layer", "layers", "expert", "experts", "tile",
+                        "tiles", "frame", "frames", "sample", "samples", "length", "bucket", "rank", "seq", "max",
+                        "id", "ids", "index", "idx"))
+
+
+def _geometry_or_count(key: str) -> bool:
+    """True for a field named as geometry, a count or an id (its ``_``-separated words; see ``_NOT_WIDTH``)."""
+    return bool(_NOT_WIDTH & set(key.lower().split("_")))
+
+
+@dataclass
+class Shrunk:
+    """The shrunk config and what changed (``lines``: ``"<path>.<field>: old -> new"``, one per change)."""
+
+    config: Any
+    lines: list[str] = field(default_factory=list)
+
+
+def _subconfigs(cfg: Any, path: str = "") -> list[tuple[str, Any]]:
+    from transformers import PretrainedConfig
+
+    out = [(path, cfg)]
+    for key, value in list(vars(cfg).items()):
+        if isinstance(value, PretrainedConfig):
+            out += _subconfigs(value, f"{path}.{key}" if path else key)
+    return out
+
+
+def _first(cfg: Any, names: tuple[str, ...]) -> str | None:
+    for n in names:
+        if isinstance(getattr(cfg, n, None), int) and not isinstance(getattr(cfg, n), bool):
+            return n
+    return None
+
+
+def _period(seq: list[Any]) -> int:
+    for p in range(1, len(seq) + 1):
+        if all(seq[i] == seq[i % p] for i in range(len(seq))):
+            return p
+    return len(seq)
+
+
+def _index_lists(cfg: Any, n_layers: int) -> dict[str, list[int]]:
+    """Fields holding layer positions: lists of distinct ints in [0, n_layers), named for layers or indexes."""
+    out = {}
+    for key, value in vars(cfg).items():
+        if key == "layer_types" or not isinstance(value, list | tuple) or not value:
+            continue
+        if not any(w in key for w in ("layer", "index", "indexes", "indices", "block")):
+            continue
+        if all(isinstance(v, int) and not isinstance(v, bool) and 0 <= v < n_layers for v in value) and \
+                len(set(value)) == len(value) and len(value) < n_layers:
+            out[key] = sorted(value)
+    return out
+
+
+def _is_periodic(idx: list[int]) -> bool:
+    steps = {b - a for a, b in zip(idx, idx[1:], strict=False)}
+    return len(idx) >= 2 and len(steps) == 1
+
+
+def _layers_needed(cfg: Any, n: int, lists: dict[str, list[int]]) -> tuple[int, list[str]]:
+    need, why = MIN_LAYERS, []
+    types = getattr(cfg, "layer_types", None)
+    if isinstance(types, list | tuple) and len(types) == n and len(set(types)) > 1:
+        p = _period(list(types))
+        if p < n:
+            need = max(need, p)
+            why.append(f"layer_types period {p}")
+        else:
+            first = max(list(types).index(k) for k in set(types)) + 1
+            need = max(need, first)
+            why.append(f"layer_types: every kind by layer {first}")
+    for key, idx in lists.items():
+        if _is_periodic(idx) or len(idx) == 1:
+            k = min(len(idx), 2)
+            need = max(need, idx[k - 1] + 1)
+            why.append(f"{key} {idx[:k]} kept")
+        else:
+            need = max(need, len(idx) + 1)
+            why.append(f"{key}: {len(idx)} taps kept")
+    for key in _EVERY:
+        v = getattr(cfg, key, None)
+        if isinstance(v, int) and not isinstance(v, bool) and v > 0:
+            extra = 1 if key == "first_k_dense_replace" else 0
+            need = max(need, v + extra)
+            why.append(f"{key}={v}")
+    return min(n, need), why
+
+
+def _rescale_sections(sections: list[int], total: int) -> list[int]:
+    """Integer sections proportional to ``sections`` summing to ``total`` (each at least 1)."""
+    s = sum(sections)
+    out = [max(1, round(x * total / s)) for x in sections]
+    out[-1] += total - sum(out)
+    if out[-1] < 1:
+        raise ValueError(f"cannot rescale sections {sections} to {total}")
+    return out
+
+
+def _fix_rope(cfg: Any, path: str, head_dim: int, lines: list[str]) -> None:
+    for key in ("rope_scaling", "rope_parameters"):
+        rope = getattr(cfg, key, None)
+        if isinstance(rope, dict) and isinstance(rope.get("mrope_section"), list | tuple):
+            old = list(rope["mrope_section"])
+            if sum(old) != head_dim // 2:
+                new = _rescale_sections(old, head_dim // 2)
+                setattr(cfg, key, {**rope, "mrope_section": new})
+                lines.append(f"{path}{key}.mrope_section: {old} -> {new}")
+
+
+def _set(cfg: Any, path: str, key: str, new: Any, lines: list[str]) -> None:
+    old = getattr(cfg, key)
+    if old != new:
+        setattr(cfg, key, new)
+        shown = (lambda v: f"{v[:6]}... ({len(v)})" if isinstance(v, list) and len(v) > 8 else v)  # noqa: E731
+        lines.append(f"{path}{key}: {shown(old)} -> {shown(new)}")
+
+
+def _shrink_node(cfg: Any, path: str, lines: list[str]) -> tuple[int | None, int | None]:
+    """Cut one (sub-)config in place; returns (old hidden, new hidden)."""
+    p = f"{path}." if path else ""
+    hkey, headkey = _first(cfg, _HIDDEN), _first(cfg, _HEADS)
+    old_h = new_h = None
+    if hkey is not None:
+        old_h = getattr(cfg, hkey)
+        heads = getattr(cfg, headkey) if headkey else None
+        new_heads = min(heads, MAX_HEADS) if heads else MAX_HEADS
+        if headkey:
+            kvkey = _first(cfg, _KV)
+            if kvkey:
+                kv = getattr(cfg, kvkey)
+                group = max(1, heads // max(kv, 1))
+                new_kv = max(1, new_heads // group)
+                while new_heads % new_kv:
+                    new_kv -= 1
+                _set(cfg, p, kvkey, new_kv, lines)
+            _set(cfg, p, headkey, new_heads, lines)
+        new_h = new_heads * HEAD_DIM
+        _set(cfg, p, hkey, new_h, lines)
+        for key, value in list(vars(cfg).items()):
+            if key in _HEAD_WIDTHS and isinstance(value, int) and not isinstance(value, bool):
+                _set(cfg, p, key, _HEAD_WIDTHS[key], lines)
+        for key in _MLP:
+            if isinstance(getattr(cfg, key, None), int) and not isinstance(getattr(cfg, key), bool):
+                _set(cfg, p, key, 2 * new_h, lines)
+        for key, value in list(vars(cfg).items()):  # k x hidden widths (e.g. Mllama's vision_output_dim)
+            if key in _MLP or key == hkey or key in _HEAD_WIDTHS or not isinstance(value, int) or \
+                    isinstance(value, bool) or _geometry_or_count(key):
+                continue
+            if not any(w in key for w in ("size", "dim", "hidden", "width")):
+                continue
+            if value and value % old_h == 0 and 1 <= value // old_h <= 8:
+                _set(cfg, p, key, value // old_h * new_h, lines)
+        head_dim = getattr(cfg, "head_dim", None) or (new_h // new_heads)
+        _fix_rope(cfg, p, int(head_dim), lines)
+    lkey = _first(cfg, _LAYERS)
+    if lkey is not None:
+        n = getattr(cfg, lkey)
+        lists = _index_lists(cfg, n)
+        need, why = _layers_needed(cfg, n, lists)
+        if need < n:
+            _set(cfg, p, lkey, need, lines)
+            if why:
+                lines[-1] += f" ({'; '.join(why)})"
+            types = getattr(cfg, "layer_types", None)
+            if isinstance(types, list | tuple) and len(types) == n:
+                cfg.layer_types = list(types)[:need]
+            for key, idx in lists.items():
+                if _is_periodic(idx) or len(idx) == 1:
+                    new = [i for i in idx if i < need]
+                else:  # taps: same count, spread over the cut stack, last one last
+                    new = [need - len(idx) + j for j in range(len(idx))]
+                _set(cfg, p, key, new, lines)
+            for key in ("max_window_layers",):
+                if isinstance(getattr(cfg, key, None), int) and getattr(cfg, key) > need:
+                    _set(cfg, p, key, need, lines)
+    for key in _OTHER_LAYERS:
+        v = getattr(cfg, key, None)
+        if isinstance(v, int) and not isinstance(v, bool) and v > MIN_LAYERS:
+            _set(cfg, p, key, MIN_LAYERS, lines)
+    return old_h, new_h
+
+
+def shrink_config(config: Any) -> Shrunk:
+    """A copy of ``config`` cut as the module docstring says, and the list of changes.
+
+    Args:
+        config: a ``transformers.PretrainedConfig`` (its sub-configs are cut too).
+
+    Returns:
+        :class:`Shrunk` with the new config and one line per changed field.
+    """
+    cfg = copy.deepcopy(config)
+    lines: list[str] = []
+    hiddens: dict[int, int] = {}
+    nodes = _subconfigs(cfg)
+    for path, node in reversed(nodes):  # sub-configs first: a parent's hidden wins a tie below
+        old_h, new_h = _shrink_node(node, path, lines)
+        if old_h is not None and new_h is not None:
+            hiddens[old_h] = new_h
+    for path, node in nodes:  # a width equal to another sub-config's hidden (projector outputs, text widths)
+        p = f"{path}." if path else ""
+        for key, value in list(vars(node).items()):
+            if isinstance(value, int) and not isinstance(value, bool) and value in hiddens and \
+                    value != hiddens[value] and any(w in key for w in ("size", "dim", "hidden")) and \
+                    not _geometry_or_count(key) and value > 64:
+                _set(node, p, key, hiddens[value], lines)
+    return Shrunk(cfg, lines)

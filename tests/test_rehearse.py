@@ -1,0 +1,353 @@
+"""`hf-ddpfix rehearse` (hf_ddpfix/rehearse/, docs/rehearse.md): a user's own launch line on CPU processes.
+
+Fast tier: the launch-line parser, the shrinker on real models' configs (built on the meta device), the skewed
+batch, the memory projection, the auto-class contract, `rehearse --help` without torch.
+
+Multi-process (each test runs its rehearsals side by side, tiny shrunk models, 3 steps):
+- FSDP2 (fsdp.yaml, the package's FSDP device), Qwen2.5-VL example, `--skew`: stock names the collective mismatch
+  (both ranks' fingerprints and frames) within 60 s; hf_ddpfix passes, saves and resumes;
+- the TRL SFT example under ddp_cpu.yaml (zero-code, `patches/` on PYTHONPATH), zero3.yaml and a 2-node localhost
+  launch (multinode_ddp.yaml);
+- a user script loading a Qwen2.5-VL-7B and a Llama-3.2-11B-Vision config.json (no weights) rehearsed shrunk, with
+  the projected memory of the real model at the launch's world size.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from launch import ROOT
+
+OFFLINE = {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# fast tier
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def test_launch_line_reads_every_launcher_and_the_mode_from_the_accelerate_config(tmp_path):
+    from hf_ddpfix.rehearse.launch_line import LaunchLineError, parse_launch_line, rewrite
+
+    cwd = os.getcwd()
+    os.chdir(ROOT)
+    try:
+        fsdp = parse_launch_line("accelerate launch --config_file accelerate_configs/fsdp.yaml train.py --lr 1")
+        assert (fsdp.mode, fsdp.processes, fsdp.nodes, fsdp.program, fsdp.args) == ("fsdp", 2, 1, "train.py",
+                                                                                   ["--lr", "1"])
+        assert fsdp.mixed_precision == "bf16"
+        z3 = parse_launch_line(["accelerate", "launch", "--config_file", "accelerate_configs/zero3.yaml",
+                                "--num_processes", "8", "t.py"])
+        assert (z3.mode, z3.processes) == ("zero3", 8)
+        z2 = parse_launch_line("accelerate launch --config_file accelerate_configs/zero2.yaml t.py")
+        assert z2.mode == "zero2"
+        mn = parse_launch_line("accelerate launch --config_file accelerate_configs/multinode_fsdp.yaml t.py")
+        assert (mn.mode, mn.processes, mn.nodes) == ("fsdp", 16, 2)
+        cmd = rewrite(mn, processes=2, nodes=2, node_rank=1, port=1234)
+        assert cmd[-1] == "t.py" and cmd[cmd.index("--machine_rank") + 1] == "1"
+        assert cmd[cmd.index("--num_processes") + 1] == "2" and cmd[cmd.index("--main_process_ip") + 1] == "127.0.0.1"
+        assert cmd.count("--config_file") == 1
+    finally:
+        os.chdir(cwd)
+    tr = parse_launch_line("torchrun --nproc_per_node=8 --nnodes 2 --rdzv_endpoint h:1 train.py --deepspeed x")
+    assert (tr.processes, tr.nodes, tr.mode, tr.args) == (16, 2, "zero2", ["--deepspeed", "x"])
+    cmd = rewrite(tr, processes=4, nodes=2, node_rank=0, port=99, python="py")
+    assert cmd[:3] == ["py", "-m", "torch.distributed.run"] and "--nproc_per_node=2" in cmd
+    assert not any(c.startswith("--rdzv_endpoint") for c in cmd) and cmd[-3:] == ["train.py", "--deepspeed", "x"]
+    py = parse_launch_line("python -m torch.distributed.run --standalone --nproc-per-node 4 -m pkg.train --a")
+    assert (py.processes, py.module, py.program, py.args) == (4, True, "pkg.train", ["--a"])
+    assert parse_launch_line("python train.py").mode == "single"
+    ds = tmp_path / "ds.json"
+    ds.write_text(json.dumps({"zero_optimization": {"stage": 3}}))
+    dsl = parse_launch_line(f"deepspeed --num_gpus 4 train.py --deepspeed {ds}")
+    assert (dsl.processes, dsl.mode) == (4, "zero3")
+    with pytest.raises(LaunchLineError, match="cannot read the DeepSpeed config"):
+        parse_launch_line(f"torchrun train.py --deepspeed {tmp_path / 'missing.json'}")
+    for bad, word in (("", "no launch line"), ("srun train.py", "srun"), ("accelerate config", "accelerate launch"),
+                      ("torchrun --nproc_per_node 2", "no script")):
+        with pytest.raises(LaunchLineError, match=word):
+            parse_launch_line(bad)
+
+
+def _real_configs():
+    from transformers import Gemma3Config, MllamaConfig, Qwen2_5_VLConfig, Qwen3MoeConfig
+
+    qwen = Qwen2_5_VLConfig(
+        text_config=dict(hidden_size=3584, intermediate_size=18944, num_hidden_layers=28, num_attention_heads=28,
+                         num_key_value_heads=4, vocab_size=152064, tie_word_embeddings=False,
+                         rope_scaling={"type": "mrope", "mrope_section": [16, 24, 24]}),
+        vision_config=dict(depth=32, hidden_size=1280, intermediate_size=3420, num_heads=16, out_hidden_size=3584,
+                           fullatt_block_indexes=[7, 15, 23, 31], window_size=112))
+    mllama = MllamaConfig(text_config=dict(hidden_size=4096, num_hidden_layers=40, vocab_size=128256,
+                                           cross_attention_layers=[3, 8, 13, 18, 23, 28, 33, 38]),
+                          vision_config=dict(image_size=560))
+    return {"qwen2_5_vl_7b": qwen, "llama_3_2_11b_vision": mllama, "gemma3": Gemma3Config(),
+            "qwen3_moe": Qwen3MoeConfig(num_hidden_layers=48, num_experts=128, num_experts_per_tok=8)}
+
+
+def test_shrink_keeps_what_decides_the_collectives_on_real_shapes():
+    import torch
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
+
+    from hf_ddpfix.rehearse.shrink import shrink_config
+
+    configs = _real_configs()
+    for name, real in configs.items():
+        small = shrink_config(real).config
+        assert real.to_dict() != small.to_dict(), name
+        for path in ("", "text_config", "vision_config"):
+            a = getattr(real, path, None) if path else real
+            b = getattr(small, path, None) if path else small
+            if a is None:
+                continue
+            for key, value in vars(a).items():  # kept: ids, vocab, geometry, experts, routing, ties
+                if key.endswith(("token_id", "token_index")) or key in (
+                        "vocab_size", "image_size", "patch_size", "spatial_merge_size", "temporal_patch_size",
+                        "window_size", "num_experts", "num_experts_per_tok", "tie_word_embeddings", "max_num_tiles",
+                        "decoder_sparse_step", "norm_topk_prob"):
+                    assert getattr(b, key) == value, (name, path, key)
+        cls = AutoModelForImageTextToText if name != "qwen3_moe" else AutoModelForCausalLM
+        with torch.device("meta"):
+            model = cls.from_config(small)
+        n = sum(p.numel() for p in model.parameters())
+        assert n < 60e6, (name, n)  # the vocabulary dominates: 152064 x 64 x 2
+    q = shrink_config(configs["qwen2_5_vl_7b"]).config
+    assert q.vision_config.fullatt_block_indexes == [7, 15] and q.vision_config.depth == 16
+    assert sum(q.text_config.rope_scaling["mrope_section"]) == q.text_config.hidden_size // 4 // 2
+    m = shrink_config(configs["llama_3_2_11b_vision"]).config
+    assert m.text_config.cross_attention_layers == [3, 8] and m.text_config.num_hidden_layers == 9
+    assert len(m.vision_config.intermediate_layers_indices) == 5
+    assert m.vision_config.vision_output_dim == 6 * m.vision_config.hidden_size
+    assert m.text_config.num_attention_heads // m.text_config.num_key_value_heads == 4  # GQA group kept
+    g = shrink_config(configs["gemma3"]).config
+    assert g.text_config.layer_types == configs["gemma3"].text_config.layer_types[:6]
+    assert len(set(g.text_config.layer_types)) == 2
+
+
+def test_auto_model_class_contract():
+    from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM, Qwen2_5_VLConfig
+
+    from hf_ddpfix._compat.models import auto_model_class
+
+    assert auto_model_class(AutoModelForCausalLM, LlamaConfig()) is LlamaForCausalLM
+    assert auto_model_class(AutoModelForCausalLM, Qwen2_5_VLConfig()) is None or True  # no crash either way
+
+
+def test_ddp_logger_shim_contract():
+    import torch.distributed as dist
+
+    from hf_ddpfix._compat.torch_internals import ddp_logger_without_construction_log
+
+    real = dist.Logger
+    try:
+        assert ddp_logger_without_construction_log(dist) is True and issubclass(dist.Logger, real)
+        assert ddp_logger_without_construction_log(dist) is False  # idempotent
+        assert hasattr(real, "set_construction_data_and_log")  # the method DDP calls and the shim silences
+    finally:
+        dist.Logger = real
+
+
+def test_skewed_batch_is_text_only_and_shorter_but_keeps_labels():
+    import torch
+
+    from hf_ddpfix.rehearse.inject import skew_batch
+
+    ids = torch.tensor([[5, 1, 1, 6, 7, 8, 9, 10, 11, 12]])
+    batch = {"input_ids": ids, "labels": ids.clone(), "attention_mask": torch.ones_like(ids),
+             "pixel_values": torch.ones(4, 3), "image_grid_thw": torch.tensor([[1, 2, 2]]),
+             "mm_token_type_ids": (ids == 1).long()}
+    out = skew_batch(batch, {1}, 0)
+    assert set(out) == {"input_ids", "labels", "attention_mask", "mm_token_type_ids"}
+    assert out["input_ids"].shape == (1, 5) and not (out["input_ids"] == 1).any()
+    assert int(out["mm_token_type_ids"].sum()) == 0
+    prompt_only = dict(batch, labels=torch.tensor([[3, 3, 3, 3, 3, -100, -100, -100, -100, -100]]))
+    assert skew_batch(prompt_only, {1}, 0)["input_ids"].shape == (1, 10)  # nothing to score in the last half
+
+
+def test_the_report_reads_both_ranks_fingerprints_from_torchs_mismatch_message():
+    from hf_ddpfix.rehearse.report import _mismatch
+
+    msg = ("Detected mismatch between collectives on ranks. Rank 0 is running collective: CollectiveFingerPrint("
+           "SequenceNumber=24, OpType=ALLGATHER, TensorShape=[1, 2], TensorDtypes=Long, TensorDeviceTypes=TensorOptions("
+           "dtype=float (default), device=cpu)), but Rank 1 is running collective: CollectiveFingerPrint(SequenceNumber="
+           "24, OpType=ALLGATHER, TensorShape=[8, 14], TensorDtypes=Long, TensorDeviceTypes=TensorOptions(...)")
+    assert _mismatch(msg)["fingerprints"] == {
+        0: "SequenceNumber=24, OpType=ALLGATHER, TensorShape=[1, 2], TensorDtypes=Long",
+        1: "SequenceNumber=24, OpType=ALLGATHER, TensorShape=[8, 14], TensorDtypes=Long"}
+    assert _mismatch("RuntimeError: something else") is None
+
+
+def test_memory_projection_of_the_real_model_shards_by_world_size():
+    from hf_ddpfix.rehearse.memory import project_memory
+
+    real = _real_configs()["qwen2_5_vl_7b"]
+    record = {"models": [{"name": "Qwen/Qwen2.5-VL-7B-Instruct", "model_class": "Qwen2_5_VLForConditionalGeneration",
+                          "config_class": "Qwen2_5_VLConfig", "real_config": real.to_dict(), "dtype": "torch.bfloat16"}],
+              "train": {"trainable": [["base_model.model.model.language_model.layers.0.self_attn.q_proj.lora_A.default"
+                                       ".weight", [8, 64]],
+                                      ["base_model.model.model.language_model.layers.0.self_attn.q_proj.lora_B.default"
+                                       ".weight", [64, 8]]]}}
+    ddp, why = project_memory(record, "ddp", 8)
+    assert why is None and "8.29 B parameters" in ddp[0] and "bf16" in ddp[0], ddp
+    trainable = 28 * 8 * (3584 + 3584)  # r x (in + out) on every real layer's q_proj
+    assert f"trainable {trainable / 1e6:.1f} M" in ddp[0]
+    fsdp, _ = project_memory(record, "fsdp", 8)
+    total = lambda lines: float(lines[-2].split("= ")[1].split(" GiB")[0])  # noqa: E731
+    assert total(fsdp) < total(ddp) / 2, (fsdp, ddp)  # 1/8 of the weights + the root unit (the tower) whole
+    assert any("root unit" in line for line in fsdp)
+    assert project_memory({}, "ddp", 8)[0] is None
+
+
+def test_rehearse_help_is_fast_and_imports_neither_torch_nor_transformers():
+    code = ("import sys, time\nt = time.perf_counter()\nfrom hf_ddpfix.cli import main\ntry:\n"
+            "    main(['rehearse', '--help'])\nexcept SystemExit:\n    pass\n"
+            "print('HEAVY', [m for m in ('torch', 'transformers') if m in sys.modules], time.perf_counter() - t)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=60,
+                         env={**os.environ, "PYTHONPATH": str(ROOT)})
+    line = [x for x in out.stdout.splitlines() if x.startswith("HEAVY")][0]
+    assert "HEAVY []" in line and "--skew" in out.stdout and "--stock" in out.stdout, out.stdout[-2000:]
+
+
+def test_the_fsdp_device_has_one_home():
+    """One device, not two: tests/launch.py points at the package's copy."""
+    from launch import FSDP_DEVICE
+
+    from hf_ddpfix.rehearse import device_dir
+
+    assert FSDP_DEVICE == device_dir() and (device_dir() / "sitecustomize.py").is_file()
+    assert not (ROOT / "tests" / "fsdp_device" / "sitecustomize.py").exists()
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# multi-process: rehearsals side by side
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def _start(tmp: Path, name: str, options: list[str], line: list[str], env: dict[str, str] | None = None):
+    report = tmp / f"{name}.json"
+    cmd = [sys.executable, "-m", "hf_ddpfix", "rehearse", "--quiet", "--workdir", str(tmp / name), "--json",
+           str(report), *options, "--", *line]
+    full = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get(
+        "PYTHONPATH", "")]), **OFFLINE, **(env or {})}
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=full, cwd=ROOT,
+                            start_new_session=True)
+    return name, proc, report, time.monotonic()
+
+
+def _finish(runs, timeout: float) -> dict[str, tuple[int, dict, str, float]]:
+    deadline, out = time.monotonic() + timeout, {}
+    for name, proc, report, t0 in runs:
+        try:
+            text, _ = proc.communicate(timeout=max(1.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            for _, p, _, _ in runs:
+                if p.poll() is None:
+                    os.killpg(p.pid, 9)
+            pytest.fail(f"rehearsal {name}: no result after {timeout:.0f} s")
+        data = json.loads(report.read_text()) if report.exists() else {}
+        out[name] = (proc.returncode, data, text, time.monotonic() - t0)
+        print(f"[rehearse] {name}: exit {proc.returncode}, {out[name][3]:.0f} s wall")
+    return out
+
+
+@pytest.mark.multiprocess
+def test_fsdp_vlm_with_a_text_only_rank_stock_names_the_mismatch_and_hf_ddpfix_passes(tmp_path):
+    line = ["accelerate", "launch", "--config_file", "accelerate_configs/fsdp.yaml", "examples/qwen_vl_lora.py",
+            "--output-dir", str(tmp_path / "user-out"), "--eval-size", "8"]
+    runs = [_start(tmp_path, "stock", ["--stock", "--skew"], line), _start(tmp_path, "fixed", ["--skew"], line),
+            _start(tmp_path, "hang", ["--hang-timeout", "5"], ["torchrun", "--nproc_per_node=2",
+                                                              "tests/scripts/rehearse_hang.py"]),
+            _start(tmp_path, "cannot", [], ["torchrun", "--nproc_per_node=2", "tests/scripts/rehearse_offline_tokenizer.py"])]
+    done = _finish(runs, timeout=420)
+    code, cannot, text, _ = done["cannot"]  # a step that cannot run here is named, exit 2
+    assert code == 2 and cannot["status"] == "cannot" and "step 'load the tokenizer'" in cannot["cannot"], text[-2000:]
+    code, hang, text, _ = done["hang"]  # a hang ends in seconds, both ranks' frames named
+    assert code == 1 and hang["status"] == "hang" and hang["phases"][0]["seconds"] < 120, text[-3000:]
+    by_rank = {f["rank"]: f for f in hang["phases"][0]["failures"]}
+    assert by_rank[0]["kind"] == "hang" and by_rank[0]["collective"] == "all_reduce", by_rank
+    assert any("rank_zero_only_sync" in fr for fr in by_rank[0]["frames"]), by_rank
+    assert any("rehearse_hang.py" in fr for fr in by_rank[1]["frames"]), by_rank
+    code, stock, text, _ = done["stock"]
+    assert code == 1 and stock["status"] == "failed", text[-4000:]
+    phase = stock["phases"][0]
+    assert phase["fsdp"] and phase["hf_ddpfix"] is False, text[-3000:]
+    assert phase.get("seconds_to_failure", 1e9) < 60, phase  # from the first training step; the wall time includes start-up
+    failures = {f["rank"]: f for f in phase["failures"]}
+    assert set(failures) == {0, 1}, text[-3000:]
+    for f in failures.values():  # both ranks: the collective, both fingerprints, and the model frame
+        assert f["kind"] == "error" and "mismatch between collectives" in f["error"], f
+        assert set(f["mismatch"]["fingerprints"]) == {"0", "1"}  # JSON keys
+        assert any("modeling_qwen2_5_vl.py" in fr for fr in f["frames"]), f
+    assert "Detected mismatch" in text and "rank 1 collective" in text
+    code, fixed, text, _ = done["fixed"]
+    assert code == 0 and fixed["status"] == "passed", text[-4000:]
+    train, resume = fixed["phases"]
+    assert train["fsdp"] and train["fsdp_units"] > 0 and train["steps"] == {"0": 3, "1": 3}, train
+    assert train["evaluated"] and train["saved"] and any("fsdp_units" in line for line in train["plan"])
+    assert train["skew"]["rank"] == 1 and resume["resumed_from"] and resume["steps"]["0"] == 4, resume
+    assert not (tmp_path / "user-out").exists() or not any((tmp_path / "user-out").glob("checkpoint-*"))
+
+
+@pytest.mark.multiprocess
+def test_trl_sft_under_ddp_zero3_and_two_localhost_nodes(tmp_path):
+    script = ["examples/trl_sft.py", "--output-dir", str(tmp_path / "user-out")]
+    patches = {"PYTHONPATH": os.pathsep.join([str(ROOT / "patches"), str(ROOT)])}
+    runs = [
+        _start(tmp_path, "ddp", ["--no-resume"], ["accelerate", "launch", "--config_file",
+                                                  "accelerate_configs/ddp_cpu.yaml", *script], env=patches),
+        _start(tmp_path, "zero3", ["--no-resume"], ["accelerate", "launch", "--config_file",
+                                                    "accelerate_configs/zero3.yaml", *script]),
+        _start(tmp_path, "nodes", ["--no-resume", "--nproc", "2"], ["accelerate", "launch", "--config_file",
+                                                                   "accelerate_configs/multinode_ddp.yaml", *script]),
+    ]
+    done = _finish(runs, timeout=480)
+    for name, (code, rep, text, _) in done.items():
+        assert code == 0 and rep["status"] == "passed", (name, text[-4000:])
+        phase = rep["phases"][0]
+        assert phase["trainer"] == "SFTTrainer" and phase["steps"] == {"0": 3, "1": 3}, (name, phase)
+        assert phase["hf_ddpfix"] is True and phase["plan"], (name, phase)  # zero-code (patches/) or the script's
+    assert done["ddp"][1]["phases"][0]["replicas"].startswith("in sync"), done["ddp"][1]["phases"][0]
+    assert done["zero3"][1]["phases"][0]["zero_stage"] == 3 and done["zero3"][1]["mode"] == "zero3"
+    nodes = done["nodes"][1]
+    assert "2 localhost node(s)" in nodes["rehearsed"] and "16" in nodes["world_note"], nodes
+    assert nodes["phases"][0]["replicas"].startswith("in sync")
+
+
+@pytest.mark.multiprocess
+def test_real_model_configs_are_rehearsed_shrunk_with_the_real_memory_projected(tmp_path):
+    from transformers import MllamaConfig, Qwen2_5_VLConfig  # noqa: F401 - the configs the user's folders hold
+
+    configs = _real_configs()
+    for name in ("qwen2_5_vl_7b", "llama_3_2_11b_vision"):
+        configs[name].save_pretrained(tmp_path / name)  # config.json only: no weights
+    runs = [
+        _start(tmp_path, "qwen", ["--no-resume"], ["accelerate", "launch", "--config_file",
+                                                   "accelerate_configs/ddp_cpu.yaml", "tests/scripts/"
+                                                   "rehearse_saved_config.py", "--model", str(tmp_path / "qwen2_5_vl_7b"),
+                                                   "--images"]),
+        _start(tmp_path, "mllama", ["--no-resume", "--nproc", "2"], [
+            "torchrun", "--nproc_per_node=8", "tests/scripts/rehearse_saved_config.py", "--model",
+            str(tmp_path / "llama_3_2_11b_vision")]),
+    ]
+    done = _finish(runs, timeout=420)
+    for name, (code, rep, text, _) in done.items():
+        assert code == 0 and rep["status"] == "passed", (name, text[-4000:])
+        phase = rep["phases"][0]
+        model = phase["models"][0]
+        assert model["shrunk"] and model["shrink"], model
+        assert any("float32" in s for s in model["substitutions"]), model
+        assert any("sdpa" in s for s in model["substitutions"]), model
+        assert phase["replicas"].startswith("in sync"), phase
+        assert rep["memory"] and "a projection" in text, text[-3000:]
+    q = done["qwen"][1]
+    assert q["memory"][0].startswith("real model: Qwen2_5_VLForConditionalGeneration") and "8.29 B" in q["memory"][0]
+    assert any("fullatt_block_indexes" in s for s in q["phases"][0]["models"][0]["shrink"])
+    m = done["mllama"][1]
+    assert "world size 8" in m["memory"][1] and "rehearsed on 2" in m["world_note"], m
+    assert any("cross_attention_layers" in s for s in m["phases"][0]["models"][0]["shrink"])
