@@ -1,7 +1,8 @@
 """Who used what: every trainable parameter used on every rank every step (DDP / FSDP2), and the guard.
 
-- ``tracker.py``: :class:`ParameterUsage`, the per-forward observation, the tie at the loss given to
-  backward and the per-step finalize.
+- ``tracker.py``: :class:`ParameterUsage`, the per-forward observation and the tie at the loss given to
+  backward; ``finalize.py``: its per-step finalize (the cross-rank "unused" agreement, ``.grad = None``);
+  ``real_grads.py``: a real gradient outside the loss seen counts as used in the step.
 - ``scopes.py``: parameter slots and FSDP2 unit scopes; ``regions.py``: what reentrant checkpointed layers
   read; ``agreement.py``: the cross-rank guard table and the step's "used" mask (asynchronous);
   ``step.py``: what the current optimizer step has seen; ``outputs.py``: the log record, where a tie goes;

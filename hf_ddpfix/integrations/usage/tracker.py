@@ -22,8 +22,6 @@ Guarantees: with fu=False (static graph at accumulation 1) every zoo family trai
 
 from __future__ import annotations
 
-import functools
-import logging
 import time
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -34,30 +32,23 @@ from torch import nn
 from ..._compat import ddp_syncs_grads, is_ddp_sink_node, unwrap_parallel
 from ...ops import feature_counts
 from ...ops.autograd_reach import output_tensors, reachable_leaf_ids, reachable_leaf_ids_split
-from ...ops.zero_tie import ZeroTie, is_tie_zero, is_zero_tie_node
+from ...ops.zero_tie import ZeroTie, is_zero_tie_node
 from .agreement import UNUSED_FIX, UsageAgreement, gather_missing, raise_if_missing
+from .finalize import UNSEEN_LOSS, StepFinalize
 from .hang_guard import UnusedParametersError
 from .loss_observer import observe_loss
 from .no_walk import ESTABLISH, NoWalkCheck, UsageChanged
 from .outputs import UsageRecord, anchor_of, replace_in
+from .real_grads import watch_real
 from .regions import ReentrantRegions
 from .scopes import Scope, build_scopes, collect_slots, unit_pre_hook
 from .step import StepRecord
 
-#: The fallback reason counted when a training forward's loss never reached :meth:`ParameterUsage.tie_loss`.
-UNSEEN_LOSS = "loss not seen at backward: usage read from the model output"
-
-__all__ = ["ESTABLISH", "ParameterUsage", "UsageChanged", "UsageRecord", "UnusedParametersError", "reachable_leaf_ids"]
-
-def _mark_real(step: StepRecord, slot: int, grad: Any) -> None:
-    """A watched leaf's gradient hook: anything but exactly a tie's zero is a real gradient (``_watch_real``)."""
-    if grad is not None and not is_tie_zero(grad):
-        if slot not in step.used:
-            feature_counts.record_amount("parameter_usage", "real_grads_outside_loss", 1)
-        step.used.add(slot)
+__all__ = ["ESTABLISH", "UNSEEN_LOSS", "ParameterUsage", "UsageChanged", "UsageRecord", "UnusedParametersError",
+           "reachable_leaf_ids"]
 
 
-class ParameterUsage:
+class ParameterUsage(StepFinalize):
     """Observe, tie and finalize: every trainable parameter takes part in every backward.
 
     Usage (plain PyTorch; the Trainer wiring is in the module docstring)::
@@ -358,19 +349,9 @@ class ParameterUsage:
         return loss
 
     def _watch_real(self, slots: list[int]) -> None:
-        """Until the step ends, a slot of ``slots`` (left out of the loss seen: tied, or observed only) whose leaf
-        receives a gradient other than a tie's zero in any backward (a regulariser added below the loss seen, a
-        hook, a second backward) counts as used in this step: ``.grad`` as backward left it is kept. One gradient
-        hook per such slot and step (:func:`hf_ddpfix.ops.zero_tie.is_tie_zero`); none for a slot already
-        watched, or whose tensor does not require grad (frozen: it receives nothing)."""
-        hooks = self._step.real_hooks
-        for i in slots:
-            if i in hooks:
-                continue
-            t = self.slots[i].tensor()
-            if t is None or not t.requires_grad:
-                continue
-            hooks[i] = t.register_hook(functools.partial(_mark_real, self._step, i))
+        """Count a slot of ``slots`` (left out of the loss seen) as used in this step if its leaf receives a real
+        gradient in any backward (``real_grads.py``)."""
+        watch_real(self._step, self.slots, slots)
 
     def _all_used(self) -> None:
         """The check at backward found every watched parameter about to get its gradient: all used (but those frozen
@@ -415,80 +396,6 @@ class ParameterUsage:
         if self.ddp_module is not None and not ddp_syncs_grads(self.ddp_module):
             return
         raise_if_missing(gather_missing(missing, len(self.slots), self.process_group), self.slots)
-
-    # -- per-optimizer-step semantics ---------------------------------------------------------------
-    def reset_step(self) -> None:
-        """Forget the micro-batches recorded since the last finalize."""
-        self._step.clear()
-        self._index_cache = None
-
-    def finalize(self, process_group: Any = None) -> int | None:
-        """Give the optimizer what stock DDP(find_unused_parameters=True) would give it.
-
-        Call on every rank after the last backward of an optimizer step and before gradient clipping
-        and ``optimizer.step()``. One all-reduce(MAX) of the per-parameter "used in some micro-batch of
-        this step" bytes (asynchronous; read only on a rank that left some parameter unused); every
-        parameter no rank used gets ``.grad = None``.
-
-        Returns:
-            The number of parameters reset to ``None``; ``None`` (and no collective) when no training
-            forward ran since the previous call, so a second call in one step is a no-op.
-        """
-        unused = self._agree(process_group)
-        if unused is None:
-            return None
-        reset = 0
-        for i in sorted(unused):
-            t = self.slots[i].tensor()
-            if t is not None and t.grad is not None:
-                t.grad = None
-                reset += 1
-        self.resets += reset
-        if reset:
-            feature_counts.record_amount("parameter_usage", "grads_reset", reset)
-        return reset
-
-    def agreed_step_usage(self, process_group: Any = None) -> torch.Tensor | None:
-        """The "some rank used it in this optimizer step" mask (bool, one per slot), agreed across ranks
-        with one all-reduce(MAX); the step's record is then cleared. ``None`` (and no collective) when no
-        training forward ran since the previous call. Call on every rank at the same point (after the last
-        backward of the step)."""
-        unused = self._agree(process_group)
-        if unused is None:
-            return None
-        mask = torch.ones(len(self.slots), dtype=torch.bool)
-        if unused:
-            mask[sorted(unused)] = False
-        return mask
-
-    def _agree(self, process_group: Any = None) -> set[int] | None:
-        """The slots no rank used in this optimizer step (one collective), or ``None`` without a forward."""
-        if self._step.forwards == 0:
-            return None
-        group = self.process_group if process_group is None else process_group
-        unused_here, unseen = self._step.close(self._all)  # unseen: the output's observation stood in
-        self._index_cache = None
-        if unseen and self.at_loss:
-            self._lose_route()
-            feature_counts.record_fallback("parameter_usage", UNSEEN_LOSS, unseen)
-            if not self._warned_unseen:
-                self._warned_unseen = True
-                logging.getLogger("hf_ddpfix").warning(
-                    "parameter_usage: %d training forward(s) were back-propagated without passing their loss "
-                    "through accelerator.backward; the parameters they used are read from the model output "
-                    "(a prediction). Call accelerator.backward(loss), or set ddp_find_unused_parameters=True.",
-                    unseen)
-        elif self.at_loss:
-            self._route_set = True  # every forward of this step had its loss seen: predictions can stop
-        flag = self.step_flag() if self.step_flag is not None else None
-        unused, self.step_flags = self.agreement.agree(unused_here, len(self.slots), group, flag)
-        return unused
-
-    def take_step_flags(self) -> tuple[bool, bool] | None:
-        """The last agreement's ``step_flag``, ``(some rank set it, every rank set it)`` (``UsageAgreement.agree``),
-        once; ``None`` when no agreement carried it since the last call."""
-        flags, self.step_flags = self.step_flags, None
-        return flags
 
     def describe(self) -> str:
         """One line: how many parameters are watched, how many were tied so far, the time spent."""
