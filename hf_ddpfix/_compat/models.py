@@ -244,3 +244,12 @@ def auto_model_class(auto_cls: Any, config: Any) -> Any:
     except KeyError:
         return None
     return found[0] if isinstance(found, list | tuple) else found
+
+
+def auto_model_base(auto_module: Any) -> Any:
+    """The base class of every ``AutoModel*`` class (``transformers.models.auto.auto_factory._BaseAutoModelClass``,
+    transformers 5.0-5.24): patching its ``from_pretrained`` reaches every auto class at once.
+
+    Guarantees: ``issubclass(AutoModelForCausalLM, auto_model_base(auto_factory))`` (tests/test_rehearse.py).
+    """
+    return auto_module._BaseAutoModelClass

@@ -216,3 +216,13 @@ def ddp_logger_without_construction_log(dist: Any) -> bool:
 
     dist.Logger = QuietLogger
     return True
+
+
+def thread_frame(thread_id: int | None) -> Any:
+    """The frame thread ``thread_id`` is running now (CPython's ``sys._current_frames``, 3.10-3.13), ``None`` when it
+    is gone. The rehearsal's hang watchdog samples the main thread with it.
+
+    Guarantees: a thread's own id gives a frame of that thread (tests/test_rehearse.py)."""
+    import sys
+
+    return sys._current_frames().get(thread_id)

@@ -86,7 +86,7 @@ def _strategy(value: Any) -> str:
 def _patch_training_args(module: Any) -> None:
     cls = module.TrainingArguments
     inner = cls.__post_init__
-    if getattr(inner, "_rehearse", False):
+    if getattr(inner, "_hf_ddpfix_rehearse", False):
         return
 
     def __post_init__(self, *args, **kwargs):
@@ -119,7 +119,7 @@ def _patch_training_args(module: Any) -> None:
         note("training_args", {"asked": asked, "max_steps": self.max_steps, "substitutions": subs})
         return inner(self, *args, **kwargs)
 
-    __post_init__._rehearse = True  # type: ignore[attr-defined]
+    __post_init__._hf_ddpfix_rehearse = True  # type: ignore[attr-defined]
     cls.__post_init__ = __post_init__
 
 
@@ -267,23 +267,23 @@ def _numel(shape: Any) -> int:
 def _patch_trainer(module: Any) -> None:
     cls = module.Trainer
     init, train = cls.__init__, cls.train
-    if getattr(init, "_rehearse", False):
+    if getattr(init, "_hf_ddpfix_rehearse", False):
         return
 
     @functools.wraps(init)
     def __init__(self, *args, **kwargs):
-        if _env("STOCK") != "1" and not getattr(cls, "_rehearse_patched", False):
+        if _env("STOCK") != "1" and not getattr(cls, "_hf_ddpfix_rehearse_patched", False):
             # hf_ddpfix on every Trainer, as patches/ does (a script's own patch_trainer() call only sets options);
             # here, not at import: the script may be importing hf_ddpfix.trainer itself right then
-            cls._rehearse_patched = True
+            cls._hf_ddpfix_rehearse_patched = True
             from ..trainer import is_patched, patch_trainer
 
             if not is_patched():
                 patch_trainer()
         init(self, *args, **kwargs)
-        if type(self).__init__ is not cls.__init__ and getattr(self, "_rehearse_ready", False):
+        if type(self).__init__ is not cls.__init__ and getattr(self, "_hf_ddpfix_rehearse_ready", False):
             return
-        self._rehearse_ready = True
+        self._hf_ddpfix_rehearse_ready = True
         self.add_callback(_rehearsal_callback(self))
         rows = 2 * self.args.per_device_eval_batch_size * max(1, self.args.world_size)
         self.eval_dataset = _cap_eval(self.eval_dataset, rows)
@@ -311,7 +311,7 @@ def _patch_trainer(module: Any) -> None:
             note("resumed_from", resume)
         return train(self, resume_from_checkpoint, *args, **kwargs)
 
-    __init__._rehearse = True  # type: ignore[attr-defined]
+    __init__._hf_ddpfix_rehearse = True  # type: ignore[attr-defined]
     cls.__init__ = __init__
     cls.train = train_
 
@@ -376,9 +376,9 @@ def _is_rank() -> bool:
 def install() -> None:
     """Install the rehearsal's hooks in this process (a no-op outside a rehearsal)."""
     directory = _env("DIR")
-    if not directory or getattr(install, "_done", False):
+    if not directory or getattr(install, "_hf_ddpfix_done", False):
         return
-    install._done = True  # type: ignore[attr-defined]
+    install._hf_ddpfix_done = True  # type: ignore[attr-defined]
     hooks: dict[str, Any] = {"transformers.modeling_utils": _patch_modeling,
                              "transformers.models.auto.auto_factory": _patch_auto,
                              "transformers.training_args": _patch_training_args,

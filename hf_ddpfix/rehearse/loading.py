@@ -123,7 +123,7 @@ def _from_pretrained(inner: Any, cls: Any, name: Any, *args: Any, **kwargs: Any)
 
 def _wrap_classmethod(owner: Any, name: str, wrapper: Any) -> None:
     raw = owner.__dict__[name]
-    if getattr(raw, "_rehearse", False):
+    if getattr(raw, "_hf_ddpfix_rehearse", False):
         return
     inner = raw.__func__
 
@@ -132,7 +132,7 @@ def _wrap_classmethod(owner: Any, name: str, wrapper: Any) -> None:
         return wrapper(inner, cls, *args, **kwargs)
 
     wrapped = classmethod(method)
-    wrapped._rehearse = True  # type: ignore[attr-defined]
+    wrapped._hf_ddpfix_rehearse = True  # type: ignore[attr-defined]
     setattr(owner, name, wrapped)
 
 
@@ -141,7 +141,9 @@ def _patch_modeling(module: Any) -> None:
 
 
 def _patch_auto(module: Any) -> None:
-    _wrap_classmethod(module._BaseAutoModelClass, "from_pretrained", _from_pretrained)
+    from .._compat.models import auto_model_base
+
+    _wrap_classmethod(auto_model_base(module), "from_pretrained", _from_pretrained)
 
 
 def _patch_peft(module: Any) -> None:

@@ -25,6 +25,8 @@ from __future__ import annotations
 import re
 from typing import Any
 
+from .._compat.models import no_split_modules
+
 __all__ = ["project_memory"]
 
 GIB = 1 << 30
@@ -123,7 +125,7 @@ def project_memory(record: dict[str, Any], mode: str, world: int) -> tuple[list[
                      "parameters gathered whole by every rank")
     elif mode == "zero3":
         blocks = [sum(p.numel() for p in mod.parameters()) for mod in model.modules()
-                  if type(mod).__name__ in set(getattr(model, "_no_split_modules", None) or [])]
+                  if type(mod).__name__ in set(no_split_modules(model))]
         largest = max(blocks, default=0)
         weights = w / world + extra_weights / world
         gathered = 2 * largest * b

@@ -18,7 +18,6 @@ import faulthandler
 import json
 import os
 import signal
-import sys
 import threading
 import time
 import traceback
@@ -76,19 +75,21 @@ def _in_comm(frame: FrameType) -> bool:
 
 def start(directory: str, rank: int, timeout: float) -> None:
     """Register the ``SIGUSR1`` stack dump and start the sampling thread for this rank (once per process)."""
-    if getattr(start, "_started", False):
+    if getattr(start, "_hf_ddpfix_started", False):
         return
-    start._started = True  # type: ignore[attr-defined]
+    start._hf_ddpfix_started = True  # type: ignore[attr-defined]
     stacks = open(os.path.join(directory, f"rank{rank}.stacks.txt"), "w")  # noqa: SIM115 - lives with the process
     if hasattr(signal, "SIGUSR1"):
         faulthandler.register(signal.SIGUSR1, file=stacks, all_threads=True)
     main = threading.main_thread().ident
 
     def sample() -> None:
+        from .._compat.torch_internals import thread_frame  # here: the shim imports nothing heavy at start-up
+
         since, last = None, None
         while True:
             time.sleep(PERIOD)
-            frame = sys._current_frames().get(main)
+            frame = thread_frame(main)
             if frame is None:
                 return
             key = (id(frame), frame.f_lineno) if _in_comm(frame) else None

@@ -44,7 +44,7 @@ import os
 import sys
 
 _TARGET = "accelerate.state"
-_MARK = "_fsdp_device_wrapped"
+_MARK = "_hf_ddpfix_fsdp_device_wrapped"
 
 
 def _asked_for_fsdp(fsdp_plugin) -> bool:
