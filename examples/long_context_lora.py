@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 import os
 import warnings
 
@@ -123,8 +124,9 @@ def main() -> None:
         trainer = DDPFixTrainer(model=model, args=training_args, train_dataset=data, ddpfix_config=config)
         result = trainer.train()
     # what each requested feature really ran (rank-local counts; fell_back > 0 means stock code ran)
-    print("feature counts:", json.dumps({k: v for k, v in result.metrics.items() if k.startswith("hf_ddpfix/")},
-                                        sort_keys=True), flush=True)  # one write per line: ranks share stdout
+    counts = json.dumps({k: v for k, v in result.metrics.items() if k.startswith("hf_ddpfix/")}, sort_keys=True)
+    sys.stdout.write(f"feature counts: {counts}\n")  # one write per line: the ranks share stdout
+    sys.stdout.flush()
     losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
     peak = f", peak {torch.cuda.max_memory_allocated() / GIB:.1f} GiB" if torch.cuda.is_available() else ""
     print(f"trained {args.max_steps} steps of {args.seq} tokens: losses {[round(x, 4) for x in losses]}{peak}", flush=True)
