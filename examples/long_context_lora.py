@@ -31,8 +31,8 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 import os
+import sys
 import warnings
 
 import torch
