@@ -1233,8 +1233,15 @@ def test_the_offline_fsdp2_path_reads_what_a_launch_and_torch_do():
         _compat.prepare_like_accelerate(model, plugin)
         groups = _compat.fsdp_groups(model)
     assert not torch.distributed.is_initialized()
-    assert [len(params) for _, params, _ in groups] == [1, 9, 9, 2], _broken("FSDP2 parameter groups")
-    assert [reshards for *_, reshards in groups] == [True, True, True, False], _broken("reshard_after_forward")
+    import accelerate
+    from packaging.version import Version
+
+    if Version(accelerate.__version__) >= Version("1.15"):  # the embedding and [norm, head] carved into units
+        sizes, reshard = [1, 9, 9, 2], [True, True, True, False]
+    else:  # accelerate 1.11 (oldest stack): they stay in the root (measured: every group reshards)
+        sizes, reshard = [3, 9, 9], [True, True, True]
+    assert [len(params) for _, params, _ in groups] == sizes, _broken("FSDP2 parameter groups")
+    assert [reshards for *_, reshards in groups] == reshard, _broken("reshard_after_forward")
     for _, params, _ in groups:
         for full, local, size in params:
             assert size == 4 and local * 4 >= full, _broken("FSDP2 padded shard sizes")
