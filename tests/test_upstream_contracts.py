@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from launch import free_port
 from torch import nn
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 from torch.utils.checkpoint import checkpoint
@@ -498,7 +499,7 @@ def test_ddp_sink_node_is_an_identity_per_output():
             return {"p": self.a(x), "q": self.b(x)}
 
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", "29561")
+    os.environ["MASTER_PORT"] = str(free_port())  # CI runs the stacks side by side: no fixed port
     dist.init_process_group("gloo", rank=0, world_size=1)
     try:
         model = Two()
@@ -1173,7 +1174,7 @@ def test_fully_shard_of_a_tied_tensor_needs_one_group_and_join_shared_holders_ma
             return self.head(self.mid(self.enc(x))).sum()
 
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", "29562")
+    os.environ["MASTER_PORT"] = str(free_port())  # CI runs the stacks side by side: no fixed port
     dist.init_process_group("gloo", rank=0, world_size=1)
     try:
         from torch.distributed.device_mesh import init_device_mesh
