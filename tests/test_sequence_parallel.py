@@ -302,9 +302,15 @@ def test_trainer_with_sequence_parallel_equals_the_run_without_it_and_one_proces
         assert r["ddp_find_unused_false"] == micro  # every sharded forward ran under DDP(find_unused_parameters=False)
         # transformers 5.0's Qwen-VL returns rope_deltas beside the logits, one per row of the group's padded
         # batch: its predict() runs unsharded (counted with that reason), its evaluate() sharded
-        rope = {k for k in r["sp_fallbacks"] if vlm and k.startswith("prediction outputs ['rope_deltas']")}
+        # (transformers 5.24's Qwen-VL adds image outputs on image batches only: those predict() batches run
+        # unsharded the same way, counted with the field names; the others sharded)
+        rope = {k for k in r["sp_fallbacks"] if vlm and k.startswith("prediction outputs [")}
         # evaluate() + predict(), both batches of the group each
-        assert r["eval_sharded_batches"] == (1 if rope else 2) * 2 * (4 // nproc if vlm else 8 // (2 * nproc))
+        full = 2 * 2 * (4 // nproc if vlm else 8 // (2 * nproc))
+        if rope:  # evaluate() sharded whole; predict() at least partly unsharded (exact either way, below)
+            assert full // 2 <= r["eval_sharded_batches"] < full, (r["eval_sharded_batches"], rope)
+        else:
+            assert r["eval_sharded_batches"] == full
         assert r["one_process"] is not None and max(r["one_process"][k] for k in (
             "weight_diff", "loss_diff", "eval_diff", "logits_diff")) <= 1e-5  # vs one process too
         if rope:  # the unsharded prediction's attention calls, counted by the wrapper

@@ -24,7 +24,10 @@ __all__ = ["mark_real", "watch_real"]
 
 def mark_real(step: StepRecord, slot: int, grad: Any) -> None:
     """A watched leaf's gradient hook: anything but exactly a tie's zero is a real gradient (:func:`watch_real`)."""
-    if grad is not None and not is_tie_zero(grad):
+    # exactly zero is not a real gradient: autograd sums the marked zeros of two ties (output and loss) into an
+    # unmarked zero tensor (tests/scripts/trainer_heads.py head_in_forward: 5e-4 off stock by AdamW's decay otherwise).
+    # Cost: one host read per watched leaf whose gradient is not a single tie's zero.
+    if grad is not None and not is_tie_zero(grad) and bool(grad.any()):
         if slot not in step.used:
             feature_counts.record_amount("parameter_usage", "real_grads_outside_loss", 1)
         step.used.add(slot)
