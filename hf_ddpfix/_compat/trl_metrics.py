@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["TRL_METRIC_STATE", "restore_trl_metric_state", "trl_metric_names", "trl_metric_state"]
+__all__ = ["TRL_METRIC_STATE", "put_back", "restore_trl_metric_state", "trl_metric_names", "trl_metric_state"]
 
 #: TRL release (major, minor) from which the names apply -> the private attributes its trainers log metrics in
 #: from ``compute_loss`` (read in trl/trainer/*.py and trl/experimental/*/*.py of each release).
@@ -59,13 +59,18 @@ def restore_trl_metric_state(trainer: Any, saved: dict[str, Any]) -> None:
     unknown = set(saved) - names
     if unknown:
         raise ValueError(f"restore_trl_metric_state: {sorted(unknown)} are not TRL metric state ({sorted(names)})")
-    own = vars(trainer)
     for name, value in saved.items():
-        current = own.get(name)
-        if isinstance(current, dict) and isinstance(value, dict):
-            current.clear()
-            current.update(value)
-        elif isinstance(current, list) and isinstance(value, list):
-            current[:] = value
-        else:
-            setattr(trainer, name, value)
+        put_back(trainer, name, value)
+
+
+def put_back(obj: Any, name: str, value: Any) -> None:
+    """Set ``obj.name`` to ``value``; a dict or list already there is refilled in place, so a reference the
+    trainer (or TRL) holds to it stays valid."""
+    current = vars(obj).get(name)
+    if isinstance(current, dict) and isinstance(value, dict):
+        current.clear()
+        current.update(value)
+    elif isinstance(current, list) and isinstance(value, list):
+        current[:] = value
+    else:
+        setattr(obj, name, value)

@@ -46,7 +46,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ..._compat import restore_trl_metric_state, trl_metric_state
+from ..._compat.trl_metrics import put_back, restore_trl_metric_state, trl_metric_state
 from ...ops.feature_counts import record_amount
 
 __all__ = ["LIMITS", "MAX_LEAVES", "METRICS_DIFFER", "MetricReplay"]
@@ -100,16 +100,8 @@ def metric_state(trainer: Any) -> dict[str, Any]:
 def restore_metric_state(trainer: Any, saved: dict[str, Any]) -> None:
     """Put back what `metric_state` saved: dicts and lists in place (a reference the trainer holds stays valid)."""
     for name, value in saved.items():
-        if name.startswith("_"):  # TRL's, through the contract layer below
-            continue
-        current = vars(trainer).get(name)
-        if isinstance(current, dict) and isinstance(value, dict):
-            current.clear()
-            current.update(value)
-        elif isinstance(current, list) and isinstance(value, list):
-            current[:] = value
-        else:
-            setattr(trainer, name, value)
+        if not name.startswith("_"):  # TRL's private state: through the contract layer below
+            put_back(trainer, name, value)
     restore_trl_metric_state(trainer, {name: v for name, v in saved.items() if name.startswith("_")})
 
 
