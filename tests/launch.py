@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -28,6 +29,19 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def _record_launch(cmd: list[str], seconds: float) -> None:
+    """With ``DDPFIX_LAUNCH_LOG`` set (CI sets it): one JSON line per launch (the test, the command, its seconds),
+    so the CI report can say what each file's launches cost (scripts/ci_report.py)."""
+    path = os.environ.get("DDPFIX_LAUNCH_LOG")
+    if path:
+        import json
+
+        line = {"test": os.environ.get("PYTEST_CURRENT_TEST", "").rsplit(" ", 1)[0], "s": round(seconds, 1),
+                "cmd": " ".join(str(c) for c in cmd)[-300:]}
+        with open(path, "a") as f:
+            f.write(json.dumps(line) + "\n")
+
+
 def _run(cmd: list[str], label: str, timeout: float, env: dict[str, str] | None, check: bool) -> subprocess.CompletedProcess:
     """Run `cmd` from the repository root in its own session with the test environment and a hard timeout:
     past `timeout` seconds the whole process group is killed and the test fails with the output so far; with
@@ -44,6 +58,7 @@ def _run(cmd: list[str], label: str, timeout: float, env: dict[str, str] | None,
                 **(env or {})}
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=full_env,
                             start_new_session=True, cwd=str(ROOT))
+    t0 = time.monotonic()
     try:
         out, _ = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
@@ -51,6 +66,7 @@ def _run(cmd: list[str], label: str, timeout: float, env: dict[str, str] | None,
         out, _ = proc.communicate()
         pytest.fail(f"{label}: no result after {timeout:.0f}s (hang?)\n{out[-6000:]}")
     done = subprocess.CompletedProcess(cmd, proc.returncode, out, "")
+    _record_launch(cmd, time.monotonic() - t0)
     if check and done.returncode != 0:
         pytest.fail(f"{label} exited {done.returncode}\n{done.stdout[-8000:]}")
     return done
@@ -99,8 +115,6 @@ def torchrun_nodes(script: str | Path, *args: str, nnodes: int = 2, timeout: flo
                f"--rdzv_id=hf_ddpfix_{port}", str(SCRIPTS / script), *args]
         procs.append(subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                       env=full_env, start_new_session=True, cwd=str(ROOT)))
-    import time
-
     deadline, outs = time.monotonic() + timeout, []
     for proc in procs:
         try:

@@ -2,15 +2,14 @@
 run's own functions (a meta-device model from the config, the plugin ``accelerate launch`` builds from the yaml),
 so for the same model and launch its plan block must be the run's, line for line.
 
-Used by tests/test_fsdp_trainer.py, whose FSDP2 launches print one plan per family (rank 0's ``[hf_ddpfix]`` log
-lines) before the family's ``[fixed] <name>:`` line.
+Used by tests/test_fsdp_trainer.py, whose FSDP2 launches save one logged plan per family (rank 0's ``hf_ddpfix``
+logger) next to the family's results.
 """
 
 from __future__ import annotations
 
 import contextlib
 import io
-import re
 from pathlib import Path
 
 from launch import ROOT
@@ -18,27 +17,12 @@ from launch import ROOT
 PLAN_HEAD = "hf_ddpfix plan ("
 
 
-def run_plans(log: str) -> dict[str, str]:
-    """Each family's plan block as the run printed it (``[hf_ddpfix] `` prefix removed), keyed by the family named
-    by the next ``[fixed] <name>:`` line."""
-    out: dict[str, str] = {}
-    block: list[str] | None = None
-    done: str | None = None
-    for raw in log.splitlines():
-        line = raw.removeprefix("[hf_ddpfix] ")
-        if line.startswith(PLAN_HEAD):
-            block = [line]
-            continue
-        if block is not None and (line.startswith(("   ", " * ", " ! ")) and " = " in line
-                                  or line.startswith("   corrected:") or line.startswith("   settings:")):
-            block.append(line)
-            continue
-        if block is not None and len(block) > 1:
-            done, block = "\n".join(block), None
-        named = re.match(r"\[fixed\] (\w+):", line)
-        if named and done is not None:
-            out[named.group(1)], done = done, None
-    return out
+def run_plans(out: Path, mode: str = "fixed") -> dict[str, str]:
+    """Each family's plan block as its run logged it, keyed by family: the ``plan-<mode>-<name>.txt`` files
+    tests/scripts/fsdp_trainer.py writes on rank 0 from the ``hf_ddpfix`` logger (not parsed from stdout, where
+    several processes' lines may interleave)."""
+    prefix = f"plan-{mode}-"
+    return {f.stem.removeprefix(prefix): f.read_text() for f in sorted(out.glob(f"{prefix}*.txt"))}
 
 
 def cli_plan(entry, ga: int, ckpt: str, tmp: Path, *, world: int = 2, eager: bool = False) -> str:  # noqa: ANN001

@@ -78,7 +78,7 @@ def _entries() -> dict:
     return {**ZOO, **MORE_TEXT, **ZERO_DISCOVERED, **ZERO_LOADED, **MORE_VLMS}
 
 
-def _check_cli_prints_the_run_plans(log: str, tmp_path, families: tuple[str, ...], world: int) -> None:
+def _check_cli_prints_the_run_plans(tmp_path, families: tuple[str, ...], world: int) -> None:
     """``hf-ddpfix plan`` (tests/plan_parity.py: the family's config, fsdp.yaml, the zoo's LoRA, the case's
     accumulation and checkpointing) prints each family's plan block exactly as the run printed it: every
     decision line, ``fsdp_units`` / ``fsdp_shared`` / ``parameter_usage`` / ``vlm_stabilizer`` included (issue 36:
@@ -87,8 +87,8 @@ def _check_cli_prints_the_run_plans(log: str, tmp_path, families: tuple[str, ...
     from fsdp_trainer import CASES, EAGER_LOADING, MORE_CASES
     from plan_parity import cli_plan, run_plans
 
-    runs = run_plans(log)
-    assert sorted(runs) == sorted(families), (sorted(runs), log[-3000:])
+    runs = run_plans(tmp_path)
+    assert sorted(runs) == sorted(families), sorted(runs)
     for name in families:
         ga, ckpt = {**CASES, **MORE_CASES}[name]
         cli = cli_plan(_entries()[name], ga, ckpt, tmp_path, world=world, eager=name in EAGER_LOADING)
@@ -118,7 +118,7 @@ def test_vlms_train_evaluate_predict_under_trainer_fsdp2_like_stock_ddp(tmp_path
     assert re.search(r"fsdp_shared\s+= on\s+tied tensors are held beyond the input/output embedding "
                      r"\(model\.encoder\.embed_tokens, model\.decoder\.embed_tokens\)", log), log[-6000:]
     assert "joined: base_model.model.model.encoder.embed_tokens, base_model.model.model.decoder.embed_tokens" in log
-    _check_cli_prints_the_run_plans(log, tmp_path, FAMILIES, world=2)
+    _check_cli_prints_the_run_plans(tmp_path, FAMILIES, world=2)
     stock = accelerate_launch("ddp_cpu.yaml", SCRIPT, "--mode", "stock", "--out", str(tmp_path), "--from-saved",
                               SAVED, "--generate", GENERATE, timeout=600, env=OFFLINE)
     assert "FSDP_TRAINER_OK" in stock.stdout, stock.stdout[-4000:]
@@ -173,7 +173,7 @@ def test_four_processes_text_and_vlm_under_trainer_fsdp2_like_stock_ddp(tmp_path
     fixed = accelerate_launch("fsdp.yaml", SCRIPT, "--mode", "fixed", "--out", str(tmp_path), "--families", families,
                               timeout=600, env=fsdp_device_env(OFFLINE), extra=FP32 + four)
     assert fixed.stdout.count("(fsdp, world size 4)") == len(families.split(",")), fixed.stdout[-4000:]
-    _check_cli_prints_the_run_plans(fixed.stdout, tmp_path, tuple(families.split(",")), world=4)
+    _check_cli_prints_the_run_plans(tmp_path, tuple(families.split(",")), world=4)
     stock = accelerate_launch("ddp_cpu.yaml", SCRIPT, "--mode", "stock", "--out", str(tmp_path), "--families",
                               families, timeout=600, env=OFFLINE, extra=four)
     assert "FSDP_TRAINER_OK" in stock.stdout, stock.stdout[-4000:]
