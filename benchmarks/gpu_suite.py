@@ -1,7 +1,7 @@
 """Every GPU figure the README and BENCHMARKS.md state, measured by one command in under nine minutes.
 
     python benchmarks/gpu_suite.py                     # on the GPU machine: writes its rows into BENCHMARKS.md
-    python benchmarks/gpu_suite.py --dry-run           # CPU, toy shapes, every branch, ~2 min: CI runs this
+    python benchmarks/gpu_suite.py --dry-run           # CPU, toy shapes, every branch once, ~1.5 min: CI runs this
 
 A GPU is lent to a session rarely and for ~15 minutes of device time, start-up included, so the suite runs its
 parts **in order of value** and writes each part's rows into BENCHMARKS.md (the section between the
@@ -187,7 +187,8 @@ def _fmt(r: dict[str, Any], key: str, spec: str = ".2f") -> str:
 def part_long(ctx: Ctx) -> list[str]:
     rows = ["| tokens | mode | s/step | vs stock | peak GiB | features that ran |", "|---:|---|---:|---:|---:|---|"]
     record: list[dict[str, Any]] = []
-    for seq in (8192, 32768):
+    # the dry run takes every branch once: the 32K rows (stock, auto and the profiled all-features trial)
+    for seq in (32768,) if ctx.dry else (8192, 32768):
         base = None
         for mode in ("stock", "auto") + (("hf_ddpfix",) if seq == 32768 else ()):
             r = _trial(ctx, mode, seq, steps=3 if seq <= 8192 else 2, profile=mode == "hf_ddpfix")
@@ -212,7 +213,8 @@ def part_ladder(ctx: Ctx) -> list[str]:
             "|---|---:|---:|---:|---:|---:|---|"]
     cap = 80.0
     record: dict[str, Any] = {}
-    for family, name in (("llama", "Llama-8B"), ("qwen3", "Qwen3-8B")):
+    families = (("llama", "Llama-8B"), ("qwen3", "Qwen3-8B"))
+    for family, name in families[:1] if ctx.dry else families:  # dry run: the branches once (one family)
         a = _trial(ctx, "hf_ddpfix", 32768, steps=1, family=family, cap_gib=cap)
         b = _trial(ctx, "hf_ddpfix", 65536, steps=1, family=family, cap_gib=cap) if a.get("ok") else {"ok": False}
         proj = climbed = "-"

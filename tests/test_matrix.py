@@ -2,7 +2,8 @@
 
 Every cell of `../shared/acceptance/matrix.sh` runs with `patch_trainer()` and must train, stay in sync
 across ranks and reach the stock loss of its group; one stock cell per failure kind shows the failure
-is real (so these tests can fail).
+is real (so these tests can fail). The fixed cells of one model run in one launch (:func:`batched_cell`);
+the stock cells one per launch, as the acceptance harness runs them.
 """
 
 import json
@@ -51,6 +52,7 @@ def matrix_cells():
 
 
 def run_cell(model, *args, fix, env=None):
+    """One cell, one launch (the acceptance harness's form: the stock references and stock failures)."""
     # never re-run: a cell that aborts at exit (exit status != 0 after its CELL line) fails; a stock reference
     # cell is judged by its CELL line only (its loss, or the stock error), so stock's own exit abort does not count
     done = torchrun("matrix_cell.py", "--fix", str(fix), "--model", model, *args, timeout=150, env=env, check=False)
@@ -63,10 +65,45 @@ def run_cell(model, *args, fix, env=None):
     return res, out
 
 
+#: per-cell watchdog inside a batched launch (tests/scripts/matrix_cell.py): a hang fails within this many seconds
+CELL_TIMEOUT_S = 120
+_batches: dict[tuple[str, str], dict[tuple[str, ...], tuple[dict, str]]] = {}
+_outputs: dict[tuple[str, str], str] = {}
+
+
+def batched_cell(request, cell: tuple[str, ...], env: dict[str, str] | None = None) -> tuple[dict, str]:
+    """``cell``'s result from one launch per (test function, model) that runs every cell of that function this
+    session selected (tests/scripts/matrix_cell.py ``--cells``: each cell seeds and builds afresh): ~2 s of
+    training per cell instead of ~8 s of process start-up each. Returns the cell's result (``exit_status``: the
+    launch's, every rank's) and the output between the previous cell's ``CELL`` line and its own."""
+    key = (request.function.__name__, cell[0])
+    if key not in _batches:
+        cells = [item.callspec.params["cell"] for item in request.session.items
+                 if getattr(item, "originalname", "") == key[0] and item.module is request.module
+                 and item.callspec.params["cell"][0] == cell[0]]
+        tmp = request.getfixturevalue("tmp_path") / "cells.json"
+        tmp.write_text(json.dumps([["--model", c[0], *c[1:]] for c in cells]))
+        done = torchrun("matrix_cell.py", "--fix", "1", "--cells", str(tmp), timeout=60 + CELL_TIMEOUT_S * len(cells),
+                        env={**(env or {}), "MATRIX_CELL_TIMEOUT_S": str(CELL_TIMEOUT_S)}, check=False)
+        results, part = {}, []
+        for line in done.stdout.splitlines():
+            if line.startswith("CELL "):
+                res = json.loads(line[5:])
+                res["exit_status"] = done.returncode
+                results[cells[res["cell"]]] = (res, "\n".join(part))
+                part = []
+            else:
+                part.append(line)
+        _batches[key], _outputs[key] = results, done.stdout
+    got = _batches[key].get(cell)
+    assert got is not None, f"no CELL line for {cell} (crash or hang):\n{_outputs[key][-6000:]}"
+    return got
+
+
 @pytest.mark.parametrize("cell", matrix_cells(), ids=lambda c: "-".join(c).replace("--", ""))
-def test_cell_trains_in_sync_with_stock_loss(cell):
+def test_cell_trains_in_sync_with_stock_loss(cell, request):
     model, *args = cell
-    res, out = run_cell(model, *args, fix=1)
+    res, out = batched_cell(request, cell)
     assert res["ok"] and res["exit_status"] == 0, f"{res}\n{out[-4000:]}"
     assert res["in_sync"] is True
     assert res["loss"] == pytest.approx(stock_loss(model, res["ga"]), abs=1e-4)
@@ -83,10 +120,10 @@ TILED_CELLS = [c for c in matrix_cells() if "--ga" in c or c[1:] in (
 
 
 @pytest.mark.parametrize("cell", TILED_CELLS, ids=lambda c: "-".join(c).replace("--", ""))
-def test_cell_with_tiling_forced_keeps_the_stock_loss(cell):
+def test_cell_with_tiling_forced_keeps_the_stock_loss(cell, request):
     """4 shards per MLP call (so the 32-token cells really tile) and the chunked loss head."""
     model, *args = cell
-    res, out = run_cell(model, *args, fix=1, env={"HF_DDPFIX_TILED_MLP": "4", "HF_DDPFIX_TILED_LOSS": "on"})
+    res, out = batched_cell(request, cell, env={"HF_DDPFIX_TILED_MLP": "4", "HF_DDPFIX_TILED_LOSS": "on"})
     assert res["ok"] and res["in_sync"] and res["exit_status"] == 0, f"{res}\n{out[-4000:]}"
     assert "MLP modules tiled (4)" in out and "computes its loss in chunks" in out
     assert res["loss"] == pytest.approx(stock_loss(model, res["ga"]), abs=1e-4)

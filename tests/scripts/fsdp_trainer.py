@@ -30,12 +30,12 @@ per rank, the training forwards of each LayerDrop layer (``None`` for other fami
 from __future__ import annotations
 
 import argparse
-import logging
 import os
 import sys
 import time
 
 import torch
+from transformers import TrainerCallback
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
@@ -177,22 +177,18 @@ def tower_wrap_list(model) -> list[str]:  # noqa: ANN001
     return list(dict.fromkeys(named + repeated_block_classes(hf)))
 
 
-class LoggedPlans(logging.Handler):
-    """The plan blocks the ``hf_ddpfix`` logger emitted (rank 0's ``PlanReportCallback``), in order: the run's own
-    printed plan, kept apart from stdout, where four processes' lines may interleave."""
+class PlanAtStart(TrainerCallback):
+    """A callback keeping the plan block rank 0 logs at the start of training
+    (``trainer.hf_ddpfix_plan.report()``, what ``PlanReportCallback`` prints): the run's own plan, read from the
+    trainer, not parsed from stdout, where several processes' lines may interleave."""
 
-    def __init__(self) -> None:
-        super().__init__(logging.INFO)
-        self.blocks: list[str] = []
+    def __init__(self, trainer) -> None:  # noqa: ANN001
+        self.trainer, self.block = trainer, None
 
-    def emit(self, record: logging.LogRecord) -> None:
-        text = record.getMessage()
-        if text.startswith("hf_ddpfix plan ("):
-            self.blocks.append(text)
-
-
-PLANS = LoggedPlans()
-logging.getLogger("hf_ddpfix").addHandler(PLANS)
+    def on_train_begin(self, args, state, control, **kwargs) -> None:  # noqa: ANN001
+        plan = getattr(self.trainer, "hf_ddpfix_plan", None)
+        if state.is_world_process_zero and plan is not None and self.block is None:
+            self.block = plan.report()
 
 
 def run(name: str, mode: str, out: str, saved: bool = False, generate: bool = False, wrap: str = "plan") -> None:
@@ -227,7 +223,9 @@ def run(name: str, mode: str, out: str, saved: bool = False, generate: bool = Fa
         plugin.transformer_cls_names_to_wrap = tower_wrap_list(model)
         print(f"[{mode}] {name}: explicit wrap list {plugin.transformer_cls_names_to_wrap}", flush=True)
     calls = count_layer_calls(model) if name in RANK_SEEDED else None
-    t0, logged = time.time(), len(PLANS.blocks)
+    at_start = PlanAtStart(trainer)
+    trainer.add_callback(at_start)
+    t0 = time.time()
     try:
         trainer.train()
     finally:
@@ -265,10 +263,10 @@ def run(name: str, mode: str, out: str, saved: bool = False, generate: bool = Fa
                     "ties": ties}, os.path.join(out, f"{mode}{'' if wrap == 'plan' else '-' + wrap}-{name}.pt"))
         print(f"[{mode}] {name}: {type(trainer.model).__name__}, {len(units)} FSDP2 units, eval_loss "
               f"{metrics['eval_loss']:.6f}, {time.time() - t0:.1f}s", flush=True)
-        if len(PLANS.blocks) > logged:  # the plan block this family's run logged (tests/plan_parity.py reads it)
+        if at_start.block is not None:  # the plan block this family's run logged (tests/plan_parity.py reads it)
             tag = f"{mode}{'' if wrap == 'plan' else '-' + wrap}-{name}"
             with open(os.path.join(out, f"plan-{tag}.txt"), "w") as f:
-                f.write(PLANS.blocks[-1])
+                f.write(at_start.block)
         plan = getattr(trainer, "hf_ddpfix_plan", None)
         if plan is not None:  # the whole reasons (the logged plan's lines are cut at 160 characters)
             print("\n".join("full plan: " + ln for ln in plan.report(width=None).splitlines()[1:]), flush=True)
