@@ -28,6 +28,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 KEPT = ROOT / "tests" / "results" / "stacks"
 PAGE = ROOT / "docs" / "versions.md"
+#: the launch log `.ci/run` has tests/launch.py write (DDPFIX_LAUNCH_LOG) under the CI folder
+LAUNCH_LOG = "launches.jsonl"
 BEGIN, END = "<!-- versions-table:begin (scripts/ci_report.py versions) -->", "<!-- versions-table:end -->"
 STACKS = ("oldest", "pinned", "newest")  # the page's column order
 HEADINGS = {"oldest": "oldest (`constraints-oldest.txt`)", "pinned": "pinned (`constraints.txt`)",
@@ -86,6 +88,26 @@ def seconds_table(results: dict[str, dict], top: int = 25) -> str:
     return "\n".join(lines)
 
 
+def launch_table(log: Path, top: int = 15) -> str:
+    """Launches per test file, most launch seconds first (stack, file, launches, their wall seconds), from the
+    ``DDPFIX_LAUNCH_LOG`` lines tests/launch.py writes (one per launch it runs); ``""`` when there is no log."""
+    if not log.exists():
+        return ""
+    per: dict[tuple[str, str], list[float]] = {}
+    for raw in log.read_text().splitlines():
+        try:
+            rec = json.loads(raw)
+        except json.JSONDecodeError:  # a line cut by a killed run
+            continue
+        per.setdefault((rec.get("stack", "pinned"), rec["test"].split("::", 1)[0]), []).append(float(rec["s"]))
+    rows = sorted(((sum(v), len(v), stack, name) for (stack, name), v in per.items()), reverse=True)
+    lines = [f"{'launches':>8}  {'seconds':>8}  {'stack':<7} file", f"{'-' * 8}  {'-' * 8}  {'-' * 7} {'-' * 40}"]
+    lines += [f"{n:8d}  {s:8.1f}  {stack:<7} {name}" for s, n, stack, name in rows[:top]]
+    total = sum(n for _, n, _, _ in rows)
+    lines.append(f"({total} launches in all, {sum(s for s, _, _, _ in rows):.0f} s of their wall time)")
+    return "\n".join(lines)
+
+
 def render_table(results: dict[str, dict]) -> str:
     """docs/versions.md's generated block: the versions each stack tested, its date and its counts."""
     stacks = [s for s in STACKS if s in results] + sorted(set(results) - set(STACKS))
@@ -134,6 +156,10 @@ def main(argv: list[str] | None = None) -> int:
         for stack, r in results.items():
             (a.ci_dir / "stacks" / f"{stack}.json").write_text(json.dumps(r, indent=1) + "\n")
         print(seconds_table(results, a.top))
+        launches = launch_table(a.ci_dir / LAUNCH_LOG)
+        if launches:
+            print("\n==== launches per test file (tests/launch.py; each starts interpreters importing torch) ====")
+            print(launches)
         return 0
     if a.cmd == "keep":
         KEPT.mkdir(parents=True, exist_ok=True)

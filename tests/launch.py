@@ -30,13 +30,15 @@ def free_port() -> int:
 
 
 def _record_launch(cmd: list[str], seconds: float) -> None:
-    """With ``DDPFIX_LAUNCH_LOG`` set (CI sets it): one JSON line per launch (the test, the command, its seconds),
-    so the CI report can say what each file's launches cost (scripts/ci_report.py)."""
+    """With ``DDPFIX_LAUNCH_LOG`` set (``.ci/run`` sets it): one JSON line per launch (the stack, the test, the
+    command, its wall seconds), so the CI report can say how many launches each file makes and what they cost
+    (``scripts/ci_report.py summary``: every launch starts interpreters that import torch and transformers)."""
     path = os.environ.get("DDPFIX_LAUNCH_LOG")
     if path:
         import json
 
-        line = {"test": os.environ.get("PYTEST_CURRENT_TEST", "").rsplit(" ", 1)[0], "s": round(seconds, 1),
+        line = {"stack": os.environ.get("DDPFIX_CI_STACK", "pinned"),
+                "test": os.environ.get("PYTEST_CURRENT_TEST", "").rsplit(" ", 1)[0], "s": round(seconds, 1),
                 "cmd": " ".join(str(c) for c in cmd)[-300:]}
         with open(path, "a") as f:
             f.write(json.dumps(line) + "\n")
