@@ -2,8 +2,8 @@
 run's own functions (a meta-device model from the config, the plugin ``accelerate launch`` builds from the yaml),
 so for the same model and launch its plan block must be the run's, line for line.
 
-Used by tests/test_fsdp_trainer.py, whose FSDP2 launches save one logged plan per family (rank 0's ``hf_ddpfix``
-logger) next to the family's results.
+Used by tests/test_fsdp_trainer.py, whose FSDP2 launches save one plan per family next to the family's results
+(rank 0, ``trainer.hf_ddpfix_plan.report()`` at ``on_train_begin``: the block ``PlanReportCallback`` logs then).
 """
 
 from __future__ import annotations
@@ -19,8 +19,9 @@ PLAN_HEAD = "hf_ddpfix plan ("
 
 def run_plans(out: Path, mode: str = "fixed") -> dict[str, str]:
     """Each family's plan block as its run logged it, keyed by family: the ``plan-<mode>-<name>.txt`` files
-    tests/scripts/fsdp_trainer.py writes on rank 0 from the ``hf_ddpfix`` logger (not parsed from stdout, where
-    several processes' lines may interleave)."""
+    tests/scripts/fsdp_trainer.py writes on rank 0 at the start of training (not parsed from stdout, where several
+    processes' lines may interleave). Runs with another wrap (``plan-<mode>-<wrap>-<name>.txt``) would be keyed
+    ``<wrap>-<name>``."""
     prefix = f"plan-{mode}-"
     return {f.stem.removeprefix(prefix): f.read_text() for f in sorted(out.glob(f"{prefix}*.txt"))}
 
