@@ -102,15 +102,15 @@ def test_launch_table_counts_each_files_launches_and_their_seconds(tmp_path, mon
     log = tmp_path / report.LAUNCH_LOG
     assert report.launch_table(log) == ""
     monkeypatch.setenv("DDPFIX_LAUNCH_LOG", str(log))
-    for stack, test, seconds in (("pinned", "tests/test_a.py::t1", 3.0), ("pinned", "tests/test_a.py::t2", 4.0),
-                                 ("newest", "tests/test_a.py::t1", 1.5), ("pinned", "tests/test_b.py::t", 9.0)):
+    for stack, test, seconds in (("pinned", "suite/alpha.py::t1", 3.0), ("pinned", "suite/alpha.py::t2", 4.0),
+                                 ("newest", "suite/alpha.py::t1", 1.5), ("pinned", "suite/beta.py::t", 9.0)):
         monkeypatch.setenv("DDPFIX_CI_STACK", stack)
         monkeypatch.setenv("PYTEST_CURRENT_TEST", f"{test} (call)")
         launch._record_launch(["python", "-m", "torch.distributed.run", "x.py"], seconds)
     with open(log, "a") as f:
         f.write('{"stack": "pinned", "te')  # a run killed mid-line
     rows = report.launch_table(log).splitlines()
-    assert [r.split() for r in rows[2:5]] == [["1", "9.0", "pinned", "tests/test_b.py"],
-                                               ["2", "7.0", "pinned", "tests/test_a.py"],
-                                               ["1", "1.5", "newest", "tests/test_a.py"]], rows
+    assert [r.split() for r in rows[2:5]] == [["1", "9.0", "pinned", "suite/beta.py"],
+                                               ["2", "7.0", "pinned", "suite/alpha.py"],
+                                               ["1", "1.5", "newest", "suite/alpha.py"]], rows
     assert rows[-1] == "(4 launches in all, 18 s of their wall time)", rows
