@@ -67,8 +67,8 @@ def run_cell(model, *args, fix, env=None):
 
 #: per-cell watchdog inside a batched launch (tests/scripts/matrix_cell.py): a hang fails within this many seconds
 CELL_TIMEOUT_S = 120
-_batches: dict[tuple[str, str], dict[tuple[str, ...], tuple[dict, str]]] = {}
-_outputs: dict[tuple[str, str], str] = {}
+#: (test function, model) -> (each cell's result and output, the launch's whole output)
+_batches: dict[tuple[str, str], tuple[dict[tuple[str, ...], tuple[dict, str]], str]] = {}
 
 
 def batched_cell(request, cell: tuple[str, ...], env: dict[str, str] | None = None) -> tuple[dict, str]:
@@ -94,10 +94,10 @@ def batched_cell(request, cell: tuple[str, ...], env: dict[str, str] | None = No
                 part = []
             else:
                 part.append(line)
-        _batches[key], _outputs[key] = results, done.stdout
-    got = _batches[key].get(cell)
-    assert got is not None, f"no CELL line for {cell} (crash or hang):\n{_outputs[key][-6000:]}"
-    return got
+        _batches[key] = results, done.stdout
+    results, whole = _batches[key]
+    assert cell in results, f"no CELL line for {cell} (crash or hang):\n{whole[-6000:]}"
+    return results[cell]
 
 
 @pytest.mark.parametrize("cell", matrix_cells(), ids=lambda c: "-".join(c).replace("--", ""))
