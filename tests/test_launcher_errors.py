@@ -64,7 +64,7 @@ def test_disable_is_validated_on_the_library_route(value):
 def test_a_refusal_is_the_last_thing_a_torchrun_user_reads(tmp_path):
     script = tmp_path / "train.py"
     script.write_text(SCRIPT)
-    done = torchrun(script, env={"HF_DDPFIX_DISABLE": "banana"}, timeout=180, check=False)
+    done = torchrun(script, env={"HF_DDPFIX_DISABLE": "banana"}, timeout=180, check=False, launcher="torchrun")
     out = done.stdout
     assert done.returncode != 0 and "PATCHED" not in out, out[-3000:]
     summary = out[out.rindex("Failures:"):].splitlines()  # the launcher's summary, the last thing printed
