@@ -10,8 +10,8 @@ What a rank sees, as under `torchrun --standalone --nproc_per_node=N`: the scrip
 arguments and its directory first on `sys.path`, the launch's environment plus RANK, LOCAL_RANK, WORLD_SIZE,
 LOCAL_WORLD_SIZE, GROUP_RANK, GROUP_WORLD_SIZE, ROLE_RANK, ROLE_WORLD_SIZE, ROLE_NAME, MASTER_ADDR, MASTER_PORT
 (rank 0 hosts the store), TORCHELASTIC_RESTART_COUNT=0, TORCHELASTIC_MAX_RESTARTS=0, TORCHELASTIC_RUN_ID;
-stdout and stderr of all ranks in one stream; a fresh seed for `random` and numpy and torch's default generator
-at its start-up state. At a rank's end: non-daemon threads are joined and atexit handlers run, as at interpreter
+stdout and stderr of all ranks in one stream; fresh non-deterministic seeds for `random`, numpy and torch's
+default generator, as a fresh interpreter has. At a rank's end: non-daemon threads are joined and atexit handlers run, as at interpreter
 exit; an uncaught exception goes to `sys.excepthook` and exits 1. When a rank fails, the others get SIGTERM (SIGKILL
 30 s later) and the launch exits 1, as torchrun's does; success is 0.
 
@@ -72,7 +72,7 @@ def _rank_main(req: dict, rank: int) -> None:
         sys.modules["numpy"].random.seed()
     import torch
 
-    torch.default_generator.manual_seed(torch.initial_seed())
+    torch.seed()  # a fresh interpreter's default generator starts from a non-deterministic seed too
     code: int = 0
     try:
         runpy.run_path(script, run_name="__main__")

@@ -1,0 +1,35 @@
+"""tests/forklaunch.py (the suite's torchrun stand-in) starts ranks as torchrun does: the same rank environment,
+arguments, `sys.path[0]`, `__name__` and working directory; fresh seeds per rank (Python's, torch's);
+a failing rank's traceback with torch's "[rankN]:" prefix and a non-zero exit. One launch each way."""
+
+import json
+
+import pytest
+from launch import ROOT, torchrun
+
+PROBE = ROOT / "tests" / "scripts" / "launch_probe.py"
+
+
+def _probes(out) -> list[dict]:
+    return [json.loads((out / f"rank{rank}.json").read_text()) for rank in (0, 1)]
+
+
+@pytest.mark.multiprocess
+def test_forked_ranks_start_as_torchrun_ranks_do(tmp_path):
+    (tmp_path / "real").mkdir()
+    (tmp_path / "fork").mkdir()
+    torchrun(PROBE, "a", "--b", env={"PROBE_ENV": "yes", "PROBE_OUT": str(tmp_path / "real")}, launcher="torchrun",
+             timeout=120)
+    fork = torchrun(PROBE, "a", "--b", env={"PROBE_ENV": "yes", "PROBE_OUT": str(tmp_path / "fork")}, timeout=120)
+    assert fork.args[0] == "forklaunch", fork.args  # the fork server took it (not a fallback to torchrun)
+    r, f = _probes(tmp_path / "real"), _probes(tmp_path / "fork")
+    for a, b in zip(r, f, strict=True):
+        for key in ("env", "argv", "path0", "name", "cwd", "sum"):
+            assert a[key] == b[key], (key, a[key], b[key])
+    for probes in (r, f):  # each rank seeded afresh, as two fresh interpreters are (torch's default seed too)
+        for key in ("py_random", "torch_rand", "initial_seed"):
+            assert probes[0][key] != probes[1][key], (key, probes)
+
+    failed = torchrun(PROBE, "--fail", env={"PROBE_OUT": str(tmp_path)}, timeout=120, check=False)
+    assert failed.args[0] == "forklaunch" and failed.returncode == 1, failed.stdout[-3000:]
+    assert "[rank1]: RuntimeError: probe failure on rank 1" in failed.stdout, failed.stdout[-3000:]
