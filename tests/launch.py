@@ -119,7 +119,8 @@ class _ForkServer:
 
     ``run`` answers None when the launch must go to the real torchrun: ``HF_DDPFIX_TEST_LAUNCHER=torchrun`` (every
     launch), a launch whose ``PYTHON*`` environment differs from the server's (a sitecustomize runs only at
-    interpreter start: patches/, the FSDP device), or a server that did not start (said once on stderr). A launch
+    interpreter start: patches/, the FSDP device) or that configures torchrun (``PET_*``, ``TORCHELASTIC_*``:
+    restarts), or a server that did not start (said once on stderr). A launch
     whose other start-up environment (forklaunch.STARTUP_ENV_PREFIXES: TORCH_*, ...) differs gets a new server
     started with it."""
 
@@ -190,8 +191,9 @@ class _ForkServer:
         if self.broken or os.environ.get("HF_DDPFIX_TEST_LAUNCHER", "auto") == "torchrun":
             return None
         differing = self._differing(env) if self.proc is not None else set()
-        if any(k.startswith("PYTHON") for k in differing):
-            return None  # sitecustomize (patches/, the FSDP device) runs only in a fresh interpreter
+        if any(k.startswith(("PYTHON", "PET_", "TORCHELASTIC_")) for k in differing):
+            return None  # sitecustomize (patches/, the FSDP device) runs only in a fresh interpreter; PET_* and
+            # TORCHELASTIC_* configure torchrun itself (restarts: tests/test_resume.py)
         if differing:
             self.close()  # another start-up environment: a server that starts with it
         if self.proc is None and not self._start(env):
