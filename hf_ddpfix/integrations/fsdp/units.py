@@ -205,7 +205,14 @@ def _dummy_facts(hf: nn.Module, skip: list[nn.Module]) -> tuple[str, str, int, i
     if not vision:
         return "", "LayerDrop only", 0, 0
     if any("CrossAttention" in type(m).__name__ for m in hf.modules()):
-        return "", "cross-attention layers: no dummy states yet", 0, 0
+        from .cross_attention import cross_attention_parts, dummy_tokens
+
+        parts = cross_attention_parts(hf)
+        if parts is None:
+            return "", "cross-attention layers: no vision_model/projector/language_model", 0, 0
+        cross = [m for s in skip for m in s.modules()] + [m for p in parts[1:3] for m in p.modules()]
+        params = sum({id(p): p.numel() for m in cross for p in m.parameters(recurse=False)}.values())
+        return hf.config.model_type, "", dummy_tokens(parts[1]), params
     adapter = find_vision_adapter(hf, zero=True)
     if adapter is None:
         return "", describe_unsupported(hf, zero=True)[:60], 0, 0
