@@ -196,7 +196,7 @@ OFFLINE = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "HF_DATASETS_OFFL
 SHARDED = "qwen2_5_vl,gemma3,llava,aya_vision,llava_onevision,vipllava,cohere2_vision,paligemma,smolvlm,mllama"
 TOL = 1.5e-7  # tests/test_fsdp_trainer.py's FSDP2-vs-DDP spread; measured here 3.0e-8 to 1.2e-7 (SmolVLM)
 DETAIL = {"TORCH_DISTRIBUTED_DEBUG": "DETAIL"}
-GENERATE = "qwen2_5_vl,llava"  # also generate() after train(): image prompt on rank 0, text on rank 1, 3 / 6 tokens  # torch compares every collective's fingerprint across ranks
+GENERATE = "qwen2_5_vl,llava,mllama"  # also generate() after train(): image prompt on rank 0, text on rank 1, 3 / 6 tokens  # torch compares every collective's fingerprint across ranks
 
 
 @pytest.mark.multiprocess
