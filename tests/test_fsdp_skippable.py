@@ -212,7 +212,8 @@ def test_tower_units_with_the_dummy_like_stock_ddp(tmp_path):
     The fix is real: the same launch for LLaVA with the dummy disabled (``HF_DDPFIX_VLM_STABILIZER=0``: the plan
     then keeps the explicit list "as in stock") fails with torch's "Detected mismatch between collectives". For
     Mllama, a build whose cross-attention dummy injects nothing (``CrossAttentionDummy._inject`` returning ``None``)
-    fails the same way (by hand, 2026-11-29); with it, Mllama ends bit-equal to stock DDP (0.0), generate() too.
+    fails at its first mixed step (by hand, 2026-11-29: DETAIL "Collectives differ ... Tensor shapes: 129vs 8448");
+    with it, Mllama ends bit-equal to stock DDP (0.0), generate() too.
 
     Wall (2 cores, 2026-11-28): 136 s lightly loaded (fixed 18 runs + stock DDP 9 + no dummy 1), 319 s loaded."""
     t0 = time.time()
