@@ -35,6 +35,7 @@ from ..._compat import (
     shared_parameter_holders,
     unwrap_model,
 )
+from .cross_attention import cross_attention_parts
 from .wrap import layerdrop_stacks, skippable_subtrees
 
 __all__ = ["FsdpFacts", "fsdp_facts", "gather_fsdp_facts", "repeated_block_classes"]
@@ -173,8 +174,7 @@ def fsdp_facts(plugin: Any, model: nn.Module) -> FsdpFacts:
         no_dummy=dummy[1],
         dummy_tokens=dummy[2],
         tower_params=dummy[3],
-        shard_roots=_shard_roots(hf, runnable, deep=bool(dummy[0]) and dummy[0] == getattr(hf.config, "model_type",
-                                                                                             None)),
+        shard_roots=_shard_roots(hf, runnable, deep=bool(dummy[0]) and cross_attention_parts(hf) is not None),
     )
 
 
@@ -217,14 +217,15 @@ def _dummy_facts(hf: nn.Module, skip: list[nn.Module]) -> tuple[str, str, int, i
     if not vision:
         return "", "LayerDrop only", 0, 0
     if any("CrossAttention" in type(m).__name__ for m in hf.modules()):
-        from .cross_attention import cross_attention_parts, dummy_tokens
+        from .cross_attention import dummy_tokens
 
         parts = cross_attention_parts(hf)
         if parts is None:
             return "", "cross-attention layers: no vision_model/projector/language_model", 0, 0
         cross = [m for s in skip for m in s.modules()] + [m for p in parts[1:3] for m in p.modules()]
         params = sum({id(p): p.numel() for m in cross for p in m.parameters(recurse=False)}.values())
-        return hf.config.model_type, "", dummy_tokens(parts[1]), params
+        name = getattr(getattr(hf, "config", None), "model_type", None) or type(parts[0]).__name__
+        return name, "", dummy_tokens(parts[1]), params
     adapter = find_vision_adapter(hf, zero=True)
     if adapter is None:
         return "", describe_unsupported(hf, zero=True)[:60], 0, 0
