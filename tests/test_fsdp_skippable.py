@@ -215,7 +215,8 @@ def test_tower_units_with_the_dummy_like_stock_ddp(tmp_path):
     fails at its first mixed step (by hand, 2026-11-29: DETAIL "Collectives differ ... Tensor shapes: 129vs 8448");
     with it, Mllama ends bit-equal to stock DDP (0.0), generate() too.
 
-    Wall (2 cores, 2026-11-28): 136 s lightly loaded (fixed 18 runs + stock DDP 9 + no dummy 1), 319 s loaded."""
+    Wall (2 cores, 2026-11-28): 136 s lightly loaded (fixed 18 runs + stock DDP 9 + no dummy 1), 319 s loaded;
+    2026-11-29 with Mllama (fixed 20 runs + stock DDP 10 + no dummy 1): 241 s (pytest), beside other jobs."""
     t0 = time.time()
     fixed = accelerate_launch("fsdp.yaml", SCRIPT, "--mode", "fixed", "--out", str(tmp_path), "--families", SHARDED,
                               "--wraps", "explicit,shard", "--generate", GENERATE, timeout=900, env=fsdp_device_env({**OFFLINE, **DETAIL}),
