@@ -71,13 +71,15 @@ class FsdpFacts:
             skippable subtree of a family without a dummy): they never get a unit of their own.
         shardable_bytes: bytes of the skippable subtrees a dummy can run (``folded_bytes`` less LayerDrop).
         total_bytes: bytes of every parameter of the model (each tensor once).
-        dummy: the stabiliser family whose dummy image runs where the tower runs (``fsdp_skippable = shard``),
-            ``""`` when none can be built; ``no_dummy`` says why.
+        dummy: the stabiliser family whose dummy image runs where the tower runs (``fsdp_skippable = shard``;
+            a cross-attention VLM: its ``model_type``, :mod:`.cross_attention`), ``""`` when none can be built;
+            ``no_dummy`` says why.
         dummy_tokens: patches of that dummy image (an estimate from ``vision_config``).
         tower_params: parameters the dummy's forward reads (tower and projector).
         shard_roots: classes of the skippable subtrees a dummy runs that are no model of their own (the projector),
             no ``torch.nn`` built-in and have no instance elsewhere: under ``shard`` they become units too, so the
-            projector's parameters leave the root.
+            projector's parameters leave the root; with the cross-attention dummy also the tower model's own
+            modules holding parameters directly (Mllama's position and aspect-ratio embeddings).
     """
 
     policy: str = "transformer_based_wrap"
