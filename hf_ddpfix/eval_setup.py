@@ -49,11 +49,18 @@ def attach_eval_sync(model: nn.Module, decision: Any, parallel: str, stack: Exit
             logger.warning("hf_ddpfix: vlm_eval_sync not applied (stock evaluation): %s", err)
             return None
     elif parallel == "fsdp":  # tower units: the dummy at the language model's start, where the tower runs
+        from .integrations.fsdp.cross_attention import CrossAttentionDummy, kept_cross_attention_dummy
         from .integrations.fsdp.dummy import kept_eval_sync
         from .integrations.vision.zero import ZeroVisionStabilizer
 
-        if kept_eval_sync(model) is not None:  # train() left one attached: it serves this loop
-            return None
+        if kept_eval_sync(model) is not None or kept_cross_attention_dummy(model) is not None:
+            return None  # train() left one attached: it serves this loop
+        try:  # Mllama: the tower, the projector and the cross-attention layers on a text-only rank
+            sync = CrossAttentionDummy(model).attach()
+            stack.callback(sync.remove)
+            return sync
+        except ValueError:
+            pass
         try:
             sync = ZeroVisionStabilizer(model, train=False, sync_eval=True).attach()
         except ValueError:

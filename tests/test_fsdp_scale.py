@@ -220,12 +220,11 @@ def test_plan_units_stay_within_the_budget(family, world, root, request):
     if not plan_decides_by_cost():
         request.applymarker(pytest.mark.xfail(reason="the plan folds every skippable subtree into the root until it "
                                               "decides by cost (issue 36 item 2)", strict=False))
-    elif family == "mllama_90b":  # open: no dummy cross-attention states yet, so the plan folds (and says why)
-        request.applymarker(pytest.mark.xfail(reason="Mllama's cross-attention layers have no dummy yet: the plan "
-                                              "folds them (fsdp_skippable = fold: no dummy), issue 36 item 1",
-                                              strict=True))
     m = measure(family, world, root)
     print(_row(m, "plan"))
+    if family == "mllama_90b":  # the cross-attention layers and the tower are units (the cross-attention dummy)
+        assert m["plan"].fsdp_skippable.value == "shard", m["plan"].fsdp_skippable
+        assert "MllamaCrossAttentionDecoderLayer" in m["plan"].fsdp_units.value, m["plan"].fsdp_units
     assert not check(m), (family, world, check(m), m["plan"].fsdp_units.reason[:300])
 
 

@@ -64,9 +64,9 @@ def test_forced_modes_the_explicit_wrap_list_and_no_dummy():
     assert decide_skippable(tiny, "shard").value == "shard"
     user = SkippableFacts(folded_bytes=2**20, total_bytes=2**30, world_size=2, dummy="llava", user_shards=True)
     assert decide_skippable(user, "fold").value == "shard" and "explicit wrap list" in decide_skippable(user).reason
-    none = SkippableFacts(world_size=8, no_dummy="cross-attention layers: no dummy states yet", **MLLAMA_90B)
+    none = SkippableFacts(world_size=8, no_dummy="no stabiliser adapter for this family", **MLLAMA_90B)
     d = decide_skippable(none, "shard")
-    assert d.value == "fold" and "no dummy (cross-attention" in d.reason
+    assert d.value == "fold" and "no dummy (no stabiliser" in d.reason
     assert decide_skippable(SkippableFacts(folded_bytes=0, total_bytes=1, world_size=2)).value is None
 
 
@@ -131,27 +131,72 @@ def test_an_explicit_wrap_list_naming_tower_blocks_is_honoured_with_the_dummy():
     assert plan.vlm_stabilizer.value is True
 
 
-def test_mllama_and_layerdrop_stay_folded_and_say_why():
+def test_mllama_shards_its_cross_attention_layers_and_layerdrop_stays_folded():
     facts = gather_fsdp_facts(_Trainer(_plugin()), ZOO["mllama"].model(0))
-    assert not facts.dummy and "cross-attention" in facts.no_dummy
+    assert facts.dummy == "mllama" and not facts.no_dummy and facts.dummy_tokens == 10  # 5 patches x 2 tiles
+    assert "MllamaCrossAttentionDecoderLayer" in facts.skippable and not facts.fold_only
     d = decide_fsdp_skippable(_run(facts), DDPFixConfig(fsdp_skippable="shard"))
-    assert d.value == "fold" and "no dummy (cross-attention" in d.reason
+    assert d.value == "shard" and "forced" in d.reason, d
     units = decide_fsdp_units(_run(facts), DDPFixConfig(fsdp_skippable="shard"))
-    assert not set(fsdp_unit_classes(units)) & set(facts.skippable)
+    assert {"MllamaCrossAttentionDecoderLayer", "MllamaVisionEncoderLayer"} <= set(fsdp_unit_classes(units))
+    assert "run the mllama dummy there" in units.reason
+    auto = resolve_plan(_run(facts))  # tiny: within the 64 MiB floor, folded (and says both costs)
+    assert auto.fsdp_skippable.value == "fold" and "dummy 10 tok" in auto.fsdp_skippable.reason
+    # 90B-shaped facts: over the budget, sharded by cost
+    assert decide_skippable(SkippableFacts(world_size=8, dummy=facts.dummy, **MLLAMA_90B)).value == "shard"
     drop = gather_fsdp_facts(_Trainer(_plugin()), ENTRIES["opt_layerdrop"].model(0)
                              if "opt_layerdrop" in ENTRIES else __import__("zoo").MORE_TEXT["opt_layerdrop"].model(0))
     assert decide_fsdp_skippable(_run(drop, is_vlm=False), DDPFixConfig(fsdp_skippable="shard")).value is None
+
+
+@pytest.mark.parametrize("checkpointing", [False, True])
+def test_cross_attention_dummy_is_exactly_zero(checkpointing):
+    """One process, Mllama (LoRA on the language model, cross-attention layer 1 of 3): a text-only forward and
+    backward with :class:`CrossAttentionDummy` attached runs the tower and the cross-attention layer (their LoRA
+    gets gradients, all exactly zero), and the loss, the logits and every other gradient equal stock's bit for bit;
+    ``finalize`` (no image seen) resets the dummy's gradients to None; greedy ``generate()`` (prefill + cached
+    decode steps) gives stock's tokens."""
+    from hf_ddpfix.integrations.fsdp.cross_attention import CrossAttentionDummy
+
+    entry = ZOO["mllama"]
+    model = entry.model(0).train()
+    if checkpointing:
+        model.gradient_checkpointing_enable({"use_reentrant": False})
+    batch = entry.batch(False, 3, 9)
+
+    def step() -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        model.zero_grad(set_to_none=True)
+        out = model(**batch)
+        out.loss.backward()
+        return out.logits.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+    logits, grads = step()
+    dummy = CrossAttentionDummy(model).attach()
+    logits2, grads2 = step()
+    assert dummy.dummy_runs == 1 and torch.equal(logits, logits2)
+    extra = set(grads2) - set(grads)
+    assert extra and all(".layers.1.cross_attn." in n for n in extra), extra
+    assert all(torch.equal(grads[n], grads2[n]) for n in grads) and all(not grads2[n].any() for n in extra)
+    assert dummy.finalize() is False and all(p.grad is None for m in dummy.parts() for p in m.parameters())
+    prompt = {k: v for k, v in batch.items() if k != "labels"}
+    model.eval()
+    with torch.no_grad():
+        ids = model.generate(**prompt, max_new_tokens=4, do_sample=False, eos_token_id=-1, pad_token_id=0)
+        dummy.remove()
+        ref = model.generate(**prompt, max_new_tokens=4, do_sample=False, eos_token_id=-1, pad_token_id=0)
+    assert torch.equal(ids, ref)
 
 
 SCRIPT = ROOT / "tests" / "scripts" / "fsdp_trainer.py"
 OFFLINE = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
 # Qwen2.5-VL (accumulation 2), Gemma 3 (reentrant asked: the plan runs it non-reentrant), LLaVA, Aya Vision,
 # LLaVA-OneVision (any-resolution base + tile), and four no FSDP test named before: VipLLaVA, Command A Vision,
-# PaliGemma, SmolVLM (its 5-D pixel layout discovered from the config)
-SHARDED = "qwen2_5_vl,gemma3,llava,aya_vision,llava_onevision,vipllava,cohere2_vision,paligemma,smolvlm"
+# PaliGemma, SmolVLM (its 5-D pixel layout discovered from the config); Mllama (cross-attention layers and its
+# tower as units: the cross-attention dummy, hf_ddpfix/integrations/fsdp/cross_attention.py)
+SHARDED = "qwen2_5_vl,gemma3,llava,aya_vision,llava_onevision,vipllava,cohere2_vision,paligemma,smolvlm,mllama"
 TOL = 1.5e-7  # tests/test_fsdp_trainer.py's FSDP2-vs-DDP spread; measured here 3.0e-8 to 1.2e-7 (SmolVLM)
 DETAIL = {"TORCH_DISTRIBUTED_DEBUG": "DETAIL"}
-GENERATE = "qwen2_5_vl,llava"  # also generate() after train(): image prompt on rank 0, text on rank 1, 3 / 6 tokens  # torch compares every collective's fingerprint across ranks
+GENERATE = "qwen2_5_vl,llava,mllama"  # also generate() after train(): image prompt on rank 0, text on rank 1, 3 / 6 tokens  # torch compares every collective's fingerprint across ranks
 
 
 @pytest.mark.multiprocess
@@ -165,9 +210,13 @@ def test_tower_units_with_the_dummy_like_stock_ddp(tmp_path):
     data) within ``TOL``, evaluation and prediction losses within 1e-5 (measured <= 9.5e-7).
 
     The fix is real: the same launch for LLaVA with the dummy disabled (``HF_DDPFIX_VLM_STABILIZER=0``: the plan
-    then keeps the explicit list "as in stock") fails with torch's "Detected mismatch between collectives".
+    then keeps the explicit list "as in stock") fails with torch's "Detected mismatch between collectives". For
+    Mllama, a build whose cross-attention dummy injects nothing (``CrossAttentionDummy._inject`` returning ``None``)
+    fails at its first mixed step (by hand, 2026-11-29: DETAIL "Collectives differ ... Tensor shapes: 129vs 8448");
+    with it, Mllama ends bit-equal to stock DDP (0.0), generate() too.
 
-    Wall (2 cores, 2026-11-28): 136 s lightly loaded (fixed 18 runs + stock DDP 9 + no dummy 1), 319 s loaded."""
+    Wall (2 cores, 2026-11-28): 136 s lightly loaded (fixed 18 runs + stock DDP 9 + no dummy 1), 319 s loaded;
+    2026-11-29 with Mllama (fixed 20 runs + stock DDP 10 + no dummy 1): 241 s (pytest), beside other jobs."""
     t0 = time.time()
     fixed = accelerate_launch("fsdp.yaml", SCRIPT, "--mode", "fixed", "--out", str(tmp_path), "--families", SHARDED,
                               "--wraps", "explicit,shard", "--generate", GENERATE, timeout=900, env=fsdp_device_env({**OFFLINE, **DETAIL}),
@@ -186,6 +235,8 @@ def test_tower_units_with_the_dummy_like_stock_ddp(tmp_path):
             ours, ref = torch.load(tmp_path / f"fixed-{wrap}-{name}.pt"), torch.load(tmp_path / f"stock-{name}.pt")
             tower = [u for u in ours["units"] if re.search(r"vision|visual", u)]
             assert ours["wrapped"].startswith("FSDP") and len(tower) >= 2 and not ref["units"], (wrap, name, ours)
+            if name == "mllama":  # the cross-attention decoder layer (layers.1) is a unit of its own
+                assert any(u.endswith("language_model.layers.1") for u in ours["units"]), ours["units"]
             diff = max((ours["weights"][k] - ref["weights"][k]).abs().max().item() for k in ref["weights"])
             assert diff <= TOL, f"{wrap} {name}: max |W_fsdp2 - W_ddp| = {diff:.2e} > {TOL:.0e}"
             for key in ("eval_loss", "predict_loss"):

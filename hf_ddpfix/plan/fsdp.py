@@ -293,6 +293,20 @@ _DUMMY = ("{family}: units inside the tower (fsdp_skippable = shard): a rank wit
 _DUMMY_EVAL = ("{family}: evaluation, prediction and generation forwards agree on images across ranks (one "
                "1-byte all-gather each); ranks without one run the dummy image (no grad) where the others run "
                "their tower, so every rank all-gathers the tower's units in the same order")
+_DUMMY_CROSS = ("{family}: tower and cross-attention layers are units (fsdp_skippable = shard): a rank without an "
+                "image runs a zero image through the tower where an image rank runs it and every cross-attention "
+                "layer in its place on zero states (an exact-zero contribution); their gradients reset to None in "
+                "a step no rank saw an image (stock DDP find_unused=True)")
+_DUMMY_CROSS_EVAL = ("{family}: evaluation, prediction and generation forwards on a rank without an image run the "
+                     "tower and the cross-attention layers on zero states (outputs unchanged), so every rank "
+                     "all-gathers the same units in the same order")
+
+
+def _dummy_texts(f: FsdpFacts) -> tuple[str, str]:
+    """The (training, evaluation) reasons of the dummy that runs ``f``'s skippable units."""
+    if any("CrossAttention" in n for n in f.skippable):  # Mllama: integrations/fsdp/cross_attention.py
+        return _DUMMY_CROSS.format(family=f.dummy), _DUMMY_CROSS_EVAL.format(family=f.dummy)
+    return _DUMMY.format(family=f.dummy), _DUMMY_EVAL.format(family=f.dummy)
 
 
 def fsdp_vision_decisions(facts: RunFacts, units: Decision, usage: Decision,
@@ -303,9 +317,8 @@ def fsdp_vision_decisions(facts: RunFacts, units: Decision, usage: Decision,
     if facts.parallel != "fsdp" or facts.fsdp_version != 2 or not facts.is_vlm:
         return None
     if skippable is not None and skippable.value == "shard" and facts.fsdp is not None:
-        family = facts.fsdp.dummy
-        return (Decision(True, _DUMMY.format(family=family), changed=True),
-                Decision(True, _DUMMY_EVAL.format(family=family), changed=True))
+        train, evaluate = _dummy_texts(facts.fsdp)
+        return Decision(True, train, changed=True), Decision(True, evaluate, changed=True)
     if not usage.value:
         return None
     if not _no_unit_in_skippable(facts, units):
@@ -326,7 +339,7 @@ def fsdp_eval_sync(facts: RunFacts, units: Decision, eval_sync: Decision,
         f = facts.fsdp
         if (f.wrapped and f.skipped_units and f.dummy) or (not f.wrapped and skippable is not None
                                                           and skippable.value == "shard"):
-            return Decision(True, _DUMMY_EVAL.format(family=f.dummy), changed=True)
+            return Decision(True, _dummy_texts(f)[1], changed=True)
     if facts.parallel == "fsdp" and facts.fsdp_version == 2 and facts.is_vlm and _no_unit_in_skippable(facts, units):
         return Decision(False, _EVAL_NOT_NEEDED)
     return eval_sync

@@ -17,7 +17,8 @@ The budget: fold only while ``folded_bytes <= max(FOLD_FLOOR_BYTES, FOLD_FRACTIO
 memory within 1.1x its shard plus the largest unit (the bound the scale test asserts), and below 64 MiB the
 dummy's forward costs more than the gather it saves (a 64 MiB all-gather is ~1 ms on NVLink, a tower forward
 on one image several ms). LayerDrop stacks always stay folded (random per-layer skipping has no dummy), as does
-any family without a dummy (no stabiliser adapter, nothing discovered, Mllama's cross-attention layers).
+any family without a dummy (no stabiliser adapter, nothing discovered). Mllama's cross-attention layers have one
+(:mod:`hf_ddpfix.integrations.fsdp.cross_attention`: zero cross-attention states, an exact-zero contribution).
 
 Guarantees (tests/test_fsdp_skippable.py): the decision is a pure function of :class:`SkippableFacts` and the
 mode; ``fold`` whenever no dummy exists; ``shard`` when forced and a dummy exists; under ``auto`` the folded bytes

@@ -130,11 +130,21 @@ def kept_eval_sync(model: nn.Module) -> Any:
     return None if adapter is None else getattr(adapter.root, _KEPT, None)
 
 
-def attach_fsdp_dummy(model: Any, stack: Any, before_clip: Any) -> FsdpDummy:
+def attach_fsdp_dummy(model: Any, stack: Any, before_clip: Any) -> Any:
     """Attach :class:`FsdpDummy` for a `train()` (FSDP2 with units inside the tower): the dummy image where an image
     rank runs its tower, training and evaluation; tower gradients reset to `None` in a step no rank saw an image
     (``before_clip(fn)`` registers ``fn`` before gradient clipping and returns its undo). Every undo goes on
-    ``stack``; the evaluation-only stabiliser :func:`keep_eval_sync` stays after it (generate() after train())."""
+    ``stack``; the evaluation-only stabiliser :func:`keep_eval_sync` stays after it (generate() after train()).
+    A cross-attention VLM (Mllama) gets :class:`~hf_ddpfix.integrations.fsdp.cross_attention.CrossAttentionDummy`
+    instead (training and evaluation alike; one stays attached after ``train()``)."""
+    from .cross_attention import CrossAttentionDummy, cross_attention_parts, keep_cross_attention_dummy
+
+    if cross_attention_parts(model) is not None:  # Mllama: tower, projector and cross-attention layers
+        cross = CrossAttentionDummy(model).attach()
+        stack.callback(keep_cross_attention_dummy, model)  # runs after the removal below
+        stack.callback(cross.remove)
+        stack.callback(before_clip(cross.finalize))
+        return cross  # type: ignore[return-value]
     dummy = FsdpDummy(model).attach()
     stack.callback(keep_eval_sync, model)  # runs after the removal below
     stack.callback(dummy.remove)

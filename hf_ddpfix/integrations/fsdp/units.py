@@ -35,6 +35,7 @@ from ..._compat import (
     shared_parameter_holders,
     unwrap_model,
 )
+from .cross_attention import cross_attention_parts
 from .wrap import layerdrop_stacks, skippable_subtrees
 
 __all__ = ["FsdpFacts", "fsdp_facts", "gather_fsdp_facts", "repeated_block_classes"]
@@ -70,13 +71,15 @@ class FsdpFacts:
             skippable subtree of a family without a dummy): they never get a unit of their own.
         shardable_bytes: bytes of the skippable subtrees a dummy can run (``folded_bytes`` less LayerDrop).
         total_bytes: bytes of every parameter of the model (each tensor once).
-        dummy: the stabiliser family whose dummy image runs where the tower runs (``fsdp_skippable = shard``),
-            ``""`` when none can be built; ``no_dummy`` says why.
+        dummy: the stabiliser family whose dummy image runs where the tower runs (``fsdp_skippable = shard``;
+            a cross-attention VLM: its ``model_type``, :mod:`.cross_attention`), ``""`` when none can be built;
+            ``no_dummy`` says why.
         dummy_tokens: patches of that dummy image (an estimate from ``vision_config``).
         tower_params: parameters the dummy's forward reads (tower and projector).
         shard_roots: classes of the skippable subtrees a dummy runs that are no model of their own (the projector),
             no ``torch.nn`` built-in and have no instance elsewhere: under ``shard`` they become units too, so the
-            projector's parameters leave the root.
+            projector's parameters leave the root; with the cross-attention dummy also the tower model's own
+            modules holding parameters directly (Mllama's position and aspect-ratio embeddings).
     """
 
     policy: str = "transformer_based_wrap"
@@ -173,13 +176,24 @@ def fsdp_facts(plugin: Any, model: nn.Module) -> FsdpFacts:
         no_dummy=dummy[1],
         dummy_tokens=dummy[2],
         tower_params=dummy[3],
-        shard_roots=_shard_roots(hf, runnable),
+        shard_roots=_shard_roots(hf, runnable, deep=bool(dummy[0]) and cross_attention_parts(hf) is not None),
     )
 
 
-def _shard_roots(hf: nn.Module, runnable: list[nn.Module]) -> tuple[str, ...]:
+def _shard_roots(hf: nn.Module, runnable: list[nn.Module], deep: bool = False) -> tuple[str, ...]:
+    """``deep`` (the cross-attention dummy, which runs the whole tower model): also the tower model's own modules
+    holding parameters directly (Mllama's gated positional embedding: 74 M parameters at 90 B, issue 36)."""
     inside = {id(m) for s in runnable for m in s.modules()}
     out: list[str] = []
+    if deep:
+        for s in runnable:
+            for m in s.modules() if hasattr(s, "config") else ():
+                cls = type(m)
+                if (m is s or cls.__module__.startswith("torch.") or hasattr(m, "config") or cls.__name__ in out
+                        or not any(True for _ in m.parameters(recurse=False))):
+                    continue
+                if all(id(x) in inside for x in hf.modules() if type(x) is cls):
+                    out.append(cls.__name__)
     for s in runnable:
         cls = type(s)
         # a tower model (a PreTrainedModel: it has a config) stays out: as a unit of its own its hidden states
@@ -205,7 +219,15 @@ def _dummy_facts(hf: nn.Module, skip: list[nn.Module]) -> tuple[str, str, int, i
     if not vision:
         return "", "LayerDrop only", 0, 0
     if any("CrossAttention" in type(m).__name__ for m in hf.modules()):
-        return "", "cross-attention layers: no dummy states yet", 0, 0
+        from .cross_attention import dummy_tokens
+
+        parts = cross_attention_parts(hf)
+        if parts is None:
+            return "", "cross-attention layers: no vision_model/projector/language_model", 0, 0
+        cross = [m for s in skip for m in s.modules()] + [m for p in parts[1:3] for m in p.modules()]
+        params = sum({id(p): p.numel() for m in cross for p in m.parameters(recurse=False)}.values())
+        name = getattr(getattr(hf, "config", None), "model_type", None) or type(parts[0]).__name__
+        return name, "", dummy_tokens(parts[1]), params
     adapter = find_vision_adapter(hf, zero=True)
     if adapter is None:
         return "", describe_unsupported(hf, zero=True)[:60], 0, 0

@@ -1,0 +1,211 @@
+"""The dummy for cross-attention VLMs (Mllama / Llama-3.2-Vision) under FSDP2 with the tower and the
+cross-attention decoder layers as units of their own (``fsdp_skippable = shard``).
+
+Why: on a rank whose batch has no image, Mllama skips the vision model, the projector and every cross-attention
+decoder layer (transformers 5.23 ``MllamaTextModel.forward``: ``continue`` when ``cross_attention_states`` is
+``None`` and nothing is cached). With those as FSDP2 units, ranks all-gather different units: a gloo size
+mismatch, an NCCL hang.
+
+What it does: a forward pre-hook on the language model (where an image rank's model has just run its tower and
+projector) on a rank called without ``cross_attention_states``:
+
+- runs a dummy image (zeros, one image of ``max_num_tiles`` tiles, aspect ratio id 1) through the vision model
+  and the projector, as the model does;
+- passes ``cross_attention_states = 0 * features`` and ``full_text_row_masked_out_mask = 0``, so every
+  cross-attention decoder layer runs at its own place in the layer order (its own units, in the same order as
+  an image rank), with an **exactly zero** contribution: keys and values of zero states are zero (no bias in
+  ``k_proj`` / ``v_proj`` / ``o_proj``, LoRA of zero is zero), so the attention adds ``gate * 0``; the MLP is
+  multiplied by the zero row mask. Gradients: the cross layers' and the tower's are exactly zero, the hidden
+  stream's are stock's (every path through a cross layer carries an exact zero).
+
+During ``generate()`` a text rank's prefill caches zero keys/values; its decode steps (cross-attention states
+cached, so the model runs the cross layers from the cache, as on an image rank) get the zero row mask again.
+
+Optimizer semantics: as :class:`~hf_ddpfix.integrations.fsdp.dummy.FsdpDummy` — in a step where no rank passed
+an image, :meth:`finalize` resets the tower's, the projector's and the cross layers' gradients to ``None``
+(stock DDP ``find_unused_parameters=True``: those parameters went unused, AdamW skips them, no weight decay).
+
+Guarantees (tests/test_fsdp_skippable.py): the logits of a text-only forward equal stock's bit for bit with the
+dummy attached (``test_cross_attention_dummy_is_exactly_zero``); through the FSDP test device, Mllama with
+tower and cross-attention units trains, evaluates and predicts like stock DDP with mixed and all-text steps
+(``test_tower_units_with_the_dummy_like_stock_ddp``).
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ..._compat import unwrap_model
+from ...ops.dist import collective_device, dist_ready
+
+__all__ = ["CrossAttentionDummy", "cross_attention_parts", "kept_cross_attention_dummy"]
+
+_KEPT = "_hf_ddpfix_cross_attention_dummy"
+
+
+def cross_attention_parts(model: nn.Module) -> tuple[nn.Module, nn.Module, nn.Module, nn.Module] | None:
+    """``(root, vision_model, multi_modal_projector, language_model)`` of a cross-attention VLM (a module with
+    those three children whose language model lists ``cross_attention_layers``), or ``None``."""
+    for mod in unwrap_model(model).modules():
+        parts = [getattr(mod, n, None) for n in ("vision_model", "multi_modal_projector", "language_model")]
+        if all(isinstance(p, nn.Module) for p in parts) and getattr(parts[2], "cross_attention_layers", None):
+            return mod, parts[0], parts[1], parts[2]
+    return None
+
+
+def _vision_config(vision: nn.Module) -> Any:
+    return getattr(vision, "config", None)
+
+
+def dummy_tokens(vision: nn.Module) -> int:
+    """Tokens the dummy image runs through the tower: ``num_patches`` per tile times ``max_num_tiles``."""
+    vc = _vision_config(vision)
+    tiles = int(getattr(vc, "max_num_tiles", 1) or 1)
+    patches = getattr(vision, "num_patches", None)
+    if patches is None:
+        size, patch = int(getattr(vc, "image_size", 224)), int(getattr(vc, "patch_size", 14))
+        patches = (size // patch) ** 2 + 1
+    return int(patches) * tiles
+
+
+class CrossAttentionDummy:
+    """Runs the tower, the projector and every cross-attention layer on a rank without an image.
+
+    Args:
+        model: the HF model (or a PeftModel / wrapper), before or after accelerate wraps it.
+
+    Raises:
+        ValueError: the model is no cross-attention VLM (:func:`cross_attention_parts`).
+    """
+
+    def __init__(self, model: nn.Module, *, process_group: Any = None) -> None:
+        parts = cross_attention_parts(model)
+        if parts is None:
+            raise ValueError(f"{type(unwrap_model(model)).__name__}: no vision_model / multi_modal_projector / "
+                             "language_model with cross_attention_layers")
+        self.root, self.vision, self.projector, self.language_model = parts
+        self.process_group = process_group
+        self.dummy_runs = 0
+        self._handles: list[Any] = []
+        self._caches: weakref.WeakSet[Any] = weakref.WeakSet()
+        self._step_images = False
+        self._step_forwards = 0
+
+    def attach(self) -> CrossAttentionDummy:
+        """Register the hooks (idempotent)."""
+        if not self._handles:
+            self._handles = [
+                self.language_model.register_forward_pre_hook(self._inject, with_kwargs=True),
+                self.root.register_forward_pre_hook(self._record, with_kwargs=True),
+            ]
+        return self
+
+    def remove(self) -> None:
+        """Remove the hooks (idempotent)."""
+        for h in self._handles:
+            h.remove()
+        self._handles = []
+        self._step_images, self._step_forwards = False, 0
+
+    def parts(self) -> list[nn.Module]:
+        """The modules a text-only forward skips: the tower, the projector, the cross-attention layers."""
+        layers = getattr(self.language_model, "layers", [])
+        cross = [layers[i] for i in self.language_model.cross_attention_layers if i < len(layers)]
+        return [self.vision, self.projector, *cross]
+
+    def _record(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        if module.training and torch.is_grad_enabled():
+            self._step_forwards += 1
+            pixels = kwargs.get("pixel_values", args[1] if len(args) > 1 else None)
+            states = kwargs.get("cross_attention_states")
+            self._step_images = self._step_images or pixels is not None or states is not None
+
+    def _features(self, batch: int) -> torch.Tensor:
+        vc = _vision_config(self.vision)
+        tiles = int(getattr(vc, "max_num_tiles", 1) or 1)
+        size = int(getattr(vc, "image_size", 224))
+        channels = int(getattr(vc, "num_channels", 3))
+        p = next(self.vision.parameters())
+        device = p.device if p.device.type != "meta" else torch.device("cpu")
+        pixels = torch.zeros(1, 1, tiles, channels, size, size, dtype=p.dtype, device=device)
+        ids = torch.ones(1, 1, dtype=torch.long, device=device)
+        mask = torch.zeros(1, 1, tiles, dtype=torch.long, device=device)
+        mask[..., 0] = 1
+        out = self.vision(pixel_values=pixels, aspect_ratio_ids=ids, aspect_ratio_mask=mask).last_hidden_state
+        out = self.projector(out)
+        hidden = out.shape[-1]
+        out = out.reshape(-1, out.shape[-2], hidden) * 0  # exactly zero, still tied to the tower's graph
+        self.dummy_runs += 1
+        return out.reshape(1, -1, hidden).expand(batch, -1, -1)
+
+    def _inject(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        if kwargs.get("cross_attention_states") is not None:
+            return None
+        ref = kwargs.get("input_ids", args[0] if args else None)
+        if ref is None:
+            ref = kwargs.get("inputs_embeds")
+        if ref is None:
+            return None
+        cache = kwargs.get("past_key_values")
+        seen = int(cache.get_seq_length()) if cache is not None else 0
+        batch, seq = ref.shape[0], ref.shape[1]
+        rows = torch.zeros(batch, 1, seq, 1, dtype=next(self.language_model.parameters()).dtype, device=ref.device)
+        new = dict(kwargs)
+        if seen == 0:  # training, evaluation, a prefill: the tower runs here on an image rank
+            new["cross_attention_states"] = self._features(batch).to(rows.device)
+            if cache is not None:
+                self._caches.add(cache)
+        elif cache in self._caches:  # a decode step after our prefill: zero keys/values cached; mask the MLP
+            pass
+        else:  # an image rank's decode step (the model runs the cross layers from its cache)
+            return None
+        new["cross_attention_mask"] = None
+        new["full_text_row_masked_out_mask"] = rows
+        return args, new
+
+    def finalize(self) -> bool | None:
+        """Before clipping, once per optimizer step: where no rank passed an image in any micro-batch, every
+        gradient of :meth:`parts` becomes ``None``. Returns whether some rank saw an image; ``None`` (no
+        collective) when no training forward ran since the last call."""
+        if not self._step_forwards:
+            return None
+        local, self._step_images, self._step_forwards = self._step_images, False, 0
+        if dist_ready(self.process_group):
+            flag = torch.tensor([int(local)], dtype=torch.int32, device=collective_device(self.process_group))
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.process_group)
+            seen = bool(flag.item())
+        else:
+            seen = local
+        if not seen:
+            for mod in self.parts():
+                for p in mod.parameters():
+                    if p.requires_grad:
+                        p.grad = None
+        return seen
+
+
+def keep_cross_attention_dummy(model: nn.Module) -> CrossAttentionDummy | None:
+    """After ``train()``: leave a dummy attached (one per model, idempotent), so ``evaluate()``, ``predict()``
+    and ``generate()`` on the sharded model run the same units on every rank. It changes no output (exact
+    zeros). ``None`` for a model that is no cross-attention VLM."""
+    try:
+        dummy = CrossAttentionDummy(model)
+    except ValueError:
+        return None
+    kept = getattr(dummy.root, _KEPT, None)
+    if kept is not None:
+        return kept
+    dummy.attach()
+    setattr(dummy.root, _KEPT, dummy)
+    return dummy
+
+
+def kept_cross_attention_dummy(model: nn.Module) -> CrossAttentionDummy | None:
+    """The dummy :func:`keep_cross_attention_dummy` left on ``model``, or ``None``."""
+    parts = cross_attention_parts(model)
+    return None if parts is None else getattr(parts[0], _KEPT, None)
