@@ -149,6 +149,17 @@ def test_mllama_shards_its_cross_attention_layers_and_layerdrop_stays_folded():
     assert decide_fsdp_skippable(_run(drop, is_vlm=False), DDPFixConfig(fsdp_skippable="shard")).value is None
 
 
+def test_a_cross_attention_value_projection_with_a_bias_folds_and_says_why():
+    """Zero states add exactly zero only without a bias on v_proj / o_proj: a model that has one gets no dummy."""
+    model = ZOO["mllama"].model(0)
+    cross = [m for n, m in model.named_modules() if n.endswith("layers.1.cross_attn.v_proj")][0]
+    base = getattr(cross, "base_layer", cross)
+    base.bias = torch.nn.Parameter(torch.zeros(base.out_features))
+    facts = gather_fsdp_facts(_Trainer(_plugin()), model)
+    assert facts.dummy == "" and facts.no_dummy == "cross-attention v_proj has a bias (zero states add non-zero)"
+    assert decide_fsdp_skippable(_run(facts), DDPFixConfig(fsdp_skippable="shard")).value != "shard"
+
+
 @pytest.mark.parametrize("checkpointing", [False, True])
 def test_cross_attention_dummy_is_exactly_zero(checkpointing):
     """One process, Mllama (LoRA on the language model, cross-attention layer 1 of 3): a text-only forward and

@@ -43,7 +43,7 @@ from torch import nn
 from ..._compat import unwrap_model
 from ...ops.dist import collective_device, dist_ready
 
-__all__ = ["CrossAttentionDummy", "cross_attention_parts", "kept_cross_attention_dummy"]
+__all__ = ["CrossAttentionDummy", "cross_attention_parts", "kept_cross_attention_dummy", "nonzero_contribution"]
 
 _KEPT = "_hf_ddpfix_cross_attention_dummy"
 
@@ -56,6 +56,20 @@ def cross_attention_parts(model: nn.Module) -> tuple[nn.Module, nn.Module, nn.Mo
         if all(isinstance(p, nn.Module) for p in parts) and getattr(parts[2], "cross_attention_layers", None):
             return mod, parts[0], parts[1], parts[2]
     return None
+
+
+def nonzero_contribution(language_model: nn.Module) -> str:
+    """Why zero cross-attention states would NOT add exactly zero through ``language_model``'s cross-attention
+    layers, or ``""``: a value or output projection with a bias (``v_proj(0)`` / ``o_proj(0)`` would not be 0).
+    The plan folds such a model instead of running the dummy (checked on the model as loaded)."""
+    layers = getattr(language_model, "layers", [])
+    for i in getattr(language_model, "cross_attention_layers", []):
+        if i >= len(layers):
+            continue
+        for name, mod in layers[i].named_modules():
+            if name.rsplit(".", 1)[-1] in ("v_proj", "o_proj") and getattr(mod, "bias", None) is not None:
+                return f"cross-attention {name.rsplit('.', 1)[-1]} has a bias (zero states add non-zero)"
+    return ""
 
 
 def _vision_config(vision: nn.Module) -> Any:
