@@ -118,7 +118,7 @@ class _ForkServer:
     """The client of tests/forklaunch.py: one server per test process, started at the first launch it can take.
 
     ``run`` answers None when the launch must go to the real torchrun: ``HF_DDPFIX_TEST_LAUNCHER=torchrun`` (every
-    launch), a launch whose ``PYTHON*`` environment differs from the server's (a sitecustomize runs only at
+    launch), a launch whose ``PYTHON*`` environment differs from a plain launch's (a sitecustomize runs only at
     interpreter start: patches/, the FSDP device) or that configures torchrun (``PET_*``, ``TORCHELASTIC_*``:
     restarts), or a server that did not start (said once on stderr). A launch
     whose other start-up environment (forklaunch.STARTUP_ENV_PREFIXES: TORCH_*, ...) differs gets a new server
@@ -190,10 +190,14 @@ class _ForkServer:
 
         if self.broken or os.environ.get("HF_DDPFIX_TEST_LAUNCHER", "auto") == "torchrun":
             return None
-        differing = self._differing(env) if self.proc is not None else set()
-        if any(k.startswith(("PYTHON", "PET_", "TORCHELASTIC_")) for k in differing):
+        from forklaunch import startup_env
+
+        asked, default = startup_env(env), startup_env(_launch_env(None))
+        if any(k.startswith(("PYTHON", "PET_", "TORCHELASTIC_")) and asked.get(k) != default.get(k)
+               for k in {*asked, *default}):
             return None  # sitecustomize (patches/, the FSDP device) runs only in a fresh interpreter; PET_* and
-            # TORCHELASTIC_* configure torchrun itself (restarts: tests/test_resume.py)
+            # TORCHELASTIC_* configure torchrun itself (restarts: tests/test_resume.py). Never a server for them.
+        differing = self._differing(env) if self.proc is not None else set()
         if differing:
             self.close()  # another start-up environment: a server that starts with it
         if self.proc is None and not self._start(env):

@@ -33,3 +33,14 @@ def test_forked_ranks_start_as_torchrun_ranks_do(tmp_path):
     failed = torchrun(PROBE, "--fail", env={"PROBE_OUT": str(tmp_path)}, timeout=120, check=False)
     assert failed.args[0] == "forklaunch" and failed.returncode == 1, failed.stdout[-3000:]
     assert "[rank1]: RuntimeError: probe failure on rank 1" in failed.stdout, failed.stdout[-3000:]
+
+
+def test_launches_that_need_a_fresh_interpreter_or_torchrun_itself_are_never_forked():
+    """A sitecustomize on PYTHONPATH (patches/, the FSDP device) and torchrun's own settings (restarts) go to the
+    real torchrun, even as a process's first launch (no server is started for them)."""
+    from launch import _ForkServer, _launch_env
+
+    server = _ForkServer()
+    for extra in ({"PYTHONPATH": "/elsewhere"}, {"PET_MAX_RESTARTS": "1"}, {"TORCHELASTIC_ERROR_FILE": "/e.json"}):
+        assert server.run(str(PROBE), [], 2, 10.0, _launch_env(extra), check=True) is None, extra
+    assert server.proc is None
