@@ -37,11 +37,10 @@ import weakref
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from ..._compat import unwrap_model
-from ...ops.dist import collective_device, dist_ready
+from .dummy import reset_grads_unless_any_rank_saw
 
 __all__ = ["CrossAttentionDummy", "cross_attention_parts", "kept_cross_attention_dummy", "nonzero_contribution"]
 
@@ -189,18 +188,7 @@ class CrossAttentionDummy:
         if not self._step_forwards:
             return None
         local, self._step_images, self._step_forwards = self._step_images, False, 0
-        if dist_ready(self.process_group):
-            flag = torch.tensor([int(local)], dtype=torch.int32, device=collective_device(self.process_group))
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.process_group)
-            seen = bool(flag.item())
-        else:
-            seen = local
-        if not seen:
-            for mod in self.parts():
-                for p in mod.parameters():
-                    if p.requires_grad:
-                        p.grad = None
-        return seen
+        return reset_grads_unless_any_rank_saw(local, self.parts(), self.process_group)
 
 
 def keep_cross_attention_dummy(model: nn.Module) -> CrossAttentionDummy | None:

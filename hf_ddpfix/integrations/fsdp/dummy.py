@@ -91,18 +91,25 @@ class FsdpDummy:
         if not self._step_forwards:
             return None
         local, self._step_images, self._step_forwards = self._step_images, False, 0
-        if dist_ready(self.process_group):
-            flag = torch.tensor([int(local)], dtype=torch.int32, device=collective_device(self.process_group))
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.process_group)
-            seen = bool(flag.item())
-        else:
-            seen = local
-        if not seen:
-            for _, mod in self.adapter.parts():
-                for p in mod.parameters():
-                    if p.requires_grad:
-                        p.grad = None
-        return seen
+        return reset_grads_unless_any_rank_saw(local, [mod for _, mod in self.adapter.parts()], self.process_group)
+
+
+def reset_grads_unless_any_rank_saw(local: bool, modules: list[nn.Module], process_group: Any = None) -> bool:
+    """One MAX all-reduce of ``local`` (this rank saw an image this step) over ``process_group``; where no rank did,
+    every trainable parameter of ``modules`` gets ``grad = None`` (the dummy's exact zeros become stock DDP's
+    "unused": AdamW skips them, no weight decay). Returns whether some rank saw one. Without a process group: local."""
+    if dist_ready(process_group):
+        flag = torch.tensor([int(local)], dtype=torch.int32, device=collective_device(process_group))
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=process_group)
+        seen = bool(flag.item())
+    else:
+        seen = local
+    if not seen:
+        for mod in modules:
+            for p in mod.parameters():
+                if p.requires_grad:
+                    p.grad = None
+    return seen
 
 
 def keep_eval_sync(model: nn.Module) -> Any:
