@@ -11,9 +11,9 @@ arguments and its directory first on `sys.path`, the launch's environment plus R
 LOCAL_WORLD_SIZE, GROUP_RANK, GROUP_WORLD_SIZE, ROLE_RANK, ROLE_WORLD_SIZE, ROLE_NAME, MASTER_ADDR, MASTER_PORT
 (rank 0 hosts the store), TORCHELASTIC_RESTART_COUNT=0, TORCHELASTIC_MAX_RESTARTS=0, TORCHELASTIC_RUN_ID;
 stdout and stderr of all ranks in one stream; fresh non-deterministic seeds for `random`, numpy and torch's
-default generator, as a fresh interpreter has. At a rank's end: non-daemon threads are joined and atexit handlers run, as at interpreter
-exit; an uncaught exception goes to `sys.excepthook` and exits 1. When a rank fails, the others get SIGTERM (SIGKILL
-30 s later) and the launch exits 1, as torchrun's does; success is 0.
+default generator, as a fresh interpreter has. At a rank's end: non-daemon threads are joined and atexit handlers
+run, as at interpreter exit; an uncaught exception goes to `sys.excepthook` and exits 1. When a rank fails, the
+others get SIGTERM (SIGKILL 30 s later) and the launch exits 1, as torchrun's does; success is 0.
 
 What differs (so tests/launch.py sends such launches to the real torchrun): the launcher's own error summary
 (no "Root Cause" block, no TORCHELASTIC_ERROR_FILE), restarts, sitecustomize and anything else read at
