@@ -224,8 +224,9 @@ def _dummy_facts(hf: nn.Module, skip: list[nn.Module]) -> tuple[str, str, int, i
         parts = cross_attention_parts(hf)
         if parts is None:
             return "", "cross-attention layers: no vision_model/projector/language_model", 0, 0
-        if nonzero_contribution(parts[3]):
-            return "", nonzero_contribution(parts[3]), 0, 0
+        refused = nonzero_contribution(parts[3])
+        if refused:
+            return "", refused, 0, 0
         cross = [m for s in skip for m in s.modules()] + [m for p in parts[1:3] for m in p.modules()]
         params = sum({id(p): p.numel() for m in cross for p in m.parameters(recurse=False)}.values())
         name = getattr(getattr(hf, "config", None), "model_type", None) or type(parts[0]).__name__
