@@ -102,6 +102,12 @@ def torchrun(script: str | Path, *args: str, nproc: int = 2, timeout: float = 18
     `launcher="auto"` forks the ranks from a server that has imported torch and transformers already
     (tests/forklaunch.py: the same ranks, ~14 s less CPU per launch) whenever that is equivalent, else runs
     the real torchrun; `launcher="torchrun"` always runs it (tests of the launcher's own output).
+
+    A forked rank leaves by ``os._exit`` after Python's own shutdown steps, so C++ static destructors never run
+    there: gloo's intermittent abort at exit ("terminate called ...") cannot show in a forked launch. The launches
+    that prove a clean exit run under the real launchers: the examples (tests/test_examples_launched.py,
+    tests/test_example_vlm.py: ``accelerate launch``) and the two-node runs of the text and VLM training scripts
+    (tests/test_multinode.py: one ``torch.distributed.run`` per node).
     """
     path = str(SCRIPTS / script if not Path(script).is_absolute() else script)
     if launcher not in ("auto", "torchrun"):
