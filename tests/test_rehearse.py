@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -131,12 +132,23 @@ def test_shrink_keeps_what_decides_the_collectives_on_real_shapes():
 
 
 def test_auto_model_class_contract():
-    from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM, Qwen2_5_VLConfig
+    """The concrete class an auto class builds, or None without an entry (was `... is None or True`: it could not
+    fail; shown failing by returning ``mapping.get(...)`` of the wrong auto class)."""
+    from transformers import (
+        AutoModelForCausalLM,
+        AutoModelForImageTextToText,
+        LlamaConfig,
+        LlamaForCausalLM,
+        Qwen2_5_VLConfig,
+        Qwen2_5_VLForConditionalGeneration,
+        ViTConfig,
+    )
 
     from hf_ddpfix._compat.models import auto_model_class
 
     assert auto_model_class(AutoModelForCausalLM, LlamaConfig()) is LlamaForCausalLM
-    assert auto_model_class(AutoModelForCausalLM, Qwen2_5_VLConfig()) is None or True  # no crash either way
+    assert auto_model_class(AutoModelForImageTextToText, Qwen2_5_VLConfig()) is Qwen2_5_VLForConditionalGeneration
+    assert auto_model_class(AutoModelForCausalLM, ViTConfig()) is None  # no causal-LM head for a vision encoder
 
 
 def test_ddp_logger_shim_contract():
@@ -222,6 +234,201 @@ def test_the_fsdp_device_has_one_home():
 
     assert FSDP_DEVICE == device_dir() and (device_dir() / "sitecustomize.py").is_file()
     assert not (ROOT / "tests" / "fsdp_device" / "sitecustomize.py").exists()
+
+
+_SANDBOX_SCRIPT = r"""
+import io, json, os, pathlib, shutil, sys
+from hf_ddpfix.rehearse import sandbox
+
+folder, out = sys.argv[1], sys.argv[2]
+sandbox.install(folder, os.path.dirname(folder))
+
+
+class Trainer:  # a save entry point (layer 1): one report line for the call, not one per file
+    def save_model(self, output_dir=None):
+        os.makedirs(output_dir, exist_ok=True)
+        for name in ("adapter_model.safetensors", "adapter_config.json"):
+            with open(os.path.join(output_dir, name), "wb") as f:
+                f.write(b"rehearsal " + name.encode())
+
+
+sandbox.wrap_target(Trainer, "save_model", "output_dir", 0, "Trainer.save_model")
+Trainer().save_model(out)                                            # overwrites the earlier adapter
+Trainer().save_model(output_dir=os.path.join(out, "final"))          # a new folder under the results
+open(os.path.join(out, "trainer_state.json"), "w").write("{}")       # overwrite
+with open(os.path.join(out, "log.txt"), "a") as f:                   # append: the earlier lines copied first
+    f.write("rehearsal line\n")
+pathlib.Path(out, "metrics.json").write_text("{}")
+shutil.copy(os.path.join(out, "log.txt"), os.path.join(out, "copy.txt"))
+os.replace(os.path.join(out, "copy.txt"), os.path.join(out, "moved.txt"))
+os.rename(os.path.join(out, "notes.md"), os.path.join(out, "renamed.md"))  # a real file: copied, not moved
+os.remove(os.path.join(out, "old", "weights.bin"))                   # a real file: left in place
+shutil.rmtree(os.path.join(out, "old"))                             # a real folder: left in place
+os.truncate(os.path.join(out, "trainer_state.json"), 0)
+os.chmod(os.path.join(out, "notes.md"), 0o600)
+checks = {  # the script reads back what it wrote, as the real run would
+    "adapter": open(os.path.join(out, "final", "adapter_config.json"), "rb").read() == b"rehearsal adapter_config.json",
+    "appended": open(os.path.join(out, "log.txt")).read() == "earlier line\nrehearsal line\n",
+    "exists": os.path.isfile(os.path.join(out, "metrics.json")) and os.path.isdir(os.path.join(out, "final")),
+    "listdir": {"final", "metrics.json", "moved.txt", "renamed.md"} <= set(os.listdir(out)),
+    "size": os.path.getsize(os.path.join(out, "trainer_state.json")) == 0,
+}
+try:
+    import _io
+    _io.FileIO(os.path.join(out, "bypass.bin"), "w")  # not through layer 2: refused by the audit hook
+    checks["refused"] = False
+except PermissionError as e:
+    checks["refused"] = "never writes outside" in str(e)
+print("CHECKS " + json.dumps(checks))
+"""
+
+
+def _tree(root: Path) -> dict[str, tuple[bytes | None, int]]:
+    return {str(p.relative_to(root)): (p.read_bytes() if p.is_file() else None, p.stat().st_mode)
+            for p in sorted(root.rglob("*"))}
+
+
+def test_sandbox_redirects_every_write_outside_and_leaves_earlier_results_byte_identical(tmp_path):
+    """A rehearsal rank writing, appending, copying, renaming, deleting and saving (through a wrapped save entry
+    point) into a folder that holds a real run's results: every byte and mode there is unchanged, the script reads
+    back what it wrote, and the record lists each redirect once (per entry point, not per file). No torch: runs in
+    the fast tier. Shown failing by removing `builtins.open = io.open = _open` from sandbox.install (the adapter
+    bytes change), and by dropping the `_Api` depth (the save_model files listed one by one)."""
+    out = tmp_path / "outputs" / "run"
+    (out / "old").mkdir(parents=True)
+    for name, data in {"adapter_model.safetensors": b"\x00real adapter", "adapter_config.json": b'{"r": 16}',
+                       "trainer_state.json": b'{"global_step": 200}', "log.txt": b"earlier line\n",
+                       "notes.md": b"notes", "old/weights.bin": b"\x01" * 64}.items():
+        (out / name).write_bytes(data)
+    before = _tree(tmp_path / "outputs")
+    folder = tmp_path / "work" / "hf_ddpfix"
+    folder.mkdir(parents=True)
+    env = {**os.environ, "DDPFIX_REHEARSE_DIR": str(folder), "PYTHONPATH": str(ROOT)}
+    done = subprocess.run([sys.executable, "-c", _SANDBOX_SCRIPT, str(folder), str(out)], capture_output=True,
+                          text=True, env=env, timeout=60, cwd=tmp_path)
+    assert done.returncode == 0, done.stdout + done.stderr
+    checks = json.loads(done.stdout.split("CHECKS ", 1)[1])
+    assert all(checks.values()), checks
+    assert _tree(tmp_path / "outputs") == before  # not one byte, mode or file more
+    shadow = folder / "outside" / str(out).lstrip("/")
+    assert (shadow / "adapter_model.safetensors").read_bytes() == b"rehearsal adapter_model.safetensors"
+    assert (shadow / "renamed.md").read_bytes() == b"notes" and (shadow / "moved.txt").is_file()
+    entries = json.loads((folder / "rank0.json").read_text())["sandbox"]
+    by_how = {}
+    for e in entries:
+        by_how.setdefault(e["how"], []).append(e)
+    saves = by_how["Trainer.save_model"]
+    assert [e["asked"] for e in saves] == [str(out), str(out / "final")], saves
+    assert saves[0]["wrote"] == str(shadow) and saves[0]["kind"] == "redirected"
+    assert not any(e["asked"].endswith("adapter_config.json") for e in entries)  # inside the call: not per file
+    kept = {e["asked"]: e["how"] for e in entries if e["kind"] == "kept"}
+    assert kept == {str(out / "notes.md"): "os.rename: copied, the original left in place",
+                    str(out / "old" / "weights.bin"): "remove: not deleted", str(out / "old"): "rmtree: not deleted"}
+    assert [e["asked"] for e in entries if e["kind"] == "refused"] == [str(out / "bypass.bin")]
+
+
+def _outcome(records, status="failed", hangs=None, folder="/nonexistent", codes=(1, 1)):
+    from hf_ddpfix.rehearse.run import Outcome
+
+    return Outcome("train", status, 12.0, list(codes), records, hangs or {}, {}, ["log line"], [], folder)
+
+
+def _report(outcomes, processes=2, stock=False):
+    import argparse
+
+    from hf_ddpfix.rehearse.launch_line import parse_launch_line
+    from hf_ddpfix.rehearse.report import build_report, format_report
+
+    spec = parse_launch_line("torchrun --nproc_per_node=2 train.py")
+    r = build_report(spec, argparse.Namespace(stock=stock, skew=False, steps=3), processes, 2, outcomes, "/w")
+    r["kept"] = False
+    return r, format_report(r)
+
+
+def _error(type_, message, file="/home/u/train.py", line=42, func="main", code="loss.backward()"):
+    frame = {"file": file, "line": line, "func": func, "code": code}
+    return {"type": type_, "message": message, "collective": None, "at": 1.0, "issued_at": None,
+            "user_frames": [frame] if file.endswith("train.py") else [], "stack": [frame]}
+
+
+def test_verdicts_and_exit_codes_one_per_verdict_as_docs_rehearse_md_says():
+    """Each verdict's exit status, and the table in docs/rehearse.md equal to `EXIT_CODES`. The rank-0 crash whose
+    message carries hf_ddpfix's own hint ("NCCL_DEBUG=WARN on GPUs") is FAILED, exit 1, with its rank, step and
+    frame (it was `CANNOT REHEARSE ... needs CUDA`, exit 2: shown failing by putting `|nccl` back into `_CUDA`)."""
+    from hf_ddpfix.rehearse.report import EXIT_CODES
+
+    train = {"mode": "MULTI_CPU", "world": 2, "trainer": "Trainer", "model": "M", "trainable_params": 10}
+    crash = _error("DDPFixError", "RuntimeError: Expected to mark a variable ready only once.\nLikely cause: ... "
+                                  "Set NCCL_DEBUG=WARN on GPUs to see more (docs/plan.md#static_graph)")
+    r, text = _report([_outcome({0: {"steps": 2, "train": train, "error": crash}, 1: {"steps": 2, "train": train}})])
+    assert r["status"] == "failed" and EXIT_CODES[r["status"]] == 1 and r["cannot"] is None, text
+    assert "CANNOT" not in text and "=== hf-ddpfix rehearse: FAILED (exit 1" in text, text
+    assert "FAILED:    rank 0 at step 3 (2 finished): DDPFixError: RuntimeError: Expected to mark" in text, text
+    assert "at /home/u/train.py:42 in main  `loss.backward()`" in text, text
+    no_cuda = _error("AssertionError", "Torch not compiled with CUDA enabled",
+                     file="/x/site-packages/torch/cuda/__init__.py", func="_lazy_init", code="raise")
+    r, text = _report([_outcome({0: {"steps": 0, "train": train, "error": no_cuda}, 1: {"steps": 0}})])
+    assert r["status"] == "cannot" and EXIT_CODES[r["status"]] == 2 and "it needs CUDA here" in r["cannot"], text
+    step = _error("RehearsalStepError", "rehearse, step 'load the tokenizer' (AutoTokenizer.from_pretrained('x')): ...")
+    r, _ = _report([_outcome({0: {"steps": 0, "error": step}, 1: {}})])
+    assert r["status"] == "cannot" and "step 'load the tokenizer'" in r["cannot"]
+    hang = {"collective": "all_reduce", "waited_s": 20.0, "issued_at": None, "user_frames": []}
+    r, text = _report([_outcome({0: {"steps": 1, "train": train}, 1: {"steps": 1}}, status="hang", hangs={0: hang})])
+    assert r["status"] == "hang" and EXIT_CODES["hang"] == 1 and "hung in all_reduce" in text, text
+    r, _ = _report([_outcome({0: {"steps": 1}, 1: {"steps": 1}}, status="timeout")])
+    assert r["status"] == "timeout" and EXIT_CODES["timeout"] == 1
+    done = {"steps": 3, "train_done": 3}
+    r, text = _report([_outcome({0: {**done, "train": train}, 1: done}, status="passed", codes=(0,))])
+    assert r["status"] == "passed" and EXIT_CODES["passed"] == 0 and "PASSED (exit 0" in text, text
+    alone = {**train, "world": 1}  # two processes, each Trainer alone
+    r, text = _report([_outcome({0: {**done, "train": alone}, 1: {**done, "train": alone}}, status="passed",
+                                codes=(0,))])
+    assert r["status"] == "not distributed" and EXIT_CODES[r["status"]] == 1, text
+    assert "NOT DISTRIBUTED: 2 processes launched" in text and "use_cpu" in text, text
+    doc = (ROOT / "docs" / "rehearse.md").read_text()
+    table = dict(re.findall(r"^\| `([a-z ]+)` \| (\d) \|", doc, re.M))
+    assert {k: int(v) for k, v in table.items()} == EXIT_CODES, table
+
+
+def test_the_report_reads_in_a_minute(tmp_path):
+    """Plan lines: only what differs from stock; every line at most 160 characters with each doc link whole; the
+    model line short, a tiny model "not shrunk (already small"; the redirected saves; rank 0's last output lines.
+    Shown failing with the old `line[:150] + '...'` cut (a link cut mid-anchor) and with every plan line kept."""
+    from hf_ddpfix.rehearse.report import WIDTH
+
+    plan = ["hf_ddpfix plan (ddp, world size 2):",
+            " * parameter_usage         = on             unused trainable parameters tied into the loss with "
+            "exact-zero gradients at run time (docs/plan.md#parameter_usage)",
+            "   tiled_mlp               = off            not requested",
+            " ! offload_activations     = off            asked on, not run: no checkpointing (docs/plan.md#offload)",
+            "   settings: HF_DDPFIX_STRICT=1"]
+    cut = [f"text_config.field_{i}: {1000 + i} -> {i}" for i in range(30)]
+    models = [{"name": "/data/models/" + "x" * 40, "class": "AutoModelForImageTextToText",
+               "model_class": "Qwen2_5_VLForConditionalGeneration", "shrunk": True, "shrink": cut},
+              {"name": "tiny", "class": "AutoModelForCausalLM", "model_class": "LlamaForCausalLM", "shrunk": True,
+               "shrink": []}]
+    sandbox = [{"kind": "redirected", "asked": "/home/u/outputs/run", "wrote": "/w/hf_ddpfix/outside/home/u/outputs/run",
+                "how": "Trainer.save_model"},
+               {"kind": "redirected", "asked": "/home/u/outputs", "wrote": "/w/x", "how": "os.makedirs"}]
+    (tmp_path / "rank0.out").write_text("".join(f"line {i}\n" for i in range(30)) + "step 1/3\rstep 3/3\n")
+    done = {"steps": 3, "train_done": 3}
+    train = {"mode": "MULTI_CPU", "world": 2, "trainer": "Trainer", "model": "M", "trainable_params": 10, "plan": plan}
+    r, text = _report([_outcome({0: {**done, "train": train, "models": models, "sandbox": sandbox}, 1: done},
+                                status="passed", folder=str(tmp_path), codes=(0,))])
+    lines = text.splitlines()
+    assert all(len(line) <= WIDTH for line in lines), max(lines, key=len)
+    assert "(docs/plan.md#parameter_usage)" in text and "(docs/plan.md#offload)" in text, text
+    assert "tiled_mlp" not in text and "not requested" not in text and "HF_DDPFIX_STRICT=1" in text, text
+    assert "LlamaForCausalLM, not shrunk (already small" in text and "shrunk: \n" not in text + "\n", text
+    model = next(line for line in lines if "Qwen2_5_VL" in line)
+    assert "from_pretrained('.../models/xxxx" in model, model  # a long path: its last two parts
+    shrunk = next(line for line in lines if "shrunk (30 fields): " in line)
+    assert "more (--json lists all)" in shrunk and "field_0: 1000 -> 0" in shrunk, shrunk
+    assert ("your script saved to /home/u/outputs/run (Trainer.save_model); the rehearsal wrote it to "
+            "/w/hf_ddpfix/outside/home/u/outputs/run") in " ".join(x.strip() for x in lines), text
+    assert "os.makedirs" not in text  # the folder the save went into: not a line of its own
+    assert "output (rank 0, last 10 lines):" in text and "  | step 3/3" in text and "step 1/3" not in text, text
+    assert "rehearsal folder removed (/w; --keep keeps" in text
 
 
 # ----------------------------------------------------------------------------------------------------------------

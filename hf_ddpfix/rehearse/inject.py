@@ -369,6 +369,50 @@ def _patch_ddp(module: Any) -> None:
     cls.__init__ = __init__
 
 
+class _Tee:
+    """``sys.stdout`` / ``sys.stderr`` of a rank, also written to ``rank<R>.out`` (the report shows rank 0's last
+    lines); everything else (``fileno``, ``isatty``, ``encoding``) is the stream's own."""
+
+    def __init__(self, stream: Any, copy: Any) -> None:
+        self._stream, self._copy = stream, copy
+
+    def write(self, text: str) -> int:
+        try:
+            self._copy.write(text)
+        except (OSError, ValueError):  # pragma: no cover - the folder was removed
+            pass
+        return self._stream.write(text)
+
+    def flush(self) -> None:
+        try:
+            self._copy.flush()
+        except (OSError, ValueError):  # pragma: no cover
+            pass
+        self._stream.flush()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._stream, name)
+
+
+def _tee_output(path: str) -> None:
+    try:
+        copy = open(path, "a", buffering=1, errors="replace")  # noqa: SIM115 - lives with the process
+    except OSError:  # pragma: no cover
+        return
+    for name in ("stdout", "stderr"):
+        stream = getattr(sys, name)
+        if stream is not None:
+            setattr(sys, name, _Tee(stream, copy))
+
+
+def _chained(*patches: Any) -> Any:
+    def patch(module: Any) -> None:
+        for p in patches:
+            p(module)
+
+    return patch
+
+
 def _is_rank() -> bool:
     return "LOCAL_RANK" in os.environ or _env("SINGLE") == "1"
 
@@ -388,16 +432,24 @@ def install() -> None:
                              "transformers.models.auto.processing_auto": _patch_processor_auto}
     if _env("STOCK") == "1":
         hooks["hf_ddpfix.trainer"] = _patch_hf_ddpfix_trainer
+    rank = _is_rank()
+    if rank:  # writes outside the rehearsal redirected into it (sandbox.py): installed before the script runs
+        from . import sandbox
+
+        sandbox.install(directory, _env("ROOT") or directory)
+        for name, patch in sandbox.HOOKS.items():
+            hooks[name] = _chained(hooks[name], patch) if name in hooks else patch
     for name in list(hooks):
         if name in sys.modules:
             hooks.pop(name)(sys.modules[name])
     sys.meta_path.insert(0, _AfterImport(hooks))
-    if not _is_rank():
+    if not rank:
         return
     _record.update({"rank": _rank(), "world": _world(), "pid": os.getpid(), "host_node": os.environ.get(
         "GROUP_RANK", os.environ.get("NODE_RANK", "0")), "argv": sys.argv[:12], "phase": _env("PHASE", "train")})
     _write()
     sys.excepthook = _excepthook(sys.excepthook)
+    _tee_output(os.path.join(directory, f"rank{_rank()}.out"))
     atexit.register(lambda: note("exited", time.time()))
     from .watchdog import start
 
