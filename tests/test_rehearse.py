@@ -292,8 +292,8 @@ def test_sandbox_redirects_every_write_outside_and_leaves_earlier_results_byte_i
     """A rehearsal rank writing, appending, copying, renaming, deleting and saving (through a wrapped save entry
     point) into a folder that holds a real run's results: every byte and mode there is unchanged, the script reads
     back what it wrote, and the record lists each redirect once (per entry point, not per file). No torch: runs in
-    the fast tier. Shown failing by removing `builtins.open = io.open = _open` from sandbox.install (the adapter
-    bytes change), and by dropping the `_Api` depth (the save_model files listed one by one)."""
+    the fast tier. Shown failing by removing `builtins.open = io.open = _open` from sandbox.install (layer 3, the
+    audit hook, then refuses the script's first write: the script fails)."""
     out = tmp_path / "outputs" / "run"
     (out / "old").mkdir(parents=True)
     for name, data in {"adapter_model.safetensors": b"\x00real adapter", "adapter_config.json": b'{"r": 16}',
@@ -354,7 +354,8 @@ def _error(type_, message, file="/home/u/train.py", line=42, func="main", code="
 def test_verdicts_and_exit_codes_one_per_verdict_as_docs_rehearse_md_says():
     """Each verdict's exit status, and the table in docs/rehearse.md equal to `EXIT_CODES`. The rank-0 crash whose
     message carries hf_ddpfix's own hint ("NCCL_DEBUG=WARN on GPUs") is FAILED, exit 1, with its rank, step and
-    frame (it was `CANNOT REHEARSE ... needs CUDA`, exit 2: shown failing by putting `|nccl` back into `_CUDA`)."""
+    frame (it was `CANNOT REHEARSE ... needs CUDA`, exit 2: shown failing by restoring the old rule, a bare `nccl`
+    in `_CUDA` searched in the whole message instead of its first line)."""
     from hf_ddpfix.rehearse.report import EXIT_CODES
 
     train = {"mode": "MULTI_CPU", "world": 2, "trainer": "Trainer", "model": "M", "trainable_params": 10}
@@ -393,7 +394,7 @@ def test_verdicts_and_exit_codes_one_per_verdict_as_docs_rehearse_md_says():
 def test_the_report_reads_in_a_minute(tmp_path):
     """Plan lines: only what differs from stock; every line at most 160 characters with each doc link whole; the
     model line short, a tiny model "not shrunk (already small"; the redirected saves; rank 0's last output lines.
-    Shown failing with the old `line[:150] + '...'` cut (a link cut mid-anchor) and with every plan line kept."""
+    Shown failing with every plan line kept (`keep = plan[1:]`: `tiled_mlp ... not requested` shown)."""
     from hf_ddpfix.rehearse.report import WIDTH
 
     plan = ["hf_ddpfix plan (ddp, world size 2):",
