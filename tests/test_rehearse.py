@@ -7,9 +7,11 @@ Multi-process (each test runs its rehearsals side by side, tiny shrunk models, 3
 - FSDP2 (fsdp.yaml, the package's FSDP device), Qwen2.5-VL example, `--skew`: stock names the collective mismatch
   (both ranks' fingerprints and frames) within 60 s; hf_ddpfix passes, saves and resumes;
 - the TRL SFT example under ddp_cpu.yaml (zero-code, `patches/` on PYTHONPATH), zero3.yaml and a 2-node localhost
-  launch (multinode_ddp.yaml);
+  launch (multinode_ddp.yaml); the long-context example under ddp_cpu.yaml (nothing written to its output folder);
 - a user script loading a Qwen2.5-VL-7B and a Llama-3.2-11B-Vision config.json (no weights) rehearsed shrunk, with
-  the projected memory of the real model at the launch's world size.
+  the projected memory of the real model at the launch's world size; its saves (``Trainer.save_model``,
+  ``torch.save``, ``open``) into a folder of earlier results redirected, those results byte-identical (as the FSDP
+  example's into command 1's outputs).
 """
 
 from __future__ import annotations
@@ -437,6 +439,18 @@ def test_the_report_reads_in_a_minute(tmp_path):
 # ----------------------------------------------------------------------------------------------------------------
 
 
+def _earlier_results(folder: Path) -> dict[str, tuple[bytes | None, int]]:
+    """A real run's results in ``folder`` (an adapter, its config, a checkpoint, a log): what a rehearsal must leave
+    byte-identical."""
+    (folder / "checkpoint-200").mkdir(parents=True)
+    for name, data in {"adapter_model.safetensors": b"\x00real adapter" * 8, "adapter_config.json": b'{"r": 16}',
+                       "checkpoint-200/trainer_state.json": b'{"global_step": 200}', "example_setup.json": b"{}",
+                       "final/adapter_model.safetensors": b"\x01final", "metrics.json": b'{"loss": 0.1}'}.items():
+        (folder / name).parent.mkdir(parents=True, exist_ok=True)
+        (folder / name).write_bytes(data)
+    return _tree(folder)
+
+
 def _start(tmp: Path, name: str, options: list[str], line: list[str], env: dict[str, str] | None = None):
     report = tmp / f"{name}.json"
     cmd = [sys.executable, "-m", "hf_ddpfix", "rehearse", "--quiet", "--workdir", str(tmp / name), "--json",
@@ -466,6 +480,7 @@ def _finish(runs, timeout: float) -> dict[str, tuple[int, dict, str, float]]:
 
 @pytest.mark.multiprocess
 def test_fsdp_vlm_with_a_text_only_rank_stock_names_the_mismatch_and_hf_ddpfix_passes(tmp_path):
+    earlier = _earlier_results(tmp_path / "user-out")  # the README example's command 1 ran here before
     line = ["accelerate", "launch", "--config_file", "accelerate_configs/fsdp.yaml", "examples/qwen_vl_lora.py",
             "--output-dir", str(tmp_path / "user-out"), "--eval-size", "8"]
     runs = [_start(tmp_path, "stock", ["--stock", "--skew"], line), _start(tmp_path, "fixed", ["--skew"], line),
@@ -499,7 +514,10 @@ def test_fsdp_vlm_with_a_text_only_rank_stock_names_the_mismatch_and_hf_ddpfix_p
     assert train["fsdp"] and train["fsdp_units"] > 0 and train["steps"] == {"0": 3, "1": 3}, train
     assert train["evaluated"] and train["saved"] and any("fsdp_units" in line for line in train["plan"])
     assert train["skew"]["rank"] == 1 and resume["resumed_from"] and resume["steps"]["0"] == 4, resume
-    assert not (tmp_path / "user-out").exists() or not any((tmp_path / "user-out").glob("checkpoint-*"))
+    assert _tree(tmp_path / "user-out") == earlier  # neither rehearsal changed a byte of command 1's results
+    asked = {(e["asked"], e["how"]) for e in train["sandbox"]}
+    assert (str(tmp_path / "user-out"), "PeftModel.save_pretrained") in asked, train["sandbox"]
+    assert f"your script saved to {tmp_path / 'user-out'}" in text.replace("\n           ", " ")
 
 
 @pytest.mark.multiprocess
@@ -513,8 +531,16 @@ def test_trl_sft_under_ddp_zero3_and_two_localhost_nodes(tmp_path):
                                                     "accelerate_configs/zero3.yaml", *script]),
         _start(tmp_path, "nodes", ["--no-resume", "--nproc", "2"], ["accelerate", "launch", "--config_file",
                                                                    "accelerate_configs/multinode_ddp.yaml", *script]),
+        _start(tmp_path, "longctx", [], ["accelerate", "launch", "--config_file", "accelerate_configs/ddp_cpu.yaml",
+                                         "examples/long_context_lora.py", "--tiny", "--seq", "256", "--output-dir",
+                                         str(tmp_path / "user-lc")]),
     ]
-    done = _finish(runs, timeout=480)
+    done = _finish(runs, timeout=540)
+    code, lc, text, _ = done.pop("longctx")  # the long-context example (its DDPFixTrainer, every memory feature)
+    assert code == 0 and lc["status"] == "passed", text[-4000:]
+    assert lc["phases"][0]["trainer"] == "DDPFixTrainer" and lc["phases"][0]["steps"] == {"0": 3, "1": 3}, lc
+    assert lc["phases"][0]["replicas"].startswith("in sync"), lc["phases"][0]
+    assert not (tmp_path / "user-lc").exists(), "the rehearsal wrote into the example's output folder"
     for name, (code, rep, text, _) in done.items():
         assert code == 0 and rep["status"] == "passed", (name, text[-4000:])
         phase = rep["phases"][0]
@@ -532,13 +558,14 @@ def test_real_model_configs_are_rehearsed_shrunk_with_the_real_memory_projected(
     from transformers import MllamaConfig, Qwen2_5_VLConfig  # noqa: F401 - the configs the user's folders hold
 
     configs = _real_configs()
+    earlier = _earlier_results(tmp_path / "user-out")  # a user script saving into its own earlier results
     for name in ("qwen2_5_vl_7b", "llama_3_2_11b_vision"):
         configs[name].save_pretrained(tmp_path / name)  # config.json only: no weights
     runs = [
         _start(tmp_path, "qwen", ["--no-resume"], ["accelerate", "launch", "--config_file",
                                                    "accelerate_configs/ddp_cpu.yaml", "tests/scripts/"
                                                    "rehearse_saved_config.py", "--model", str(tmp_path / "qwen2_5_vl_7b"),
-                                                   "--images"]),
+                                                   "--images", "--out", str(tmp_path / "user-out")]),
         _start(tmp_path, "mllama", ["--no-resume", "--nproc", "2"], [
             "torchrun", "--nproc_per_node=8", "tests/scripts/rehearse_saved_config.py", "--model",
             str(tmp_path / "llama_3_2_11b_vision")]),
@@ -554,6 +581,10 @@ def test_real_model_configs_are_rehearsed_shrunk_with_the_real_memory_projected(
         assert phase["replicas"].startswith("in sync"), phase
         assert rep["memory"] and "a projection" in text, text[-3000:]
     q = done["qwen"][1]
+    assert _tree(tmp_path / "user-out") == earlier, "the rehearsal changed the user's earlier results"
+    saved = {e["how"]: e for e in q["phases"][0]["sandbox"]}
+    assert saved["Trainer.save_model"]["asked"] == str(tmp_path / "user-out" / "final"), saved
+    assert {"torch.save", "open(mode='w')"} <= set(saved), saved  # extra.pt and metrics.json, read back by the script
     assert q["memory"][0].startswith("real model: Qwen2_5_VLForConditionalGeneration") and "8.29 B" in q["memory"][0]
     assert any("fullatt_block_indexes" in s for s in q["phases"][0]["models"][0]["shrink"])
     m = done["mllama"][1]

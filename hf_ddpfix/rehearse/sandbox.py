@@ -30,7 +30,7 @@ script's first line), in three layers, each catching what the one above misses:
 Not outside: the rehearsal's own root (``DDPFIX_REHEARSE_ROOT``; the temporary folder is inside it: the driver
 sets ``TMPDIR``), the shared caches (``HF_HOME``, ``HF_HUB_CACHE``, ``HF_DATASETS_CACHE``, ``TRANSFORMERS_CACHE``,
 ``TORCH_HOME``, ``TRITON_CACHE_DIR``, ``XDG_CACHE_HOME``, ``~/.cache``, ``~/.triton``; downloads and compiled
-kernels, written by later runs the same way; counted in the report) and ``/dev``, ``/proc``, ``/sys``.
+kernels, written by later runs the same way), Python's ``__pycache__`` folders and ``/dev``, ``/proc``, ``/sys``.
 
 Limits: a write from native code that takes a path itself (a C++ / Rust writer other than torch's and safetensors'
 — e.g. pyarrow into a dataset folder) is neither seen nor redirected; such writes are not made by the HF / PEFT /
@@ -96,7 +96,9 @@ def _allowed_roots(root: str) -> tuple[tuple[str, ...], tuple[str, ...]]:
 
 
 def _outside(path: str) -> bool:
-    return not _under(path, _state["own"]) and not _under(path, _state["caches"])
+    """Outside the rehearsal and the caches; Python's own bytecode cache (``__pycache__``, written by the import
+    system through ``posix.open``, which only the audit hook sees) is a cache too."""
+    return not _under(path, _state["own"]) and not _under(path, _state["caches"]) and "__pycache__" not in path
 
 
 def mapped(path: Any) -> Any:
