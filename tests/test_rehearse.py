@@ -444,7 +444,7 @@ def _earlier_results(folder: Path) -> dict[str, tuple[bytes | None, int]]:
     byte-identical."""
     (folder / "checkpoint-200").mkdir(parents=True)
     for name, data in {"adapter_model.safetensors": b"\x00real adapter" * 8, "adapter_config.json": b'{"r": 16}',
-                       "checkpoint-200/trainer_state.json": b'{"global_step": 200}', "example_setup.json": b"{}",
+                       "checkpoint-200/trainer_state.json": b'{"global_step": 200}', "log.txt": b"step 200\n",
                        "final/adapter_model.safetensors": b"\x01final", "metrics.json": b'{"loss": 0.1}'}.items():
         (folder / name).parent.mkdir(parents=True, exist_ok=True)
         (folder / name).write_bytes(data)

@@ -272,6 +272,9 @@ def format_report(r: dict[str, Any], verbose: bool = True) -> str:
             what = f.get("error") or f"hung in {f.get('collective')}"
             out.append(f"FAILED:    rank {f['rank']} at step {f['steps'] + 1} ({f['steps']} finished): {what[:200]}")
             out.append(f"           at {where}")
+        elif p["status"] == "failed" and not r.get("cannot"):
+            out.append(f"FAILED:    the launch exited with codes {p['returncodes']} and no rank recorded an exception"
+                       + (" (rank 0's last output below)" if p.get("output_tail") else ""))
         if p.get("not_distributed"):
             out.append(f"NOT DISTRIBUTED: {p['not_distributed']}")
         if p.get("mode"):

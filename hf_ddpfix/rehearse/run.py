@@ -73,7 +73,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "temporary folder, removed after the report unless --keep)")
     p.add_argument("--keep", action="store_true", help="keep the temporary rehearsal folder (its size is printed)")
     p.add_argument("--json", default=None, help="also write the report as JSON to this file")
-    p.add_argument("--quiet", action="store_true", help="print only the report (not the ranks' output tail)")
+    p.add_argument("--quiet", action="store_true", help="leave the launcher's output tail out of a failure's report "
+                   "(rank 0's last lines stay)")
     p.add_argument("launch", nargs=argparse.REMAINDER, help="-- then the launch line, e.g. -- accelerate launch "
                    "--config_file fsdp.yaml train.py --my-args")
 
