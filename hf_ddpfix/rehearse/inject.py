@@ -19,10 +19,12 @@ so the launchers (accelerate's CLI, torchrun's agent) are untouched. In a rank i
 - hf_ddpfix on every Trainer (``patch_trainer()``, as ``patches/`` does; a script that calls it itself only sets its
   options); ``--stock``: ``hf_ddpfix.patch_trainer()`` called by the script does nothing (and ``HF_DDPFIX_DISABLE=1`` turns
   ``patches/`` off), so the same launch runs without hf_ddpfix;
-- the watchdog (:mod:`hf_ddpfix.rehearse.watchdog`) and an exception hook that writes the failing frames.
+- the watchdog (:mod:`hf_ddpfix.rehearse.watchdog`) and an exception hook that writes the failing frames;
+- the sandbox (:mod:`hf_ddpfix.rehearse.sandbox`): every write outside the rehearsal redirected into it, listed;
+- ``sys.stdout`` / ``sys.stderr`` also copied to ``<dir>/rank<R>.out`` (the report shows rank 0's last lines).
 
 Each rank writes ``<dir>/rank<R>.json`` (rewritten as the run goes). Environment (set by the driver):
-``DDPFIX_REHEARSE_DIR``, ``_STEPS``, ``_SKEW``, ``_STOCK``, ``_SHRINK``, ``_HANG_S``, ``_RESUME``.
+``DDPFIX_REHEARSE_DIR``, ``_ROOT``, ``_STEPS``, ``_SKEW``, ``_STOCK``, ``_SHRINK``, ``_HANG_S``, ``_RESUME``.
 
 Guarantees: outside a rehearsal (``DDPFIX_REHEARSE_DIR`` unset) :func:`install` does nothing; every substitution
 made is listed in the rank's record.
