@@ -335,7 +335,7 @@ def format_report(r: dict[str, Any], verbose: bool = True) -> str:
             out += [f"    frame: {fr}" for fr in f.get("frames", [])]
         if p.get("output_tail"):
             out.append(f"output (rank 0, last {len(p['output_tail'])} lines):")
-            out += [f"  | {line}" for line in p["output_tail"]]
+            out += [f"  | {line if len(line) <= WIDTH - 4 else line[:WIDTH - 5] + '…'}" for line in p["output_tail"]]
         if p.get("log_tail") and verbose:
             out.append("launcher output tail:")
             out += [f"  {line}" for line in p["log_tail"][-30:]]
