@@ -241,6 +241,7 @@ def test_the_fsdp_device_has_one_home():
 _SANDBOX_SCRIPT = r"""
 import io, json, os, pathlib, shutil, sys
 from hf_ddpfix.rehearse import sandbox
+from hf_ddpfix.rehearse.saves import wrap_target
 
 folder, out = sys.argv[1], sys.argv[2]
 sandbox.install(folder, os.path.dirname(folder))
@@ -254,7 +255,7 @@ class Trainer:  # a save entry point (layer 1): one report line for the call, no
                 f.write(b"rehearsal " + name.encode())
 
 
-sandbox.wrap_target(Trainer, "save_model", "output_dir", 0, "Trainer.save_model")
+wrap_target(Trainer, "save_model", "output_dir", 0, "Trainer.save_model")
 Trainer().save_model(out)                                            # overwrites the earlier adapter
 Trainer().save_model(output_dir=os.path.join(out, "final"))          # a new folder under the results
 open(os.path.join(out, "trainer_state.json"), "w").write("{}")       # overwrite

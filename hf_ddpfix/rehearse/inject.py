@@ -43,7 +43,7 @@ import time
 from typing import Any
 
 from .loading import _patch_auto, _patch_modeling, _patch_peft, _patch_processor_auto, _patch_tokenizer_auto
-from .record import ENV, RehearsalStepError, _env, _rank, _record, _world, _write, note  # noqa: F401
+from .record import ENV, RehearsalStepError, _env, _rank, _record, _tee_output, _world, _write, note  # noqa: F401
 
 __all__ = ["install", "skew_batch", "RehearsalStepError"]
 
@@ -371,42 +371,6 @@ def _patch_ddp(module: Any) -> None:
     cls.__init__ = __init__
 
 
-class _Tee:
-    """``sys.stdout`` / ``sys.stderr`` of a rank, also written to ``rank<R>.out`` (the report shows rank 0's last
-    lines); everything else (``fileno``, ``isatty``, ``encoding``) is the stream's own."""
-
-    def __init__(self, stream: Any, copy: Any) -> None:
-        self._stream, self._copy = stream, copy
-
-    def write(self, text: str) -> int:
-        try:
-            self._copy.write(text)
-        except (OSError, ValueError):  # pragma: no cover - the folder was removed
-            pass
-        return self._stream.write(text)
-
-    def flush(self) -> None:
-        try:
-            self._copy.flush()
-        except (OSError, ValueError):  # pragma: no cover
-            pass
-        self._stream.flush()
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._stream, name)
-
-
-def _tee_output(path: str) -> None:
-    try:
-        copy = open(path, "a", buffering=1, errors="replace")  # noqa: SIM115 - lives with the process
-    except OSError:  # pragma: no cover
-        return
-    for name in ("stdout", "stderr"):
-        stream = getattr(sys, name)
-        if stream is not None:
-            setattr(sys, name, _Tee(stream, copy))
-
-
 def _chained(*patches: Any) -> Any:
     def patch(module: Any) -> None:
         for p in patches:
@@ -437,9 +401,10 @@ def install() -> None:
     rank = _is_rank()
     if rank:  # writes outside the rehearsal redirected into it (sandbox.py): installed before the script runs
         from . import sandbox
+        from .saves import HOOKS
 
         sandbox.install(directory, _env("ROOT") or directory)
-        for name, patch in sandbox.HOOKS.items():
+        for name, patch in HOOKS.items():
             hooks[name] = _chained(hooks[name], patch) if name in hooks else patch
     for name in list(hooks):
         if name in sys.modules:

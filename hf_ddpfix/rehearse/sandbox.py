@@ -9,7 +9,7 @@ replace a real run's trained adapter with a 4-step random one (issue 46).
 How (installed by :func:`install` at interpreter start in every rank, from ``shim/sitecustomize.py``, before the
 script's first line), in three layers, each catching what the one above misses:
 
-1. **The save entry points** (``Trainer.save_model``, ``PreTrainedModel`` / ``PeftModel`` / tokenizer / processor /
+1. **The save entry points** (:mod:`hf_ddpfix.rehearse.saves`: ``Trainer.save_model``, ``PreTrainedModel`` / ``PeftModel`` / tokenizer / processor /
    config ``save_pretrained``, accelerate's ``Accelerator.save_state`` / ``save_model``, ``torch.save``,
    safetensors' ``save_file``): the target argument is mapped before the call, so everything the call writes lands
    in the rehearsal folder, and the report says "your script saved to X (Trainer.save_model); the rehearsal wrote
@@ -44,7 +44,6 @@ outside the allowed roots is created, changed or removed through layers 1-3 (tes
 from __future__ import annotations
 
 import builtins
-import functools
 import io
 import os
 import shutil
@@ -292,107 +291,6 @@ def _listdir(path="."):
 
 
 # --------------------------------------------------------------------------------------------------
-# Layer 1: the save entry points (patched when their modules are imported: inject's import hooks)
-# --------------------------------------------------------------------------------------------------
-
-
-def wrap_target(owner: Any, name: str, arg: str, pos: int, label: str | None = None) -> None:
-    """Wrap ``owner.name`` so that its target argument (keyword ``arg`` or positional ``pos``, counted without
-    ``self``) is redirected before the call; a missing argument (the method's own default, e.g. the Trainer's
-    ``output_dir``) is left as is."""
-    fn = owner.__dict__.get(name) if isinstance(owner, type) else getattr(owner, name, None)
-    if fn is None or getattr(fn, "_hf_ddpfix_sandbox", False):
-        return
-    label = label or f"{getattr(owner, '__name__', owner)}.{name}"
-    method = isinstance(owner, type) and not isinstance(fn, staticmethod | classmethod)
-    inner = fn.__func__ if isinstance(fn, staticmethod | classmethod) else fn
-
-    @functools.wraps(inner)
-    def wrapper(*args, **kwargs):
-        shift = 1 if method else 0
-        if arg in kwargs:
-            if kwargs[arg] is not None and not hasattr(kwargs[arg], "write"):
-                kwargs[arg] = _redirect(kwargs[arg], label)
-        elif len(args) > pos + shift and args[pos + shift] is not None and not hasattr(args[pos + shift], "write"):
-            args = (*args[:pos + shift], _redirect(args[pos + shift], label), *args[pos + shift + 1:])
-        with _Api():
-            return inner(*args, **kwargs)
-
-    wrapper._hf_ddpfix_sandbox = True  # type: ignore[attr-defined]
-    setattr(owner, name, staticmethod(wrapper) if isinstance(fn, staticmethod) else wrapper)
-
-
-def wrap_reader(owner: Any, name: str, arg: str, pos: int) -> None:
-    """Wrap ``owner.name`` so that its source argument reads the redirected copy when the script wrote one."""
-    fn = getattr(owner, name, None)
-    if fn is None or getattr(fn, "_hf_ddpfix_sandbox", False):
-        return
-
-    @functools.wraps(fn)
-    def wrapper(*args, **kwargs):
-        if arg in kwargs:
-            kwargs[arg] = resolve(kwargs[arg])
-        elif len(args) > pos:
-            args = (*args[:pos], resolve(args[pos]), *args[pos + 1:])
-        return fn(*args, **kwargs)
-
-    wrapper._hf_ddpfix_sandbox = True  # type: ignore[attr-defined]
-    setattr(owner, name, wrapper)
-
-
-def patch_torch_serialization(module: Any) -> None:
-    """``torch.save`` / ``torch.load`` (bound into ``torch`` when ``torch/__init__`` runs, after this module)."""
-    before = module.save, module.load
-    wrap_target(module, "save", "f", 1, "torch.save")
-    wrap_reader(module, "load", "f", 0)
-    torch = sys.modules.get("torch")  # imported already: its own binding too
-    if torch is not None and getattr(torch, "save", None) is before[0]:
-        torch.save, torch.load = module.save, module.load
-
-
-def patch_safetensors(module: Any) -> None:
-    wrap_target(module, "save_file", "filename", 1, "safetensors save_file")
-    wrap_reader(module, "load_file", "filename", 0)
-
-
-def patch_trainer(module: Any) -> None:
-    wrap_target(module.Trainer, "save_model", "output_dir", 0, "Trainer.save_model")
-
-
-def patch_modeling(module: Any) -> None:
-    wrap_target(module.PreTrainedModel, "save_pretrained", "save_directory", 0, "save_pretrained")
-
-
-def patch_peft(module: Any) -> None:
-    wrap_target(module.PeftModel, "save_pretrained", "save_directory", 0, "PeftModel.save_pretrained")
-
-
-def patch_tokenizer(module: Any) -> None:
-    wrap_target(module.PreTrainedTokenizerBase, "save_pretrained", "save_directory", 0, "tokenizer.save_pretrained")
-
-
-def patch_processor(module: Any) -> None:
-    wrap_target(module.ProcessorMixin, "save_pretrained", "save_directory", 0, "processor.save_pretrained")
-
-
-def patch_config(module: Any) -> None:
-    wrap_target(module.PretrainedConfig, "save_pretrained", "save_directory", 0, "config.save_pretrained")
-
-
-def patch_accelerator(module: Any) -> None:
-    wrap_target(module.Accelerator, "save_state", "output_dir", 0, "Accelerator.save_state")
-    wrap_target(module.Accelerator, "save_model", "save_directory", 1, "Accelerator.save_model")
-
-
-#: module -> patch, for inject's import hooks (a module already imported is patched at once).
-HOOKS = {"torch.serialization": patch_torch_serialization, "safetensors.torch": patch_safetensors,
-         "transformers.trainer": patch_trainer, "transformers.modeling_utils": patch_modeling,
-         "peft.peft_model": patch_peft, "transformers.tokenization_utils_base": patch_tokenizer,
-         "transformers.processing_utils": patch_processor, "transformers.configuration_utils": patch_config,
-         "accelerate.accelerator": patch_accelerator}
-
-
-# --------------------------------------------------------------------------------------------------
 # Layer 3: the audit hook
 # --------------------------------------------------------------------------------------------------
 
@@ -433,7 +331,8 @@ def _audit(event: str, args: tuple) -> None:
 
 def install(folder: str, root: str | None = None) -> None:
     """Redirect this process's writes outside ``root`` (default ``folder``) into ``<folder>/outside/``; idempotent.
-    Layer 1's entry points are patched by :data:`HOOKS` (the caller's import hooks)."""
+    Layer 1's entry points (:mod:`hf_ddpfix.rehearse.saves`) are patched here when already imported, else by the
+    caller's import hooks (``saves.HOOKS``)."""
     if _state["on"]:
         return
     root = os.path.abspath(root or folder)
@@ -455,6 +354,8 @@ def install(folder: str, root: str | None = None) -> None:
     os.listdir = _listdir
     os.stat, os.lstat = _stat_like("stat"), _stat_like("lstat")
     os.chmod, os.utime, os.truncate = _meta_like("chmod"), _meta_like("utime"), _truncate
+    from .saves import HOOKS
+
     for name, patch in HOOKS.items():
         if name in sys.modules:
             patch(sys.modules[name])
