@@ -403,9 +403,10 @@ def main(argv=None) -> dict:
     if os.environ.get("ACCELERATE_USE_FSDP", "").lower() == "true" and not trainer.is_fsdp_enabled:
         # accelerate 1.15 turns a CPU launch into plain DDP (MULTI_CPU is never promoted to FSDP): say so
         refuse("FSDP needs an accelerator: this launch asks for FSDP (accelerate_configs/fsdp.yaml), but "
-                         "accelerate chose plain DDP (on a machine without an accelerator it never runs FSDP). On "
-                         "the CPU use ddp_cpu.yaml, zero2.yaml or zero3.yaml (the test suite runs this launch "
-                         "through its FSDP test device: docs/fsdp.md).")
+               "accelerate chose plain DDP (on a machine without an accelerator it never runs FSDP). To run this "
+               "FSDP launch on the CPU, rehearse it: `hf-ddpfix rehearse -- accelerate launch --config_file "
+               "accelerate_configs/fsdp.yaml examples/qwen_vl_lora.py` (FSDP2 on gloo, docs/rehearse.md); to "
+               "train on the CPU use ddp_cpu.yaml, zero2.yaml or zero3.yaml.")
 
     record_setup(args, args.output_dir)
     if rank0():

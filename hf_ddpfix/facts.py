@@ -85,6 +85,33 @@ def parallel_mode(trainer: Any) -> tuple[ParallelMode, int]:
     return "single", world
 
 
+def launch_world_mismatch(trainer: Any) -> str | None:
+    """Why this process, launched as one of ``WORLD_SIZE > 1`` processes (torchrun / accelerate launch), trains
+    alone (its Trainer sees world size 1), or `None`.
+
+    Measured (2026-12-02, transformers 5.23, accelerate 1.15, CPU machine): ``accelerate launch --config_file
+    ddp_cpu.yaml`` on a script whose ``TrainingArguments`` lack ``use_cpu=True`` gives every rank
+    ``DistributedType.NO`` and world size 1: N independent trainings, each on the whole data, each metric printed N
+    times, nothing said (issue 46). The cause named: no accelerator and ``use_cpu`` unset; else the launch itself.
+    """
+    try:
+        launched = int(os.environ.get("WORLD_SIZE", "1") or 1)
+    except ValueError:
+        return None
+    seen = int(getattr(trainer.args, "world_size", 1) or 1)
+    if launched <= 1 or seen > 1:
+        return None
+    head = (f"this process was launched as rank {os.environ.get('RANK', '?')} of WORLD_SIZE={launched}, but its "
+            "Trainer sees world size 1: every process trains alone (the full data each, no gradient averaging), "
+            "not one distributed run. Cause: ")
+    if not torch.accelerator.is_available() and not getattr(trainer.args, "use_cpu", False):
+        return head + ("no accelerator on this machine and TrainingArguments(use_cpu=False): accelerate sets up the "
+                       "gloo process group on CPUs only with use_cpu=True. Fix: TrainingArguments(..., use_cpu=True) "
+                       "(docs/testing.md); `hf-ddpfix rehearse` runs a GPU launch line on CPUs (docs/rehearse.md)")
+    return head + ("the launch's environment (WORLD_SIZE, RANK, MASTER_ADDR) did not reach the Trainer's "
+                   "accelerator (a state built before the launch set it, or a launcher accelerate does not read)")
+
+
 def _code_names(code: Any) -> set[str]:
     """Every global / attribute name a code object (and the functions nested in it) refers to."""
     names = set(code.co_names)

@@ -30,7 +30,7 @@ from .checkpoints import last_complete_checkpoint
 from .config import DDPFixConfig
 from .errors import readable_ddp_errors
 from .eval_setup import attach_eval_sync, cpu_repack_off
-from .facts import gather_facts
+from .facts import gather_facts, launch_world_mismatch
 from .feature_report import FallbackWatch, attach_fallbacks, feature_metrics, never_ran_warning
 from .integrations.eval_outputs import agreed_eval_outputs
 from .integrations.fsdp import apply_fsdp_units, join_tied_holders
@@ -51,7 +51,7 @@ from .plan.fsdp import (
 )
 from .plan.resolve import resolve_plan
 from .plan.sequence_parallel import decide_sequence_parallel, sp_size_of
-from .plan.types import Decision, Plan
+from .plan.types import Decision, Plan, PlanError
 from .plan.vision import decide_eval_sync
 from .runtime import attach_runtime
 
@@ -100,7 +100,9 @@ def run_with_plan(trainer: Trainer, inner_loop: Callable[..., Any], *args: Any, 
     """Run `inner_loop` (the stock `_inner_training_loop`) under the hf_ddpfix plan.
 
     Raises:
-        PlanError: strict mode and a known-bad explicit setting (before anything is wrapped).
+        PlanError: strict mode and a known-bad explicit setting, or a process launched as one of
+            ``WORLD_SIZE > 1`` whose Trainer sees world size 1 (``facts.launch_world_mismatch``; a warning
+            without strict), before anything is wrapped.
         DDPFixError: a known DDP/FSDP failure escaped a step; it says the likely cause in this plan and
             the option that fixes it (the original error is its `__cause__`).
     """
@@ -117,6 +119,11 @@ def run_with_plan(trainer: Trainer, inner_loop: Callable[..., Any], *args: Any, 
 def _run_with_plan(trainer: Trainer, inner_loop: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
     config = _trainer_config(trainer)
     _ensure_log_handler()
+    alone = launch_world_mismatch(trainer)  # every process says it: each one believes it is rank 0
+    if alone and config.strict:
+        raise PlanError(f"hf_ddpfix (strict): {alone}")
+    if alone:
+        logger.warning("%s", alone)
     destroy_default_group_at_exit()  # a gloo group left to interpreter shutdown can abort the process
     trainer._hf_ddpfix_active = True
     try:

@@ -157,6 +157,7 @@ def test_example_under_fsdp_yaml_on_cpu_says_fsdp_cannot_run(tmp_path):
     assert done.returncode != 0, done.stdout[-4000:]  # stock accelerate: trains plain DDP, saying nothing
     assert "RESULT " not in done.stdout
     assert "FSDP needs an accelerator" in done.stdout, done.stdout[-4000:]
+    assert "hf-ddpfix rehearse -- accelerate launch" in done.stdout  # the CPU route for an FSDP launch
     assert ABORT not in done.stdout, done.stdout[-4000:]
     # the refusal is the launcher summary's Root Cause, said once there (not only "exitcode: 1")
     summary = done.stdout[done.stdout.rindex("Failures:"):]

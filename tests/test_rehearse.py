@@ -7,15 +7,18 @@ Multi-process (each test runs its rehearsals side by side, tiny shrunk models, 3
 - FSDP2 (fsdp.yaml, the package's FSDP device), Qwen2.5-VL example, `--skew`: stock names the collective mismatch
   (both ranks' fingerprints and frames) within 60 s; hf_ddpfix passes, saves and resumes;
 - the TRL SFT example under ddp_cpu.yaml (zero-code, `patches/` on PYTHONPATH), zero3.yaml and a 2-node localhost
-  launch (multinode_ddp.yaml);
+  launch (multinode_ddp.yaml); the long-context example under ddp_cpu.yaml (nothing written to its output folder);
 - a user script loading a Qwen2.5-VL-7B and a Llama-3.2-11B-Vision config.json (no weights) rehearsed shrunk, with
-  the projected memory of the real model at the launch's world size.
+  the projected memory of the real model at the launch's world size; its saves (``Trainer.save_model``,
+  ``torch.save``, ``open``) into a folder of earlier results redirected, those results byte-identical (as the FSDP
+  example's into command 1's outputs).
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -131,12 +134,23 @@ def test_shrink_keeps_what_decides_the_collectives_on_real_shapes():
 
 
 def test_auto_model_class_contract():
-    from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM, Qwen2_5_VLConfig
+    """The concrete class an auto class builds, or None without an entry (was `... is None or True`: it could not
+    fail; shown failing by returning ``mapping.get(...)`` of the wrong auto class)."""
+    from transformers import (
+        AutoModelForCausalLM,
+        AutoModelForImageTextToText,
+        LlamaConfig,
+        LlamaForCausalLM,
+        Qwen2_5_VLConfig,
+        Qwen2_5_VLForConditionalGeneration,
+        ViTConfig,
+    )
 
     from hf_ddpfix._compat.models import auto_model_class
 
     assert auto_model_class(AutoModelForCausalLM, LlamaConfig()) is LlamaForCausalLM
-    assert auto_model_class(AutoModelForCausalLM, Qwen2_5_VLConfig()) is None or True  # no crash either way
+    assert auto_model_class(AutoModelForImageTextToText, Qwen2_5_VLConfig()) is Qwen2_5_VLForConditionalGeneration
+    assert auto_model_class(AutoModelForCausalLM, ViTConfig()) is None  # no causal-LM head for a vision encoder
 
 
 def test_ddp_logger_shim_contract():
@@ -224,9 +238,218 @@ def test_the_fsdp_device_has_one_home():
     assert not (ROOT / "tests" / "fsdp_device" / "sitecustomize.py").exists()
 
 
+_SANDBOX_SCRIPT = r"""
+import io, json, os, pathlib, shutil, sys
+from hf_ddpfix.rehearse import sandbox
+from hf_ddpfix.rehearse.saves import wrap_target
+
+folder, out = sys.argv[1], sys.argv[2]
+sandbox.install(folder, os.path.dirname(folder))
+
+
+class Trainer:  # a save entry point (layer 1): one report line for the call, not one per file
+    def save_model(self, output_dir=None):
+        os.makedirs(output_dir, exist_ok=True)
+        for name in ("adapter_model.safetensors", "adapter_config.json"):
+            with open(os.path.join(output_dir, name), "wb") as f:
+                f.write(b"rehearsal " + name.encode())
+
+
+wrap_target(Trainer, "save_model", "output_dir", 0, "Trainer.save_model")
+Trainer().save_model(out)                                            # overwrites the earlier adapter
+Trainer().save_model(output_dir=os.path.join(out, "final"))          # a new folder under the results
+open(os.path.join(out, "trainer_state.json"), "w").write("{}")       # overwrite
+with open(os.path.join(out, "log.txt"), "a") as f:                   # append: the earlier lines copied first
+    f.write("rehearsal line\n")
+pathlib.Path(out, "metrics.json").write_text("{}")
+shutil.copy(os.path.join(out, "log.txt"), os.path.join(out, "copy.txt"))
+os.replace(os.path.join(out, "copy.txt"), os.path.join(out, "moved.txt"))
+os.rename(os.path.join(out, "notes.md"), os.path.join(out, "renamed.md"))  # a real file: copied, not moved
+os.remove(os.path.join(out, "old", "weights.bin"))                   # a real file: left in place
+shutil.rmtree(os.path.join(out, "old"))                             # a real folder: left in place
+os.truncate(os.path.join(out, "trainer_state.json"), 0)
+os.chmod(os.path.join(out, "notes.md"), 0o600)
+checks = {  # the script reads back what it wrote, as the real run would
+    "adapter": open(os.path.join(out, "final", "adapter_config.json"), "rb").read() == b"rehearsal adapter_config.json",
+    "appended": open(os.path.join(out, "log.txt")).read() == "earlier line\nrehearsal line\n",
+    "exists": os.path.isfile(os.path.join(out, "metrics.json")) and os.path.isdir(os.path.join(out, "final")),
+    "listdir": {"final", "metrics.json", "moved.txt", "renamed.md"} <= set(os.listdir(out)),
+    "size": os.path.getsize(os.path.join(out, "trainer_state.json")) == 0,
+}
+try:
+    import _io
+    _io.FileIO(os.path.join(out, "bypass.bin"), "w")  # not through layer 2: refused by the audit hook
+    checks["refused"] = False
+except PermissionError as e:
+    checks["refused"] = "never writes outside" in str(e)
+print("CHECKS " + json.dumps(checks))
+"""
+
+
+def _tree(root: Path) -> dict[str, tuple[bytes | None, int]]:
+    return {str(p.relative_to(root)): (p.read_bytes() if p.is_file() else None, p.stat().st_mode)
+            for p in sorted(root.rglob("*"))}
+
+
+def test_sandbox_redirects_every_write_outside_and_leaves_earlier_results_byte_identical(tmp_path):
+    """A rehearsal rank writing, appending, copying, renaming, deleting and saving (through a wrapped save entry
+    point) into a folder that holds a real run's results: every byte and mode there is unchanged, the script reads
+    back what it wrote, and the record lists each redirect once (per entry point, not per file). No torch: runs in
+    the fast tier. Shown failing by removing `builtins.open = io.open = _open` from sandbox.install (layer 3, the
+    audit hook, then refuses the script's first write: the script fails)."""
+    out = tmp_path / "outputs" / "run"
+    (out / "old").mkdir(parents=True)
+    for name, data in {"adapter_model.safetensors": b"\x00real adapter", "adapter_config.json": b'{"r": 16}',
+                       "trainer_state.json": b'{"global_step": 200}', "log.txt": b"earlier line\n",
+                       "notes.md": b"notes", "old/weights.bin": b"\x01" * 64}.items():
+        (out / name).write_bytes(data)
+    before = _tree(tmp_path / "outputs")
+    folder = tmp_path / "work" / "hf_ddpfix"
+    folder.mkdir(parents=True)
+    env = {**os.environ, "DDPFIX_REHEARSE_DIR": str(folder), "PYTHONPATH": str(ROOT)}
+    done = subprocess.run([sys.executable, "-c", _SANDBOX_SCRIPT, str(folder), str(out)], capture_output=True,
+                          text=True, env=env, timeout=60, cwd=tmp_path)
+    assert done.returncode == 0, done.stdout + done.stderr
+    checks = json.loads(done.stdout.split("CHECKS ", 1)[1])
+    assert all(checks.values()), checks
+    assert _tree(tmp_path / "outputs") == before  # not one byte, mode or file more
+    shadow = folder / "outside" / str(out).lstrip("/")
+    assert (shadow / "adapter_model.safetensors").read_bytes() == b"rehearsal adapter_model.safetensors"
+    assert (shadow / "renamed.md").read_bytes() == b"notes" and (shadow / "moved.txt").is_file()
+    entries = json.loads((folder / "rank0.json").read_text())["sandbox"]
+    by_how = {}
+    for e in entries:
+        by_how.setdefault(e["how"], []).append(e)
+    saves = by_how["Trainer.save_model"]
+    assert [e["asked"] for e in saves] == [str(out), str(out / "final")], saves
+    assert saves[0]["wrote"] == str(shadow) and saves[0]["kind"] == "redirected"
+    assert not any(e["asked"].endswith("adapter_config.json") for e in entries)  # inside the call: not per file
+    kept = {e["asked"]: e["how"] for e in entries if e["kind"] == "kept"}
+    assert kept == {str(out / "notes.md"): "os.rename: copied, the original left in place",
+                    str(out / "old" / "weights.bin"): "remove: not deleted", str(out / "old"): "rmtree: not deleted"}
+    assert [e["asked"] for e in entries if e["kind"] == "refused"] == [str(out / "bypass.bin")]
+
+
+def _outcome(records, status="failed", hangs=None, folder="/nonexistent", codes=(1, 1)):
+    from hf_ddpfix.rehearse.run import Outcome
+
+    return Outcome("train", status, 12.0, list(codes), records, hangs or {}, {}, ["log line"], [], folder)
+
+
+def _report(outcomes, processes=2, stock=False):
+    import argparse
+
+    from hf_ddpfix.rehearse.launch_line import parse_launch_line
+    from hf_ddpfix.rehearse.report import build_report, format_report
+
+    spec = parse_launch_line("torchrun --nproc_per_node=2 train.py")
+    r = build_report(spec, argparse.Namespace(stock=stock, skew=False, steps=3), processes, 2, outcomes, "/w")
+    r["kept"] = False
+    return r, format_report(r)
+
+
+def _error(type_, message, file="/home/u/train.py", line=42, func="main", code="loss.backward()"):
+    frame = {"file": file, "line": line, "func": func, "code": code}
+    return {"type": type_, "message": message, "collective": None, "at": 1.0, "issued_at": None,
+            "user_frames": [frame] if file.endswith("train.py") else [], "stack": [frame]}
+
+
+def test_verdicts_and_exit_codes_one_per_verdict_as_docs_rehearse_md_says():
+    """Each verdict's exit status, and the table in docs/rehearse.md equal to `EXIT_CODES`. The rank-0 crash whose
+    message carries hf_ddpfix's own hint ("NCCL_DEBUG=WARN on GPUs") is FAILED, exit 1, with its rank, step and
+    frame (it was `CANNOT REHEARSE ... needs CUDA`, exit 2: shown failing by restoring the old rule, a bare `nccl`
+    in `_CUDA` searched in the whole message instead of its first line)."""
+    from hf_ddpfix.rehearse.report import EXIT_CODES
+
+    train = {"mode": "MULTI_CPU", "world": 2, "trainer": "Trainer", "model": "M", "trainable_params": 10}
+    crash = _error("DDPFixError", "RuntimeError: Expected to mark a variable ready only once.\nLikely cause: ... "
+                                  "Set NCCL_DEBUG=WARN on GPUs to see more (docs/plan.md#static_graph)")
+    r, text = _report([_outcome({0: {"steps": 2, "train": train, "error": crash}, 1: {"steps": 2, "train": train}})])
+    assert r["status"] == "failed" and EXIT_CODES[r["status"]] == 1 and r["cannot"] is None, text
+    assert "CANNOT" not in text and "=== hf-ddpfix rehearse: FAILED (exit 1" in text, text
+    assert "FAILED:    rank 0 at step 3 (2 finished): DDPFixError: RuntimeError: Expected to mark" in text, text
+    assert "at /home/u/train.py:42 in main  `loss.backward()`" in text, text
+    no_cuda = _error("AssertionError", "Torch not compiled with CUDA enabled",
+                     file="/x/site-packages/torch/cuda/__init__.py", func="_lazy_init", code="raise")
+    r, text = _report([_outcome({0: {"steps": 0, "train": train, "error": no_cuda}, 1: {"steps": 0}})])
+    assert r["status"] == "cannot" and EXIT_CODES[r["status"]] == 2 and "it needs CUDA here" in r["cannot"], text
+    step = _error("RehearsalStepError", "rehearse, step 'load the tokenizer' (AutoTokenizer.from_pretrained('x')): ...")
+    r, _ = _report([_outcome({0: {"steps": 0, "error": step}, 1: {}})])
+    assert r["status"] == "cannot" and "step 'load the tokenizer'" in r["cannot"]
+    hang = {"collective": "all_reduce", "waited_s": 20.0, "issued_at": None, "user_frames": []}
+    r, text = _report([_outcome({0: {"steps": 1, "train": train}, 1: {"steps": 1}}, status="hang", hangs={0: hang})])
+    assert r["status"] == "hang" and EXIT_CODES["hang"] == 1 and "hung in all_reduce" in text, text
+    r, _ = _report([_outcome({0: {"steps": 1}, 1: {"steps": 1}}, status="timeout")])
+    assert r["status"] == "timeout" and EXIT_CODES["timeout"] == 1
+    done = {"steps": 3, "train_done": 3}
+    r, text = _report([_outcome({0: {**done, "train": train}, 1: done}, status="passed", codes=(0,))])
+    assert r["status"] == "passed" and EXIT_CODES["passed"] == 0 and "PASSED (exit 0" in text, text
+    alone = {**train, "world": 1}  # two processes, each Trainer alone
+    r, text = _report([_outcome({0: {**done, "train": alone}, 1: {**done, "train": alone}}, status="passed",
+                                codes=(0,))])
+    assert r["status"] == "not distributed" and EXIT_CODES[r["status"]] == 1, text
+    assert "NOT DISTRIBUTED: 2 processes launched" in text and "use_cpu" in text, text
+    doc = (ROOT / "docs" / "rehearse.md").read_text()
+    table = dict(re.findall(r"^\| `([a-z ]+)` \| (\d) \|", doc, re.M))
+    assert {k: int(v) for k, v in table.items()} == EXIT_CODES, table
+
+
+def test_the_report_reads_in_a_minute(tmp_path):
+    """Plan lines: only what differs from stock; every line at most 160 characters with each doc link whole; the
+    model line short, a tiny model "not shrunk (already small"; the redirected saves; rank 0's last output lines.
+    Shown failing with every plan line kept (`keep = plan[1:]`: `tiled_mlp ... not requested` shown)."""
+    from hf_ddpfix.rehearse.report import WIDTH
+
+    plan = ["hf_ddpfix plan (ddp, world size 2):",
+            " * parameter_usage         = on             unused trainable parameters tied into the loss with "
+            "exact-zero gradients at run time (docs/plan.md#parameter_usage)",
+            "   tiled_mlp               = off            not requested",
+            " ! offload_activations     = off            asked on, not run: no checkpointing (docs/plan.md#offload)",
+            "   settings: HF_DDPFIX_STRICT=1"]
+    cut = [f"text_config.field_{i}: {1000 + i} -> {i}" for i in range(30)]
+    models = [{"name": "/data/models/" + "x" * 40, "class": "AutoModelForImageTextToText",
+               "model_class": "Qwen2_5_VLForConditionalGeneration", "shrunk": True, "shrink": cut},
+              {"name": "tiny", "class": "AutoModelForCausalLM", "model_class": "LlamaForCausalLM", "shrunk": True,
+               "shrink": []}]
+    sandbox = [{"kind": "redirected", "asked": "/home/u/outputs/run", "wrote": "/w/hf_ddpfix/outside/home/u/outputs/run",
+                "how": "Trainer.save_model"},
+               {"kind": "redirected", "asked": "/home/u/outputs", "wrote": "/w/x", "how": "os.makedirs"}]
+    (tmp_path / "rank0.out").write_text("".join(f"line {i}\n" for i in range(30)) + "step 1/3\rstep 3/3\n")
+    done = {"steps": 3, "train_done": 3}
+    train = {"mode": "MULTI_CPU", "world": 2, "trainer": "Trainer", "model": "M", "trainable_params": 10, "plan": plan}
+    r, text = _report([_outcome({0: {**done, "train": train, "models": models, "sandbox": sandbox}, 1: done},
+                                status="passed", folder=str(tmp_path), codes=(0,))])
+    lines = text.splitlines()
+    assert all(len(line) <= WIDTH for line in lines), max(lines, key=len)
+    assert "(docs/plan.md#parameter_usage)" in text and "(docs/plan.md#offload)" in text, text
+    assert "tiled_mlp" not in text and "not requested" not in text and "HF_DDPFIX_STRICT=1" in text, text
+    assert "LlamaForCausalLM, not shrunk (already small" in text and "shrunk: \n" not in text + "\n", text
+    model = next(line for line in lines if "Qwen2_5_VL" in line)
+    assert "from_pretrained('.../models/xxxx" in model, model  # a long path: its last two parts
+    shrunk = next(line for line in lines if "shrunk (30 fields): " in line)
+    assert "more (--json lists all)" in shrunk and "field_0: 1000 -> 0" in shrunk, shrunk
+    assert ("your script saved to /home/u/outputs/run (Trainer.save_model); the rehearsal wrote it to "
+            "/w/hf_ddpfix/outside/home/u/outputs/run") in " ".join(x.strip() for x in lines), text
+    assert "os.makedirs" not in text  # the folder the save went into: not a line of its own
+    assert "output (rank 0, last 10 lines):" in text and "  | step 3/3" in text and "step 1/3" not in text, text
+    assert "rehearsal folder removed (/w; --keep keeps" in text
+
+
 # ----------------------------------------------------------------------------------------------------------------
 # multi-process: rehearsals side by side
 # ----------------------------------------------------------------------------------------------------------------
+
+
+def _earlier_results(folder: Path) -> dict[str, tuple[bytes | None, int]]:
+    """A real run's results in ``folder`` (an adapter, its config, a checkpoint, a log): what a rehearsal must leave
+    byte-identical."""
+    (folder / "checkpoint-200").mkdir(parents=True)
+    for name, data in {"adapter_model.safetensors": b"\x00real adapter" * 8, "adapter_config.json": b'{"r": 16}',
+                       "checkpoint-200/trainer_state.json": b'{"global_step": 200}', "log.txt": b"step 200\n",
+                       "final/adapter_model.safetensors": b"\x01final", "metrics.json": b'{"loss": 0.1}'}.items():
+        (folder / name).parent.mkdir(parents=True, exist_ok=True)
+        (folder / name).write_bytes(data)
+    return _tree(folder)
 
 
 def _start(tmp: Path, name: str, options: list[str], line: list[str], env: dict[str, str] | None = None):
@@ -258,6 +481,7 @@ def _finish(runs, timeout: float) -> dict[str, tuple[int, dict, str, float]]:
 
 @pytest.mark.multiprocess
 def test_fsdp_vlm_with_a_text_only_rank_stock_names_the_mismatch_and_hf_ddpfix_passes(tmp_path):
+    earlier = _earlier_results(tmp_path / "user-out")  # the README example's command 1 ran here before
     line = ["accelerate", "launch", "--config_file", "accelerate_configs/fsdp.yaml", "examples/qwen_vl_lora.py",
             "--output-dir", str(tmp_path / "user-out"), "--eval-size", "8"]
     runs = [_start(tmp_path, "stock", ["--stock", "--skew"], line), _start(tmp_path, "fixed", ["--skew"], line),
@@ -291,7 +515,10 @@ def test_fsdp_vlm_with_a_text_only_rank_stock_names_the_mismatch_and_hf_ddpfix_p
     assert train["fsdp"] and train["fsdp_units"] > 0 and train["steps"] == {"0": 3, "1": 3}, train
     assert train["evaluated"] and train["saved"] and any("fsdp_units" in line for line in train["plan"])
     assert train["skew"]["rank"] == 1 and resume["resumed_from"] and resume["steps"]["0"] == 4, resume
-    assert not (tmp_path / "user-out").exists() or not any((tmp_path / "user-out").glob("checkpoint-*"))
+    assert _tree(tmp_path / "user-out") == earlier  # neither rehearsal changed a byte of command 1's results
+    asked = {(e["asked"], e["how"]) for e in train["sandbox"]}
+    assert (str(tmp_path / "user-out"), "PeftModel.save_pretrained") in asked, train["sandbox"]
+    assert f"your script saved to {tmp_path / 'user-out'}" in text.replace("\n           ", " ")
 
 
 @pytest.mark.multiprocess
@@ -305,8 +532,16 @@ def test_trl_sft_under_ddp_zero3_and_two_localhost_nodes(tmp_path):
                                                     "accelerate_configs/zero3.yaml", *script]),
         _start(tmp_path, "nodes", ["--no-resume", "--nproc", "2"], ["accelerate", "launch", "--config_file",
                                                                    "accelerate_configs/multinode_ddp.yaml", *script]),
+        _start(tmp_path, "longctx", [], ["accelerate", "launch", "--config_file", "accelerate_configs/ddp_cpu.yaml",
+                                         "examples/long_context_lora.py", "--tiny", "--seq", "256", "--output-dir",
+                                         str(tmp_path / "user-lc")]),
     ]
-    done = _finish(runs, timeout=480)
+    done = _finish(runs, timeout=540)
+    code, lc, text, _ = done.pop("longctx")  # the long-context example (its DDPFixTrainer, every memory feature)
+    assert code == 0 and lc["status"] == "passed", text[-4000:]
+    assert lc["phases"][0]["trainer"] == "DDPFixTrainer" and lc["phases"][0]["steps"] == {"0": 3, "1": 3}, lc
+    assert lc["phases"][0]["replicas"].startswith("in sync"), lc["phases"][0]
+    assert not (tmp_path / "user-lc").exists(), "the rehearsal wrote into the example's output folder"
     for name, (code, rep, text, _) in done.items():
         assert code == 0 and rep["status"] == "passed", (name, text[-4000:])
         phase = rep["phases"][0]
@@ -324,13 +559,14 @@ def test_real_model_configs_are_rehearsed_shrunk_with_the_real_memory_projected(
     from transformers import MllamaConfig, Qwen2_5_VLConfig  # noqa: F401 - the configs the user's folders hold
 
     configs = _real_configs()
+    earlier = _earlier_results(tmp_path / "user-out")  # a user script saving into its own earlier results
     for name in ("qwen2_5_vl_7b", "llama_3_2_11b_vision"):
         configs[name].save_pretrained(tmp_path / name)  # config.json only: no weights
     runs = [
         _start(tmp_path, "qwen", ["--no-resume"], ["accelerate", "launch", "--config_file",
                                                    "accelerate_configs/ddp_cpu.yaml", "tests/scripts/"
                                                    "rehearse_saved_config.py", "--model", str(tmp_path / "qwen2_5_vl_7b"),
-                                                   "--images"]),
+                                                   "--images", "--out", str(tmp_path / "user-out")]),
         _start(tmp_path, "mllama", ["--no-resume", "--nproc", "2"], [
             "torchrun", "--nproc_per_node=8", "tests/scripts/rehearse_saved_config.py", "--model",
             str(tmp_path / "llama_3_2_11b_vision")]),
@@ -346,6 +582,10 @@ def test_real_model_configs_are_rehearsed_shrunk_with_the_real_memory_projected(
         assert phase["replicas"].startswith("in sync"), phase
         assert rep["memory"] and "a projection" in text, text[-3000:]
     q = done["qwen"][1]
+    assert _tree(tmp_path / "user-out") == earlier, "the rehearsal changed the user's earlier results"
+    saved = {e["how"]: e for e in q["phases"][0]["sandbox"]}
+    assert saved["Trainer.save_model"]["asked"] == str(tmp_path / "user-out" / "final"), saved
+    assert {"torch.save", "open(mode='w')"} <= set(saved), saved  # extra.pt and metrics.json, read back by the script
     assert q["memory"][0].startswith("real model: Qwen2_5_VLForConditionalGeneration") and "8.29 B" in q["memory"][0]
     assert any("fullatt_block_indexes" in s for s in q["phases"][0]["models"][0]["shrink"])
     m = done["mllama"][1]

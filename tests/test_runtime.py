@@ -79,3 +79,33 @@ def test_plan_is_logged_once_on_rank0(tmp_path, caplog, ckpt):
     with caplog.at_level("INFO", logger="hf_ddpfix"):
         trainer.train()
     assert sum("hf_ddpfix plan" in r.message for r in caplog.records) == 1
+
+
+def test_a_process_launched_as_one_of_several_that_trains_alone_is_named_before_step_1(tmp_path, monkeypatch, caplog):
+    """`accelerate launch --config_file ddp_cpu.yaml` on a script without `use_cpu=True`: every rank gets
+    WORLD_SIZE=2 but its Trainer sees world size 1 (measured, facts.launch_world_mismatch). Faked in one process: the
+    launch's environment set after a single-process Trainer is built. A warning naming `use_cpu` (every process),
+    a PlanError under strict before step 1, nothing when WORLD_SIZE says 1. Shown failing by making
+    `launch_world_mismatch` return None (no warning, strict trains)."""
+    from hf_ddpfix import DDPFixConfig
+    from hf_ddpfix.plan.types import PlanError
+
+    trainer, strict, one = (build(tmp_path / name, {"use_reentrant": False})[1] for name in ("a", "strict", "one"))
+    trainer.args.use_cpu = False  # as the user's script wrote it (the CPU is chosen anyway: no accelerator here)
+    strict.ddpfix_config = DDPFixConfig(strict=True)
+    monkeypatch.setenv("WORLD_SIZE", "2")  # after the Trainers (and their accelerate state) were built
+    monkeypatch.setenv("RANK", "1")
+    with caplog.at_level("WARNING", logger="hf_ddpfix"):
+        trainer.train()
+    said = [r.message for r in caplog.records if "WORLD_SIZE=2" in r.message]
+    assert len(said) == 1 and "rank 1 of WORLD_SIZE=2" in said[0] and "trains alone" in said[0], said
+    if not torch.accelerator.is_available():
+        assert "use_cpu=True" in said[0] and "no accelerator" in said[0], said
+    with pytest.raises(PlanError, match="WORLD_SIZE=2"):
+        strict.train()
+    assert strict.state.global_step == 0
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="hf_ddpfix"):
+        one.train()
+    assert not [r for r in caplog.records if "WORLD_SIZE" in r.message]

@@ -10,6 +10,8 @@ The pieces, one concept per module (docs/rehearse.md):
     inject.py        what runs inside every launched rank (from ``shim/sitecustomize.py``): ``from_pretrained``
                      shrunk, ``TrainingArguments`` capped, rank-skewed batches, per-rank records, the watchdog
     watchdog.py      hang detection inside a rank: a collective that does not return in time dumps its stack
+    sandbox.py       every write outside the rehearsal folder redirected into it and listed (your files untouched)
+    saves.py         the sandbox's first layer: the HF / PEFT / accelerate / torch / safetensors save entry points
     memory.py        the projected per-rank memory of the real model at the real world size
     report.py        the report a user reads in a minute
     run.py           the command: launch, watch, collect, report

@@ -19,10 +19,12 @@ so the launchers (accelerate's CLI, torchrun's agent) are untouched. In a rank i
 - hf_ddpfix on every Trainer (``patch_trainer()``, as ``patches/`` does; a script that calls it itself only sets its
   options); ``--stock``: ``hf_ddpfix.patch_trainer()`` called by the script does nothing (and ``HF_DDPFIX_DISABLE=1`` turns
   ``patches/`` off), so the same launch runs without hf_ddpfix;
-- the watchdog (:mod:`hf_ddpfix.rehearse.watchdog`) and an exception hook that writes the failing frames.
+- the watchdog (:mod:`hf_ddpfix.rehearse.watchdog`) and an exception hook that writes the failing frames;
+- the sandbox (:mod:`hf_ddpfix.rehearse.sandbox`): every write outside the rehearsal redirected into it, listed;
+- ``sys.stdout`` / ``sys.stderr`` also copied to ``<dir>/rank<R>.out`` (the report shows rank 0's last lines).
 
 Each rank writes ``<dir>/rank<R>.json`` (rewritten as the run goes). Environment (set by the driver):
-``DDPFIX_REHEARSE_DIR``, ``_STEPS``, ``_SKEW``, ``_STOCK``, ``_SHRINK``, ``_HANG_S``, ``_RESUME``.
+``DDPFIX_REHEARSE_DIR``, ``_ROOT``, ``_STEPS``, ``_SKEW``, ``_STOCK``, ``_SHRINK``, ``_HANG_S``, ``_RESUME``.
 
 Guarantees: outside a rehearsal (``DDPFIX_REHEARSE_DIR`` unset) :func:`install` does nothing; every substitution
 made is listed in the rank's record.
@@ -41,7 +43,7 @@ import time
 from typing import Any
 
 from .loading import _patch_auto, _patch_modeling, _patch_peft, _patch_processor_auto, _patch_tokenizer_auto
-from .record import ENV, RehearsalStepError, _env, _rank, _record, _world, _write, note  # noqa: F401
+from .record import ENV, RehearsalStepError, _env, _rank, _record, _tee_output, _world, _write, note  # noqa: F401
 
 __all__ = ["install", "skew_batch", "RehearsalStepError"]
 
@@ -369,6 +371,14 @@ def _patch_ddp(module: Any) -> None:
     cls.__init__ = __init__
 
 
+def _chained(*patches: Any) -> Any:
+    def patch(module: Any) -> None:
+        for p in patches:
+            p(module)
+
+    return patch
+
+
 def _is_rank() -> bool:
     return "LOCAL_RANK" in os.environ or _env("SINGLE") == "1"
 
@@ -388,16 +398,25 @@ def install() -> None:
                              "transformers.models.auto.processing_auto": _patch_processor_auto}
     if _env("STOCK") == "1":
         hooks["hf_ddpfix.trainer"] = _patch_hf_ddpfix_trainer
+    rank = _is_rank()
+    if rank:  # writes outside the rehearsal redirected into it (sandbox.py): installed before the script runs
+        from . import sandbox
+        from .saves import HOOKS
+
+        sandbox.install(directory, _env("ROOT") or directory)
+        for name, patch in HOOKS.items():
+            hooks[name] = _chained(hooks[name], patch) if name in hooks else patch
     for name in list(hooks):
         if name in sys.modules:
             hooks.pop(name)(sys.modules[name])
     sys.meta_path.insert(0, _AfterImport(hooks))
-    if not _is_rank():
+    if not rank:
         return
     _record.update({"rank": _rank(), "world": _world(), "pid": os.getpid(), "host_node": os.environ.get(
         "GROUP_RANK", os.environ.get("NODE_RANK", "0")), "argv": sys.argv[:12], "phase": _env("PHASE", "train")})
     _write()
     sys.excepthook = _excepthook(sys.excepthook)
+    _tee_output(os.path.join(directory, f"rank{_rank()}.out"))
     atexit.register(lambda: note("exited", time.time()))
     from .watchdog import start
 

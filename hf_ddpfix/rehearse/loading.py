@@ -15,6 +15,7 @@ import threading
 from typing import Any
 
 from .record import ENV, RehearsalStepError, _env, _rank, _world, note  # noqa: F401
+from .sandbox import resolve
 
 _local = threading.local()
 
@@ -94,6 +95,7 @@ def _substitute(kwargs: dict[str, Any], subs: list[str]) -> None:
 
 
 def _from_pretrained(inner: Any, cls: Any, name: Any, *args: Any, **kwargs: Any) -> Any:
+    name = resolve(name)  # a folder the script saved earlier in this rehearsal: its redirected copy
     if getattr(_local, "inside", False) or _env("SHRINK", "1") == "0":
         if _env("SHRINK", "1") == "0" and not getattr(_local, "inside", False):
             subs: list[str] = []
@@ -154,6 +156,7 @@ def _patch_peft(module: Any) -> None:
     inner = raw.__func__
 
     def from_pretrained(klass, model, model_id, adapter_name="default", is_trainable=False, config=None, **kw):
+        model_id = resolve(model_id)
         if _env("SHRINK", "1") == "0":
             return inner(klass, model, model_id, adapter_name, is_trainable, config, **kw)
         from peft import PeftConfig, get_peft_model
@@ -181,6 +184,7 @@ def _named_step(step: str) -> Any:
     """A ``from_pretrained`` wrapper that names ``step`` when loading fails (e.g. a Hub id offline)."""
 
     def wrapper(inner: Any, cls: Any, name: Any, *args: Any, **kwargs: Any) -> Any:
+        name = resolve(name)
         try:
             return inner(cls, name, *args, **kwargs)
         except (OSError, ValueError) as e:

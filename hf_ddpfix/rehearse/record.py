@@ -1,5 +1,5 @@
-"""A rehearsal rank's record (``<dir>/rank<R>.json``, rewritten as the run goes), its environment and the error a
-step that cannot run here raises. Shared by :mod:`hf_ddpfix.rehearse.inject` and :mod:`hf_ddpfix.rehearse.loading`.
+"""A rehearsal rank's record (``<dir>/rank<R>.json``, rewritten as the run goes), its output copied
+(``<dir>/rank<R>.out``), its environment and the error a step that cannot run here raises. Shared by :mod:`hf_ddpfix.rehearse.inject` and :mod:`hf_ddpfix.rehearse.loading`.
 
 Guarantees: outside a rehearsal (``DDPFIX_REHEARSE_DIR`` unset) nothing is written.
 """
@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 import threading
 from typing import Any
 
@@ -60,3 +61,44 @@ def _write() -> None:
         os.replace(tmp, path)
     except OSError:  # pragma: no cover - the folder was removed under us
         pass
+
+
+# --------------------------------------------------------------------------------------------------
+# The rank's output, copied
+# --------------------------------------------------------------------------------------------------
+
+
+class _Tee:
+    """``sys.stdout`` / ``sys.stderr`` of a rank, also written to ``rank<R>.out`` (the report shows rank 0's last
+    lines); everything else (``fileno``, ``isatty``, ``encoding``) is the stream's own."""
+
+    def __init__(self, stream: Any, copy: Any) -> None:
+        self._stream, self._copy = stream, copy
+
+    def write(self, text: str) -> int:
+        try:
+            self._copy.write(text)
+        except (OSError, ValueError):  # pragma: no cover - the folder was removed
+            pass
+        return self._stream.write(text)
+
+    def flush(self) -> None:
+        try:
+            self._copy.flush()
+        except (OSError, ValueError):  # pragma: no cover
+            pass
+        self._stream.flush()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._stream, name)
+
+
+def _tee_output(path: str) -> None:
+    try:
+        copy = open(path, "a", buffering=1, errors="replace")  # noqa: SIM115 - lives with the process
+    except OSError:  # pragma: no cover
+        return
+    for name in ("stdout", "stderr"):
+        stream = getattr(sys, name)
+        if stream is not None:
+            setattr(sys, name, _Tee(stream, copy))

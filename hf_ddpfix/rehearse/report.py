@@ -16,8 +16,16 @@ __all__ = ["build_report", "format_report"]
 
 _MISMATCH = re.compile(r"Detected mismatch between collectives on ranks\.[^\n]*")
 _FINGERPRINT = re.compile(r"Rank (\d+) is running collective: CollectiveFingerPrint\((.*?)TensorDeviceTypes")
+#: What a CPU lacks, as torch / accelerate / bitsandbytes / DeepSpeed word it: matched against the FIRST line of a
+#: rank's error only (hf_ddpfix's own hints, later lines such as "NCCL_DEBUG=WARN on GPUs", are no evidence; a bare
+#: "nccl" matched them and turned a crash into "cannot rehearse", issue 46).
 _CUDA = re.compile(r"Torch not compiled with CUDA|No CUDA GPUs are available|Found no NVIDIA driver|CUDA driver|"
-                   r"requires a GPU|only supported on CUDA|Cannot access accelerator device|nccl", re.IGNORECASE)
+                   r"requires a GPU|only supported on CUDA|Cannot access accelerator device|"
+                   r"Distributed package doesn't have NCCL|ProcessGroupNCCL is only supported with GPUs|"
+                   r"NCCL is not available|CUDA is not available|no CUDA-capable device", re.IGNORECASE)
+#: The verdicts and their exit status (docs/rehearse.md "Exit status").
+EXIT_CODES = {"passed": 0, "failed": 1, "hang": 1, "timeout": 1, "not distributed": 1, "cannot": 2}
+WIDTH = 160  # the longest report line (a single word longer than that, e.g. a path, is kept whole)
 _FIELDS = re.compile(r"(SequenceNumber|OpType|TensorShape|TensorDtypes)=(\[[^\]]*\]|[^,]*)")
 
 
@@ -73,10 +81,14 @@ def _rank_failure(rank: int, rec: dict[str, Any], hang: dict[str, Any] | None, s
         mm = _mismatch(err["message"])
         if mm:
             out["mismatch"] = mm
-        if "rehearse, step" in err["message"]:
+        if not out["frames"] and err.get("stack"):  # nothing of the script's: the innermost frame
+            out["frames"] = [_frame(err["stack"][-1])]
+        lacks = _CUDA.search(first) or (err["type"] in ("AssertionError", "RuntimeError") and "cuda" in first.lower()
+                                        and bool(err.get("stack")) and "torch/cuda/" in
+                                        err["stack"][-1]["file"].replace("\\", "/"))
+        if err["type"] == "RehearsalStepError" or "rehearse, step '" in first:
             out["cannot"] = err["message"].strip()[:800]
-        elif _CUDA.search(err["message"]) or any("torch/cuda/" in f["file"].replace("\\", "/")
-                                                  for f in err.get("stack", [])):
+        elif lacks:
             where = out["frames"][-1] if out["frames"] else "?"
             out["cannot"] = (f"rehearse, step 'run the script': it needs CUDA here ({first[:160]}) at {where}. A CPU "
                              "rehearsal cannot run CUDA-only code; guard it with torch.cuda.is_available() (the "
@@ -86,6 +98,34 @@ def _rank_failure(rank: int, rec: dict[str, Any], hang: dict[str, Any] | None, s
     else:
         out.update(kind="ended" if rec.get("train_done") is not None else "no record of the failure")
     return out
+
+
+def _sandbox(recs: dict[int, dict[str, Any]]) -> list[dict[str, Any]]:
+    """Every rank's writes outside the rehearsal (sandbox.py), once per (kind, path, how), rank 0's first; a folder
+    made (``os.makedirs``) where something was then saved is not listed on its own."""
+    out, seen = [], set()
+    for rank in sorted(recs):
+        for e in recs[rank].get("sandbox") or []:
+            key = (e.get("kind"), e.get("asked"), e.get("how"))
+            if key not in seen:
+                seen.add(key)
+                out.append({**e, "rank": rank})
+    saved = [str(e.get("asked")) for e in out if not str(e.get("how")).startswith("os.m")]
+    return [e for e in out if not str(e.get("how")).startswith(("os.makedirs", "os.mkdir")) or not any(
+        s == e["asked"] or s.startswith(str(e["asked"]).rstrip("/") + "/") for s in saved)]
+
+
+def _output_tail(folder: str, n: int = 10) -> list[str]:
+    """The last ``n`` lines rank 0 printed (``rank0.out``, inject's tee; a progress bar's redraws collapsed)."""
+    import os
+
+    try:
+        with open(os.path.join(folder, "rank0.out"), errors="replace", newline="") as f:
+            text = f.read()[-20000:]
+    except OSError:
+        return []
+    lines = [line.split("\r")[-1].rstrip() for line in text.split("\n")]  # a redraw (\r): its last state
+    return [line for line in lines if line.strip()][-n:]
 
 
 def _phase(o: Any, processes: int) -> dict[str, Any]:
@@ -106,8 +146,16 @@ def _phase(o: Any, processes: int) -> dict[str, Any]:
             {k: m.get(k) for k in ("name", "class", "model_class", "shrunk", "shrink", "substitutions")}
             for m in r0.get("models", [])],
         "training_args": r0.get("training_args"), "skew": recs.get(max(ranks), {}).get("skew") if ranks else None,
-        "stock_note": r0.get("stock"),
+        "stock_note": r0.get("stock"), "world_seen": train.get("world"),
+        "sandbox": _sandbox(recs), "output_tail": _output_tail(o.folder),
     }
+    if processes > 1 and train.get("world") == 1:
+        phase["not_distributed"] = (
+            f"{processes} processes launched, but the Trainer saw world size 1 in each: every process trained "
+            "alone (the same steps on the full data, N times). Cause: "
+            + ("no accelerator and TrainingArguments(use_cpu=False): accelerate sets up the process group on the "
+               "CPU only with use_cpu=True" if not any(str(x).startswith("use_cpu") for x in (r0.get("training_args") or {}).get("substitutions", [])) else
+               "the launch's environment (WORLD_SIZE) did not reach the Trainer's accelerator"))
     starts = [r["train"]["started"] for r in recs.values() if (r.get("train") or {}).get("started")]
     errors = [r["error"]["at"] for r in recs.values() if (r.get("error") or {}).get("at")]
     if starts and errors:  # the launch's start-up (imports, model load) excluded
@@ -129,6 +177,8 @@ def build_report(spec: Any, args: Any, processes: int, real_world: int | None, o
     cannot = [f["cannot"] for p in phases for f in p.get("failures", []) if f.get("cannot")]
     status = "cannot" if cannot else ("passed" if all(p["status"] == "passed" for p in phases) else
                                       next(p["status"] for p in phases if p["status"] != "passed"))
+    if status == "passed" and any(p.get("not_distributed") for p in phases):
+        status = "not distributed"
     mode = spec.mode
     first = phases[0]
     if first.get("fsdp"):
@@ -149,10 +199,64 @@ def build_report(spec: Any, args: Any, processes: int, real_world: int | None, o
             "workdir": workdir}
 
 
+def _fit(line: str, width: int = WIDTH, indent: str = "           ") -> list[str]:
+    """``line`` wrapped at spaces to ``width`` characters, continuation lines indented: words (paths, doc links
+    with their anchors) are never cut."""
+    import textwrap
+
+    if len(line) <= width:
+        return [line]
+    lead = len(line) - len(line.lstrip(" "))
+    return textwrap.wrap(line, width, subsequent_indent=indent if lead < len(indent) else " " * (lead + 2),
+                         break_long_words=False, break_on_hyphens=False, drop_whitespace=True) or [line]
+
+
+def _plan_lines(plan: list[str]) -> list[str]:
+    """The plan report's lines that differ from stock (``*``), options asked on that do not run (``!``),
+    corrections and settings; not the decisions that stay stock."""
+    keep = [line for line in plan[1:] if line.startswith((" *", " !", "   corrected:", "   settings:"))]
+    return [plan[0], *keep] if plan else []
+
+
+def _model_lines(m: dict[str, Any]) -> list[str]:
+    """``model:`` (the call, a long path shortened to its last two parts) and, shrunk, the first cut fields that fit
+    one line and how many more (``--json`` keeps them all)."""
+    name = str(m["name"])
+    if len(name) > 48 and "/" in name:
+        name = ".../" + "/".join(name.rstrip("/").split("/")[-2:])
+    head = f"model:     {m['class']}.from_pretrained({name!r}) -> {m.get('model_class') or m['class']}"
+    cut = m.get("shrink") or []
+    if not m.get("shrunk"):
+        return [head + ", full size"]
+    if not cut:
+        return [head + ", not shrunk (already small: nothing to cut), random weights"]
+    lead, shown = f"           shrunk ({len(cut)} fields): ", []
+    for c in cut:
+        if len(lead) + len("; ".join([*shown, c])) + 32 > WIDTH:
+            break
+        shown.append(c)
+    rest = len(cut) - len(shown)
+    return [head, lead + "; ".join(shown) + (f"; {rest} more (--json lists all)" if rest else "")]
+
+
+def _size(path: str) -> int:
+    import os
+
+    total = 0
+    for top, _, files in os.walk(path):
+        for f in files:
+            try:
+                total += os.lstat(os.path.join(top, f)).st_size
+            except OSError:
+                pass
+    return total
+
+
 def format_report(r: dict[str, Any], verbose: bool = True) -> str:
-    """The report in plain text, about forty lines."""
-    out = [f"=== hf-ddpfix rehearse: {r['status'].upper()} "
-           f"({'stock, without hf_ddpfix' if r['stock'] else 'with hf_ddpfix'}{', skewed batches' if r['skew'] else ''})"
+    """The report in plain text, about forty lines, none over :data:`WIDTH` characters but a single long word."""
+    status = r["status"].upper()
+    out = [f"=== hf-ddpfix rehearse: {status} (exit {EXIT_CODES.get(r['status'], 1)}; "
+           f"{'stock, without hf_ddpfix' if r['stock'] else 'with hf_ddpfix'}{', skewed batches' if r['skew'] else ''})"
            " ===", f"launch:    {r['launch']}", f"rehearsed: {r['rehearsed']}; {r['world_note']}"]
     out += [f"note:      {n}" for n in r["launch_notes"]]
     if r.get("cannot"):
@@ -161,6 +265,18 @@ def format_report(r: dict[str, Any], verbose: bool = True) -> str:
         out.append(f"--- {p['label']}: {p['status']} in {p['seconds']} s (exit codes {p['returncodes']})"
                    + (f"; failed {p['seconds_to_failure']} s after training started" if "seconds_to_failure" in p
                       else ""))
+        failures = [f for f in p.get("failures", []) if f.get("kind") in ("error", "hang")]
+        if failures and not r.get("cannot"):
+            f = failures[0]
+            where = (f.get("frames") or [f.get("issued_at") or "?"])[-1]
+            what = f.get("error") or f"hung in {f.get('collective')}"
+            out.append(f"FAILED:    rank {f['rank']} at step {f['steps'] + 1} ({f['steps']} finished): {what[:200]}")
+            out.append(f"           at {where}")
+        elif p["status"] == "failed" and not r.get("cannot"):
+            out.append(f"FAILED:    the launch exited with codes {p['returncodes']} and no rank recorded an exception"
+                       + (" (rank 0's last output below)" if p.get("output_tail") else ""))
+        if p.get("not_distributed"):
+            out.append(f"NOT DISTRIBUTED: {p['not_distributed']}")
         if p.get("mode"):
             par = "FSDP" if p["fsdp"] else (f"DeepSpeed ZeRO-{p['zero_stage']}" if p["zero_stage"] is not None else
                                              p["mode"])
@@ -172,9 +288,7 @@ def format_report(r: dict[str, Any], verbose: bool = True) -> str:
                        + (f"; saved {p['saved'][0]}" if p["saved"] else "")
                        + (f"; resumed from {p['resumed_from']}" if p.get("resumed_from") else ""))
         for m in p["models"]:
-            cut = "; ".join(m.get("shrink") or [])
-            out.append(f"model:     {m['class']}.from_pretrained({m['name']!r}) -> {m.get('model_class') or ''} "
-                       f"{'shrunk: ' + (cut[:400] + ('...' if len(cut) > 400 else '')) if m.get('shrunk') else 'full size'}")
+            out += _model_lines(m)
             out += [f"           substituted: {s}" for s in m.get("substitutions") or []]
         ta = p.get("training_args") or {}
         out += [f"args:      substituted: {s}" for s in ta.get("substitutions", [])]
@@ -182,8 +296,9 @@ def format_report(r: dict[str, Any], verbose: bool = True) -> str:
             out.append(f"skew:      rank {p['skew']['rank']}: text-only (media keys dropped, media tokens "
                        f"{p['skew']['media_token_ids']} -> {p['skew']['pad_id']}), last half of each sequence")
         if p.get("plan"):
-            out.append("hf_ddpfix plan (what differs from stock):")
-            out += [f"  {line[:150]}{'...' if len(line) > 150 else ''}" for line in p["plan"][:16]]
+            shown = _plan_lines(p["plan"])
+            out.append(shown[0].rstrip(":") + ", what differs from stock:")
+            out += shown[1:] or ["   nothing: every decision is stock's"]
         elif p.get("mode"):
             out.append("hf_ddpfix: not active (" + (p.get("stock_note") or "stock run") + ")")
         if p.get("features"):
@@ -191,6 +306,17 @@ def format_report(r: dict[str, Any], verbose: bool = True) -> str:
                                                   sorted(p["features"].items())[:12]))
         if p.get("replicas"):
             out.append(f"replicas:  {p['replicas']}")
+        for e in (p.get("sandbox") or [])[:8]:
+            if e["kind"] == "redirected":
+                out.append(f"outside:   your script saved to {e['asked']} ({e['how']}); the rehearsal wrote it to "
+                           f"{e['wrote']}")
+            elif e["kind"] == "kept":
+                out.append(f"outside:   your script changed {e['asked']} ({e['how']}); the rehearsal left it as it was")
+            else:
+                out.append(f"outside:   your script wrote {e['asked']} ({e['how']}): refused, the rehearsal never "
+                           "writes outside its folder")
+        if len(p.get("sandbox") or []) > 8:
+            out.append(f"outside:   ... {len(p['sandbox']) - 8} more (--json lists all)")
         for f in p.get("failures", []):
             head = f"rank {f['rank']} (after {f['steps']} steps): {f['kind']}"
             if f.get("error"):
@@ -207,17 +333,25 @@ def format_report(r: dict[str, Any], verbose: bool = True) -> str:
                 out.append(f"    in collective: {f['collective']} (torch.distributed){by}; model/script frames "
                            "(innermost last):")
             out += [f"    frame: {fr}" for fr in f.get("frames", [])]
+        if p.get("output_tail"):
+            out.append(f"output (rank 0, last {len(p['output_tail'])} lines):")
+            out += [f"  | {line if len(line) <= WIDTH - 4 else line[:WIDTH - 5] + '…'}" for line in p["output_tail"]]
         if p.get("log_tail") and verbose:
-            out.append("output tail:")
+            out.append("launcher output tail:")
             out += [f"  {line}" for line in p["log_tail"][-30:]]
     if r["memory"]:
         out.append(f"projected memory of the REAL model (a projection, not measured; {r['mode']}):")
         out += [f"  {line}" for line in r["memory"]]
     elif r.get("memory_missing"):
         out.append(f"projected memory: none ({r['memory_missing']})")
-    out.append(f"records, logs, checkpoints: {r['workdir']}")
+    if r.get("kept", True):
+        size = r.get("workdir_bytes")
+        out.append(f"records, logs, checkpoints: {r['workdir']}" + (f" ({size / 2**20:,.1f} MiB; remove it when done)"
+                                                                    if size is not None else ""))
+    else:
+        out.append(f"rehearsal folder removed ({r['workdir']}; --keep keeps records, logs and checkpoints)")
     if r["status"] != "passed" and not r["stock"]:
         out.append("compare with stock: the same command with --stock")
     elif r["status"] == "passed" and r["stock"]:
         out.append("stock passes this rehearsal")
-    return "\n".join(out)
+    return "\n".join(line for raw in out for line in _fit(raw))

@@ -3,8 +3,13 @@
     hf-ddpfix rehearse [--nproc N] [--steps 3] [--skew] [--stock] [--hang-timeout 20] [--timeout 900]
                        [--no-shrink] [--no-resume] [--workdir DIR] [--json FILE] -- <launch line>
 
-Exit status: 0 the rehearsal passed; 1 it found a failure (a crash, a collective mismatch, a hang, replicas out
-of sync, a step that did not run); 2 the launch cannot be rehearsed (the message names the step).
+Exit status (``report.EXIT_CODES``, docs/rehearse.md): 0 the rehearsal passed; 1 it found a failure (a crash, a
+collective mismatch, a hang, a timeout, replicas out of sync, a step that did not run, ranks that each trained
+alone); 2 the launch cannot be rehearsed: a step of the rehearsal itself cannot run here, or the script needs what a
+CPU lacks (CUDA, NCCL), named.
+
+Writes outside the rehearsal folder are redirected into it (``sandbox.py``); the folder is removed after the report
+unless ``--keep`` (or ``--workdir``).
 
 Guarantees: the user's script runs unchanged (only environment and ``sitecustomize`` hooks); a launch that ends
 without a single finished training step on every rank is never reported as passed.
@@ -64,10 +69,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--timeout", type=float, default=900.0, help="seconds for the whole launch (default 900)")
     p.add_argument("--no-shrink", action="store_true", help="load checkpoints at full size (slow; needs weights)")
     p.add_argument("--no-resume", action="store_true", help="skip the resume-from-checkpoint phase")
-    p.add_argument("--workdir", default=None, help="folder for records, logs and checkpoints (default: a new "
-                   "temporary folder, kept and printed)")
+    p.add_argument("--workdir", default=None, help="folder for records, logs and checkpoints, kept (default: a new "
+                   "temporary folder, removed after the report unless --keep)")
+    p.add_argument("--keep", action="store_true", help="keep the temporary rehearsal folder (its size is printed)")
     p.add_argument("--json", default=None, help="also write the report as JSON to this file")
-    p.add_argument("--quiet", action="store_true", help="print only the report (not the ranks' output tail)")
+    p.add_argument("--quiet", action="store_true", help="leave the launcher's output tail out of a failure's report "
+                   "(rank 0's last lines stay)")
     p.add_argument("launch", nargs=argparse.REMAINDER, help="-- then the launch line, e.g. -- accelerate launch "
                    "--config_file fsdp.yaml train.py --my-args")
 
@@ -86,7 +93,10 @@ def _env(args: argparse.Namespace, folder: str, resume: str | None, phase: str, 
     root = str(Path(__file__).resolve().parents[2])  # the package's own root, for a source checkout
     old = env.get("PYTHONPATH", "")
     env["PYTHONPATH"] = os.pathsep.join([*paths, *([old] if old else []), root])
-    env.update({"DDPFIX_REHEARSE_DIR": folder, "DDPFIX_REHEARSE_STEPS": str(args.steps),
+    work = os.path.dirname(os.path.abspath(folder))  # the rehearsal's workdir: every phase's folder
+    os.makedirs(os.path.join(work, "tmp"), exist_ok=True)
+    env["TMPDIR"] = os.path.join(work, "tmp")  # temporary files inside the rehearsal (sandbox.py)
+    env.update({"DDPFIX_REHEARSE_DIR": folder, "DDPFIX_REHEARSE_ROOT": work, "DDPFIX_REHEARSE_STEPS": str(args.steps),
                 "DDPFIX_REHEARSE_SKEW": "1" if args.skew else "0", "DDPFIX_REHEARSE_STOCK": "1" if args.stock else "0",
                 "DDPFIX_REHEARSE_SHRINK": "0" if args.no_shrink else "1",
                 "DDPFIX_REHEARSE_HANG_S": str(args.hang_timeout), "DDPFIX_REHEARSE_RESUME": resume or "",
@@ -186,7 +196,7 @@ def _launch(spec: LaunchSpec, args: argparse.Namespace, processes: int, folder: 
 
 def rehearse(args: argparse.Namespace) -> tuple[int, dict[str, Any]]:
     """Run the rehearsal ``args`` describe; returns (exit status, report as a dict). Prints the report."""
-    from .report import build_report, format_report
+    from .report import EXIT_CODES, _size, build_report, format_report
 
     launch = list(args.launch)
     if launch and launch[0] == "--":
@@ -218,11 +228,16 @@ def rehearse(args: argparse.Namespace) -> tuple[int, dict[str, Any]]:
         outcomes.append(_launch(spec, args, processes, folder + "-resume", "resume", resume=saved[-1]))
     real_world = args.real_world_size or spec.processes
     report = build_report(spec, args, processes, real_world, outcomes, workdir)
+    report["kept"] = bool(args.keep or args.workdir)  # a folder the user named is theirs
+    if report["kept"]:
+        report["workdir_bytes"] = _size(workdir)
     print(format_report(report, verbose=not args.quiet))
     if args.json:
         with open(args.json, "w") as f:
             json.dump(report, f, indent=1, default=str)
-    code = {"passed": 0, "cannot": 2}.get(report["status"], 1)
+    if not report["kept"]:
+        shutil.rmtree(workdir, ignore_errors=True)
+    code = EXIT_CODES.get(report["status"], 1)
     return code, report
 
 

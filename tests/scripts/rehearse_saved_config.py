@@ -7,6 +7,8 @@ a real model's shape (Qwen2.5-VL-7B, Llama-3.2-11B-Vision): `hf-ddpfix rehearse`
 """
 
 import argparse
+import json
+import os
 
 import torch
 from peft import LoraConfig, get_peft_model
@@ -59,6 +61,7 @@ def main():
     p = argparse.ArgumentParser()
     p.add_argument("--model", required=True)
     p.add_argument("--images", action="store_true")
+    p.add_argument("--out", default=None, help="where the real run keeps its results (final adapter, metrics)")
     a = p.parse_args()
     model = AutoModelForImageTextToText.from_pretrained(a.model, dtype=torch.bfloat16,
                                                         attn_implementation="flash_attention_2")
@@ -66,7 +69,16 @@ def main():
     args = TrainingArguments(output_dir="/nonexistent/real-run", max_steps=1000, per_device_train_batch_size=2,
                              bf16=True, learning_rate=1e-4, save_strategy="no", logging_steps=1,
                              report_to="wandb", remove_unused_columns=False)
-    Trainer(model=model, args=args, train_dataset=Rows(model.config, image=a.images), data_collator=collate).train()
+    trainer = Trainer(model=model, args=args, train_dataset=Rows(model.config, image=a.images), data_collator=collate)
+    result = trainer.train()
+    if a.out:  # as a real script saves: the adapter, a state dict, metrics, each read back
+        trainer.save_model(os.path.join(a.out, "final"))
+        if trainer.is_world_process_zero():
+            torch.save({"step": trainer.state.global_step}, os.path.join(a.out, "extra.pt"))
+            with open(os.path.join(a.out, "metrics.json"), "w") as f:
+                json.dump(result.metrics, f)
+            assert torch.load(os.path.join(a.out, "extra.pt"))["step"] == trainer.state.global_step
+            assert os.path.isfile(os.path.join(a.out, "final", "adapter_config.json"))
 
 
 if __name__ == "__main__":
