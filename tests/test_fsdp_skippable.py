@@ -220,8 +220,9 @@ def test_tower_units_with_the_dummy_like_stock_ddp(tmp_path):
     ``predict()`` on mixed batches, and ``generate()`` after training (:data:`GENERATE`). Weights equal stock DDP's (``find_unused_parameters=True``, ddp_cpu.yaml, same
     data) within ``TOL``, evaluation and prediction losses within 1e-5 (measured <= 9.5e-7).
 
-    The fix is real: the same launch for LLaVA with the dummy disabled (``HF_DDPFIX_VLM_STABILIZER=0``: the plan
-    then keeps the explicit list "as in stock") fails with torch's "Detected mismatch between collectives". For
+    The fix is real: the same launch for LLaVA with the dummy and parameter_usage disabled
+    (``HF_DDPFIX_VLM_STABILIZER=0 HF_DDPFIX_PARAMETER_USAGE=0``: the plan then keeps the explicit list "as in stock";
+    with parameter_usage on it folds the tower classes out of the list instead, issue 45) fails with torch's "Detected mismatch between collectives". For
     Mllama, a build whose cross-attention dummy injects nothing (``CrossAttentionDummy._inject`` returning ``None``)
     fails at its first mixed step (by hand, 2026-11-29: DETAIL "Collectives differ ... Tensor shapes: 129vs 8448");
     with it, Mllama ends bit-equal to stock DDP (0.0), generate() too.
@@ -257,7 +258,8 @@ def test_tower_units_with_the_dummy_like_stock_ddp(tmp_path):
                 assert all(torch.equal(a, b) for a, b in zip(ours["generated"], ref["generated"], strict=True))
     off = accelerate_launch("fsdp.yaml", SCRIPT, "--mode", "fixed", "--out", str(tmp_path / "off"), "--families",
                             "llava", "--wraps", "explicit", timeout=600, check=False, extra=("--mixed_precision", "no"),
-                            env=fsdp_device_env({**OFFLINE, **DETAIL, "HF_DDPFIX_VLM_STABILIZER": "0"}))
+                            env=fsdp_device_env({**OFFLINE, **DETAIL, "HF_DDPFIX_VLM_STABILIZER": "0",
+                                                 "HF_DDPFIX_PARAMETER_USAGE": "0"}))
     assert off.returncode != 0 and "FSDP_TRAINER_OK" not in off.stdout, off.stdout[-4000:]
     assert "Detected mismatch between collectives" in off.stdout, off.stdout[-4000:]
     print(f"wall {time.time() - t0:.0f} s")
