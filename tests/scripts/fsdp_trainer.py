@@ -164,10 +164,18 @@ def count_layer_calls(model) -> list[int]:  # noqa: ANN001
     return counts
 
 
-def tower_wrap_list(model) -> list[str]:  # noqa: ANN001
+#: family -> the ``<DecoderLayer>,<VisionBlock>`` list its users write, where :func:`tower_wrap_list`'s would name
+#: torch built-ins (Janus stacks plain ``nn.Module`` and ``nn.Linear`` containers: accelerate's ``isinstance`` policy
+#: would then make every module a unit)
+WRAP_LISTS = {"janus": ["LlamaDecoderLayer", "JanusVisionEncoderLayer"]}
+
+
+def tower_wrap_list(model, name: str = "") -> list[str]:  # noqa: ANN001
     """An explicit ``fsdp_transformer_layer_cls_to_wrap`` as VLM guides write one: every block class the model
     stacks (the decoder layer and the vision tower's blocks), as its ``_no_split_modules`` names them where it has
-    them (else its repeated blocks)."""
+    them (else its repeated blocks); :data:`WRAP_LISTS` for family ``name`` where it has an entry."""
+    if name in WRAP_LISTS:
+        return list(WRAP_LISTS[name])
     from hf_ddpfix._compat import no_split_modules, unwrap_model
     from hf_ddpfix.integrations.fsdp import repeated_block_classes
 
@@ -224,7 +232,7 @@ def run(name: str, mode: str, out: str, saved: bool = False, generate: bool = Fa
     explicit = plugin is not None and wrap == "explicit"
     if explicit:  # as fsdp_transformer_layer_cls_to_wrap in the accelerate config: restored below
         saved_names = plugin.transformer_cls_names_to_wrap
-        plugin.transformer_cls_names_to_wrap = tower_wrap_list(model)
+        plugin.transformer_cls_names_to_wrap = tower_wrap_list(model, name)
         print(f"[{mode}] {name}: explicit wrap list {plugin.transformer_cls_names_to_wrap}", flush=True)
     calls = count_layer_calls(model) if name in RANK_SEEDED else None
     at_start = PlanAtStart(trainer)

@@ -290,11 +290,16 @@ def _adapter(hf: nn.Module, discover: bool = True, ddp: bool = False) -> tuple[V
     """The adapter for ``hf`` (the registry's family, else one discovered by structure when ``discover``) and ``""``,
     or ``None`` and why not; ``ddp``: the DDP / FSDP view (see :func:`_refusal`)."""
     fam, tower, name, reason = _match_family(hf)
-    if fam is None and discover and _vision_config(hf) is not None:
-        fam, why = _discover_family(hf)
-        if fam is None:
+    # structure where the registry names no family, or names one whose tower is elsewhere (HyperCLOVAX-Vision-V2's
+    # Qwen2.5-VL tower at model.vision_model); a registered family whose structure changed stays refused
+    unnamed = "has no hf_ddpfix vision adapter" in reason or ": no vision tower at " in reason
+    if fam is None and discover and unnamed and _vision_config(hf) is not None:
+        found, why = _discover_family(hf)
+        if found is None:
             return None, f"{reason}; {why}"
-        tower, name = get_submodule(hf, fam.tower_paths[0]), fam.tower_paths[0]
+        if ddp and found.kind != "grid":  # an "image" family is driven under ZeRO only (module docstring)
+            return None, reason
+        fam, tower, name = found, get_submodule(hf, found.tower_paths[0]), found.tower_paths[0]
     if fam is None or tower is None:
         return None, reason
     projector, projector_name = None, ""
