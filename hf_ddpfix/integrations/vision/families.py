@@ -21,6 +21,14 @@ Supported families, two kinds:
   every rank alike. ``find_vision_adapter(model)`` is the DDP / FSDP view and skips these families;
   ``find_vision_adapter(model, zero=True)`` returns them.
 
+- found by structure, grid (every view: DDP, FSDP2, ZeRO) — any other VLM whose ``get_image_features`` takes a
+  Qwen-style grid (``image_grid_thw``: GLM-4V, GLM-4.6V, GLM-OCR, Exaone 4.5, LFM3-VL, PaddleOCR-VL, Qwen3.5, Cosmos 3,
+  HyperCLOVAX-Vision-V2 on transformers 5.23): one merged token's patches (``vision_config``: ``patch_size``,
+  ``temporal_patch_size``, ``spatial_merge_size``, ``in_channels``, where it has them) and its grid ``[[1, m, m]]``,
+  run through ``get_image_features`` where the model runs it; its pixel layout fixed by a trial and its gradients
+  proven exactly zero (:meth:`~hf_ddpfix.integrations.vision.adapter.VisionAdapter.verify`) when the model is
+  materialized (here, before the plan; on the meta device or ZeRO-3 partitioned: when the stabiliser attaches). A
+  family that fails says why (``describe_unsupported``) and keeps the generic mechanism (issue 45).
 - discovered (ZeRO view only) — any other VLM whose model has ``get_image_features(pixel_values=...)``:
   the family is built from the model's own config and structure (tower and projector found by module
   name, ``vision_config.image_size`` / ``num_channels``, the extra inputs ``get_image_features`` requires,
@@ -329,8 +337,9 @@ def find_vision_adapter(model: nn.Module, *, zero: bool = False) -> VisionAdapte
             and the plan's DDP / FSDP decisions use).
 
     Guarantees: Qwen2-VL, Qwen2.5-VL, Qwen3-VL(-MoE) tiny models get an adapter whose dummy runs; LLaVA
-    and Gemma 3 get one with ``zero=True`` only; another VLM (Mistral 3) and a text-only model get
-    ``None`` (test_vlm).
+    and Gemma 3 get one with ``zero=True`` only; another ``image`` VLM (Mistral 3) and a text-only model get
+    ``None`` (test_vlm); a grid VLM no entry names (GLM-4V) gets one found by structure in both views, verified
+    (tests/test_vision_structure.py).
     """
     adapter, _ = _adapter(unwrap_model(model), ddp=not zero)
     if adapter is None or (adapter.family.zero_only and not zero):
