@@ -232,8 +232,17 @@ def test_tower_units_with_the_dummy_like_stock_ddp(tmp_path):
     fails at its first mixed step (by hand, 2026-11-29: DETAIL "Collectives differ ... Tensor shapes: 129vs 8448");
     with it, Mllama ends bit-equal to stock DDP (0.0), generate() too.
 
+    Issue 45, in the same launches: GLM-4V (its dummy found by structure, no registry entry) in :data:`SHARDED`
+    (measured 2026-12-02: 1.1e-7 from stock DDP with either wrap, 4 dummies on rank 0), GLM-4V under DDP with the
+    stabiliser's dummy (``parameter_usage`` off, the stock launch: bit-equal to stock DDP, 2 dummies), and Janus (no
+    dummy) with the ``LlamaDecoderLayer,JanusVisionEncoderLayer`` list its users write: the plan folds the vision
+    block out of the list and the run ends 3.0e-8 from stock DDP (evaluation 4.8e-7); with the list kept as given
+    (``_user_units`` broken on purpose, by hand 2026-12-02) the same run fails at its first mixed step with
+    "Detected mismatch between collectives" (all-gather 7376 vs 20544 elements).
+
     Wall (2 cores, 2026-11-28): 136 s lightly loaded (fixed 18 runs + stock DDP 9 + no dummy 1), 319 s loaded;
-    2026-11-29 with Mllama (fixed 20 runs + stock DDP 10 + no dummy 1): 241 s (pytest), beside other jobs."""
+    2026-11-29 with Mllama (fixed 20 runs + stock DDP 10 + no dummy 1): 241 s (pytest), beside other jobs; 2026-12-02
+    with issue 45's runs (fixed 23 + stock DDP 13 + no dummy 1): 542 s on the shared box at load ~10."""
     t0 = time.time()
     fixed = accelerate_launch("fsdp.yaml", SCRIPT, "--mode", "fixed", "--out", str(tmp_path), "--families", SHARDED,
                               "--wraps", "explicit,shard", "--generate", GENERATE, "--extra-runs", FOLDED, timeout=900, env=fsdp_device_env({**OFFLINE, **DETAIL}),
