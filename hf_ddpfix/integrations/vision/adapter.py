@@ -104,8 +104,11 @@ def grid_geometry(vision_config: Any) -> tuple[int, int, int, int] | None:
 
 def materialized(params: list[torch.Tensor]) -> bool:
     """True when every tensor holds its values here: none on the meta device (``hf-ddpfix plan``'s model), none
-    ZeRO-3 partitioned (empty until gathered)."""
-    return not any(p.device.type == "meta" or zero3_partitioned(p) for p in params)
+    ZeRO-3 partitioned (empty until gathered), none an FSDP2 shard (a ``DTensor``: running it all-gathers)."""
+    def sharded(p: torch.Tensor) -> bool:
+        return any(cls.__name__ == "DTensor" for cls in type(p).__mro__)
+
+    return not any(p.device.type == "meta" or zero3_partitioned(p) or sharded(p) for p in params)
 
 
 def output_tensors(out: Any) -> list[torch.Tensor]:
