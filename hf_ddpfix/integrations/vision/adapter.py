@@ -23,10 +23,8 @@ turn the zero gradients into NaN), built once per (dtype, device) and run under 
 
 from __future__ import annotations
 
-import contextlib
 import inspect
 import weakref
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -34,8 +32,8 @@ import torch
 from torch import nn
 
 from ..._compat import image_features, output_field, zero3_gathered, zero3_partitioned
-from ...ops.zero_tie import ZeroTie
 from .family import VisionFamily
+from .proof import eval_mode, prove_zero
 
 __all__ = ["EXTRA_INPUT_BUILDERS", "GRID_INPUT_NAMES", "VISUAL_INPUT_NAMES", "VisionAdapter", "get_submodule",
            "BUILT_INPUTS", "grid_geometry", "image_size_hw", "materialized", "output_tensors"]
@@ -141,28 +139,6 @@ EXTRA_INPUT_BUILDERS = {"image_sizes": _image_sizes}
 #: keyword inputs a discovered family's ``get_image_features`` may require, besides ``EXTRA_INPUT_BUILDERS``: the
 #: grid of a grid-kind dummy (built by :meth:`VisionAdapter.dummy_inputs`)
 BUILT_INPUTS = (*EXTRA_INPUT_BUILDERS, *GRID_INPUT_NAMES)
-
-
-def _input_embedding(root: nn.Module) -> nn.Module | None:
-    get_emb = getattr(root, "get_input_embeddings", None)
-    try:
-        emb = get_emb() if callable(get_emb) else None
-    except (AttributeError, NotImplementedError):
-        return None
-    return emb if isinstance(emb, nn.Module) else None
-
-
-@contextlib.contextmanager
-def _eval_mode(modules: list[nn.Module]) -> Iterator[None]:
-    """Every module of ``modules`` (and below) in eval mode for the block; each one's own flag restored after."""
-    flags = [(m, m.training) for top in modules for m in top.modules()]
-    for m, _ in flags:
-        m.training = False
-    try:
-        yield
-    finally:
-        for m, was in flags:
-            m.training = was
 
 
 def _ramp(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -353,7 +329,7 @@ class VisionAdapter:
         """The first layout whose no-grad dummy gives image features (see :meth:`verify`), else ``None``."""
         layouts: tuple[tuple[Any, ...], ...] = ((4, 1), (5, 1), (5, 2)) if self.kind == "image" else tuple(
             (g,) for g in GRID_LAYOUTS)
-        with zero3_gathered(params), _eval_mode([m for _, m in self.parts()]):
+        with zero3_gathered(params), eval_mode([m for _, m in self.parts()]):
             for layout in layouts:
                 self._set_layout(layout)
                 name = "x".join(str(x) for x in layout)
@@ -371,45 +347,8 @@ class VisionAdapter:
         return None
 
     def _prove_zero(self) -> str:
-        """The zero proof of :meth:`verify` (materialized parameters): ``""`` when it holds, else why not. Sets
-        :attr:`unreached` and :attr:`reached` (a module outside the tower and the projector whose trainable
-        parameters the dummy reaches: its ancestor at the tower's depth, e.g. a projector named ``projector``, joins
-        :meth:`parts`, so the step-end reset covers it; one holding the tower or the input embedding refuses)."""
-        inside = {id(p) for _, m in self.parts() for p in m.parameters()}
-        named = [(n, p) for n, p in self.root.named_parameters() if p.requires_grad]
-        if not any(id(p) in inside for _, p in named):
-            return ""
-        with _eval_mode([self.root]), torch.enable_grad():
-            out = self.run_dummy()
-            feats = [t for _, ts in self.tie_points(out) for t in ts if t.requires_grad]
-            if not feats:
-                return (f"{self.family.name}: the dummy's image features carry no gradient to the tower's trainable "
-                        "tensors")
-            probe = torch.linspace(-1.0, 1.0, 7, device=feats[0].device).requires_grad_(True)
-            tied = ZeroTie.apply(probe, *feats)
-            grads = torch.autograd.grad(tied, [p for _, p in named], grad_outputs=torch.ones_like(tied),
-                                        allow_unused=True)
-        if not torch.equal(tied.detach(), probe.detach()):
-            return f"{self.family.name}: the tie changed the value it carries"
-        bad = [n for (n, _), g in zip(named, grads, strict=True) if g is not None and bool((g != 0).any())]
-        if bad:
-            return (f"{self.family.name}: the dummy's gradients are not exactly zero ({len(bad)} tensors, e.g. "
-                    f"{bad[0]}: NaN or a non-zero term): no dummy")
-        self.unreached = tuple(n for (n, p), g in zip(named, grads, strict=True) if g is None and id(p) in inside)
-        depth = self.tower_name.count(".") + 1
-        blocked = [self.tower] + [m for m in (_input_embedding(self.root),) if m is not None]
-        for (n, p), g in zip(named, grads, strict=True):
-            if g is None or id(p) in inside:
-                continue
-            path = ".".join(n.split(".")[:depth])
-            mod = get_submodule(self.root, path)
-            if mod is None or path == n or any(b is mod or any(b is x for x in mod.modules()) for b in blocked):
-                return (f"{self.family.name}: the dummy reaches {n}, outside the tower, in a module holding the "
-                        "tower or the input embedding: no dummy")
-            if all(mod is not m for _, m in self.parts()):
-                self.reached.append((path, mod))
-            inside |= {id(q) for q in mod.parameters()}
-        return ""
+        """The zero proof of :meth:`verify` (:func:`~hf_ddpfix.integrations.vision.proof.prove_zero`)."""
+        return prove_zero(self)
 
     def run_dummy(self) -> Any:
         """Run the dummy image without disturbing the RNG stream (LoRA dropout in the tower draws from a
