@@ -137,7 +137,8 @@ def test_glm4v_is_driven_under_ddp_fsdp2_and_zero_alike():
     structure (``glm4v (from config)``, the flat layout, one merged token: 4 patches of 3x2x14x14 and grid
     ``[[1, 2, 2]]``); the DDP stabiliser (dummy in the root pre-hook) and the FSDP2 / ZeRO one (before the language
     model) both give stock's text-only loss and gradients bit for bit and exact zeros to every LoRA tensor of the
-    tower. Fails when the DDP view leaves discovered grid families out (``_refusal``'s view check: no adapter)."""
+    tower. Fails (by hand, 2026-12-02) with grid discovery off (``_discover_family``'s ``grids = ()``: no adapter)
+    and with only the ``patch4`` layout tried (GLM-4V's trial fails: no adapter)."""
     entry = MORE_VLMS["glm4v"]
     model = entry.model(0)
     ddp, zero = find_vision_adapter(model), find_vision_adapter(model, zero=True)
