@@ -4,6 +4,8 @@ The multi-process proof is tests/test_fsdp_trainer.py."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 from zoo import MORE_VLMS, ZERO_DISCOVERED, ZOO
 
@@ -111,15 +113,116 @@ def test_layerdrop_is_found_by_structure_on_any_model():
     assert layerdrop_stacks(llama) == []
 
 
-def test_an_explicit_class_list_is_honoured_and_its_risk_said():
-    facts = FsdpFacts(user_classes=("Qwen2_5_VLDecoderLayer", "Qwen2_5_VLVisionBlock"),
-                      skippable=("Qwen2_5_VLVisionBlock",), folded=("model.visual",))
-    decision = decide_fsdp_units(_facts(facts, is_vlm=True), DDPFixConfig())
-    assert decision.value is False and "explicit fsdp_transformer_layer_cls_to_wrap kept" in decision.reason
-    assert "Qwen2_5_VLVisionBlock lie inside subtrees a rank may skip" in decision.reason
+def test_an_explicit_class_list_is_honoured_where_no_rank_may_skip_its_classes():
     safe = FsdpFacts(user_classes=("Qwen2_5_VLDecoderLayer",), skippable=("Qwen2_5_VLVisionBlock",))
     plan = resolve_plan(_facts(safe, is_vlm=True, trainable_vision_params=True, vlm_adapter="qwen2_5_vl"))
-    assert plan.fsdp_units.value is False and plan.vlm_stabilizer.value is False  # no unit in the tower
+    assert plan.fsdp_units.value is False and "explicit fsdp_transformer_layer_cls_to_wrap kept" in plan.fsdp_units.reason
+    assert plan.vlm_stabilizer.value is False  # no unit in the tower
+
+
+#: a family without a dummy and the ``<DecoderLayer>,<VisionBlock>`` list its users write (issue 45: GLM-4V before it
+#: had a dummy died at step 2, gloo "41088 vs 12224 bytes", as in stock)
+NO_DUMMY = FsdpFacts(user_classes=("Glm4vTextDecoderLayer", "Glm4vVisionBlock"), no_split=("Glm4vTextDecoderLayer",
+                     "Glm4vVisionBlock"), present=("Glm4vTextDecoderLayer", "Glm4vVisionBlock"),
+                     skippable=("Glm4vVisionBlock",), fold_only=("Glm4vVisionBlock",), folded=("model.visual",),
+                     folded_bytes=3 * 2**20, total_bytes=40 * 2**20, no_dummy="no dummy image from the config")
+
+
+def test_an_explicit_list_naming_classes_no_dummy_runs_is_folded_out_with_its_cost():
+    """Issue 45, item 2: a class of the user's list with an instance in a subtree a rank may skip, which no dummy
+    runs, is folded out of the list (the plan's units = the list less it, applied as the plan's own units are), the
+    cost said; the stabiliser and the evaluation sync then stand down, consistently with the units. Fails when the
+    list is kept as given (``_user_units`` returning ``Decision(False)``: checked by hand 2026-12-02)."""
+    plan = resolve_plan(_facts(NO_DUMMY, is_vlm=True, trainable_vision_params=True))
+    units = plan.fsdp_units
+    assert fsdp_units_ours(units) and units.changed and fsdp_unit_classes(units) == ("Glm4vTextDecoderLayer",)
+    assert "explicit fsdp_transformer_layer_cls_to_wrap less Glm4vVisionBlock" in units.reason, units.reason
+    assert "(model.visual) that no dummy runs (no dummy image from the config)" in units.reason
+    assert "cost: their parameters (3.0 MiB) are all-gathered whole on every rank" in units.reason
+    assert plan.fsdp_skippable.value == "fold" and "no dummy" in plan.fsdp_skippable.reason
+    assert plan.parameter_usage.value is True
+    assert plan.vlm_stabilizer.value is False and plan.vlm_eval_sync.value is False, plan.report(width=None)
+    # nothing left of the list but risky classes: the root (accelerate's embedding and head units)
+    only = decide_fsdp_units(_facts(dataclasses.replace(NO_DUMMY, user_classes=("Glm4vVisionBlock",)), is_vlm=True),
+                             DDPFixConfig())
+    assert only.value == "root" and "no class left" in only.reason
+    # parameter_usage disabled: folding cannot keep the reduce-scatters equal; the list is kept, said so
+    off = resolve_plan(_facts(NO_DUMMY, is_vlm=True, trainable_vision_params=True), DDPFixConfig(parameter_usage=False))
+    assert off.fsdp_units.value is False and "parameter_usage is disabled" in off.fsdp_units.reason
+    assert "mixed batches fail" in off.fsdp_units.reason and off.fsdp_skippable.value is None
+
+
+def test_an_explicit_list_on_real_models_folds_what_no_dummy_runs_and_keeps_what_one_does():
+    """Real tiny models and the lists users write (tests/scripts/fsdp_trainer.py ``tower_wrap_list``): Janus (no
+    dummy) loses its vision encoder layer; LLaVA (a dummy) keeps its tower blocks and runs the dummy there, but with
+    the stabiliser disabled they are folded out; OPT's LayerDrop decoder layer is folded out (root). The guarantee:
+    no class the plan hands accelerate lies in a subtree a rank may skip unless the dummy runs it. Fails (Janus, LLaVA
+    disabled, OPT) when ``_user_units`` keeps every list (checked by hand 2026-12-02)."""
+    import sys
+
+    from launch import ROOT
+
+    sys.path.insert(0, str(ROOT / "tests" / "scripts"))
+    from fsdp_trainer import tower_wrap_list
+    from zoo import MORE_TEXT
+
+    def plan(model, config=None, **kw):
+        facts = gather_fsdp_facts(_Trainer(_plugin(transformer_cls_names_to_wrap=tower_wrap_list(model))), model)
+        return facts, resolve_plan(_facts(facts, **kw), config or DDPFixConfig())
+
+    facts, janus = plan(MORE_VLMS["janus"].model(0), is_vlm=True, trainable_vision_params=True)
+    assert "JanusVisionEncoderLayer" in facts.user_classes and "JanusVisionEncoderLayer" in facts.fold_only
+    classes = fsdp_unit_classes(janus.fsdp_units)
+    assert "LlamaDecoderLayer" in classes and not set(classes) & set(facts.skippable), janus.fsdp_units
+    assert janus.vlm_stabilizer.value is False and janus.vlm_eval_sync.value is False
+    facts, llava = plan(ZOO["llava"].model(0), is_vlm=True, trainable_vision_params=True, vlm_adapter="llava")
+    assert llava.fsdp_units.value is False and llava.fsdp_skippable.value == "shard"
+    assert llava.vlm_stabilizer.value is True and llava.vlm_eval_sync.value is True
+    facts, off = plan(ZOO["llava"].model(0), DDPFixConfig(vlm_stabilizer=False), is_vlm=True,
+                      trainable_vision_params=True, vlm_adapter="llava")
+    assert not set(fsdp_unit_classes(off.fsdp_units)) & set(facts.skippable) and fsdp_units_ours(off.fsdp_units)
+    assert "vlm_stabilizer disabled" in off.fsdp_units.reason and off.fsdp_skippable.value == "fold"
+    assert off.vlm_stabilizer.value is False and off.vlm_eval_sync.value is False
+    facts, opt = plan(MORE_TEXT["opt_layerdrop"].model(0))
+    assert facts.user_classes == ("OPTDecoderLayer",) and opt.fsdp_units.value == "root", opt.fsdp_units
+    assert "LayerDrop: a random per-layer skip has no dummy" in opt.fsdp_units.reason
+
+
+def test_an_explicit_list_with_a_dummy_keeps_the_tower_units_and_folds_only_layerdrop():
+    """Shard (a dummy runs the tower) and a LayerDrop class in the same list: the tower block keeps its unit (the
+    dummy runs it), the LayerDrop class is folded out; the dummy decisions hold. Fails when the list is kept (by hand
+    2026-12-02)."""
+    facts = FsdpFacts(user_classes=("Dec", "VisBlock", "DropLayer"), skippable=("DropLayer", "VisBlock"),
+                      fold_only=("DropLayer",), folded=("model.visual", "model.drop"), folded_bytes=5 * 2**20,
+                      shardable_bytes=4 * 2**20, total_bytes=40 * 2**20, dummy="fam", dummy_tokens=4, tower_params=10)
+    plan = resolve_plan(_facts(facts, is_vlm=True, trainable_vision_params=True, vlm_adapter="fam"))
+    assert plan.fsdp_skippable.value == "shard" and fsdp_unit_classes(plan.fsdp_units) == ("Dec", "VisBlock")
+    assert "less DropLayer" in plan.fsdp_units.reason and "(1.0 MiB)" in plan.fsdp_units.reason
+    assert "run the fam dummy there" in plan.fsdp_units.reason
+    assert plan.vlm_stabilizer.value is True and plan.vlm_eval_sync.value is True
+
+
+@pytest.mark.parametrize("name, lacking", [("gemma3", "SiglipTextEmbeddings"), ("llava", "CLIPTextEmbeddings")])
+def test_parameter_usage_off_drops_the_classes_the_model_lacks_from_accelerates_default(name, lacking):
+    """Issue 45: with ``parameter_usage`` off the plan does not choose the units, but accelerate's default from
+    ``_no_split_modules`` names classes the model lacks ("Could not find the transformer layer class" in
+    prepare): the classes that exist are handed to accelerate instead, said so; with tower blocks among them the
+    evaluation sync is not called unnecessary. Fails when ``_accelerates_units`` keeps accelerate's default (by hand
+    2026-12-02)."""
+    from hf_ddpfix.plan.fsdp import fsdp_eval_sync
+    from hf_ddpfix.plan.vision import decide_eval_sync
+
+    model = {**ZOO, **MORE_VLMS}[name].model(0)
+    facts = gather_fsdp_facts(_Trainer(_plugin()), model)
+    if lacking not in facts.no_split:
+        pytest.skip(f"this transformers' {name} names no absent class")
+    run = _facts(facts, is_vlm=True, trainable_vision_params=True, vlm_adapter=name)
+    config = DDPFixConfig(parameter_usage=False)
+    units = decide_fsdp_units(run, config)
+    have = {type(m).__name__ for m in model.modules()}
+    assert fsdp_units_ours(units) and set(fsdp_unit_classes(units)) == set(facts.present) <= have, units
+    assert f"less what the model lacks: {lacking}" in units.reason and "Could not find" in units.reason
+    assert "not needed" not in fsdp_eval_sync(run, units, decide_eval_sync(run, config)).reason
 
 
 def test_explicit_classes_from_the_plugin_are_the_users_and_ours_are_not():

@@ -205,7 +205,12 @@ OFFLINE = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "HF_DATASETS_OFFL
 # LLaVA-OneVision (any-resolution base + tile), and four no FSDP test named before: VipLLaVA, Command A Vision,
 # PaliGemma, SmolVLM (its 5-D pixel layout discovered from the config); Mllama (cross-attention layers and its
 # tower as units: the cross-attention dummy, hf_ddpfix/integrations/fsdp/cross_attention.py)
-SHARDED = "qwen2_5_vl,gemma3,llava,aya_vision,llava_onevision,vipllava,cohere2_vision,paligemma,smolvlm,mllama"
+# GLM-4V: its dummy found by structure (no registry entry; issue 45 item 1)
+SHARDED = "qwen2_5_vl,gemma3,llava,aya_vision,llava_onevision,vipllava,cohere2_vision,paligemma,smolvlm,mllama,glm4v"
+# issue 45 item 2: a family without a dummy (Janus) with the ``<DecoderLayer>,<VisionBlock>`` list its users write:
+# the plan folds the vision block out of the list (it crashed at the first mixed step, as stock); and GLM-4V under
+# DDP with the stabiliser's dummy (parameter_usage off), in the stock launch
+FOLDED, DDP_DUMMY = "janus:explicit", "glm4v:ddpdummy"
 TOL = 1.5e-7  # tests/test_fsdp_trainer.py's FSDP2-vs-DDP spread; measured here 3.0e-8 to 1.2e-7 (SmolVLM)
 PRED_TOL = 1e-5  # predict() logits (gathered) vs stock DDP: tests/test_fsdp_trainer.py measured 0 to 3.6e-6
 DETAIL = {"TORCH_DISTRIBUTED_DEBUG": "DETAIL"}
@@ -224,17 +229,27 @@ def test_tower_units_with_the_dummy_like_stock_ddp(tmp_path):
     gathered logits within ``PRED_TOL`` (measured 0 to 1.3e-6 over these families, 2026-12-02; shown able to fail
     with ``PRED_TOL = 1e-7``: 9 of 10 families exceed it).
 
-    The fix is real: the same launch for LLaVA with the dummy disabled (``HF_DDPFIX_VLM_STABILIZER=0``: the plan
-    then keeps the explicit list "as in stock") fails with torch's "Detected mismatch between collectives". For
+    The fix is real: the same launch for LLaVA with the dummy and parameter_usage disabled
+    (``HF_DDPFIX_VLM_STABILIZER=0 HF_DDPFIX_PARAMETER_USAGE=0``: the plan then keeps the explicit list "as in stock";
+    with parameter_usage on it folds the tower classes out of the list instead, issue 45) fails with torch's "Detected mismatch between collectives". For
     Mllama, a build whose cross-attention dummy injects nothing (``CrossAttentionDummy._inject`` returning ``None``)
     fails at its first mixed step (by hand, 2026-11-29: DETAIL "Collectives differ ... Tensor shapes: 129vs 8448");
     with it, Mllama ends bit-equal to stock DDP (0.0), generate() too.
 
+    Issue 45, in the same launches: GLM-4V (its dummy found by structure, no registry entry) in :data:`SHARDED`
+    (measured 2026-12-02: 1.1e-7 from stock DDP with either wrap, 4 dummies on rank 0), GLM-4V under DDP with the
+    stabiliser's dummy (``parameter_usage`` off, the stock launch: bit-equal to stock DDP, 2 dummies), and Janus (no
+    dummy) with the ``LlamaDecoderLayer,JanusVisionEncoderLayer`` list its users write: the plan folds the vision
+    block out of the list and the run ends 3.0e-8 from stock DDP (evaluation 4.8e-7); with the list kept as given
+    (``_user_units`` broken on purpose, by hand 2026-12-02) the same run fails at its first mixed step with
+    "Detected mismatch between collectives" (all-gather 7376 vs 20544 elements).
+
     Wall (2 cores, 2026-11-28): 136 s lightly loaded (fixed 18 runs + stock DDP 9 + no dummy 1), 319 s loaded;
-    2026-11-29 with Mllama (fixed 20 runs + stock DDP 10 + no dummy 1): 241 s (pytest), beside other jobs."""
+    2026-11-29 with Mllama (fixed 20 runs + stock DDP 10 + no dummy 1): 241 s (pytest), beside other jobs; 2026-12-02
+    with issue 45's runs (fixed 23 + stock DDP 13 + no dummy 1): 542 s on the shared box at load ~10."""
     t0 = time.time()
     fixed = accelerate_launch("fsdp.yaml", SCRIPT, "--mode", "fixed", "--out", str(tmp_path), "--families", SHARDED,
-                              "--wraps", "explicit,shard", "--generate", GENERATE, timeout=900, env=fsdp_device_env({**OFFLINE, **DETAIL}),
+                              "--wraps", "explicit,shard", "--generate", GENERATE, "--extra-runs", FOLDED, timeout=900, env=fsdp_device_env({**OFFLINE, **DETAIL}),
                               extra=("--mixed_precision", "no"))
     log = "\n".join(ln for ln in fixed.stdout.splitlines() if not ln.startswith("full plan:"))  # the cut lines only
     n = len(SHARDED.split(","))
@@ -243,7 +258,8 @@ def test_tower_units_with_the_dummy_like_stock_ddp(tmp_path):
     assert len(re.findall(r"fsdp_skippable\s+= shard\s+fold .*; forced", log)) == n, log[-6000:]
     assert fixed.stdout.count("run the") >= n and "vlm_stabilizer          = on" in log, log[-6000:]  # whole reasons
     stock = accelerate_launch("ddp_cpu.yaml", SCRIPT, "--mode", "stock", "--out", str(tmp_path), "--families",
-                              SHARDED, "--generate", GENERATE, timeout=600, env=OFFLINE)
+                              SHARDED + ",janus", "--generate", GENERATE, "--extra-runs", DDP_DUMMY, timeout=600,
+                              env=OFFLINE)
     assert "FSDP_TRAINER_OK" in stock.stdout, stock.stdout[-4000:]
     for wrap in ("explicit", "shard"):
         for name in SHARDED.split(","):
@@ -262,9 +278,28 @@ def test_tower_units_with_the_dummy_like_stock_ddp(tmp_path):
             if name in GENERATE.split(","):  # greedy tokens per rank (ranks ran 3 and 6 decode forwards)
                 assert [g.shape[-1] for g in ours["generated"]] == [3, 6], (name, ours["generated"])
                 assert all(torch.equal(a, b) for a, b in zip(ours["generated"], ref["generated"], strict=True))
+    # GLM-4V: the structure-found dummy ran on the image-less steps (rank 0 saves: 2 text-only training steps, then
+    # evaluation forwards) under FSDP2 (both wraps) and under DDP (parameter_usage off: the stabiliser)
+    ours = {w: torch.load(tmp_path / f"fixed-{w}-glm4v.pt") for w in ("explicit", "shard", "ddpdummy")}
+    assert all(o["dummies"] >= 2 for o in ours.values()), {w: o["dummies"] for w, o in ours.items()}
+    ref = torch.load(tmp_path / "stock-glm4v.pt")
+    assert not ours["ddpdummy"]["units"], ours["ddpdummy"]["wrapped"]  # DDP, not FSDP
+    diff = max((ours["ddpdummy"]["weights"][k] - ref["weights"][k]).abs().max().item() for k in ref["weights"])
+    assert diff <= TOL, f"glm4v DDP with the dummy: max |W - W_stock_ddp| = {diff:.2e}"
+    # Janus (no dummy) with its users' list: the vision block folded out of the list (no unit in the vision model),
+    # trained to stock DDP's weights
+    assert re.search(r"fsdp_units\s+= LlamaDecoderLayer\s+explicit fsdp_transformer_layer_cls_to_wrap less "
+                     r"JanusVisionEncoderLayer", log), log[-6000:]
+    janus, ref = torch.load(tmp_path / "fixed-explicit-janus.pt"), torch.load(tmp_path / "stock-janus.pt")
+    assert janus["wrapped"].startswith("FSDP") and not [u for u in janus["units"] if "vision_model" in u], janus["units"]
+    diff = max((janus["weights"][k] - ref["weights"][k]).abs().max().item() for k in ref["weights"])
+    assert diff <= TOL, f"janus explicit: max |W_fsdp2 - W_ddp| = {diff:.2e} > {TOL:.0e}"
+    for key in ("eval_loss", "predict_loss"):
+        assert abs(janus[key] - ref[key]) <= 1e-5, ("janus", key, janus[key], ref[key])
     off = accelerate_launch("fsdp.yaml", SCRIPT, "--mode", "fixed", "--out", str(tmp_path / "off"), "--families",
                             "llava", "--wraps", "explicit", timeout=600, check=False, extra=("--mixed_precision", "no"),
-                            env=fsdp_device_env({**OFFLINE, **DETAIL, "HF_DDPFIX_VLM_STABILIZER": "0"}))
+                            env=fsdp_device_env({**OFFLINE, **DETAIL, "HF_DDPFIX_VLM_STABILIZER": "0",
+                                                 "HF_DDPFIX_PARAMETER_USAGE": "0"}))
     assert off.returncode != 0 and "FSDP_TRAINER_OK" not in off.stdout, off.stdout[-4000:]
     assert "Detected mismatch between collectives" in off.stdout, off.stdout[-4000:]
     print(f"wall {time.time() - t0:.0f} s")

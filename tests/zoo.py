@@ -492,6 +492,22 @@ def _janus_batch(has_image: bool, seed: int, seq: int) -> dict[str, torch.Tensor
     return _pixel_batch(16, 28)(has_image, seed, seq + 16)
 
 
+def _glm4v(seed: int) -> nn.Module:
+    """GLM-4V (issue 45): a Qwen2-VL-like tower (patch rows + ``image_grid_thw``, 2x2 merge) no registry entry names;
+    its dummy is found by structure (hf_ddpfix/integrations/vision/families.py ``_discover_family``)."""
+    from transformers import Glm4vConfig, Glm4vForConditionalGeneration
+
+    text = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2, max_position_embeddings=512, pad_token_id=0,
+                rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [1, 1, 2],
+                                 "partial_rotary_factor": 0.5})
+    vision = dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64, patch_size=14,
+                  spatial_merge_size=2, temporal_patch_size=2, image_size=28, in_channels=3)
+    cfg = Glm4vConfig(text_config=text, vision_config=vision, image_token_id=IMG, video_token_id=201,
+                      image_start_token_id=202, image_end_token_id=203, video_start_token_id=204, video_end_token_id=205)
+    return Glm4vForConditionalGeneration(cfg)
+
+
 #: VLMs no DDP / ZeRO test trains: the FSDP2 Trainer test checks the class of fix on families it was not built on
 #: (LLaVA-NeXT, GOT-OCR 2 and Janus: no other test in the repository names them).
 MORE_VLMS: dict[str, ZooEntry] = {
@@ -506,6 +522,8 @@ MORE_VLMS: dict[str, ZooEntry] = {
         ZooEntry("llava_onevision", "LLaVA-OneVision", _llava_onevision, _VLM_LORA, _llava_next_batch, vlm=True,
                  can_go_unused=_VISION_UNUSED),
         ZooEntry("got_ocr2", "GOT-OCR 2", _got_ocr2, _VLM_LORA, _pixel_batch(1, 64), vlm=True,
+                 can_go_unused=_VISION_UNUSED),
+        ZooEntry("glm4v", "GLM-4V (a dummy found by structure)", _glm4v, _VLM_LORA, _qwen_batch(1176), vlm=True,
                  can_go_unused=_VISION_UNUSED),
         ZooEntry("janus", "Janus", _janus, _VLM_LORA, _janus_batch, vlm=True,
                  can_go_unused=_VISION_UNUSED + "; the generation aligner's LoRA on every step (image generation "

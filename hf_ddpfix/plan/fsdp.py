@@ -26,9 +26,14 @@ a rank's parameter shard), the tower's blocks become units too and a rank withou
 dummy image at the language model's start, where an image rank runs its tower
 (:mod:`hf_ddpfix.integrations.fsdp.dummy`). LayerDrop stacks and families without a dummy always fold.
 
-A user's explicit ``fsdp_transformer_layer_cls_to_wrap`` is honoured as given; if it names a class inside the
-tower, the dummy runs there (``fsdp_skippable = shard``); only where no dummy can be built does the plan say that
-mixed batches then fail as in stock.
+A user's explicit ``fsdp_transformer_layer_cls_to_wrap`` is honoured where it is safe: a class inside the tower that
+a dummy can run keeps its units and the dummy runs there (``fsdp_skippable = shard``); a class inside a subtree a
+rank may skip that no dummy runs (a family without one, a LayerDrop stack, the stabiliser disabled) is folded out
+of the list, with the bytes then gathered whole on the plan line (issue 45: GLM-4V with
+``Glm4vTextDecoderLayer,Glm4vVisionBlock`` died at step 2 with a gloo size mismatch, as in stock). Only with
+``parameter_usage`` disabled, which folding needs, is such a list kept as given, said so. Where accelerate's default
+(``_no_split_modules``) names classes the model lacks, the plan's classes replace it even when the plan does not
+choose the units otherwise, so accelerate never raises "Could not find the transformer layer class".
 """
 
 from __future__ import annotations
@@ -54,11 +59,12 @@ def _list(names: tuple[str, ...], limit: int = 4) -> str:
     return shown + (f" (+{len(names) - limit})" if len(names) > limit else "")
 
 
-def _cost(f: FsdpFacts) -> str:
-    """What folding costs, said in the plan line: the folded parameters stay unsharded on every rank."""
-    if not f.folded_bytes:
+def _cost(f: FsdpFacts, size: int | None = None) -> str:
+    """What folding costs, said in the plan line: the folded parameters (``size`` bytes, default all of ``f``'s
+    skippable subtrees) stay unsharded on every rank."""
+    size = f.folded_bytes if size is None else size
+    if not size:
         return ""
-    size = f.folded_bytes
     amount = f"{size / 2**30:.2f} GiB" if size >= 2**30 else f"{size / 2**20:.1f} MiB" if size >= 2**20 else (
         f"{size / 2**10:.0f} KiB")
     return (f"; cost: their parameters ({amount}) are all-gathered whole on every rank for the enclosing unit's "
@@ -98,7 +104,9 @@ def decide_fsdp_skippable(facts: RunFacts, c: DDPFixConfig) -> Decision:
     if c.vlm_stabilizer is False and f.dummy:  # the dummy is the stabiliser's: disabled, nothing runs it
         sf = dataclasses.replace(sf, dummy="", no_dummy=f"vlm_stabilizer disabled ({c.source('vlm_stabilizer')})",
                                  user_shards=False)
-        return Decision(None, "") if f.user_classes is not None else decide_skippable(sf, "fold")
+        if f.user_classes is not None and c.parameter_usage is False:  # the list is kept (decide_fsdp_units)
+            return Decision(None, "")
+        return decide_skippable(sf, "fold")
     if not f.shardable_bytes and not sf.user_shards:
         if f.folded and not f.dummy and f.no_dummy != "LayerDrop only":
             return decide_skippable(sf, "fold")
@@ -131,15 +139,9 @@ def decide_fsdp_units(facts: RunFacts, c: DDPFixConfig, skippable: Decision | No
                         "transformer_based_wrap)" + (f"; subtrees a rank may skip ({_list(f.folded)}) may become "
                                                      f"units: {_STOCK_FAILS}" if f.folded else ""))
     if f.user_classes is not None:
-        risky = tuple(n for n in f.user_classes if n in f.skippable)
-        note = f"; {_list(risky)} lie inside subtrees a rank may skip: {_STOCK_FAILS}" if risky else ""
-        if risky and shard and not any(n in f.fold_only for n in risky):
-            note = (f"; {_list(risky)} lie inside subtrees a rank may skip: ranks without an image run the "
-                    f"{f.dummy} dummy there (fsdp_skippable)")
-        return Decision(False, f"explicit fsdp_transformer_layer_cls_to_wrap kept: {_list(f.user_classes)}{note}")
+        return _user_units(f, c, shard)
     if c.parameter_usage is False:
-        return Decision(False, f"accelerate's units from _no_split_modules kept (parameter_usage disabled "
-                        f"({c.source('parameter_usage')}): units without a skippable subtree need its ties)")
+        return _accelerates_units(f, c)
     source = f.present or f.repeated
     avoid = f.fold_only if shard else f.skippable  # shard: units inside the tower too (the dummy runs them)
     chosen = tuple(n for n in source if n not in avoid)
@@ -180,6 +182,73 @@ def decide_fsdp_units(facts: RunFacts, c: DDPFixConfig, skippable: Decision | No
         parts.append(f"folded into the enclosing unit (a rank may skip them, so they get no unit of their own; "
                      f"every rank gathers them with it): {_list(f.folded)}{_cost(f)}")
     return Decision(",".join(chosen), "; ".join(parts), changed=chosen != f.no_split)
+
+
+def _no_dummy_why(f: FsdpFacts, c: DDPFixConfig, shard: bool) -> str:
+    """Why no dummy runs the risky classes of an explicit list (see :func:`_user_units`)."""
+    if f.dummy and c.vlm_stabilizer is False and not shard:
+        return f"vlm_stabilizer disabled ({c.source('vlm_stabilizer')})"
+    if f.dummy or f.no_dummy == "LayerDrop only":  # the dummy runs the tower: what is left is a LayerDrop stack
+        return "LayerDrop: a random per-layer skip has no dummy"
+    return f.no_dummy or "no stabiliser adapter"
+
+
+def _user_units(f: FsdpFacts, c: DDPFixConfig, shard: bool) -> Decision:
+    """The units for an explicit ``fsdp_transformer_layer_cls_to_wrap`` (issue 45).
+
+    Classes with an instance inside a subtree a rank may skip are *risky* unless a dummy runs them there
+    (``fsdp_skippable = shard`` and not a LayerDrop / no-dummy class): as units of their own, a rank that skips the
+    subtree all-gathers other units than a rank that runs it (gloo size mismatch at the first mixed step, an NCCL
+    hang). The plan folds them out of the list: the units are the user's classes less the risky ones (``"root"``
+    when none is left), handed to accelerate's plugin as the plan's own units are (``apply_fsdp_units``), and
+    ``parameter_usage`` ties what a rank leaves unused in the enclosing unit. With ``parameter_usage`` disabled
+    folding cannot keep the ranks' reduce-scatters equal, so the list stays as given and the reason says that
+    mixed batches fail as in stock (a run whose every step has an image on every rank trains as in stock).
+
+    Returns:
+        ``Decision(False)`` (the list kept) or ``Decision("A,B" | "root", changed=True)`` (risky classes folded).
+    """
+    listed = _list(f.user_classes or ())
+    risky = tuple(n for n in f.user_classes or () if n in f.skippable and (not shard or n in f.fold_only))
+    driven = tuple(n for n in f.user_classes or () if n in f.skippable and n not in risky)
+    note = (f"; {_list(driven)} lie inside subtrees a rank may skip: ranks without an image run the {f.dummy} dummy "
+            "there (fsdp_skippable)") if driven else ""
+    if not risky:
+        return Decision(False, f"explicit fsdp_transformer_layer_cls_to_wrap kept: {listed}{note}")
+    why = _no_dummy_why(f, c, shard)
+    if c.parameter_usage is False:
+        return Decision(False, f"explicit fsdp_transformer_layer_cls_to_wrap kept: {listed}; {_list(risky)} lie "
+                        f"inside subtrees a rank may skip that no dummy runs ({why}) and parameter_usage is disabled "
+                        f"({c.source('parameter_usage')}), which folding them needs: {_STOCK_FAILS}{note}")
+    kept = tuple(n for n in f.user_classes or () if n not in risky)
+    gathered = f.folded_bytes - (f.shardable_bytes if shard else 0)
+    units = (f"one unit per {_list(kept)}, then" if kept else "no class left:") + (
+        " accelerate's embedding and [norm, head] units and the root")
+    return Decision(",".join(kept) or "root",
+                    f"explicit fsdp_transformer_layer_cls_to_wrap less {_list(risky)}: they lie inside subtrees a rank "
+                    f"may skip ({_list(f.folded)}) that no dummy runs ({why}); as units of their own, ranks with and "
+                    "without them would all-gather different units (gloo size mismatch at the first mixed step, NCCL "
+                    f"hang), so they are folded into the enclosing unit{_cost(f, gathered)}; {units}{note}",
+                    changed=True)
+
+
+def _accelerates_units(f: FsdpFacts, c: DDPFixConfig) -> Decision:
+    """``parameter_usage`` disabled: accelerate's units from ``_no_split_modules`` (stock), except that a name the
+    model lacks is dropped (accelerate 1.15 would raise "Could not find the transformer layer class X" in
+    ``prepare``): the classes that exist, else the model's repeated blocks, said so."""
+    off = (f"accelerate's units from _no_split_modules kept (parameter_usage disabled ({c.source('parameter_usage')}): "
+           "units without a skippable subtree need its ties)")
+    absent = tuple(n for n in f.no_split if n not in f.present)
+    if not absent:
+        return Decision(False, off)
+    chosen = f.present or f.repeated
+    what = (f"one unit per {_list(chosen)}" if chosen else "no block class") + (
+        ", then accelerate's embedding and [norm, head] units and the root")
+    return Decision(",".join(chosen) or "root",
+                    f"{off}, less what the model lacks: {_list(absent)} (accelerate would raise 'Could not find the "
+                    f"transformer layer class'); {what}" + ("" if f.present else
+                                                            " (_no_split_modules names none: its repeated blocks)"),
+                    changed=True)
 
 
 def _under(name: str, tops: tuple[str, ...]) -> bool:
@@ -277,8 +346,8 @@ def _no_unit_in_skippable(facts: RunFacts, units: Decision) -> bool:
         return False
     if f.wrapped:
         return not f.skipped_units
-    if fsdp_units_ours(units):
-        return True
+    if fsdp_units_ours(units):  # the plan's classes (an explicit list less what it folded, or accelerate's less
+        return not set(fsdp_unit_classes(units)) & set(f.skippable)  # absent names: see _accelerates_units)
     return (f.policy == "transformer_based_wrap" and f.user_classes is not None
             and not any(n in f.skippable for n in f.user_classes))
 

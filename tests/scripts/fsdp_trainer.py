@@ -74,7 +74,7 @@ EAGER_LOADING = ("bart_layerdrop",)
 #: script (docs/fsdp.md) and left out of the tests' launches (launch time)
 MORE_CASES = {"llama": (2, "non_reentrant"), "paligemma": (1, "non_reentrant"), "vipllava": (1, "non_reentrant"),
               "cohere2_vision": (1, "non_reentrant"), "smolvlm": (1, "non_reentrant"), "idefics3": (1, "non_reentrant"),
-              "llava_onevision": (1, "non_reentrant")}
+              "llava_onevision": (1, "non_reentrant"), "glm4v": (1, "non_reentrant")}
 
 
 def training_args(output_dir: str, steps: int, ga: int, mode: str, reentrant: bool = False):  # noqa: ANN201
@@ -164,10 +164,18 @@ def count_layer_calls(model) -> list[int]:  # noqa: ANN001
     return counts
 
 
-def tower_wrap_list(model) -> list[str]:  # noqa: ANN001
+#: family -> the ``<DecoderLayer>,<VisionBlock>`` list its users write, where :func:`tower_wrap_list`'s would name
+#: torch built-ins (Janus stacks plain ``nn.Module`` and ``nn.Linear`` containers: accelerate's ``isinstance`` policy
+#: would then make every module a unit)
+WRAP_LISTS = {"janus": ["LlamaDecoderLayer", "JanusVisionEncoderLayer"]}
+
+
+def tower_wrap_list(model, name: str = "") -> list[str]:  # noqa: ANN001
     """An explicit ``fsdp_transformer_layer_cls_to_wrap`` as VLM guides write one: every block class the model
     stacks (the decoder layer and the vision tower's blocks), as its ``_no_split_modules`` names them where it has
-    them (else its repeated blocks)."""
+    them (else its repeated blocks); :data:`WRAP_LISTS` for family ``name`` where it has an entry."""
+    if name in WRAP_LISTS:
+        return list(WRAP_LISTS[name])
     from hf_ddpfix._compat import no_split_modules, unwrap_model
     from hf_ddpfix.integrations.fsdp import repeated_block_classes
 
@@ -209,6 +217,10 @@ def run(name: str, mode: str, out: str, saved: bool = False, generate: bool = Fa
     model.config.use_cache = False
     cls = DDPFixTrainer if mode == "fixed" else Trainer
     own = {"ddpfix_config": DDPFixConfig(fsdp_skippable="shard")} if wrap == "shard" and mode == "fixed" else {}
+    if wrap == "ddpdummy":  # DDP with parameter_usage off: the plan's stabiliser runs the dummy on text-only ranks
+        mode, own = "fixed", {"ddpfix_config": DDPFixConfig(parameter_usage=False)}
+        args.ddp_find_unused_parameters = None
+        cls = DDPFixTrainer
     trainer = cls(model=model, **own, args=args, data_collator=single_collate,
                   train_dataset=items(entry, PATTERN, steps * ga, world, seed=0, ga=ga),
                   eval_dataset=items(entry, EVAL_PATTERN, len(EVAL_PATTERN), world, seed=50_000),
@@ -220,11 +232,14 @@ def run(name: str, mode: str, out: str, saved: bool = False, generate: bool = Fa
     explicit = plugin is not None and wrap == "explicit"
     if explicit:  # as fsdp_transformer_layer_cls_to_wrap in the accelerate config: restored below
         saved_names = plugin.transformer_cls_names_to_wrap
-        plugin.transformer_cls_names_to_wrap = tower_wrap_list(model)
+        plugin.transformer_cls_names_to_wrap = tower_wrap_list(model, name)
         print(f"[{mode}] {name}: explicit wrap list {plugin.transformer_cls_names_to_wrap}", flush=True)
     calls = count_layer_calls(model) if name in RANK_SEEDED else None
     at_start = PlanAtStart(trainer)
     trainer.add_callback(at_start)
+    from hf_ddpfix.ops import feature_counts
+
+    feature_counts.reset()
     t0 = time.time()
     try:
         trainer.train()
@@ -239,6 +254,8 @@ def run(name: str, mode: str, out: str, saved: bool = False, generate: bool = Fa
     from torch.distributed.fsdp import FSDPModule
 
     units = [n for n, m in trainer.model.named_modules() if isinstance(m, FSDPModule)]
+    counted = feature_counts.snapshot().get("stabilizer")  # dummy images run on this rank (train + eval)
+    dummies = 0 if counted is None else counted.ran
     weights = trainable_weights(trainer.model)
     from hf_ddpfix._compat import shared_parameter_holders
 
@@ -260,7 +277,7 @@ def run(name: str, mode: str, out: str, saved: bool = False, generate: bool = Fa
         torch.save({"weights": weights, "eval_loss": metrics["eval_loss"],
                     "predict_loss": predicted.metrics["test_loss"], "predictions": torch.as_tensor(predicted.predictions),
                     "wrapped": type(trainer.model).__name__,
-                    "units": units, "generated": generated, "layer_calls": calls,
+                    "units": units, "generated": generated, "layer_calls": calls, "dummies": dummies,
                     "ties": ties}, os.path.join(out, f"{mode}{'' if wrap == 'plan' else '-' + wrap}-{name}.pt"))
         print(f"[{mode}] {name}: {type(trainer.model).__name__}, {len(units)} FSDP2 units, eval_loss "
               f"{metrics['eval_loss']:.6f}, {time.time() - t0:.1f}s", flush=True)
@@ -281,12 +298,18 @@ def main() -> None:
     ap.add_argument("--generate", default="", help="families that also generate() with mixed ranks, comma-separated")
     ap.add_argument("--wraps", default="plan", help="plan (the plan's units), explicit (a wrap list naming the tower's "
                     "block classes), shard (fsdp_skippable=shard); comma-separated: each family runs once per wrap")
+    ap.add_argument("--extra-runs", default="", help="family:wrap pairs run after the others, comma-separated (a wrap "
+                    "as --wraps, or ddpdummy: DDPFixTrainer with parameter_usage off, the stabiliser's dummy, under "
+                    "any launch)")
     ap.add_argument("--from-saved", default="", help="families loaded with from_pretrained (load_saved), comma-separated")
     a = ap.parse_args()
     for wrap in a.wraps.split(","):
         for name in a.families.split(","):
             run(name, a.mode, a.out, saved=name in a.from_saved.split(","), generate=name in a.generate.split(","),
                 wrap=wrap)
+    for pair in filter(None, a.extra_runs.split(",")):
+        name, wrap = pair.split(":")
+        run(name, a.mode, a.out, generate=name in a.generate.split(","), wrap=wrap)
     print("FSDP_TRAINER_OK", flush=True)
 
 

@@ -211,7 +211,7 @@ def _bytes(subtrees: Iterable[nn.Module]) -> int:
 
 def _dummy_facts(hf: nn.Module, skip: list[nn.Module]) -> tuple[str, str, int, int]:
     """(family, why not, tokens, tower parameters) of the dummy image that could run a skippable subtree."""
-    from ..vision.adapter import image_size_hw
+    from ..vision.adapter import grid_geometry, image_size_hw
     from ..vision.families import describe_unsupported, find_vision_adapter
     from ..vision.zero import language_model_of
 
@@ -237,10 +237,14 @@ def _dummy_facts(hf: nn.Module, skip: list[nn.Module]) -> tuple[str, str, int, i
     if language_model_of(adapter) is None:
         return "", "no language model module to run it before", 0, 0
     vc = adapter.vision_config
-    hw = image_size_hw(vc) or (224, 224)
-    patch = getattr(vc, "patch_size", None) or 14
-    patch = patch if isinstance(patch, int) else 14
-    tokens = max(1, (hw[0] // patch) * (hw[1] // patch))
+    grid = grid_geometry(vc) if adapter.kind == "grid" else None
+    if grid is not None:  # one merged token: merge x merge patches (VisionAdapter.dummy_inputs)
+        tokens = grid[0] ** 2
+    else:
+        hw = image_size_hw(vc) or (224, 224)
+        patch = getattr(vc, "patch_size", None) or 14
+        patch = patch if isinstance(patch, int) else 14
+        tokens = max(1, (hw[0] // patch) * (hw[1] // patch))
     params = sum({id(p): p.numel() for _, m in adapter.parts() for p in m.parameters()}.values())
     return adapter.family.name, "", tokens, params
 

@@ -2,7 +2,8 @@
 
 - :mod:`.family` — :class:`VisionFamily`, what a VLM family is, as data.
 - :mod:`.adapter` — :class:`VisionAdapter`, a located tower and the smallest dummy image it accepts.
-- :mod:`.families` — the registry of hand-written families, discovery from a model's own config (ZeRO),
+- :mod:`.proof` — the attach-time proof that a dummy contributes exactly zero (families found by structure).
+- :mod:`.families` — the registry of hand-written families, discovery from a model's own config and structure,
   ``find_vision_adapter`` / ``describe_unsupported``, vision parts found by module name.
 - :mod:`.stabilizer` — :class:`VisionStabilizer`: the dummy image on text-only steps (DDP / FSDP2),
   stock optimizer semantics, and the evaluation sync for FSDP2.

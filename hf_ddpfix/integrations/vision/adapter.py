@@ -33,17 +33,29 @@ from torch import nn
 
 from ..._compat import image_features, output_field, zero3_gathered, zero3_partitioned
 from .family import VisionFamily
+from .proof import eval_mode, prove_zero
 
-__all__ = ["EXTRA_INPUT_BUILDERS", "VISUAL_INPUT_NAMES", "VisionAdapter", "get_submodule", "image_size_hw",
-           "output_tensors"]
+__all__ = ["EXTRA_INPUT_BUILDERS", "GRID_INPUT_NAMES", "VISUAL_INPUT_NAMES", "VisionAdapter", "get_submodule",
+           "BUILT_INPUTS", "grid_geometry", "image_size_hw", "materialized", "output_tensors"]
 
 # Input names that make a VLM run its vision tower (modeling_qwen2_5_vl.py / modeling_llava.py /
 # modeling_gemma3.py, 5.23: `if pixel_values is not None` / `if pixel_values_videos is not None`).
 VISUAL_INPUT_NAMES = ("pixel_values", "pixel_values_videos")
 
 
-#: A discovered family's verified pixel layout per model: ``root -> (family name, pixel ndim)``.
-_VERDICTS: weakref.WeakKeyDictionary[nn.Module, tuple[str, tuple[int, int]]] = weakref.WeakKeyDictionary()
+#: A discovered family's verdict per model: ``root -> (family name, layout, error, unreached)``; ``layout`` is
+#: ``(pixel ndim, tiles)`` ("image" kind) or ``(grid layout,)`` ("grid" kind); ``error`` is ``""`` when the trial and
+#: the zero proof passed, else why not; ``unreached`` as :attr:`VisionAdapter.unreached`, then the names of
+#: :attr:`VisionAdapter.reached` (kept either way: one trial per model; no reference to a model in the values).
+_VERDICTS: weakref.WeakKeyDictionary[nn.Module, tuple[str, tuple[Any, ...], str, tuple[str, ...], tuple[str, ...]]] = (
+    weakref.WeakKeyDictionary())
+
+#: ``get_image_features`` / tower keywords that take a Qwen-style ``(t, h, w)`` grid per image (in patches).
+GRID_INPUT_NAMES = ("image_grid_thw", "grid_thw")
+#: The grid dummy's pixel layouts tried in order by :meth:`VisionAdapter.verify` (a discovered grid family):
+#: ``flat`` ``[patches, C * tp * p * p]`` (Qwen2-VL, GLM-4V), ``patch5`` ``[patches, C, tp, p, p]``, ``patch4``
+#: ``[patches, C, p, p]`` (towers without a temporal patch).
+GRID_LAYOUTS = ("flat", "patch5", "patch4")
 
 
 def get_submodule(root: nn.Module, path: str) -> nn.Module | None:
@@ -62,6 +74,39 @@ def image_size_hw(vision_config: Any) -> tuple[int, int] | None:
     if isinstance(size, (list, tuple)) and len(size) == 2 and all(isinstance(s, int) and s > 0 for s in size):
         return int(size[0]), int(size[1])
     return None
+
+
+def _first_int(value: Any) -> int | None:
+    if isinstance(value, bool):
+        return None
+    if isinstance(value, int):
+        return value if value > 0 else None
+    if isinstance(value, (list, tuple)) and value and all(isinstance(v, int) and v > 0 for v in value):
+        return int(value[0])
+    return None
+
+
+def grid_geometry(vision_config: Any) -> tuple[int, int, int, int] | None:
+    """``(merge, channels, temporal patch, patch)`` of a Qwen-style grid tower, read from its ``vision_config``:
+    ``spatial_merge_size`` (or ``merge_size``; 1 when absent), ``in_channels`` (or ``num_channels``; 3 when
+    absent), ``temporal_patch_size`` (1 when absent or ``None``) and ``patch_size`` (required: ``None`` without it).
+    An int or a list of equal ints each (the first is used)."""
+    patch = _first_int(getattr(vision_config, "patch_size", None))
+    if patch is None:
+        return None
+    merge = _first_int(getattr(vision_config, "spatial_merge_size", None) or getattr(vision_config, "merge_size", None))
+    chans = _first_int(getattr(vision_config, "in_channels", None) or getattr(vision_config, "num_channels", None))
+    tp = _first_int(getattr(vision_config, "temporal_patch_size", None))
+    return merge or 1, chans or 3, tp or 1, patch
+
+
+def materialized(params: list[torch.Tensor]) -> bool:
+    """True when every tensor holds its values here: none on the meta device (``hf-ddpfix plan``'s model), none
+    ZeRO-3 partitioned (empty until gathered), none an FSDP2 shard (a ``DTensor``: running it all-gathers)."""
+    def sharded(p: torch.Tensor) -> bool:
+        return any(cls.__name__ == "DTensor" for cls in type(p).__mro__)
+
+    return not any(p.device.type == "meta" or zero3_partitioned(p) or sharded(p) for p in params)
 
 
 def output_tensors(out: Any) -> list[torch.Tensor]:
@@ -91,6 +136,9 @@ def _image_sizes(hw: tuple[int, int], device: torch.device) -> torch.Tensor:
 #: dummy image (Pixtral / LLaVA-NeXT style ``image_sizes``). A required input not listed here makes a
 #: family undiscoverable (reported, stock behaviour).
 EXTRA_INPUT_BUILDERS = {"image_sizes": _image_sizes}
+#: keyword inputs a discovered family's ``get_image_features`` may require, besides ``EXTRA_INPUT_BUILDERS``: the
+#: grid of a grid-kind dummy (built by :meth:`VisionAdapter.dummy_inputs`)
+BUILT_INPUTS = (*EXTRA_INPUT_BUILDERS, *GRID_INPUT_NAMES)
 
 
 def _ramp(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -128,7 +176,11 @@ class VisionAdapter:
     _forward_params: tuple[str, ...] = field(default=(), repr=False)
     pixel_ndim: int = 4  # "image" kind: 4 ([1, C, H, W]) or 5 ([1, 1, C, H, W]: Idefics3 / SmolVLM); see verify
     pixel_tiles: int = 1  # 5-D only: images per sample (2: an any-resolution base image + one tile, LLaVA-OneVision)
+    grid_layout: str = "flat"  # "grid" kind: the dummy's pixel layout (GRID_LAYOUTS; fixed by verify when discovered)
     verified: bool = False
+    unreached: tuple[str, ...] = ()  # trainable parameters of parts() the dummy's features do not reach (verify)
+    reached: list[tuple[str, nn.Module]] = field(default_factory=list, repr=False)  # modules beyond tower and
+    # projector whose trainable parameters the dummy reaches (verify: a projector under another name); in parts()
 
     def __post_init__(self) -> None:
         self._forward_params = tuple(inspect.signature(self.root.forward).parameters)
@@ -143,7 +195,7 @@ class VisionAdapter:
         out = [(self.tower_name, self.tower)]
         if self.projector is not None:
             out.append((self.projector_name, self.projector))
-        return out
+        return out + self.reached
 
     def trainable_parameters(self) -> list[nn.Parameter]:
         """Tower (and projector) parameters with ``requires_grad`` (LoRA adapters, merger, full fine-tune)."""
@@ -162,7 +214,7 @@ class VisionAdapter:
 
         ``"grid"``: ``grid_thw = [[1, m, m]]`` with ``m = spatial_merge_size`` (one merged token;
         Qwen2.5-VL's window attention pads it to one window) and ``pixel_values`` of shape
-        ``[m*m, C*tp*p*p]``. ``"image"``: ``pixel_values`` of shape ``[1, num_channels, H, W]`` with
+        ``[m*m, C*tp*p*p]`` (a discovered family: the layout its trial run fixed, ``GRID_LAYOUTS``). ``"image"``: ``pixel_values`` of shape ``[1, num_channels, H, W]`` with
         ``(H, W)`` = ``vision_config.image_size``, no grid. Tower dtype and device, a fixed ramp in [-1, 1].
 
         Guarantees: the tower runs on it for every registered family (test_vlm: adapter tests).
@@ -178,17 +230,21 @@ class VisionAdapter:
                 pv = _ramp((*lead, int(vc.num_channels), *hw), dtype, device)
                 self._dummy_cache[key] = (pv, None)
             else:
-                m = int(vc.spatial_merge_size)
-                cols = int(vc.in_channels) * int(vc.temporal_patch_size) * int(vc.patch_size) ** 2
+                geometry = grid_geometry(vc)
+                assert geometry is not None  # checked by the family's structural check
+                m, chans, tp, patch = geometry
+                shape = {"flat": (m * m, chans * tp * patch * patch), "patch5": (m * m, chans, tp, patch, patch),
+                         "patch4": (m * m, chans, patch, patch)}[self.grid_layout]
                 grid = torch.tensor([[1, m, m]], dtype=torch.long, device=device)
-                self._dummy_cache[key] = (_ramp((m * m, cols), dtype, device), grid)
+                self._dummy_cache[key] = (_ramp(shape, dtype, device), grid)
         return self._dummy_cache[key]
 
     def run_tower(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor | None = None) -> Any:
         """Run the vision path as the model does; returns its raw output.
 
         ``"grid"``: ``tower(pixel_values, grid_thw=grid_thw)`` (``BaseModelOutputWithPooling`` or, for
-        Qwen3-VL, one with ``deepstack_features``). ``"image"``: ``root.get_image_features(
+        Qwen3-VL, one with ``deepstack_features``); a grid family found by structure: ``root.get_image_features(
+        pixel_values=..., image_grid_thw=..., return_dict=True)``. ``"image"``: ``root.get_image_features(
         pixel_values=..., return_dict=True)`` — tower and projector; ``pooler_output`` holds the projected
         image features (a tensor, or one tensor per image for LLaVA).
         """
@@ -196,58 +252,103 @@ class VisionAdapter:
             hw = (int(pixel_values.shape[-2]), int(pixel_values.shape[-1]))
             extra = {n: EXTRA_INPUT_BUILDERS[n](hw, pixel_values.device) for n in self.family.extra_inputs}
             return self.root.get_image_features(pixel_values=pixel_values, return_dict=True, **extra)
+        if self.family.discovered:  # found by structure: where the model runs its tower (get_image_features)
+            grids = {n: grid_thw for n in self.family.extra_inputs if n in GRID_INPUT_NAMES}
+            return self.root.get_image_features(pixel_values=pixel_values, return_dict=True, **grids)
         return self.tower(pixel_values, grid_thw=grid_thw)
 
     def verify(self) -> None:
         """Run-time check of a discovered family's dummy, before training (no-op for hand-written ones).
 
-        Runs the dummy once under ``no_grad``, as ``[1, C, H, W]``, else ``[1, 1, C, H, W]`` (Idefics3 /
-        SmolVLM take a list of images per sample), else ``[1, 2, C, H, W]`` (LLaVA-OneVision's any-resolution
-        base image and one tile for ``image_sizes`` = the tower's size), and keeps the first layout whose ``pooler_output`` gives
-        image features to tie where real ones enter. A model built partitioned (``from_pretrained`` under a
-        ZeRO-3 config: ``zero.Init``) has empty tower weights on every rank, so the trial runs with the
-        tower's and projector's parameters gathered (:func:`hf_ddpfix._compat.zero3_gathered`: one
-        all-gather per parameter, read-only, released after the trial): every rank must call ``verify``
-        together, as :class:`~hf_ddpfix.integrations.vision.zero.ZeroVisionStabilizer` does at attach time
-        (before the ZeRO engine exists, so no ZeRO hook runs). Every rank runs the same trial on the same
-        weights, so all reach the same verdict. The verdict is kept per model (a later stabiliser for the
-        same model, e.g. for an evaluation after ``train()``, reuses it without a trial or a collective).
+        1. **The layout**: runs the dummy once under ``no_grad``: ``"image"`` kind as ``[1, C, H, W]``, else
+           ``[1, 1, C, H, W]`` (Idefics3 / SmolVLM take a list of images per sample), else ``[1, 2, C, H, W]``
+           (LLaVA-OneVision's any-resolution base image and one tile for ``image_sizes`` = the tower's size);
+           ``"grid"`` kind (found by structure: ``get_image_features(pixel_values, image_grid_thw)``, GLM-4V) in the
+           layouts of :data:`GRID_LAYOUTS`; keeps the first whose ``pooler_output`` gives image features to tie where
+           real ones enter.
+        2. **The zero proof** (where the parameters are materialized: not on the meta device, not ZeRO-3
+           partitioned): runs the dummy with grad, ties its features into a probe with
+           :class:`~hf_ddpfix.ops.zero_tie.ZeroTie` exactly as the stabilisers do, and back-propagates: the probe is
+           a bitwise copy and every trainable tower / projector gradient is exactly zero (no NaN from a norm of the
+           ramp); :attr:`unreached` lists the trainable parameters the features do not reach (a pooling head whose
+           output the model drops: the DDP stabiliser's "every vision parameter is used" does not hold then). The
+           gradients go to ``torch.autograd.grad``, never into ``.grad``; the parts run in eval mode (no batch-norm
+           statistic moves) under a forked RNG.
+
+        A model built partitioned (``from_pretrained`` under a ZeRO-3 config: ``zero.Init``) has empty tower weights
+        on every rank, so step 1 runs with the tower's and projector's parameters gathered
+        (:func:`hf_ddpfix._compat.zero3_gathered`: one all-gather per parameter, read-only, released after the
+        trial): every rank must call ``verify`` together, as
+        :class:`~hf_ddpfix.integrations.vision.zero.ZeroVisionStabilizer` does at attach time (before the ZeRO engine
+        exists, so no ZeRO hook runs). Every rank runs the same trial on the same weights, so all reach the same
+        verdict. The verdict is kept per model (a later call for the same model reuses it without a trial or a
+        collective).
 
         Raises:
-            ValueError: no layout runs; the message says why, and the caller keeps stock behaviour.
+            ValueError: no layout runs, or the zero proof fails; the message says why, and the caller keeps stock
+                behaviour.
         """
         if not self.family.discovered or self.verified:
             return
         known = _VERDICTS.get(self.root)
         if known is not None and known[0] == self.family.name:
-            (self.pixel_ndim, self.pixel_tiles), self.verified = known[1], True
+            self._set_layout(known[1])
+            self.unreached, self.reached = known[3], [(n, m) for n in known[4] if (m := get_submodule(self.root, n))]
+            if known[2]:
+                raise ValueError(known[2])
+            self.verified = True
             return
         params = [p for _, m in self.parts() for p in m.parameters()]
         if any(p.numel() == 0 and not zero3_partitioned(p) for p in params):
             raise ValueError(f"{self.family.name}: the vision tower has empty parameters that are not ZeRO-3 "
                              "partitioned: a dummy image cannot be checked before training")
-        errors = []
-        with zero3_gathered(params):
-            for ndim, tiles in ((4, 1), (5, 1), (5, 2)):  # 5-D x 2: any-resolution base + one tile
-                self.pixel_ndim, self.pixel_tiles = ndim, tiles
-                self._dummy_cache.clear()
+        if any(p.device.type == "meta" for p in params):
+            raise ValueError(f"{self.family.name}: the model is on the meta device: the dummy is checked in the run")
+        errors: list[str] = []
+        layout = self._trial(params, errors)
+        if layout is None:
+            self._dummy_cache.clear()
+            self._set_layout((4, 1) if self.kind == "image" else ("flat",))
+            why = f"{self.family.name}: no dummy built from vision_config runs through the tower ({'; '.join(errors)})"
+            _VERDICTS[self.root] = (self.family.name, (), why, (), ())
+            raise ValueError(why)
+        why = self._prove_zero() if materialized(params) else ""
+        _VERDICTS[self.root] = (self.family.name, layout, why, self.unreached, tuple(n for n, _ in self.reached))
+        if why:
+            raise ValueError(why)
+        self.verified = True
+
+    def _set_layout(self, layout: tuple[Any, ...]) -> None:
+        if self.kind == "image" and len(layout) == 2:
+            self.pixel_ndim, self.pixel_tiles = layout
+        elif self.kind == "grid" and len(layout) == 1:
+            self.grid_layout = layout[0]
+        self._dummy_cache.clear()
+
+    def _trial(self, params: list[nn.Parameter], errors: list[str]) -> tuple[Any, ...] | None:
+        """The first layout whose no-grad dummy gives image features (see :meth:`verify`), else ``None``."""
+        layouts: tuple[tuple[Any, ...], ...] = ((4, 1), (5, 1), (5, 2)) if self.kind == "image" else tuple(
+            (g,) for g in GRID_LAYOUTS)
+        with zero3_gathered(params), eval_mode([m for _, m in self.parts()]):
+            for layout in layouts:
+                self._set_layout(layout)
+                name = "x".join(str(x) for x in layout)
                 try:
                     with torch.no_grad():
                         out = self.run_dummy()
                 except Exception as err:  # noqa: BLE001 - a trial: any failure means "not this layout"
-                    errors.append(f"{ndim}-D x{tiles}: {type(err).__name__}: {str(err)[:120]}")
+                    errors.append(f"{name}: {type(err).__name__}: {str(err)[:120]}")
                     continue
                 pooled = image_features(out)
                 tensors = output_tensors(pooled) if pooled is not None else []
                 if tensors and all(t.numel() > 0 for t in tensors):
-                    self.verified = True
-                    _VERDICTS[self.root] = (self.family.name, (ndim, tiles))
-                    return
-                errors.append(f"{ndim}-D x{tiles}: get_image_features returned no pooler_output features")
-        self._dummy_cache.clear()
-        self.pixel_ndim, self.pixel_tiles = 4, 1
-        raise ValueError(f"{self.family.name}: no dummy image built from vision_config runs through "
-                         f"get_image_features ({'; '.join(errors)})")
+                    return layout
+                errors.append(f"{name}: get_image_features returned no pooler_output features")
+        return None
+
+    def _prove_zero(self) -> str:
+        """The zero proof of :meth:`verify` (:func:`~hf_ddpfix.integrations.vision.proof.prove_zero`)."""
+        return prove_zero(self)
 
     def run_dummy(self) -> Any:
         """Run the dummy image without disturbing the RNG stream (LoRA dropout in the tower draws from a
@@ -269,7 +370,8 @@ class VisionAdapter:
         as on an image rank. Tying where real features enter keeps the autograd graph's shape the same
         on image and text ranks, so FSDP2 / ZeRO issue their backward collectives in the same order.
         """
-        pooled = image_features(out) if self.kind == "image" else output_field(out, "pooler_output")
+        pooled = image_features(out) if self.kind == "image" or self.family.discovered else output_field(
+            out, "pooler_output")
         if isinstance(pooled, torch.Tensor):
             pooled_list = [pooled]
         elif isinstance(pooled, (list, tuple)) and pooled and all(isinstance(t, torch.Tensor) for t in pooled):

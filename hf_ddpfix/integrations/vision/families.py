@@ -21,6 +21,14 @@ Supported families, two kinds:
   every rank alike. ``find_vision_adapter(model)`` is the DDP / FSDP view and skips these families;
   ``find_vision_adapter(model, zero=True)`` returns them.
 
+- found by structure, grid (every view: DDP, FSDP2, ZeRO) — any other VLM whose ``get_image_features`` takes a
+  Qwen-style grid (``image_grid_thw``: GLM-4V, GLM-4.6V, GLM-OCR, Exaone 4.5, LFM3-VL, PaddleOCR-VL, Qwen3.5, Cosmos 3,
+  HyperCLOVAX-Vision-V2 on transformers 5.23): one merged token's patches (``vision_config``: ``patch_size``,
+  ``temporal_patch_size``, ``spatial_merge_size``, ``in_channels``, where it has them) and its grid ``[[1, m, m]]``,
+  run through ``get_image_features`` where the model runs it; its pixel layout fixed by a trial and its gradients
+  proven exactly zero (:meth:`~hf_ddpfix.integrations.vision.adapter.VisionAdapter.verify`) when the model is
+  materialized (here, before the plan; on the meta device or ZeRO-3 partitioned: when the stabiliser attaches). A
+  family that fails says why (``describe_unsupported``) and keeps the generic mechanism (issue 45).
 - discovered (ZeRO view only) — any other VLM whose model has ``get_image_features(pixel_values=...)``:
   the family is built from the model's own config and structure (tower and projector found by module
   name, ``vision_config.image_size`` / ``num_channels``, the extra inputs ``get_image_features`` requires,
@@ -44,7 +52,16 @@ from typing import Any
 from torch import nn
 
 from ..._compat import unwrap_model
-from .adapter import EXTRA_INPUT_BUILDERS, VisionAdapter, get_submodule, image_size_hw, output_tensors
+from .adapter import (
+    BUILT_INPUTS,
+    GRID_INPUT_NAMES,
+    VisionAdapter,
+    get_submodule,
+    grid_geometry,
+    image_size_hw,
+    materialized,
+    output_tensors,
+)
 from .family import VisionFamily
 
 __all__ = [
@@ -190,7 +207,18 @@ def _outermost(hf: nn.Module, names: tuple[str, ...]) -> str | None:
 
 
 def _discover_family(hf: nn.Module) -> tuple[VisionFamily | None, str]:
-    """A ``"image"``-kind family built from ``hf``'s config and structure (ZeRO view), or the reason why not."""
+    """A family built from ``hf``'s config and the signature of the call that runs its tower, or the reason why not.
+
+    - ``"grid"`` kind, found by structure: ``get_image_features`` takes a Qwen-style grid (``image_grid_thw``:
+      GLM-4V, GLM-4.6V, GLM-OCR, Exaone 4.5, LFM3-VL, Cosmos 3, ... on transformers 5.23) and ``vision_config``
+      gives a ``patch_size`` (with ``spatial_merge_size`` / ``merge_size``, ``temporal_patch_size``,
+      ``in_channels`` / ``num_channels`` where it has them): the dummy is one merged token's patches and its
+      grid, run through ``get_image_features`` where the model runs it; under DDP, FSDP2 and ZeRO alike once
+      :meth:`~hf_ddpfix.integrations.vision.adapter.VisionAdapter.verify` proved it (its layout, and exactly-zero
+      gradients).
+    - ``"image"`` kind (ZeRO view only): ``get_image_features(pixel_values=...)`` on one native-size image
+      (``vision_config.image_size`` / ``num_channels``; extra inputs such as Pixtral's ``image_sizes``).
+    """
     import inspect as _inspect
 
     vc = _vision_config(hf)
@@ -205,22 +233,37 @@ def _discover_family(hf: nn.Module) -> tuple[VisionFamily | None, str]:
     variadic = (_inspect.Parameter.VAR_KEYWORD, _inspect.Parameter.VAR_POSITIONAL)
     required = [n for n, p in params.items()
                 if n != "pixel_values" and p.default is _inspect.Parameter.empty and p.kind not in variadic]
-    unknown = [n for n in required if n not in EXTRA_INPUT_BUILDERS]
+    unknown = [n for n in required if n not in BUILT_INPUTS]
     if unknown:
         return None, f"{head}: get_image_features needs {unknown}, which hf_ddpfix cannot build from the config"
     cross = sorted({type(m).__name__ for m in hf.modules() if "CrossAttention" in type(m).__name__})
     if cross:
         return None, (f"{head}: image features enter through cross-attention layers ({', '.join(cross)}), which "
                       "run only with an image: a dummy image cannot run them with an exactly-zero contribution")
+    tower = _outermost(hf, _TOWER_NAMES)
+    projector = _outermost(hf, _PROJECTOR_NAMES)
+    grids = tuple(n for n in GRID_INPUT_NAMES if n in params)
+    if grids:
+        missing = [] if grid_geometry(vc) is not None else ["vision_config.patch_size"]
+        if tower is None:
+            missing.append(f"a vision tower named one of {list(_TOWER_NAMES)}")
+        if missing:
+            return None, f"{head}: no grid dummy can be built from the config: it lacks {missing}"
+        return VisionFamily(
+            f"{root_type} (from config)", (), tower_paths=(str(tower),), required_config=("patch_size",),
+            required_children=(), kind="grid", model_types=(root_type,),
+            projector_paths=(projector,) if projector else (), extra_inputs=grids[:1], discovered=True,
+            deepstack_layer_paths=_QWEN3_LAYERS,
+        ), ""
+    if [n for n in required if n in GRID_INPUT_NAMES]:
+        return None, f"{head}: get_image_features needs {required}, which hf_ddpfix cannot build from the config"
     missing = [f"vision_config.{a}" for a in ("num_channels",) if not hasattr(vc, a)]
     if image_size_hw(vc) is None:
         missing.append("vision_config.image_size as an int or (height, width)")
-    tower = _outermost(hf, _TOWER_NAMES)
     if tower is None:
         missing.append(f"a vision tower named one of {list(_TOWER_NAMES)}")
     if missing:
         return None, f"{head}: no dummy image can be built from the config: it lacks {missing}"
-    projector = _outermost(hf, _PROJECTOR_NAMES)
     return VisionFamily(
         f"{root_type} (from config)", (), tower_paths=(str(tower),), required_config=("image_size", "num_channels"),
         required_children=(), kind="image", model_types=(root_type,),
@@ -229,13 +272,42 @@ def _discover_family(hf: nn.Module) -> tuple[VisionFamily | None, str]:
     ), ""
 
 
-def _adapter(hf: nn.Module, discover: bool = False) -> tuple[VisionAdapter | None, str]:
+def _refusal(adapter: VisionAdapter, ddp: bool) -> str:
+    """Why a family found by structure is not driven in this view, or ``""``. A grid family whose parameters are
+    materialized is verified here, once per model (:meth:`VisionAdapter.verify`: a dummy of a few patches, its
+    layout and the zero proof); on the meta device (``hf-ddpfix plan``) or ZeRO-3 partitioned it is verified when the
+    stabiliser attaches. An ``"image"`` family (a native-size image: costly before training) is verified at attach
+    only. The DDP view also needs every trainable tower / projector parameter reached by the dummy (the DDP
+    stabiliser's "every vision parameter is used every step")."""
+    if adapter.kind != "grid":
+        return ""
+    params = [p for _, m in adapter.parts() for p in m.parameters()]
+    if not materialized(params):
+        return ""
+    try:
+        adapter.verify()
+    except ValueError as err:
+        return str(err)
+    if ddp and adapter.unreached:
+        return (f"{adapter.family.name}: the dummy reaches not every trainable vision parameter "
+                f"({len(adapter.unreached)}, e.g. {adapter.unreached[0]}): under DDP / FSDP parameter_usage ties them")
+    return ""
+
+
+def _adapter(hf: nn.Module, discover: bool = True, ddp: bool = False) -> tuple[VisionAdapter | None, str]:
+    """The adapter for ``hf`` (the registry's family, else one discovered by structure when ``discover``) and ``""``,
+    or ``None`` and why not; ``ddp``: the DDP / FSDP view (see :func:`_refusal`)."""
     fam, tower, name, reason = _match_family(hf)
-    if fam is None and discover and _vision_config(hf) is not None and "has no hf_ddpfix vision adapter" in reason:
-        fam, why = _discover_family(hf)
-        if fam is None:
+    # structure where the registry names no family, or names one whose tower is elsewhere (HyperCLOVAX-Vision-V2's
+    # Qwen2.5-VL tower at model.vision_model); a registered family whose structure changed stays refused
+    unnamed = "has no hf_ddpfix vision adapter" in reason or ": no vision tower at " in reason
+    if fam is None and discover and unnamed and _vision_config(hf) is not None:
+        found, why = _discover_family(hf)
+        if found is None:
             return None, f"{reason}; {why}"
-        tower, name = get_submodule(hf, fam.tower_paths[0]), fam.tower_paths[0]
+        if ddp and found.kind != "grid":  # an "image" family is driven under ZeRO only (module docstring)
+            return None, reason
+        fam, tower, name = found, get_submodule(hf, found.tower_paths[0]), found.tower_paths[0]
     if fam is None or tower is None:
         return None, reason
     projector, projector_name = None, ""
@@ -244,7 +316,12 @@ def _adapter(hf: nn.Module, discover: bool = False) -> tuple[VisionAdapter | Non
         if projector is not None:
             projector_name = path
             break
-    return VisionAdapter(fam, hf, tower, name, _vision_config(hf), projector, projector_name), ""
+    adapter = VisionAdapter(fam, hf, tower, name, _vision_config(hf), projector, projector_name)
+    if fam.discovered:  # one trial per model and family (the verdict is kept per model: VisionAdapter.verify)
+        refused = _refusal(adapter, ddp and not fam.zero_only)
+        if refused:
+            return None, f"{reason}; {refused}"
+    return adapter, ""
 
 
 def find_vision_adapter(model: nn.Module, *, zero: bool = False) -> VisionAdapter | None:
@@ -260,10 +337,11 @@ def find_vision_adapter(model: nn.Module, *, zero: bool = False) -> VisionAdapte
             and the plan's DDP / FSDP decisions use).
 
     Guarantees: Qwen2-VL, Qwen2.5-VL, Qwen3-VL(-MoE) tiny models get an adapter whose dummy runs; LLaVA
-    and Gemma 3 get one with ``zero=True`` only; another VLM (Mistral 3) and a text-only model get
-    ``None`` (test_vlm).
+    and Gemma 3 get one with ``zero=True`` only; another ``image`` VLM (Mistral 3) and a text-only model get
+    ``None`` (test_vlm); a grid VLM no entry names (GLM-4V) gets one found by structure in both views, verified
+    (tests/test_vision_structure.py).
     """
-    adapter, _ = _adapter(unwrap_model(model), discover=zero)
+    adapter, _ = _adapter(unwrap_model(model), ddp=not zero)
     if adapter is None or (adapter.family.zero_only and not zero):
         return None
     return adapter
@@ -273,7 +351,7 @@ def describe_unsupported(model: nn.Module, *, zero: bool = False) -> str:
     """One-line reason why ``model`` has no vision adapter in this view (``zero``: see
     :func:`find_vision_adapter`), or ``""`` when it has one."""
     hf = unwrap_model(model)
-    adapter, reason = _adapter(hf, discover=zero)
+    adapter, reason = _adapter(hf, ddp=not zero)
     if adapter is not None and not (adapter.family.zero_only and not zero):
         return ""
     if _vision_config(hf) is None:
@@ -301,7 +379,7 @@ def _generic_vision_modules(hf: nn.Module) -> list[tuple[str, nn.Module]]:
 def vision_groups(hf: nn.Module) -> list[tuple[str, nn.Module]]:
     """``(name, module)`` of the vision parts of ``hf``: the adapter's tower (and projector) when some
     family matches (either view), else the outermost modules whose name marks them as vision parts."""
-    adapter, _ = _adapter(hf)
+    adapter, _ = _adapter(hf, discover=False)
     if adapter is not None:
         return adapter.parts()
     if _vision_config(hf) is None:
