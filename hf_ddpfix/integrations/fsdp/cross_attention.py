@@ -40,7 +40,7 @@ import torch
 from torch import nn
 
 from ..._compat import unwrap_model
-from .dummy import reset_grads_unless_any_rank_saw
+from .grad_reset import reset_grads_unless_any_rank_saw
 
 __all__ = ["CrossAttentionDummy", "cross_attention_parts", "kept_cross_attention_dummy", "nonzero_contribution"]
 

@@ -29,11 +29,10 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
-from ...ops.dist import collective_device, dist_ready
 from ..vision.zero import ZeroVisionStabilizer
+from .grad_reset import reset_grads_unless_any_rank_saw
 
 __all__ = ["FsdpDummy", "keep_eval_sync", "kept_eval_sync"]
 
@@ -92,24 +91,6 @@ class FsdpDummy:
             return None
         local, self._step_images, self._step_forwards = self._step_images, False, 0
         return reset_grads_unless_any_rank_saw(local, [mod for _, mod in self.adapter.parts()], self.process_group)
-
-
-def reset_grads_unless_any_rank_saw(local: bool, modules: list[nn.Module], process_group: Any = None) -> bool:
-    """One MAX all-reduce of ``local`` (this rank saw an image this step) over ``process_group``; where no rank did,
-    every trainable parameter of ``modules`` gets ``grad = None`` (the dummy's exact zeros become stock DDP's
-    "unused": AdamW skips them, no weight decay). Returns whether some rank saw one. Without a process group: local."""
-    if dist_ready(process_group):
-        flag = torch.tensor([int(local)], dtype=torch.int32, device=collective_device(process_group))
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=process_group)
-        seen = bool(flag.item())
-    else:
-        seen = local
-    if not seen:
-        for mod in modules:
-            for p in mod.parameters():
-                if p.requires_grad:
-                    p.grad = None
-    return seen
 
 
 def keep_eval_sync(model: nn.Module) -> Any:
