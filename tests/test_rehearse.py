@@ -241,10 +241,10 @@ def test_the_fsdp_device_has_one_home():
 _SANDBOX_SCRIPT = r"""
 import io, json, os, pathlib, shutil, sys
 from hf_ddpfix.rehearse import sandbox
-from hf_ddpfix.rehearse.saves import wrap_target
+from hf_ddpfix.rehearse.saves import HOOKS, wrap_target
 
 folder, out = sys.argv[1], sys.argv[2]
-sandbox.install(folder, os.path.dirname(folder))
+sandbox.install(folder, os.path.dirname(folder), HOOKS)
 
 
 class Trainer:  # a save entry point (layer 1): one report line for the call, not one per file

@@ -403,7 +403,7 @@ def install() -> None:
         from . import sandbox
         from .saves import HOOKS
 
-        sandbox.install(directory, _env("ROOT") or directory)
+        sandbox.install(directory, _env("ROOT") or directory, HOOKS)
         for name, patch in HOOKS.items():
             hooks[name] = _chained(hooks[name], patch) if name in hooks else patch
     for name in list(hooks):

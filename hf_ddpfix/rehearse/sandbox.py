@@ -49,6 +49,7 @@ import os
 import shutil
 import sys
 import threading
+from collections.abc import Callable, Mapping
 from typing import Any
 
 __all__ = ["install", "installed", "mapped", "resolve"]
@@ -329,10 +330,11 @@ def _audit(event: str, args: tuple) -> None:
 # --------------------------------------------------------------------------------------------------
 
 
-def install(folder: str, root: str | None = None) -> None:
+def install(folder: str, root: str | None = None, hooks: Mapping[str, Callable[[Any], None]] | None = None) -> None:
     """Redirect this process's writes outside ``root`` (default ``folder``) into ``<folder>/outside/``; idempotent.
-    Layer 1's entry points (:mod:`hf_ddpfix.rehearse.saves`) are patched here when already imported, else by the
-    caller's import hooks (``saves.HOOKS``)."""
+    ``hooks``: layer 1's entry points by module (``saves.HOOKS``, passed in by the caller so that this module does
+    not import :mod:`hf_ddpfix.rehearse.saves`, which imports it): patched here when already imported, else by the
+    caller's import hooks."""
     if _state["on"]:
         return
     root = os.path.abspath(root or folder)
@@ -354,9 +356,7 @@ def install(folder: str, root: str | None = None) -> None:
     os.listdir = _listdir
     os.stat, os.lstat = _stat_like("stat"), _stat_like("lstat")
     os.chmod, os.utime, os.truncate = _meta_like("chmod"), _meta_like("utime"), _truncate
-    from .saves import HOOKS
-
-    for name, patch in HOOKS.items():
+    for name, patch in (hooks or {}).items():
         if name in sys.modules:
             patch(sys.modules[name])
     sys.addaudithook(_audit)
