@@ -30,7 +30,11 @@ END = "<!-- vlm-families:end -->"
 
 def _cell(rec: dict, key: str) -> str:
     v = rec.get(key) or ""
-    return "runs" if v == "ok" else ("-" if not v else "fails: " + v.replace("|", "/")[:90])
+    if v.startswith("no image layout: ") and "runs (" in v:  # the first layout tried and its error
+        v = "no layout: " + v.split("runs (", 1)[1]
+    elif v.startswith("no image layout: "):
+        v = "no layout: " + v.split(": ", 2)[-1]
+    return "runs" if v == "ok" else ("-" if not v else "fails: " + v.replace("|", "/")[:100])
 
 
 def _units(rec: dict) -> str:

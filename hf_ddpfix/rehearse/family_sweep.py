@@ -109,15 +109,16 @@ def size_family(model_type: str, class_name: str | None = None) -> dict[str, Any
     from transformers import AutoConfig
 
     from .shrink import shrink_config
-    from .shrink_check import _meta, repair_shrunk
+    from .shrink_check import _meta, repaired_meta
 
     class_name = class_name or families()[model_type]
     rec: dict[str, Any] = {"model_type": model_type, "class": class_name, "builds": False, "reason": "",
                            "text": "", "image": ""}
     try:
         cls = getattr(transformers, class_name)
-        sized = repair_shrunk(shrink_config(AutoConfig.for_model(model_type)), cls)
-        rec["meta_params"] = sum(p.numel() for p in _meta(cls, sized.config).parameters())
+        sized = shrink_config(AutoConfig.for_model(model_type))
+        meta = repaired_meta(sized, cls) or _meta(cls, sized.config)  # the second names the build's error
+        rec["meta_params"] = sum(p.numel() for p in meta.parameters())
     except Exception as e:  # noqa: BLE001 - the family's outcome
         rec["reason"] = _reason(e)
         return rec

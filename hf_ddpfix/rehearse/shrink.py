@@ -14,7 +14,13 @@ Rule, for the config and every sub-config in it (``text_config``, ``vision_confi
   head width to :data:`HEAD_DIM`, hidden sizes to heads x head width, every width that was k x hidden to k x the
   new hidden (and a width equal to another sub-config's hidden, e.g. a projector's output, to that one's new
   hidden), MLP / expert widths to 2 x hidden, layer counts to the smallest stack that still holds the patterns
-  above (at least :data:`MIN_LAYERS`), M-RoPE sections rescaled to the new head width.
+  above (at least :data:`MIN_LAYERS`), M-RoPE sections rescaled to the new head width;
+- **relations**: one width map for the whole config, the language model's hidden cut first: a width equal to one
+  already cut (a tower's output ``hidden_size`` / ``out_hidden_size`` equal to the text width, a projector's
+  dims) gets the same new value, and a hidden of at most ``MAX_HEADS x HEAD_DIM`` is kept with its heads (a
+  small model is not reshaped: a Qwen2-VL tower of output width 64 beside a text width of 64 stays 64, issue 45).
+  What only the built model shows (default M-RoPE sections, token ids past the embedding) is repaired, and the
+  result built and run, by :mod:`hf_ddpfix.rehearse.shrink_check`.
 
 Guarantees: :func:`shrink_config` never mutates its argument; every kept field above is equal in the result
 (tests/test_rehearse.py checks a Qwen2.5-VL-7B, a Llama-3.2-11B-Vision, a Gemma-3 and a Qwen3-MoE shape); the
@@ -315,6 +321,7 @@ def shrink_config(config: Any, *, keep_widths: tuple[str, ...] = ()) -> Shrunk:
         :class:`Shrunk` with the new config and one line per changed field.
     """
     cfg = copy.deepcopy(config)
+    _OLD_GLOBAL.clear()
     lines: list[str] = []
     hiddens: dict[int, int] = {}
     nodes = _subconfigs(cfg)

@@ -25,7 +25,7 @@ from typing import Any
 
 from .shrink import Shrunk, _rescale_sections, _subconfigs, shrink_config
 
-__all__ = ["Checked", "repair_shrunk", "run_checks", "shrink_checked"]
+__all__ = ["Checked", "repair_shrunk", "repaired_meta", "run_checks", "shrink_checked"]
 
 #: above this many parameters (meta count) a fallback candidate is not built: a rehearsal model stays small
 MAX_PARAMS = 150_000_000
@@ -108,14 +108,22 @@ def repair_shrunk(shrunk: Shrunk, model_cls: Any) -> Shrunk:
     """Repair, in place, the relations of :attr:`shrunk.config` only the built model shows (module docstring);
     returns ``shrunk``. A config the class cannot build on the meta device is returned as is (the caller's real
     build names the error)."""
+    repaired_meta(shrunk, model_cls)
+    return shrunk
+
+
+def repaired_meta(shrunk: Shrunk, model_cls: Any) -> Any:
+    """:func:`repair_shrunk`, returning the meta-device model of the repaired config (``None`` where the class
+    cannot build it)."""
+    model = None
     for _ in range(3):
         try:
             model = _meta(model_cls, shrunk.config)
         except Exception:  # noqa: BLE001 - the real build reports it
-            return shrunk
+            return None
         if not _repair_once(shrunk.config, model, shrunk.lines):
-            break
-    return shrunk
+            return model
+    return _meta(model_cls, shrunk.config)
 
 
 def run_checks(model: Any, *, backward: bool = True) -> tuple[str, str]:
@@ -198,7 +206,7 @@ def shrink_checked(config: Any, model_cls: Any, *, seed: int = 0, backward: bool
     kept = _kept_vision(config)
     tries = ([((), True)] if small_images else []) + [((), False)] + ([(kept, False)] if kept else [])
     for keep, images in tries:
-        if keep and plain is None:
+        if keep and (plain is None or plain.text != "ok"):  # widths kept help an image path, not a text failure
             break
         shrunk = shrink_config(config, keep_widths=keep)
         if images and not shrink_images(shrunk.config, shrunk.lines):

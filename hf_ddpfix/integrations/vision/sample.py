@@ -27,7 +27,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..._compat import image_features
+from ..._compat import image_features, unwrap_model
 from .adapter import image_size_hw, output_tensors
 
 __all__ = ["SampleError", "sample_batch", "image_layout"]
@@ -152,8 +152,8 @@ def _candidates(model: nn.Module, params: set[str]) -> list[tuple[str, dict[str,
             "spatial_shapes": torch.tensor([[h, w]], dtype=torch.long),
             "pixel_attention_mask": torch.ones(1, h * w, dtype=torch.bool)}))
     sizes = [hw]
-    if "image_sizes" in params and 8 * p < min(hw):  # a tower that takes any size (Pixtral): a small image first
-        sizes.insert(0, (8 * p, 8 * p))
+    if "image_sizes" in params and 8 * p < min(hw):  # a tower that takes any size (Pixtral): a small image only
+        sizes = [(8 * p, 8 * p)]
     for size in sizes:
         extra: dict[str, Any] = {}
         if "image_sizes" in params:
@@ -198,6 +198,8 @@ def image_layout(model: nn.Module) -> Layout:
     token = image_token_id(cfg)
     fn = _image_fn(model)
     width = _int(getattr(_text_config(cfg), "hidden_size", None), 0)
+    if fn is not None and _vision_config(cfg) is None and getattr(cfg, "vision_config", 0) is None:
+        raise SampleError(f"{type(model).__name__}: its config has no vision_config (a text-only default config)")
     params = set(inspect.signature(fn).parameters) if fn is not None else set(inspect.signature(model.forward).parameters)
     errors: list[str] = []
     for name, kw in _candidates(model, params):
@@ -223,13 +225,14 @@ _LAYOUTS: weakref.WeakKeyDictionary[nn.Module, Layout] = weakref.WeakKeyDictiona
 
 
 def sample_batch(model: nn.Module, *, image: bool, seq: int = 12, seed: int = 0) -> dict[str, Any]:
-    """A batch of one sequence for ``model``: ``seq`` text tokens (ids that are no special token), plus, with
+    """A batch of one sequence for ``model`` (the HF model, or a PEFT / DDP wrapper around it): ``seq`` text tokens (ids that are no special token), plus, with
     ``image``, the image tokens and pixel keywords of :func:`image_layout`. ``labels`` = ``input_ids``.
 
     Raises:
         SampleError: ``image=True`` and no image layout runs (see :func:`image_layout`).
     """
-    return _assemble(model, image_layout(model) if image else None, seq=seq, seed=seed)
+    hf = unwrap_model(model)  # a PeftModel / DDP wrapper: the HF model's config, signature and image path
+    return _assemble(hf, image_layout(hf) if image else None, seq=seq, seed=seed)
 
 
 def _assemble(model: nn.Module, layout: Layout | None, *, seq: int, seed: int) -> dict[str, Any]:
