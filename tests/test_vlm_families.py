@@ -10,8 +10,9 @@ every family must still give a record with a named reason for whatever does not 
 
 Shown failing (2026-12-02): the shrinker without the shared width map (``_shrink_node`` cutting each sub-config's
 hidden on its own, as before) fails ``test_a_small_qwen2_vl_shrunk_still_takes_an_image`` with "Image features and
-image tokens do not match" (the tower's ``hidden_size`` 64 -> 32 beside a text width of 64), and the per-family
-checks of qwen2_vl / qwen2_5_vl / glm4v (their image verdict flips); a results file with one family's ``image``
+image tokens do not match" (the tower's ``hidden_size`` 64 -> 32 beside a text width of 64: its image layout no
+longer runs, "shape mismatch: value tensor of shape [3, 8]"); a results file with one family's ``meta_params``
+edited fails ``test_family_is_sized_on_the_meta_device_as_recorded[<family>]``; a results file with one family's ``image``
 edited fails ``test_family_outcome_is_the_recorded_one[<family>]``; a table cell edited by hand fails
 ``test_the_page_is_rendered_from_the_results``.
 """
