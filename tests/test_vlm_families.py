@@ -182,3 +182,27 @@ def test_ddp_trains_like_stock_ddp_on_several_families_in_one_launch(tmp_path):
 
     got = json.loads(report.read_text())
     assert sorted(got) == sorted(ran) and all(r["max_diff"] == 0.0 for r in got.values()), got
+
+
+def test_per_layer_overrides_contract_and_the_cut_of_a_heterogeneous_config():
+    """``_compat.per_layer_overrides`` reads transformers 5.23's heterogeneous-config spec (Gemma 4: ``head_dim``
+    512 on its full-attention layers beside a global 256); the shrinker drops overrides past the cut stack and
+    scales the per-head width as it scaled the global one (512 / 256 x 16 = 32). A homogeneous config (and a
+    release without the feature) has none. Shown failing: without ``_cut_per_layer`` the shrunk Gemma 4 keeps
+    ``head_dim`` 512 overrides on layers 5, 11, ... of a 6-layer stack."""
+    from transformers import AutoConfig, LlamaConfig
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
+
+    from hf_ddpfix._compat import per_layer_overrides
+    from hf_ddpfix.rehearse.shrink import shrink_config
+
+    assert per_layer_overrides(LlamaConfig()) is None
+    if "gemma4" not in CONFIG_MAPPING_NAMES:  # an older transformers: no heterogeneous configs to read
+        return
+    text = AutoConfig.for_model("gemma4").text_config
+    over = per_layer_overrides(text)
+    assert over and {a["head_dim"] for a in over.values()} == {512}, over
+    small = shrink_config(AutoConfig.for_model("gemma4")).config.text_config
+    cut = per_layer_overrides(small)
+    assert cut and all(layer < small.num_hidden_layers for layer in cut), cut
+    assert {a["head_dim"] for a in cut.values()} == {32}, cut
