@@ -300,6 +300,11 @@ def _plan(args: argparse.Namespace) -> int:
         return 0
     if info is not None:
         print(model_line(info))
+        from .rehearse.family_sweep import status_line
+
+        family = status_line(info.model_type)
+        if family:
+            print(family)
     print(plan.report())
     if plan.parallel == "ddp":
         print(f"DDP kwargs: {plan.ddp_kwargs()}")

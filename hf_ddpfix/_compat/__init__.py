@@ -63,7 +63,9 @@ from .models import (
     no_split_modules,
     output_cache,
     output_field,
+    per_layer_overrides,
     set_layer_checkpoint_func,
+    set_per_layer_overrides,
     unwrap_model,
     unwrap_parallel,
 )
@@ -138,6 +140,8 @@ __all__ = [
     "autograd_function_class",
     "engine_will_run_all",
     "is_namedtuple",
+    "per_layer_overrides",
+    "set_per_layer_overrides",
     "model_attn_implementation",
     "no_split_modules",
     "profiler_memory_events",

@@ -253,3 +253,27 @@ def auto_model_base(auto_module: Any) -> Any:
     Guarantees: ``issubclass(AutoModelForCausalLM, auto_model_base(auto_factory))`` (tests/test_rehearse.py).
     """
     return auto_module._BaseAutoModelClass
+
+
+def per_layer_overrides(config: Any) -> dict[int, dict[str, Any]] | None:
+    """A heterogeneous config's per-layer overrides (transformers 5.23 ``config._heterogeneity_spec.
+    per_layer_overrides``: ``{layer: {attribute: value}}``, e.g. Gemma 4's ``head_dim`` 512 on its full-attention
+    layers beside a global 256), or ``None`` for a homogeneous config (and on releases without the feature).
+    Read from ``vars(config)``: the global value of such an attribute raises on a plain ``getattr``."""
+    spec = vars(config).get("_heterogeneity_spec")
+    overrides = getattr(spec, "per_layer_overrides", None)
+    return overrides if isinstance(overrides, dict) else None
+
+
+def set_per_layer_overrides(config: Any, overrides: dict[int, dict[str, Any]]) -> None:
+    """Replace the per-layer overrides :func:`per_layer_overrides` reads (in place; the spec keeps its other
+    fields). A no-op on a homogeneous config."""
+    import dataclasses
+
+    spec = vars(config).get("_heterogeneity_spec")
+    if spec is None:
+        return
+    try:
+        spec.per_layer_overrides = overrides
+    except dataclasses.FrozenInstanceError:
+        vars(config)["_heterogeneity_spec"] = dataclasses.replace(spec, per_layer_overrides=overrides)

@@ -46,30 +46,38 @@ def _config_for(cls: Any, name: Any, kwargs: dict[str, Any]) -> Any:
 
 def _shrunk_dir(cls: Any, name: Any, config: Any) -> tuple[str, list[str], Any]:
     """Build, seed and save the shrunk model once per (class, config) in this rank; return its folder."""
-    import torch
+    import json
 
     from .._compat.models import auto_model_class
     from .shrink import shrink_config
+    from .shrink_check import repair_shrunk, shrink_checked
 
-    shrunk = shrink_config(config)
     model_cls = auto_model_class(cls, config) if cls.__name__.startswith("AutoModel") else cls
     if model_cls is None:
         raise RehearsalStepError(f"rehearse, step 'shrink the model': {cls.__name__} has no model class for "
                                  f"{type(config).__name__}")
-    key = hashlib.sha1(f"{model_cls.__name__}{shrunk.config.to_json_string()}".encode()).hexdigest()[:12]
+    shrunk = repair_shrunk(shrink_config(config), model_cls)
+    key = hashlib.sha1(f"{model_cls.__name__}{config.to_json_string()}".encode()).hexdigest()[:12]
     folder = os.path.join(_env("DIR"), "models", f"{model_cls.__name__}-{key}-rank{_rank()}")
     if not os.path.isfile(os.path.join(folder, "config.json")):
-        try:
-            with torch.random.fork_rng(devices=[]):
-                torch.manual_seed(0)
-                model = model_cls(shrunk.config)
+        try:  # built, seeded and run with and without an image; a copy with the tower's widths kept if that fails
+            checked = shrink_checked(config, model_cls, seed=0)
+            shrunk, model = checked.shrunk, checked.model
             model.save_pretrained(folder)
+            with open(os.path.join(folder, "hf_ddpfix_shrink.json"), "w") as f:
+                json.dump(shrunk.lines, f)
         except Exception as e:  # noqa: BLE001 - reported with the step's name
             raise RehearsalStepError(
                 f"rehearse, step 'build the shrunk model' ({model_cls.__name__} from {name!r}): "
                 f"{type(e).__name__}: {str(e)[:400]}. Shrunk fields: {'; '.join(shrunk.lines) or 'none'}. "
                 "Rehearse at full size with --no-shrink (slow), or report the config.") from e
         del model
+    else:
+        try:
+            with open(os.path.join(folder, "hf_ddpfix_shrink.json")) as f:
+                shrunk.lines = list(json.load(f))
+        except (OSError, ValueError):
+            pass
     return folder, shrunk.lines, model_cls
 
 

@@ -14,7 +14,13 @@ Rule, for the config and every sub-config in it (``text_config``, ``vision_confi
   head width to :data:`HEAD_DIM`, hidden sizes to heads x head width, every width that was k x hidden to k x the
   new hidden (and a width equal to another sub-config's hidden, e.g. a projector's output, to that one's new
   hidden), MLP / expert widths to 2 x hidden, layer counts to the smallest stack that still holds the patterns
-  above (at least :data:`MIN_LAYERS`), M-RoPE sections rescaled to the new head width.
+  above (at least :data:`MIN_LAYERS`), M-RoPE sections rescaled to the new head width;
+- **relations**: one width map for the whole config, the language model's hidden cut first: a width equal to one
+  already cut (a tower's output ``hidden_size`` / ``out_hidden_size`` equal to the text width, a projector's
+  dims) gets the same new value, and a hidden of at most ``MAX_HEADS x HEAD_DIM`` is kept with its heads (a
+  small model is not reshaped: a Qwen2-VL tower of output width 64 beside a text width of 64 stays 64, issue 45).
+  What only the built model shows (default M-RoPE sections, token ids past the embedding) is repaired, and the
+  result built and run, by :mod:`hf_ddpfix.rehearse.shrink_check`.
 
 Guarantees: :func:`shrink_config` never mutates its argument; every kept field above is equal in the result
 (tests/test_rehearse.py checks a Qwen2.5-VL-7B, a Llama-3.2-11B-Vision, a Gemma-3 and a Qwen3-MoE shape); the
@@ -44,7 +50,8 @@ _MLP = ("intermediate_size", "ffn_dim", "encoder_ffn_dim", "decoder_ffn_dim", "n
 #: Multi-latent attention and similar per-head widths, cut to fixed small values.
 _HEAD_WIDTHS = {"head_dim": HEAD_DIM, "qk_rope_head_dim": HEAD_DIM // 2, "qk_nope_head_dim": HEAD_DIM // 2,
                 "v_head_dim": HEAD_DIM, "kv_lora_rank": 2 * HEAD_DIM, "q_lora_rank": 2 * HEAD_DIM,
-                "global_head_dim": HEAD_DIM, "attention_head_dim": HEAD_DIM}
+                "global_head_dim": HEAD_DIM, "attention_head_dim": HEAD_DIM,
+                "hidden_size_per_layer_input": HEAD_DIM}  # Gemma 3n / 4: a per-layer embedding width
 #: "Every k layers" settings: the cut stack keeps at least k (+1) layers so the kind still alternates.
 _EVERY = ("decoder_sparse_step", "moe_layer_freq", "interleave_moe_layer_step", "global_attn_every_n_layers",
           "full_attention_interval", "sliding_window_pattern", "first_k_dense_replace", "cross_attention_frequency")
@@ -78,9 +85,21 @@ def _subconfigs(cfg: Any, path: str = "") -> list[tuple[str, Any]]:
     return out
 
 
+def _get(cfg: Any, name: str) -> Any:
+    """``getattr(cfg, name, None)``; the stored global value where the config refuses a global read
+    (transformers 5.23's per-layer attributes raise on ``config.head_dim``: Gemma 4)."""
+    if name in vars(cfg):
+        return vars(cfg)[name]
+    try:
+        return getattr(cfg, name, None)
+    except Exception:  # noqa: BLE001 - a refused read is an absent field here
+        return None
+
+
 def _first(cfg: Any, names: tuple[str, ...]) -> str | None:
     for n in names:
-        if isinstance(getattr(cfg, n, None), int) and not isinstance(getattr(cfg, n), bool):
+        v = _get(cfg, n)
+        if isinstance(v, int) and not isinstance(v, bool):
             return n
     return None
 
@@ -113,7 +132,7 @@ def _is_periodic(idx: list[int]) -> bool:
 
 def _layers_needed(cfg: Any, n: int, lists: dict[str, list[int]]) -> tuple[int, list[str]]:
     need, why = MIN_LAYERS, []
-    types = getattr(cfg, "layer_types", None)
+    types = _get(cfg, "layer_types")
     if isinstance(types, list | tuple) and len(types) == n and len(set(types)) > 1:
         p = _period(list(types))
         if p < n:
@@ -132,7 +151,7 @@ def _layers_needed(cfg: Any, n: int, lists: dict[str, list[int]]) -> tuple[int, 
             need = max(need, len(idx) + 1)
             why.append(f"{key}: {len(idx)} taps kept")
     for key in _EVERY:
-        v = getattr(cfg, key, None)
+        v = _get(cfg, key)
         if isinstance(v, int) and not isinstance(v, bool) and v > 0:
             extra = 1 if key == "first_k_dense_replace" else 0
             need = max(need, v + extra)
@@ -152,7 +171,7 @@ def _rescale_sections(sections: list[int], total: int) -> list[int]:
 
 def _fix_rope(cfg: Any, path: str, head_dim: int, lines: list[str]) -> None:
     for key in ("rope_scaling", "rope_parameters"):
-        rope = getattr(cfg, key, None)
+        rope = _get(cfg, key)
         if isinstance(rope, dict) and isinstance(rope.get("mrope_section"), list | tuple):
             old = list(rope["mrope_section"])
             if sum(old) != head_dim // 2:
@@ -162,22 +181,40 @@ def _fix_rope(cfg: Any, path: str, head_dim: int, lines: list[str]) -> None:
 
 
 def _set(cfg: Any, path: str, key: str, new: Any, lines: list[str]) -> None:
-    old = getattr(cfg, key)
+    old = vars(cfg)[key] if key in vars(cfg) else getattr(cfg, key)
     if old != new:
         setattr(cfg, key, new)
         shown = (lambda v: f"{v[:6]}... ({len(v)})" if isinstance(v, list) and len(v) > 8 else v)  # noqa: E731
         lines.append(f"{path}{key}: {shown(old)} -> {shown(new)}")
 
 
-def _shrink_node(cfg: Any, path: str, lines: list[str]) -> tuple[int | None, int | None]:
-    """Cut one (sub-)config in place; returns (old hidden, new hidden)."""
+def _divisor_at_most(n: int, cap: int) -> int:
+    d = max(1, cap)
+    while n % d:
+        d -= 1
+    return d
+
+
+def _shrink_node(cfg: Any, path: str, lines: list[str], widths: dict[int, int],
+                 keep: bool = False) -> tuple[int | None, int | None]:
+    """Cut one (sub-)config in place; returns (old hidden, new hidden).
+
+    ``widths`` maps every width already cut (old -> new) across the whole config, so equal widths stay equal (a
+    tower's output width that is the text width, a projector's dims); a hidden of at most ``MAX_HEADS x HEAD_DIM``
+    is kept as is (a small model is not reshaped: its towers and projector already agree)."""
     p = f"{path}." if path else ""
     hkey, headkey = _first(cfg, _HIDDEN), _first(cfg, _HEADS)
     old_h = new_h = None
     if hkey is not None:
         old_h = getattr(cfg, hkey)
         heads = getattr(cfg, headkey) if headkey else None
-        new_heads = min(heads, MAX_HEADS) if heads else MAX_HEADS
+        if (keep or old_h <= MAX_HEADS * HEAD_DIM) and old_h not in widths:
+            widths[old_h] = old_h
+        new_h = widths.get(old_h, MAX_HEADS * HEAD_DIM)
+        if new_h == old_h:  # already small (or tied to a kept width): only the layers are cut below
+            heads = None
+            headkey = None
+        new_heads = _divisor_at_most(new_h, min(heads, MAX_HEADS)) if heads else MAX_HEADS
         if headkey:
             kvkey = _first(cfg, _KV)
             if kvkey:
@@ -188,24 +225,33 @@ def _shrink_node(cfg: Any, path: str, lines: list[str]) -> tuple[int | None, int
                     new_kv -= 1
                 _set(cfg, p, kvkey, new_kv, lines)
             _set(cfg, p, headkey, new_heads, lines)
-        new_h = new_heads * HEAD_DIM
-        _set(cfg, p, hkey, new_h, lines)
-        for key, value in list(vars(cfg).items()):
-            if key in _HEAD_WIDTHS and isinstance(value, int) and not isinstance(value, bool):
-                _set(cfg, p, key, _HEAD_WIDTHS[key], lines)
-        for key in _MLP:
-            if isinstance(getattr(cfg, key, None), int) and not isinstance(getattr(cfg, key), bool):
-                _set(cfg, p, key, 2 * new_h, lines)
-        for key, value in list(vars(cfg).items()):  # k x hidden widths (e.g. Mllama's vision_output_dim)
-            if key in _MLP or key == hkey or key in _HEAD_WIDTHS or not isinstance(value, int) or \
-                    isinstance(value, bool) or _geometry_or_count(key):
-                continue
-            if not any(w in key for w in ("size", "dim", "hidden", "width")):
-                continue
-            if value and value % old_h == 0 and 1 <= value // old_h <= 8:
-                _set(cfg, p, key, value // old_h * new_h, lines)
-        head_dim = getattr(cfg, "head_dim", None) or (new_h // new_heads)
-        _fix_rope(cfg, p, int(head_dim), lines)
+        if new_h != old_h:
+            widths[old_h] = new_h
+            _set(cfg, p, hkey, new_h, lines)
+            for key, value in list(vars(cfg).items()):
+                if key in _HEAD_WIDTHS and isinstance(value, int) and not isinstance(value, bool):
+                    _OLD_GLOBAL.setdefault(id(cfg), {})[key] = value
+                    _set(cfg, p, key, _HEAD_WIDTHS[key], lines)
+            for key in _MLP:
+                if isinstance(_get(cfg, key), int) and not isinstance(_get(cfg, key), bool):
+                    _set(cfg, p, key, 2 * new_h, lines)
+            for key, value in list(vars(cfg).items()):  # k x hidden widths (e.g. Mllama's vision_output_dim)
+                if key in _MLP or key == hkey or key in _HEAD_WIDTHS or not isinstance(value, int) or \
+                        isinstance(value, bool) or _geometry_or_count(key):
+                    continue
+                if not any(w in key for w in ("size", "dim", "hidden", "width")):
+                    continue
+                if value in widths:
+                    _set(cfg, p, key, widths[value], lines)
+                elif value and value % old_h == 0 and 1 <= value // old_h <= 8:
+                    _set(cfg, p, key, value // old_h * new_h, lines)
+            for key in _HIDDEN:  # a second width field (Qwen2-VL's tower: embed_dim beside hidden_size)
+                v = _get(cfg, key)
+                if key != hkey and isinstance(v, int) and not isinstance(v, bool) and v > MAX_HEADS * HEAD_DIM:
+                    widths.setdefault(v, MAX_HEADS * HEAD_DIM)
+                    _set(cfg, p, key, widths[v], lines)
+            head_dim = _get(cfg, "head_dim") or (new_h // new_heads)
+            _fix_rope(cfg, p, int(head_dim), lines)
     lkey = _first(cfg, _LAYERS)
     if lkey is not None:
         n = getattr(cfg, lkey)
@@ -227,6 +273,7 @@ def _shrink_node(cfg: Any, path: str, lines: list[str]) -> tuple[int | None, int
             for key in ("max_window_layers",):
                 if isinstance(getattr(cfg, key, None), int) and getattr(cfg, key) > need:
                     _set(cfg, p, key, need, lines)
+    _cut_per_layer(cfg, p, lines)
     for key in _OTHER_LAYERS:
         v = getattr(cfg, key, None)
         if isinstance(v, int) and not isinstance(v, bool) and v > MIN_LAYERS:
@@ -234,23 +281,55 @@ def _shrink_node(cfg: Any, path: str, lines: list[str]) -> tuple[int | None, int
     return old_h, new_h
 
 
-def shrink_config(config: Any) -> Shrunk:
+def _cut_per_layer(cfg: Any, p: str, lines: list[str]) -> None:
+    """A heterogeneous config's per-layer overrides (Gemma 4: ``head_dim`` 512 on every 6th layer beside 256):
+    layers past the cut stack dropped, a per-head width scaled as its global value was (512 / 256 x 16 = 32)."""
+    from .._compat import per_layer_overrides, set_per_layer_overrides
+
+    over = per_layer_overrides(cfg)
+    if not over:
+        return
+    n = _get(cfg, _first(cfg, _LAYERS) or "num_hidden_layers")
+    new: dict[int, dict[str, Any]] = {}
+    for layer, attrs in over.items():
+        if isinstance(n, int) and layer >= n:
+            continue
+        out = dict(attrs)
+        for key, value in attrs.items():
+            if key in _HEAD_WIDTHS and isinstance(value, int) and key in _OLD_GLOBAL.get(id(cfg), {}):
+                old = _OLD_GLOBAL[id(cfg)][key]
+                out[key] = max(2, value * _HEAD_WIDTHS[key] // max(old, 1)) if old else value
+        new[layer] = out
+    if new != over:
+        set_per_layer_overrides(cfg, new)
+        lines.append(f"{p}per-layer overrides: {len(over)} layers -> {len(new)} ({new})")
+
+
+#: id(config) -> the global per-head widths before the cut (read by :func:`_cut_per_layer`)
+_OLD_GLOBAL: dict[int, dict[str, int]] = {}
+
+
+def shrink_config(config: Any, *, keep_widths: tuple[str, ...] = ()) -> Shrunk:
     """A copy of ``config`` cut as the module docstring says, and the list of changes.
 
     Args:
         config: a ``transformers.PretrainedConfig`` (its sub-configs are cut too).
+        keep_widths: top-level sub-config names (``"vision_config"``) whose widths stay (only their layers are
+            cut); :func:`hf_ddpfix.rehearse.shrink_check.shrink_checked` uses it where the full cut fails.
 
     Returns:
         :class:`Shrunk` with the new config and one line per changed field.
     """
     cfg = copy.deepcopy(config)
+    _OLD_GLOBAL.clear()
     lines: list[str] = []
     hiddens: dict[int, int] = {}
     nodes = _subconfigs(cfg)
-    for path, node in reversed(nodes):  # sub-configs first: a parent's hidden wins a tie below
-        old_h, new_h = _shrink_node(node, path, lines)
-        if old_h is not None and new_h is not None:
-            hiddens[old_h] = new_h
+    text = _text_node(cfg, nodes)
+    # the language model first: every other width equal to its hidden (a tower's output, a projector) follows it
+    order = [n for n in nodes if n[1] is text] + [n for n in reversed(nodes) if n[1] is not text]
+    for path, node in order:
+        _shrink_node(node, path, lines, hiddens, keep=bool(path) and path.split(".")[0] in keep_widths)
     for path, node in nodes:  # a width equal to another sub-config's hidden (projector outputs, text widths)
         p = f"{path}." if path else ""
         for key, value in list(vars(node).items()):
@@ -259,3 +338,11 @@ def shrink_config(config: Any) -> Shrunk:
                     not _geometry_or_count(key) and value > 64:
                 _set(node, p, key, hiddens[value], lines)
     return Shrunk(cfg, lines)
+
+
+def _text_node(cfg: Any, nodes: list[tuple[str, Any]]) -> Any:
+    try:
+        text = cfg.get_text_config(decoder=True)
+    except (AttributeError, TypeError, ValueError):
+        return cfg
+    return text if any(n is text for _, n in nodes) else cfg

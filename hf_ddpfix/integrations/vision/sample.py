@@ -1,0 +1,259 @@
+"""A valid batch for any image-text-to-text model, built from its config and structure (no processor, offline).
+
+:func:`sample_batch` gives ``input_ids`` / ``attention_mask`` / ``labels`` and, with ``image=True``, the pixel
+inputs the model's image path accepts plus as many image tokens as its features fill. How the image part is found,
+in order (the first layout whose image features come out is kept, per model):
+
+- the keywords of ``get_image_features`` (on the model or its ``.model``): ``image_grid_thw`` / ``grid_thw``
+  (Qwen2-VL-style flattened patches: ``[t*h*w, C*T*P*P]`` for a ``[1, 2m, 2m]`` grid, ``m`` the merge size),
+  ``image_sizes`` (the native size), ``spatial_shapes`` + ``pixel_attention_mask`` (NaFlex patch rows),
+  ``pixel_attention_mask`` (Idefics-style), ``aspect_ratio_ids`` / ``aspect_ratio_mask`` (Mllama tiles);
+- ``pixel_values`` as ``[1, C, H, W]``, ``[1, 1, C, H, W]`` or ``[1, 2, C, H, W]`` at ``vision_config.image_size``;
+- the image-token count: the rows of the features ``get_image_features`` returns (total elements / the text
+  width), written as that many ``image_token_id`` tokens into ``input_ids``. A model with no image token (BLIP,
+  GIT, an encoder-decoder) gets ``pixel_values`` beside plain text.
+
+Guarantees: deterministic for a given ``seed``; never mutates the model (the trial runs under ``no_grad`` with the
+RNG forked); raises :class:`SampleError` naming every layout tried when none runs.
+"""
+
+from __future__ import annotations
+
+import inspect
+import weakref
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..._compat import image_features, unwrap_model
+from .adapter import image_size_hw, output_tensors
+
+__all__ = ["SampleError", "sample_batch", "image_layout"]
+
+_TOKEN_KEYS = ("image_token_id", "image_token_index", "image_token", "img_token_id", "image_pad_token_id",
+               "media_placeholder_token_id", "image_context_token_id")
+
+
+class SampleError(ValueError):
+    """No valid input could be built for the model; the message lists what was tried."""
+
+
+@dataclass
+class Layout:
+    """How a model takes an image: the pixel keywords and how many image tokens their features fill."""
+
+    pixels: dict[str, Any]
+    n_tokens: int
+    token_id: int | None
+    notes: list[str] = field(default_factory=list)
+
+
+def _cfg_get(cfg: Any, names: tuple[str, ...]) -> Any:
+    for n in names:
+        v = getattr(cfg, n, None)
+        if v is not None:
+            return v
+    return None
+
+
+def _vision_config(cfg: Any) -> Any:
+    for n in ("vision_config", "vision_encoder_config", "visual_config", "encoder"):
+        v = getattr(cfg, n, None)
+        if v is not None and not isinstance(v, (dict, int, str)):
+            return v
+    return None
+
+
+def _text_config(cfg: Any) -> Any:
+    try:
+        return cfg.get_text_config(decoder=True)
+    except (AttributeError, TypeError, ValueError):
+        return cfg
+
+
+def _int(v: Any, default: int) -> int:
+    if isinstance(v, (list, tuple)) and v:
+        v = v[0]
+    return int(v) if isinstance(v, int) and not isinstance(v, bool) and v > 0 else default
+
+
+def special_ids(cfg: Any) -> set[int]:
+    """Every token id the config names (``*_token_id`` / ``*_token_index`` / ``*_id`` ints, in every sub-config)."""
+    out: set[int] = set()
+    seen: set[int] = set()
+
+    def visit(c: Any) -> None:
+        if id(c) in seen:
+            return
+        seen.add(id(c))
+        for k, v in vars(c).items():
+            if isinstance(v, int) and not isinstance(v, bool) and ("token" in k or k.endswith("_id")):
+                out.add(v)
+            elif isinstance(v, (list, tuple)) and "token" in k:
+                out.update(x for x in v if isinstance(x, int) and not isinstance(x, bool))
+            elif hasattr(v, "to_dict") and hasattr(v, "model_type"):
+                visit(v)
+
+    visit(cfg)
+    return out
+
+
+def image_token_id(cfg: Any) -> int | None:
+    """The id written where image features go (``image_token_id`` / ``image_token_index`` ..., top config first)."""
+    for c in (cfg, _text_config(cfg), _vision_config(cfg)):
+        if c is None:
+            continue
+        v = _cfg_get(c, _TOKEN_KEYS)
+        if isinstance(v, int) and not isinstance(v, bool):
+            return v
+    return None
+
+
+def _image_fn(model: nn.Module) -> Any:
+    for m in (model, getattr(model, "model", None)):
+        fn = getattr(m, "get_image_features", None) if m is not None else None
+        if callable(fn):
+            return fn
+    return None
+
+
+def _ramp(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    n = 1
+    for s in shape:
+        n *= s
+    return torch.linspace(-1.0, 1.0, n, dtype=torch.float32).reshape(shape).to(dtype)
+
+
+def _candidates(model: nn.Module, params: set[str]) -> list[tuple[str, dict[str, Any]]]:
+    """Pixel keyword sets to try, most specific first."""
+    cfg = model.config
+    vc = _vision_config(cfg) or cfg
+    dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
+    c = _int(_cfg_get(vc, ("in_channels", "num_channels", "in_chans", "channels")), 3)
+    p = _int(_cfg_get(vc, ("patch_size", "spatial_patch_size")), 14)
+    hw = image_size_hw(vc) or image_size_hw(cfg) or (224, 224)
+    out: list[tuple[str, dict[str, Any]]] = []
+    grid_key = next((k for k in ("image_grid_thw", "grid_thw", "image_grid_hws", "grid_hws") if k in params), None)
+    if grid_key is not None:
+        m = _int(_cfg_get(vc, ("spatial_merge_size", "merge_size", "spatial_merge")), 2)
+        t = _int(_cfg_get(vc, ("temporal_patch_size",)), 1)
+        for tt in ((t, 1) if t != 1 else (1,)):
+            g = [1, 2 * m, 2 * m] if "hws" not in grid_key else [2 * m, 2 * m]
+            n = 4 * m * m
+            out.append((f"grid {g} x {c}*{tt}*{p}^2", {
+                "pixel_values": _ramp((n, c * tt * p * p), dtype),
+                grid_key: torch.tensor([g], dtype=torch.long)}))
+    if "spatial_shapes" in params:
+        h, w = 4, 4
+        out.append((f"naflex {h}x{w} patches", {
+            "pixel_values": _ramp((1, h * w, c * p * p), dtype),
+            "spatial_shapes": torch.tensor([[h, w]], dtype=torch.long),
+            "pixel_attention_mask": torch.ones(1, h * w, dtype=torch.bool)}))
+    sizes = [hw]
+    if "image_sizes" in params and 8 * p < min(hw):  # a tower that takes any size (Pixtral): a small image only
+        sizes = [(8 * p, 8 * p)]
+    for size in sizes:
+        extra: dict[str, Any] = {}
+        if "image_sizes" in params:
+            extra["image_sizes"] = torch.tensor([list(size)], dtype=torch.long)
+        for lead in ((1,), (1, 1), (1, 2)):
+            kw: dict[str, Any] = {"pixel_values": _ramp((*lead, c, *size), dtype), **extra}
+            if "pixel_attention_mask" in params and len(lead) == 2:
+                kw["pixel_attention_mask"] = torch.ones(*lead, *size, dtype=torch.bool)
+            if "aspect_ratio_ids" in params:
+                tiles = _int(_cfg_get(vc, ("max_num_tiles",)), 1)
+                kw["pixel_values"] = _ramp((1, 1, tiles, c, *size), dtype)
+                kw["aspect_ratio_ids"] = torch.ones(1, 1, dtype=torch.long)
+                kw["aspect_ratio_mask"] = torch.zeros(1, 1, tiles, dtype=torch.long)
+                kw["aspect_ratio_mask"][..., 0] = 1
+                out.append((f"tiles 1x{tiles} at {size}", kw))
+                break
+            out.append((f"pixels {tuple(kw['pixel_values'].shape)}", kw))
+    return out
+
+
+def _feature_rows(out: Any, width: int) -> int:
+    feats = image_features(out)
+    tensors = output_tensors(feats) if feats is not None else []
+    if not tensors:
+        tensors = [t for t in output_tensors(out) if t.shape[-1] == width][:1]
+    total = sum(t.numel() for t in tensors)
+    if not tensors or total == 0 or total % width:
+        raise SampleError(f"image features of {[tuple(t.shape) for t in tensors]} do not fill rows of width {width}")
+    return total // width
+
+
+def image_layout(model: nn.Module) -> Layout:
+    """The pixel keywords and image-token count for ``model`` (kept per model; see the module docstring).
+
+    Raises:
+        SampleError: no layout runs through ``get_image_features``; the message names each try and its error.
+    """
+    cached = _LAYOUTS.get(model)
+    if cached is not None:
+        return cached
+    cfg = model.config
+    token = image_token_id(cfg)
+    fn = _image_fn(model)
+    width = _int(getattr(_text_config(cfg), "hidden_size", None), 0)
+    if fn is not None and _vision_config(cfg) is None and getattr(cfg, "vision_config", 0) is None:
+        raise SampleError(f"{type(model).__name__}: its config has no vision_config (a text-only default config)")
+    params = set(inspect.signature(fn).parameters) if fn is not None else set(inspect.signature(model.forward).parameters)
+    errors: list[str] = []
+    for name, kw in _candidates(model, params):
+        if fn is None or token is None:
+            layout = Layout(kw, 0, None, [f"{name}; no get_image_features/image token: pixels beside the text"])
+            _LAYOUTS[model] = layout
+            return layout
+        try:
+            with torch.no_grad(), torch.random.fork_rng(devices=[]):
+                n = _feature_rows(fn(**kw), width)
+                layout = Layout(kw, n, token, [name])
+                model(**_assemble(model, layout, seq=4, seed=0))  # the whole model takes it too
+        except Exception as e:  # noqa: BLE001 - a trial: any failure means "not this layout"
+            errors.append(f"{name}: {type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''}")
+            continue
+        _LAYOUTS[model] = layout
+        return layout
+    raise SampleError(f"{type(model).__name__}: no image layout built from the config runs "
+                      f"({'; '.join(errors) or 'no candidate'})")
+
+
+_LAYOUTS: weakref.WeakKeyDictionary[nn.Module, Layout] = weakref.WeakKeyDictionary()
+
+
+def sample_batch(model: nn.Module, *, image: bool, seq: int = 12, seed: int = 0) -> dict[str, Any]:
+    """A batch of one sequence for ``model`` (the HF model, or a PEFT / DDP wrapper around it): ``seq`` text tokens (ids that are no special token), plus, with
+    ``image``, the image tokens and pixel keywords of :func:`image_layout`. ``labels`` = ``input_ids``.
+
+    Raises:
+        SampleError: ``image=True`` and no image layout runs (see :func:`image_layout`).
+    """
+    hf = unwrap_model(model)  # a PeftModel / DDP wrapper: the HF model's config, signature and image path
+    return _assemble(hf, image_layout(hf) if image else None, seq=seq, seed=seed)
+
+
+def _assemble(model: nn.Module, layout: Layout | None, *, seq: int, seed: int) -> dict[str, Any]:
+    cfg = model.config
+    vocab = _int(getattr(_text_config(cfg), "vocab_size", None), 0) or _int(getattr(cfg, "vocab_size", None), 1000)
+    avoid = special_ids(cfg)
+    g = torch.Generator().manual_seed(seed)
+    pool = [i for i in range(3, min(vocab, 400)) if i not in avoid] or [1]
+    ids = [pool[int(j)] for j in torch.randint(0, len(pool), (seq,), generator=g)]
+    batch: dict[str, Any] = {}
+    if layout is not None:
+        if layout.token_id is not None and layout.n_tokens:
+            ids = ids[:2] + [layout.token_id] * layout.n_tokens + ids[2:]
+        batch.update({k: v.clone() for k, v in layout.pixels.items()})
+    input_ids = torch.tensor([ids], dtype=torch.long)
+    batch.update(input_ids=input_ids, attention_mask=torch.ones_like(input_ids), labels=input_ids.clone())
+    names = set(inspect.signature(model.forward).parameters)
+    token = image_token_id(cfg)
+    if "mm_token_type_ids" in names:  # M-RoPE families: 1 where an image token sits (the processor's output)
+        batch["mm_token_type_ids"] = (input_ids == token).long() if token is not None else torch.zeros_like(input_ids)
+    if "qformer_input_ids" in names:  # InstructBLIP: the instruction for the Q-Former, in its own small vocabulary
+        q = torch.tensor([pool[:4]], dtype=torch.long)
+        batch.update(qformer_input_ids=q, qformer_attention_mask=torch.ones_like(q))
+    return batch

@@ -1,0 +1,208 @@
+"""Every image-text-to-text family transformers ships, built tiny and tried (docs/vlm-families.md, issue 45).
+
+The families come from transformers itself (``MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES``). Per family: the
+rehearsal's checked shrinker builds it from its default config, it runs forward + backward without and with an
+image (the structural batch builder), and the plan says its dummy and FSDP2 decisions; the outcome must be the one
+the shipped results file records (``hf_ddpfix/rehearse/vlm_families.json``): a family that fails today is an
+expected, named outcome there, and a family whose outcome changes (fixed or broken) fails here until the file is
+regenerated (``python scripts/vlm_families.py <model_type>``). On another transformers than the recorded one
+every family must still give a record with a named reason for whatever does not work.
+
+Shown failing (2026-12-02): the shrinker without the shared width map (``_shrink_node`` cutting each sub-config's
+hidden on its own, as before) fails ``test_a_small_qwen2_vl_shrunk_still_takes_an_image`` with "Image features and
+image tokens do not match" (the tower's ``hidden_size`` 64 -> 32 beside a text width of 64: its image layout no
+longer runs, "shape mismatch: value tensor of shape [3, 8]"); a results file with one family's ``meta_params``
+edited fails ``test_family_is_sized_on_the_meta_device_as_recorded[<family>]``; a results file with one family's ``image``
+edited fails ``test_family_outcome_is_the_recorded_one[<family>]``; a table cell edited by hand fails
+``test_the_page_is_rendered_from_the_results``.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import io
+import warnings
+from contextlib import redirect_stdout
+from pathlib import Path
+
+import pytest
+import transformers
+
+from hf_ddpfix.rehearse.family_sweep import (
+    RESULTS,
+    families,
+    load_results,
+    size_family,
+    status_line,
+    sweep_family,
+    verdict,
+)
+
+ROOT = Path(__file__).resolve().parents[1]
+DATA = load_results()
+PINNED = transformers.__version__ == DATA["transformers"]
+FAMILIES = families()
+
+
+def _script():
+    spec = importlib.util.spec_from_file_location("vlm_families_script", ROOT / "scripts" / "vlm_families.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_the_sweep_lists_every_family_transformers_ships():
+    assert len(FAMILIES) >= 40, len(FAMILIES)
+    if PINNED:
+        assert sorted(DATA["families"]) == sorted(FAMILIES)
+        built = [r for r in DATA["families"].values() if r["builds"]]
+        assert len(built) >= 40, len(built)
+        for rec in DATA["families"].values():  # nothing dropped silently: every failure has its reason
+            assert rec["builds"] or rec["reason"], rec
+            assert not rec["builds"] or (rec["text"] and rec["image"]), rec
+
+
+@pytest.mark.parametrize("model_type", sorted(FAMILIES))
+def test_family_is_sized_on_the_meta_device_as_recorded(model_type):
+    """Fast tier, every family: the default config shrunk, repaired and built on the meta device gives the
+    recorded parameter count (or the recorded reason)."""
+    warnings.filterwarnings("ignore")
+    rec = size_family(model_type, FAMILIES[model_type])
+    assert rec.get("meta_params") or rec["reason"], rec
+    if PINNED:
+        want = DATA["families"][model_type]
+        assert (rec.get("meta_params"), rec["reason"] if not rec.get("meta_params") else "") == (
+            want.get("meta_params"), want["reason"] if not want.get("meta_params") else ""), (rec, want)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("model_type", sorted(FAMILIES))
+def test_family_outcome_is_the_recorded_one(model_type):
+    """Full tier, every family: built for real, forward + backward without and with an image, the plan's dummy
+    and FSDP2 decisions, as recorded (a few seconds per family on 2 cores: the fast tier sizes them only)."""
+    warnings.filterwarnings("ignore")
+    rec = sweep_family(model_type, FAMILIES[model_type])
+    assert rec["builds"] or rec["reason"], rec
+    if rec["builds"]:
+        assert rec["text"] and rec["image"], rec
+    if PINNED:
+        want = DATA["families"][model_type]
+        assert verdict(rec) == verdict(want), (
+            f"{model_type}: the sweep's outcome changed; now {rec}, recorded {want}. Regenerate with "
+            f"`python scripts/vlm_families.py {model_type}` if the change is meant.")
+
+
+def test_the_page_is_rendered_from_the_results():
+    mod = _script()
+    page = (ROOT / "docs" / "vlm-families.md").read_text()
+    assert mod.render_block(DATA) in page
+    assert Path(mod.__file__).resolve().parent.parent == ROOT and RESULTS.is_file()
+
+
+def test_plan_prints_where_the_family_stands():
+    from hf_ddpfix.cli import main
+
+    line = status_line("qwen2_5_vl")
+    assert line.startswith("family 'qwen2_5_vl' in the VLM sweep") and DATA["transformers"] in line
+    assert status_line("llama") == ""  # a text model: no line
+    out = io.StringIO()
+    with redirect_stdout(out):
+        assert main(["plan", "--model", "qwen2_5_vl", "--world-size", "2"]) == 0
+    assert line in out.getvalue()
+
+
+def test_a_small_qwen2_vl_shrunk_still_takes_an_image():
+    """The rehearsal's bug of issue 45: a small Qwen2-VL (text width 64, tower ``hidden_size`` 64 = its output
+    width, 2 heads) was cut to a tower output of 32 and failed "Image features and image tokens do not match"."""
+    import torch
+    from transformers import Qwen2VLConfig, Qwen2VLForConditionalGeneration
+
+    from hf_ddpfix.integrations.vision.sample import sample_batch
+    from hf_ddpfix.rehearse.shrink import shrink_config
+    from hf_ddpfix.rehearse.shrink_check import repair_shrunk, shrink_checked
+
+    config = Qwen2VLConfig(
+        text_config=dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                         num_key_value_heads=2, vocab_size=160, rope_parameters={"rope_type": "default",
+                         "mrope_section": [2, 3, 3]}),
+        vision_config=dict(depth=2, embed_dim=32, hidden_size=64, num_heads=2, mlp_ratio=2, patch_size=4,
+                           spatial_merge_size=2, temporal_patch_size=2),
+        image_token_id=150, video_token_id=151, vision_start_token_id=152)
+    small = repair_shrunk(shrink_config(config), Qwen2VLForConditionalGeneration).config
+    assert small.vision_config.hidden_size == small.text_config.hidden_size == 64
+    torch.manual_seed(0)
+    model = Qwen2VLForConditionalGeneration(small)
+    for image in (False, True):
+        assert model(**sample_batch(model, image=image)).loss.isfinite()
+    checked = shrink_checked(config, Qwen2VLForConditionalGeneration)
+    assert checked.runs and (checked.text, checked.image) == ("ok", "ok")
+
+
+def test_the_width_map_keeps_equal_widths_equal_on_a_real_shape():
+    """Qwen2-VL-7B's shape: text 3584, tower ``embed_dim`` 1280 with ``hidden_size`` 3584 (its output width =
+    the text width): after the cut the tower's output is the text's width again, and the tower is cut too."""
+    from transformers import Qwen2VLConfig
+
+    from hf_ddpfix.rehearse.shrink import shrink_config
+
+    real = Qwen2VLConfig(text_config=dict(hidden_size=3584, num_attention_heads=28, num_key_value_heads=4,
+                                          intermediate_size=18944, num_hidden_layers=28),
+                         vision_config=dict(embed_dim=1280, hidden_size=3584, num_heads=16, depth=32))
+    small = shrink_config(real).config
+    assert small.vision_config.hidden_size == small.text_config.hidden_size == 64
+    assert small.vision_config.embed_dim == 64 and small.vision_config.depth == 2
+
+
+#: the 2-process cells: current families first (Qwen3.5, Gemma 4, GLM-4V, Qwen2.5-VL, LLaVA-style, Idefics3 /
+#: SmolVLM-style, Mllama), those the sweep runs with an image on this stack, at most ``DDP_CELLS`` (one launch)
+DDP_PICKS = ("qwen3_5", "gemma4", "glm4v", "qwen2_5_vl", "llava", "smolvlm", "idefics3", "idefics2", "mllama",
+             "paligemma")
+DDP_CELLS = 5
+
+
+@pytest.mark.multiprocess
+def test_ddp_trains_like_stock_ddp_on_several_families_in_one_launch(tmp_path):
+    """One 2-process launch: for each picked family, LoRA on every linear layer (tower included), 4 steps with
+    mixed image/text ranks and an all-text step, hf_ddpfix's plan (prepare_accelerate_loop) vs stock
+    DDP(find_unused_parameters=True): weights bit-equal (measured 0.0 on glm4v, qwen2_5_vl, llava, idefics2,
+    mllama, 2026-12-02), replicas in sync.
+
+    Shown failing (2026-12-02): with parameter usage's finalize not resetting unused gradients to None
+    (hf_ddpfix/integrations/usage/finalize.py: weight decay then moves the tower on the all-text step) the launch
+    fails on glm4v, max |hf_ddpfix - stock| = 2.9e-2."""
+    from launch import torchrun
+
+    ran = [f for f in DDP_PICKS if DATA["families"].get(f, {}).get("image") == "ok"
+           and DATA["families"][f].get("text") == "ok"][:DDP_CELLS]
+    assert len(ran) >= 3, ran
+    report = tmp_path / "ddp.json"
+    done = torchrun("vlm_families_ddp.py", "--families", ",".join(ran), "--report", str(report), timeout=600)
+    assert done.stdout.count("VLM_FAMILIES_DDP_OK") == 2, done.stdout[-4000:]
+    import json
+
+    got = json.loads(report.read_text())
+    assert sorted(got) == sorted(ran) and all(r["max_diff"] == 0.0 for r in got.values()), got
+
+
+def test_per_layer_overrides_contract_and_the_cut_of_a_heterogeneous_config():
+    """``_compat.per_layer_overrides`` reads transformers 5.23's heterogeneous-config spec (Gemma 4: ``head_dim``
+    512 on its full-attention layers beside a global 256); the shrinker drops overrides past the cut stack and
+    scales the per-head width as it scaled the global one (512 / 256 x 16 = 32). A homogeneous config (and a
+    release without the feature) has none. Shown failing: without ``_cut_per_layer`` the shrunk Gemma 4 keeps
+    ``head_dim`` 512 overrides on layers 5, 11, ... of a 6-layer stack."""
+    from transformers import AutoConfig, LlamaConfig
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
+
+    from hf_ddpfix._compat import per_layer_overrides
+    from hf_ddpfix.rehearse.shrink import shrink_config
+
+    assert per_layer_overrides(LlamaConfig()) is None
+    if "gemma4" not in CONFIG_MAPPING_NAMES:  # an older transformers: no heterogeneous configs to read
+        return
+    text = AutoConfig.for_model("gemma4").text_config
+    over = per_layer_overrides(text)
+    assert over and {a["head_dim"] for a in over.values()} == {512}, over
+    small = shrink_config(AutoConfig.for_model("gemma4")).config.text_config
+    cut = per_layer_overrides(small)
+    assert cut and all(layer < small.num_hidden_layers for layer in cut), cut
+    assert {a["head_dim"] for a in cut.values()} == {32}, cut
