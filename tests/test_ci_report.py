@@ -1,7 +1,9 @@
 """CI's records and what is generated from them (tests/ci_record.py, scripts/ci_report.py), all in one process:
 
 - docs/versions.md's table is the one scripts/ci_report.py renders from the kept results (tests/results/stacks/);
-- pyproject.toml's lower bounds are constraints-oldest.txt's versions (the oldest stack tests what is declared);
+- pyproject.toml's lower bounds are constraints-oldest.txt's versions (the oldest stack tests what is declared),
+  and every stack CI runs is inside pyproject.toml's bounds (the newest stack included: torch's upper bound is the
+  newest release CI runs);
 - a pytest run under ``DDPFIX_CI_DIR`` records each test once by outcome and the seconds of each file;
 - merging refuses a stack whose runs saw different versions; pytest's exit 5 is a failure in CI's runner.
 """
@@ -114,3 +116,29 @@ def test_launch_table_counts_each_files_launches_and_their_seconds(tmp_path, mon
                                                ["2", "7.0", "pinned", "suite/alpha.py"],
                                                ["1", "1.5", "newest", "suite/alpha.py"]], rows
     assert rows[-1] == "(4 launches in all, 18 s of their wall time)", rows
+
+
+def test_the_installed_stack_is_inside_the_declared_bounds():
+    """Declared = tested: each requirement pyproject.toml declares (the dependencies, and the deepspeed / qlora
+    extras where installed) holds for the versions installed on this stack. Every CI stack runs it, so the newest
+    stack fails when a release moves past a declared upper bound (torch: `<2.16`), until the bound is raised
+    with that stack green. Shown failing (2026-12-02) on the newest stack (torch 2.15.0) with `torch>=2.13,<2.15`."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    from packaging.requirements import Requirement
+
+    text = (ROOT / "pyproject.toml").read_text()
+    dependencies = re.search(r"^dependencies = \[(.*?)^\]", text, flags=re.M | re.S).group(1)
+    extras = [re.search(rf"^{extra} = \[(.*?)\]", text, flags=re.M).group(1) for extra in ("qlora", "deepspeed")]
+    outside = []
+    for line in re.findall(r'"([^"]+)"', dependencies + " ".join(extras)):
+        req = Requirement(line)
+        try:
+            have = version(req.name)
+        except PackageNotFoundError:  # an extra not installed on this stack (its tests skip)
+            assert req.name in ("bitsandbytes", "deepspeed"), f"{req.name} is required but not installed"
+            continue
+        if not req.specifier.contains(have, prereleases=True):
+            outside.append(f"{req.name} {have} (declared {req.specifier})")
+    assert not outside, (f"this stack runs versions pyproject.toml does not declare: {outside}; once this stack is "
+                         "green, move the bound in pyproject.toml, README and docs/versions.md")
