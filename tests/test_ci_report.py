@@ -138,7 +138,7 @@ def test_the_installed_stack_is_inside_the_declared_bounds():
     extras = [re.search(rf"^{extra} = \[(.*?)\]", text, flags=re.M).group(1) for extra in ("qlora", "deepspeed")]
     outside = []
     # an extra's own package (deepspeed, bitsandbytes); its higher floor of a base dependency (the deepspeed extra's
-    # accelerate>=1.15) is not the oldest stack's: that stack runs ZeRO's unit tests only (constraints-oldest.txt)
+    # accelerate>=1.15, transformers>=5.2) is not the oldest stack's: it runs ZeRO's unit tests only (constraints-oldest.txt)
     own = [r for extra in extras for r in re.findall(r'"([^"]+)"', extra) if Requirement(r).name in ("deepspeed",
                                                                                                      "bitsandbytes")]
     for line in re.findall(r'"([^"]+)"', dependencies) + own:
