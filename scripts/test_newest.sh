@@ -1,9 +1,12 @@
 #!/usr/bin/env bash
 # CI, third stack: the unit tests (not multiprocess), the 2-process cells that matter most and every example under
 # every launch config (2 processes) on the NEWEST releases of torch, transformers, accelerate, peft, trl,
-# deepspeed and bitsandbytes (unpinned), in a venv of its own. torch is the newest the package index serves this
-# machine (2.14.1 on 2026-11-28: a CUDA build, ~6 GB with its nvidia packages; it runs on the CPU. Without its
-# nvidia packages it does not import: libcudnn.so.9 missing, so it is installed whole).
+# deepspeed and bitsandbytes (unpinned), in a venv of its own. torch is the newest release the package index
+# serves (2.15.0 on 2026-12-02: a CUDA 13.2 build, several GB with its nvidia packages; it runs on the CPU.
+# Without its nvidia packages it does not import: libcudnn.so.9 missing, so it is installed whole). These
+# machines cap pip at the torch that lies on their disk (/etc/xdg/pip: torch<=2.14.1, a pip config file): every
+# pip command that installs into this venv runs with PIP_CONFIG_FILE=/dev/null, so the cap is lifted for this
+# venv only (the main environment and the oldest stack keep the machine's config).
 #
 # The venv is cached under ~/.cache/hf_ddpfix/ (or $XDG_CACHE_HOME), keyed by the install lines of this
 # script (the lines between the INSTALL markers); a venv is used only when its install finished (.complete
@@ -22,9 +25,11 @@ venv=${HF_DDPFIX_NEWEST_VENV:-${XDG_CACHE_HOME:-${HOME:-/tmp}/.cache}/hf_ddpfix/
 pip_q=(--quiet --disable-pip-version-check)
 if [[ "${HF_DDPFIX_NEWEST_REFRESH:-0}" == 1 ]]; then rm -rf "$venv"; fi
 # INSTALL-BEGIN
-# everything newest, torch included (the registry's newest is a CUDA build: it runs on the CPU)
+# everything newest, torch included (the registry's newest is a CUDA build: it runs on the CPU), without the
+# machine's pip config (its torch cap)
 newest=(torch transformers accelerate peft trl deepspeed bitsandbytes datasets evaluate pillow pytest
         pytest-timeout)
+vpip() { PIP_CONFIG_FILE=/dev/null DS_BUILD_OPS=0 "$venv/bin/python" -m pip "$@"; }
 build_shm_op() {  # DeepSpeed's CPU shared-memory op, built into this venv's own extension cache
   rm -rf "$venv/torch_extensions"
   TORCH_EXTENSIONS_DIR="$venv/torch_extensions" DS_ACCELERATOR=cpu \
@@ -33,7 +38,7 @@ build_shm_op() {  # DeepSpeed's CPU shared-memory op, built into this venv's own
 if [[ ! -f "$venv/.complete" ]]; then
   rm -rf "$venv"
   python -m venv "$venv"  # a plain venv: it must not see the pinned stack of the main environment
-  DS_BUILD_OPS=0 "$venv/bin/python" -m pip install "${pip_q[@]}" "${newest[@]}"
+  vpip install "${pip_q[@]}" "${newest[@]}"
   build_shm_op
   touch "$venv/.complete"
 fi
@@ -43,13 +48,13 @@ fi
 report=$(mktemp)
 trap 'rm -f "$report"' EXIT
 resolve_start=$SECONDS
-if DS_BUILD_OPS=0 "$venv/bin/python" -m pip install "${pip_q[@]}" --upgrade --dry-run --report "$report" \
+if vpip install "${pip_q[@]}" --upgrade --dry-run --report "$report" \
      "${newest[@]}" >/dev/null 2>&1; then
   moved=$("$venv/bin/python" -c "import json, sys; r = json.load(open(sys.argv[1])); \
 print(' '.join(i['metadata']['name'] + '==' + i['metadata']['version'] for i in r['install']))" "$report")
   if [[ -n "$moved" ]]; then
     echo "newest stack: newer releases than the cached venv: $moved (installing them in place)"
-    DS_BUILD_OPS=0 "$venv/bin/python" -m pip install "${pip_q[@]}" --upgrade "${newest[@]}"
+    vpip install "${pip_q[@]}" --upgrade "${newest[@]}"
     if [[ " ${moved,,} " == *" deepspeed=="* ]]; then build_shm_op; fi
   else
     echo "newest stack: re-resolved in $((SECONDS - resolve_start))s, no newer release than the cached venv"
@@ -59,8 +64,8 @@ else
 fi
 if [[ "${1:-}" == --install-only ]]; then exit 0; fi  # hf_ddpfix itself: when testing (one stack at a time)
 export TORCH_EXTENSIONS_DIR="$venv/torch_extensions"
-"$venv/bin/python" -m pip install "${pip_q[@]}" --no-deps -e .
-"$venv/bin/python" -m pip check >/dev/null
+vpip install "${pip_q[@]}" --no-deps -e .
+vpip check >/dev/null
 "$venv/bin/python" -c "import torch, transformers, accelerate, peft, trl, deepspeed, bitsandbytes, hf_ddpfix; \
 print('newest stack: torch', torch.__version__, 'transformers', transformers.__version__, 'accelerate', \
 accelerate.__version__, 'peft', peft.__version__, 'trl', trl.__version__, 'deepspeed', deepspeed.__version__, \

@@ -65,12 +65,14 @@ run_tests cells "${py[@]}" \
   "tests/test_matrix.py::test_cell_trains_in_sync_with_stock_loss[vlm-ckpt-nonreentrant-ga-2]" || failed=1
 # every example under every launch config, 2 processes (README example: DDP, FSDP2 test device, ZeRO-2/3, QLoRA;
 # long context under DDP; the unchanged TRL script under DDP, stock failing and patched training)
-# Not run here (printed): the README example under zero2.yaml / zero3.yaml. Stock (`--no-fix`) fails the same way on
-# this stack: transformers 5.0 + deepspeed 0.19.8 raise "zip() argument 2 is longer than argument 1" at the first
-# lr_scheduler.step() (measured 2026-11-28 with torch 2.10); the pinned and newest stacks run both.
+# Not run here (printed): the README example under zero2.yaml / zero3.yaml. The deepspeed extra declares
+# accelerate>=1.15 and transformers>=5.2 (pyproject.toml): with this stack's accelerate 1.11 (to 1.14) stock
+# (`--no-fix`) fails the same way, "zip() argument 2 is longer than argument 1" at the first lr_scheduler.step(),
+# and ZeRO-3 needs transformers 5.2 (measured 2026-12-02, constraints-oldest.txt); the pinned and newest stacks
+# (accelerate 1.15, transformers 5.23 / 5.24) run both.
 zero=("tests/test_examples_launched.py::test_readme_example_trains_and_evaluates_on_two_processes[zero2]"
       "tests/test_examples_launched.py::test_readme_example_trains_and_evaluates_on_two_processes[zero3]")
-echo "oldest stack: NOT RUN (stock fails the same way on this stack): ${zero[*]}"
+echo "oldest stack: NOT RUN (the deepspeed extra needs accelerate>=1.15, transformers>=5.2): ${zero[*]}"
 run_tests examples "${py[@]}" tests/test_examples_launched.py "${zero[@]/#/--deselect=}" \
   "tests/test_patches.py::test_unmodified_trl_sft_script_stock_fails_and_trains_with_patches" || failed=1
 exit $failed

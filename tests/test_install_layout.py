@@ -7,6 +7,11 @@ that Python asks only after its path search, so the empty namespace won: "cannot
 'checkpointing_training_args' from 'hf_ddpfix' (unknown location)". pyproject.toml makes the editable install a
 path entry instead; a regular package on any path entry wins over a namespace folder on an earlier one.
 
+The same install exposes only `hf_ddpfix`: `tests`, `scripts`, `benchmarks`, `examples` and `patches` of the
+clone are no importable names (issue 49, item 6: the repository root was the path entry; now src/, which holds
+only a link to the package). Shown failing (2026-12-02) with pyproject.toml's `package-dir = {"" = "."}` (as
+before): "pip install -e . exposes ['tests', 'scripts', 'benchmarks', 'examples', 'patches']".
+
 One test, the real thing: a copy of the package installed editable (`--no-deps`) into a throw-away venv that sees
 the system site-packages, then the public API imported from the clone's parent by every launch route: `python
 train.py`, `python -c`, `torchrun`, `accelerate launch`, and `PYTHONPATH=hf_ddpfix/patches` (with the install,
@@ -38,14 +43,39 @@ print("PATCHED " + json.dumps(hf_ddpfix.trainer.is_patched()))
 """
 
 
+#: top-level folders of a clone that are not the package: never importable names after `pip install -e .`
+NOT_MODULES = ("tests", "scripts", "benchmarks", "examples", "patches")
+MARKER = "_hf_ddpfix_clone_marker"
+
+
 def _copy_clone(parent: Path) -> Path:
     clone = parent / "hf_ddpfix"  # the clone's folder has the package's name, as `git clone .../hf_ddpfix` makes
     ignore = shutil.ignore_patterns("__pycache__", "*.pyc")
-    for name in ("hf_ddpfix", "patches"):
-        shutil.copytree(ROOT / name, clone / name, ignore=ignore)
+    for name in ("hf_ddpfix", "patches", "src"):
+        shutil.copytree(ROOT / name, clone / name, ignore=ignore, symlinks=True)  # src/hf_ddpfix: a link
     for name in ("pyproject.toml", "README.md"):
         shutil.copy(ROOT / name, clone / name)
+    for name in NOT_MODULES:  # a module in each (the real folders' contents are not needed to show it)
+        (clone / name).mkdir(exist_ok=True)
+        (clone / name / f"{MARKER}.py").write_text("")
     return clone
+
+
+# Each `import tests.<marker>` (and the other folders) must fail: the marker exists only in the clone, so it
+# imports exactly when the clone's root is on the path (`tests` itself may be importable from another
+# environment: this machine's own editable install of the project, a namespace package that merges every
+# `tests` folder on the path).
+NOT_IMPORTABLE = f"""
+import importlib, json, sys
+found = {{}}
+for name in {NOT_MODULES!r}:
+    try:
+        importlib.import_module(name + ".{MARKER}")
+        found[name] = True
+    except ImportError:
+        found[name] = False
+print("FOUND " + json.dumps(found))
+"""
 
 
 def _run(cmd: list[str], cwd: Path, env: dict[str, str], label: str) -> str:
@@ -73,7 +103,7 @@ def test_a_script_beside_the_clone_imports_the_installed_package_on_every_launch
           "--disable-pip-version-check", "-e", str(clone)], tmp_path, dict(os.environ), "pip install -e")
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}  # no test-suite path: what a user has
     env.update({"OMP_NUM_THREADS": "1", "PATH": f"{venv / 'bin'}{os.pathsep}{env.get('PATH', '')}"})
-    package = str(clone / "hf_ddpfix" / "__init__.py")
+    package = str(clone / "hf_ddpfix" / "__init__.py")  # imported through src/hf_ddpfix, a link to it
     routes = {
         "python train.py": [str(py), "train.py"],
         "python -c": [str(py), "-c", SCRIPT],
@@ -83,7 +113,13 @@ def test_a_script_beside_the_clone_imports_the_installed_package_on_every_launch
                               "train.py"],
     }
     for label, cmd in routes.items():
-        assert _imported(_run(cmd, tmp_path, env, label), label) == package, label
+        assert os.path.realpath(_imported(_run(cmd, tmp_path, env, label), label)) == package, label
+    # only the package is exposed: the clone's other folders are no importable names (from its parent and from
+    # elsewhere)
+    for cwd in (tmp_path, tmp_path / "venv"):
+        out = _run([str(py), "-c", NOT_IMPORTABLE], cwd, env, "import tests")
+        found = json.loads(next(ln for ln in out.splitlines() if ln.startswith("FOUND ")).split(" ", 1)[1])
+        assert not any(found.values()), f"pip install -e . exposes {[n for n, v in found.items() if v]} ({cwd})"
 
     # the zero-code route, from the clone's parent: installed, and with no install of this copy at all
     routes_patches = [("patches/ (installed)", str(py))]
@@ -97,4 +133,4 @@ def test_a_script_beside_the_clone_imports_the_installed_package_on_every_launch
         print("patches/ (not installed): not run, this interpreter has hf_ddpfix installed (README command 2)")
     for label, python in routes_patches:
         out = _run([python, "train_patched.py"], tmp_path, {**env, "PYTHONPATH": "hf_ddpfix/patches"}, label)
-        assert _imported(out, label) == package and "PATCHED true" in out, (label, out[-3000:])
+        assert os.path.realpath(_imported(out, label)) == package and "PATCHED true" in out, (label, out[-3000:])

@@ -525,11 +525,14 @@ def test_fsdp_vlm_with_a_text_only_rank_stock_names_the_mismatch_and_hf_ddpfix_p
 def test_trl_sft_under_ddp_zero3_and_two_localhost_nodes(tmp_path):
     script = ["examples/trl_sft.py", "--output-dir", str(tmp_path / "user-out")]
     patches = {"PYTHONPATH": os.pathsep.join([str(ROOT / "patches"), str(ROOT)])}
+    import importlib.util
+
+    zero3 = importlib.util.find_spec("deepspeed") is not None  # a test extra: without it that part skips, said
     runs = [
         _start(tmp_path, "ddp", ["--no-resume"], ["accelerate", "launch", "--config_file",
                                                   "accelerate_configs/ddp_cpu.yaml", *script], env=patches),
-        _start(tmp_path, "zero3", ["--no-resume"], ["accelerate", "launch", "--config_file",
-                                                    "accelerate_configs/zero3.yaml", *script]),
+        *([_start(tmp_path, "zero3", ["--no-resume"], ["accelerate", "launch", "--config_file",
+                                                       "accelerate_configs/zero3.yaml", *script])] if zero3 else []),
         _start(tmp_path, "nodes", ["--no-resume", "--nproc", "2"], ["accelerate", "launch", "--config_file",
                                                                    "accelerate_configs/multinode_ddp.yaml", *script]),
         _start(tmp_path, "longctx", [], ["accelerate", "launch", "--config_file", "accelerate_configs/ddp_cpu.yaml",
@@ -548,10 +551,12 @@ def test_trl_sft_under_ddp_zero3_and_two_localhost_nodes(tmp_path):
         assert phase["trainer"] == "SFTTrainer" and phase["steps"] == {"0": 3, "1": 3}, (name, phase)
         assert phase["hf_ddpfix"] is True and phase["plan"], (name, phase)  # zero-code (patches/) or the script's
     assert done["ddp"][1]["phases"][0]["replicas"].startswith("in sync"), done["ddp"][1]["phases"][0]
-    assert done["zero3"][1]["phases"][0]["zero_stage"] == 3 and done["zero3"][1]["mode"] == "zero3"
     nodes = done["nodes"][1]
     assert "2 localhost node(s)" in nodes["rehearsed"] and "16" in nodes["world_note"], nodes
     assert nodes["phases"][0]["replicas"].startswith("in sync")
+    if not zero3:
+        pytest.skip("the zero3.yaml rehearsal needs DeepSpeed (a test extra, not installed); ddp and two nodes passed")
+    assert done["zero3"][1]["phases"][0]["zero_stage"] == 3 and done["zero3"][1]["mode"] == "zero3"
 
 
 @pytest.mark.multiprocess

@@ -5,7 +5,7 @@ Part of the contract layer (:mod:`hf_ddpfix._compat`): torch-only at module leve
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 from torch import nn
@@ -125,6 +125,13 @@ def set_layer_checkpoint_func(layer: nn.Module, func: Callable[..., Any]) -> Non
 #: renamed ``past_key_values`` to ``cache`` (the old name stays a deprecated alias until 5.40); earlier
 #: 5.x releases pass ``past_key_values``; ``past_key_value`` is the 4.x attention spelling.
 CACHE_KEYWORDS = ("cache", "past_key_values", "past_key_value")
+
+
+def passed_cache(kwargs: Mapping[str, Any]) -> Any:
+    """The KV cache a forward's keyword arguments pass, under any name of :data:`CACHE_KEYWORDS` (``cache=`` from
+    transformers 5.24, ``past_key_values=`` before and as 5.24's deprecated alias); ``None`` when none is passed.
+    A hook that reads the cache must read it with this, never by one name (tests/test_cache_keyword.py)."""
+    return next((kwargs[k] for k in CACHE_KEYWORDS if kwargs.get(k) is not None), None)
 
 
 def output_cache(outputs: Any) -> Any:

@@ -39,7 +39,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..._compat import unwrap_model
+from ..._compat import passed_cache, unwrap_model
 from .grad_reset import reset_grads_unless_any_rank_saw
 
 __all__ = ["CrossAttentionDummy", "cross_attention_parts", "kept_cross_attention_dummy", "nonzero_contribution"]
@@ -164,7 +164,7 @@ class CrossAttentionDummy:
             ref = kwargs.get("inputs_embeds")
         if ref is None:
             return None
-        cache = kwargs.get("past_key_values")
+        cache = passed_cache(kwargs)  # `cache=` from transformers 5.24, `past_key_values=` before
         seen = int(cache.get_seq_length()) if cache is not None else 0
         batch, seq = ref.shape[0], ref.shape[1]
         rows = torch.zeros(batch, 1, seq, 1, dtype=next(self.language_model.parameters()).dtype, device=ref.device)

@@ -40,6 +40,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ..._compat import CACHE_KEYWORDS, passed_cache
 from ...ops.sequence_parallel.gather import gather_sequence
 from ...ops.sequence_parallel.inputs import shard_batch
 from .attention import activate_batch
@@ -109,8 +110,10 @@ class DecoderShardedForward:
         ids = kwargs.pop("input_ids", None)
         if kwargs.pop("inputs_embeds", None) is not None or ids is None or ids.dim() != 2:
             raise self._fail("without input_ids [batch, sequence] (inputs_embeds: the padding cannot be told)")
-        if kwargs.pop("past_key_values", None) is not None:
+        if passed_cache(kwargs) is not None:  # `cache=` (transformers 5.24) or `past_key_values=`
             raise self._fail("with a KV cache")
+        for k in CACHE_KEYWORDS:  # None: not passed on (the slice runs with use_cache=False)
+            kwargs.pop(k, None)
         if kwargs.get("output_attentions"):
             raise self._fail("asking for attention weights (sdpa under Ulysses returns none)")
         mask, pos = kwargs.pop("attention_mask", None), kwargs.pop("position_ids", None)

@@ -49,7 +49,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..._compat import forward_source, unwrap_model
+from ..._compat import forward_source, passed_cache, unwrap_model
 from ...ops.feature_counts import record_amount
 from ...ops.sequence_parallel.inputs import IGNORE_INDEX, shard_batch
 from ...ops.sequence_parallel.loss import shard_loss_rows
@@ -378,7 +378,7 @@ class VisionSequenceSharding:
         if args or embeds is None or kwargs.get("input_ids") is not None:
             raise NotImplementedError("sequence parallelism: the text decoder was called without inputs_embeds "
                                       "(keywords); its inputs cannot be cut after the image merge")
-        if kwargs.get("past_key_values") is not None or kwargs.get("cache") is not None:  # 5.24 names it `cache`
+        if passed_cache(kwargs) is not None:  # `cache=` (5.24) or `past_key_values=`
             raise NotImplementedError("sequence parallelism: a decoder call with a KV cache is not sharded")
         unknown = sorted(k for k, v in kwargs.items() if v is not None and k not in
                          (*_CUT, *_CUT_PER_TOKEN, *self.family.cut_keywords, *_PASS_KEYWORDS))

@@ -4,7 +4,7 @@ on the full sequence with H/N heads per rank -> sequence shards again.
 Each of the N ranks of an SP group holds a contiguous `S/N`-token slice of the same sequences. Before
 attention one all-to-all trades sequence for heads (rank j then holds heads `j*H/N .. (j+1)*H/N - 1` of
 all `S` tokens), attention runs on the full sequence, and a second all-to-all trades back. Both
-all-to-alls are differentiable (`torch.distributed.nn.functional.all_to_all_single`, gloo and NCCL), so
+all-to-alls are differentiable (`_AllToAll` below, around `dist.all_to_all_single`, gloo and NCCL), so
 the backward pass routes each token's gradient to the rank that owns it.
 
 Shapes (B batch, H query heads, Hk key/value heads, s = S/N local tokens, D head dim):
@@ -23,12 +23,39 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from torch.distributed.nn.functional import all_to_all_single
 
-__all__ = ["heads_to_sequence", "kv_replication", "sequence_to_heads", "ulysses_attention"]
+__all__ = ["all_to_all", "heads_to_sequence", "kv_replication", "sequence_to_heads", "ulysses_attention"]
 
 #: `attend(q, k, v) -> out`, all `[B, heads, S, D]` on the full sequence (k, v already matched to q's heads).
 Attend = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+class _AllToAll(torch.autograd.Function):
+    """`dist.all_to_all_single` of equal chunks along dim 0, differentiable: chunk j of rank i goes to rank j as
+    its chunk i. That exchange is its own transpose, so the backward is the same exchange of the gradient
+    (exact: a permutation of values, no arithmetic). Replaces `torch.distributed.nn.functional.
+    all_to_all_single`, deprecated in torch 2.15 (the same forward and backward, for equal splits only)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:  # type: ignore[override]
+        ctx.group = group
+        x = x.contiguous()
+        out = torch.empty_like(x)
+        dist.all_to_all_single(out, x, group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:  # type: ignore[override]
+        grad = grad.contiguous()
+        out = torch.empty_like(grad)
+        dist.all_to_all_single(out, grad, group=ctx.group)
+        return out, None
+
+
+def all_to_all(x: torch.Tensor, group: dist.ProcessGroup | None = None) -> torch.Tensor:
+    """Differentiable all-to-all of `x`'s dim-0 chunks (dim 0 = the group size, one chunk per rank): rank i's
+    chunk j becomes rank j's chunk i; gradients travel back the same way. No deprecated API (torch 2.13-2.15)."""
+    return _AllToAll.apply(x, group)
 
 
 def sequence_to_heads(x: torch.Tensor, group: dist.ProcessGroup | None = None) -> torch.Tensor:
@@ -43,7 +70,7 @@ def sequence_to_heads(x: torch.Tensor, group: dist.ProcessGroup | None = None) -
         raise ValueError(f"sequence_to_heads: {h} heads are not divisible by the sequence-parallel size {n}")
     # [B, N, H/N, s, D] -> [N, B, H/N, s, D]: chunk j (heads of rank j) goes to rank j
     send = x.reshape(b, n, h // n, s, d).permute(1, 0, 2, 3, 4).contiguous()
-    recv = all_to_all_single(torch.empty_like(send), send, group=group)
+    recv = all_to_all(send, group)
     # received chunk i = rank i's tokens (sequence slice i) of our heads
     return recv.permute(1, 2, 0, 3, 4).reshape(b, h // n, n * s, d)
 
@@ -57,7 +84,7 @@ def heads_to_sequence(x: torch.Tensor, group: dist.ProcessGroup | None = None) -
     s = total // n
     # [B, H/N, N, s, D] -> [N, B, H/N, s, D]: sequence slice j goes back to rank j
     send = x.reshape(b, hn, n, s, d).permute(2, 0, 1, 3, 4).contiguous()
-    recv = all_to_all_single(torch.empty_like(send), send, group=group)
+    recv = all_to_all(send, group)
     # received chunk i = heads of rank i for our tokens
     return recv.permute(1, 0, 2, 3, 4).reshape(b, n * hn, s, d)
 
