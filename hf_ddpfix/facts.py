@@ -21,6 +21,7 @@ from .integrations.checkpointing import (
 )
 from .integrations.deepspeed import gather_deepspeed_facts
 from .integrations.fsdp.units import gather_fsdp_facts
+from .integrations.long_context.layer_kinds import layer_kinds
 from .integrations.sequence_parallel.facts import gather_sequence_parallel_facts
 from .integrations.vision import families
 from .ops.offload.host_memory import DEFAULT_HOST_FRACTION, physical_bytes
@@ -126,7 +127,7 @@ def loss_unseen_reason(trainer: Any) -> str | None:
 
 def model_facts(model: nn.Module, parallel: str) -> dict[str, Any]:
     """The `RunFacts` fields read from the model alone (``is_peft``, ``is_vlm``, ``vlm_adapter``,
-    ``trainable_vision_params``, ``conditional_params``): what `gather_facts` reads in a run, and what
+    ``trainable_vision_params``, ``conditional_params``, ``long_context_layers``): what `gather_facts` reads in a run, and what
     ``hf-ddpfix plan`` reads from its meta-device model, through this one function."""
     vision = families.is_vision_language_model(model)
     # LLaVA / Gemma 3: a dummy image under ZeRO only; DDP / FSDP keep parameter_usage (families docstring)
@@ -134,7 +135,8 @@ def model_facts(model: nn.Module, parallel: str) -> dict[str, Any]:
     return {"is_peft": is_peft_model(model), "is_vlm": vision,
             "vlm_adapter": adapter.family.name if adapter is not None else None,
             "trainable_vision_params": vision and families.has_trainable_vision_params(model),
-            "conditional_params": has_conditional_params(model)}
+            "conditional_params": has_conditional_params(model),
+            "long_context_layers": layer_kinds(model)}
 
 
 def gather_facts(trainer: Any, model: nn.Module | None = None) -> RunFacts:
