@@ -36,8 +36,8 @@ from torch.overrides import TorchFunctionMode
 from ..._compat import attention_function_override, attention_implementation
 from .layer_forms import candidate_forms, kernel_refusal
 
-__all__ = ["LayerKind", "decoder_layers", "is_decoder_layer", "kind_lines", "kinds_summary", "layer_kind_label",
-           "layer_kinds", "layer_verdict"]
+__all__ = ["LayerKind", "decoder_layers", "has_attention", "is_decoder_layer", "kind_lines", "kinds_summary",
+           "layer_kind_label", "layer_kinds", "layer_verdict", "sequence_scans"]
 
 _NORMS = ("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm", "post_feedforward_layernorm")
 #: What may happen to the kernel's output on its way to ``o_proj`` without changing the math the patched layer runs
@@ -91,6 +91,32 @@ def layer_kind_label(layer: nn.Module) -> str:
         if isinstance(value, str) and value:
             return value
     return type(layer).__name__
+
+
+#: Projections an attention module has (Llama/Qwen/Gemma ``q_proj``..., fused ``qkv_proj`` / ``query_key_value`` /
+#: ``Wqkv`` / ``c_attn``, DeepSeek's ``q_a_proj``): a decoder layer with none of them mixes tokens another way.
+_ATTENTION_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "qkv_proj", "query_key_value", "Wqkv", "c_attn", "q_a_proj",
+                          "kv_a_proj_with_mqa")
+
+
+def has_attention(layer: nn.Module) -> bool:
+    """Some module of ``layer`` outside its MLP holds attention's query/key/value projections."""
+    mlp = getattr(layer, "mlp", None)
+    inside_mlp = {id(m) for m in mlp.modules()} if isinstance(mlp, nn.Module) else set()
+    return any(id(m) not in inside_mlp and any(isinstance(getattr(m, p, None), nn.Module)
+                                               for p in _ATTENTION_PROJECTIONS) for m in layer.modules())
+
+
+def sequence_scans(model: nn.Module) -> tuple[tuple[str, int, str], ...]:
+    """The decoder layer types whose token mixer is no attention (no query/key/value projections: a gated delta net,
+    a Mamba mixer, a short convolution): ``(label, count, mixer)`` each. They mix tokens along the whole sequence
+    outside the attention kernel (a recurrent scan, a causal convolution), which sequence parallelism cannot reach."""
+    found: dict[tuple[str, str], int] = {}
+    for _, layer in decoder_layers(model):
+        if not isinstance(getattr(layer, "self_attn", None), nn.Module) and not has_attention(layer):
+            key = (layer_kind_label(layer), _mixer(layer))
+            found[key] = found.get(key, 0) + 1
+    return tuple((label, n, mixer) for (label, mixer), n in found.items())
 
 
 def _mixer(layer: nn.Module) -> str:
@@ -211,6 +237,9 @@ def layer_verdict(layer: nn.Module) -> tuple[bool | None, str, str]:
     is probed at first call), ``False`` stock, ``None`` decided at first call."""
     name = type(layer).__name__
     attn = getattr(layer, "self_attn", None)
+    if not isinstance(attn, nn.Module) and has_attention(layer):
+        return False, f"{name}: its attention module is not named self_attn ({_mixer(layer)})", \
+            f"attention not named self_attn: {_mixer(layer)}"
     if not isinstance(attn, nn.Module):
         return False, f"no self_attn: its token mixer {_mixer(layer)} is not softmax attention (a recurrent scan " \
                       "over the sequence), left as the model wrote it", f"recurrent scan: {_mixer(layer)}"
