@@ -49,6 +49,7 @@ from zoo import (  # noqa: E402
     ZOO,
     ZooEntry,
     _bart_batch,
+    _text_batch,
     seq_len,
 )
 
@@ -73,6 +74,26 @@ def _bart_buffers(seed: int):  # noqa: ANN202
 #: object has no attribute 'device_mesh'); LoRA off the tied lm_head, which that loading cannot prepare either
 EXTRA_ENTRIES = {"bart_buffers": ZooEntry("bart_buffers", "BART, persistent final_logits_bias", _bart_buffers,
                                           dict(target_modules=["q_proj", "v_proj", "fc1", "fc2"]), _bart_batch)}
+
+
+def _gemma4_buffers(seed: int):  # noqa: ANN202
+    """A tiny Gemma 4 text model (sliding + full layers) whose 4 persistent ``layer_scalar`` buffers hold values
+    other than their init (ones): measured by hand (MORE_CASES), issue 47 item 3."""
+    from transformers import Gemma4ForCausalLM, Gemma4TextConfig
+
+    cfg = Gemma4TextConfig(vocab_size=256, hidden_size=64, intermediate_size=96, num_hidden_layers=4,
+                           num_attention_heads=4, num_key_value_heads=2, head_dim=16, global_head_dim=32,
+                           sliding_window=8, hidden_size_per_layer_input=0, pad_token_id=0, bos_token_id=1,
+                           eos_token_id=2, layer_types=["sliding_attention"] * 3 + ["full_attention"])
+    model = Gemma4ForCausalLM(cfg)
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.layer_scalar.uniform_(0.5, 1.5)
+    return model
+
+
+EXTRA_ENTRIES["gemma4_buffers"] = ZooEntry("gemma4_buffers", "Gemma 4 (text), persistent layer_scalar",
+                                           _gemma4_buffers, dict(target_modules=["q_proj", "v_proj"]), _text_batch)
 ENTRIES.update(EXTRA_ENTRIES)
 
 PATTERN = [(True, False), (False, True), (False, False), (True, True)]  # k-th batch -> (rank 0, rank 1) image
@@ -105,7 +126,7 @@ EAGER_LOADING = ("bart_layerdrop",)
 #: script (docs/fsdp.md) and left out of the tests' launches (launch time)
 MORE_CASES = {"llama": (2, "non_reentrant"), "paligemma": (1, "non_reentrant"), "vipllava": (1, "non_reentrant"),
               "cohere2_vision": (1, "non_reentrant"), "smolvlm": (1, "non_reentrant"), "idefics3": (1, "non_reentrant"),
-              "llava_onevision": (1, "non_reentrant")}
+              "llava_onevision": (1, "non_reentrant"), "gemma4_buffers": (1, "non_reentrant")}
 
 
 def training_args(output_dir: str, steps: int, ga: int, mode: str, reentrant: bool = False):  # noqa: ANN201
