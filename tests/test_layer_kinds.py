@@ -1,21 +1,25 @@
 """The long-context plan line per decoder layer type (issue 47 item 1): what the plan says = what the run patches =
 what its counters show, on today's hybrid and sliding families.
 
-- Qwen3.5 (gated-delta-net linear-attention layers + gated full attention), Qwen3-Next (a hybrid no issue names)
-  and Gemma 4 (sliding + full layers, ``shared_kv_states``): every layer type is named with its count and left stock
-  with its reason; one training step with ``long_context=all`` equals stock exactly (loss and every gradient: the
-  RMSNorm patch is bit-identical, the layers run stock), and no layer ran patched;
+- Qwen3.5 (gated-delta-net linear-attention layers + gated full attention) and Qwen3-Next (a hybrid no issue names):
+  the linear-attention layers stock with the reason, the gated full-attention layers patched (counted); Gemma 4
+  (sliding + full layers, ``shared_kv_states``): every layer type named with its count and left stock with its reason;
+  one training step with ``long_context=all`` equals stock to 2e-6 (the RMSNorm patch's backward), bit for bit with
+  the layer features alone where every layer stays stock;
 - Llama and Gemma 3 (sliding + full): every layer patched, each type's patched calls counted = its layer count;
 - the verdict read from a meta-device model (``hf-ddpfix plan``) is the verdict the run acts on (same kinds, same
   reasons), and the plan's ``long_context`` lines are ``kind_lines`` of those kinds;
 - ``hf-ddpfix plan --set long_context=all`` on a Qwen3.5-27B-shaped config prints 48 linear-attention layers stock
   and 16 full-attention layers stock, with the reasons.
 
-How each check was shown failing (2026-12-02): dropping ``"mul"`` from what ``_FollowOutput`` records (adding it to
-``_RESHAPES`` in layer_kinds.py) makes Qwen3.5's full-attention layers candidates: the plan line says "patched",
-the run's probe then refuses them at the first call and ``test_hybrid_and_shared_kv_families_...`` fails on
-``stock calls [full_attention]``; making ``layer_verdict`` return ``True`` for a layer without ``self_attn`` fails
-the same test at ``apply_long_context`` (no ``self_attn`` to patch).
+Qwen3.5's and Qwen3-Next's gated full attention (``o_proj(attn * sigmoid(gate))``) runs patched: the structural
+check finds the one multiplication between the kernel and ``o_proj`` and the patched layer applies it (the gate is
+captured from the module's own forward, ``layer_forms.capture_attention_inputs(gate=True)``).
+
+How each check was shown failing (2026-12-02): before the gate was applied, the same structure check refused these
+layers ("output gate (mul) before o_proj") and the expectations below failed on ``patched``; with a gate applied in
+the plan but not in the forward, the gated test fails on the loss (below); a layer without ``self_attn`` given a
+``True`` verdict fails at ``apply_long_context`` (no ``self_attn`` to patch).
 """
 
 from __future__ import annotations
@@ -90,9 +94,9 @@ def _plan_lines(model) -> tuple[str, ...]:
 #: family -> {layer type: (layers, patched?, words of the reason)}
 EXPECTED = {
     "qwen3_5": {"linear_attention": (3, False, "recurrent scan: linear_attn (Qwen3_5GatedDeltaNet)"),
-                "full_attention": (1, False, "output gate (mul) before o_proj")},
+                "full_attention": (1, True, "pre-norm, probed at first call; output gate before o_proj applied")},
     "qwen3_next": {"linear_attention": (3, False, "recurrent scan: linear_attn (Qwen3NextGatedDeltaNet)"),
-                   "full_attention": (1, False, "output gate (mul) before o_proj")},
+                   "full_attention": (1, True, "pre-norm, probed at first call; output gate before o_proj applied")},
     "gemma4": {"sliding_attention": (3, False, "attention needs shared_kv_states"),
                "full_attention": (1, False, "attention needs shared_kv_states")},
     "gemma3": {"sliding_attention": (3, True, "sandwich, probed at first call; calls over the 64-token window stock"),
@@ -155,7 +159,38 @@ def test_cli_plan_names_each_layer_type_of_a_qwen3_5_27b_shaped_config():
     with contextlib.redirect_stdout(buf):
         assert main(argv) == 0
     out = buf.getvalue()
-    assert "0 of 64 patched by structure" in out, out
+    assert "16 of 64 patched by structure" in out, out
     assert "layers: 48 linear_attention (Qwen3_5DecoderLayer) stock: recurrent scan: linear_attn " \
            "(Qwen3_5GatedDeltaNet)" in out, out
-    assert "layers: 16 full_attention (Qwen3_5DecoderLayer) stock: output gate (mul) before o_proj" in out, out
+    assert "layers: 16 full_attention (Qwen3_5DecoderLayer) patched: pre-norm, probed at first call; output gate " \
+           "before o_proj applied" in out, out
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("name", ["qwen3_5", "qwen3_next"])
+def test_gated_full_attention_runs_patched_under_checkpointing_and_in_evaluation(name):
+    """The gated full-attention layer (its output times ``sigmoid(gate)`` before ``o_proj``) patched with the layer
+    features alone: non-reentrant checkpointing (forward + recompute each counted), loss and gradients to 1e-6 of
+    stock; an evaluation forward without a cache (the untiled path under no_grad) equal to 1e-6.
+    Shown failing (2026-12-02): without ``a * gate[0]`` in the tiled forward (long_context.py) the loss is 4.5818
+    instead of stock's 4.6089 (the probe, which applies the gate itself, still admits the layer)."""
+    stock = _model(name)
+    model = copy.deepcopy(stock)
+    for m in (stock, model):
+        m.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    ids = torch.randint(3, VOCAB, (2, SEQ), generator=torch.Generator().manual_seed(2))
+    loss0, g0 = _step(stock, ids)
+    handle = apply_long_context(model, "attention,tiled_layer", tokens_per_tile=5)
+    loss1, g1 = _step(model, ids)
+    assert handle.stats["patched calls [full_attention]"] == 2, dict(handle.stats)  # forward + recompute
+    torch.testing.assert_close(loss1, loss0, rtol=1e-6, atol=1e-6)
+    for n in g0:
+        torch.testing.assert_close(g1[n], g0[n], rtol=1e-6, atol=1e-6, msg=n)
+    for m in (stock, model):
+        m.eval()
+    with torch.no_grad():
+        want = stock(input_ids=ids, use_cache=False).logits
+        got = model(input_ids=ids, use_cache=False).logits
+    assert handle.stats["patched calls [full_attention]"] == 3, dict(handle.stats)
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+    handle.remove()

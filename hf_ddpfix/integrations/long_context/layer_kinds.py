@@ -34,7 +34,7 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 
 from ..._compat import attention_function_override, attention_implementation
-from .layer_forms import candidate_forms, kernel_refusal
+from .layer_forms import GATE_OPS, candidate_forms, kernel_refusal
 
 __all__ = ["LayerKind", "decoder_layers", "has_attention", "is_decoder_layer", "kind_lines", "kinds_summary",
            "layer_kind_label", "layer_kinds", "layer_verdict", "sequence_scans"]
@@ -52,7 +52,8 @@ _PASSED = frozenset({"hidden_states", "position_embeddings", "attention_mask"})
 class LayerKind:
     """One layer type of a model: ``label`` (the config's layer type, else the class name), ``cls``, ``count``,
     ``patched`` (``True``: a candidate of the layer patch; ``False``: stock; ``None``: checked at first call) and
-    ``reason``; ``short``: the reason in a few words (the plan line); ``names``: the layers' qualified names."""
+    ``reason``; ``short``: the reason in a few words (the plan line); ``names``: the layers' qualified names;
+    ``gate``: the attention's output is multiplied by a gate before ``o_proj`` (the patched layer applies it)."""
 
     label: str
     cls: str
@@ -61,6 +62,7 @@ class LayerKind:
     reason: str
     short: str = ""
     names: tuple[str, ...] = ()
+    gate: bool = False
 
 
 def is_decoder_layer(m: nn.Module) -> bool:
@@ -137,6 +139,7 @@ class _FollowOutput(TorchFunctionMode):
         super().__init__()
         self.derived: dict[int, torch.Tensor] = {}
         self.ops: list[str] = []
+        self.gates = 0  # multiplications of the output by one tensor that does not derive from it
 
     def mark(self, t: torch.Tensor) -> None:
         self.derived[id(t)] = t
@@ -150,6 +153,10 @@ class _FollowOutput(TorchFunctionMode):
             name = getattr(func, "__name__", str(func))
             if name not in _RESHAPES:
                 self.ops.append(name)
+            hits = [isinstance(a, torch.Tensor) and id(a) in self.derived for a in args]
+            if name in GATE_OPS and len(args) == 2 and hits.count(True) == 1 and isinstance(args[hits.index(False)],
+                                                                                           torch.Tensor):
+                self.gates += 1
             for t in _flat((out,)):
                 if isinstance(t, torch.Tensor):
                     self.mark(t)
@@ -166,23 +173,23 @@ def _flat(items: Iterable[Any]) -> list[Any]:
     return out
 
 
-def _meta_attention_check(attn: nn.Module) -> tuple[bool | None, str, str]:
+def _meta_attention_check(attn: nn.Module) -> tuple[bool | None, str, str, bool]:
     """Run ``attn`` on meta copies of its weights: what reaches ``o_proj`` (see the module docstring)."""
     impl = attention_implementation(attn)
     if impl is None:
-        return None, f"{type(attn).__name__}: no attention implementation set (checked at first call)", ""
+        return None, f"{type(attn).__name__}: no attention implementation set (checked at first call)", "", False
     state: dict[str, torch.Tensor] = {}
     for name, t in (*attn.named_parameters(), *attn.named_buffers()):
         if t.dim() == 0 or t.numel() == 0 or not t.dtype.is_floating_point:  # partitioned / quantized storage
             return None, f"{type(attn).__name__}: weights not readable by shape (quantized or partitioned): " \
-                         "checked at first call", "weights quantized or partitioned"
+                         "checked at first call", "weights quantized or partitioned", False
         state[name] = torch.empty_like(t, device="meta")
     head_dim = getattr(attn, "head_dim", None)
     hidden = getattr(attn.o_proj, "out_features", None) or getattr(getattr(attn.o_proj, "base_layer", None),
                                                                    "out_features", None)
     if not isinstance(head_dim, int) or not isinstance(hidden, int):
         return None, f"{type(attn).__name__}: no head_dim / o_proj.out_features to build a probe input: " \
-                     "checked at first call", "no head_dim"
+                     "checked at first call", "no head_dim", False
     dtype = next((t.dtype for t in state.values()), torch.float32)
     x = torch.empty(1, 4, hidden, device="meta", dtype=dtype)
     cos = sin = torch.empty(1, 4, head_dim, device="meta", dtype=dtype)
@@ -209,71 +216,77 @@ def _meta_attention_check(attn: nn.Module) -> tuple[bool | None, str, str]:
         pass
     except Exception as err:  # noqa: BLE001 - the meta run cannot decide: the probe will
         return None, f"{type(attn).__name__}: not checkable on the meta device ({type(err).__name__}): checked " \
-                     "at first call", f"meta run failed ({type(err).__name__})"
+                     "at first call", f"meta run failed ({type(err).__name__})", False
     finally:
         hook.remove()
     if "kwargs" not in seen:
         return False, f"{type(attn).__name__} does not call an attention function of the registry", \
-            "attention function not from the registry"
+            "attention function not from the registry", False
     refusal = kernel_refusal(seen["kwargs"])
     if refusal is not None:
-        return False, refusal, refusal
+        return False, refusal, refusal, False
     if not seen.get("reaches"):
         return False, f"{type(attn).__name__}: its o_proj does not read the attention output", \
-            "o_proj does not read the attention output"
-    if follow.ops:
+            "o_proj does not read the attention output", False
+    gated = bool(follow.ops) and all(op in GATE_OPS for op in follow.ops) and follow.gates == len(follow.ops) == 1
+    if follow.ops and not gated:
         ops = sorted(set(follow.ops))
         return False, (f"{type(attn).__name__} applies {', '.join(ops)} to the attention output before o_proj "
                        "(an output gate), which the patched layer does not run"), \
-            f"output gate ({', '.join(ops)}) before o_proj"
+            f"output gate ({', '.join(ops)}) before o_proj", False
     window = seen["kwargs"].get("sliding_window")
     note = f"; sliding window {window}: a call longer than it runs stock (the window is in the mask)" if window else ""
     short = f"; calls over the {window}-token window stock" if window else ""
-    return True, f"{type(attn).__name__}: kernel output reaches o_proj as is{note}", short
+    if gated:
+        return True, (f"{type(attn).__name__}: kernel output multiplied by a gate before o_proj (the patched layer "
+                      f"applies it){note}"), f"; output gate before o_proj applied{short}", True
+    return True, f"{type(attn).__name__}: kernel output reaches o_proj as is{note}", short, False
 
 
-def layer_verdict(layer: nn.Module) -> tuple[bool | None, str, str]:
-    """``(patched, reason, short reason)`` for one decoder layer (module docstring): ``True`` a candidate (its form
-    is probed at first call), ``False`` stock, ``None`` decided at first call."""
+def layer_verdict(layer: nn.Module) -> tuple[bool | None, str, str, bool]:
+    """``(patched, reason, short reason, gate)`` for one decoder layer (module docstring): ``True`` a candidate (its
+    form is probed at first call), ``False`` stock, ``None`` decided at first call; ``gate``: its attention output is
+    multiplied by a gate before ``o_proj`` (Qwen3.5's full attention), which the patched layer applies."""
     name = type(layer).__name__
     attn = getattr(layer, "self_attn", None)
     if not isinstance(attn, nn.Module) and has_attention(layer):
         return False, f"{name}: its attention module is not named self_attn ({_mixer(layer)})", \
-            f"attention not named self_attn: {_mixer(layer)}"
+            f"attention not named self_attn: {_mixer(layer)}", False
     if not isinstance(attn, nn.Module):
         return False, f"no self_attn: its token mixer {_mixer(layer)} is not softmax attention (a recurrent scan " \
-                      "over the sequence), left as the model wrote it", f"recurrent scan: {_mixer(layer)}"
+                      "over the sequence), left as the model wrote it", f"recurrent scan: {_mixer(layer)}", False
     if not isinstance(getattr(attn, "o_proj", None), nn.Module):
-        return False, f"{name}: no self_attn.o_proj", "no self_attn.o_proj"
+        return False, f"{name}: no self_attn.o_proj", "no self_attn.o_proj", False
     forms = candidate_forms(layer)
     if not forms:
-        return False, f"{name}: no known norm/MLP wiring", "no known norm/MLP wiring"
+        return False, f"{name}: no known norm/MLP wiring", "no known norm/MLP wiring", False
     params = inspect.signature(type(attn).forward).parameters
     required = [p.name for p in list(params.values())[1:] if p.default is p.empty and p.name not in _PASSED
                 and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
     if required:
         return False, f"{type(attn).__name__}.forward requires {', '.join(required)} (e.g. keys and values shared " \
-                      "across layers), which the patched layer does not pass", f"attention needs {', '.join(required)}"
-    ok, why, short = _meta_attention_check(attn)
+                      "across layers), which the patched layer does not pass", f"attention needs {', '.join(required)}", False
+    ok, why, short, gate = _meta_attention_check(attn)
     forms_text = "/".join(f.name for f in forms)
     if ok:
-        return True, f"{forms_text} form probed at first call; {why}", f"{forms_text}, probed at first call{short}"
+        return True, f"{forms_text} form probed at first call; {why}", f"{forms_text}, probed at first call{short}", \
+            gate
     if ok is False:
-        return False, why, short
-    return None, f"{forms_text} form; {why}", short
+        return False, why, short, False
+    return None, f"{forms_text} form; {why}", short, False
 
 
 def layer_kinds(model: nn.Module) -> tuple[LayerKind, ...]:
     """Every decoder layer of ``model`` grouped by (label, class, verdict, reason), in module order."""
-    groups: dict[tuple[str, str, bool | None, str, str], list[str]] = {}
-    cache: dict[tuple[str, str], tuple[bool | None, str, str]] = {}
+    groups: dict[tuple[str, str, bool | None, str, str, bool], list[str]] = {}
+    cache: dict[tuple[str, str], tuple[bool | None, str, str, bool]] = {}
     for name, layer in decoder_layers(model):
         key = (layer_kind_label(layer), type(layer).__name__)
         if key not in cache:  # one verdict per layer type: the same class and type are built alike
             cache[key] = layer_verdict(layer)
         groups.setdefault((*key, *cache[key]), []).append(name)
-    return tuple(LayerKind(label, cls, len(names), ok, why, short, tuple(names))
-                 for (label, cls, ok, why, short), names in groups.items())
+    return tuple(LayerKind(label, cls, len(names), ok, why, short, tuple(names), gate)
+                 for (label, cls, ok, why, short, gate), names in groups.items())
 
 
 def kinds_summary(kinds: Iterable[LayerKind], short: bool = True) -> str:

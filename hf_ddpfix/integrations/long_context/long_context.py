@@ -141,8 +141,10 @@ class _LayerOptions:
 class _LayerForward:
     """Instance-level forward of a decoder layer (see the module docstring)."""
 
-    def __init__(self, layer: nn.Module, prev: Any, options: _LayerOptions, stats: Counter, kind: str = "") -> None:
+    def __init__(self, layer: nn.Module, prev: Any, options: _LayerOptions, stats: Counter, kind: str = "",
+                 gate: bool = False) -> None:
         self.layer = layer
+        self.gate = gate  # the attention output is multiplied by a gate before o_proj (layer_kinds: Qwen3.5)
         self.kind = kind or type(layer).__name__  # the layer type its counts carry (layer_kinds.layer_kind_label)
         self.prev = prev
         self.options = options
@@ -205,7 +207,8 @@ class _LayerForward:
         if call.use_cache:
             return "keyword arguments ['use_cache=True']"
         if self.form is None and self.refusal is None:  # once, on the first call that could run patched
-            self.form, reason, self.kernel = probe_layer(self.layer, self._stock(), call.hidden_states, *pe)
+            self.form, reason, self.kernel = probe_layer(self.layer, self._stock(), call.hidden_states, *pe,
+                                                         gate=self.gate)
             self.refusal = None if self.form is not None else reason
             self.stats[f"probe: {reason}"] += 1
         return self.refusal
@@ -214,10 +217,12 @@ class _LayerForward:
     def _pre(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, ...]:
         assert self.form is not None
         layer = self.layer
-        got = capture_attention_inputs(layer.self_attn, self.form.pre(layer, x[None]), cos[None], sin[None])
-        if got is None:
-            raise RuntimeError(f"{type(layer.self_attn).__name__} stopped calling its attention function")
-        return tuple(t[0].transpose(0, 1) for t in got[0])  # [tokens, heads, head_dim]
+        got = capture_attention_inputs(layer.self_attn, self.form.pre(layer, x[None]), cos[None], sin[None],
+                                       gate=self.gate)
+        if got is None or (self.gate and got[2] is None):
+            raise RuntimeError(f"{type(layer.self_attn).__name__} stopped calling its attention function (or its gate)")
+        qkv = tuple(t[0].transpose(0, 1) for t in got[0])  # [tokens, heads, head_dim]
+        return (*qkv, got[2][0]) if self.gate else qkv  # the gate: [tokens, heads * head_dim]
 
     def _post(self, a: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         assert self.form is not None
@@ -286,12 +291,15 @@ class _LayerForward:
         # generation) the layer runs untiled, so no tile-count collective can wait on an idle rank.
         if not (self.options.tiled and torch.is_grad_enabled()):
             layer = self.layer
-            got = capture_attention_inputs(layer.self_attn, self.form.pre(layer, hidden_states), *position_embeddings)
-            if got is None:
+            got = capture_attention_inputs(layer.self_attn, self.form.pre(layer, hidden_states), *position_embeddings,
+                                           gate=self.gate)
+            if got is None or (self.gate and got[2] is None):
                 raise RuntimeError(f"{type(layer.self_attn).__name__} stopped calling its attention function")
             o = self._attend(*got[0])
-            del got
             a = o.transpose(1, 2).reshape(b, s, -1)  # a view for the flash layout
+            if self.gate:
+                a = a * got[2]
+            del got
             del o  # no name may hold the o projection's output past the residual add (forms drop theirs)
             return self.form.post(layer, hidden_states, layer.self_attn.o_proj(a))
         cos, sin = position_embeddings
@@ -301,7 +309,7 @@ class _LayerForward:
         tiles = tiles_for(n, self.options.tokens_per_tile)
         if self.options.sync:
             tiles = sync_shards(tiles, self.options.group)
-        q, k, v = tiled_token_map(self._pre, (x, cos, sin), self.layer, tiles=tiles)
+        q, k, v, *gate = tiled_token_map(self._pre, (x, cos, sin), self.layer, tiles=tiles)
         hq, hk, d = q.shape[1], k.shape[1], q.shape[2]
         q = q.view(b, s, hq, d).transpose(1, 2)
         k = k.view(b, s, hk, d).transpose(1, 2)
@@ -309,7 +317,9 @@ class _LayerForward:
         o = self._attend(q, k, v)
         del q, k, v
         a = o.transpose(1, 2).reshape(n, hq * d)  # a view for the flash layout
-        del o
+        if gate:  # the attention's output gate (layer_kinds), as stock multiplies it before o_proj
+            a = a * gate[0]
+        del o, gate
         (out,) = tiled_token_map(self._post, (a, x), self.layer, tiles=tiles, skip_in_recompute=True)
         return out.view(b, s, hidden)
 
@@ -432,7 +442,7 @@ def apply_long_context(
                 continue
             m.__dict__[_LAYER_ATTR] = True
             m.forward = _LayerForward(m, m.__dict__.get("forward"), options, handle.stats,  # type: ignore[method-assign]
-                                      kind.label)
+                                      kind.label, kind.gate)
             handle.report.append(LongContextEntry(name, type(m).__name__, layer_feats, kind.reason, kind.label))
     return handle
 
