@@ -130,3 +130,13 @@ def test_fsdp_default_is_fsdp_yaml_one_thing():
         layouts.append((data["fsdp_layout"], data["facts"]["shard_cast_dtype"]))
     assert layouts[0] == layouts[1], layouts
     assert layouts[0][1] == "bfloat16"
+
+
+@pytest.mark.parametrize("spec, words", [("jamba", "JambaMambaDecoderLayer layers (mamba (JambaMambaMixer))"),
+                                         ("falcon_h1", "FalconH1DecoderLayer layers (mamba (FalconH1Mixer))")])
+def test_sp_refuses_hybrids_no_issue_names_by_their_depthwise_convolution(spec, words):
+    """Jamba (Mamba layers named ``mamba`` beside ``feed_forward``) and Falcon-H1 (attention and Mamba side by side in
+    one layer) mix tokens outside attention too: found by the depthwise ``Conv1d`` of their mixers, refused."""
+    code, _, err = _cli(["plan", "--model", spec, "--config-kwargs", '{"num_hidden_layers": 2}', "--parallel", "ddp",
+                         "--world-size", "2", "--set", "sequence_parallel=2"])
+    assert code == 2 and words in err and "recurrent scan over the whole sequence" in err, err

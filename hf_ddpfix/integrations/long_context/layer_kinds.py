@@ -109,15 +109,37 @@ def has_attention(layer: nn.Module) -> bool:
                                                for p in _ATTENTION_PROJECTIONS) for m in layer.modules())
 
 
+def _depthwise_conv_child(layer: nn.Module) -> str | None:
+    """The child of ``layer`` holding a depthwise ``Conv1d`` (``groups == in_channels > 1``: the causal convolution
+    over the sequence of Mamba, gated-delta-net and short-convolution mixers), as ``"name (Class)"``, else None."""
+    for name, child in layer.named_children():
+        if any(isinstance(m, nn.Conv1d) and m.groups > 1 and m.groups == m.in_channels for m in child.modules()):
+            return f"{name} ({type(child).__name__})"
+    return None
+
+
 def sequence_scans(model: nn.Module) -> tuple[tuple[str, int, str], ...]:
-    """The decoder layer types whose token mixer is no attention (no query/key/value projections: a gated delta net,
-    a Mamba mixer, a short convolution): ``(label, count, mixer)`` each. They mix tokens along the whole sequence
-    outside the attention kernel (a recurrent scan, a causal convolution), which sequence parallelism cannot reach."""
+    """The decoder layer types that mix tokens outside attention: a decoder layer (:func:`is_decoder_layer`) with no
+    query/key/value projections (a gated delta net), or any layer of a layer list holding a depthwise ``Conv1d``
+    (Mamba, short convolutions: Jamba, Falcon-H1, LFM2, whatever their submodules are called): ``(label, count,
+    mixer)`` each. They run along the whole sequence outside the attention kernel (a recurrent scan, a causal
+    convolution), which sequence parallelism cannot reach."""
     found: dict[tuple[str, str], int] = {}
+    seen: set[int] = set()
     for _, layer in decoder_layers(model):
         if not isinstance(getattr(layer, "self_attn", None), nn.Module) and not has_attention(layer):
             key = (layer_kind_label(layer), _mixer(layer))
             found[key] = found.get(key, 0) + 1
+            seen.add(id(layer))
+    for m in model.modules():
+        if not isinstance(m, nn.ModuleList):
+            continue
+        for layer in m:
+            conv = None if id(layer) in seen else _depthwise_conv_child(layer)
+            if conv is not None:
+                key = (layer_kind_label(layer), conv)
+                found[key] = found.get(key, 0) + 1
+                seen.add(id(layer))
     return tuple((label, n, mixer) for (label, mixer), n in found.items())
 
 
