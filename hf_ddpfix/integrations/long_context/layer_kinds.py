@@ -36,7 +36,7 @@ from torch.overrides import TorchFunctionMode
 from ..._compat import attention_function_override, attention_implementation
 from .layer_forms import GATE_OPS, candidate_forms, kernel_refusal
 
-__all__ = ["LayerKind", "decoder_layers", "has_attention", "is_decoder_layer", "kind_lines", "kinds_summary",
+__all__ = ["LayerKind", "calls_summary", "decoder_layers", "has_attention", "is_decoder_layer", "kind_lines", "kinds_summary",
            "layer_kind_label", "layer_kinds", "layer_verdict", "sequence_scans"]
 
 _NORMS = ("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm", "post_feedforward_layernorm")
@@ -332,3 +332,13 @@ def kind_lines(kinds: Iterable[LayerKind]) -> tuple[str, ...]:
         label = k.label if k.label == k.cls else f"{k.label} ({k.cls})"
         out.append(f"layers: {k.count} {label} {what}: {k.short}")
     return tuple(out)
+
+
+def calls_summary(kinds: Iterable[LayerKind], stats: Any) -> str:
+    """Per layer type: its layers patched or stock, and the calls counted in ``stats`` (``"patched calls [<type>]"``,
+    ``"stock calls [<type>]"``: the patched forward's counters)."""
+    parts = []
+    for k in kinds:
+        calls = f"{stats[f'patched calls [{k.label}]']} patched / {stats[f'stock calls [{k.label}]']} stock calls"
+        parts.append(f"{k.count} {k.label}: {'stock' if k.patched is False else 'patched'} ({calls})")
+    return "; ".join(parts)

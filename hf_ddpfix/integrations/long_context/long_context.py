@@ -78,7 +78,7 @@ from .layer_forms import (
     probe_layer,
     rms_norm_form,
 )
-from .layer_kinds import LayerKind, layer_kinds
+from .layer_kinds import LayerKind, calls_summary, layer_kinds
 from .norm_forward import NormForward
 
 __all__ = [
@@ -354,13 +354,8 @@ class LongContextHandle:
     kinds: tuple[LayerKind, ...] = ()
 
     def layer_summary(self) -> str:
-        """Per layer type: layers patched / stock (with the reason) and this run's patched and stock calls."""
-        parts = []
-        for k in self.kinds:
-            calls = f"{self.stats[f'patched calls [{k.label}]']} patched / {self.stats[f'stock calls [{k.label}]']} " \
-                    "stock calls"
-            parts.append(f"{k.count} {k.label}: {'stock' if k.patched is False else 'patched'} ({calls})")
-        return "; ".join(parts)
+        """Per layer type: layers patched / stock and this run's patched and stock calls (``layer_kinds.calls_summary``)."""
+        return calls_summary(self.kinds, self.stats)
 
     @property
     def patched(self) -> list[str]:
