@@ -305,7 +305,11 @@ def layer_kinds(model: nn.Module) -> tuple[LayerKind, ...]:
     for name, layer in decoder_layers(model):
         key = (layer_kind_label(layer), type(layer).__name__)
         if key not in cache:  # one verdict per layer type: the same class and type are built alike
-            cache[key] = layer_verdict(layer)
+            try:
+                cache[key] = layer_verdict(layer)
+            except Exception as err:  # noqa: BLE001 - structure not readable: the first-call probe decides
+                cache[key] = (None, f"{key[1]}: structure not read ({type(err).__name__}: {str(err)[:80]}): "
+                              "checked at first call", "structure not read", False)
         groups.setdefault((*key, *cache[key]), []).append(name)
     return tuple(LayerKind(label, cls, len(names), ok, why, short, tuple(names), gate)
                  for (label, cls, ok, why, short, gate), names in groups.items())
