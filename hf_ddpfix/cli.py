@@ -355,7 +355,11 @@ def _parser() -> argparse.ArgumentParser:
                    "num_processes, else 2); under FSDP2 the per-rank bytes of the units are printed for it")
     p.add_argument("--parallel", choices=["single", "ddp", "fsdp", "deepspeed"])
     p.add_argument("--accelerate-config", help="the accelerate yaml the run is launched with (distributed_type, "
-                   "num_processes, mixed_precision, fsdp_config); default under --parallel fsdp: fsdp.yaml's settings")
+                   "num_processes, mixed_precision, fsdp_config); default under --parallel fsdp: "
+                   "accelerate_configs/fsdp.yaml's settings, its mixed_precision bf16 included")
+    p.add_argument("--seq-len", type=int, help="tokens per micro-batch on one device (the run's max_length x "
+                   "per_device_train_batch_size): the memory facts of the auto options (with --device-mem-gb)")
+    p.add_argument("--device-mem-gb", type=float, help="memory of one device for the auto memory plan")
     p.add_argument("--wrap-classes", help="fsdp_transformer_layer_cls_to_wrap, e.g. 'LlamaDecoderLayer,SiglipEncoderLayer'")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
                    help="dtype of the model's parameters (auto: the config's dtype, else float32)")
@@ -373,7 +377,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--quant-storage", default="uint8", choices=["uint8", "bfloat16", "float16", "float32"],
                    help="bnb_4bit_quant_storage (default uint8)")
     p.add_argument("--mixed-precision", choices=["no", "bf16", "fp16"],
-                   help="TrainingArguments bf16/fp16: the dtype FSDP / DeepSpeed cast parameters to")
+                   help="TrainingArguments bf16/fp16: the dtype FSDP / DeepSpeed cast parameters to (default: "
+                   "--accelerate-config's; under --parallel fsdp without one, fsdp.yaml's bf16; else no)")
     p.add_argument("--fsdp-version", type=int, choices=[1, 2], default=2, help="under --parallel fsdp (default: 2)")
     p.add_argument("--zero-stage", type=int, choices=[0, 1, 2, 3], default=3,
                    help="under --parallel deepspeed (default: 3)")

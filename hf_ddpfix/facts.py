@@ -21,6 +21,7 @@ from .integrations.checkpointing import (
 )
 from .integrations.deepspeed import gather_deepspeed_facts
 from .integrations.fsdp.units import gather_fsdp_facts
+from .integrations.long_context.layer_kinds import layer_kinds
 from .integrations.sequence_parallel.facts import gather_sequence_parallel_facts
 from .integrations.vision import families
 from .ops.offload.host_memory import DEFAULT_HOST_FRACTION, physical_bytes
@@ -153,7 +154,7 @@ def loss_unseen_reason(trainer: Any) -> str | None:
 
 def model_facts(model: nn.Module, parallel: str) -> dict[str, Any]:
     """The `RunFacts` fields read from the model alone (``is_peft``, ``is_vlm``, ``vlm_adapter``,
-    ``trainable_vision_params``, ``conditional_params``): what `gather_facts` reads in a run, and what
+    ``trainable_vision_params``, ``conditional_params``, ``long_context_layers``): what `gather_facts` reads in a run, and what
     ``hf-ddpfix plan`` reads from its meta-device model, through this one function."""
     vision = families.is_vision_language_model(model)
     # LLaVA / Gemma 3: a dummy image under ZeRO only; DDP / FSDP keep parameter_usage (families docstring)
@@ -161,7 +162,8 @@ def model_facts(model: nn.Module, parallel: str) -> dict[str, Any]:
     return {"is_peft": is_peft_model(model), "is_vlm": vision,
             "vlm_adapter": adapter.family.name if adapter is not None else None,
             "trainable_vision_params": vision and families.has_trainable_vision_params(model),
-            "conditional_params": has_conditional_params(model)}
+            "conditional_params": has_conditional_params(model),
+            "long_context_layers": layer_kinds(model)}
 
 
 def gather_facts(trainer: Any, model: nn.Module | None = None) -> RunFacts:
@@ -249,6 +251,16 @@ def gather_memory_facts(trainer: Any, model: nn.Module, parallel: str) -> Memory
     if device.type != "cuda" or not torch.cuda.is_available():
         return None
     tokens, source = tokens_per_step(trainer)
+    args = trainer.args
+    return memory_facts(model, parallel, tokens, source, int(torch.cuda.get_device_properties(device).total_memory),
+                        bool(getattr(args, "bf16", False) or getattr(args, "fp16", False)), _local_processes())
+
+
+def memory_facts(model: nn.Module, parallel: str, tokens: int | None, source: str, device_total_bytes: int | None,
+                 half: bool, local_processes: int = 1) -> MemoryFacts:
+    """`MemoryFacts` from the model and what the run names: ``tokens`` per micro-batch on one device (``source``:
+    where it was read, or why it is unknown), the device's bytes, ``half`` (bf16/fp16 activations). The run
+    (`gather_memory_facts`) and ``hf-ddpfix plan --seq-len`` (its meta-device model) both build them here."""
     config = getattr(model, "config", None)
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
     sizes = {n: getattr(text, n, None) for n in ("num_hidden_layers", "hidden_size", "vocab_size")}
@@ -260,14 +272,13 @@ def gather_memory_facts(trainer: Any, model: nn.Module, parallel: str) -> Memory
         fixed = sum(p.numel() * p.element_size() + (12 * p.numel() if p.requires_grad else 0)
                     for p in model.parameters())
     host = physical_bytes()
-    args = trainer.args
     return MemoryFacts(
-        device_total_bytes=int(torch.cuda.get_device_properties(device).total_memory),
+        device_total_bytes=device_total_bytes,
         tokens=tokens, tokens_source=source if tokens is not None else "",
         layers=sizes["num_hidden_layers"], hidden=sizes["hidden_size"], vocab=sizes["vocab_size"],
-        dtype_bytes=2 if (getattr(args, "bf16", False) or getattr(args, "fp16", False)) else 4,
+        dtype_bytes=2 if half else 4,
         fixed_bytes=fixed,
-        host_budget_bytes=None if host is None else int(host * DEFAULT_HOST_FRACTION) // _local_processes(),
+        host_budget_bytes=None if host is None else int(host * DEFAULT_HOST_FRACTION) // max(local_processes, 1),
         unknown=unknown,
     )
 

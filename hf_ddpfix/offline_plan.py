@@ -19,8 +19,9 @@ from typing import Any
 
 from ._advice import ModelInfo, describe_model
 
-__all__ = ["DEFAULT_FSDP_CONFIG", "build_facts", "fsdp_layout", "json_kwargs", "launch_config", "meta_model", "model_info",
-           "model_line"]
+__all__ = ["DEFAULT_FSDP_CONFIG", "DEFAULT_FSDP_MIXED_PRECISION", "build_facts", "fsdp_layout", "json_kwargs",
+           "launch_config", "meta_model", "model_info", "model_line"]
+
 
 def json_kwargs(text: str | None) -> dict[str, Any]:
     """``--config-kwargs``: a JSON object of config overrides (``{}`` when not given); bad JSON exits naming the flag."""
@@ -74,6 +75,11 @@ def build_facts(args: argparse.Namespace, info: ModelInfo | None, model: Any = N
         from .facts import model_facts
 
         from_model = model_facts(model, parallel)
+        from .integrations.sequence_parallel.facts import gather_sequence_parallel_facts
+
+        # as the run reads them, for a stock Trainer with default arguments (no parallelism_config, stock loss)
+        from_model["sequence_parallel"] = gather_sequence_parallel_facts(None, model)
+        from_model["memory"] = _memory_facts(args, model, parallel)
         if not args.full and not args.lora_targets:  # a LoRA run whose adapter the command line does not describe
             from_model.update(is_peft=True, trainable_vision_params=from_model["is_vlm"] and args.train_vision,
                               conditional_params=bool(info and info.is_moe and args.train_experts))
@@ -95,6 +101,20 @@ def build_facts(args: argparse.Namespace, info: ModelInfo | None, model: Any = N
     )
 
 
+def _memory_facts(args: argparse.Namespace, model: Any, parallel: str) -> Any:
+    """The run's `MemoryFacts` (`facts.memory_facts`) from ``--seq-len`` (tokens per micro-batch on one device, as
+    the run reads ``max_length x per_device_train_batch_size``) and ``--device-mem-gb``; ``None`` under ``--cpu``
+    (a CPU run gathers none) or when neither is given (the run then knows no more than today's rules)."""
+    seq, mem = getattr(args, "seq_len", None), getattr(args, "device_mem_gb", None)
+    if args.cpu or (seq is None and mem is None):
+        return None
+    from .facts import memory_facts
+
+    return memory_facts(model, parallel, seq, "--seq-len" if seq is not None else "no --seq-len given",
+                        int(mem * (1 << 30)) if mem is not None else None, args.mixed_precision in ("bf16", "fp16"),
+                        args.world_size if parallel != "single" else 1)
+
+
 def _parallel(args: argparse.Namespace) -> str:
     return args.parallel or ("single" if args.world_size == 1 else "ddp")
 
@@ -103,6 +123,11 @@ def _parallel(args: argparse.Namespace) -> str:
 DEFAULT_FSDP_CONFIG = {"fsdp_version": 2, "fsdp_auto_wrap_policy": "TRANSFORMER_BASED_WRAP",
                        "fsdp_reshard_after_forward": True, "fsdp_cpu_ram_efficient_loading": True,
                        "fsdp_offload_params": False}
+#: accelerate_configs/fsdp.yaml's ``mixed_precision``, the default of ``--parallel fsdp`` without
+#: ``--accelerate-config`` (with it, accelerate 1.15's ``fsdp2_prepare_model`` keeps trainable parameters in fp32:
+#: a bf16 model's LoRA weights take twice the bytes; before 2026-12-02 the default was "no", so the same plan with
+#: and without the flag gave different per-rank bytes).
+DEFAULT_FSDP_MIXED_PRECISION = "bf16"
 
 
 def launch_config(args: argparse.Namespace) -> None:
@@ -131,8 +156,9 @@ def launch_config(args: argparse.Namespace) -> None:
             args.fsdp_version = int(args.fsdp_config.get("fsdp_version", 1))
     if args.world_size is None:
         args.world_size = 2
-    if args.mixed_precision is None:
-        args.mixed_precision = "no"
+    if args.mixed_precision is None:  # fsdp.yaml's under --parallel fsdp without a config: the default IS that file
+        args.mixed_precision = DEFAULT_FSDP_MIXED_PRECISION if (args.parallel == "fsdp" and
+                                                                not args.accelerate_config) else "no"
     if args.parallel == "fsdp":
         cfg = dict(args.fsdp_config if args.fsdp_config is not None else DEFAULT_FSDP_CONFIG)
         if args.accelerate_config is None:

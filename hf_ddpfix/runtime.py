@@ -27,6 +27,7 @@ from ._compat import (
     before_gradient_clipping,
     checkpointable_layers,
     checkpointing_args,
+    fsdp_plugin,
     is_checkpointing,
     layer_checkpoint_func,
 )
@@ -41,7 +42,9 @@ from .integrations.checkpointing import (
 )
 from .integrations.deepspeed import attach_deepspeed
 from .integrations.fsdp import apply_fsdp_units, join_tied_holders, rescope_on_wrap
+from .integrations.fsdp.buffers import keep_persistent_buffers_loadable
 from .integrations.fsdp.dummy import attach_fsdp_dummy
+from .integrations.long_context.layer_kinds import kinds_summary
 from .integrations.long_context.long_context import LongContextHandle, apply_long_context
 from .integrations.long_context.loss_patch import TiledLossHandle, patch_model_loss
 from .integrations.long_context.tiled_mlp import TiledMLPHandle, apply_tiled_mlp
@@ -113,6 +116,9 @@ def attach_runtime(trainer: Any, model: nn.Module, plan: Plan, stack: ExitStack)
         apply_fsdp_units(trainer, fsdp_unit_classes(plan.fsdp_units))
     if plan.fsdp_shared.value:  # while accelerate wraps the model (inside the stock loop)
         join_tied_holders(trainer, stack, log=lambda line: _log_rank0(trainer, "%s", line))
+    if plan.parallel == "fsdp":  # cpu_ram_efficient_loading: persistent buffers loaded as non-persistent (buffers.py)
+        keep_persistent_buffers_loadable(trainer, fsdp_plugin(trainer), stack,
+                                         log=lambda line: _log_rank0(trainer, "%s", line))
     if plan.parameter_usage.value:
         # a parameter read by two reentrant layers fires its DDP hook twice: fine only with static graph (DDP)
         usage = ParameterUsage(model, allow_region_reuse=bool(plan.static_graph.value) or plan.parallel == "fsdp")
@@ -207,8 +213,9 @@ def _apply_tiled_loss(trainer: Any, model: nn.Module, plan: Plan, stack: ExitSta
 def _apply_long_context(trainer: Any, model: nn.Module, plan: Plan, stack: ExitStack) -> LongContextHandle:
     handle = apply_long_context(model, str(plan.long_context.value), sync=plan.parallel == "fsdp")
     stack.callback(handle.remove)
-    skipped = "; ".join([f"{e.name}: {e.reason}" for e in handle.report if not e.patched][:3])
-    _log_rank0(trainer, "long_context: %d modules patched (%s)%s", len(handle.patched), plan.long_context.value,
+    skipped = "; ".join([f"{e.name}: {e.reason}" for e in handle.report if not e.patched and not e.kind][:3])
+    _log_rank0(trainer, "long_context: %d modules patched (%s)%s%s", len(handle.patched), plan.long_context.value,
+               f"; decoder layers: {kinds_summary(handle.kinds)}" if handle.kinds else "",
                f"; not patched: {skipped}" if skipped else "")
     return handle
 

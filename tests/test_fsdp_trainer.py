@@ -14,6 +14,11 @@
 - ``generate()`` after training (Qwen2.5-VL, Gemma 3, LLaVA, Qwen3-MoE): an image prompt on rank 0, a text-only one
   on rank 1, 3 and 6 new tokens (different numbers of decode forwards: transformers sets ``synced_gpus`` for a
   module ``fully_shard`` manages, and the finished rank keeps running forwards), greedy tokens equal stock DDP's;
+- BART with a persistent ``final_logits_bias`` buffer (random values), saved and loaded under fsdp.yaml's
+  ``cpu_ram_efficient_loading`` (stock accelerate 1.15 fails in ``prepare``: ``'Tensor' object has no attribute
+  'device_mesh'``): hf_ddpfix broadcasts the buffer and carries it through the loading as a non-persistent one;
+  weights as stock DDP's (measured 2026-12-02: 6.0e-8, eval loss equal); without the broadcast (buffers.py
+  returning early) the fixed launch fails in ``prepare`` on that error;
 - the zoo's other families: Qwen3 (text), Qwen2-VL, Qwen3-VL (accumulation 2) and Qwen3-VL-MoE with mixed ranks
   (2 to 3 steps each), and LayerDrop (OPT, 4 layers at 0.4, and BART, encoder and decoder at 0.4, ranks seeded apart
   so they drop different layers; the plan folds the stacks into the root): weights as stock DDP's, the same per-rank
@@ -63,6 +68,9 @@ FAMILIES = ("qwen2_5_vl", "gemma3", "llava", "aya_vision", "idefics2", "mllama",
 # encoder/decoder.embed_tokens, which stock accelerate leaves in the root: torch refuses a tensor in two groups)
 FAMILIES += ("internvl", "mistral3", "llava_next", "got_ocr2", "janus")
 FAMILIES += ("qwen3", "qwen2_vl", "qwen3_vl", "qwen3_vl_moe", "opt_layerdrop", "bart_layerdrop")
+# a persistent buffer (BART's final_logits_bias, random values) loaded under fsdp.yaml's cpu_ram_efficient_loading
+# (stock accelerate 1.15 fails in prepare; hf_ddpfix broadcasts it: integrations/fsdp/buffers.py; issue 47 item 3)
+FAMILIES += ("bart_buffers",)
 LAYERDROP = ("opt_layerdrop", "bart_layerdrop")
 TOL = 1.5e-7
 # 4 processes: stock FSDP2 itself differs from stock DDP by 1.97e-7 on Llama (4 shards: another summation order;
@@ -70,7 +78,7 @@ TOL = 1.5e-7
 TOL4 = 4e-7
 PRED_TOL = 1e-5  # predict() logits (gathered) vs stock DDP: measured 0 to 3.6e-6 (Qwen3; 2026-12-02, 18 families)
 GENERATE = "qwen2_5_vl,gemma3,llava,qwen3_moe"  # also generate(): image and text ranks, 3 and 6 new tokens
-SAVED = "qwen2_5_vl,gemma3"  # saved, then from_pretrained (fsdp.yaml's cpu_ram_efficient_loading); the rest built
+SAVED = "qwen2_5_vl,gemma3,bart_buffers"  # saved, then from_pretrained (fsdp.yaml's cpu_ram_efficient_loading)
 OFFLINE = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
 # accelerate's own flag over the yaml's bf16: weights are compared with fp32 DDP (docs/fsdp.md, "mixed precision")
 FP32 = ("--mixed_precision", "no")
@@ -79,7 +87,10 @@ FP32 = ("--mixed_precision", "no")
 def _entries() -> dict:
     from zoo import MORE_TEXT, MORE_VLMS, ZERO_DISCOVERED, ZERO_LOADED, ZOO
 
-    return {**ZOO, **MORE_TEXT, **ZERO_DISCOVERED, **ZERO_LOADED, **MORE_VLMS}
+    sys.path.insert(0, str(ROOT / "tests" / "scripts"))
+    from fsdp_trainer import EXTRA_ENTRIES
+
+    return {**ZOO, **MORE_TEXT, **ZERO_DISCOVERED, **ZERO_LOADED, **MORE_VLMS, **EXTRA_ENTRIES}
 
 
 def _check_cli_prints_the_run_plans(tmp_path, families: tuple[str, ...], world: int) -> None:

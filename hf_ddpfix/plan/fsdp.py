@@ -287,28 +287,26 @@ def decide_fsdp_shared(facts: RunFacts) -> Decision:
                     "already managed by another FSDP group'); the tie stays one sharded tensor", changed=True)
 
 
-def check_fsdp_loading(facts: RunFacts) -> None:
+def check_fsdp_loading(facts: RunFacts) -> str | None:
     """Raise :class:`PlanError` before step 1 where accelerate 1.15's ``cpu_ram_efficient_loading`` cannot
     prepare the model (stock fails the same way inside ``accelerator.prepare``, whatever the units):
 
-    - a persistent buffer (BART's ``final_logits_bias``) is a ``state_dict`` entry ``fully_shard`` does not shard,
-      and ``fsdp2_load_full_state_dict`` reads ``.device_mesh`` of every entry: ``'Tensor' object has no attribute
-      'device_mesh'``;
     - an adapter layer around a tied output embedding (LoRA on a tied ``lm_head``): the ``tie_weights()`` accelerate
       calls after moving the model to meta sets ``weight`` on the adapter layer, where ``weight`` is a property:
       ``KeyError: "attribute 'weight' already exists"``.
 
     Nothing is raised outside FSDP2, without ``cpu_ram_efficient_loading``, for a 4-bit model (accelerate skips
-    that loading path) or a model already sharded."""
+    that loading path) or a model already sharded.
+
+    Returns: what the run does there for persistent buffers (Gemma 4's ``layer_scalar``, BART's ``final_logits_bias``:
+    stock fails on them in ``fsdp2_load_full_state_dict``, ``'Tensor' object has no attribute 'device_mesh'``; the
+    run broadcasts them and loads them as non-persistent ones, integrations/fsdp/buffers.py), else ``None``."""
     f = facts.fsdp
     if facts.parallel != "fsdp" or facts.fsdp_version != 2 or f is None:
-        return
+        return None
     if not f.ram_efficient or f.params4bit or f.wrapped:
-        return
+        return None
     why = []
-    if f.persistent_buffers:
-        why.append(f"the model has persistent buffers ({_list(f.persistent_buffers)}), which fsdp2_load_full_state_dict "
-                   "reads as DTensors ('Tensor' object has no attribute 'device_mesh')")
     if f.wrapped_tied_head:
         why.append(f"the tied output embedding {f.wrapped_tied_head} is wrapped by an adapter layer, on which the "
                    "tie_weights() of that path raises KeyError: \"attribute 'weight' already exists\" (or leave "
@@ -318,6 +316,11 @@ def check_fsdp_loading(facts: RunFacts) -> None:
                         "fsdp2_prepare_model (stock fails there the same way): " + "; ".join(why) + ". Set "
                         "fsdp_cpu_ram_efficient_loading: false in the accelerate config (FSDP_CPU_RAM_EFFICIENT_LOADING"
                         "=false); the model is then loaded on every rank and sharded as it is")
+    if f.persistent_buffers:
+        return (f"persistent buffers ({_list(f.persistent_buffers)}) broadcast from rank 0 and carried through "
+                "accelerate's cpu_ram_efficient_loading as non-persistent ones (stock: 'Tensor' object has no "
+                "attribute 'device_mesh'), persistent again at train begin")
+    return None
 
 
 def fsdp_units_ours(units: Decision) -> bool:

@@ -147,7 +147,9 @@ def decide_tiled_mlp(facts: RunFacts, c: DDPFixConfig, fit: MemoryFit | None = N
 
 def decide_long_context(facts: RunFacts, c: DDPFixConfig, ckpt: str, fit: MemoryFit | None = None) -> Decision:
     """Patched Llama-style layers (integrations/long_context/long_context.py): gradients equal stock (tests), every
-    non-plain call (mask, cache, packing kwargs) runs stock at call time, other layer classes are left alone.
+    non-plain call (mask, cache, packing kwargs) runs stock at call time, other layer classes are left alone. The
+    reason names each decoder layer type with its count and verdict (``facts.long_context_layers``, by structure:
+    the verdict the run's ``apply_long_context`` acts on).
     ``auto``: every layer feature where the memory plan needs it (``fit``), else stock layers."""
     value = c.long_context
     if value is None or value == "off":
@@ -166,8 +168,18 @@ def decide_long_context(facts: RunFacts, c: DDPFixConfig, ckpt: str, fit: Memory
     if facts.parallel == "fsdp" and "tiled_layer" in value:
         notes.append("tile count all-reduced (MAX) so FSDP ranks gather alike")
     extra = ("; " + "; ".join(notes)) if notes else ""
-    return Decision(value, f"decoder layers patched by structure where a known wiring reproduces them, masked/cached "
-                    f"calls run stock ({c.source('long_context')}){extra}{memo}", changed=True)
+    layers, details = "decoder layers patched by structure where a known wiring reproduces them", ()
+    if facts.long_context_layers is not None and ("attention" in value or "tiled_layer" in value or value == "on"):
+        from ..integrations.long_context.layer_kinds import kind_lines  # pure formatting of the facts
+
+        details = kind_lines(facts.long_context_layers)
+        patched = sum(k.count for k in facts.long_context_layers if k.patched)
+        later = sum(k.count for k in facts.long_context_layers if k.patched is None)
+        total = sum(k.count for k in facts.long_context_layers)
+        layers = (f"decoder layers by type (below): {patched} of {total} patched by structure"
+                  + (f", {later} checked at first call" if later else ""))
+    return Decision(value, f"{layers}, masked/cached calls run stock ({c.source('long_context')}){extra}{memo}",
+                    changed=True, details=details)
 
 
 def decide_tiled_loss(facts: RunFacts, c: DDPFixConfig, fit: MemoryFit | None = None) -> Decision:

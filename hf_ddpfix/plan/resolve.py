@@ -18,6 +18,8 @@ that is known to fail is corrected (listed in `Plan.corrections`) or, with `stri
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from ..config import DDPFixConfig
 from . import ddp as ddp_rules
 from . import deepspeed as ds_rules
@@ -71,9 +73,11 @@ def resolve_plan(facts: RunFacts, config: DDPFixConfig | None = None) -> Plan:
     mode: CheckpointMode = ckpt.value or "off"  # the rules below read the variant as a mode string
     checkpointed = bool(ckpt.value) or bool(c.assume_checkpointing)
     usage = ddp_rules.decide_parameter_usage(facts, c, mode)
-    check_fsdp_loading(facts)  # raises PlanError: accelerate's cpu_ram_efficient_loading cannot prepare the model
+    loading = check_fsdp_loading(facts)  # raises PlanError: accelerate's cpu_ram_efficient_loading cannot prepare it
     skippable = decide_fsdp_skippable(facts, c)
     units = decide_fsdp_units(facts, c, skippable)
+    if loading and units.value is not None:  # what the run does for persistent buffers under that loading
+        units = replace(units, reason=f"{units.reason}; {loading}")
     stabilizer = ddp_rules.decide_stabilizer(facts, c, distributed, bool(usage.value))
     eval_sync = vision.decide_eval_sync(facts, c)
     fsdp_vision = fsdp_vision_decisions(facts, units, usage, skippable)

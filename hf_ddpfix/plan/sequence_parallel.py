@@ -14,6 +14,7 @@ Pure: facts in, a `Decision` out, or a `PlanError` before training when the comb
 | a MoE router loss (`output_router_logits`)      | a per-slice load-balancing loss is not the sequence's | output_router_logits=False |
 | a model without an LM head whose decoder is not found / not causal, or a VLM | the head-whole route cannot run it | train it without SP |
 | a non-stock loss on a VLM                       | the VLM outputs are not made whole yet     | the stock loss, or no SP    |
+| decoder layers whose token mixer is no attention (Qwen3.5 / Qwen3-Next gated delta nets, Mamba) | a recurrent scan over the whole sequence: each rank would scan its slice alone | train it without SP |
 
 The loss route (`integrations.sequence_parallel.facts.sequence_parallel_loss_route`, docs/sequence-parallel-
 losses.md) is said in the reason: "loss sharded" (stock loss, token sums per slice), "loss gathered" (the
@@ -125,6 +126,10 @@ def decide_sequence_parallel(facts: RunFacts, config: DDPFixConfig) -> Decision:
                         "sequence parallelism for vision-language models (tower and image merge on the full sequence, "
                         "the dummy image) is tested under DDP and ZeRO-2 only; launch it under DDP or ZeRO-2, or "
                         "train without sequence parallelism")
+    if sp is not None and sp.sequence_scan:
+        raise PlanError(f"{where}: the model mixes tokens outside attention in {sp.sequence_scan}: a recurrent scan over "
+                        "the whole sequence, which Ulysses (an all-to-all around the attention kernel) does not reach, "
+                        "so each rank would scan its slice alone; train it without sequence parallelism")
     impl = sp.attn_implementation if sp else None
     if impl != "sdpa":
         raise PlanError(f"{where}: attention implementation {impl!r} cannot be sharded (eager attention is called "

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any, Literal
 if TYPE_CHECKING:  # the plan stays free of torch at run time; the facts type lives with its gatherer
     from ..integrations.deepspeed import DeepSpeedFacts
     from ..integrations.fsdp.units import FsdpFacts
+    from ..integrations.long_context.layer_kinds import LayerKind
     from ..integrations.quantized import QuantFacts
     from ..integrations.sequence_parallel.facts import SequenceParallelFacts
 
@@ -111,6 +112,9 @@ class RunFacts:
             (`hf_ddpfix.integrations.deepspeed.DeepSpeedFacts`), `None` without DeepSpeed.
         memory: device memory, tokens per step and model sizes for the `auto` memory options
             (`MemoryFacts`), `None` when not gathered (no accelerator: today's `auto` rules apply).
+        long_context_layers: the decoder layers by type with the long-context layer patch's verdict for each
+            (`integrations.long_context.layer_kinds.layer_kinds`, by structure: the run and `hf-ddpfix plan` read
+            the same), `None` when not read.
     """
 
     parallel: ParallelMode = "single"
@@ -141,6 +145,7 @@ class RunFacts:
     loss_unseen: str | None = None
     checkpoint_function: str | None = None
     memory: MemoryFacts | None = None
+    long_context_layers: tuple[LayerKind, ...] | None = None
 
     def stock_find_unused(self) -> bool:
         """What stock `Trainer._build_accelerator_args` picks (REFERENCES.md §1)."""
@@ -192,11 +197,14 @@ class Decision:
             naming how it is on; see `Plan` for the convention.
         reason: one line saying why; "" exactly when `value` is `None`.
         changed: the value differs from what the stock stack does.
+        details: lines the report prints under the decision's line (``long_context``: one per decoder layer type,
+            with its count and verdict); empty for most decisions.
     """
 
     value: Any
     reason: str
     changed: bool = False
+    details: tuple[str, ...] = ()
 
     @property
     def text(self) -> str:
@@ -318,6 +326,7 @@ class Plan:
                 continue
             mark = "!" if name in self.not_applied else "*" if d.changed else " "
             lines.append(fit(f" {mark} {name:<23} = {d.text:<14} {d.reason}", name))
+            lines.extend(fit(f"{'':28}{detail}", name) for detail in d.details)
         for name, text in self.not_applied.items():
             if name not in decisions:
                 lines.append(fit(f" ! {name:<23} = {'off':<14} {text}", "asked-for-not-applied"))

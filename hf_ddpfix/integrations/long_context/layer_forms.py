@@ -33,6 +33,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.overrides import TorchFunctionMode
 
 from ..._compat import (
     attention_function_override,
@@ -43,7 +44,7 @@ from ..._compat import (
 )
 from ...ops.rms_norm import rms_norm
 
-__all__ = ["FORMS", "PROBE_RTOL", "LayerForm", "capture_attention_inputs", "candidate_forms", "probe_layer",
+__all__ = ["FORMS", "GATE_OPS", "PROBE_RTOL", "LayerForm", "capture_attention_inputs", "candidate_forms", "probe_layer",
            "is_rms_norm", "rms_norm_form"]
 
 #: Relative error (``|a-b| / |b|``, over the probe's output) below which a form counts as the layer's.
@@ -143,14 +144,50 @@ class _Captured(Exception):  # noqa: N818 - a control-flow signal, not an error
         self.kwargs = kwargs
 
 
-def capture_attention_inputs(attn: nn.Module, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
-                             ) -> tuple[tuple[torch.Tensor, torch.Tensor, torch.Tensor], dict[str, Any]] | None:
+class _GateMode(TorchFunctionMode):
+    """Follows the kernel's (placeholder) output to ``o_proj``: the one tensor it is multiplied by is the gate."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.derived: set[int] = set()
+        self.keep: list[torch.Tensor] = []
+        self.gate: torch.Tensor | None = None
+
+    def mark(self, t: torch.Tensor) -> None:
+        self.derived.add(id(t))
+        self.keep.append(t)
+
+    def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        out = func(*args, **(kwargs or {}))
+        hits = [isinstance(a, torch.Tensor) and id(a) in self.derived for a in args]
+        if any(hits):
+            if getattr(func, "__name__", "") in GATE_OPS and len(args) == 2 and hits.count(True) == 1:
+                self.gate = args[hits.index(False)]
+            if isinstance(out, torch.Tensor):
+                self.mark(out)
+        return out
+
+
+#: How a gated attention multiplies its kernel's output before ``o_proj`` (Qwen3.5 / Qwen3-Next:
+#: ``attn_output * torch.sigmoid(gate)``), as the function a ``TorchFunctionMode`` sees.
+GATE_OPS = frozenset({"mul", "__mul__", "__rmul__"})
+
+
+def capture_attention_inputs(attn: nn.Module, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                             gate: bool = False) -> tuple[Any, ...] | None:
     """Run ``attn`` on ``h [B, S, hidden]`` up to its kernel call: ``((q, k, v), kernel keywords)`` with
     ``q [B, Hq, S, D]``, ``k, v [B, Hk, S, D]``; ``None`` when the module returned without calling the
-    registry function of its implementation (nothing after the kernel call runs)."""
+    registry function of its implementation (nothing after the kernel call runs).
+
+    ``gate=True`` (a gated attention, ``layer_kinds``: its output is multiplied by a tensor before ``o_proj``):
+    the module runs on to ``o_proj`` with a placeholder for the kernel's output, and the result is
+    ``((q, k, v), kernel keywords, gate)``, ``gate [B, S, Hq * D]`` the tensor the output is multiplied by
+    (``None`` when none was seen)."""
     impl = attention_implementation(attn)
     if impl is None:
         return None
+    if gate:
+        return _capture_gated(attn, impl, h, cos, sin)
 
     def capture(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                 attention_mask: Any, *args: Any, **kwargs: Any) -> Any:
@@ -165,6 +202,40 @@ def capture_attention_inputs(attn: nn.Module, h: torch.Tensor, cos: torch.Tensor
         if got.mask is not None:
             got.kwargs["attention_mask"] = got.mask
         return got.qkv, got.kwargs
+    return None
+
+
+def _capture_gated(attn: nn.Module, impl: str, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+                   ) -> tuple[Any, ...] | None:
+    mode = _GateMode()
+    seen: dict[str, Any] = {}
+
+    def kernel(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+               attention_mask: Any, *args: Any, **kwargs: Any) -> Any:
+        if args:
+            kwargs["positional extras"] = args
+        if attention_mask is not None:
+            kwargs["attention_mask"] = attention_mask
+        seen["qkv"], seen["kwargs"] = (query, key, value), kwargs
+        b, hq, s, d = query.shape
+        out = query.new_ones(b, s, hq, d)  # the kernel's layout; its values never reach anything kept
+        mode.mark(out)
+        return out, None
+
+    def before_o_proj(module: nn.Module, inputs: tuple) -> None:
+        raise _Captured(*seen["qkv"], None, seen["kwargs"])
+
+    hook = attn.o_proj.register_forward_pre_hook(before_o_proj)
+    try:
+        with attention_function_override(impl, kernel), mode:
+            attn(hidden_states=h, position_embeddings=(cos, sin), attention_mask=None)
+    except _Captured as got:
+        g = mode.gate
+        if g is not None and g.shape != (h.shape[0], h.shape[1], got.qkv[0].shape[1] * got.qkv[0].shape[3]):
+            g = None
+        return got.qkv, got.kwargs, g
+    finally:
+        hook.remove()
     return None
 
 
@@ -234,7 +305,8 @@ def _eval_mode(module: nn.Module) -> list[tuple[nn.Module, bool]]:
 
 
 def probe_layer(layer: nn.Module, stock: Callable[..., Any], hidden_states: torch.Tensor,
-                cos: torch.Tensor, sin: torch.Tensor) -> tuple[LayerForm | None, str, dict[str, Any]]:
+                cos: torch.Tensor, sin: torch.Tensor, gate: bool = False
+                ) -> tuple[LayerForm | None, str, dict[str, Any]]:
     """Find the form of ``layer`` by running stock and each candidate on a slice of its real input.
 
     Args:
@@ -242,6 +314,7 @@ def probe_layer(layer: nn.Module, stock: Callable[..., Any], hidden_states: torc
         stock: the layer's stock forward (bound).
         hidden_states: ``[B, S, hidden]``; the probe uses row 0, the first :data:`PROBE_TOKENS` tokens.
         cos, sin: the rotary tables of this call, ``[B or 1, S, rotary_dim]``.
+        gate: the attention's output is multiplied by a gate before ``o_proj`` (``capture_attention_inputs``).
 
     Returns:
         ``(form, reason, kernel keywords)``; ``form`` is ``None`` with the reason when none matches.
@@ -267,16 +340,19 @@ def probe_layer(layer: nn.Module, stock: Callable[..., Any], hidden_states: torc
                 return None, (f"{type(layer).__name__} returns {type(ref).__name__} on this release, not the hidden "
                               "states tensor the patched layer returns: stock"), {}
             for form in forms:
-                got = capture_attention_inputs(attn, form.pre(layer, x), c, s)
+                got = capture_attention_inputs(attn, form.pre(layer, x), c, s, gate=gate)
                 if got is None:
                     return None, f"{type(attn).__name__} does not call ALL_ATTENTION_FUNCTIONS", {}
-                (q, k, v), kwargs = got
+                (q, k, v), kwargs = got[0], got[1]
+                if gate and got[2] is None:
+                    return None, f"{type(attn).__name__}: no gate found multiplying the attention output", kwargs
                 refusal = kernel_refusal(kwargs)
                 if refusal is not None:
                     return None, refusal, kwargs
                 o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=kwargs["scaling"],
                                                    enable_gqa=True)
-                out = form.post(layer, x, attn.o_proj(o.transpose(1, 2).reshape(1, t, -1)))
+                a = o.transpose(1, 2).reshape(1, t, -1)
+                out = form.post(layer, x, attn.o_proj(a * got[2] if gate else a))
                 err = float((out.float() - ref.float()).norm() / ref.float().norm().clamp_min(1e-30))
                 if out.shape == ref.shape and err <= PROBE_RTOL:
                     return form, f"{type(layer).__name__}: {form.name} layer (probe rel. error {err:.1e})", kwargs

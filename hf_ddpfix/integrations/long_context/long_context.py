@@ -15,7 +15,10 @@ Three independent features, each exact against stock where it runs (tests/test_l
   output and the log-sum-exp are kept for backward; gradients of the block's parameters reach
   autograd once per step (DDP/FSDP safe), RNG and autocast are replayed.
 
-A layer is read by structure (:mod:`.layer_forms`): its attention module runs as the family wrote it up
+Which decoder layers are candidates is decided per layer type by structure alone (:mod:`.layer_kinds`, the
+verdict ``hf-ddpfix plan`` prints: a linear-attention layer, an attention needing ``shared_kv_states``, an output
+gate before ``o_proj`` stay stock with the reason; ``handle.kinds``). A candidate is read by structure
+(:mod:`.layer_forms`): its attention module runs as the family wrote it up
 to the kernel call, read through transformers' attention registry; its residual wiring is one of the
 known forms, checked against the stock layer on its first call; a layer no form reproduces runs stock
 with the reason (docs/long-context-families.md lists the families tested). At call time the patched
@@ -71,11 +74,11 @@ from .forward_patch import restore_forward
 from .layer_call import LayerCall, bind_layer_call
 from .layer_forms import (
     LayerForm,
-    candidate_forms,
     capture_attention_inputs,
     probe_layer,
     rms_norm_form,
 )
+from .layer_kinds import LayerKind, calls_summary, layer_kinds
 from .norm_forward import NormForward
 
 __all__ = [
@@ -120,16 +123,6 @@ def parse_long_context_setting(value: str | bool | None, name: str = "HF_DDPFIX_
     return tuple(f for f in LONG_CONTEXT_FEATURES if f in parts)
 
 
-# Structure checks (observe, don't predict)
-
-
-def _layer_check(layer: nn.Module) -> tuple[bool, str]:
-    forms = candidate_forms(layer)
-    if not forms:
-        return False, f"{type(layer).__name__}: no self_attn.o_proj or no known norm/MLP wiring"
-    return True, f"{type(layer).__name__}: decoder layer, {'/'.join(f.name for f in forms)} (probed at first call)"
-
-
 # --------------------------------------------------------------------------------------------------
 # Patched forwards
 # --------------------------------------------------------------------------------------------------
@@ -148,8 +141,11 @@ class _LayerOptions:
 class _LayerForward:
     """Instance-level forward of a decoder layer (see the module docstring)."""
 
-    def __init__(self, layer: nn.Module, prev: Any, options: _LayerOptions, stats: Counter) -> None:
+    def __init__(self, layer: nn.Module, prev: Any, options: _LayerOptions, stats: Counter, kind: str = "",
+                 gate: bool = False) -> None:
         self.layer = layer
+        self.gate = gate  # the attention output is multiplied by a gate before o_proj (layer_kinds: Qwen3.5)
+        self.kind = kind or type(layer).__name__  # the layer type its counts carry (layer_kinds.layer_kind_label)
         self.prev = prev
         self.options = options
         self.stats = stats
@@ -211,7 +207,8 @@ class _LayerForward:
         if call.use_cache:
             return "keyword arguments ['use_cache=True']"
         if self.form is None and self.refusal is None:  # once, on the first call that could run patched
-            self.form, reason, self.kernel = probe_layer(self.layer, self._stock(), call.hidden_states, *pe)
+            self.form, reason, self.kernel = probe_layer(self.layer, self._stock(), call.hidden_states, *pe,
+                                                         gate=self.gate)
             self.refusal = None if self.form is not None else reason
             self.stats[f"probe: {reason}"] += 1
         return self.refusal
@@ -220,10 +217,12 @@ class _LayerForward:
     def _pre(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, ...]:
         assert self.form is not None
         layer = self.layer
-        got = capture_attention_inputs(layer.self_attn, self.form.pre(layer, x[None]), cos[None], sin[None])
-        if got is None:
-            raise RuntimeError(f"{type(layer.self_attn).__name__} stopped calling its attention function")
-        return tuple(t[0].transpose(0, 1) for t in got[0])  # [tokens, heads, head_dim]
+        got = capture_attention_inputs(layer.self_attn, self.form.pre(layer, x[None]), cos[None], sin[None],
+                                       gate=self.gate)
+        if got is None or (self.gate and got[2] is None):
+            raise RuntimeError(f"{type(layer.self_attn).__name__} stopped calling its attention function (or its gate)")
+        qkv = tuple(t[0].transpose(0, 1) for t in got[0])  # [tokens, heads, head_dim]
+        return (*qkv, got[2][0]) if self.gate else qkv  # the gate: [tokens, heads * head_dim]
 
     def _post(self, a: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         assert self.form is not None
@@ -276,6 +275,7 @@ class _LayerForward:
         why = self._why_stock(call)
         if why is not None:
             self.stats[f"stock: {why}"] += 1
+            self.stats[f"stock calls [{self.kind}]"] += 1
             if torch.is_grad_enabled():  # a training forward that ran stock: the feature stood down
                 record_fallback(FEATURE, why)
             else:  # evaluation / generation: stock by design (a KV cache, padding), not a fallback
@@ -284,18 +284,22 @@ class _LayerForward:
         hidden_states, position_embeddings = call.hidden_states, call.position_embeddings
         record_ran(FEATURE)
         self.stats["patched calls"] += 1
+        self.stats[f"patched calls [{self.kind}]"] += 1
         b, s, hidden = hidden_states.shape
         n = b * s
         # Tiles only where a backward follows (they cut what backward keeps); under no_grad (evaluation,
         # generation) the layer runs untiled, so no tile-count collective can wait on an idle rank.
         if not (self.options.tiled and torch.is_grad_enabled()):
             layer = self.layer
-            got = capture_attention_inputs(layer.self_attn, self.form.pre(layer, hidden_states), *position_embeddings)
-            if got is None:
+            got = capture_attention_inputs(layer.self_attn, self.form.pre(layer, hidden_states), *position_embeddings,
+                                           gate=self.gate)
+            if got is None or (self.gate and got[2] is None):
                 raise RuntimeError(f"{type(layer.self_attn).__name__} stopped calling its attention function")
             o = self._attend(*got[0])
-            del got
             a = o.transpose(1, 2).reshape(b, s, -1)  # a view for the flash layout
+            if self.gate:
+                a = a * got[2]
+            del got
             del o  # no name may hold the o projection's output past the residual add (forms drop theirs)
             return self.form.post(layer, hidden_states, layer.self_attn.o_proj(a))
         cos, sin = position_embeddings
@@ -305,7 +309,7 @@ class _LayerForward:
         tiles = tiles_for(n, self.options.tokens_per_tile)
         if self.options.sync:
             tiles = sync_shards(tiles, self.options.group)
-        q, k, v = tiled_token_map(self._pre, (x, cos, sin), self.layer, tiles=tiles)
+        q, k, v, *gate = tiled_token_map(self._pre, (x, cos, sin), self.layer, tiles=tiles)
         hq, hk, d = q.shape[1], k.shape[1], q.shape[2]
         q = q.view(b, s, hq, d).transpose(1, 2)
         k = k.view(b, s, hk, d).transpose(1, 2)
@@ -313,7 +317,9 @@ class _LayerForward:
         o = self._attend(q, k, v)
         del q, k, v
         a = o.transpose(1, 2).reshape(n, hq * d)  # a view for the flash layout
-        del o
+        if gate:  # the attention's output gate (layer_kinds), as stock multiplies it before o_proj
+            a = a * gate[0]
+        del o, gate
         (out,) = tiled_token_map(self._post, (a, x), self.layer, tiles=tiles, skip_in_recompute=True)
         return out.view(b, s, hidden)
 
@@ -325,22 +331,31 @@ class _LayerForward:
 
 @dataclass(frozen=True)
 class LongContextEntry:
-    """One candidate module: qualified name, class, what was patched (or why not)."""
+    """One candidate module: qualified name, class, what was patched (or why not), its layer type (decoder layers:
+    ``layer_kinds.layer_kind_label``; "" for a norm)."""
 
     name: str
     cls: str
     patched: tuple[str, ...]
     reason: str
+    kind: str = ""
 
 
 @dataclass
 class LongContextHandle:
-    """Result of ``apply_long_context``: report, call counters (``stats``) and ``remove()``."""
+    """Result of ``apply_long_context``: report, call counters (``stats``: also ``"patched calls [<type>]"`` and
+    ``"stock calls [<type>]"`` per layer type), the decoder layers by type (``kinds``: what the plan line says) and
+    ``remove()``."""
 
     model: nn.Module
     features: tuple[str, ...]
     report: list[LongContextEntry] = field(default_factory=list)
     stats: Counter = field(default_factory=Counter)
+    kinds: tuple[LayerKind, ...] = ()
+
+    def layer_summary(self) -> str:
+        """Per layer type: layers patched / stock and this run's patched and stock calls (``layer_kinds.calls_summary``)."""
+        return calls_summary(self.kinds, self.stats)
 
     @property
     def patched(self) -> list[str]:
@@ -409,15 +424,21 @@ def apply_long_context(
             if why:
                 handle.report.append(LongContextEntry(name, type(m).__name__, ("rms_norm",) if is_norm else (), why))
                 continue
-        if not layer_feats or not (hasattr(m, "self_attn") and hasattr(m, "mlp")):
-            continue
-        ok, reason = _layer_check(m)
-        if not ok:
-            handle.report.append(LongContextEntry(name, type(m).__name__, (), reason))
-            continue
-        m.__dict__[_LAYER_ATTR] = True
-        m.forward = _LayerForward(m, m.__dict__.get("forward"), options, handle.stats)  # type: ignore[method-assign]
-        handle.report.append(LongContextEntry(name, type(m).__name__, layer_feats, reason))
+    if not layer_feats:
+        return handle
+    # the layers by type, decided by structure (layer_kinds.py: the same verdict hf-ddpfix plan prints)
+    handle.kinds = layer_kinds(model)
+    layers = dict(model.named_modules())
+    for kind in handle.kinds:
+        for name in kind.names:
+            m = layers[name]
+            if kind.patched is False:
+                handle.report.append(LongContextEntry(name, type(m).__name__, (), kind.reason, kind.label))
+                continue
+            m.__dict__[_LAYER_ATTR] = True
+            m.forward = _LayerForward(m, m.__dict__.get("forward"), options, handle.stats,  # type: ignore[method-assign]
+                                      kind.label, kind.gate)
+            handle.report.append(LongContextEntry(name, type(m).__name__, layer_feats, kind.reason, kind.label))
     return handle
 
 

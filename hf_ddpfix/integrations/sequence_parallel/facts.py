@@ -15,6 +15,7 @@ from ..._compat import (
     parallelism_config_available,
     parallelism_sp_settings,
 )
+from ..long_context.layer_kinds import sequence_scans
 from .head import pooled_head_structure
 from .vision import vision_sequence_parallel_support
 
@@ -52,6 +53,9 @@ class SequenceParallelFacts:
             "LlamaForSequenceClassification: decoder 'model' (LlamaModel) sharded, score and pooling on the whole
             sequence"), else None.
         pooled_head_refusal: why that route cannot run it (no decoder found under the head, attention not causal).
+        sequence_scan: decoder layers whose token mixer is no attention (Qwen3.5's gated delta net: a recurrent
+            scan over the whole sequence; `long_context.layer_kinds.sequence_scans`), e.g. "48 linear_attention
+            layers (linear_attn (Qwen3_5GatedDeltaNet))", else None: Ulysses reaches attention only.
     """
 
     attn_implementation: str | None = None
@@ -73,6 +77,7 @@ class SequenceParallelFacts:
     world_statistic: str | None = None
     pooled_head: str | None = None
     pooled_head_refusal: str | None = None
+    sequence_scan: str | None = None
 
 
 def trainer_world_statistic(trainer: Any) -> str | None:
@@ -137,7 +142,10 @@ def _has_lm_head(model: nn.Module) -> bool:
 
 
 def gather_sequence_parallel_facts(trainer: Any, model: nn.Module) -> SequenceParallelFacts:
+    """The facts of ``trainer``'s run; ``trainer=None``: a stock ``Trainer`` with default arguments (what
+    ``hf-ddpfix plan`` assumes for the model it built)."""
     cfg = _text_config(model)
+    scans = sequence_scans(model)
     heads = getattr(cfg, "num_attention_heads", None)
     kv = getattr(cfg, "num_key_value_heads", None) or heads
     impl = attn_implementation(cfg) or model_attn_implementation(model)
@@ -150,7 +158,10 @@ def gather_sequence_parallel_facts(trainer: Any, model: nn.Module) -> SequencePa
         _, decoder, said = pooled_head_structure(model)
         head, pooled = (said, None) if decoder is not None else (None, said)
     return SequenceParallelFacts(
-        trainer_name=type(trainer).__name__, trainer_loss=trainer_loss_override(trainer),
+        trainer_name=type(trainer).__name__ if trainer is not None else "Trainer",
+        trainer_loss=trainer_loss_override(trainer) if trainer is not None else None,
+        sequence_scan="; ".join(f"{n} {label} layer{'s' if n != 1 else ''} ({mixer})" for label, n, mixer in scans)
+        or None,
         compute_loss_func=getattr(trainer, "compute_loss_func", None) is not None,
         label_smoothing=getattr(trainer, "label_smoother", None) is not None
         or float(getattr(args, "label_smoothing_factor", 0) or 0) > 0,
