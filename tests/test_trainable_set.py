@@ -83,9 +83,14 @@ def test_ddp_a_head_frozen_after_wrapping_trains_as_stock_and_a_regulariser_belo
     (measured 0.0 but TRL's; find_unused True; the regulariser: False, the setting under which stock DDP reduces
     it). A second backward of that regulariser, which DDP cannot reduce: a named DDPFixError. Main's code:
     'Expected to have finished reduction' on both ranks (freeze), the regulariser's module never moves (reg: 3.0e-2
-    from stock). Then only rank 0 freezes: TrainableSetChangedError on both ranks at step 3."""
+    from stock). ``reg_zero`` (issue 48): the regulariser's gradient of ``aux`` is exactly zero at step 1 (``aux_b``
+    zero, as LoRA's B): weights and AdamW state (exp_avg, exp_avg_sq, step) bit-equal to stock; on 2410770 (the
+    ``grad.any()`` read) its gradient was reset to None, AdamW skipped it. Then only rank 0 freezes:
+    TrainableSetChangedError on both ranks at step 3."""
     done = torchrun("trainable_set_ddp.py", timeout=420)
-    _judge(done.stdout, (*FREEZE_CASES, "freeze_trl_vlm", "reg_accelerator"))
+    _judge(done.stdout, (*FREEZE_CASES, "freeze_trl_vlm", "reg_accelerator", "reg_zero"))
+    # issue 48: aux's real gradient is exactly zero at step 1; weights and AdamW state bit-equal to stock
+    assert sorted(re.findall(r"CASE rank=(\d) case=reg_zero diff=0\.0 ", done.stdout)) == ["0", "1"], done.stdout[-3000:]
     assert sorted(re.findall(r"REFUSED rank=(\d) case=reg_second ok=True", done.stdout)) == ["0", "1"], done.stdout[-3000:]
     assert "stopped requiring grad after the model was wrapped (lm_head.weight)" in done.stdout, done.stdout[-3000:]
 
@@ -160,6 +165,84 @@ def test_a_gradient_below_the_loss_seen_is_kept_bit_equal(route):
     for n, g in expected.items():
         assert torch.equal(dict(model.named_parameters())[n].grad, g), n
     usage.remove()
+
+
+def _reg_through_zero_b(model: torch.nn.Module) -> torch.Tensor:
+    """0.1 * sum(B @ A) over lm_head's LoRA: with B zero, A's gradient (B^T 1) is exactly zero, B's is not."""
+    mods = dict(model.named_modules())
+    name = next(n for n in mods if n.endswith("lm_head.lora_A.default"))
+    a, b = mods[name].weight, mods[name.replace("lora_A", "lora_B")].weight
+    return 0.1 * (b @ a).sum()
+
+
+@pytest.mark.parametrize("route", ["below", "second"])
+def test_a_real_gradient_exactly_zero_is_kept_and_adamw_state_equals_stock_bit_for_bit(route):
+    """Issue 48: lm_head's LoRA B is zero, so a regulariser ``sum(B @ A)`` below the loss seen (which does not reach
+    lm_head's LoRA: tied in with a zero) gives A an exactly zero real gradient at step 1. Stock keeps it (zeros, not
+    None): AdamW decays A, counts the step and updates its moments. hf_ddpfix must give AdamW the same: after two
+    steps every weight, ``exp_avg``, ``exp_avg_sq`` and ``step`` equal stock bit for bit, with no host read of a
+    gradient's values in the hooks. Shown failing on 2410770 (``bool(grad.any())`` in ``mark_real``): A's gradient
+    reset to None at step 1 (``finalize`` returned 1), AdamW skipped it (step 1 vs 2, A not decayed)."""
+    from hf_ddpfix.integrations.usage import ParameterUsage
+
+    torch.manual_seed(5)
+    batches = [torch.randint(1, 200, (1, 9)) for _ in range(2)]
+
+    def zero_b(model: torch.nn.Module) -> torch.nn.Module:
+        for n, p in model.named_parameters():
+            if "lm_head.lora_B" in n:
+                p.data.zero_()
+        return model
+
+    def run(patched: bool) -> tuple[torch.nn.Module, torch.optim.Optimizer, list[int]]:
+        model = zero_b(_head_model())
+        opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2, weight_decay=0.1)
+        usage = ParameterUsage(model, tie=True, guard=False).attach() if patched else None
+        resets = []
+        for ids in batches:
+            loss = _head_loss(model, ids)
+            if usage is not None:
+                usage.at_loss = True
+                loss = usage.tie_loss(loss)
+            if route == "second":
+                loss.backward()
+                _reg_through_zero_b(model).backward()
+            else:
+                (loss + _reg_through_zero_b(model)).backward()
+            if usage is not None:
+                resets.append(usage.finalize())
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        if usage is not None:
+            usage.remove()
+        return model, opt, resets
+
+    stock, stock_opt, _ = run(False)
+    model, opt, resets = run(True)
+    a = next(p for n, p in model.named_parameters() if "lm_head.lora_A" in n)
+    assert resets == [0, 0], resets  # nothing reset: A's zero gradient was real
+    for (n, p), q in zip(stock.named_parameters(), model.parameters(), strict=True):
+        assert torch.equal(p, q), n
+    for p, q in zip(stock_opt.param_groups[0]["params"], opt.param_groups[0]["params"], strict=True):
+        sp, sq = stock_opt.state[p], opt.state[q]
+        assert set(sp) == set(sq) and all(torch.equal(sp[k], sq[k]) for k in sp), (sp, sq)
+    assert int(opt.state[a]["step"]) == 2
+
+
+def test_ties_alone_hand_a_leaf_one_marked_zero_per_backward_and_a_real_zero_is_not_one():
+    """Two ties of the same leaf in one backward: the leaf's hook sees one marked zero (the second tie gives None);
+    a real gradient that is exactly zero, summed with a tie's zero, is unmarked. Without the one-zero rule the two
+    ties' zeros are summed into an unmarked zero (shown: the first assertion fails)."""
+    from hf_ddpfix.ops.zero_tie import ZeroTie, is_tie_zero
+
+    used, leaf = torch.nn.Parameter(torch.ones(3)), torch.nn.Parameter(torch.ones(4))
+    seen: list[bool] = []
+    leaf.register_hook(lambda g: seen.append(is_tie_zero(g)))
+    ZeroTie.tie(ZeroTie.tie((used * 2).sum(), [leaf]) * 3, [leaf]).backward()
+    ZeroTie.tie(ZeroTie.tie((used * 2).sum(), [leaf]) * 3, [leaf]).backward()  # a new pass: marked again
+    (ZeroTie.tie((used * 2).sum(), [leaf]) + (leaf * 0).sum()).backward()
+    assert seen == [True, True, False], seen
+    assert torch.equal(leaf.grad, torch.zeros(4))
 
 
 def test_a_tie_marks_its_zero_and_ties_a_parameter_frozen_after_wrapping():
