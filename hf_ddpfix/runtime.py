@@ -138,13 +138,13 @@ def attach_runtime(trainer: Any, model: nn.Module, plan: Plan, stack: ExitStack)
             stand_down_accelerate="parallelism_config" in str(plan.sequence_parallel.value))
     if plan.parallel in ("ddp", "fsdp") and plan.world_size > 1:  # requires_grad changed after wrapping
         rt.trainable_set = TrainableSetWatch(model, plan.parallel, step=lambda: trainer.state.global_step + 1)
-        # FSDP2's clipping is a collective: every rank must know before it (DDP's is local: on_step_end reads)
-        stack.callback(before_gradient_clipping(trainer, _watch_finalize(rt.usage, rt.trainable_set,
-                                                                         now=plan.parallel == "fsdp")))
+        stack.callback(before_gradient_clipping(trainer, _watch_finalize(rt.usage, rt.trainable_set)))
         if rt.usage is not None and rt.usage.step_flag is not None:  # ranks that did not read the agreement
             _add_callback(trainer, _WatchLate(rt.usage, rt.trainable_set), stack)
-        if plan.parallel == "fsdp":  # FSDP2 reduce-scatters what requires grad: ranks must agree before backward
-            rt.step_contexts.append(_checked_trainable_set(rt.trainable_set))
+            # FSDP2's clipping is a collective: a rank that changed its set alone raises with the others, late
+            rt.trainable_set.defer_mismatch = plan.parallel == "fsdp"
+        if plan.parallel == "fsdp":  # FSDP2 reduce-scatters what requires grad: the agreed set, held locally
+            rt.step_contexts.append(_held_trainable_set(rt.trainable_set))
     elif plan.parallel == "deepspeed" and plan.world_size > 1:  # the engine steps inside backward: check first
         rt.trainable_set = TrainableSetWatch(model, plan.parallel, step=lambda: trainer.state.global_step + 1)
         rt.step_contexts.append(_checked_trainable_set(rt.trainable_set))
@@ -268,13 +268,12 @@ def _add_callback(trainer: Any, callback: TrainerCallback, stack: ExitStack) -> 
     stack.callback(trainer.remove_callback, callback)
 
 
-def _watch_finalize(usage: ParameterUsage | None, watch: TrainableSetWatch, now: bool = False) -> Callable[[], None]:
+def _watch_finalize(usage: ParameterUsage | None, watch: TrainableSetWatch) -> Callable[[], None]:
     """The trainable-set check of an optimizer step. With the usage agreement running (same group), the watch's
     "my set changed" flag rides in its all-reduce (``ParameterUsage.step_flag``): no collective and, where no
     rank changed anything, no host read of its own; the usage finalize runs first here (a second call in the
-    step is a no-op). Without it, the watch's own one-byte all-gather. ``now``: a rank that did not read the
-    flags reads them here (``finalize_late``), not at ``on_step_end``: the next collective comes first (FSDP2's
-    gradient clipping)."""
+    step is a no-op). A rank that did not read the flags reads them at ``on_step_end`` (``_WatchLate``), from host
+    memory. Without the agreement, the watch's own one-byte all-gather."""
     if usage is None or usage.process_group is not None:
         return watch.finalize
     usage.step_flag = watch.changed
@@ -282,8 +281,6 @@ def _watch_finalize(usage: ParameterUsage | None, watch: TrainableSetWatch, now:
     def finalize() -> None:
         usage.finalize()
         watch.finalize(agreed=usage.take_step_flags())
-        if now:
-            watch.finalize_late(usage.agreement.late_flags())
 
     return finalize
 
@@ -298,6 +295,21 @@ class _WatchLate(TrainerCallback):
 
     def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         self.watch.finalize_late(self.usage.agreement.late_flags())
+
+
+def _held_trainable_set(watch: TrainableSetWatch) -> Callable[[], AbstractContextManager[Any]]:
+    """FSDP2's step context: the trainable set's local test before the micro-batch's forward, and the agreed set
+    held through its backward where this rank's differs (``TrainableSetWatch.hold``): no collective, no read."""
+
+    @contextmanager
+    def held() -> Iterator[None]:
+        switched = watch.hold()
+        try:
+            yield
+        finally:
+            watch.release(switched)
+
+    return held
 
 
 def _checked_trainable_set(watch: TrainableSetWatch) -> Callable[[], AbstractContextManager[Any]]:

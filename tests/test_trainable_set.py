@@ -280,6 +280,43 @@ def test_the_watch_sees_a_freeze_once_and_costs_nothing_while_the_set_is_unchang
     assert not watch.changed()  # frozen since, unchanged: nothing to agree on
 
 
+def test_fsdp_hold_keeps_the_agreed_set_for_a_micro_batch_and_costs_nothing_while_unchanged():
+    """FSDP2's per-micro-batch check is local (issue 48: it all-gathered a byte per rank and micro-batch and read it
+    on the host): nothing switched while the set is the agreed one; a parameter frozen at the step's first
+    micro-batch is held trainable through that step's micro-batches (its reduce-scatter matches the other ranks'),
+    one frozen after an earlier micro-batch is not held, one unfrozen is held frozen; each micro-batch ends with the
+    user's values back; after the agreement (one process: agreed with itself) the held parameter's gradient is None
+    and nothing is held at the next step."""
+    from hf_ddpfix.integrations.trainable_set import TrainableSetWatch
+
+    model = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Linear(2, 2), torch.nn.Linear(2, 2))
+    model[2].requires_grad_(False)
+    step = [1]
+    watch = TrainableSetWatch(model, "fsdp", step=lambda: step[0])
+    assert watch.hold() == [] and watch.hold() == []  # steady state: nothing to do
+    step[0] = 2
+    model[0].weight.requires_grad_(False)  # frozen before the step's first micro-batch: held
+    for _ in range(2):  # two micro-batches
+        switched = watch.hold()
+        assert [p is model[0].weight for p, _ in switched] == [True] and model[0].weight.requires_grad
+        model(torch.ones(1, 2)).sum().backward()
+        watch.release(switched)
+        assert not model[0].weight.requires_grad
+    model[1].bias.requires_grad_(False)  # frozen after a micro-batch of this step: not held
+    assert [p is model[0].weight for p, _ in watch.hold()] == [True]
+    watch.release([(model[0].weight, False)])
+    assert model[0].weight.grad is not None
+    watch.finalize()  # one process: every rank changed the same way
+    assert model[0].weight.grad is None and model[1].bias.grad is not None and watch.holds == 3
+    step[0] = 3
+    assert watch.hold() == []  # agreed now
+    model[2].weight.requires_grad_(True)  # unfrozen since wrapping: held frozen
+    switched = watch.hold()
+    assert [(p is model[2].weight, was) for p, was in switched] == [(True, True)] and not model[2].weight.requires_grad
+    watch.release(switched)
+    assert model[2].weight.requires_grad
+
+
 def test_no_walk_comes_back_after_a_freeze_and_the_frozen_parameter_stays_without_a_gradient():
     """The no-walk check (``ParameterUsage`` at the loss, ``backward_retries``): after ``b`` is frozen the check fails
     once (``b``'s node will not run), the retry walks and ties ``b`` (``ZeroTie.tie``), and after ESTABLISH clean
