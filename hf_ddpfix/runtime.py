@@ -48,6 +48,7 @@ from .integrations.long_context.tiled_mlp import TiledMLPHandle, apply_tiled_mlp
 from .integrations.sequence_parallel.trainer import SequenceParallelGroups, attach_sequence_parallel
 from .integrations.trainable_set import TrainableSetWatch
 from .integrations.usage import HangGuard, ParameterUsage, UsageChanged
+from .integrations.usage.agreement import UsageAgreement
 from .integrations.vision.families import is_vision_language_model
 from .integrations.vision.stabilizer import VisionStabilizer
 from .ops import feature_counts
@@ -147,7 +148,10 @@ def attach_runtime(trainer: Any, model: nn.Module, plan: Plan, stack: ExitStack)
             rt.step_contexts.append(_held_trainable_set(rt.trainable_set))
     elif plan.parallel == "deepspeed" and plan.world_size > 1:  # the engine steps inside backward: check first
         rt.trainable_set = TrainableSetWatch(model, plan.parallel, step=lambda: trainer.state.global_step + 1)
-        rt.step_contexts.append(_checked_trainable_set(rt.trainable_set))
+        rt.trainable_set.defer_mismatch = True  # a rank that changed alone raises with the others at on_step_end
+        agreement = UsageAgreement()
+        rt.step_contexts.append(_agreed_trainable_set(rt.trainable_set, agreement))
+        _add_callback(trainer, _LateFlags(agreement, rt.trainable_set), stack)
     if rt.step_contexts:
         _override(trainer, "training_step", lambda inner: _within(rt.step_contexts, inner), stack)
     _align_buffer_order(trainer, model, plan)
@@ -312,16 +316,34 @@ def _held_trainable_set(watch: TrainableSetWatch) -> Callable[[], AbstractContex
     return held
 
 
-def _checked_trainable_set(watch: TrainableSetWatch) -> Callable[[], AbstractContextManager[Any]]:
-    """A step context that checks the trainable set before the micro-batch's forward (DeepSpeed, FSDP2: their
-    collectives in backward follow ``requires_grad``, so ranks that changed it differently would diverge there)."""
+def _agreed_trainable_set(watch: TrainableSetWatch, agreement: UsageAgreement,
+                          ) -> Callable[[], AbstractContextManager[Any]]:
+    """DeepSpeed's step context: the flag of the step's local test in one asynchronous all-reduce at its first
+    micro-batch (``TrainableSetWatch.agree_at_step_start``), and the agreed set held through each micro-batch
+    where this rank's differs (a frozen parameter's gradient handed to the engine as zeros: the slice stock ZeRO
+    steps). No host read on a rank that changed nothing."""
 
     @contextmanager
-    def check() -> Iterator[None]:
-        watch.finalize(once_per_step=False)
-        yield
+    def held() -> Iterator[None]:
+        watch.agree_at_step_start(agreement)
+        switched = watch.hold(zero_frozen=True)
+        try:
+            yield
+        finally:
+            watch.release(switched)
 
-    return check
+    return held
+
+
+class _LateFlags(TrainerCallback):
+    """DeepSpeed: at ``on_step_end``, the step's trainable-set flags from host memory on a rank that did not read
+    them (``TrainableSetWatch.finalize_late``); a rank that changed its set alone raises its pending error here."""
+
+    def __init__(self, agreement: UsageAgreement, watch: TrainableSetWatch):
+        self.agreement, self.watch = agreement, watch
+
+    def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        self.watch.finalize_late(self.agreement.late_flags())
 
 
 def _within(contexts: list[Callable[[], AbstractContextManager[Any]]], inner: Callable[..., Any]) -> Callable:

@@ -298,13 +298,14 @@ def test_fsdp_hold_keeps_the_agreed_set_for_a_micro_batch_and_costs_nothing_whil
     model[0].weight.requires_grad_(False)  # frozen before the step's first micro-batch: held
     for _ in range(2):  # two micro-batches
         switched = watch.hold()
-        assert [p is model[0].weight for p, _ in switched] == [True] and model[0].weight.requires_grad
+        assert [p is model[0].weight for p, _, _ in switched] == [True] and model[0].weight.requires_grad
         model(torch.ones(1, 2)).sum().backward()
         watch.release(switched)
         assert not model[0].weight.requires_grad
     model[1].bias.requires_grad_(False)  # frozen after a micro-batch of this step: not held
-    assert [p is model[0].weight for p, _ in watch.hold()] == [True]
-    watch.release([(model[0].weight, False)])
+    switched = watch.hold()
+    assert [p is model[0].weight for p, _, _ in switched] == [True]
+    watch.release(switched)
     assert model[0].weight.grad is not None
     watch.finalize()  # one process: every rank changed the same way
     assert model[0].weight.grad is None and model[1].bias.grad is not None and watch.holds == 3
@@ -312,9 +313,40 @@ def test_fsdp_hold_keeps_the_agreed_set_for_a_micro_batch_and_costs_nothing_whil
     assert watch.hold() == []  # agreed now
     model[2].weight.requires_grad_(True)  # unfrozen since wrapping: held frozen
     switched = watch.hold()
-    assert [(p is model[2].weight, was) for p, was in switched] == [(True, True)] and not model[2].weight.requires_grad
+    assert [(p is model[2].weight, was) for p, was, _ in switched] == [(True, True)] and not model[2].weight.requires_grad
     watch.release(switched)
     assert model[2].weight.requires_grad
+
+
+def test_deepspeed_agrees_at_the_step_start_and_holds_a_freeze_between_micro_batches_with_a_zero_gradient():
+    """DeepSpeed (issue 48: a one-byte all-gather and two host reads per micro-batch before): the flag goes out once
+    per optimizer step, at its first micro-batch (one process: agreed with itself at once); a parameter frozen
+    between micro-batches is held trainable with a hook handing the engine a zero gradient (the zero slice stock
+    ZeRO steps) until the next step's start agrees on it; an unfrozen one is refused at that step's start."""
+    from hf_ddpfix.integrations.trainable_set import TrainableSetChangedError, TrainableSetWatch
+    from hf_ddpfix.integrations.usage.agreement import UsageAgreement
+
+    model = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Linear(2, 2))
+    model[1].requires_grad_(False)
+    step = [1]
+    watch, agreement = TrainableSetWatch(model, "deepspeed", step=lambda: step[0]), UsageAgreement()
+    watch.agree_at_step_start(agreement)
+    assert watch.hold(zero_frozen=True) == []
+    model[0].weight.requires_grad_(False)  # between two micro-batches of step 1
+    watch.agree_at_step_start(agreement)  # not the step's first micro-batch: nothing
+    switched = watch.hold(zero_frozen=True)
+    assert [p is model[0].weight for p, _, _ in switched] == [True] and model[0].weight.requires_grad
+    model(torch.ones(1, 2)).sum().backward()
+    watch.release(switched)
+    assert not model[0].weight.requires_grad and torch.equal(model[0].weight.grad, torch.zeros(2, 2))
+    assert model[0].bias.grad is not None and bool(model[0].bias.grad.any())
+    step[0] = 2
+    watch.agree_at_step_start(agreement)  # agreed: nothing held from now on
+    assert watch._froze_agreed == ("0.weight",) and watch.hold(zero_frozen=True) == []
+    step[0] = 3
+    model[1].weight.requires_grad_(True)
+    with pytest.raises(TrainableSetChangedError, match="optimizer step 3.*deepspeed.initialize"):
+        watch.agree_at_step_start(agreement)
 
 
 def test_no_walk_comes_back_after_a_freeze_and_the_frozen_parameter_stays_without_a_gradient():

@@ -61,7 +61,15 @@ means, exactly (each backed by a bit-equal comparison with the stock Trainer, te
   collectives match on every rank thanks to the hold, and before any further collective).
 - DeepSpeed ZeRO (stock ZeRO keeps stepping the flat partition: a frozen parameter's zero-filled gradient
   slice, with AdamW's weight decay, as DeepSpeed does; with ``zero_skip_unused`` it is skipped, as stock DDP):
-  nothing to change; the per-micro-batch check above refuses a rank that froze alone.
+  nothing to change. The engine reduces inside backward, so the check runs before the first micro-batch's forward
+  of every optimizer step (:meth:`TrainableSetWatch.agree_at_step_start`): the local test's flag in one
+  asynchronous all-reduce of two bytes (``UsageAgreement``), read at once only by a rank that changed its set,
+  by the others late, from host memory, at ``on_step_end`` (no device read). A rank whose set differs from the
+  agreed one holds it for the micro-batch (:meth:`TrainableSetWatch.hold` with ``zero_frozen``: a parameter frozen
+  since is switched back on with a hook that hands the engine a zero gradient, the zero slice stock ZeRO steps;
+  one unfrozen is switched off), so every rank's engine reduces the same tensors; every rank changed the same way:
+  agreed at that step's start (a change made between micro-batches: at the next step's start, the hold keeping the
+  step as stock's meanwhile); a rank that changed alone: every rank raises at that step's ``on_step_end``.
 
 Logged once per new frozen set, counted as feature ``trainable_set`` (``ran``, amount ``frozen_params``).
 """
@@ -144,6 +152,7 @@ class TrainableSetWatch:
         self.defer_mismatch = False  # FSDP2: a rank that changed alone raises at finalize_late, not at finalize
         self._pending: TrainableSetChangedError | None = None
         self.holds = 0  # micro-batches in which this rank held the agreed set (tests, logs)
+        self._agree_step: Any = None  # DeepSpeed: the optimizer step whose flag agree_at_step_start issued
         self._announced: set[tuple[str, ...]] = set()
         self.reduced = 0  # parameter reductions done so far (tests, logs)
         self.frozen_changes = 0  # steps in which the set of parameters frozen since wrapping changed (agreed)
@@ -173,34 +182,55 @@ class TrainableSetWatch:
                            if not all(map(_REQUIRES_GRAD, self._trained_params)) else ())
         return bool(self._new) or self._froze != self._froze_agreed
 
-    def hold(self) -> list[tuple[nn.Parameter, bool]]:
-        """FSDP2, before a micro-batch's forward: the local test, and the hold where it fails (module docstring).
+    def hold(self, zero_frozen: bool = False) -> list[tuple[nn.Parameter, bool, Any]]:
+        """Before a micro-batch's forward (FSDP2, DeepSpeed): the local test, and the hold where it fails (module
+        docstring). ``zero_frozen`` (DeepSpeed): every parameter frozen since the agreed set is held, with a hook
+        that hands the engine a zero gradient; else (FSDP2) only one frozen at the step's first micro-batch, whose
+        gradient :meth:`finalize` sets to ``None`` once agreed.
 
-        Returns the ``(parameter, requires_grad to restore)`` pairs switched to the agreed set, for :meth:`release`;
-        ``[]`` (nothing switched, no collective, no device read: a C-level scan of ``requires_grad``) while this
-        rank's set is the agreed one."""
+        Returns the ``(parameter, requires_grad to restore, hook handle)`` switched to the agreed set, for
+        :meth:`release`; ``[]`` (nothing switched, no collective, no device read: a C-level scan of
+        ``requires_grad``) while this rank's set is the agreed one."""
         step = self.step()
         first = step != self._hold_step
         if first:
             self._hold_step, self._held_frozen = step, {}
         if not self.changed(fresh=True):
             return []
-        switched = [(p, True) for _, p in self._new or []]
+        switched: list[tuple[nn.Parameter, bool, Any]] = [(p, True, None) for _, p in self._new or []]
         agreed = set(self._froze_agreed)
         for n, p in self._trained:
-            if n in self._froze and n not in agreed and (first or n in self._held_frozen):
-                self._held_frozen[n] = p
-                switched.append((p, False))
-        for p, was in switched:
+            if n in self._froze and n not in agreed and (zero_frozen or first or n in self._held_frozen):
+                if not zero_frozen:
+                    self._held_frozen[n] = p
+                switched.append((p, False, None))
+        for i, (p, was, _) in enumerate(switched):
             p.requires_grad_(not was)
+            if zero_frozen and not was:
+                switched[i] = (p, was, p.register_hook(torch.zeros_like))
         self.holds += bool(switched)
         return switched
 
     @staticmethod
-    def release(switched: list[tuple[nn.Parameter, bool]]) -> None:
+    def release(switched: list[tuple[nn.Parameter, bool, Any]]) -> None:
         """Give back the ``requires_grad`` values :meth:`hold` switched (the micro-batch ended)."""
-        for p, was in switched:
+        for p, was, handle in switched:
+            if handle is not None:
+                handle.remove()
             p.requires_grad_(was)
+
+    def agree_at_step_start(self, agreement: Any) -> None:
+        """DeepSpeed, before each micro-batch's forward: at the first of an optimizer step, this rank's "my set
+        changed" flag (the local test) in ``agreement``'s asynchronous all-reduce (``UsageAgreement.agree`` with no
+        slot: two bytes), acted on by :meth:`finalize` where this rank changed its set (it reads at once), else late
+        (:meth:`finalize_late` at ``on_step_end``, from host memory). Later micro-batches of the step: nothing."""
+        step = self.step()
+        if step == self._agree_step:
+            return
+        self._agree_step = step
+        mine = self.changed(fresh=True)
+        _, flags = agreement.agree(set(), 0, self.process_group, mine)
+        self.finalize(agreed=flags)
 
     def finalize(self, once_per_step: bool = True, agreed: tuple[bool, bool] | None = None) -> None:
         """Check (and under DDP reduce) once per optimizer step; a second call in the same step does nothing
