@@ -91,7 +91,7 @@ def render(results: dict[str, Any]) -> str:
                if f"{e}/{c}" not in results["cases"] and not (e.startswith("zero") and c == "vlm")]
     if missing:
         lines += ["", "Not counted in this run: " + ", ".join(missing) + "."]
-    return "\n".join(lines)
+    return "\n".join(lines) + "\n"
 
 
 def load(path: str = RESULTS) -> dict[str, Any]:
