@@ -232,7 +232,8 @@ def test_a_real_gradient_exactly_zero_is_kept_and_adamw_state_equals_stock_bit_f
 def test_ties_alone_hand_a_leaf_one_marked_zero_per_backward_and_a_real_zero_is_not_one():
     """Two ties of the same leaf in one backward: the leaf's hook sees one marked zero (the second tie gives None);
     a real gradient that is exactly zero, summed with a tie's zero, is unmarked. Without the one-zero rule the two
-    ties' zeros are summed into an unmarked zero (shown: the first assertion fails)."""
+    ties' zeros are summed into an unmarked zero (shown: the first assertion fails); without
+    ``set_materialize_grads(False)`` the last one fails (``w`` gets a computed zero)."""
     from hf_ddpfix.ops.zero_tie import ZeroTie, is_tie_zero
 
     used, leaf = torch.nn.Parameter(torch.ones(3)), torch.nn.Parameter(torch.ones(4))
@@ -243,6 +244,22 @@ def test_ties_alone_hand_a_leaf_one_marked_zero_per_backward_and_a_real_zero_is_
     (ZeroTie.tie((used * 2).sum(), [leaf]) + (leaf * 0).sum()).backward()
     assert seen == [True, True, False], seen
     assert torch.equal(leaf.grad, torch.zeros(4))
+    # a tied output the loss does not read (DDP's sink hands it None): no zero through its own graph, so a parameter
+    # only behind it gets nothing from there (stock gives it nothing); on 2410770 it got a computed zero
+    class Sink(torch.autograd.Function):  # DDP's _DDPSink: identity on its outputs, None stays None
+        @staticmethod
+        def forward(ctx, a, b):  # noqa: ANN001, ANN205
+            ctx.set_materialize_grads(False)
+            return a.clone(), b.clone()
+
+        @staticmethod
+        def backward(ctx, ga, gb):  # noqa: ANN001, ANN205
+            return ga, gb
+
+    w = torch.nn.Parameter(torch.ones(2))
+    _, used_out = Sink.apply(ZeroTie.tie(w * 2, [leaf]), used * 1)
+    used_out.sum().backward()
+    assert w.grad is None, w.grad
 
 
 def test_a_tie_marks_its_zero_and_ties_a_parameter_frozen_after_wrapping():

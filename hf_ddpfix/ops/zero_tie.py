@@ -60,12 +60,16 @@ class ZeroTie(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, *extras: torch.Tensor) -> torch.Tensor:
         ZeroTie.applied += 1
+        # an output the loss does not use gets None, not a materialised zero: a zero sent back through ``x``'s own
+        # graph would give its parameters computed zeros stock never gives them (tests/scripts/trainer_heads.py
+        # head_in_forward: lm_head's LoRA behind tied logits the loss never reads; 5e-4 off stock by AdamW's decay)
+        ctx.set_materialize_grads(False)
         ctx.extra_meta = [(e.shape, e.dtype, e.device) for e in extras]
         ctx.leaves = {i: e for i, e in enumerate(extras) if e.is_leaf}  # parameters: no graph held, no cycle
         return x.clone()  # a clone, not a view: Trainer scales the loss in place (`loss *= ...`)
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    def backward(ctx: Any, grad: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
         now = backward_id()
         zeros: list[torch.Tensor | None] = []
         for i, (s, d, dev) in enumerate(ctx.extra_meta):
