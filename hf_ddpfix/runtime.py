@@ -16,6 +16,7 @@ import logging
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, ExitStack, contextmanager
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 import torch
@@ -145,13 +146,13 @@ def attach_runtime(trainer: Any, model: nn.Module, plan: Plan, stack: ExitStack)
             # FSDP2's clipping is a collective: a rank that changed its set alone raises with the others, late
             rt.trainable_set.defer_mismatch = plan.parallel == "fsdp"
         if plan.parallel == "fsdp":  # FSDP2 reduce-scatters what requires grad: the agreed set, held locally
-            rt.step_contexts.append(_held_trainable_set(rt.trainable_set))
+            rt.step_contexts.append(rt.trainable_set.held_step)
     elif plan.parallel == "deepspeed" and plan.world_size > 1:  # the engine steps inside backward: check first
         rt.trainable_set = TrainableSetWatch(model, plan.parallel, step=lambda: trainer.state.global_step + 1)
         rt.trainable_set.defer_mismatch = True  # a rank that changed alone raises with the others at on_step_end
         agreement = UsageAgreement()
-        rt.step_contexts.append(_agreed_trainable_set(rt.trainable_set, agreement))
-        _add_callback(trainer, _LateFlags(agreement, rt.trainable_set), stack)
+        rt.step_contexts.append(partial(rt.trainable_set.held_step, agreement))
+        _add_callback(trainer, _WatchLate(agreement, rt.trainable_set), stack)
     if rt.step_contexts:
         _override(trainer, "training_step", lambda inner: _within(rt.step_contexts, inner), stack)
     _align_buffer_order(trainer, model, plan)
@@ -292,55 +293,13 @@ def _watch_finalize(usage: ParameterUsage | None, watch: TrainableSetWatch) -> C
 class _WatchLate(TrainerCallback):
     """At ``on_step_end`` (before the Trainer's next collective: its log gather, the next step's token count
     gather and forward), a rank that did not read the step's agreement reads its flags from host memory and
-    raises where another rank changed its trainable set (``TrainableSetWatch.finalize_late``)."""
+    raises where another rank changed its trainable set (``TrainableSetWatch.finalize_late``); a rank that changed
+    its set alone raises its pending error there (FSDP2, DeepSpeed). ``usage``: the ``ParameterUsage`` whose
+    agreement carries the flags, or (DeepSpeed) the ``UsageAgreement`` itself."""
 
-    def __init__(self, usage: ParameterUsage, watch: TrainableSetWatch):
-        self.usage, self.watch = usage, watch
-
-    def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-        self.watch.finalize_late(self.usage.agreement.late_flags())
-
-
-def _held_trainable_set(watch: TrainableSetWatch) -> Callable[[], AbstractContextManager[Any]]:
-    """FSDP2's step context: the trainable set's local test before the micro-batch's forward, and the agreed set
-    held through its backward where this rank's differs (``TrainableSetWatch.hold``): no collective, no read."""
-
-    @contextmanager
-    def held() -> Iterator[None]:
-        switched = watch.hold()
-        try:
-            yield
-        finally:
-            watch.release(switched)
-
-    return held
-
-
-def _agreed_trainable_set(watch: TrainableSetWatch, agreement: UsageAgreement,
-                          ) -> Callable[[], AbstractContextManager[Any]]:
-    """DeepSpeed's step context: the flag of the step's local test in one asynchronous all-reduce at its first
-    micro-batch (``TrainableSetWatch.agree_at_step_start``), and the agreed set held through each micro-batch
-    where this rank's differs (a frozen parameter's gradient handed to the engine as zeros: the slice stock ZeRO
-    steps). No host read on a rank that changed nothing."""
-
-    @contextmanager
-    def held() -> Iterator[None]:
-        watch.agree_at_step_start(agreement)
-        switched = watch.hold(zero_frozen=True)
-        try:
-            yield
-        finally:
-            watch.release(switched)
-
-    return held
-
-
-class _LateFlags(TrainerCallback):
-    """DeepSpeed: at ``on_step_end``, the step's trainable-set flags from host memory on a rank that did not read
-    them (``TrainableSetWatch.finalize_late``); a rank that changed its set alone raises its pending error here."""
-
-    def __init__(self, agreement: UsageAgreement, watch: TrainableSetWatch):
-        self.agreement, self.watch = agreement, watch
+    def __init__(self, usage: ParameterUsage | UsageAgreement, watch: TrainableSetWatch):
+        self.agreement: UsageAgreement = getattr(usage, "agreement", usage)
+        self.watch = watch
 
     def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         self.watch.finalize_late(self.agreement.late_flags())

@@ -78,6 +78,8 @@ from __future__ import annotations
 
 import logging
 import operator
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -218,6 +220,21 @@ class TrainableSetWatch:
             if handle is not None:
                 handle.remove()
             p.requires_grad_(was)
+
+    @contextmanager
+    def held_step(self, agreement: Any = None) -> Iterator[None]:
+        """A step context around one micro-batch's ``training_step``: the local test and the hold (:meth:`hold`,
+        restored by :meth:`release` when it ends). FSDP2: no ``agreement`` (the flag rides in the usage agreement at
+        finalize). DeepSpeed: ``agreement`` (a ``UsageAgreement``) carries the flag at the step's first micro-batch
+        (:meth:`agree_at_step_start`), and a frozen parameter is held with a zero gradient (the slice stock ZeRO
+        steps)."""
+        if agreement is not None:
+            self.agree_at_step_start(agreement)
+        switched = self.hold(zero_frozen=agreement is not None)
+        try:
+            yield
+        finally:
+            self.release(switched)
 
     def agree_at_step_start(self, agreement: Any) -> None:
         """DeepSpeed, before each micro-batch's forward: at the first of an optimizer step, this rank's "my set
