@@ -16,6 +16,8 @@ real gradient, as for stock DDP's "its hook fired". So that ties alone always ha
 in one backward pass only the first tie that runs gives a leaf extra its zero; every later tie of the same leaf
 in that pass gives it ``None`` (nothing to add: the leaf's ``AccumulateGrad`` runs anyway, the first zero is in
 its buffer). Two ties used to reach a leaf summed into an unmarked zero, told apart by a host read of its values.
+A tied output no loss reads gets ``None`` back (``set_materialize_grads(False)``, as DDP's sink leaves it), not a
+zero sent through ``x``'s own graph, which would give the parameters behind it computed, unmarked zeros.
 
 :meth:`ZeroTie.tie` also ties a parameter that stopped requiring grad after the model was wrapped: DDP's reducer
 still waits for its hook, which fires when its ``AccumulateGrad`` runs; autograd accumulates nothing into a leaf
