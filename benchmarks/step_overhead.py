@@ -292,8 +292,8 @@ def _agreement_reads(trainer: Any) -> dict[str, int]:
     (device->host on a GPU, counted above too), ``late_reads`` (a rank that did not read at the step reads the
     trainable-set flags from host memory at ``on_step_end``, after the counting window) and ``late_waits`` (of
     those, how many had to wait for the all-reduce: a GPU whose host ran ahead)."""
-    for cb in trainer.callback_handler.callbacks:
-        agreement = getattr(getattr(cb, "usage", None), "agreement", None)
+    for cb in trainer.callback_handler.callbacks:  # hf_ddpfix's late read of the trainable-set flags holds it
+        agreement = getattr(cb, "agreement", None) or getattr(getattr(cb, "usage", None), "agreement", None)
         if agreement is not None and hasattr(agreement, "late_reads"):
             return {"agreement_" + k: getattr(agreement, k) for k in ("issued", "reads", "late_reads", "late_waits")}
     return {}
