@@ -4,13 +4,21 @@ reads (by kind), stock Trainer vs the patched Trainer; and seconds per step (med
     python benchmarks/step_overhead.py [--steps 6] [--pairs 5] [--cases text,text_ga2,vlm]
                                        [--out benchmarks/results/step_overhead.json]
 
-Re-launches itself under torchrun (2 gloo processes on the CPU). Cases, each through the HF Trainer
+Re-launches itself under torchrun (2 gloo processes on the CPU; ``--engine fsdp``: ``accelerate launch`` with
+accelerate_configs/fsdp.yaml through the FSDP test device, hf_ddpfix/rehearse/device; ``zero2`` / ``zero3``:
+``TrainingArguments(deepspeed=...)``, ``DS_ACCELERATOR=cpu``). Cases, each through the HF Trainer
 (`Trainer` stock: a PeftModel gets `find_unused_parameters=True`; patched: `patch_trainer()`, whose plan
 builds DDP with `find_unused_parameters=False`, static graph at accumulation 1):
 
 - `text`: tiny Llama LoRA, non-reentrant checkpointing, variable lengths with an attention mask, GA 1;
 - `text_ga2`: the same with gradient accumulation 2;
-- `vlm`: tiny Qwen2.5-VL with LoRA on the vision tower too, rank 0 always an image, rank 1 never (mixed ranks).
+- `vlm`: tiny Qwen2.5-VL with LoRA on the vision tower too, rank 0 always an image, rank 1 never (mixed ranks);
+  under FSDP2 the tower in units of its own with the dummy image (``fsdp_skippable="shard"``); stock FSDP2 fails on
+  mixed ranks, so its reference gives rank 1 images too (rank 1's figure: hf_ddpfix's text rank with the dummy vs
+  stock's image rank);
+- `eval`: the `text` model's ``evaluate()`` (with ``compute_metrics``, so predictions are gathered) then
+  ``predict()``, counted per evaluation step (between two ``on_prediction_step`` callbacks: one forward and the
+  Trainer's gathers of its outputs).
 
 Counting (one run each, separate from the timed runs): a `TorchDispatchMode` sees every c10d collective,
 Python's or DDP's reducer's (`c10d.allreduce_` ...; bytes = the input tensors'), and a `TorchFunctionMode`
@@ -45,13 +53,20 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "tests")]  # hf_ddpfix of this checkout, the tiny models (tests/fixtures.py)
 HOST_READS = ("item", "tolist", "cpu", "numpy", "__bool__", "__int__", "__float__", "__index__")
 CASES = ("text", "text_ga2", "vlm")
+ENGINES = ("ddp", "fsdp", "zero2", "zero3")
 
 
-def launch(argv: list[str], timeout: float | None = None) -> int:
-    env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),
+def launch(argv: list[str], timeout: float | None = None, engine: str = "ddp") -> int:
+    env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"), "DS_ACCELERATOR": "cpu",
            "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "tests"), os.environ.get("PYTHONPATH", "")])}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", __file__,
-           "--worker", *argv]
+    if engine == "fsdp":  # accelerate's FSDP2 path on the CPU: the FSDP test device first on the path
+        env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "hf_ddpfix" / "rehearse" / "device"), env["PYTHONPATH"]])
+        accel = Path(sys.executable).with_name("accelerate")
+        cmd = [str(accel) if accel.exists() else "accelerate", "launch", "--config_file",
+               str(ROOT / "accelerate_configs" / "fsdp.yaml"), "--mixed_precision", "no", __file__, "--worker", *argv]
+    else:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", __file__,
+               "--worker", *argv]
     return subprocess.call(cmd, env=env, timeout=timeout)
 
 
@@ -106,6 +121,29 @@ class Counts:
         return PerStep()
 
 
+    def eval_callback(self) -> Any:
+        """Windows between consecutive ``on_prediction_step`` calls: one evaluation step each (its forward and the
+        Trainer's gathers of its outputs); a new loop (``evaluate`` then ``predict``) starts its own windows."""
+        from transformers import TrainerCallback
+
+        counts = self
+
+        class PerEvalStep(TrainerCallback):
+            def on_prediction_step(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+                if counts.on:
+                    counts.steps.append(dict(counts.now))
+                counts.now = Counter()
+                counts.on = True
+
+            def on_evaluate(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+                counts.on = False  # the loop's last step: its window would hold the metrics' computation
+
+            def on_predict(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+                counts.on = False
+
+        return PerEvalStep()
+
+
 class StepTimes:
     def __init__(self) -> None:
         self.ends: list[float] = []
@@ -130,7 +168,7 @@ class StepTimes:
         return statistics.median(durations)
 
 
-def build(case: str, steps: int, rank: int, out: str, patched: bool, callbacks: list[Any]) -> Any:
+def build(case: str, steps: int, rank: int, out: str, patched: bool, callbacks: list[Any], engine: str = "ddp") -> Any:
     """A Trainer for `case` (stock `Trainer` class; patched when `patch_trainer()` is in force)."""
     import torch
     from datasets import Dataset
@@ -151,15 +189,19 @@ def build(case: str, steps: int, rank: int, out: str, patched: bool, callbacks: 
         def _get_train_sampler(self, *args: Any, **kwargs: Any) -> Any:
             return SequentialSampler(self.train_dataset)
 
+        def _get_eval_sampler(self, eval_dataset: Any) -> Any:
+            return SequentialSampler(eval_dataset)
+
     ga = 2 if case == "text_ga2" else 1
     kw = checkpointing_training_args(True, {"use_reentrant": False})
     if case == "vlm":
         model = add_lora(build_qwen2_5_vl(0))
         n = steps * 2 * ga
         data = Dataset.from_list([{"seed": i} for i in range(n)])
+        image = rank == 0 or (engine == "fsdp" and not patched)  # stock FSDP2 fails on mixed ranks
 
         def collate(batch: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
-            return make_batch(rank == 0, seed=batch[0]["seed"])  # rank 0 an image, rank 1 text only
+            return make_batch(image, seed=batch[0]["seed"])  # rank 0 an image, rank 1 text only
         batch_size = 1
     else:
         model = lora_llama(targets=("q_proj", "v_proj"), random_lora=False)
@@ -167,17 +209,32 @@ def build(case: str, steps: int, rank: int, out: str, patched: bool, callbacks: 
         data = Dataset.from_list([{"input_ids": ids} for ids in variable_length_ids(n, lengths=(12, 20, 16, 9))])
         collate = padded_collate
         batch_size = 2
+    if engine.startswith("zero"):
+        from fixtures import zero_config
+
+        kw["deepspeed"] = zero_config(int(engine[-1]))
     args = TrainingArguments(output_dir=out, per_device_train_batch_size=batch_size, gradient_accumulation_steps=ga,
-                             max_steps=steps, report_to=[], use_cpu=True, save_strategy="no", learning_rate=1e-3,
-                             weight_decay=0.1, max_grad_norm=1.0, remove_unused_columns=False, disable_tqdm=True,
-                             seed=0, logging_steps=10_000, **kw)
-    return InOrder(model=model, args=args, train_dataset=data, data_collator=collate, callbacks=callbacks)
+                             max_steps=steps, report_to=[], use_cpu=True, save_strategy="no",
+                             learning_rate=1e-3, weight_decay=0.1, max_grad_norm=1.0, remove_unused_columns=False,
+                             disable_tqdm=True, seed=0, logging_steps=10_000, per_device_eval_batch_size=batch_size,
+                             **kw)
+    extra: dict[str, Any] = {}
+    if case == "eval":
+        extra["compute_metrics"] = lambda pred: {"n": float(len(pred.label_ids))}  # predictions gathered
+    if patched and engine == "fsdp" and case == "vlm":
+        from hf_ddpfix import DDPFixConfig, DDPFixTrainer
+
+        cls = type("InOrderFix", (DDPFixTrainer,), {k: v for k, v in vars(InOrder).items() if k.startswith("_get")})
+        return cls(model=model, args=args, train_dataset=data, data_collator=collate, callbacks=callbacks,
+                   ddpfix_config=DDPFixConfig(fsdp_skippable="shard"))
+    return InOrder(model=model, args=args, train_dataset=data, data_collator=collate, callbacks=callbacks, **extra)
 
 
-def run_once(case: str, steps: int, rank: int, out: str, patched: bool, callbacks: list[Any]) -> Any:
+def run_once(case: str, steps: int, rank: int, out: str, patched: bool, callbacks: list[Any], engine: str = "ddp",
+             counts: Counts | None = None) -> Any:
     from hf_ddpfix import patch_trainer, unpatch_trainer
 
-    if patched:
+    if patched and not (engine == "fsdp" and case == "vlm"):  # that one: DDPFixTrainer with its config
         patch_trainer()
     try:
         from transformers import TrainerCallback
@@ -189,12 +246,26 @@ def run_once(case: str, steps: int, rank: int, out: str, patched: bool, callback
             def on_train_end(self, *args: Any, **kwargs: Any) -> None:
                 agreed.update(_agreement_reads(held[0]))
 
-        trainer = build(case, steps, rank, out, patched, [*callbacks, AtEnd()])
+        trainer = build(case, steps, rank, out, patched, [*callbacks, AtEnd()], engine)
         held.append(trainer)
-        trainer.train()
+        if case == "eval":  # train a step first (the model wrapped as training wraps it), then count the loops
+            trainer.args.max_steps = 1
+            trainer.train()
+            assert counts is not None
+            trainer.add_callback(counts.eval_callback())
+            trainer.evaluate(eval_dataset=trainer.train_dataset)
+            trainer.predict(trainer.train_dataset)
+            sync = getattr(trainer, "hf_ddpfix_eval_outputs", None)
+            agreed["eval_exchanges"] = getattr(sync, "exchanges", None)
+            agreed["eval_forwards"] = getattr(getattr(sync, "agreement", None), "forwards", None)
+        else:
+            trainer.train()
         wrapped = trainer.model_wrapped
         info = {"find_unused_parameters": getattr(wrapped, "find_unused_parameters", None),
-                "static_graph": getattr(wrapped, "static_graph", None), **agreed}
+                "static_graph": getattr(wrapped, "static_graph", None), "wrapped": type(wrapped).__name__,
+                "fsdp": bool(getattr(trainer, "is_fsdp_enabled", False)),
+                "deepspeed": bool(getattr(trainer, "is_deepspeed_enabled", False)), **agreed}
+        info["weights"] = _local_weights(trainer.model)
         held.clear()
         del trainer, wrapped
         return info
@@ -203,13 +274,26 @@ def run_once(case: str, steps: int, rank: int, out: str, patched: bool, callback
             unpatch_trainer()
 
 
+def _local_weights(model: Any) -> dict[str, Any]:
+    """Every trainable tensor as this rank holds it (an FSDP2 shard, a ZeRO-3 partition, a whole tensor), on the CPU:
+    stock and patched shard the same way, so rank by rank they compare bit for bit."""
+    out = {}
+    for name, p in model.named_parameters():
+        if not p.requires_grad and getattr(p, "ds_tensor", None) is None:
+            continue
+        t = getattr(p, "ds_tensor", None)
+        t = p.to_local() if t is None and hasattr(p, "to_local") else (p if t is None else t)
+        out[name.replace("_fsdp_wrapped_module.", "")] = t.detach().float().cpu().clone()
+    return out
+
+
 def _agreement_reads(trainer: Any) -> dict[str, int]:
     """The usage agreement's own counters over the run (patched): ``issued`` all-reduces, ``reads`` at the step
     (device->host on a GPU, counted above too), ``late_reads`` (a rank that did not read at the step reads the
     trainable-set flags from host memory at ``on_step_end``, after the counting window) and ``late_waits`` (of
     those, how many had to wait for the all-reduce: a GPU whose host ran ahead)."""
-    for cb in trainer.callback_handler.callbacks:
-        agreement = getattr(getattr(cb, "usage", None), "agreement", None)
+    for cb in trainer.callback_handler.callbacks:  # hf_ddpfix's late read of the trainable-set flags holds it
+        agreement = getattr(cb, "agreement", None) or getattr(getattr(cb, "usage", None), "agreement", None)
         if agreement is not None and hasattr(agreement, "late_reads"):
             return {"agreement_" + k: getattr(agreement, k) for k in ("issued", "reads", "late_reads", "late_waits")}
     return {}
@@ -220,8 +304,8 @@ def _agreement_reads(trainer: Any) -> dict[str, int]:
 WARMUP_STEPS = 3
 
 
-def steady(steps: list[dict[str, int]], what: str) -> dict[str, int]:
-    rest = steps[WARMUP_STEPS:]
+def steady(steps: list[dict[str, int]], what: str, warmup: int = WARMUP_STEPS) -> dict[str, int]:
+    rest = steps[warmup:]
     if any(s != rest[0] for s in rest):
         raise SystemExit(f"{what}: steady-state steps differ: {rest}")
     return dict(sorted(rest[0].items()))
@@ -246,43 +330,60 @@ def worker(a: argparse.Namespace) -> None:
     torch.set_num_threads(1)
     out = f"/tmp/step_overhead_{os.getpid()}"
     result: dict[str, Any] = {"counts": {}, "timing": {}}
-    for case in a.cases.split(","):
+    engines = a.engine.split(",")
+    jobs = [(engine, case) for engine in engines for case in a.cases.split(",")
+            if not (engine.startswith("zero") and case == "vlm")]  # ZeRO's VLM path: tests/test_usage.py's zoo
+    for engine, case in jobs:
+        key = case if engine == "ddp" else f"{engine}/{case}"
         per: dict[str, Any] = {}
+        weights: dict[str, dict[str, Any]] = {}
         for mode in ("stock", "patched"):
             counts = Counts()
             with counts.modes[0], counts.modes[1]:
-                info = run_once(case, a.count_steps, rank, out, mode == "patched", [counts.callback()])
+                info = run_once(case, a.count_steps, rank, out, mode == "patched",
+                                [] if case == "eval" else [counts.callback()], engine, counts)
+            weights[mode] = info.pop("weights")
             gathered: list[Any] = [None, None]
             dist.all_gather_object(gathered, counts.steps)
             infos: list[Any] = [None, None]
             dist.all_gather_object(infos, info)
-            per[mode] = {"ddp": info, "ddp_by_rank": infos, "per_step_by_rank": [steady(s, f"{case}/{mode}/rank{r}")
-                                                                                  for r, s in enumerate(gathered)]}
+            # eval: every window is steady (a loop's first step, which exchanges the output fields, ends before the
+            # loop's first window opens)
+            warmup = 0 if case == "eval" else WARMUP_STEPS
+            per[mode] = {"ddp": info, "ddp_by_rank": infos, "per_step_by_rank": [
+                steady(s, f"{case}/{mode}/rank{r}", warmup) for r, s in enumerate(gathered)]}
             gc.collect()
         per["added_by_rank"] = [diff(p, s) for p, s in zip(per["patched"]["per_step_by_rank"],
                                                             per["stock"]["per_step_by_rank"], strict=True)]
-        result["counts"][case] = per
+        stock_w, fixed_w = weights["stock"], weights["patched"]
+        mine = {"tensors": len(stock_w), "same_names": sorted(stock_w) == sorted(fixed_w),
+                "max_diff": max(((stock_w[n] - fixed_w[n]).abs().max().item() for n in stock_w if n in fixed_w),
+                                default=0.0)}
+        per["weights_by_rank"] = [None, None]
+        dist.all_gather_object(per["weights_by_rank"], mine)
+        result["counts"][key] = per
         if rank == 0:
-            print("COUNTS", case, json.dumps(per["added_by_rank"]), flush=True)
+            print("COUNTS", key, json.dumps(per["added_by_rank"]), json.dumps(per["weights_by_rank"]), flush=True)
         if a.pairs:
             seconds: dict[str, list[float]] = {"stock": [], "patched": []}
             for _ in range(a.pairs):
                 for mode in ("stock", "patched"):
                     times = StepTimes()
-                    run_once(case, a.steps, rank, out, mode == "patched", [times.callback()])
+                    run_once(case, a.steps, rank, out, mode == "patched", [times.callback()], engine)
                     mine = torch.tensor([times.steady_seconds()], dtype=torch.float64)
                     dist.all_reduce(mine, op=dist.ReduceOp.MAX)  # a DDP step ends when the slower rank ends it
                     seconds[mode].append(float(mine))
                     gc.collect()
             ratios = [p / s for p, s in zip(seconds["patched"], seconds["stock"], strict=True)]
-            result["timing"][case] = {
+            result["timing"][key] = {
                 "stock_s_per_step": seconds["stock"], "patched_s_per_step": seconds["patched"],
                 "patched_over_stock_median": round(statistics.median(ratios), 4),
                 "stock_over_patched_median": round(statistics.median([1 / r for r in ratios]), 4)}
             if rank == 0:
-                print("TIMING", case, json.dumps(result["timing"][case]), flush=True)
+                print("TIMING", key, json.dumps(result["timing"][key]), flush=True)
     if rank == 0:
         result["meta"] = {"date": str(date.today()), "device": "CPU, 2 gloo processes", "machine": platform.machine(),
+                          "engine": a.engine,
                           "torch": torch.__version__, "transformers": transformers.__version__,
                           "hf_ddpfix": getattr(hf_ddpfix, "__version__", "?"), "count_steps": a.count_steps,
                           "steps": a.steps, "pairs": a.pairs, "commit": _commit()}
@@ -304,15 +405,20 @@ def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--worker", action="store_true")
     p.add_argument("--cases", default=",".join(CASES))
+    p.add_argument("--engine", default="ddp", help=f"one of {ENGINES}, or several but fsdp comma-separated "
+                   "(fsdp needs its own launch: accelerate launch)")
     p.add_argument("--count-steps", type=int, default=6)
     p.add_argument("--steps", type=int, default=6)
     p.add_argument("--pairs", type=int, default=5)
     p.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "step_overhead.json"))
     a = p.parse_args()
+    bad = [e for e in a.engine.split(",") if e not in ENGINES]
+    if bad or ("fsdp" in a.engine.split(",") and a.engine != "fsdp"):
+        p.error(f"--engine {a.engine!r}: allowed {', '.join(ENGINES)}, several comma-separated but fsdp alone")
     if a.worker:
         worker(a)
     else:
-        sys.exit(launch(sys.argv[1:]))
+        sys.exit(launch(sys.argv[1:], engine=a.engine))
 
 
 if __name__ == "__main__":

@@ -16,6 +16,7 @@ import logging
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, ExitStack, contextmanager
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 import torch
@@ -51,6 +52,7 @@ from .integrations.long_context.tiled_mlp import TiledMLPHandle, apply_tiled_mlp
 from .integrations.sequence_parallel.trainer import SequenceParallelGroups, attach_sequence_parallel
 from .integrations.trainable_set import TrainableSetWatch
 from .integrations.usage import HangGuard, ParameterUsage, UsageChanged
+from .integrations.usage.agreement import UsageAgreement
 from .integrations.vision.families import is_vision_language_model
 from .integrations.vision.stabilizer import VisionStabilizer
 from .ops import feature_counts
@@ -144,16 +146,19 @@ def attach_runtime(trainer: Any, model: nn.Module, plan: Plan, stack: ExitStack)
             stand_down_accelerate="parallelism_config" in str(plan.sequence_parallel.value))
     if plan.parallel in ("ddp", "fsdp") and plan.world_size > 1:  # requires_grad changed after wrapping
         rt.trainable_set = TrainableSetWatch(model, plan.parallel, step=lambda: trainer.state.global_step + 1)
-        # FSDP2's clipping is a collective: every rank must know before it (DDP's is local: on_step_end reads)
-        stack.callback(before_gradient_clipping(trainer, _watch_finalize(rt.usage, rt.trainable_set,
-                                                                         now=plan.parallel == "fsdp")))
+        stack.callback(before_gradient_clipping(trainer, _watch_finalize(rt.usage, rt.trainable_set)))
         if rt.usage is not None and rt.usage.step_flag is not None:  # ranks that did not read the agreement
             _add_callback(trainer, _WatchLate(rt.usage, rt.trainable_set), stack)
-        if plan.parallel == "fsdp":  # FSDP2 reduce-scatters what requires grad: ranks must agree before backward
-            rt.step_contexts.append(_checked_trainable_set(rt.trainable_set))
+            # FSDP2's clipping is a collective: a rank that changed its set alone raises with the others, late
+            rt.trainable_set.defer_mismatch = plan.parallel == "fsdp"
+        if plan.parallel == "fsdp":  # FSDP2 reduce-scatters what requires grad: the agreed set, held locally
+            rt.step_contexts.append(rt.trainable_set.held_step)
     elif plan.parallel == "deepspeed" and plan.world_size > 1:  # the engine steps inside backward: check first
         rt.trainable_set = TrainableSetWatch(model, plan.parallel, step=lambda: trainer.state.global_step + 1)
-        rt.step_contexts.append(_checked_trainable_set(rt.trainable_set))
+        rt.trainable_set.defer_mismatch = True  # a rank that changed alone raises with the others at on_step_end
+        agreement = UsageAgreement()
+        rt.step_contexts.append(partial(rt.trainable_set.held_step, agreement))
+        _add_callback(trainer, _WatchLate(agreement, rt.trainable_set), stack)
     if rt.step_contexts:
         _override(trainer, "training_step", lambda inner: _within(rt.step_contexts, inner), stack)
     _align_buffer_order(trainer, model, plan)
@@ -275,13 +280,12 @@ def _add_callback(trainer: Any, callback: TrainerCallback, stack: ExitStack) -> 
     stack.callback(trainer.remove_callback, callback)
 
 
-def _watch_finalize(usage: ParameterUsage | None, watch: TrainableSetWatch, now: bool = False) -> Callable[[], None]:
+def _watch_finalize(usage: ParameterUsage | None, watch: TrainableSetWatch) -> Callable[[], None]:
     """The trainable-set check of an optimizer step. With the usage agreement running (same group), the watch's
     "my set changed" flag rides in its all-reduce (``ParameterUsage.step_flag``): no collective and, where no
     rank changed anything, no host read of its own; the usage finalize runs first here (a second call in the
-    step is a no-op). Without it, the watch's own one-byte all-gather. ``now``: a rank that did not read the
-    flags reads them here (``finalize_late``), not at ``on_step_end``: the next collective comes first (FSDP2's
-    gradient clipping)."""
+    step is a no-op). A rank that did not read the flags reads them at ``on_step_end`` (``_WatchLate``), from host
+    memory. Without the agreement, the watch's own one-byte all-gather."""
     if usage is None or usage.process_group is not None:
         return watch.finalize
     usage.step_flag = watch.changed
@@ -289,8 +293,6 @@ def _watch_finalize(usage: ParameterUsage | None, watch: TrainableSetWatch, now:
     def finalize() -> None:
         usage.finalize()
         watch.finalize(agreed=usage.take_step_flags())
-        if now:
-            watch.finalize_late(usage.agreement.late_flags())
 
     return finalize
 
@@ -298,25 +300,16 @@ def _watch_finalize(usage: ParameterUsage | None, watch: TrainableSetWatch, now:
 class _WatchLate(TrainerCallback):
     """At ``on_step_end`` (before the Trainer's next collective: its log gather, the next step's token count
     gather and forward), a rank that did not read the step's agreement reads its flags from host memory and
-    raises where another rank changed its trainable set (``TrainableSetWatch.finalize_late``)."""
+    raises where another rank changed its trainable set (``TrainableSetWatch.finalize_late``); a rank that changed
+    its set alone raises its pending error there (FSDP2, DeepSpeed). ``usage``: the ``ParameterUsage`` whose
+    agreement carries the flags, or (DeepSpeed) the ``UsageAgreement`` itself."""
 
-    def __init__(self, usage: ParameterUsage, watch: TrainableSetWatch):
-        self.usage, self.watch = usage, watch
+    def __init__(self, usage: ParameterUsage | UsageAgreement, watch: TrainableSetWatch):
+        self.agreement: UsageAgreement = getattr(usage, "agreement", usage)
+        self.watch = watch
 
     def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-        self.watch.finalize_late(self.usage.agreement.late_flags())
-
-
-def _checked_trainable_set(watch: TrainableSetWatch) -> Callable[[], AbstractContextManager[Any]]:
-    """A step context that checks the trainable set before the micro-batch's forward (DeepSpeed, FSDP2: their
-    collectives in backward follow ``requires_grad``, so ranks that changed it differently would diverge there)."""
-
-    @contextmanager
-    def check() -> Iterator[None]:
-        watch.finalize(once_per_step=False)
-        yield
-
-    return check
+        self.watch.finalize_late(self.agreement.late_flags())
 
 
 def _within(contexts: list[Callable[[], AbstractContextManager[Any]]], inner: Callable[..., Any]) -> Callable:

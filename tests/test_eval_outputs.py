@@ -9,7 +9,7 @@ from transformers.modeling_outputs import BaseModelOutputWithPooling, CausalLMOu
 from transformers.utils import ModelOutput
 
 from hf_ddpfix.config import DDPFixConfig
-from hf_ddpfix.ops.output_agreement import PAD, OutputAgreement, describe
+from hf_ddpfix.ops.output_agreement import PAD, OutputAgreement, describe, pad_all_dims
 
 
 def _run(outputs: list, agreements: list[OutputAgreement] | None = None, index: int = 0) -> list:
@@ -89,6 +89,68 @@ def test_shapes_that_differ_outside_dimension_1_are_padded_to_the_largest():
     assert torch.equal(b[:8], outs[1]["image_outputs"]["last_hidden_state"]) and bool((b[8:] == PAD).all())
     assert got[1]["logits"].shape == (1, 9, 7)  # dimension 1: the Trainer's own pad_across_processes pads it
     assert agreements[1].padded == 2 and agreements[0].padded == 0
+
+
+def _trainer_pads(outs: list, dim: int = 1) -> list:
+    """What the Trainer's gathers get once hf_ddpfix's ``pad_across_processes`` ran on every rank: each tensor padded
+    in every dimension to the largest over the ranks (``pad_all_dims`` over the sizes stock gathers)."""
+    flat = [[t for t in _leaves(_without_loss(o))] for o in outs]
+    assert len({len(f) for f in flat}) == 1, [len(f) for f in flat]  # the same tensors on every rank
+    return [[pad_all_dims(t, [list(f[i].shape) for f in flat], dim, PAD)[0] for i, t in enumerate(mine)]
+            for mine in flat]
+
+
+def _leaves(x) -> list:
+    if torch.is_tensor(x):
+        return [x]
+    if isinstance(x, dict):
+        return [t for v in x.values() for t in _leaves(v)]
+    return [t for v in x for t in _leaves(v)]
+
+
+@pytest.mark.parametrize("later", [
+    [(True, 16, 5), (False, 16, 5)],  # a kept field one rank lacks: a placeholder
+    [(True, 16, 5), (True, 8, 9)],  # sizes differing outside dimension 1: padded
+    [(False, 16, 5), (False, 16, 9)],  # every rank lacks it
+    [(True, 16, 5), (True, 16, 5)],  # nothing differs: untouched
+])
+def test_later_steps_agree_alone_and_the_trainers_padding_gives_what_the_exchange_gave(later):
+    """Issue 48: after the first step (signatures exchanged once) each rank conforms alone (``apply_local``: no
+    collective) and the Trainer's ``pad_across_processes`` (hf_ddpfix's: every dimension, from the sizes stock
+    gathers anyway) pads; the tensors every rank hands the gathers equal, bit for bit, those of the per-step
+    exchange (``apply``) where a rank has the field, and are -100 where none has it (the exchange gave the first
+    step's shape then: placeholders sized 0 in dimensions 0 and 1 now)."""
+    torch.manual_seed(0)
+    local = [OutputAgreement(rank=r) for r in range(2)]
+    exchanged = [OutputAgreement(rank=r) for r in range(2)]
+    first = [_vlm_out(True), _vlm_out(True)]
+    _run(first, local)
+    _run(first, exchanged)
+    outs = [_vlm_out(img, patches=p, seq=s) for img, p, s in later]
+    got = [a.apply_local(o, 0) for a, o in zip(local, outs, strict=True)]
+    ref = _run(outs, exchanged)
+    if all(img for img, _, _ in later) and later[0] == later[1]:
+        assert got[0] is outs[0] and got[1] is outs[1]
+    assert [_structure(_without_loss(g)) for g in got] == [_structure(_without_loss(r)) for r in ref]
+    mine, theirs = _trainer_pads(got), _trainer_pads(ref)
+    for rank in range(2):
+        for i, (a, b) in enumerate(zip(mine[rank], theirs[rank], strict=True)):
+            assert a.shape == mine[1 - rank][i].shape, (rank, i)  # every rank hands the gather the same shape
+            if any(img for img, _, _ in later) or i == 0:  # i == 0: the logits, on every rank
+                assert torch.equal(a, b), (rank, i)
+            else:  # image_outputs, which no rank has: -100 placeholders
+                assert bool((a == PAD).all()), (rank, i)
+    assert all(a.forwards == 2 for a in local)
+
+
+def test_pad_all_dims_pads_every_dimension_and_only_dim_where_the_others_agree():
+    t = torch.arange(6.0).reshape(1, 2, 3)
+    out, other = pad_all_dims(t, [[1, 2, 3], [2, 4, 3]], 1, PAD)
+    assert out.shape == (2, 4, 3) and other and torch.equal(out[:1, :2], t) and bool((out[1:] == PAD).all())
+    out, other = pad_all_dims(t, [[1, 2, 3], [1, 5, 3]], 1, PAD, pad_first=True)
+    assert out.shape == (1, 5, 3) and not other and torch.equal(out[:, 3:], t)  # accelerate's own result
+    same, other = pad_all_dims(t, [[1, 2, 3], [1, 2, 3]], 1, PAD)
+    assert same is t and not other
 
 
 def test_a_field_holding_none_or_a_cache_is_not_gatherable_and_dropped_keys_the_trainer_ignores_are_left_alone():

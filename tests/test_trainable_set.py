@@ -84,9 +84,14 @@ def test_ddp_a_head_frozen_after_wrapping_trains_as_stock_and_a_regulariser_belo
     (measured 0.0 but TRL's; find_unused True; the regulariser: False, the setting under which stock DDP reduces
     it). A second backward of that regulariser, which DDP cannot reduce: a named DDPFixError. Main's code:
     'Expected to have finished reduction' on both ranks (freeze), the regulariser's module never moves (reg: 3.0e-2
-    from stock). Then only rank 0 freezes: TrainableSetChangedError on both ranks at step 3."""
+    from stock). ``reg_zero`` (issue 48): the regulariser's gradient of ``aux`` is exactly zero at step 1 (``aux_b``
+    zero, as LoRA's B): weights and AdamW state (exp_avg, exp_avg_sq, step) bit-equal to stock; on 2410770 (the
+    ``grad.any()`` read) its gradient was reset to None, AdamW skipped it. Then only rank 0 freezes:
+    TrainableSetChangedError on both ranks at step 3."""
     done = torchrun("trainable_set_ddp.py", timeout=420)
-    _judge(done.stdout, (*FREEZE_CASES, "freeze_trl_vlm", "reg_accelerator"))
+    _judge(done.stdout, (*FREEZE_CASES, "freeze_trl_vlm", "reg_accelerator", "reg_zero"))
+    # issue 48: aux's real gradient is exactly zero at step 1; weights and AdamW state bit-equal to stock
+    assert sorted(re.findall(r"CASE rank=(\d) case=reg_zero diff=0\.0 ", done.stdout)) == ["0", "1"], done.stdout[-3000:]
     assert sorted(re.findall(r"REFUSED rank=(\d) case=reg_second ok=True", done.stdout)) == ["0", "1"], done.stdout[-3000:]
     assert "stopped requiring grad after the model was wrapped (lm_head.weight)" in done.stdout, done.stdout[-3000:]
 
@@ -165,6 +170,101 @@ def test_a_gradient_below_the_loss_seen_is_kept_bit_equal(route):
     usage.remove()
 
 
+def _reg_through_zero_b(model: torch.nn.Module) -> torch.Tensor:
+    """0.1 * sum(B @ A) over lm_head's LoRA: with B zero, A's gradient (B^T 1) is exactly zero, B's is not."""
+    mods = dict(model.named_modules())
+    name = next(n for n in mods if n.endswith("lm_head.lora_A.default"))
+    a, b = mods[name].weight, mods[name.replace("lora_A", "lora_B")].weight
+    return 0.1 * (b @ a).sum()
+
+
+@pytest.mark.parametrize("route", ["below", "second"])
+def test_a_real_gradient_exactly_zero_is_kept_and_adamw_state_equals_stock_bit_for_bit(route):
+    """Issue 48: lm_head's LoRA B is zero, so a regulariser ``sum(B @ A)`` below the loss seen (which does not reach
+    lm_head's LoRA: tied in with a zero) gives A an exactly zero real gradient at step 1. Stock keeps it (zeros, not
+    None): AdamW decays A, counts the step and updates its moments. hf_ddpfix must give AdamW the same: after two
+    steps every weight, ``exp_avg``, ``exp_avg_sq`` and ``step`` equal stock bit for bit, with no host read of a
+    gradient's values in the hooks. Shown failing on 2410770 (``bool(grad.any())`` in ``mark_real``): A's gradient
+    reset to None at step 1 (``finalize`` returned 1), AdamW skipped it (step 1 vs 2, A not decayed)."""
+    from hf_ddpfix.integrations.usage import ParameterUsage
+
+    torch.manual_seed(5)
+    batches = [torch.randint(1, 200, (1, 9)) for _ in range(2)]
+
+    def zero_b(model: torch.nn.Module) -> torch.nn.Module:
+        for n, p in model.named_parameters():
+            if "lm_head.lora_B" in n:
+                p.data.zero_()
+        return model
+
+    def run(patched: bool) -> tuple[torch.nn.Module, torch.optim.Optimizer, list[int]]:
+        model = zero_b(_head_model())
+        opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2, weight_decay=0.1)
+        usage = ParameterUsage(model, tie=True, guard=False).attach() if patched else None
+        resets = []
+        for ids in batches:
+            loss = _head_loss(model, ids)
+            if usage is not None:
+                usage.at_loss = True
+                loss = usage.tie_loss(loss)
+            if route == "second":
+                loss.backward()
+                _reg_through_zero_b(model).backward()
+            else:
+                (loss + _reg_through_zero_b(model)).backward()
+            if usage is not None:
+                resets.append(usage.finalize())
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        if usage is not None:
+            usage.remove()
+        return model, opt, resets
+
+    stock, stock_opt, _ = run(False)
+    model, opt, resets = run(True)
+    a = next(p for n, p in model.named_parameters() if "lm_head.lora_A" in n)
+    assert resets == [0, 0], resets  # nothing reset: A's zero gradient was real
+    for (n, p), q in zip(stock.named_parameters(), model.parameters(), strict=True):
+        assert torch.equal(p, q), n
+    for p, q in zip(stock_opt.param_groups[0]["params"], opt.param_groups[0]["params"], strict=True):
+        sp, sq = stock_opt.state[p], opt.state[q]
+        assert set(sp) == set(sq) and all(torch.equal(sp[k], sq[k]) for k in sp), (sp, sq)
+    assert int(opt.state[a]["step"]) == 2
+
+
+def test_ties_alone_hand_a_leaf_one_marked_zero_per_backward_and_a_real_zero_is_not_one():
+    """Two ties of the same leaf in one backward: the leaf's hook sees one marked zero (the second tie gives None);
+    a real gradient that is exactly zero, summed with a tie's zero, is unmarked. Without the one-zero rule the two
+    ties' zeros are summed into an unmarked zero (shown: the first assertion fails); without
+    ``set_materialize_grads(False)`` the last one fails (``w`` gets a computed zero)."""
+    from hf_ddpfix.ops.zero_tie import ZeroTie, is_tie_zero
+
+    used, leaf = torch.nn.Parameter(torch.ones(3)), torch.nn.Parameter(torch.ones(4))
+    seen: list[bool] = []
+    leaf.register_hook(lambda g: seen.append(is_tie_zero(g)))
+    ZeroTie.tie(ZeroTie.tie((used * 2).sum(), [leaf]) * 3, [leaf]).backward()
+    ZeroTie.tie(ZeroTie.tie((used * 2).sum(), [leaf]) * 3, [leaf]).backward()  # a new pass: marked again
+    (ZeroTie.tie((used * 2).sum(), [leaf]) + (leaf * 0).sum()).backward()
+    assert seen == [True, True, False], seen
+    assert torch.equal(leaf.grad, torch.zeros(4))
+    # a tied output the loss does not read (DDP's sink hands it None): no zero through its own graph, so a parameter
+    # only behind it gets nothing from there (stock gives it nothing); on 2410770 it got a computed zero
+    class Sink(torch.autograd.Function):  # DDP's _DDPSink: identity on its outputs, None stays None
+        @staticmethod
+        def forward(ctx, a, b):  # noqa: ANN001, ANN205
+            ctx.set_materialize_grads(False)
+            return a.clone(), b.clone()
+
+        @staticmethod
+        def backward(ctx, ga, gb):  # noqa: ANN001, ANN205
+            return ga, gb
+
+    w = torch.nn.Parameter(torch.ones(2))
+    _, used_out = Sink.apply(ZeroTie.tie(w * 2, [leaf]), used * 1)
+    used_out.sum().backward()
+    assert w.grad is None, w.grad
+
+
 def test_a_tie_marks_its_zero_and_ties_a_parameter_frozen_after_wrapping():
     """``ZeroTie.tie``: the frozen leaf's AccumulateGrad runs (a DDP hook on it would fire) and it gets no gradient;
     its requires_grad stays False; the zero a tie hands out is recognisable, a sum with a real gradient is not."""
@@ -198,6 +298,75 @@ def test_the_watch_sees_a_freeze_once_and_costs_nothing_while_the_set_is_unchang
     assert watch._froze_agreed == ("1.weight",)
     step[0] = 3
     assert not watch.changed()  # frozen since, unchanged: nothing to agree on
+
+
+def test_fsdp_hold_keeps_the_agreed_set_for_a_micro_batch_and_costs_nothing_while_unchanged():
+    """FSDP2's per-micro-batch check is local (issue 48: it all-gathered a byte per rank and micro-batch and read it
+    on the host): nothing switched while the set is the agreed one; a parameter frozen at the step's first
+    micro-batch is held trainable through that step's micro-batches (its reduce-scatter matches the other ranks'),
+    one frozen after an earlier micro-batch is not held, one unfrozen is held frozen; each micro-batch ends with the
+    user's values back; after the agreement (one process: agreed with itself) the held parameter's gradient is None
+    and nothing is held at the next step."""
+    from hf_ddpfix.integrations.trainable_set import TrainableSetWatch
+
+    model = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Linear(2, 2), torch.nn.Linear(2, 2))
+    model[2].requires_grad_(False)
+    step = [1]
+    watch = TrainableSetWatch(model, "fsdp", step=lambda: step[0])
+    assert watch.hold() == [] and watch.hold() == []  # steady state: nothing to do
+    step[0] = 2
+    model[0].weight.requires_grad_(False)  # frozen before the step's first micro-batch: held
+    for _ in range(2):  # two micro-batches
+        switched = watch.hold()
+        assert [p is model[0].weight for p, _, _ in switched] == [True] and model[0].weight.requires_grad
+        model(torch.ones(1, 2)).sum().backward()
+        watch.release(switched)
+        assert not model[0].weight.requires_grad
+    model[1].bias.requires_grad_(False)  # frozen after a micro-batch of this step: not held
+    switched = watch.hold()
+    assert [p is model[0].weight for p, _, _ in switched] == [True]
+    watch.release(switched)
+    assert model[0].weight.grad is not None
+    watch.finalize()  # one process: every rank changed the same way
+    assert model[0].weight.grad is None and model[1].bias.grad is not None and watch.holds == 3
+    step[0] = 3
+    assert watch.hold() == []  # agreed now
+    model[2].weight.requires_grad_(True)  # unfrozen since wrapping: held frozen
+    switched = watch.hold()
+    assert [(p is model[2].weight, was) for p, was, _ in switched] == [(True, True)] and not model[2].weight.requires_grad
+    watch.release(switched)
+    assert model[2].weight.requires_grad
+
+
+def test_deepspeed_agrees_at_the_step_start_and_holds_a_freeze_between_micro_batches_with_a_zero_gradient():
+    """DeepSpeed (issue 48: a one-byte all-gather and two host reads per micro-batch before): the flag goes out once
+    per optimizer step, at its first micro-batch (one process: agreed with itself at once); a parameter frozen
+    between micro-batches is held trainable with a hook handing the engine a zero gradient (the zero slice stock
+    ZeRO steps) until the next step's start agrees on it; an unfrozen one is refused at that step's start."""
+    from hf_ddpfix.integrations.trainable_set import TrainableSetChangedError, TrainableSetWatch
+    from hf_ddpfix.integrations.usage.agreement import UsageAgreement
+
+    model = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Linear(2, 2))
+    model[1].requires_grad_(False)
+    step = [1]
+    watch, agreement = TrainableSetWatch(model, "deepspeed", step=lambda: step[0]), UsageAgreement()
+    watch.agree_at_step_start(agreement)
+    assert watch.hold(zero_frozen=True) == []
+    model[0].weight.requires_grad_(False)  # between two micro-batches of step 1
+    watch.agree_at_step_start(agreement)  # not the step's first micro-batch: nothing
+    switched = watch.hold(zero_frozen=True)
+    assert [p is model[0].weight for p, _, _ in switched] == [True] and model[0].weight.requires_grad
+    model(torch.ones(1, 2)).sum().backward()
+    watch.release(switched)
+    assert not model[0].weight.requires_grad and torch.equal(model[0].weight.grad, torch.zeros(2, 2))
+    assert model[0].bias.grad is not None and bool(model[0].bias.grad.any())
+    step[0] = 2
+    watch.agree_at_step_start(agreement)  # agreed: nothing held from now on
+    assert watch._froze_agreed == ("0.weight",) and watch.hold(zero_frozen=True) == []
+    step[0] = 3
+    model[1].weight.requires_grad_(True)
+    with pytest.raises(TrainableSetChangedError, match="optimizer step 3.*deepspeed.initialize"):
+        watch.agree_at_step_start(agreement)
 
 
 def test_no_walk_comes_back_after_a_freeze_and_the_frozen_parameter_stays_without_a_gradient():

@@ -629,6 +629,18 @@ def test_engine_will_run_all_answers_inside_backward_which_leaves_get_a_gradient
     assert seen == {"a": True, "both": False}, _broken(f"torch._C._will_engine_execute_node answered {seen}")
 
 
+def test_backward_id_is_one_per_backward_pass_and_minus_one_outside():
+    a = torch.ones(2, requires_grad=True)
+    seen: list[int] = []
+    a.register_hook(lambda g: seen.append(_compat.backward_id()))
+    b = a * 2
+    b.register_hook(lambda g: seen.append(_compat.backward_id()))
+    b.sum().backward()
+    (a * 3).sum().backward()
+    assert _compat.backward_id() == -1 and seen[0] == seen[1] != seen[2] and min(seen) >= 0, _broken(
+        f"torch._C._current_graph_task_id answered {seen}")
+
+
 def test_autograd_function_class_names_the_function_that_made_a_node():
     class Twice(torch.autograd.Function):
         @staticmethod

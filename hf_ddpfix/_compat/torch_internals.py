@@ -181,6 +181,13 @@ def engine_will_run_all(nodes: list[Any]) -> bool:
     return all(map(torch._C._will_engine_execute_node, nodes))
 
 
+def backward_id() -> int:
+    """The id of the backward pass running now (the autograd engine's graph task: one per ``backward()`` /
+    ``autograd.grad`` call, a nested one for a reentrant checkpoint's recompute), ``-1`` outside backward. Uses
+    ``torch._C._current_graph_task_id`` (torch 2.1-2.13; ``torch.utils.checkpoint`` uses it the same way)."""
+    return int(torch._C._current_graph_task_id())
+
+
 def profiler_memory_events(prof: Any) -> list[tuple[int, int]]:
     """``(start_ns, nbytes)`` of every allocator event (``[memory]``, positive for an allocation, negative
     for a free) a finished ``torch.profiler.profile(profile_memory=True)`` recorded, in time order.

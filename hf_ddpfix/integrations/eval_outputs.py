@@ -4,7 +4,12 @@ same prediction fields, at every step (the rule: :mod:`hf_ddpfix.ops.output_agre
 For one ``Trainer.evaluation_loop`` call (behind ``evaluate()`` and ``predict()``) that gathers predictions
 (``prediction_loss_only`` false) with more than one process: a forward hook on the model the Trainer holds
 (unwrapped from DDP; the FSDP2 root; the module a DeepSpeed engine runs) replaces each forward's outputs inside
-``prediction_step`` by the agreed ones, after one ``all_gather_object`` of their signatures (a few hundred bytes).
+``prediction_step`` by the agreed ones: at the loop's first step one ``all_gather_object`` of their signatures (a
+few hundred bytes) fixes the kept fields; at every later step each rank conforms alone
+(``OutputAgreement.apply_local``: no collective, no host read) and the Trainer's own ``pad_across_processes``,
+which gathers every tensor's sizes anyway, pads every dimension to the largest over the ranks
+(:func:`hf_ddpfix.ops.output_agreement.pad_all_dims`), not only dimension 1: a field present on some ranks only,
+or sized differently outside dimension 1, never reaches a gather unequal, at no collective or read of its own.
 Forwards inside ``generate()`` (``Seq2SeqTrainer``'s ``predict_with_generate``: ranks may run different numbers of
 them) and outside ``prediction_step`` are left alone. Fields dropped are named once per trainer in a warning (rank
 0) with how to keep them; counters: ``feature_counts`` feature ``eval_outputs`` (``ran`` = forwards agreed;
@@ -18,16 +23,17 @@ kept fields are stock's own tensors where no rank differs (tests/scripts/eval_ou
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from typing import Any
 
+import torch
 import torch.distributed as dist
 from torch import nn
 
 from .._compat import evaluation_loop_options, prediction_ignore_keys, shadow_method, unwrap_parallel
 from ..ops import feature_counts
-from ..ops.output_agreement import OutputAgreement, Signature
+from ..ops.output_agreement import OutputAgreement, Signature, pad_all_dims
 
 logger = logging.getLogger("hf_ddpfix")
 
@@ -59,6 +65,7 @@ class EvalOutputSync:
         self._armed = False
         self._in_generate = 0
         self._index = 0
+        self.exchanges = 0  # all_gather_object calls: one per forward index, at the loop's first step
         self._undo: list[Callable[[], None]] = []
 
     def attach(self, trainer: Any) -> EvalOutputSync:
@@ -74,6 +81,9 @@ class EvalOutputSync:
                 self._armed = False
 
         self._undo.append(shadow_method(trainer, "prediction_step", prediction_step))
+        accelerator = getattr(trainer, "accelerator", None)
+        if accelerator is not None and callable(getattr(accelerator, "pad_across_processes", None)):
+            self._undo.append(shadow_method(accelerator, "pad_across_processes", self._pad_across(accelerator)))
         generate = getattr(self.model, "generate", None)
         if callable(generate):
             def generate_alone(*args: Any, **kwargs: Any) -> Any:
@@ -90,14 +100,43 @@ class EvalOutputSync:
         while self._undo:
             self._undo.pop()()
 
+    def _pad_across(self, accelerator: Any) -> Callable[..., Any]:
+        """``accelerator.pad_across_processes`` padding every dimension to the largest over the ranks: the same one
+        gather of each tensor's sizes and the same host read of them as stock's, so no collective is added (stock
+        pads ``dim`` only: where the other dimensions agree, the result is stock's)."""
+        gather = accelerator.gather
+
+        def pad_across_processes(tensor: Any, dim: int = 0, pad_index: Any = 0, pad_first: bool = False) -> Any:
+            if isinstance(tensor, (list, tuple)):
+                return type(tensor)(pad_across_processes(t, dim, pad_index, pad_first) for t in tensor)
+            if isinstance(tensor, Mapping):
+                return type(tensor)({k: pad_across_processes(v, dim, pad_index, pad_first) for k, v in tensor.items()})
+            if not torch.is_tensor(tensor) or getattr(tensor, "is_nested", False) or tensor.dim() == 0:
+                return tensor
+            d = dim + tensor.dim() if dim < 0 else dim
+            if not 0 <= d < tensor.dim():
+                return tensor
+            sizes = gather(torch.tensor(tensor.shape, device=tensor.device)[None]).cpu().tolist()  # stock's read
+            out, other = pad_all_dims(tensor, sizes, d, pad_index, pad_first)
+            if other:
+                self.agreement.padded += 1
+                feature_counts.record_amount(FEATURE, "padded", 1)
+            return out
+
+        return pad_across_processes
+
     def _hook(self, module: nn.Module, args: Any, output: Any) -> Any:
         if not self._armed or self._in_generate:
             return None
         index, self._index = self._index, self._index + 1
         before = (self.agreement.changed, self.agreement.placeholders, self.agreement.padded)
-        sigs: list[dict[str, Signature] | None] = self.exchange(self.agreement.describe(output))
         dropped = len(self.agreement.dropped)
-        agreed = self.agreement.apply(output, sigs, index)
+        if self.agreement.agreed(index):  # a later step: this rank alone, the padding rides on the Trainer's gathers
+            agreed = self.agreement.apply_local(output, index)
+        else:
+            sigs: list[dict[str, Signature] | None] = self.exchange(self.agreement.describe(output))
+            self.exchanges += 1
+            agreed = self.agreement.apply(output, sigs, index)
         feature_counts.record_ran(FEATURE)
         for name, now, was in zip(("outputs_rebuilt", "placeholders", "padded"),
                                   (self.agreement.changed, self.agreement.placeholders, self.agreement.padded),

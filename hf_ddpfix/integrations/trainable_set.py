@@ -45,12 +45,31 @@ means, exactly (each backed by a bit-equal comparison with the stock Trainer, te
   finalize leaves ``.grad`` ``None`` where no micro-batch of the step gave it one: the same gradients, the same
   weights. No collective changes, so a rank that froze alone cannot hang DDP; the agreement raises at that step.
 - FSDP2 (stock FSDP2 reduce-scatters only the gradients of parameters that require grad): nothing to change,
-  but a rank that froze alone would reduce-scatter other tensors than its peers inside backward (a hang), so
-  under FSDP2 the check also runs before every micro-batch's forward (one byte all-gathered per rank and
-  micro-batch, read on the host) and raises there.
+  but a rank that froze alone would reduce-scatter other tensors than its peers inside backward (a hang). So
+  before every micro-batch's forward a cheap local test (:meth:`TrainableSetWatch.hold`: the same C-level scan of
+  ``requires_grad``, no collective, no device read) compares this rank's set with the one the ranks last agreed
+  on; only where it differs does the rank hold the agreed set for that micro-batch (a parameter unfrozen since is
+  switched off, one frozen at the first micro-batch of the step switched back on; restored when the micro-batch
+  ends), so every rank's backward reduce-scatters the same tensors, and the change rides in the step's usage
+  agreement (no collective of its own). Every rank changed the same way: the held parameters' gradients are set to
+  ``None`` right after the agreement (before clipping: what stock FSDP2 gives a parameter frozen for the whole
+  step), so the run equals stock FSDP2's; a parameter frozen after an earlier micro-batch of the step already
+  holds a gradient (hf_ddpfix ties every trainable parameter into each micro-batch), so its reduce-scatter is
+  unchanged and it is not held. A rank that changed alone: every rank raises
+  :class:`TrainableSetChangedError` at that step's ``on_step_end`` (the changed rank after reading the
+  agreement, the others from the agreement's late flags: after the step's clipping and optimizer step, whose
+  collectives match on every rank thanks to the hold, and before any further collective).
 - DeepSpeed ZeRO (stock ZeRO keeps stepping the flat partition: a frozen parameter's zero-filled gradient
   slice, with AdamW's weight decay, as DeepSpeed does; with ``zero_skip_unused`` it is skipped, as stock DDP):
-  nothing to change; the per-micro-batch check above refuses a rank that froze alone.
+  nothing to change. The engine reduces inside backward, so the check runs before the first micro-batch's forward
+  of every optimizer step (:meth:`TrainableSetWatch.agree_at_step_start`): the local test's flag in one
+  asynchronous all-reduce of two bytes (``UsageAgreement``), read at once only by a rank that changed its set,
+  by the others late, from host memory, at ``on_step_end`` (no device read). A rank whose set differs from the
+  agreed one holds it for the micro-batch (:meth:`TrainableSetWatch.hold` with ``zero_frozen``: a parameter frozen
+  since is switched back on with a hook that hands the engine a zero gradient, the zero slice stock ZeRO steps;
+  one unfrozen is switched off), so every rank's engine reduces the same tensors; every rank changed the same way:
+  agreed at that step's start (a change made between micro-batches: at the next step's start, the hold keeping the
+  step as stock's meanwhile); a rank that changed alone: every rank raises at that step's ``on_step_end``.
 
 Logged once per new frozen set, counted as feature ``trainable_set`` (``ran``, amount ``frozen_params``).
 """
@@ -59,6 +78,8 @@ from __future__ import annotations
 
 import logging
 import operator
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -128,6 +149,12 @@ class TrainableSetWatch:
         self._new_step: Any = None
         self._froze: tuple[str, ...] = ()  # frozen since the watch started, as of this step's check
         self._froze_agreed: tuple[str, ...] = ()  # ... as last agreed by every rank
+        self._hold_step: Any = None  # the optimizer step of the last hold()
+        self._held_frozen: dict[str, nn.Parameter] = {}  # frozen, held trainable from the step's first micro-batch
+        self.defer_mismatch = False  # FSDP2: a rank that changed alone raises at finalize_late, not at finalize
+        self._pending: TrainableSetChangedError | None = None
+        self.holds = 0  # micro-batches in which this rank held the agreed set (tests, logs)
+        self._agree_step: Any = None  # DeepSpeed: the optimizer step whose flag agree_at_step_start issued
         self._announced: set[tuple[str, ...]] = set()
         self.reduced = 0  # parameter reductions done so far (tests, logs)
         self.frozen_changes = 0  # steps in which the set of parameters frozen since wrapping changed (agreed)
@@ -157,6 +184,71 @@ class TrainableSetWatch:
                            if not all(map(_REQUIRES_GRAD, self._trained_params)) else ())
         return bool(self._new) or self._froze != self._froze_agreed
 
+    def hold(self, zero_frozen: bool = False) -> list[tuple[nn.Parameter, bool, Any]]:
+        """Before a micro-batch's forward (FSDP2, DeepSpeed): the local test, and the hold where it fails (module
+        docstring). ``zero_frozen`` (DeepSpeed): every parameter frozen since the agreed set is held, with a hook
+        that hands the engine a zero gradient; else (FSDP2) only one frozen at the step's first micro-batch, whose
+        gradient :meth:`finalize` sets to ``None`` once agreed.
+
+        Returns the ``(parameter, requires_grad to restore, hook handle)`` switched to the agreed set, for
+        :meth:`release`; ``[]`` (nothing switched, no collective, no device read: a C-level scan of
+        ``requires_grad``) while this rank's set is the agreed one."""
+        step = self.step()
+        first = step != self._hold_step
+        if first:
+            self._hold_step, self._held_frozen = step, {}
+        if not self.changed(fresh=True):
+            return []
+        switched: list[tuple[nn.Parameter, bool, Any]] = [(p, True, None) for _, p in self._new or []]
+        agreed = set(self._froze_agreed)
+        for n, p in self._trained:
+            if n in self._froze and n not in agreed and (zero_frozen or first or n in self._held_frozen):
+                if not zero_frozen:
+                    self._held_frozen[n] = p
+                switched.append((p, False, None))
+        for i, (p, was, _) in enumerate(switched):
+            p.requires_grad_(not was)
+            if zero_frozen and not was:
+                switched[i] = (p, was, p.register_hook(torch.zeros_like))
+        self.holds += bool(switched)
+        return switched
+
+    @staticmethod
+    def release(switched: list[tuple[nn.Parameter, bool, Any]]) -> None:
+        """Give back the ``requires_grad`` values :meth:`hold` switched (the micro-batch ended)."""
+        for p, was, handle in switched:
+            if handle is not None:
+                handle.remove()
+            p.requires_grad_(was)
+
+    @contextmanager
+    def held_step(self, agreement: Any = None) -> Iterator[None]:
+        """A step context around one micro-batch's ``training_step``: the local test and the hold (:meth:`hold`,
+        restored by :meth:`release` when it ends). FSDP2: no ``agreement`` (the flag rides in the usage agreement at
+        finalize). DeepSpeed: ``agreement`` (a ``UsageAgreement``) carries the flag at the step's first micro-batch
+        (:meth:`agree_at_step_start`), and a frozen parameter is held with a zero gradient (the slice stock ZeRO
+        steps)."""
+        if agreement is not None:
+            self.agree_at_step_start(agreement)
+        switched = self.hold(zero_frozen=agreement is not None)
+        try:
+            yield
+        finally:
+            self.release(switched)
+
+    def agree_at_step_start(self, agreement: Any) -> None:
+        """DeepSpeed, before each micro-batch's forward: at the first of an optimizer step, this rank's "my set
+        changed" flag (the local test) in ``agreement``'s asynchronous all-reduce (``UsageAgreement.agree`` with no
+        slot: two bytes), acted on by :meth:`finalize` where this rank changed its set (it reads at once), else late
+        (:meth:`finalize_late` at ``on_step_end``, from host memory). Later micro-batches of the step: nothing."""
+        step = self.step()
+        if step == self._agree_step:
+            return
+        self._agree_step = step
+        mine = self.changed(fresh=True)
+        _, flags = agreement.agree(set(), 0, self.process_group, mine)
+        self.finalize(agreed=flags)
+
     def finalize(self, once_per_step: bool = True, agreed: tuple[bool, bool] | None = None) -> None:
         """Check (and under DDP reduce) once per optimizer step; a second call in the same step does nothing
         unless ``once_per_step`` is False (DeepSpeed: every micro-batch is checked).
@@ -177,12 +269,17 @@ class TrainableSetWatch:
             self.changed()
             new = list(self._new or [])
             if not agreed[1]:
-                raise _differently(self.parallel, step, [n for n, _ in new] + list(self._froze))
+                err = _differently(self.parallel, step, [n for n, _ in new] + list(self._froze))
+                if self.defer_mismatch:  # FSDP2: the others learn it at on_step_end; clipping comes first
+                    self._pending = err
+                    return
+                raise err
         else:
             mine = self.changed(fresh=not once_per_step)
             new = list(self._new or [])
             if not dist_ready(self.process_group):
                 self._froze_agreed = self._froze
+                self._drop_held()
                 return
             rows = gather_flags([mine], self.process_group)  # one byte per rank and step
             if not any(r[0] for r in rows):
@@ -190,8 +287,16 @@ class TrainableSetWatch:
             if not all(r[0] for r in rows):
                 raise _differently(self.parallel, step, [n for n, _ in new] + list(self._froze))
         self._agree_changes(step, new)
+        self._drop_held()
         if new:
             self._ddp_or_refuse(step, new)
+
+    def _drop_held(self) -> None:
+        """Every rank agreed on the change: a parameter held trainable since the step's first micro-batch gets the
+        gradient stock FSDP2 gives a parameter frozen for the whole step, none."""
+        for p in self._held_frozen.values():
+            p.grad = None
+        self._held_frozen = {}
 
     def _agree_changes(self, step: Any, new: list[tuple[str, nn.Parameter]]) -> None:
         """Every rank changed its set in this step: check that they unfroze and froze the same parameters since
@@ -236,6 +341,9 @@ class TrainableSetWatch:
         Where some rank changed its set, this one changed nothing: the ranks differ, and this rank raises the
         :class:`TrainableSetChangedError` the ranks that changed raised at :meth:`finalize`, before any further
         collective, so no rank waits alone in one."""
+        pending, self._pending = self._pending, None
+        if pending is not None:  # this rank changed its set alone (defer_mismatch): raised with the others now
+            raise pending
         if agreed is not None and agreed[0]:
             raise _differently(self.parallel, self._checked_step, [])
 

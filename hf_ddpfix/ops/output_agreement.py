@@ -18,6 +18,12 @@ Rule (pure, no collective: the caller exchanges :meth:`OutputAgreement.describe`
   every dimension but 1 (which the Trainer pads itself) is padded with -100 to the largest over the ranks;
 - when nothing differs (the usual case, and always with one rank) the output object is returned untouched.
 
+The signatures are exchanged once, at an evaluation's first step (per forward index); later steps use
+:meth:`OutputAgreement.apply_local`, which needs no other rank: it hands over exactly the kept fields in the kept
+structure (a placeholder of the kept structure, sized 0 in dimensions 0 and 1, where this rank lacks one) and
+leaves the sizes to :func:`pad_all_dims`, the Trainer's own ``pad_across_processes`` padding every dimension to the
+largest over the ranks from the sizes it gathers anyway (issue 48: one ``all_gather_object`` per step before).
+
 Guarantees: ranks that pass the same list of signatures get outputs whose kept fields have identical structure and
 identical shapes in every dimension but 1, the same kept fields at every step of one agreement; an output whose
 fields agree on every rank is returned as the same object (tests/test_eval_outputs.py).
@@ -32,7 +38,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["PAD", "OutputAgreement", "Signature", "describe", "gatherable"]
+__all__ = ["PAD", "OutputAgreement", "Signature", "describe", "gatherable", "pad_all_dims"]
 
 #: The value the Trainer pads predictions with (``EvalLoopContainer(padding_index=-100)``,
 #: ``pad_across_processes(pad_index=-100)``): a placeholder or a padded row reads as "no prediction here".
@@ -139,6 +145,35 @@ def _placeholder(target: Signature, device: torch.device, types: Any = None) -> 
         return cls(items) if cls in (tuple, list) else tuple(items)
     values = {k: _placeholder(c, device, sub.get(k) if sub else None) for k, c in target[1]}
     return _rebuild_as(cls, values) if cls is not None else values
+
+
+def _empty_placeholder(first: Signature) -> Signature:
+    """A placeholder of ``first``'s structure whose tensors are sized 0 in dimensions 0 and 1 (the rest as at the
+    first step): padded to the other ranks' sizes with -100 by :func:`pad_all_dims`."""
+    kind = first[0]
+    if kind == "t":
+        shape = tuple(0 if d < 2 else n for d, n in enumerate(first[2]))
+        return ("t", first[1], shape)
+    if kind == "seq":
+        return ("seq", tuple(_empty_placeholder(c) for c in first[1]))
+    return ("map", tuple((k, _empty_placeholder(c)) for k, c in first[1]))
+
+
+def pad_all_dims(tensor: torch.Tensor, sizes: list[list[int]], dim: int, pad_index: Any,
+                 pad_first: bool = False) -> tuple[torch.Tensor, bool]:
+    """``tensor`` padded with ``pad_index`` to the largest size over the ranks in every dimension (``sizes``: every
+    rank's shape, as ``pad_across_processes`` gathers them), at the start of ``dim`` when ``pad_first``, else at the
+    end; returns it and whether it was padded in a dimension other than ``dim`` (stock pads ``dim`` only, so where
+    those agree the result is stock's)."""
+    shape = list(tensor.shape)
+    want = [max(int(s[d]) for s in sizes) for d in range(len(shape))]
+    if want == shape:
+        return tensor, False
+    out = tensor.new_zeros(tuple(want)) + pad_index
+    index = tuple(slice(want[d] - shape[d], want[d]) if (d == dim and pad_first) else slice(0, shape[d])
+                  for d in range(len(shape)))
+    out[index] = tensor
+    return out, any(w != n for d, (w, n) in enumerate(zip(want, shape, strict=True)) if d != dim)
 
 
 def _pad(value: Any, target: Signature) -> tuple[Any, int]:
@@ -256,6 +291,42 @@ class OutputAgreement:
         loss = {k: v for k, v in output.items() if k == "loss"}
         ignored = {k: v for k, v in output.items() if k in self.skip and k != "loss"}
         return _rebuild(output, {**loss, **values, **ignored})  # a dict: loss, the kept fields in order, the rest
+
+    def agreed(self, index: int) -> bool:
+        """True once the kept fields of forward ``index`` are fixed (its first step exchanged the signatures)."""
+        return index in self.kept
+
+    def apply_local(self, output: Any, index: int = 0) -> Any:
+        """A later step's ``output`` with exactly the kept fields of forward ``index`` in their kept structure, from
+        this rank alone (no exchange): a field not kept is left out, a kept field this rank lacks (or has with
+        another structure) becomes a -100 placeholder sized 0 in dimensions 0 and 1, which the Trainer's padding
+        (:func:`pad_all_dims` behind ``pad_across_processes``) grows to the other ranks' sizes. ``output``
+        itself when it holds exactly the kept fields in the kept structure. Call only where :meth:`agreed`."""
+        self.forwards += 1
+        if not isinstance(output, Mapping):
+            self.not_mappings += 1
+            return output
+        kept = self.kept[index]
+        mine = {k: describe(v) for k, v in output.items() if k not in self.skip and k != "loss" and v is not None}
+        changed = any(k not in kept for k in mine)
+        for k in mine:
+            if k not in kept and k not in self.dropped:
+                self.dropped[k] = "not produced on every rank at the first evaluation step"
+        values: dict[str, Any] = {}
+        device = next((v.device for v in output.values() if torch.is_tensor(v)), torch.device("cpu"))
+        for k, first in kept.items():
+            if k in mine and _structure(mine[k]) == _structure(first):
+                values[k] = output[k]
+            else:
+                values[k] = _placeholder(_empty_placeholder(first), device, self.kept_types[index].get(k))
+                self.placeholders += 1
+                changed = True
+        if not changed:
+            return output
+        self.changed += 1
+        loss = {k: v for k, v in output.items() if k == "loss"}
+        ignored = {k: v for k, v in output.items() if k in self.skip and k != "loss"}
+        return _rebuild(output, {**loss, **values, **ignored})
 
     def _first_step(self, ranks: list[dict[str, Signature]]) -> dict[str, Signature]:
         kept: dict[str, Signature] = {}

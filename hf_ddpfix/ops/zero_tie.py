@@ -10,7 +10,14 @@ Each zero gradient a tie hands out is a zero-strided view of one scalar zero, ma
 leaf's gradient hook that receives it knows nothing but the tie reached that leaf in this backward (the autograd
 engine sums every contribution to a leaf before its hooks run, and never in place into a non-contiguous
 tensor: any real contribution gives the hook another tensor). ``ParameterUsage`` decides "used" by it, from
-what backward really ran (a regulariser added below the loss it saw, a hook, a second backward).
+what backward really ran (a regulariser added below the loss it saw, a hook, a second backward), without reading
+a gradient's values: a real gradient that is exactly zero (LoRA A's first gradient while B is zero) is still a
+real gradient, as for stock DDP's "its hook fired". So that ties alone always hand a leaf exactly one marked zero,
+in one backward pass only the first tie that runs gives a leaf extra its zero; every later tie of the same leaf
+in that pass gives it ``None`` (nothing to add: the leaf's ``AccumulateGrad`` runs anyway, the first zero is in
+its buffer). Two ties used to reach a leaf summed into an unmarked zero, told apart by a host read of its values.
+A tied output no loss reads gets ``None`` back (``set_materialize_grads(False)``, as DDP's sink leaves it), not a
+zero sent through ``x``'s own graph, which would give the parameters behind it computed, unmarked zeros.
 
 :meth:`ZeroTie.tie` also ties a parameter that stopped requiring grad after the model was wrapped: DDP's reducer
 still waits for its hook, which fires when its ``AccumulateGrad`` runs; autograd accumulates nothing into a leaf
@@ -23,11 +30,12 @@ from typing import Any
 
 import torch
 
-from .._compat import autograd_function_class
+from .._compat import autograd_function_class, backward_id
 
 __all__ = ["ZeroTie", "is_tie_zero", "is_zero_tie_node", "tie_zero"]
 
 _MARK = "_hf_ddpfix_tie_zero"
+_GIVEN = "_hf_ddpfix_tie_given"  # on a leaf extra: the backward pass (``backward_id``) a tie last gave it its zero in
 
 
 def _marked_zero(shape: Any, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -54,12 +62,26 @@ class ZeroTie(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, *extras: torch.Tensor) -> torch.Tensor:
         ZeroTie.applied += 1
+        # an output the loss does not use gets None, not a materialised zero: a zero sent back through ``x``'s own
+        # graph would give its parameters computed zeros stock never gives them (tests/scripts/trainer_heads.py
+        # head_in_forward: lm_head's LoRA behind tied logits the loss never reads; 5e-4 off stock by AdamW's decay)
+        ctx.set_materialize_grads(False)
         ctx.extra_meta = [(e.shape, e.dtype, e.device) for e in extras]
+        ctx.leaves = {i: e for i, e in enumerate(extras) if e.is_leaf}  # parameters: no graph held, no cycle
         return x.clone()  # a clone, not a view: Trainer scales the loss in place (`loss *= ...`)
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        zeros = [_marked_zero(s, d, dev) for s, d, dev in ctx.extra_meta]
+    def backward(ctx: Any, grad: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
+        now = backward_id()
+        zeros: list[torch.Tensor | None] = []
+        for i, (s, d, dev) in enumerate(ctx.extra_meta):
+            leaf = ctx.leaves.get(i)
+            if leaf is not None:
+                if getattr(leaf, _GIVEN, None) == now:
+                    zeros.append(None)  # another tie gave this leaf its zero in this pass: one marked zero only
+                    continue
+                setattr(leaf, _GIVEN, now)
+            zeros.append(_marked_zero(s, d, dev))
         return (grad, *zeros)
 
     @staticmethod

@@ -20,7 +20,7 @@ if TYPE_CHECKING:
 __all__ = ["EVAL_OUTPUTS_HOW", "decide_eval_outputs"]
 
 #: The plan line's reason: the whole line fits the report's 160 characters uncut (docs/plan.md#eval_outputs).
-EVAL_OUTPUTS_HOW = ("predictions keep the fields all ranks have at eval step 1 (1 small all_gather_object a step); "
+EVAL_OUTPUTS_HOW = ("predictions keep the fields all ranks have at eval step 1 (1 small all_gather_object a loop); "
                     "the rest dropped")
 
 

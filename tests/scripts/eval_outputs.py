@@ -123,7 +123,7 @@ def run(case: str, model, trainer_cls, out: str, mode: str, ignore_keys=None) ->
     if sync is not None:
         a = sync.agreement
         res["agreement"] = {"dropped": sorted(a.dropped), "forwards": a.forwards, "changed": a.changed,
-                            "placeholders": a.placeholders, "padded": a.padded}
+                            "placeholders": a.placeholders, "padded": a.padded, "exchanges": sync.exchanges}
     return res
 
 
@@ -187,6 +187,8 @@ def main() -> None:
         if family in HIDDEN_STATES:  # the field the user asked for (every rank has it) is kept: logits + layers
             assert len(flat(got["predictions"])) > 2, (case, list(flat(got["predictions"])))
         agreement = got["agreement"]
+        # issue 48: signatures exchanged at the loop's first step only (one forward per step), not at every step
+        assert agreement["exchanges"] == 1 < agreement["forwards"], (case, agreement)
         if case.endswith("-images"):  # nothing differs: nothing may change, stock without ignore_keys
             assert agreement["dropped"] == [] and agreement["changed"] == 0, (case, agreement)
             stock_ignore = None

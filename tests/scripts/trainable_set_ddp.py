@@ -15,6 +15,10 @@ parameter (frozen ones included). Cases:
 - ``reg_accelerator``: an ``Accelerator`` subclass whose ``backward`` adds a regulariser over an auxiliary
   module the model's forward never uses; stock with ``ddp_find_unused_parameters=False`` (stock True fails: a
   parameter used outside forward) reduces its gradient; hf_ddpfix must keep it (bit-equal).
+- ``reg_zero``: the same with the regulariser ``0.05 * sum(aux_b @ aux)``, ``aux_b`` zero at the start (LoRA's B):
+  ``aux``'s real gradient is exactly zero at step 1; stock keeps it (AdamW decays ``aux`` and counts the step), so
+  must hf_ddpfix (issue 48: it read ``grad.any()`` and reset it to None). The AdamW state (``exp_avg``,
+  ``exp_avg_sq``, ``step``) is compared too (``opt:`` entries of the weights dict).
 - ``reg_second`` (DDP): ``training_step`` runs a second ``accelerator.backward`` of that regulariser after the
   loss's; stock DDP cannot reduce it (find_unused True: "gradient which is undefined, but still allreduced";
   False: "Expected to have finished reduction"), and neither can hf_ddpfix's static graph: a named
@@ -86,11 +90,16 @@ def build(case: str) -> torch.nn.Module:
     if case.startswith("reg"):
         torch.manual_seed(2)
         model.aux = torch.nn.Linear(32, 4, bias=False)  # trainable, never used by the forward
+        if case == "reg_zero":
+            model.aux_b = torch.nn.Linear(4, 4, bias=False)
+            torch.nn.init.zeros_(model.aux_b.weight)  # as LoRA's B: aux's first gradient is exactly zero
     return model.train()
 
 
 def reg_of(model: torch.nn.Module) -> torch.Tensor:
     w = model.aux.weight
+    if hasattr(model, "aux_b"):
+        return 0.05 * (model.aux_b.weight @ w).sum()
     return 0.05 * (w - 0.3).pow(2).sum()
 
 
@@ -114,7 +123,7 @@ PARALLEL = os.environ.get("TS_PARALLEL", "ddp")  # ddp (torchrun) | fsdp (accele
 def train(kind: str, case: str, ranks=None) -> dict[str, torch.Tensor]:  # noqa: ANN001
     model = build(case)
     ga = 2 if case == "freeze_ga2" else 1
-    fu = {"reg_accelerator": False}.get(case) if kind == "stock" else None
+    fu = {"reg_accelerator": False, "reg_zero": False}.get(case) if kind == "stock" else None
     args = TrainingArguments(output_dir=f"/tmp/hf_ddpfix_ts_{kind}_{case}", per_device_train_batch_size=1,
                              gradient_accumulation_steps=ga, max_steps=STEPS, report_to=[], use_cpu=True,
                              save_strategy="no", max_grad_norm=1.0, learning_rate=1e-2, weight_decay=0.1,
@@ -137,12 +146,19 @@ def train(kind: str, case: str, ranks=None) -> dict[str, torch.Tensor]:  # noqa:
     n_rows = STEPS * ga
     trainer = base(model=model, args=args, train_dataset=Dataset.from_list(rows(n_rows, LENGTHS)),
                    data_collator=collate, callbacks=callbacks)
-    if case == "reg_accelerator":
+    if case in ("reg_accelerator", "reg_zero"):
         trainer.accelerator.__class__ = accelerator_class(model)
     trainer.train()
     if callbacks:
         assert callbacks[0].frozen or (ranks is not None and RANK not in ranks), "nothing frozen"
-    return {n: _full(p).clone() for n, p in model.named_parameters()}
+    out = {n: _full(p).clone() for n, p in model.named_parameters()}
+    if case == "reg_zero":  # AdamW's state too: exp_avg, exp_avg_sq, step per trainable parameter
+        state = trainer.optimizer.state
+        for n, p in model.named_parameters():
+            for k, v in state.get(p, {}).items():
+                out[f"opt:{n}:{k}"] = torch.as_tensor(v, dtype=torch.float64).clone()
+        assert "opt:aux.weight:step" in out, sorted(out)[-5:]
+    return out
 
 
 def train_trl_vlm(kind: str) -> dict[str, torch.Tensor]:
@@ -174,7 +190,7 @@ def main() -> None:
         import faulthandler
         faulthandler.dump_traceback_later(int(os.environ["TS_DUMP"]), exit=True)
     cases = sys.argv[1].split(",") if len(sys.argv) > 1 else [
-        "freeze", "freeze_ga2", "freeze_lora", "freeze_trl_vlm", "reg_accelerator"]
+        "freeze", "freeze_ga2", "freeze_lora", "freeze_trl_vlm", "reg_accelerator", "reg_zero"]
     for case in cases:
         if case == "one_rank":
             continue

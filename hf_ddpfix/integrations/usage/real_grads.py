@@ -3,7 +3,9 @@
 Contract: a slot left out of the loss seen at backward (tied in with an exact zero, or observed only) whose leaf
 still receives a gradient other than a tie's zero in any backward of the optimizer step (a regulariser added
 below the loss seen, a hook, a second backward) counts as used in that step (``StepRecord.used``), so
-``finalize`` keeps its ``.grad`` as backward left it. :func:`watch_real` registers at most one gradient hook
+``finalize`` keeps its ``.grad`` as backward left it, zero or not: "used" is what autograd delivered (stock DDP's
+"its hook fired"), never the gradient's values, and no value is read on the host (ties alone hand a leaf exactly
+one marked zero per backward: :mod:`hf_ddpfix.ops.zero_tie`). :func:`watch_real` registers at most one gradient hook
 per slot and step (kept in ``StepRecord.real_hooks``, removed by ``StepRecord.clear``); none for a slot
 already watched, or whose tensor does not require grad (frozen: it receives nothing). The first real
 gradient of a slot in a step counts ``parameter_usage / real_grads_outside_loss``.
@@ -23,11 +25,12 @@ __all__ = ["mark_real", "watch_real"]
 
 
 def mark_real(step: StepRecord, slot: int, grad: Any) -> None:
-    """A watched leaf's gradient hook: anything but exactly a tie's zero is a real gradient (:func:`watch_real`)."""
-    # exactly zero is not a real gradient: autograd sums the marked zeros of two ties (output and loss) into an
-    # unmarked zero tensor (tests/scripts/trainer_heads.py head_in_forward: 5e-4 off stock by AdamW's decay otherwise).
-    # Cost: one host read per watched leaf whose gradient is not a single tie's zero.
-    if grad is not None and not is_tie_zero(grad) and bool(grad.any()):
+    """A watched leaf's gradient hook: anything but exactly a tie's zero is a real gradient (:func:`watch_real`),
+    an exact zero included (stock keeps it: AdamW decays the weight and moves its moments)."""
+    # ties alone give a leaf one marked zero per backward (ZeroTie.backward: a second tie of the same leaf in the same
+    # pass gives None), so an unmarked tensor here holds some real contribution. No host read: the mark is a Python
+    # attribute (tests/scripts/trainer_heads.py head_in_forward: two ties of lm_head's LoRA, still unused).
+    if grad is not None and not is_tie_zero(grad):
         if slot not in step.used:
             feature_counts.record_amount("parameter_usage", "real_grads_outside_loss", 1)
         step.used.add(slot)
