@@ -9,14 +9,14 @@ accelerate_configs/fsdp.yaml, bf16 weights, LoRA: Llama-3.2-90B-Vision (cross-at
   fsdp.yaml --world-size 8 --lora-targets <the user's targets>``; the rehearsal's side is
   ``rehearse.memory.project_memory`` on the record a rehearsal rank writes (the real config, the SHRUNK model's
   trainable LoRA names, which the projection maps back onto the real model). Units and per-rank peak agree within
-  1 %. Shown failing (2026-12-02): with the old projection (``fsdp_wrap_plan(fold_skippable=True)``: always fold)
-  restored, Mllama-90B gave 30-odd units vs the plan's 146 and a 58 GiB peak vs 24 GiB; with ``_lora_args``
-  returning ``[]`` (the trainable set not carried) the per-rank bytes differ by the LoRA's gradients and moments
-  (Qwen2.5-VL-72B: the rank-bytes check fails).
+  1 %, and so do the sharded gradients + AdamW moments of the LoRA. Shown failing (2026-12-02, llama_8b): with
+  ``_lora_args`` returning ``[]`` (the shrunk run's LoRA not mapped back) the rehearsal lays out 34 units vs the
+  plan's 35; with the projection left at the rehearsal's 2 ranks (the ``--world-size`` override removed) the peak
+  is 8.47 vs 3.59 GiB. The old projection (``rehearse/memory.py`` folding always) gave Mllama-90B a 58 GiB peak.
 - ``test_the_rehearsal_runs_the_real_launchs_fold_or_shard``: a rank's :func:`carry_over` plans the real Mllama-90B
   at 8 ranks and forces ``fsdp_skippable=shard`` on the shrunk run, whose own plan would fold (so the shrunk run
-  shards its tower and cross-attention layers as the real launch will). Shown failing: with ``CARRIED = ()`` the
-  shrunk plan folds (the assertion on its ``fsdp_skippable``).
+  shards its tower and cross-attention layers as the real launch will). Shown failing: with ``CARRIED = ()``
+  nothing is carried (the assertion on the record's ``carried``).
 """
 
 from __future__ import annotations
