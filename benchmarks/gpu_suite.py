@@ -21,8 +21,8 @@ b. ``long`` (130 s): Llama-8B LoRA at 8K and 32K tokens, stock vs ``auto`` (ever
    feature on at 32K with a torch.profiler trace of its last step (where the extra seconds go).
 c. ``ladder`` (110 s): the longest LoRA sequence under an 80 GB cap (``set_per_process_memory_fraction``), Llama-8B
    then Qwen3-8B with every feature: the ladder climbs from 32K tokens, doubling, until the first OOM (the row
-   says the longest that trained and the first that did not) or until its share is spent (the next rung is
-   started only when the time left exceeds 2.5x the last rung's; the row says so).
+   says the longest that trained, its peak, and the first that did not) or until its share is spent (the next
+   rung is started only when the time left exceeds 2.5x the last rung's; the row says so).
 d. ``offload`` (40 s): activation offload vs checkpointing alone at 2K and 16K tokens (``benchmarks/offload.py``).
 e. ``fsdp`` (60 s): one FSDP2 step of a Llama-3.2-11B-Vision-shaped LoRA model, rank 0 of 8 (torch's fake process
    group: collectives no-ops, every buffer real), with the **plan's** units (``hf-ddpfix plan``'s computation and
@@ -62,11 +62,13 @@ from stand_in_device import DRY_RUN_SPEC, ENV, device  # noqa: E402
 BEGIN, END = "<!-- GPU-SUITE-BEGIN -->", "<!-- GPU-SUITE-END -->"
 #: What differs between the GPU run and the dry run: data, not branches (the dry run takes every branch).
 #: ``time_scale``: the dry run's shares and budget are the GPU's x 3 (toy trials on a shared 2-core CPU take
-#: longer than their GPU share would allow; the stand-in reports memory, not time).
+#: longer than their GPU share would allow; the stand-in reports memory, not time). ``growth``: the ladder starts
+#: a rung only with ``growth`` x the last rung's seconds left (a doubled sequence costs >= 2x; the dry run's CPU
+#: seconds predict nothing, so its ladder stops on OOM or an exhausted share only).
 SIZES: dict[str, dict[str, Any]] = {
-    "gpu": {"time_scale": 1.0, "trial": "--trial", "seq_div": 1, "long_seqs": (8192, 32768), "step": [],
+    "gpu": {"time_scale": 1.0, "growth": 2.5, "trial": "--trial", "seq_div": 1, "long_seqs": (8192, 32768), "step": [],
             "ladder": (("llama", "Llama-8B"), ("qwen3", "Qwen3-8B")), "offload": ["2048", "16384"], "fsdp": []},
-    "dry": {"time_scale": 3.0, "trial": "--tiny-trial", "seq_div": 64, "long_seqs": (32768,),
+    "dry": {"time_scale": 3.0, "growth": 0.0, "trial": "--tiny-trial", "seq_div": 64, "long_seqs": (32768,),
             "step": ["--dry", "--steps", "3", "--warmup", "1", "--pairs", "1"],
             "ladder": (("llama", "Llama-8B"), ("qwen3", "Qwen3-8B")), "offload": ["64", "256"], "fsdp": ["--dry"]},
 }
@@ -227,31 +229,31 @@ def part_long(ctx: Ctx) -> list[str]:
                    "trace: `benchmarks/results/gpu_suite_profile/`."]
 
 
-#: the ladder starts here and doubles; the next rung starts only with GROWTH x the last rung's seconds left
-LADDER_START, GROWTH, LADDER_CAP_GIB = 32768, 2.5, 80.0
+#: the ladder starts here and doubles, under this cap
+LADDER_START, LADDER_CAP_GIB = 32768, 80.0
 
 
 def part_ladder(ctx: Ctx) -> list[str]:
     rows = ["| model | cap | longest that trained | its peak GiB | first that did not | stopped by |",
             "|---|---:|---:|---:|---:|---|"]
     record: dict[str, Any] = {}
-    families = SIZES[ctx.size]["ladder"]
+    families, growth = SIZES[ctx.size]["ladder"], SIZES[ctx.size]["growth"]
     for i, (family, name) in enumerate(families):
         deadline = time.monotonic() + ctx.part_left() / (len(families) - i)  # the rest of the share, split
         seq, last, last_wall, rungs = LADDER_START, None, 0.0, []
         while True:
             left = deadline - time.monotonic()
-            if left <= 0 or left < GROWTH * last_wall:
-                stop, failed = f"its share ({left:.0f} s left, the next rung needs ~{GROWTH * last_wall:.0f} s)", "-"
+            if left <= 0 or left < growth * last_wall:
+                stop, failed = f"its share ({left:.0f} s left, the next rung needs ~{growth * last_wall:.0f} s)", "-"
                 break
             r = _trial(ctx, "hf_ddpfix", seq, steps=1, family=family, cap_gib=LADDER_CAP_GIB)
-            rungs.append(r)
+            rungs.append({**r, "tokens": seq})
             if not r.get("ok"):
                 stop, failed = r.get("error", "failed"), f"{seq:,}"
                 break
-            last, last_wall, seq = r, r["wall_s"], seq * 2
+            last, last_wall, seq = {**r, "tokens": seq}, r["wall_s"], seq * 2
         record[family] = rungs
-        longest = f"{last['seq']:,}" if last else "none"
+        longest = f"{last['tokens']:,}" if last else "none"
         rows.append(f"| {name} LoRA r16, all features | {LADDER_CAP_GIB:g} GB | {longest} | "
                     f"{_fmt(last or {}, 'peak_gib')} | {failed} | {stop} |")
     (ctx.results / "gpu_suite_ladder.json").write_text(json.dumps(record, indent=1))

@@ -149,6 +149,13 @@ def real_plan(argv: list[str], *, layout: bool) -> Any:
     return plan_offline(_parser().parse_args(argv), layout=layout)
 
 
+def _is_fsdp(accelerate_config: str) -> bool:
+    import yaml
+
+    with open(accelerate_config) as f:
+        return str((yaml.safe_load(f) or {}).get("distributed_type", "")).upper() == "FSDP"
+
+
 def carry_over(config: Any, model_cls: Any, dtype: str) -> None:
     """In a rehearsal rank, before the shrunk model is planned: plan the REAL ``config`` at the real world size
     (``DDPFIX_REHEARSE_REAL_WORLD``) under the launch's accelerate config (``DDPFIX_REHEARSE_ACCELERATE_CONFIG``)
@@ -170,6 +177,8 @@ def carry_over(config: Any, model_cls: Any, dtype: str) -> None:
         acc = _env("ACCELERATE_CONFIG") or None
         if acc is None:
             entry["why"] = "the launch names no accelerate config: the shrunk model's own plan runs"
+        elif not _is_fsdp(acc):
+            entry["why"] = "not an FSDP launch: no choice of the plan depends on the model's size"
         else:
             argv = real_plan_argv(m, world, folder, acc)
             entry["argv"] = argv
