@@ -66,11 +66,14 @@ BEGIN, END = "<!-- GPU-SUITE-BEGIN -->", "<!-- GPU-SUITE-END -->"
 #: a rung only with ``growth`` x the last rung's seconds left (a doubled sequence costs >= 2x; the dry run's CPU
 #: seconds predict nothing, so its ladder stops on OOM or an exhausted share only).
 SIZES: dict[str, dict[str, Any]] = {
-    "gpu": {"time_scale": 1.0, "growth": 2.5, "trial": "--trial", "seq_div": 1, "long_seqs": (8192, 32768), "step": [],
+    "gpu": {"time_scale": 1.0, "growth": 2.5, "trial": "--trial", "seq_div": 1, "step": [], "step_cases": ("text", "vlm"),
+            "long": {8192: ("stock", "auto"), 32768: ("stock", "auto", "hf_ddpfix")},
             "ladder": (("llama", "Llama-8B"), ("qwen3", "Qwen3-8B")), "offload": ["2048", "16384"], "fsdp": []},
-    "dry": {"time_scale": 3.0, "growth": 0.0, "trial": "--tiny-trial", "seq_div": 64, "long_seqs": (32768,),
-            "step": ["--dry", "--steps", "3", "--warmup", "1", "--pairs", "1"],
-            "ladder": (("llama", "Llama-8B"), ("qwen3", "Qwen3-8B")), "offload": ["64", "256"], "fsdp": ["--dry"]},
+    # the dry run keeps one case of each code path (CPU-seconds: tests/test_gpu_suite.py)
+    "dry": {"time_scale": 3.0, "growth": 0.0, "trial": "--tiny-trial", "seq_div": 64,
+            "step": ["--dry", "--steps", "3", "--warmup", "1", "--pairs", "1"], "step_cases": ("vlm",),
+            "long": {32768: ("stock", "hf_ddpfix")}, "ladder": (("llama", "Llama-8B"),), "offload": ["64"],
+            "fsdp": ["--dry"]},
 }
 
 
@@ -159,7 +162,7 @@ def _why(out: str) -> str:
 def part_step(ctx: Ctx) -> list[str]:
     rows = ["| case | ranks | stock s/step | hf_ddpfix s/step | ratio | stock DDP | hf_ddpfix DDP |",
             "|---|---|---:|---:|---:|---|---|"]
-    for case in ("text", "vlm"):
+    for case in SIZES[ctx.size]["step_cases"]:
         port = str(_free_port())
         args = [sys.executable, str(BENCH / "gpu_parts.py"), "ddp-step", "--case", case, *SIZES[ctx.size]["step"]]
         procs = []
@@ -212,9 +215,9 @@ def _fmt(r: dict[str, Any], key: str, spec: str = ".2f") -> str:
 def part_long(ctx: Ctx) -> list[str]:
     rows = ["| tokens | mode | s/step | vs stock | peak GiB | features that ran |", "|---:|---|---:|---:|---:|---|"]
     record: list[dict[str, Any]] = []
-    for seq in SIZES[ctx.size]["long_seqs"]:
+    for seq, modes in SIZES[ctx.size]["long"].items():
         base = None
-        for mode in ("stock", "auto") + (("hf_ddpfix",) if seq == 32768 else ()):
+        for mode in modes:
             r = _trial(ctx, mode, seq, steps=3 if seq <= 8192 else 2, profile=mode == "hf_ddpfix")
             record.append(r)
             base = base or r

@@ -7,13 +7,12 @@ One test, five invocations of the suite (under ``python -m coverage`` where cove
 
 1. the dry run (every part, toy sizes): each part reaches its rows, the rows show the set-ups they claim (stock
    DDP ``find_unused_parameters=True`` vs hf_ddpfix's fast path; the stand-in's peak read for a trial of the
-   32K tokens it stands for, 36.00 GiB; the ladder climbing 32K -> its OOM at 64K for Llama and stopping at the
-   first rung for Qwen3; the FSDP part with the plan's units: more units sharded than folded, the dummy run on the
-   text-only step only when sharded) — its CPU-seconds (suite + workers) under 240, i.e. under 2 minutes on an idle
-   2-core CPU (the wall time on a shared machine is printed, not asserted);
-2. a starved run (``--budget-s 60 --share step=0.01,ladder=0.01,offload=0.01,fsdp=0.01``): the part whose share no
-   longer fits is skipped (``long``), every other part's workers are stopped at the end of their share and their
-   rows say so, the ladder stops on its share;
+   32K tokens it stands for, 36.00 GiB; the ladder climbing 32K -> its OOM at 64K; the FSDP part with the plan's units: more units sharded than folded, the dummy run on the
+   text-only step only when sharded) — its CPU-seconds (suite + workers) under 120, so under 2 minutes on an idle
+   CPU (the wall time on a shared machine is printed, not asserted);
+2. a starved run (``--budget-s 60 --share step=0,ladder=0,offload=0,fsdp=0``): the part whose share no longer fits
+   is skipped (``long``), every other part's workers are stopped at the end of their share (1 s) and their rows say
+   so, the ladder stops on its share before its first rung;
 3-5. refusals: an unknown part, no CUDA device without ``--dry-run``, the stand-in without ``--dry-run``.
 
 With coverage installed, the combined report of benchmarks/gpu_suite.py must show every line and every branch run
@@ -76,17 +75,16 @@ def test_dry_run_takes_every_branch(tmp_path):
     for title in ("a. Stock vs hf_ddpfix", "b. Long context", "c. Longest LoRA", "d. Activation offload",
                   "e. FSDP2 VLM units"):
         assert f"### {title}" in text, title
-    assert not re.search(r"failed:|cut off|Not run:|not measured", text), text
-    # a: stock DDP is find_unused_parameters=True; hf_ddpfix's fast path ran (fu=False, static graph)
+    assert not re.search(r"\| failed: |cut off \(|Not run:|offload: not measured", text), text
+    # a (the dry run keeps the VLM case): stock DDP is find_unused_parameters=True; hf_ddpfix's fast path ran
     step = [ln for ln in text.splitlines() if ln.startswith(("| text |", "| vlm |"))]
-    assert len(step) == 2 and all("fu=True, static=False | fu=False, static=True" in ln for ln in step), step
-    # b: the three modes at 32K; the stand-in's peak read (20 GiB + 0.5 GiB per 1K of the 32K tokens stood for)
+    assert len(step) == 1 and all("fu=True, static=False | fu=False, static=True" in ln for ln in step), step
+    # b: stock and every feature at 32K; the stand-in's peak read (20 GiB + 0.5 GiB per 1K of the 32K stood for)
     long_rows = re.findall(r"^\| 32768 \| (stock|auto|hf_ddpfix) \| [\d.]+ \| .* \| 36\.00 \|", text, re.M)
-    assert sorted(long_rows) == ["auto", "hf_ddpfix", "stock"], text
+    assert sorted(long_rows) == ["hf_ddpfix", "stock"], text
     assert "long_context" in text and "top ops by device time)" in text and "no profile recorded" not in text
-    # c: the climb to the first OOM under the cap: Llama trains 32K (peak read), OOM at 64K; Qwen3 OOM at 32K
+    # c: the climb to the first OOM under the cap: Llama trains 32K (its peak read), OOM at 64K
     assert "| Llama-8B LoRA r16, all features | 80 GB | 32,768 | 36.00 | 65,536 | OOM |" in text, text
-    assert "| Qwen3-8B LoRA r16, all features | 80 GB | none | - | 32,768 | OOM |" in text, text
     # e: the plan's units: sharding makes more units than folding, and only then the text-only step runs the dummy
     fsdp = {m[0]: (int(m[1]), int(m[2])) for m in
             re.findall(r"^\| (fold|shard) \| (\d+) \|(?: [\d.]+ \|){3} [\d.-]+ \| (\d+) \|", text, re.M)}
@@ -94,13 +92,14 @@ def test_dry_run_takes_every_branch(tmp_path):
 
     starved = tmp_path / "starved.md"
     rc, out = _suite(["--dry-run", "--md", str(starved), "--budget-s", "60", "--share",
-                      "step=0.01,ladder=0.01,offload=0.01,fsdp=0.01"], data, timeout=300)
+                      "step=0,ladder=0,offload=0,fsdp=0"], data, timeout=300)
     assert rc == 0, out[-6000:]
     text = starved.read_text()
     assert re.search(r"### b\. Long context.*\n\nNot run: \d+s of the budget left, the part's share is 390s", text), text
-    assert text.count("cut off (its share)") >= 2 and "offload: not measured (cut off (its share))" in text, text
+    assert "| vlm | 2 | - | - | cut off (its share) |" in text, text
+    assert "offload: not measured (cut off (its share))" in text, text
     assert re.search(r"\| fold \| cut off \(its share\) \|", text), text
-    assert "| Qwen3-8B LoRA r16, all features | 80 GB | none | - | - | its share" in text, text
+    assert "| Llama-8B LoRA r16, all features | 80 GB | none | - | - | its share" in text, text
 
     for args, env, said in ((["--parts", "nope"], {}, "unknown ['nope']"), ([], {}, "no CUDA device"),
                             ([], {"GPU_SUITE_STAND_IN": '{"name": "x"}'}, "the stand-in device is for --dry-run")):
@@ -115,4 +114,4 @@ def test_dry_run_takes_every_branch(tmp_path):
         print(rep.stdout)
         assert re.search(r"gpu_suite\.py\s+\d+\s+0\s+\d+\s+0\s+100%", rep.stdout), rep.stdout
     # < 2 min on an idle 2-core CPU: its CPU-seconds (load-independent, unlike the wall time on a shared machine)
-    assert cpu < 240, f"the dry run used {cpu:.0f} CPU-seconds (> 2 min on 2 idle cores)"
+    assert cpu < 120, f"the dry run used {cpu:.0f} CPU-seconds (> 2 min on an idle CPU)"
