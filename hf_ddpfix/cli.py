@@ -35,7 +35,7 @@ from collections.abc import Mapping, Sequence
 from importlib import metadata
 from typing import Any
 
-from ._advice import GiB, ModelInfo, describe_model, qlora_advice, recommend_launch
+from ._advice import GiB, qlora_advice, recommend_launch
 
 _PACKAGES = ("torch", "transformers", "accelerate", "peft", "trl", "datasets", "bitsandbytes", "deepspeed",
              "hf-ddpfix")
@@ -159,36 +159,14 @@ def _backends() -> dict[str, bool]:
 # ----------------------------------------------------------------------------------------------------
 
 
-def _json_kwargs(text: str | None) -> dict[str, Any]:
-    if not text:
-        return {}
-    try:
-        value = json.loads(text)
-    except json.JSONDecodeError as e:
-        raise SystemExit(f"hf-ddpfix: --config-kwargs is not valid JSON: {e}") from None
-    if not isinstance(value, dict):
-        raise SystemExit("hf-ddpfix: --config-kwargs must be a JSON object")
-    return value
-
-
-def _model_info(args: argparse.Namespace) -> tuple[ModelInfo | None, str | None]:
-    if args.model:
-        try:
-            return describe_model(args.model, _json_kwargs(args.config_kwargs)), None
-        except ValueError as e:
-            if args.params is None:
-                return None, str(e)
-    if args.params is not None:
-        return ModelInfo(f"--params {args.params:g}", "size only", int(args.params), None, None, None, False, False), None
-    return None, None
-
-
 def _doctor(args: argparse.Namespace) -> int:
     import torch
 
     report: dict[str, Any] = {"versions": _versions(), "devices": _devices(), "distributed": _backends(),
                               "env": check_env()}
-    info, model_error = _model_info(args)
+    from .offline_plan import model_info
+
+    info, model_error = model_info(args)
     report["model"] = dataclasses.asdict(info) if info else None
     if info is not None and args.config_kwargs:
         report["config_kwargs"] = args.config_kwargs  # the size is the user's, not a default config's

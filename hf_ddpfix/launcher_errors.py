@@ -10,7 +10,8 @@ before).
 
 Guarantees (tests/test_launcher_errors.py): writes only when a launcher asked for it (`TORCHELASTIC_ERROR_FILE`
 set) and no error was recorded there yet (the first error of a worker wins); an error raised alike on every rank
-is recorded by rank 0 only, so the summary says it once; never raises; changes nothing else
+is recorded by each node's local rank 0 only (every node's launcher prints its own summary: one line per node,
+never a bare ``exitcode: 1`` on the nodes after the first); never raises; changes nothing else
 (the exception is re-raised by the caller unchanged). Without a launcher (plain `python`) it does nothing: the
 traceback is then the last thing printed anyway.
 """
@@ -40,16 +41,18 @@ def report_to_launcher(exc: BaseException, same_on_every_rank: bool | None = Non
 
     Args:
         same_on_every_rank: the error is raised alike on every rank (a setting, a plan, a refusal: default for a
-            `ValueError` such as `PlanError`, and `SystemExit`), so only rank 0 records it and the summary says
-            it once (its "Root Cause"; the other ranks' entries show no traceback). Otherwise (e.g. a collective
-            error seen by one rank) every rank records its own.
+            `ValueError` such as `PlanError`, and `SystemExit`), so only each node's local rank 0 records it and
+            that node's summary says it once (its "Root Cause"; the other ranks' entries show no traceback). Each
+            node's launcher summarises only its own workers, so keying this on the global ``RANK`` left every node
+            but the first with a bare ``exitcode: 1``. Otherwise (e.g. a collective error seen by one rank) every
+            rank records its own.
     """
     path = os.environ.get("TORCHELASTIC_ERROR_FILE")
     if not path or os.path.exists(path):
         return False
     if same_on_every_rank is None:
         same_on_every_rank = isinstance(exc, (ValueError, SystemExit))
-    if same_on_every_rank and os.environ.get("RANK", "0") not in ("", "0"):
+    if same_on_every_rank and os.environ.get("LOCAL_RANK", os.environ.get("RANK", "0")) not in ("", "0"):
         return False
     text = str(exc) if isinstance(exc, SystemExit) else f"{type(exc).__name__}: {exc}"  # a refusal: its message
     data = {"message": {"message": text, "extraInfo": {"py_callstack": text + "\n",

@@ -13,13 +13,40 @@ Guarantee: for the same model and launch, the plan built here prints the run's p
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from typing import Any
 
-from ._advice import ModelInfo
+from ._advice import ModelInfo, describe_model
 
-__all__ = ["DEFAULT_FSDP_CONFIG", "OfflinePlan", "build_facts", "fsdp_layout", "launch_config", "meta_model",
-           "model_line", "plan_offline"]
+__all__ = ["DEFAULT_FSDP_CONFIG", "OfflinePlan", "build_facts", "fsdp_layout", "json_kwargs", "launch_config",
+           "meta_model", "model_info", "model_line", "plan_offline"]
+
+def json_kwargs(text: str | None) -> dict[str, Any]:
+    """``--config-kwargs``: a JSON object of config overrides (``{}`` when not given); bad JSON exits naming the flag."""
+    if not text:
+        return {}
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise SystemExit(f"hf-ddpfix: --config-kwargs is not valid JSON: {e}") from None
+    if not isinstance(value, dict):
+        raise SystemExit("hf-ddpfix: --config-kwargs must be a JSON object")
+    return value
+
+
+def model_info(args: argparse.Namespace) -> tuple[ModelInfo | None, str | None]:
+    """``(info, error)``: ``--model`` described from its config, else ``--params`` alone, else ``(None, None)``."""
+    if args.model:
+        try:
+            return describe_model(args.model, json_kwargs(args.config_kwargs)), None
+        except ValueError as e:
+            if args.params is None:
+                return None, str(e)
+    if args.params is not None:
+        return ModelInfo(f"--params {args.params:g}", "size only", int(args.params), None, None, None, False, False), None
+    return None, None
+
 
 class OfflinePlan:
     """What :func:`plan_offline` returns: ``info`` (the model's description), ``model`` (meta device, the LoRA
@@ -163,13 +190,12 @@ def meta_model(args: argparse.Namespace) -> tuple[ModelInfo | None, Any, str | N
     """``(info, model, error)``: ``--model`` built on the meta device in ``--dtype``, with a LoRA adapter on
     ``--lora-targets`` (peft's ``get_peft_model``), or ``--params`` alone (no model)."""
     from ._advice import build_meta_model, describe_built
-    from .cli import _json_kwargs, _model_info
 
     if not args.model:
-        info, error = _model_info(args)
+        info, error = model_info(args)
         return info, None, error
     try:
-        config, model = build_meta_model(args.model, _json_kwargs(args.config_kwargs), args.dtype)
+        config, model = build_meta_model(args.model, json_kwargs(args.config_kwargs), args.dtype)
     except ValueError as e:
         return None, None, str(e)
     info = describe_built(args.model, config, model)

@@ -14,7 +14,7 @@ scripts under ``tests/scripts`` insert it themselves (``sys.path.insert(0, <test
   :func:`build_deepspeed_shm_op` and config :func:`zero_config`; a Trainer with samples in order
   :func:`in_order`; a multi-case script's end :func:`finish_suite`; comparing ranks and references:
   :func:`trainable_weights`, :func:`flat_trainable`, :func:`weights_digest`, :func:`max_diff_across_ranks`,
-  :func:`assert_same_across_ranks`, :func:`assert_weights_equal`;
+  :func:`assert_same_across_ranks`, :func:`assert_weights_equal`, :func:`prediction_diff`;
   FSDP2 and tiling: :func:`shard_decoder`, :func:`tiled_stats`; DDP micro-batches: :func:`accumulate`;
   a script's verdict: :class:`Verdicts`.
 """
@@ -312,6 +312,20 @@ def assert_same_across_ranks(weights: dict[str, torch.Tensor], what: str) -> Non
     out: list[str | None] = [None] * dist.get_world_size()
     dist.all_gather_object(out, weights_digest(weights))
     assert len(set(out)) == 1, f"{what}: replicas differ: {out}"
+
+
+def prediction_diff(got, ref) -> float:
+    """The largest ``|got - ref|`` of two ``Trainer.predict()`` outputs (the gathered, padded logits: numpy arrays
+    or tensors, nested tuples compared element-wise). Shapes must match (a rank's rows missing or doubled is an
+    ``AssertionError``, not a small difference)."""
+    import numpy as np
+
+    if isinstance(got, (tuple, list)):
+        assert isinstance(ref, (tuple, list)) and len(got) == len(ref), (type(got), type(ref))
+        return max((prediction_diff(a, b) for a, b in zip(got, ref, strict=True)), default=0.0)
+    a, b = np.asarray(got, dtype=np.float64), np.asarray(ref, dtype=np.float64)
+    assert a.shape == b.shape, (a.shape, b.shape)
+    return float(np.abs(a - b).max()) if a.size else 0.0
 
 
 def assert_weights_equal(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor], what: str,

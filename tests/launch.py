@@ -102,6 +102,12 @@ def torchrun(script: str | Path, *args: str, nproc: int = 2, timeout: float = 18
     `launcher="auto"` forks the ranks from a server that has imported torch and transformers already
     (tests/forklaunch.py: the same ranks, ~14 s less CPU per launch) whenever that is equivalent, else runs
     the real torchrun; `launcher="torchrun"` always runs it (tests of the launcher's own output).
+
+    A forked rank leaves by ``os._exit`` after Python's own shutdown steps, so C++ static destructors never run
+    there: gloo's intermittent abort at exit ("terminate called ...") cannot show in a forked launch. The launches
+    that prove a clean exit run under the real launchers: the examples (tests/test_examples_launched.py,
+    tests/test_example_vlm.py: ``accelerate launch``) and the two-node runs of the text and VLM training scripts
+    (tests/test_multinode.py: one ``torch.distributed.run`` per node).
     """
     path = str(SCRIPTS / script if not Path(script).is_absolute() else script)
     if launcher not in ("auto", "torchrun"):
@@ -235,11 +241,12 @@ _FORK = _ForkServer()
 
 
 def torchrun_nodes(script: str | Path, *args: str, nnodes: int = 2, timeout: float = 240,
-                   env: dict[str, str] | None = None) -> list[subprocess.CompletedProcess]:
+                   env: dict[str, str] | None = None, check: bool = True) -> list[subprocess.CompletedProcess]:
     """Run `script` as `nnodes` localhost "nodes" of one process each: one `torch.distributed.run` launcher
     per node (`--nnodes`, `--node_rank`, c10d rendezvous on 127.0.0.1:<free port>), as a multi-node job is
-    launched. Same contract as :func:`torchrun` (hard timeout over all launchers, every output on failure);
-    returns the launchers' finished processes in node order."""
+    launched. Same contract as :func:`torchrun` (hard timeout over all launchers, every output on failure;
+    ``check=False``: a non-zero exit is returned, not failed); returns the launchers' finished processes in node
+    order."""
     import pytest
 
     port = free_port()
@@ -264,7 +271,7 @@ def torchrun_nodes(script: str | Path, *args: str, nnodes: int = 2, timeout: flo
                         + "\n".join(o[-3000:] for o in outs + rest))
         outs.append(out)
     done = [subprocess.CompletedProcess(p.args, p.returncode, o, "") for p, o in zip(procs, outs, strict=True)]
-    if any(d.returncode for d in done):
+    if check and any(d.returncode for d in done):
         pytest.fail(f"{script} on {nnodes} nodes exited {[d.returncode for d in done]}\n"
                     + "\n".join(d.stdout[-4000:] for d in done))
     return done

@@ -6,7 +6,9 @@
   text-only rank) and Qwen3-MoE (routing) train, evaluate and predict with image and text-only ranks mixed; the
   model is really FSDP2-wrapped (``FSDP<Class>``, several units), the plan chose the units (Gemma 3 / LLaVA /
   Aya Vision name classes they lack), and the final weights equal stock DDP's (``find_unused_parameters=True``,
-  same data, ddp_cpu.yaml) within ``TOL``;
+  same data, ddp_cpu.yaml) within ``TOL``, and ``predict()``'s gathered logits (not only its loss) within
+  ``PRED_TOL`` (measured 0 to 3.6e-6 at 2 processes, <= 1.5e-6 at 4, 2026-12-02; ``PRED_TOL = 1e-7`` fails on 14
+  of 18 families, so the comparison can fail);
 - Qwen2.5-VL and Gemma 3 are loaded as users load them (saved, then ``from_pretrained`` + ``PeftModel.from_pretrained``
   under fsdp.yaml's environment, ``cpu_ram_efficient_loading`` included), the others built from their configs;
 - ``generate()`` after training (Qwen2.5-VL, Gemma 3, LLaVA, Qwen3-MoE): an image prompt on rank 0, a text-only one
@@ -51,6 +53,7 @@ import sys
 
 import pytest
 import torch
+from fixtures import prediction_diff
 from launch import ROOT, accelerate_launch, fsdp_device_env
 
 SCRIPT = ROOT / "tests" / "scripts" / "fsdp_trainer.py"
@@ -65,6 +68,7 @@ TOL = 1.5e-7
 # 4 processes: stock FSDP2 itself differs from stock DDP by 1.97e-7 on Llama (4 shards: another summation order;
 # hf_ddpfix's FSDP2 run equals stock FSDP2's bit for bit there), Qwen2.5-VL 1.2e-7 (measured 2026-11-27): ~2x
 TOL4 = 4e-7
+PRED_TOL = 1e-5  # predict() logits (gathered) vs stock DDP: measured 0 to 3.6e-6 (Qwen3; 2026-12-02, 18 families)
 GENERATE = "qwen2_5_vl,gemma3,llava,qwen3_moe"  # also generate(): image and text ranks, 3 and 6 new tokens
 SAVED = "qwen2_5_vl,gemma3"  # saved, then from_pretrained (fsdp.yaml's cpu_ram_efficient_loading); the rest built
 OFFLINE = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
@@ -142,6 +146,9 @@ def test_vlms_train_evaluate_predict_under_trainer_fsdp2_like_stock_ddp(tmp_path
             assert never and all(torch.equal(ours["weights"][k], init[k]) for k in never), never
         for key in ("eval_loss", "predict_loss"):
             assert abs(ours[key] - ref[key]) <= 1e-5, (name, key, ours[key], ref[key])
+        pred = prediction_diff(ours["predictions"], ref["predictions"])  # the gathered logits, not only the loss
+        print(f"predict() logits vs stock DDP: {name} {pred:.2e}")
+        assert pred <= PRED_TOL, f"{name}: predict() logits differ from stock DDP's by {pred:.2e} > {PRED_TOL:.0e}"
         if name in LAYERDROP:  # the ranks ran different layers (training forwards per layer), as in the stock run
             calls = ours["layer_calls"]
             assert calls == ref["layer_calls"] and calls[0] != calls[1], (name, calls, ref["layer_calls"])
@@ -186,3 +193,6 @@ def test_four_processes_text_and_vlm_under_trainer_fsdp2_like_stock_ddp(tmp_path
         assert max((ref["weights"][k] - init[k]).abs().max().item() for k in init) > 1e3 * TOL4, name
         for key in ("eval_loss", "predict_loss"):
             assert abs(ours[key] - ref[key]) <= 1e-5, (name, key, ours[key], ref[key])
+        pred = prediction_diff(ours["predictions"], ref["predictions"])  # the gathered logits, not only the loss
+        print(f"predict() logits vs stock DDP: {name} {pred:.2e}")
+        assert pred <= PRED_TOL, f"{name}: predict() logits differ from stock DDP's by {pred:.2e} > {PRED_TOL:.0e}"

@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from launch import torchrun
+from launch import torchrun, torchrun_nodes
 
 from hf_ddpfix.config import DDPFixConfig
 from hf_ddpfix.launcher_errors import is_known_error, report_to_launcher
@@ -40,8 +40,14 @@ def test_report_writes_the_error_file_once_and_only_under_a_launcher(tmp_path, m
     assert json.loads(path.read_text())["message"]["message"] == "refused: give --output-dir"
     path.unlink()
     monkeypatch.setenv("RANK", "1")  # a setting's error is alike on every rank: rank 0 says it; a rank's own is its own
+    monkeypatch.setenv("LOCAL_RANK", "1")
     assert report_to_launcher(PlanError("x")) is False and report_to_launcher(SystemExit("x")) is False
     assert report_to_launcher(RuntimeError("rank 1's collective failed")) is True and path.exists()
+    path.unlink()
+    monkeypatch.setenv("RANK", "8")  # the second node's first process: its launcher's summary needs the reason too
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    assert report_to_launcher(PlanError("node 1 says it too")) is True and path.exists()
+    path.unlink()
     monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", str(tmp_path / "missing-dir" / "error.json"))
     assert report_to_launcher(PlanError("x")) is False  # never raises
 
@@ -71,3 +77,18 @@ def test_a_refusal_is_the_last_thing_a_torchrun_user_reads(tmp_path):
     assert "Root Cause" in out[out.rindex("Failures:"):], out[-3000:]
     assert sum(MESSAGE in ln for ln in summary) == 1, "\n".join(summary)  # once, with the allowed values
     assert MESSAGE in "\n".join(summary[-4:]), "\n".join(summary)  # in the Root Cause, at the very end
+
+
+@pytest.mark.multiprocess
+def test_a_refusal_ends_every_nodes_launcher_summary(tmp_path):
+    """Two localhost "nodes" of one process (one launcher each): both launchers' summaries end with the reason,
+    not a bare ``exitcode: 1`` on the node whose worker is global rank 1 (issue 49, item 5). Shown failing once
+    with the check keyed on the global ``RANK`` again (node 1's summary: 0 lines with the message)."""
+    script = tmp_path / "train.py"
+    script.write_text(SCRIPT)
+    done = torchrun_nodes(script, env={"HF_DDPFIX_DISABLE": "banana"}, timeout=180, check=False)
+    for node, d in enumerate(done):
+        out = d.stdout
+        assert d.returncode != 0 and "PATCHED" not in out, out[-3000:]
+        summary = out[out.rindex("Failures:"):].splitlines() if "Failures:" in out else []
+        assert sum(MESSAGE in ln for ln in summary) == 1, f"node {node}:\n" + out[-3000:]

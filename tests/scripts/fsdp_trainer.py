@@ -258,7 +258,8 @@ def run(name: str, mode: str, out: str, saved: bool = False, generate: bool = Fa
         dist.all_gather_object(generated, mine)
     if trainer.is_world_process_zero():
         torch.save({"weights": weights, "eval_loss": metrics["eval_loss"],
-                    "predict_loss": predicted.metrics["test_loss"], "wrapped": type(trainer.model).__name__,
+                    "predict_loss": predicted.metrics["test_loss"], "predictions": torch.as_tensor(predicted.predictions),
+                    "wrapped": type(trainer.model).__name__,
                     "units": units, "generated": generated, "layer_calls": calls,
                     "ties": ties}, os.path.join(out, f"{mode}{'' if wrap == 'plan' else '-' + wrap}-{name}.pt"))
         print(f"[{mode}] {name}: {type(trainer.model).__name__}, {len(units)} FSDP2 units, eval_loss "

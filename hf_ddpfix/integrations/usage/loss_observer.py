@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
@@ -22,25 +22,9 @@ from ..._compat import is_ddp_sink_node
 from ...ops import feature_counts
 from ...ops.autograd_reach import reachable_leaf_ids_split
 from ...ops.zero_tie import ZeroTie, is_zero_tie_node
+from .step import StepRecord
 
-if TYPE_CHECKING:
-    from .step import StepRecord
-
-__all__ = ["UnitTies", "observe_loss"]
-
-
-class UnitTies:
-    """The ties FSDP2 units made in the training forwards since the last loss seen at backward: per tie its
-    autograd node, the tensors tied (the unsharded parameters the unit's graph holds, which FSDP2 reduce-scatters
-    from) and the witness (the autograd nodes of the unit's output tensors in that forward, before the tie: which
-    outputs a loss is built from is the trainer's code, the same on every rank, not what a rank used)."""
-
-    def __init__(self) -> None:
-        self.pending: list[tuple[Any, list[torch.Tensor], set[Any]]] = []
-
-    def add(self, tied: torch.Tensor, extras: list[torch.Tensor], witness: set[Any]) -> None:
-        if extras and tied.grad_fn is not None:
-            self.pending.append((tied.grad_fn, list(extras), set(witness)))
+__all__ = ["observe_loss"]
 
 
 def observe_loss(loss: Any, step: StepRecord, index: Callable[[], dict[int, int]]) -> tuple[float | None, Any]:

@@ -10,9 +10,23 @@ from __future__ import annotations
 
 from typing import Any
 
-from .loss_observer import UnitTies
+import torch
 
-__all__ = ["StepRecord"]
+__all__ = ["StepRecord", "UnitTies"]
+
+
+class UnitTies:
+    """The ties FSDP2 units made in the training forwards since the last loss seen at backward: per tie its
+    autograd node, the tensors tied (the unsharded parameters the unit's graph holds, which FSDP2 reduce-scatters
+    from) and the witness (the autograd nodes of the unit's output tensors in that forward, before the tie: which
+    outputs a loss is built from is the trainer's code, the same on every rank, not what a rank used)."""
+
+    def __init__(self) -> None:
+        self.pending: list[tuple[Any, list[torch.Tensor], set[Any]]] = []
+
+    def add(self, tied: torch.Tensor, extras: list[torch.Tensor], witness: set[Any]) -> None:
+        if extras and tied.grad_fn is not None:
+            self.pending.append((tied.grad_fn, list(extras), set(witness)))
 
 
 class StepRecord:
