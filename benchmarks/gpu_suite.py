@@ -174,12 +174,13 @@ def part_step(ctx: Ctx) -> list[str]:
                                           cwd=ROOT, start_new_session=True))
         outs = []
         for p in procs:
+            timeout = ctx.timeout()
             try:
-                outs.append(p.communicate(timeout=ctx.timeout())[0])
+                outs.append(p.communicate(timeout=timeout)[0])
             except subprocess.TimeoutExpired:
                 for q in procs:
                     q.kill()
-                outs.append(p.communicate()[0] + "\nTIMEOUT")
+                outs.append(p.communicate()[0] + f"\nTIMEOUT after {timeout:.0f}s")
         r = _json_line(outs[0], "RESULT ")
         if r is None:
             rows.append(f"| {case} | 2 | - | - | {_why(''.join(outs))} | | |")
@@ -247,7 +248,7 @@ def part_ladder(ctx: Ctx) -> list[str]:
         while True:
             left = deadline - time.monotonic()
             if left <= 0 or left < growth * last_wall:
-                stop, failed = f"its share ({left:.0f} s left, the next rung needs ~{growth * last_wall:.0f} s)", "-"
+                stop, failed = f"its share ({max(0.0, left):.0f} s left, the next rung needs ~{growth * last_wall:.0f} s)", "-"
                 break
             r = _trial(ctx, "hf_ddpfix", seq, steps=1, family=family, cap_gib=LADDER_CAP_GIB)
             rungs.append({**r, "tokens": seq})
