@@ -102,7 +102,8 @@ def test_dry_run_takes_every_branch(tmp_path):
     assert "| Llama-8B LoRA r16, all features | 80 GB | none | - | - | its share" in text, text
 
     for args, env, said in ((["--parts", "nope"], {}, "unknown ['nope']"), ([], {}, "no CUDA device"),
-                            ([], {"GPU_SUITE_STAND_IN": '{"name": "x"}'}, "the stand-in device is for --dry-run")):
+                            ([], {"GPU_SUITE_STAND_IN": '{"name": "x", "total_gib": 80, "base_gib": 1, "gib_per_ktok": 0.1}'},
+                             "the stand-in device is for --dry-run")):
         rc, out = _suite(args, data, env, timeout=120)
         assert rc == 2 and said in out, (args, out[-2000:])
 
