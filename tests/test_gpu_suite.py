@@ -16,8 +16,10 @@ One test, five invocations of the suite (under ``python -m coverage`` where cove
 3-5. refusals: an unknown part, no CUDA device without ``--dry-run``, the stand-in without ``--dry-run``.
 
 With coverage installed, the combined report of benchmarks/gpu_suite.py must show every line and every branch run
-(100 %). Shown failing (2026-12-02): with the budget-skip test back under ``not ctx.dry`` (the old dry run) the
-starved run does not skip ``long`` (the assertion on "Not run") and coverage reports the skip lines missing.
+(100 %). Shown failing (2026-12-02): with the budget skip back under ``not a.dry_run`` (the old dry run) a starved
+``--parts offload --budget-s 1`` run ran the part instead of skipping it (no "Not run" row: the assertion on
+``long``'s row fails); the first coverage run reported one partial branch (``__main__``'s import arc, now excluded
+with a pragma) and the check failed on it.
 The budget holds the parts' shares with a margin (:data:`gpu_suite.SHARES_TOTAL_S` <= 0.9 x the default budget).
 """
 
