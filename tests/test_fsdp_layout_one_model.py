@@ -142,7 +142,12 @@ def test_rehearsal_projection_equals_the_plan(family, root, capsys, monkeypatch)
     assert state > 0 and abs(state - r_state) <= 0.01 * state, (state, r_state)  # the LoRA mapped back
     assert "carried over from the real-size plan" in projected
     if family == "mllama_90b":  # the case: the real plan shards (146 units, a small root), never folds 18 B
-        assert "fsdp_skippable = shard" in projected and units > 100 and peak < 30, projected
+        assert re.search(r"fsdp_skippable\s+= shard", projected) and units > 100, projected
+        import accelerate
+        from packaging.version import Version
+
+        if Version(accelerate.__version__) >= Version("1.15"):  # older: embedding and head stay in the root
+            assert peak < 30, projected  # 24.17 GiB measured; the old always-fold projection said 58 GiB
 
 
 def test_the_rehearsal_runs_the_real_launchs_fold_or_shard(root, monkeypatch, tmp_path):
