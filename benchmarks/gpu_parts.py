@@ -10,12 +10,11 @@ branch, seconds; no figure from it means anything). Every worker prints one line
   Cases: ``text`` (a Llama-3.2-1B-shaped LoRA, variable lengths, GA 1) and ``vlm`` (a Qwen2.5-VL-3B-shaped
   LoRA including the tower, rank 0 an image, rank 1 text only). Stock and patched alternate in pairs on the
   same weights and data; the figure is the median over pairs of patched / stock.
-- ``fsdp-layout``: the per-rank peak memory of one FSDP2 training step of a Llama-3.2-11B-Vision-shaped model
-  (LoRA on the language model) with the skippable subtrees (tower, cross-attention layers) folded into the
-  root unit vs sharded as units of their own (``fsdp_wrap_plan(model, fold_skippable=...)``), at world size 8
-  simulated in one process with torch's fake process group: collectives are no-ops, every buffer FSDP2
-  allocates for them is real, so ``max_memory_allocated`` is rank 0's of an 8-GPU job (the values computed
-  are not; only memory is reported).
+- ``fsdp-layout``: one FSDP2 training run of a Llama-3.2-11B-Vision-shaped LoRA model, rank 0 of 8 simulated in one
+  process with torch's fake process group (collectives are no-ops, every buffer FSDP2 allocates for them is real,
+  so the peak is rank 0's of an 8-GPU job; the values computed are not), with the plan's units for a forced
+  ``fsdp_skippable`` (fold / shard) and the plan's dummy, alternating image and text-only batches
+  (:func:`fsdp_layout`).
 """
 
 from __future__ import annotations
@@ -30,7 +29,7 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(ROOT)]
+sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks")]
 
 GIB = 1 << 30
 
@@ -261,64 +260,83 @@ def _mllama_batch(size: str, device: Any) -> dict[str, Any]:
 
 
 def fsdp_layout(a: argparse.Namespace) -> None:
-    """Rank 0 of a simulated 8-rank FSDP2 step (fake process group), one layout per process."""
-    import torch
-    import torch.distributed as dist
-    from peft import LoraConfig, get_peft_model
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-    from torch.testing._internal.distributed.fake_pg import FakeStore
-    from transformers import MllamaConfig, MllamaForConditionalGeneration
+    """Rank 0 of a simulated 8-rank FSDP2 training run (fake process group) with the PLAN's units: ``hf-ddpfix
+    plan``'s computation (``offline_plan.plan_offline`` with ``--set fsdp_skippable=<mode>``) gives the unit classes
+    and the projected bytes (the one layout model, ``integrations/fsdp/scale.py``); accelerate's own
+    ``fsdp2_prepare_model`` shards the model with those classes (``_compat.prepare_like_accelerate``, as the run's
+    applier hands them to accelerate), the run's dummy is attached where the plan turns it on (``vlm_stabilizer``:
+    ``integrations.fsdp.dummy.attach_fsdp_dummy``), and the steps alternate an image batch and a text-only batch,
+    so the shard layout's text-only step runs the cross-attention dummy. One mode per process."""
+    import contextlib
+    import tempfile
 
-    from hf_ddpfix.integrations.fsdp.wrap import fsdp_wrap_plan
+    import torch
+    from stand_in_device import device
+    from transformers import MllamaConfig
+
+    from hf_ddpfix import cli, offline_plan
+    from hf_ddpfix._compat import (
+        fake_process_group,
+        fsdp_groups,
+        prepare_like_accelerate,
+        set_fsdp_wrap_classes,
+    )
+    from hf_ddpfix.integrations.fsdp.dummy import attach_fsdp_dummy
+    from hf_ddpfix.integrations.fsdp.scale import UNSHARDED
+    from hf_ddpfix.plan.fsdp import fsdp_unit_classes, fsdp_units_ours
 
     size = "dry" if a.dry else "gpu"
-    cuda = torch.cuda.is_available() and not a.dry
-    dev = torch.device("cuda", 0) if cuda else torch.device("cpu")
-    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=a.world)
-    mesh = init_device_mesh(dev.type, (a.world,))
+    d = device()  # CUDA, or the GPU suite's stand-in device (dry run: tensors on the CPU)
+    cuda = d is not None and not d.stand_in
+    dev = d.torch_device if cuda else torch.device("cpu")
     s = MLLAMA[size]
-    cfg = MllamaConfig(vision_config=s["vision"], text_config=dict(s["text"], use_cache=False))
-    with torch.device("meta"):
-        model = MllamaForConditionalGeneration(cfg).to(torch.bfloat16 if cuda else torch.float32)
-    r = s["lora_r"]
-    model = get_peft_model(model, LoraConfig(r=r, lora_alpha=2 * r,
-                                             target_modules=r".*language_model.*\.(q_proj|v_proj)"))
+    with tempfile.TemporaryDirectory() as tmp:
+        MllamaConfig(vision_config=s["vision"], text_config=dict(s["text"], use_cache=False)).save_pretrained(tmp)
+        args = cli._parser().parse_args([
+            "plan", "--model", tmp, "--parallel", "fsdp", "--world-size", str(a.world), "--dtype",
+            "bfloat16" if cuda else "float32", "--mixed-precision", "bf16" if cuda else "no", "--lora-targets",
+            r".*language_model.*\.(q_proj|v_proj)", "--lora-r", str(s["lora_r"]), "--checkpointing", "non_reentrant",
+            "--set", f"fsdp_skippable={a.skippable}"])
+        done = offline_plan.plan_offline(args)
+    plan, lay, model, plugin = done.plan, done.layout, done.model, done.plugin
+    if fsdp_units_ours(plan.fsdp_units):  # what the run's applier hands accelerate
+        set_fsdp_wrap_classes(plugin, fsdp_unit_classes(plan.fsdp_units))
     model.base_model.model.gradient_checkpointing_enable({"use_reentrant": False})
-    units = fsdp_wrap_plan(model, fold_skippable=a.layout == "folded")
-    total = sum(p.numel() * p.element_size() for p in model.parameters())
-    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if cuda else MixedPrecisionPolicy()
-    unit_bytes = {}
-    for name, mod in units:
-        unit_bytes[name or "<root>"] = sum(p.numel() * p.element_size() for p in mod.parameters())
-        fully_shard(mod, mesh=mesh, mp_policy=mp)
-    model.to_empty(device=dev)
-    with torch.no_grad():
-        for p in model.parameters():
-            local = p.to_local() if hasattr(p, "to_local") else p
-            local.normal_(0.0, 0.02)
-    root_bytes = unit_bytes["<root>"] - sum(v for k, v in unit_bytes.items() if k != "<root>")  # own params only
-    batch = _mllama_batch(size, dev)
-    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-5)
-    if cuda:
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
-    base = torch.cuda.memory_allocated() if cuda else 0
-    t0 = time.perf_counter()
-    for _ in range(a.steps):
-        with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=cuda):
-            loss = model(**batch).loss
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-    if cuda:
-        torch.cuda.synchronize()
-    _result({"part": "fsdp-layout", "layout": a.layout, "size": size, "world": a.world, "units": len(units),
-             "model_gib": total / GIB, "root_own_gib": root_bytes / GIB, "resident_gib": base / GIB,
-             "peak_gib": (torch.cuda.max_memory_allocated() / GIB) if cuda else None,
-             "step_s": (time.perf_counter() - t0) / a.steps, "finite_loss": bool(torch.isfinite(loss).item()),
-             "device": torch.cuda.get_device_name(0) if cuda else "cpu"})
-    dist.destroy_process_group()
+    before_clip: list[Any] = []
+    with fake_process_group(a.world, 0), contextlib.ExitStack() as stack:
+        prepare_like_accelerate(model, plugin, args.mixed_precision)
+        units = len(fsdp_groups(model))
+        model.to_empty(device=dev)
+        with torch.no_grad():
+            for p in model.parameters():
+                (p.to_local() if hasattr(p, "to_local") else p).normal_(0.0, 0.02)
+        dummy = None
+        if plan.vlm_stabilizer.value:  # the plan's dummy (shard): a text-only rank runs tower + cross-attention
+            dummy = attach_fsdp_dummy(model, stack, lambda fn: (before_clip.append(fn), lambda: None)[1])
+        image = _mllama_batch(size, dev)
+        text = {k: image[k] for k in ("input_ids", "labels")}
+        opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-5)
+        if d is not None:
+            d.synchronize()
+            d.reset_peak()
+        t0 = time.perf_counter()
+        for step in range(a.steps):
+            with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=cuda):
+                loss = model(**(image if step % 2 == 0 else text)).loss
+            loss.backward()
+            for fn in before_clip:  # the dummy's step end (gradients no rank used reset), as before clipping
+                fn()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        if d is not None:
+            d.synchronize()
+        step_s = (time.perf_counter() - t0) / a.steps
+    _result({"part": "fsdp-layout", "skippable": plan.fsdp_skippable.value, "size": size, "world": a.world,
+             "units": len([u for u in lay.units if u.name != UNSHARDED]), "units_sharded": units,
+             "root_gib": (lay.root.full_bytes if lay.root else 0) / GIB, "plan_peak_gib": lay.peak_bytes / GIB,
+             "plan_rank_gib": lay.rank_bytes / GIB, "peak_gib": d.peak_bytes() / GIB if d is not None else None,
+             "dummy_runs": getattr(dummy, "dummy_runs", 0), "step_s": step_s,
+             "finite_loss": bool(torch.isfinite(loss).item()), "device": d.name() if d is not None else "cpu"})
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -332,7 +350,7 @@ def main(argv: list[str] | None = None) -> None:
     d.add_argument("--out-dir", default=os.path.join(os.environ.get("TMPDIR", "/tmp"), "hf_ddpfix_gpu_suite"))
     d.add_argument("--dry", action="store_true")
     f = sub.add_parser("fsdp-layout")
-    f.add_argument("--layout", choices=("folded", "sharded"), required=True)
+    f.add_argument("--skippable", choices=("fold", "shard"), required=True, help="the plan's fsdp_skippable, forced")
     f.add_argument("--world", type=int, default=8)
     f.add_argument("--steps", type=int, default=2)
     f.add_argument("--dry", action="store_true")

@@ -1,32 +1,39 @@
-"""Every GPU figure the README and BENCHMARKS.md state, measured by one command in under nine minutes.
+"""Every GPU figure the README and BENCHMARKS.md state, measured by one command within its budget.
 
     python benchmarks/gpu_suite.py                     # on the GPU machine: writes its rows into BENCHMARKS.md
-    python benchmarks/gpu_suite.py --dry-run           # CPU, toy shapes, every branch once, ~1.5 min: CI runs this
+    python benchmarks/gpu_suite.py --dry-run           # CPU: the stand-in device, toy shapes, every branch: CI
 
 A GPU is lent to a session rarely and for ~15 minutes of device time, start-up included, so the suite runs its
-parts **in order of value** and writes each part's rows into BENCHMARKS.md (the section between the
-``GPU-SUITE`` markers, with date, device, torch/CUDA versions and commit) as soon as the part ends: a run cut
-off by the lease still records what it measured. A part whose estimate no longer fits the budget (``--budget-s``,
-default 540 s) is skipped and its row says so. Parts (est. seconds on an H100/H200):
+parts **in order of value**, each within its **share** of seconds (its workers are stopped at the share's end,
+so a part can never eat the next one's time), and writes each part's rows into BENCHMARKS.md (the section between
+the ``GPU-SUITE`` markers, with date, device, torch/CUDA versions and commit) as soon as the part ends: a run cut
+off by the lease still records what it measured. A part whose share no longer fits what is left of the budget
+(``--budget-s``, default 540 s) is skipped and its row says so. The shares add to :data:`SHARES_TOTAL_S` = 470 s,
+13 % under the budget (the margin covers start-up, imports and writing rows); ``--share part=SECONDS`` changes one.
+The shares are estimates for an H100/H200 made without one (no GPU has been lent since 2026-11-25): the first
+GPU run's per-part seconds (printed) are what to set them from. Parts:
 
-a. ``step`` (~150 s): stock vs hf_ddpfix seconds per step through the Trainer, a Llama-3.2-1B LoRA (text) and
+a. ``step`` (130 s): stock vs hf_ddpfix seconds per step through the Trainer, a Llama-3.2-1B LoRA (text) and
    a Qwen2.5-VL-3B LoRA with the tower (mixed image/text ranks), two DDP ranks sharing the GPU over gloo (one GPU
    cannot hold two NCCL ranks; the ratio is honest, the absolute seconds include the other rank's kernels).
-b. ``long`` (~170 s): Llama-8B LoRA at 8K and 32K tokens, stock vs ``auto`` (every memory option ``auto``:
+b. ``long`` (130 s): Llama-8B LoRA at 8K and 32K tokens, stock vs ``auto`` (every memory option ``auto``:
    features only where the memory plan needs them; target <= 1.05x where stock fits), plus every long-context
    feature on at 32K with a torch.profiler trace of its last step (where the extra seconds go).
-c. ``ladder`` (~120 s): Llama-8B and Qwen3-8B LoRA with every feature under an 80 GB cap
-   (``set_per_process_memory_fraction``): peaks at 32K and 64K tokens, and the longest sequence projected from
-   the measured slope (a projection, said so); ``--ladder-to N`` climbs for real until the first OOM (minutes per
-   rung above 128K: not in the nine-minute run).
-d. ``offload`` (~60 s): activation offload vs checkpointing alone at 2K and 16K tokens (``benchmarks/offload.py``).
-e. ``fsdp`` (~80 s): peak memory of one FSDP2 step of a Llama-3.2-11B-Vision-shaped model, tower and
-   cross-attention folded into the root unit vs sharded as units of their own, rank 0 of 8 simulated with torch's
-   fake process group (collectives no-ops, every buffer real).
+c. ``ladder`` (110 s): the longest LoRA sequence under an 80 GB cap (``set_per_process_memory_fraction``), Llama-8B
+   then Qwen3-8B with every feature: the ladder climbs from 32K tokens, doubling, until the first OOM (the row
+   says the longest that trained, its peak, and the first that did not) or until its share is spent (the next
+   rung is started only when the time left exceeds 2.5x the last rung's; the row says so).
+d. ``offload`` (40 s): activation offload vs checkpointing alone at 2K and 16K tokens (``benchmarks/offload.py``).
+e. ``fsdp`` (60 s): one FSDP2 step of a Llama-3.2-11B-Vision-shaped LoRA model, rank 0 of 8 (torch's fake process
+   group: collectives no-ops, every buffer real), with the **plan's** units (``hf-ddpfix plan``'s computation and
+   its layout model, ``fsdp_skippable`` forced to fold, then to shard) and mixed batches (an image step, then a
+   text-only step that runs the cross-attention dummy): units, the plan's projected peak and the measured one.
 
-``--dry-run`` runs every part on the CPU at toy sizes (same scripts, same branches) and writes the rows it would
-write to ``--md`` (default: a temporary file, printed) instead of BENCHMARKS.md; no figure of a dry run means
-anything and none is written to BENCHMARKS.md.
+Every memory read, cap and OOM goes through ``benchmarks/stand_in_device.py``: CUDA here, and in ``--dry-run`` a
+stand-in device on the CPU that reports modelled memory and raises OOM where told, so the budget skip, the share
+stop, the ladder's OOM stop, the memory cap and the peak reads all run in CI (tests/test_gpu_suite.py checks every
+branch of this file runs, with coverage). ``--dry-run`` writes the rows to ``--md`` (default: a temporary file)
+instead of BENCHMARKS.md; no figure of a dry run means anything and none is written to BENCHMARKS.md.
 """
 
 from __future__ import annotations
@@ -36,6 +43,7 @@ import datetime as dt
 import json
 import os
 import platform
+import shutil
 import socket
 import subprocess
 import sys
@@ -48,47 +56,70 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 BENCH = ROOT / "benchmarks"
+sys.path.insert(0, str(BENCH))
+from stand_in_device import DRY_RUN_SPEC, ENV, device  # noqa: E402
+
 BEGIN, END = "<!-- GPU-SUITE-BEGIN -->", "<!-- GPU-SUITE-END -->"
+#: What differs between the GPU run and the dry run: data, not branches (the dry run takes every branch).
+#: ``time_scale``: the dry run's shares and budget are the GPU's x 3 (toy trials on a shared 2-core CPU take
+#: longer than their GPU share would allow; the stand-in reports memory, not time). ``growth``: the ladder starts
+#: a rung only with ``growth`` x the last rung's seconds left (a doubled sequence costs >= 2x; the dry run's CPU
+#: seconds predict nothing, so its ladder stops on OOM or an exhausted share only).
+SIZES: dict[str, dict[str, Any]] = {
+    "gpu": {"time_scale": 1.0, "growth": 2.5, "trial": "--trial", "seq_div": 1, "step": [], "step_cases": ("text", "vlm"),
+            "long": {8192: ("stock", "auto"), 32768: ("stock", "auto", "hf_ddpfix")},
+            "ladder": (("llama", "Llama-8B"), ("qwen3", "Qwen3-8B")), "offload": ["2048", "16384"], "fsdp": []},
+    # the dry run keeps one case of each code path (CPU-seconds: tests/test_gpu_suite.py)
+    "dry": {"time_scale": 3.0, "growth": 0.0, "trial": "--tiny-trial", "seq_div": 64,
+            "step": ["--dry", "--steps", "3", "--warmup", "1", "--pairs", "1"], "step_cases": ("vlm",),
+            "long": {32768: ("stock", "hf_ddpfix")}, "ladder": (("llama", "Llama-8B"),), "offload": ["64"],
+            "fsdp": ["--dry"]},
+}
 
 
 @dataclass
 class Ctx:
-    """What every part gets: the mode, the clock and where results go."""
+    """What every part gets: its sizes (a key of :data:`SIZES`), the budget's and its share's deadlines
+    (``time.monotonic()``) and where results go."""
 
-    dry: bool
+    size: str
     deadline: float
     results: Path
-    ladder_to: int
+    part_deadline: float = 0.0
 
     def left(self) -> float:
         return self.deadline - time.monotonic()
+
+    def part_left(self) -> float:
+        return min(self.part_deadline, self.deadline) - time.monotonic()
+
+    def timeout(self) -> float:
+        """A worker's timeout: what is left of the part's share (at least 1 s)."""
+        return max(1.0, self.part_left())
 
 
 @dataclass(frozen=True)
 class Part:
     key: str
     title: str
-    est_s: float  # on an H100/H200 (the dry run is not budgeted)
+    share_s: float  # seconds on an H100/H200 (an estimate until a GPU run measures it); workers stop at its end
     run: Callable[[Ctx], list[str]]  # markdown lines (a table) for BENCHMARKS.md
 
 
-def _env() -> dict[str, str]:
-    import torch
+def _git(*args: str) -> str:
+    git = shutil.which("git") or "true"  # no git (a copied tree): the commit is "unknown"
+    return subprocess.run([git, *args], cwd=ROOT, capture_output=True, text=True).stdout.strip()
 
-    try:
-        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True,
-                                check=True).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT,
-                               capture_output=True, text=True).stdout.strip()
-        commit += "+local changes" if dirty else ""
-    except (OSError, subprocess.CalledProcessError):
-        commit = "unknown"
+
+def _env(dev: Any) -> dict[str, str]:
+    import torch
     import transformers
 
-    cuda = torch.cuda.is_available()
-    return {"date": dt.date.today().isoformat(), "device": torch.cuda.get_device_name(0) if cuda else
-            f"CPU ({platform.machine()})", "torch": torch.__version__, "cuda": str(torch.version.cuda),
-            "transformers": transformers.__version__, "commit": commit}
+    commit = (_git("rev-parse", "--short", "HEAD") or "unknown") + (
+        "+local changes" if _git("status", "--porcelain", "--untracked-files=no") else "")
+    return {"date": dt.date.today().isoformat(), "device": dev.name(), "torch": torch.__version__,
+            "cuda": str(torch.version.cuda), "transformers": transformers.__version__, "commit": commit,
+            "host": platform.machine()}
 
 
 def _free_port() -> int:
@@ -98,8 +129,8 @@ def _free_port() -> int:
 
 
 def _run(cmd: list[str], ctx: Ctx, env: dict[str, str] | None = None) -> str:
-    """Run one worker; its output (stdout + stderr). Past the suite's deadline it is killed (a dry run: 600 s)."""
-    timeout = max(5.0, ctx.left()) if not ctx.dry else 600
+    """Run one worker; its output (stdout + stderr). At the end of the part's share it is killed."""
+    timeout = ctx.timeout()
     full = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
             "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"), "TOKENIZERS_PARALLELISM": "false",
             "PYTORCH_ALLOC_CONF": os.environ.get("PYTORCH_ALLOC_CONF", "expandable_segments:True"), **(env or {})}
@@ -107,7 +138,7 @@ def _run(cmd: list[str], ctx: Ctx, env: dict[str, str] | None = None) -> str:
         p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=full, cwd=ROOT)
         return p.stdout + p.stderr
     except subprocess.TimeoutExpired as e:
-        out = (e.stdout or b"").decode() if isinstance(e.stdout, bytes) else (e.stdout or "")
+        out = e.stdout.decode() if isinstance(e.stdout, bytes) else (e.stdout or "")
         return out + f"\nTIMEOUT after {timeout:.0f}s"
 
 
@@ -120,11 +151,9 @@ def _json_line(out: str, prefix: str) -> dict[str, Any] | None:
 
 def _why(out: str) -> str:
     low = out.lower()
-    if "out of memory" in low:
-        return "OOM"
-    if "TIMEOUT" in out:
-        return "cut off (budget)"
-    return "failed: " + (out.strip().splitlines() or ["no output"])[-1][:120]
+    kinds = (("out of memory", "OOM"), ("timeout after", "cut off (its share)"))
+    return next((why for key, why in kinds if key in low),
+                "failed: " + (out.strip().splitlines() or ["no output"])[-1][:120])
 
 
 # ----------------------------------------------------------------------------------------------- parts
@@ -133,10 +162,9 @@ def _why(out: str) -> str:
 def part_step(ctx: Ctx) -> list[str]:
     rows = ["| case | ranks | stock s/step | hf_ddpfix s/step | ratio | stock DDP | hf_ddpfix DDP |",
             "|---|---|---:|---:|---:|---|---|"]
-    for case in ("text", "vlm"):
+    for case in SIZES[ctx.size]["step_cases"]:
         port = str(_free_port())
-        args = [sys.executable, str(BENCH / "gpu_parts.py"), "ddp-step", "--case", case,
-                *(["--dry", "--steps", "3", "--warmup", "1", "--pairs", "1"] if ctx.dry else [])]
+        args = [sys.executable, str(BENCH / "gpu_parts.py"), "ddp-step", "--case", case, *SIZES[ctx.size]["step"]]
         procs = []
         for rank in (0, 1):  # both ranks on GPU 0 over gloo (REFERENCES §8)
             env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
@@ -146,15 +174,16 @@ def part_step(ctx: Ctx) -> list[str]:
                                           cwd=ROOT, start_new_session=True))
         outs = []
         for p in procs:
+            timeout = ctx.timeout()
             try:
-                outs.append(p.communicate(timeout=max(5.0, ctx.left()) if not ctx.dry else 600)[0])
+                outs.append(p.communicate(timeout=timeout)[0])
             except subprocess.TimeoutExpired:
                 for q in procs:
                     q.kill()
-                outs.append(p.communicate()[0] + "\nTIMEOUT")
+                outs.append(p.communicate()[0] + f"\nTIMEOUT after {timeout:.0f}s")
         r = _json_line(outs[0], "RESULT ")
         if r is None:
-            rows.append(f"| {case} | 2 | - | - | {_why(outs[0] + outs[1])} | | |")
+            rows.append(f"| {case} | 2 | - | - | {_why(''.join(outs))} | | |")
             continue
         (ctx.results / f"gpu_suite_step_{case}.json").write_text(json.dumps(r, indent=1))
         s, h = r["pairs"][0]["stock"], r["pairs"][0]["hf_ddpfix"]
@@ -166,78 +195,71 @@ def part_step(ctx: Ctx) -> list[str]:
 
 def _trial(ctx: Ctx, mode: str, seq: int, steps: int, family: str = "llama", cap_gib: float | None = None,
            profile: bool = False) -> dict[str, Any]:
-    cmd = [sys.executable, str(BENCH / "long_context.py"), "--tiny-trial" if ctx.dry else "--trial", "--mode", mode,
-           "--seq", str(seq // 64 if ctx.dry else seq), "--steps", str(steps), "--family", family]
-    if cap_gib:
-        cmd += ["--cap-gib", str(cap_gib)]
-    if profile:
-        cmd += ["--profile", str(ctx.results / "gpu_suite_profile")]
+    """One ``benchmarks/long_context.py`` trial of ``seq`` tokens (the dry run: a toy trial of ``seq / 64``
+    tokens that the stand-in device treats as ``seq``), with its wall seconds."""
+    size = SIZES[ctx.size]
+    cmd = [sys.executable, str(BENCH / "long_context.py"), size["trial"], "--mode", mode,
+           "--seq", str(seq // size["seq_div"]), "--nominal-seq", str(seq), "--steps", str(steps), "--family", family]
+    cmd += ["--cap-gib", str(cap_gib)] if cap_gib else []
+    cmd += ["--profile", str(ctx.results / "gpu_suite_profile")] if profile else []
+    t0 = time.monotonic()
     out = _run(cmd, ctx)
-    r = _json_line(out, "TRIAL ")
-    return r if r is not None else {"mode": mode, "seq": seq, "ok": False, "error": _why(out)}
+    r = _json_line(out, "TRIAL ") or {"mode": mode, "seq": seq, "ok": False, "error": _why(out)}
+    return {**r, "wall_s": time.monotonic() - t0}
 
 
 def _fmt(r: dict[str, Any], key: str, spec: str = ".2f") -> str:
     v = r.get(key)
-    if isinstance(v, (int, float)):
-        return format(v, spec)
-    return "ran (no GPU peak on CPU)" if r.get("ok") and key == "peak_gib" else "-"
+    return format(v, spec) if isinstance(v, (int, float)) else "-"
 
 
 def part_long(ctx: Ctx) -> list[str]:
     rows = ["| tokens | mode | s/step | vs stock | peak GiB | features that ran |", "|---:|---|---:|---:|---:|---|"]
     record: list[dict[str, Any]] = []
-    # the dry run takes every branch once: the 32K rows (stock, auto and the profiled all-features trial)
-    for seq in (32768,) if ctx.dry else (8192, 32768):
+    for seq, modes in SIZES[ctx.size]["long"].items():
         base = None
-        for mode in ("stock", "auto") + (("hf_ddpfix",) if seq == 32768 else ()):
+        for mode in modes:
             r = _trial(ctx, mode, seq, steps=3 if seq <= 8192 else 2, profile=mode == "hf_ddpfix")
             record.append(r)
-            if mode == "stock":
-                base = r
-            ratio = (f"{r['step_s'] / base['step_s']:.2f}×" if r.get("ok") and base and base.get("ok") else "-")
+            base = base or r
+            ratio = (f"{r['step_s'] / base['step_s']:.2f}×" if r.get("ok") and base.get("ok") else "-")
             ran = ",".join(k for k, v in (r.get("feature_counts") or {}).items() if v.get("ran")) or "none"
             rows.append(f"| {seq} | {mode} | {_fmt(r, 'step_s', '.3f') if r.get('ok') else r.get('error')} | {ratio} | "
                         f"{_fmt(r, 'peak_gib')} | {ran} |")
     (ctx.results / "gpu_suite_long.json").write_text(json.dumps(record, indent=1))
-    prof = next((r.get("profile_top_ops_ms") for r in record if r.get("profile_top_ops_ms")), None)
-    if prof:
-        top = ", ".join(f"{k} {v:.0f} ms" for k, v in list(prof.items())[:6])
-        rows += ["", f"Where the all-features 32K step spends its time (profiler, top ops by device time): {top}; trace: "
-                 "`benchmarks/results/gpu_suite_profile/`."]
-    return rows
+    prof = next((r["profile_top_ops_ms"] for r in record if r.get("profile_top_ops_ms")), {})
+    top = ", ".join(f"{k} {v:.0f} ms" for k, v in list(prof.items())[:6]) or "no profile recorded"
+    return rows + ["", f"Where the all-features 32K step spends its time (profiler, top ops by device time): {top}; "
+                   "trace: `benchmarks/results/gpu_suite_profile/`."]
+
+
+#: the ladder starts here and doubles, under this cap
+LADDER_START, LADDER_CAP_GIB = 32768, 80.0
 
 
 def part_ladder(ctx: Ctx) -> list[str]:
-    rows = ["| model | cap | 32K peak GiB | 64K peak GiB | GiB per 1K tokens | longest (projected) | climbed to |",
-            "|---|---:|---:|---:|---:|---:|---|"]
-    cap = 80.0
+    rows = ["| model | cap | longest that trained | its peak GiB | first that did not | stopped by |",
+            "|---|---:|---:|---:|---:|---|"]
     record: dict[str, Any] = {}
-    families = (("llama", "Llama-8B"), ("qwen3", "Qwen3-8B"))
-    for family, name in families[:1] if ctx.dry else families:  # dry run: the branches once (one family)
-        a = _trial(ctx, "hf_ddpfix", 32768, steps=1, family=family, cap_gib=cap)
-        b = _trial(ctx, "hf_ddpfix", 65536, steps=1, family=family, cap_gib=cap) if a.get("ok") else {"ok": False}
-        proj = climbed = "-"
-        if a.get("ok") and b.get("ok") and a.get("peak_gib") is not None:
-            slope = (b["peak_gib"] - a["peak_gib"]) / 32768  # GiB per token, from the two measured peaks
-            proj = f"~{int(65536 + (cap - b['peak_gib']) / slope):,} (projection)" if slope > 0 else "-"
-            per_k = f"{slope * 1024:.3f}"
-        else:
-            per_k = "-"
-        seq, last_ok = 131072, None
-        while ctx.ladder_to and seq <= ctx.ladder_to and not ctx.dry:  # the real climb, on request only
-            r = _trial(ctx, "hf_ddpfix", seq, steps=1, family=family, cap_gib=cap)
-            if not r.get("ok"):
-                climbed = f"{last_ok or 65536:,} trains, {seq:,}: {r.get('error')}"
+    families, growth = SIZES[ctx.size]["ladder"], SIZES[ctx.size]["growth"]
+    for i, (family, name) in enumerate(families):
+        deadline = time.monotonic() + ctx.part_left() / (len(families) - i)  # the rest of the share, split
+        seq, last, last_wall, rungs = LADDER_START, None, 0.0, []
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0 or left < growth * last_wall:
+                stop, failed = f"its share ({max(0.0, left):.0f} s left, the next rung needs ~{growth * last_wall:.0f} s)", "-"
                 break
-            last_ok, seq = seq, seq * 2
-        else:
-            if last_ok:
-                climbed = f"{last_ok:,} trains"
-        record[family] = {"32k": a, "64k": b}
-        rows.append(f"| {name} LoRA r16, all features | {cap:g} GB | "
-                    f"{_fmt(a, 'peak_gib') if a.get('ok') else a.get('error')} | "
-                    f"{_fmt(b, 'peak_gib') if b.get('ok') else b.get('error')} | {per_k} | {proj} | {climbed} |")
+            r = _trial(ctx, "hf_ddpfix", seq, steps=1, family=family, cap_gib=LADDER_CAP_GIB)
+            rungs.append({**r, "tokens": seq})
+            if not r.get("ok"):
+                stop, failed = r.get("error", "failed"), f"{seq:,}"
+                break
+            last, last_wall, seq = {**r, "tokens": seq}, r["wall_s"], seq * 2
+        record[family] = rungs
+        longest = f"{last['tokens']:,}" if last else "none"
+        rows.append(f"| {name} LoRA r16, all features | {LADDER_CAP_GIB:g} GB | {longest} | "
+                    f"{_fmt(last or {}, 'peak_gib')} | {failed} | {stop} |")
     (ctx.results / "gpu_suite_ladder.json").write_text(json.dumps(record, indent=1))
     return rows
 
@@ -245,7 +267,7 @@ def part_ladder(ctx: Ctx) -> list[str]:
 def part_offload(ctx: Ctx) -> list[str]:
     out_json = ctx.results / "gpu_suite_offload.json"
     cmd = [sys.executable, str(BENCH / "offload.py"), "--out", str(out_json), "--steps", "3", "--seqs",
-           *(["64", "256"] if ctx.dry else ["2048", "16384"])]
+           *SIZES[ctx.size]["offload"]]
     out = _run(cmd, ctx)
     if not out_json.exists():
         return [f"offload: not measured ({_why(out)})"]
@@ -254,28 +276,32 @@ def part_offload(ctx: Ctx) -> list[str]:
 
 
 def part_fsdp(ctx: Ctx) -> list[str]:
-    rows = ["| layout | units | model GiB (bf16) | root's own params GiB | resident GiB | step peak GiB | s/step |",
-            "|---|---:|---:|---:|---:|---:|---:|"]
-    for layout in ("folded", "sharded"):
-        out = _run([sys.executable, str(BENCH / "gpu_parts.py"), "fsdp-layout", "--layout", layout,
-                    *(["--dry"] if ctx.dry else [])], ctx)
+    rows = ["| fsdp_skippable | units | root GiB | plan's peak GiB (params) | plan's rank GiB | measured peak GiB | "
+            "dummy runs | s/step |", "|---|---:|---:|---:|---:|---:|---:|---:|"]
+    for mode in ("fold", "shard"):
+        out = _run([sys.executable, str(BENCH / "gpu_parts.py"), "fsdp-layout", "--skippable", mode,
+                    *SIZES[ctx.size]["fsdp"]], ctx)
         r = _json_line(out, "RESULT ")
         if r is None:
-            rows.append(f"| {layout} | {_why(out)} | | | | | |")
+            rows.append(f"| {mode} | {_why(out)} | | | | | | |")
             continue
-        rows.append(f"| {layout} | {r['units']} | {r['model_gib']:.2f} | {r['root_own_gib']:.2f} | "
-                    f"{_fmt(r, 'resident_gib')} | {_fmt(r, 'peak_gib')} | {r['step_s']:.2f} |")
+        rows.append(f"| {r['skippable']} | {r['units']} | {r['root_gib']:.2f} | {r['plan_peak_gib']:.2f} | "
+                    f"{r['plan_rank_gib']:.2f} | {_fmt(r, 'peak_gib')} | {r['dummy_runs']} | {r['step_s']:.2f} |")
     return rows
 
 
 PARTS = [
-    Part("step", "a. Stock vs hf_ddpfix seconds per DDP step (Trainer, LoRA)", 150, part_step),
-    Part("long", "b. Long context at 8K / 32K: stock vs `auto` vs every feature (Llama-8B LoRA)", 170, part_long),
-    Part("ladder", "c. Longest LoRA sequence under an 80 GB cap (Llama-8B, Qwen3-8B)", 120, part_ladder),
-    Part("offload", "d. Activation offload overhead at 2K / 16K (1.1B Llama)", 60, part_offload),
-    Part("fsdp", "e. FSDP2 VLM units: tower + cross-attention folded vs sharded (11B Mllama, rank 0 of 8)", 80,
-         part_fsdp),
+    Part("step", "a. Stock vs hf_ddpfix seconds per DDP step (Trainer, LoRA)", 130, part_step),
+    Part("long", "b. Long context at 8K / 32K: stock vs `auto` vs every feature (Llama-8B LoRA)", 130, part_long),
+    Part("ladder", "c. Longest LoRA sequence under an 80 GB cap: climbed to the first OOM (Llama-8B, Qwen3-8B)",
+         110, part_ladder),
+    Part("offload", "d. Activation offload overhead at 2K / 16K (1.1B Llama)", 40, part_offload),
+    Part("fsdp", "e. FSDP2 VLM units of the plan: tower + cross-attention folded vs sharded (11B Mllama, rank 0 of 8)",
+         60, part_fsdp),
 ]
+#: what the shares add to; the default budget holds it with a 13 % margin (tests/test_gpu_suite.py)
+SHARES_TOTAL_S = sum(p.share_s for p in PARTS)
+DEFAULT_BUDGET_S = 540.0
 
 
 # ------------------------------------------------------------------------------------------------ output
@@ -285,12 +311,8 @@ def render(env: dict[str, str], done: dict[str, list[str]], skipped: dict[str, s
     head = (f"## GPU suite — {env['device']}, {env['date']} ({'DRY RUN on CPU: no figure means anything' if dry else 'measured'}, "
             f"commit {env['commit']})\n\n`python benchmarks/gpu_suite.py` (docs/testing.md); torch {env['torch']} "
             f"(CUDA {env['cuda']}), transformers {env['transformers']}. Raw results: `benchmarks/results/gpu_suite_*`.")
-    body = [head]
-    for p in PARTS:
-        if p.key in done:
-            body += ["", f"### {p.title}", "", *done[p.key]]
-        elif p.key in skipped:
-            body += ["", f"### {p.title}", "", f"Not run: {skipped[p.key]}."]
+    body = [head] + [line for p in PARTS if p.key in done or p.key in skipped
+                     for line in ["", f"### {p.title}", "", *done.get(p.key, [f"Not run: {skipped.get(p.key)}."])]]
     return "\n".join(body) + "\n"
 
 
@@ -307,44 +329,55 @@ def write_section(md: Path, text: str) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--dry-run", action="store_true", help="CPU, toy sizes, every branch; rows to --md, not BENCHMARKS.md")
+    ap.add_argument("--dry-run", action="store_true", help="CPU: the stand-in device, toy sizes, every branch; rows "
+                    "to --md, not BENCHMARKS.md")
     ap.add_argument("--parts", default=",".join(p.key for p in PARTS), help="comma list, in this order of value: "
                     + ", ".join(p.key for p in PARTS))
-    ap.add_argument("--budget-s", type=float, default=540.0, help="wall-clock budget; parts that no longer fit are skipped")
-    ap.add_argument("--ladder-to", type=int, default=0, help="part c: climb for real up to this many tokens")
+    ap.add_argument("--budget-s", type=float, default=None, help=f"wall-clock budget (default {DEFAULT_BUDGET_S:.0f} "
+                    "s; the dry run's x 3); parts whose share no longer fits are skipped")
+    ap.add_argument("--share", default="", help="part=seconds[,part=seconds]: change parts' shares (defaults: "
+                    + ", ".join(f"{p.key}={p.share_s:g}" for p in PARTS) + ")")
     ap.add_argument("--md", default=None, help="where the rows go (default BENCHMARKS.md; a temp file with --dry-run)")
     a = ap.parse_args(argv)
     wanted = a.parts.split(",")
-    bad = [k for k in wanted if k not in {p.key for p in PARTS}]
+    explicit = dict(item.split("=", 1) for item in a.share.split(",") if "=" in item)
+    bad = [k for k in wanted + list(explicit) if k not in {p.key for p in PARTS}]
     if bad:
-        ap.error(f"--parts: unknown {bad}; allowed: {','.join(p.key for p in PARTS)}")
-    import torch
-
-    if not a.dry_run and not torch.cuda.is_available():
-        ap.error("no CUDA device: run with --dry-run on a CPU machine")
+        ap.error(f"--parts / --share: unknown {bad}; allowed: {','.join(p.key for p in PARTS)}")
+    if a.dry_run:
+        os.environ[ENV] = json.dumps(DRY_RUN_SPEC)  # the workers see it too
+    dev = device()
+    if dev is None or dev.stand_in != a.dry_run:
+        ap.error("no CUDA device: run with --dry-run on a CPU machine" if dev is None else
+                 f"{ENV} is set: the stand-in device is for --dry-run only (its figures are not measurements)")
+    size = "dry" if a.dry_run else "gpu"
+    scale = SIZES[size]["time_scale"]
+    shares = {**{p.key: p.share_s * scale for p in PARTS}, **{k: float(v) for k, v in explicit.items()}}
+    budget = a.budget_s if a.budget_s is not None else DEFAULT_BUDGET_S * scale
     results = Path(tempfile.mkdtemp(prefix="gpu_suite_")) if a.dry_run else BENCH / "results"
     results.mkdir(parents=True, exist_ok=True)
     md = Path(a.md) if a.md else (results / "BENCHMARKS.dry.md" if a.dry_run else ROOT / "BENCHMARKS.md")
-    ctx = Ctx(dry=a.dry_run, deadline=time.monotonic() + a.budget_s, results=results, ladder_to=a.ladder_to)
-    env = _env()
+    ctx = Ctx(size=size, deadline=time.monotonic() + budget, results=results)
+    env = _env(dev)
     done: dict[str, list[str]] = {}
     skipped: dict[str, str] = {}
-    print(f"gpu suite: {env}; parts {wanted}; budget {a.budget_s:.0f}s; rows -> {md}", flush=True)
-    for p in PARTS:
-        if p.key not in wanted:
-            continue
-        if not ctx.dry and ctx.left() < p.est_s:
-            skipped[p.key] = f"{ctx.left():.0f}s of the budget left, the part needs ~{p.est_s:.0f}s"
+    print(f"gpu suite: {env}; parts {wanted}; budget {budget:.0f}s, shares {shares} (sum "
+          f"{sum(shares[k] for k in wanted):.0f}s); rows -> {md}", flush=True)
+    for p in [p for p in PARTS if p.key in wanted]:
+        if ctx.left() < shares[p.key]:
+            skipped[p.key] = f"{ctx.left():.0f}s of the budget left, the part's share is {shares[p.key]:.0f}s"
             print(f"[{p.key}] skipped: {skipped[p.key]}", flush=True)
             continue
         t0 = time.monotonic()
+        ctx.part_deadline = t0 + shares[p.key]
         done[p.key] = p.run(ctx)
-        print(f"[{p.key}] {time.monotonic() - t0:.0f}s\n" + "\n".join(done[p.key]), flush=True)
+        print(f"[{p.key}] {time.monotonic() - t0:.0f}s of its {shares[p.key]:.0f}s share\n" + "\n".join(done[p.key]),
+              flush=True)
         write_section(md, render(env, done, skipped, a.dry_run))  # a cut-off run keeps what it measured
     write_section(md, render(env, done, skipped, a.dry_run))
     print(f"gpu suite: rows written to {md}", flush=True)
     return 0
 
 
-if __name__ == "__main__":
+if __name__ == "__main__":  # pragma: no branch - always run as a script (its false arc is an import)
     raise SystemExit(main())

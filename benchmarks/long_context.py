@@ -50,6 +50,7 @@ from typing import Any
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # stand_in_device
 
 RESULTS = Path(__file__).resolve().parent / "results"
 KIB, GIB = 1 << 10, 1 << 30
@@ -197,7 +198,7 @@ def write_ledger(res: dict[str, Any], stem: Path) -> None:
 
 
 def _trial(mode: str, seq: int, steps: int, host_gib: float, tiny: bool = False, family: str = "llama",
-           cap_gib: float | None = None, profile: str | None = None) -> dict[str, Any]:
+           cap_gib: float | None = None, profile: str | None = None, nominal_seq: int | None = None) -> dict[str, Any]:
     """One trial in this process: a LoRA Llama-8B (or Qwen3-8B: ``family``) trained ``steps`` steps at ``seq``
     tokens **through the Trainer** (``transformers.Trainer`` for ``stock``, ``DDPFixTrainer`` with the mode's
     options otherwise; ``auto``: every memory option ``auto``, so features run only where the memory plan needs
@@ -208,16 +209,23 @@ def _trial(mode: str, seq: int, steps: int, host_gib: float, tiny: bool = False,
     allocate at most this much of the GPU (``torch.cuda.set_per_process_memory_fraction``: an 80 GB GPU on a
     larger one). ``profile``: a directory; the last step is recorded with ``torch.profiler`` (Chrome trace
     ``<mode>_<seq>.json``) and the result carries the 15 ops with the most device time.
+
+    Memory reads, the cap and synchronisation go through ``benchmarks/stand_in_device.device()``: CUDA, or with
+    ``GPU_SUITE_STAND_IN`` set the stand-in device (tiny shapes on the CPU, memory modelled for ``nominal_seq``
+    tokens, OOM where told), so the GPU suite's dry run takes these branches too.
     """
     from peft import LoraConfig, get_peft_model
+    from stand_in_device import device
     from transformers import LlamaConfig, LlamaForCausalLM, Trainer, TrainerCallback, TrainingArguments
 
     from hf_ddpfix import DDPFixConfig, DDPFixTrainer
     from hf_ddpfix.ops import feature_counts
     from hf_ddpfix.ops.offload.budget import plan_offload_budget
 
-    cuda = torch.cuda.is_available() and not tiny
-    dev = torch.device("cuda" if cuda else "cpu")
+    d = device()
+    d = d if d is not None and (d.stand_in or not tiny) else None  # None: a plain CPU smoke run
+    cuda = d is not None and not d.stand_in
+    dev = d.torch_device if cuda else torch.device("cpu")
     m = dict(FAMILIES[family]) if not tiny else dict(hidden=64, intermediate=160, heads=8, kv_heads=2, layers=2,
                                                       vocab=256, lora_r=4)
     common = dict(hidden_size=m["hidden"], intermediate_size=m["intermediate"], num_attention_heads=m["heads"],
@@ -229,8 +237,8 @@ def _trial(mode: str, seq: int, steps: int, host_gib: float, tiny: bool = False,
         cfg, model_cls = Qwen3Config(**common, head_dim=m.get("head_dim", m["hidden"] // m["heads"])), Qwen3ForCausalLM
     else:
         cfg, model_cls = LlamaConfig(**common), LlamaForCausalLM
-    if cuda and cap_gib:
-        torch.cuda.set_per_process_memory_fraction(min(1.0, cap_gib * GIB / torch.cuda.get_device_properties(dev).total_memory))
+    if d is not None and cap_gib:
+        d.cap(cap_gib)
     torch.manual_seed(0)
     old = torch.get_default_dtype()
     torch.set_default_dtype(torch.bfloat16)
@@ -241,10 +249,10 @@ def _trial(mode: str, seq: int, steps: int, host_gib: float, tiny: bool = False,
     info: dict[str, Any] = {"mode": mode, "seq": seq, "via": "Trainer", "family": family, "cap_gib": cap_gib}
     feature_counts.reset()
     if mode not in ("stock", "auto"):
-        total = torch.cuda.get_device_properties(dev).total_memory if cuda else 64 * GIB
-        if cuda and cap_gib:
+        total = d.total_bytes() if d is not None else 64 * GIB
+        if d is not None and cap_gib:
             total = min(total, int(cap_gib * GIB))
-        used = torch.cuda.memory_allocated(dev) if cuda else sum(p.numel() * p.element_size() for p in model.parameters())
+        used = d.allocated_bytes() if cuda else sum(p.numel() * p.element_size() for p in model.parameters())
         budget = plan_offload_budget(layers=m["layers"], tokens=seq, layer_bytes=seq * m["hidden"] * 2,
                                      device_budget_bytes=int(0.97 * total), host_budget_bytes=int(host_gib * GIB),
                                      fixed_device_bytes=used, working_bytes_per_token=(53 + 32) * KIB * m["hidden"] // 4096)
@@ -268,13 +276,14 @@ def _trial(mode: str, seq: int, steps: int, host_gib: float, tiny: bool = False,
                 off.set_max_pool_bytes(int(host_gib * GIB))  # the host budget the pre-flight check used
 
         def on_step_begin(self, args, state, control, **kw):
-            if cuda:
-                torch.cuda.synchronize(dev)
+            if d is not None:
+                d.synchronize()
+                d.step(family, nominal_seq or seq)  # the stand-in raises OOM here where told
             seen["t0"] = time.perf_counter()
 
         def on_step_end(self, args, state, control, **kw):
-            if cuda:
-                torch.cuda.synchronize(dev)
+            if d is not None:
+                d.synchronize()
             times.append(time.perf_counter() - seen["t0"])
             if profile and state.global_step == steps - 1:  # record the last step
                 seen["prof"] = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU] + (
@@ -290,8 +299,8 @@ def _trial(mode: str, seq: int, steps: int, host_gib: float, tiny: bool = False,
     else:
         trainer = DDPFixTrainer(**kwargs, ddpfix_config=DDPFixConfig(
             offload_activations=True, offload_min_layer_mib=0, tiled_mlp="auto", tiled_loss="on", long_context=feats))
-    if cuda:
-        torch.cuda.reset_peak_memory_stats(dev)
+    if d is not None:
+        d.reset_peak()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", FutureWarning)
         out = trainer.train()
@@ -305,7 +314,7 @@ def _trial(mode: str, seq: int, steps: int, host_gib: float, tiny: bool = False,
         info["profile_top_ops_ms"] = {e.key: round(getattr(e, key, 0) / 1000, 2) for e in ops}
     timed = sorted(times[1:] or times)
     info.update(ok=True, step_s=round(timed[len(timed) // 2], 3), loss=float(out.training_loss),
-                peak_gib=round(torch.cuda.max_memory_allocated(dev) / GIB, 2) if cuda else None)
+                peak_gib=round(d.peak_bytes() / GIB, 2) if d is not None else None)
     rt = seen.get("runtime")
     if rt is not None and getattr(rt, "offload", None) is not None:
         info["offload"] = {k: v for k, v in rt.offload.stats.as_dict().items()
@@ -420,12 +429,15 @@ def main() -> None:
     ap.add_argument("--family", choices=sorted(FAMILIES), default="llama", help="trial: the 8B shape")
     ap.add_argument("--cap-gib", type=float, default=None, help="trial: cap the GPU memory this process may use")
     ap.add_argument("--profile", default=None, help="trial: write a torch.profiler trace of the last step here")
+    ap.add_argument("--nominal-seq", type=int, default=None, help="trial: the tokens a tiny trial stands for "
+                    "(the GPU suite's stand-in device models memory and OOM for them)")
     ap.add_argument("--out", default=None)
     ap.add_argument("--png", default=None)
     args = ap.parse_args()
     if args.trial or args.tiny_trial:
         print("TRIAL " + json.dumps(_trial(args.mode, args.seq, args.steps, args.host_gib, tiny=args.tiny_trial,
-                                           family=args.family, cap_gib=args.cap_gib, profile=args.profile)),
+                                           family=args.family, cap_gib=args.cap_gib, profile=args.profile,
+                                           nominal_seq=args.nominal_seq)),
               flush=True)
         return
     if args.gpu:

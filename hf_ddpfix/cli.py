@@ -258,44 +258,22 @@ def _print_doctor(r: dict[str, Any], torch: Any) -> None:
 
 
 def _plan(args: argparse.Namespace) -> int:
-    from .config import DDPFixConfig
-    from .offline_plan import build_facts, fsdp_layout, launch_config, meta_model, model_line
-    from .plan.resolve import resolve_plan
+    from .offline_plan import model_line, plan_offline
     from .plan.types import PlanError
 
     try:
-        launch_config(args)
-    except ValueError as e:
-        print(f"hf-ddpfix: {e}", file=sys.stderr)
-        return 2
-    info, model, model_error = meta_model(args)
-    if model_error:
-        print(f"hf-ddpfix: {model_error}", file=sys.stderr)
-        return 2
-    explicit = {}
-    for item in args.set or []:
-        key, _, value = item.partition("=")
-        explicit[key.strip()] = value.strip()
-    plugin = None
-    try:
-        config = DDPFixConfig.from_env(**explicit)
-        if args.parallel == "fsdp":
-            from ._compat import fsdp_plugin_from_launch
-
-            plugin = fsdp_plugin_from_launch(args.fsdp_config)
-            args.fsdp_version = int(plugin.fsdp_version)
-        facts = build_facts(args, info, model, plugin)
-        plan = resolve_plan(facts, config)
+        done = plan_offline(args)
     except (ValueError, PlanError) as e:
         print(f"hf-ddpfix: {e}", file=sys.stderr)
         return 2
-    layout = fsdp_layout(plan, facts, model, plugin, args.world_size, args.mixed_precision)
+    info, facts, plan, layout = done.info, done.facts, done.plan, done.layout
     if args.json:
         out = {"facts": dataclasses.asdict(facts), "ddp_kwargs": plan.ddp_kwargs(),
                "decisions": {k: dataclasses.asdict(d) for k, d in plan.decisions().items()},
                "corrections": list(plan.corrections), "not_applied": dict(plan.not_applied),
                "report": plan.report(), "model": dataclasses.asdict(info) if info else None,
-               "fsdp_layout": dataclasses.asdict(layout) if layout else None}
+               "fsdp_layout": dict(dataclasses.asdict(layout), peak_bytes=layout.peak_bytes,
+                                   rank_bytes=layout.rank_bytes) if layout else None}
         print(json.dumps(out, indent=2, default=str))
         return 0
     if info is not None:

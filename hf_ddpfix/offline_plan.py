@@ -19,8 +19,8 @@ from typing import Any
 
 from ._advice import ModelInfo, describe_model
 
-__all__ = ["DEFAULT_FSDP_CONFIG", "DEFAULT_FSDP_MIXED_PRECISION", "build_facts", "fsdp_layout", "json_kwargs",
-           "launch_config", "meta_model", "model_info", "model_line"]
+__all__ = ["DEFAULT_FSDP_CONFIG", "DEFAULT_FSDP_MIXED_PRECISION", "OfflinePlan", "build_facts", "fsdp_layout",
+           "json_kwargs", "launch_config", "meta_model", "model_info", "model_line", "plan_offline"]
 
 
 def json_kwargs(text: str | None) -> dict[str, Any]:
@@ -47,6 +47,50 @@ def model_info(args: argparse.Namespace) -> tuple[ModelInfo | None, str | None]:
     if args.params is not None:
         return ModelInfo(f"--params {args.params:g}", "size only", int(args.params), None, None, None, False, False), None
     return None, None
+
+
+class OfflinePlan:
+    """What :func:`plan_offline` returns: ``info`` (the model's description), ``model`` (meta device, the LoRA
+    adapter applied), ``plugin`` (the FSDP plugin the launch builds, else ``None``), ``facts``, ``plan`` and
+    ``layout`` (the FSDP2 units and per-rank bytes, :class:`~hf_ddpfix.integrations.fsdp.scale.ShardLayout`;
+    ``None`` outside FSDP2, when not asked for, or when accelerate refuses the units)."""
+
+    def __init__(self, info: ModelInfo | None, model: Any, plugin: Any, facts: Any, plan: Any, layout: Any) -> None:
+        self.info, self.model, self.plugin, self.facts, self.plan, self.layout = info, model, plugin, facts, plan, layout
+
+
+def plan_offline(args: argparse.Namespace, *, layout: bool = True, env: Any = None) -> OfflinePlan:
+    """``hf-ddpfix plan``'s whole computation for the parsed command line ``args``: the meta model, the facts, the
+    plan (options from ``--set`` over ``env``, default ``os.environ``) and, under FSDP2, the units and per-rank
+    bytes (:func:`fsdp_layout`: the one layout function). The CLI, ``hf-ddpfix rehearse`` (the real-size model of
+    a rehearsed launch, and the choices it carries over to the shrunk run) and the GPU suite call this.
+
+    Raises:
+        ValueError: a bad command line, accelerate config or model (the message names it).
+        PlanError: the plan refuses the run (as the run would before step 1).
+    """
+    from .config import DDPFixConfig
+    from .plan.resolve import resolve_plan
+
+    launch_config(args)
+    info, model, error = meta_model(args)
+    if error:
+        raise ValueError(error)
+    explicit = {}
+    for item in getattr(args, "set", None) or []:
+        key, _, value = item.partition("=")
+        explicit[key.strip()] = value.strip()
+    config = DDPFixConfig.from_env(env, **explicit)
+    plugin = None
+    if args.parallel == "fsdp":
+        from ._compat import fsdp_plugin_from_launch
+
+        plugin = fsdp_plugin_from_launch(args.fsdp_config)
+        args.fsdp_version = int(plugin.fsdp_version)
+    facts = build_facts(args, info, model, plugin)
+    plan = resolve_plan(facts, config)
+    shards = fsdp_layout(plan, facts, model, plugin, args.world_size, args.mixed_precision) if layout else None
+    return OfflinePlan(info, model, plugin, facts, plan, shards)
 
 
 def _tri(value: str | None) -> bool | None:

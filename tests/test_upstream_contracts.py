@@ -1256,8 +1256,8 @@ def test_the_offline_fsdp2_path_reads_what_a_launch_and_torch_do():
     assert [len(params) for _, params, _ in groups] == sizes, _broken("FSDP2 parameter groups")
     assert [reshards for *_, reshards in groups] == reshard, _broken("reshard_after_forward")
     for _, params, _ in groups:
-        for full, local, size in params:
-            assert size == 4 and local * 4 >= full, _broken("FSDP2 padded shard sizes")
+        for full, local, size, grad in params:
+            assert size == 4 and local * 4 >= full and grad is True, _broken("FSDP2 padded shard sizes")
 
 
 def _tiny_llama_meta():

@@ -297,8 +297,8 @@ def prepare_like_accelerate(model: nn.Module, plugin: Any, mixed_precision: str 
 
 def fsdp_groups(model: nn.Module) -> list[tuple[tuple[nn.Module, ...], list[tuple[int, int, int]], bool]]:
     """Every FSDP2 parameter group of ``model`` (one per ``fully_shard`` call that manages parameters), in
-    ``named_modules`` order: ``(modules, [(full numel, local numel incl. padding, element size)] per parameter,
-    reshards after forward)``. Reads torch 2.13's ``FSDPModule._get_fsdp_state()._fsdp_param_group``
+    ``named_modules`` order: ``(modules, [(full numel, local numel incl. padding, element size, requires grad)] per
+    parameter, reshards after forward)``. Reads torch 2.13's ``FSDPModule._get_fsdp_state()._fsdp_param_group``
     (``fsdp_params[i]._orig_size`` / ``_sharded_param_data``, ``post_forward_mesh_info``: ``None`` when the group
     stays gathered from its forward to its backward). The root's group, sharded without a
     ``reshard_after_forward`` (accelerate 1.15 leaves it to torch), stays gathered too: torch's lazy init sets its
@@ -317,8 +317,8 @@ def fsdp_groups(model: nn.Module) -> list[tuple[tuple[nn.Module, ...], list[tupl
         if group is None or id(group) in seen:
             continue
         seen.add(id(group))
-        params = [(fp._orig_size.numel(), fp._sharded_param_data.numel(), fp.sharded_param.element_size())
-                  for fp in group.fsdp_params]
+        params = [(fp._orig_size.numel(), fp._sharded_param_data.numel(), fp.sharded_param.element_size(),
+                   bool(fp.sharded_param.requires_grad)) for fp in group.fsdp_params]
         held = group.post_forward_mesh_info is None or (state is root and bool(state._auto_reshard_after_forward))
         out.append((tuple(group.modules), params, not held))
     return out

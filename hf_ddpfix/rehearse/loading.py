@@ -124,6 +124,9 @@ def _from_pretrained(inner: Any, cls: Any, name: Any, *args: Any, **kwargs: Any)
                     "config_class": type(config).__name__, "real_config": config.to_dict(), "shrunk": True,
                     "shrink": lines, "substitutions": subs, "dtype": asked_dtype,
                     "quantized": kwargs.get("quantization_config") is not None}, append=True)
+    from .memory import carry_over  # the real-size plan's size-dependent choices, forced on the shrunk run
+
+    carry_over(config, model_cls, asked_dtype)
     _local.inside = True
     try:
         return inner(cls, folder, *args, **kwargs)

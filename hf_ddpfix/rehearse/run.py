@@ -101,6 +101,9 @@ def _env(args: argparse.Namespace, folder: str, resume: str | None, phase: str, 
                 "DDPFIX_REHEARSE_SHRINK": "0" if args.no_shrink else "1",
                 "DDPFIX_REHEARSE_HANG_S": str(args.hang_timeout), "DDPFIX_REHEARSE_RESUME": resume or "",
                 "DDPFIX_REHEARSE_PHASE": phase, "DDPFIX_REHEARSE_SINGLE": "1" if single else "0",
+                # the real launch's world size and accelerate config: the ranks plan the real model (memory.carry_over)
+                "DDPFIX_REHEARSE_REAL_WORLD": str(getattr(args, "real_world", "") or ""),
+                "DDPFIX_REHEARSE_ACCELERATE_CONFIG": getattr(args, "accelerate_config_file", None) or "",
                 "TORCH_DISTRIBUTED_DEBUG": "DETAIL",  # torch's own fingerprint of every collective (REFERENCES §14)
                 "DS_ACCELERATOR": "cpu", "TOKENIZERS_PARALLELISM": "false", "PYTHONUNBUFFERED": "1",
                 "PYTHONFAULTHANDLER": "1"})
@@ -219,6 +222,8 @@ def rehearse(args: argparse.Namespace) -> tuple[int, dict[str, Any]]:
         return 2, {"status": "cannot", "error": "--steps must be >= 1"}
     workdir = args.workdir or tempfile.mkdtemp(prefix="hf_ddpfix_rehearse_")
     label = "stock" if args.stock else "hf_ddpfix"
+    args.real_world = args.real_world_size or spec.processes or processes
+    args.accelerate_config_file = os.path.abspath(spec.config_file) if spec.config_file else None
     folder = os.path.join(workdir, label)
     shutil.rmtree(folder, ignore_errors=True)
     outcomes = [_launch(spec, args, processes, folder, "train")]

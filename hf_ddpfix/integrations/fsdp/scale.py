@@ -1,11 +1,13 @@
-"""Per-rank parameter bytes of the FSDP2 units a run makes, measured without a cluster.
+"""THE model of FSDP2 units and per-rank bytes: the one place the plan, ``hf-ddpfix plan``, ``hf-ddpfix rehearse``
+and the GPU suite read them from (issue 46 item 2 / issue 49 item 1; ``hf_ddpfix.offline_plan.plan_offline`` is the
+entry point that resolves the plan's units and its fold/shard choice first, then calls :func:`shard_layout`).
 
 The model is built on the meta device (no memory), accelerate's own ``fsdp2_prepare_model`` shards it with the
 plugin the launch would build and the unit classes the plan hands it, inside a fake process group of the run's
 world size (``_compat.fake_process_group``: collectives do nothing), and every FSDP2 parameter group is read back:
 its full bytes (what an all-gather materialises), the bytes this rank stores (its padded shard), and whether it
-stays gathered from its forward to its backward (accelerate 1.15: the root and ``[final norm, head]``). Used by
-``hf-ddpfix plan --parallel fsdp --world-size N`` and tests/test_fsdp_scale.py.
+stays gathered from its forward to its backward (accelerate 1.15: the root and ``[final norm, head]``), and which of
+its bytes are trainable (gradients and Adam's two moments, sharded alike).
 
 Guarantees (tests/test_fsdp_scale.py): the stored bytes are each rank's real shard (``fully_shard``'s ``to_local()``
 padded to the chunk: ``ceil(rows / N)`` rows of every parameter; the ``to_local()`` sizes of all ranks add up to the
@@ -40,6 +42,7 @@ class UnitBytes:
     full_bytes: int
     local_bytes: int
     held: bool
+    trainable_local_bytes: int = 0
 
 
 @dataclass(frozen=True)
@@ -49,7 +52,10 @@ class ShardLayout:
     ``shard_bytes``: what the rank stores between steps (every unit's shard, and the parameters FSDP leaves whole:
     the pseudo-unit :data:`UNSHARDED`). ``peak_bytes``: during a forward, the
     shard plus every held unit gathered (root, ``[norm, head]``) plus the largest other unit gathered (one at a time;
-    prefetching gathers the next one early, which the bound below leaves out). ``total_bytes``: the whole model."""
+    prefetching gathers the next one early, which the bound below leaves out). ``total_bytes``: the whole model.
+    ``state_bytes``: the trainable parameters' sharded gradients plus AdamW's two moments (each the parameter's
+    dtype, as torch's AdamW keeps them). ``rank_bytes``: ``peak_bytes + state_bytes``, a rank's bytes before
+    activations (not included: activations, the CUDA context, allocator fragmentation)."""
 
     world_size: int
     rank: int
@@ -80,6 +86,18 @@ class ShardLayout:
     def peak_bytes(self) -> int:
         return self.shard_bytes + self.held_bytes + self.largest_transient_bytes
 
+    @property
+    def trainable_local_bytes(self) -> int:
+        return sum(u.trainable_local_bytes for u in self.units)
+
+    @property
+    def state_bytes(self) -> int:
+        return 3 * self.trainable_local_bytes  # gradient + exp_avg + exp_avg_sq, sharded like the parameter
+
+    @property
+    def rank_bytes(self) -> int:
+        return self.peak_bytes + self.state_bytes
+
     def lines(self) -> list[str]:
         """What ``hf-ddpfix plan`` prints: the units and this rank's bytes."""
         root = self.root
@@ -97,6 +115,8 @@ class ShardLayout:
         if whole is not None:
             out.append(f"  not sharded by FSDP (whole on every rank): {_size(whole.full_bytes)}")
         out.append(f"  largest unit: [{big.name or 'root'}] {_size(big.full_bytes)}")
+        out.append(f"  + gradients and AdamW moments of the trainable parameters (sharded) {_size(self.state_bytes)} "
+                   f"= {_size(self.rank_bytes)} per rank before activations")
         return out
 
 
@@ -135,9 +155,12 @@ def shard_layout(model: nn.Module, plugin: Any, world_size: int, rank: int = 0, 
         whole = sum(p.numel() * p.element_size() for p in every.values() if not hasattr(p, "to_local"))
         units = tuple(
             UnitBytes(name=", ".join(names.get(id(m), type(m).__name__) for m in mods),
-                      full_bytes=sum(full * size for full, _, size in params),
-                      local_bytes=sum(local * size for _, local, size in params), held=not reshards)
+                      full_bytes=sum(full * size for full, _, size, _ in params),
+                      local_bytes=sum(local * size for _, local, size, _ in params), held=not reshards,
+                      trainable_local_bytes=sum(local * size for _, local, size, grad in params if grad))
             for mods, params, reshards in fsdp_groups(work))
     if whole:  # parameters FSDP leaves out (accelerate's ignored modules, 4-bit weights in uint8): whole on every rank
-        units += (UnitBytes(UNSHARDED, whole, whole, False),)
+        trainable = sum(p.numel() * p.element_size() for p in every.values()
+                        if not hasattr(p, "to_local") and p.requires_grad)
+        units += (UnitBytes(UNSHARDED, whole, whole, False, trainable),)
     return ShardLayout(world_size=world_size, rank=rank, units=units, total_bytes=total)
