@@ -301,19 +301,13 @@ def _default_config_note(source: str, config_kwargs: Any = None) -> str:
 
 
 def _parser() -> argparse.ArgumentParser:
+    from .offline_plan import add_model_arguments, add_plan_arguments
+
     top = argparse.ArgumentParser(prog="hf-ddpfix", description=__doc__.split("\n\n")[0])
     sub = top.add_subparsers(dest="command", required=True)
 
-    def model_args(p: argparse.ArgumentParser) -> None:
-        p.add_argument("--model", help="config.json path, model folder, config class (LlamaConfig), "
-                       "model type (llama; its default config: qwen2_5_vl is 75.8 B), or Hub id (needs the network)")
-        p.add_argument("--config-kwargs", help='JSON object of config overrides, e.g. \'{"hidden_size": 64}\'')
-        p.add_argument("--params", type=float, help="parameter count when no config is at hand, e.g. 7e9")
-        p.add_argument("--full", action="store_true", help="full fine-tune (default: LoRA / adapters)")
-        p.add_argument("--json", action="store_true", help="machine-readable output")
-
     d = sub.add_parser("doctor", help="versions, devices, backends, settings, launch recommendation")
-    model_args(d)
+    add_model_arguments(d)
     d.add_argument("--devices", type=int, help="devices per node to plan for (default: the GPUs here)")
     d.add_argument("--device-mem-gb", type=float, help="memory of one device (default: the smallest GPU here)")
     d.add_argument("--nodes", type=int, default=1)
@@ -323,47 +317,7 @@ def _parser() -> argparse.ArgumentParser:
     d.set_defaults(func=_doctor)
 
     p = sub.add_parser("plan", help="print the hf_ddpfix plan for a run, without training")
-    model_args(p)
-    p.add_argument("--checkpointing", choices=["off", "reentrant", "non_reentrant"], default="off",
-                   help="activation checkpointing the run asks for (TrainingArguments)")
-    p.add_argument("--find-unused", help="ddp_find_unused_parameters: true/false (default: unset)")
-    p.add_argument("--static-graph", help="ddp_static_graph: true/false (default: unset)")
-    p.add_argument("--ga", type=int, default=1, help="gradient_accumulation_steps")
-    p.add_argument("--world-size", type=int, help="processes of the run (default: --accelerate-config's "
-                   "num_processes, else 2); under FSDP2 the per-rank bytes of the units are printed for it")
-    p.add_argument("--parallel", choices=["single", "ddp", "fsdp", "deepspeed"])
-    p.add_argument("--accelerate-config", help="the accelerate yaml the run is launched with (distributed_type, "
-                   "num_processes, mixed_precision, fsdp_config); default under --parallel fsdp: "
-                   "accelerate_configs/fsdp.yaml's settings, its mixed_precision bf16 included")
-    p.add_argument("--seq-len", type=int, help="tokens per micro-batch on one device (the run's max_length x "
-                   "per_device_train_batch_size): the memory facts of the auto options (with --device-mem-gb)")
-    p.add_argument("--device-mem-gb", type=float, help="memory of one device for the auto memory plan")
-    p.add_argument("--wrap-classes", help="fsdp_transformer_layer_cls_to_wrap, e.g. 'LlamaDecoderLayer,SiglipEncoderLayer'")
-    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
-                   help="dtype of the model's parameters (auto: the config's dtype, else float32)")
-    p.add_argument("--lora-targets", help="LoRA target_modules of the run (comma list, a regex or all-linear): the "
-                   "adapter is put on the meta model and the plan reads its trainable parameters")
-    p.add_argument("--lora-target-parameters", help="LoRA target_parameters with --lora-targets (peft: fused MoE "
-                   "expert tensors, e.g. 'mlp.experts.gate_up_proj,mlp.experts.down_proj')")
-    p.add_argument("--lora-r", type=int, default=8, help="LoRA rank for --lora-targets")
-    p.add_argument("--train-vision", action="store_true", help="LoRA/training on the vision tower or merger")
-    p.add_argument("--train-experts", action="store_true", help="MoE experts are trainable (LoRA on them)")
-    p.add_argument("--offload", action="store_true", help="activation_checkpointing_kwargs={'offload': True}")
-    p.add_argument("--cpu", action="store_true", help="no accelerator (CPU / gloo run)")
-    p.add_argument("--quant", choices=["none", "4bit", "8bit"], default="none",
-                   help="bitsandbytes base weights (BitsAndBytesConfig load_in_4bit / load_in_8bit)")
-    p.add_argument("--quant-storage", default="uint8", choices=["uint8", "bfloat16", "float16", "float32"],
-                   help="bnb_4bit_quant_storage (default uint8)")
-    p.add_argument("--mixed-precision", choices=["no", "bf16", "fp16"],
-                   help="TrainingArguments bf16/fp16: the dtype FSDP / DeepSpeed cast parameters to (default: "
-                   "--accelerate-config's; under --parallel fsdp without one, fsdp.yaml's bf16; else no)")
-    p.add_argument("--fsdp-version", type=int, choices=[1, 2], default=2, help="under --parallel fsdp (default: 2)")
-    p.add_argument("--zero-stage", type=int, choices=[0, 1, 2, 3], default=3,
-                   help="under --parallel deepspeed (default: 3)")
-    p.add_argument("--placement", help="devices one rank's hf_device_map names, e.g. 'cuda:0,cuda:1' "
-                   "(device_map='auto' on a 2-GPU node)")
-    p.add_argument("--set", action="append", metavar="OPTION=VALUE",
-                   help="an hf_ddpfix option as if passed to patch_trainer(), e.g. --set static_graph=0")
+    add_plan_arguments(p)
     p.set_defaults(func=_plan)
 
     r = sub.add_parser("rehearse", help="run your own launch line on CPU processes, model shrunk: what breaks "

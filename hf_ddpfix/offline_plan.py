@@ -15,12 +15,78 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from collections.abc import Sequence
 from typing import Any
 
 from ._advice import ModelInfo, describe_model
 
-__all__ = ["DEFAULT_FSDP_CONFIG", "DEFAULT_FSDP_MIXED_PRECISION", "OfflinePlan", "build_facts", "fsdp_layout",
-           "json_kwargs", "launch_config", "meta_model", "model_info", "model_line", "plan_offline"]
+__all__ = ["DEFAULT_FSDP_CONFIG", "DEFAULT_FSDP_MIXED_PRECISION", "OfflinePlan", "add_model_arguments",
+           "add_plan_arguments", "build_facts", "fsdp_layout", "json_kwargs", "launch_config", "meta_model",
+           "model_info", "model_line", "parse_plan_args", "plan_offline"]
+
+
+def add_model_arguments(p: argparse.ArgumentParser) -> None:
+    """The model options ``hf-ddpfix doctor`` and ``plan`` share (``--model``, ``--config-kwargs``, ``--params``,
+    ``--full``, ``--json``)."""
+    p.add_argument("--model", help="config.json path, model folder, config class (LlamaConfig), "
+                   "model type (llama; its default config: qwen2_5_vl is 75.8 B), or Hub id (needs the network)")
+    p.add_argument("--config-kwargs", help='JSON object of config overrides, e.g. \'{"hidden_size": 64}\'')
+    p.add_argument("--params", type=float, help="parameter count when no config is at hand, e.g. 7e9")
+    p.add_argument("--full", action="store_true", help="full fine-tune (default: LoRA / adapters)")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+
+
+def add_plan_arguments(p: argparse.ArgumentParser) -> None:
+    """Every option of ``hf-ddpfix plan`` on ``p`` (the CLI's subcommand, and :func:`parse_plan_args` for the
+    rehearsal's projection of the real model: one definition, so both read a command line alike)."""
+    add_model_arguments(p)
+    p.add_argument("--checkpointing", choices=["off", "reentrant", "non_reentrant"], default="off",
+                   help="activation checkpointing the run asks for (TrainingArguments)")
+    p.add_argument("--find-unused", help="ddp_find_unused_parameters: true/false (default: unset)")
+    p.add_argument("--static-graph", help="ddp_static_graph: true/false (default: unset)")
+    p.add_argument("--ga", type=int, default=1, help="gradient_accumulation_steps")
+    p.add_argument("--world-size", type=int, help="processes of the run (default: --accelerate-config's "
+                   "num_processes, else 2); under FSDP2 the per-rank bytes of the units are printed for it")
+    p.add_argument("--parallel", choices=["single", "ddp", "fsdp", "deepspeed"])
+    p.add_argument("--accelerate-config", help="the accelerate yaml the run is launched with (distributed_type, "
+                   "num_processes, mixed_precision, fsdp_config); default under --parallel fsdp: "
+                   "accelerate_configs/fsdp.yaml's settings, its mixed_precision bf16 included")
+    p.add_argument("--seq-len", type=int, help="tokens per micro-batch on one device (the run's max_length x "
+                   "per_device_train_batch_size): the memory facts of the auto options (with --device-mem-gb)")
+    p.add_argument("--device-mem-gb", type=float, help="memory of one device for the auto memory plan")
+    p.add_argument("--wrap-classes", help="fsdp_transformer_layer_cls_to_wrap, e.g. 'LlamaDecoderLayer,SiglipEncoderLayer'")
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
+                   help="dtype of the model's parameters (auto: the config's dtype, else float32)")
+    p.add_argument("--lora-targets", help="LoRA target_modules of the run (comma list, a regex or all-linear): the "
+                   "adapter is put on the meta model and the plan reads its trainable parameters")
+    p.add_argument("--lora-target-parameters", help="LoRA target_parameters with --lora-targets (peft: fused MoE "
+                   "expert tensors, e.g. 'mlp.experts.gate_up_proj,mlp.experts.down_proj')")
+    p.add_argument("--lora-r", type=int, default=8, help="LoRA rank for --lora-targets")
+    p.add_argument("--train-vision", action="store_true", help="LoRA/training on the vision tower or merger")
+    p.add_argument("--train-experts", action="store_true", help="MoE experts are trainable (LoRA on them)")
+    p.add_argument("--offload", action="store_true", help="activation_checkpointing_kwargs={'offload': True}")
+    p.add_argument("--cpu", action="store_true", help="no accelerator (CPU / gloo run)")
+    p.add_argument("--quant", choices=["none", "4bit", "8bit"], default="none",
+                   help="bitsandbytes base weights (BitsAndBytesConfig load_in_4bit / load_in_8bit)")
+    p.add_argument("--quant-storage", default="uint8", choices=["uint8", "bfloat16", "float16", "float32"],
+                   help="bnb_4bit_quant_storage (default uint8)")
+    p.add_argument("--mixed-precision", choices=["no", "bf16", "fp16"],
+                   help="TrainingArguments bf16/fp16: the dtype FSDP / DeepSpeed cast parameters to (default: "
+                   "--accelerate-config's; under --parallel fsdp without one, fsdp.yaml's bf16; else no)")
+    p.add_argument("--fsdp-version", type=int, choices=[1, 2], default=2, help="under --parallel fsdp (default: 2)")
+    p.add_argument("--zero-stage", type=int, choices=[0, 1, 2, 3], default=3,
+                   help="under --parallel deepspeed (default: 3)")
+    p.add_argument("--placement", help="devices one rank's hf_device_map names, e.g. 'cuda:0,cuda:1' "
+                   "(device_map='auto' on a 2-GPU node)")
+    p.add_argument("--set", action="append", metavar="OPTION=VALUE",
+                   help="an hf_ddpfix option as if passed to patch_trainer(), e.g. --set static_graph=0")
+
+def parse_plan_args(argv: Sequence[str]) -> argparse.Namespace:
+    """An ``hf-ddpfix plan`` command line (its leading ``plan`` optional) parsed as the CLI parses it."""
+    parser = argparse.ArgumentParser(prog="hf-ddpfix plan")
+    add_plan_arguments(parser)
+    args = list(argv)
+    return parser.parse_args(args[1:] if args[:1] == ["plan"] else args)
 
 
 def json_kwargs(text: str | None) -> dict[str, Any]:

@@ -143,10 +143,9 @@ def real_plan_argv(m: dict[str, Any], world: int, folder: str, accelerate_config
 
 def real_plan(argv: list[str], *, layout: bool) -> Any:
     """:func:`hf_ddpfix.offline_plan.plan_offline` for ``argv`` (an ``hf-ddpfix plan`` command line)."""
-    from ..cli import _parser
-    from ..offline_plan import plan_offline
+    from ..offline_plan import parse_plan_args, plan_offline
 
-    return plan_offline(_parser().parse_args(argv), layout=layout)
+    return plan_offline(parse_plan_args(argv), layout=layout)
 
 
 def _is_fsdp(accelerate_config: str) -> bool:
