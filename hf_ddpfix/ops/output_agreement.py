@@ -267,10 +267,7 @@ class OutputAgreement:
             self.kept_types[index] = {k: _types(output[k]) for k in self.kept[index]}  # every rank has each one
         kept = self.kept[index]
         mine = ranks[self.rank]
-        changed = any(k not in kept for k in mine)
-        for k in mine:
-            if k not in kept and k not in self.dropped:
-                self.dropped[k] = "not produced on every rank at the first evaluation step"
+        changed = self._drop_unkept(mine, kept)
         values: dict[str, Any] = {}
         device = next((v.device for v in output.values() if torch.is_tensor(v)), torch.device("cpu"))
         for k, first in kept.items():
@@ -287,10 +284,7 @@ class OutputAgreement:
                 changed = True
         if not changed:
             return output
-        self.changed += 1
-        loss = {k: v for k, v in output.items() if k == "loss"}
-        ignored = {k: v for k, v in output.items() if k in self.skip and k != "loss"}
-        return _rebuild(output, {**loss, **values, **ignored})  # a dict: loss, the kept fields in order, the rest
+        return self._rebuilt(output, values)
 
     def agreed(self, index: int) -> bool:
         """True once the kept fields of forward ``index`` are fixed (its first step exchanged the signatures)."""
@@ -308,10 +302,7 @@ class OutputAgreement:
             return output
         kept = self.kept[index]
         mine = {k: describe(v) for k, v in output.items() if k not in self.skip and k != "loss" and v is not None}
-        changed = any(k not in kept for k in mine)
-        for k in mine:
-            if k not in kept and k not in self.dropped:
-                self.dropped[k] = "not produced on every rank at the first evaluation step"
+        changed = self._drop_unkept(mine, kept)
         values: dict[str, Any] = {}
         device = next((v.device for v in output.values() if torch.is_tensor(v)), torch.device("cpu"))
         for k, first in kept.items():
@@ -323,6 +314,17 @@ class OutputAgreement:
                 changed = True
         if not changed:
             return output
+        return self._rebuilt(output, values)
+
+    def _drop_unkept(self, mine: Mapping[str, Any], kept: Mapping[str, Any]) -> bool:
+        """Note each field of this rank's output not kept (the reason, once); whether there was one."""
+        for k in mine:
+            if k not in kept and k not in self.dropped:
+                self.dropped[k] = "not produced on every rank at the first evaluation step"
+        return any(k not in kept for k in mine)
+
+    def _rebuilt(self, output: Any, values: dict[str, Any]) -> Any:
+        """``output`` as a dict of its loss, ``values`` (the kept fields in order) and the fields it skips."""
         self.changed += 1
         loss = {k: v for k, v in output.items() if k == "loss"}
         ignored = {k: v for k, v in output.items() if k in self.skip and k != "loss"}
