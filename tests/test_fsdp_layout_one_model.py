@@ -119,6 +119,10 @@ def test_rehearsal_projection_equals_the_plan(family, root, capsys, monkeypatch)
 
     for var in [v for v in os.environ if v.startswith("HF_DDPFIX_")]:
         monkeypatch.delenv(var)
+    # carry_over sets HF_DDPFIX_FSDP_SKIPPABLE in os.environ (a rank's own process): recorded as unset here so that
+    # the teardown removes it (it leaked into later tests of the same worker: their launches planned `shard`)
+    monkeypatch.setenv("HF_DDPFIX_FSDP_SKIPPABLE", "auto")
+    monkeypatch.delenv("HF_DDPFIX_FSDP_SKIPPABLE")
     path, _ = _config(family, root)
     targets = _families()[family][2]
     # the plan's side: what a user runs for the real model
@@ -156,6 +160,10 @@ def test_the_rehearsal_runs_the_real_launchs_fold_or_shard(root, monkeypatch, tm
 
     for var in [v for v in os.environ if v.startswith("HF_DDPFIX_")]:
         monkeypatch.delenv(var)
+    # carry_over sets HF_DDPFIX_FSDP_SKIPPABLE in os.environ (a rank's own process): recorded as unset here so that
+    # the teardown removes it (it leaked into later tests of the same worker: their launches planned `shard`)
+    monkeypatch.setenv("HF_DDPFIX_FSDP_SKIPPABLE", "auto")
+    monkeypatch.delenv("HF_DDPFIX_FSDP_SKIPPABLE")
     monkeypatch.setattr(record, "_record", {})
     monkeypatch.setenv("DDPFIX_REHEARSE_DIR", str(tmp_path))
     monkeypatch.setenv("DDPFIX_REHEARSE_REAL_WORLD", str(WORLD))
