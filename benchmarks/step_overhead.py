@@ -305,10 +305,19 @@ WARMUP_STEPS = 3
 
 
 def steady(steps: list[dict[str, int]], what: str, warmup: int = WARMUP_STEPS) -> dict[str, int]:
+    """The steady state: the count every step after ``warmup`` shows. One step may differ (a one-time cost that
+    lands after the warm-up, e.g. ZeRO-3 evaluation's first step with an image on a rank, measured 2026-12-02:
+    broadcasts and item reads once in 8 steps); it is printed, not counted. Two or more differing steps: no steady
+    state, an error."""
     rest = steps[warmup:]
-    if any(s != rest[0] for s in rest):
+    keyed = Counter(json.dumps(s, sort_keys=True) for s in rest)
+    common, n = keyed.most_common(1)[0]
+    if n < len(rest) - 1 or (len(rest) > 1 and n == 1):
         raise SystemExit(f"{what}: steady-state steps differ: {rest}")
-    return dict(sorted(rest[0].items()))
+    if n < len(rest):
+        odd = [(i + warmup, s) for i, s in enumerate(rest) if json.dumps(s, sort_keys=True) != common]
+        print(f"{what}: one step off the steady state (a one-time cost, not counted): {odd}", flush=True)
+    return dict(sorted(json.loads(common).items()))
 
 
 def diff(patched: dict[str, int], stock: dict[str, int]) -> dict[str, int]:
