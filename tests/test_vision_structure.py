@@ -15,6 +15,8 @@ import time
 
 import pytest
 import torch
+import transformers
+from packaging.version import Version
 from zoo import MORE_VLMS, ZOO
 
 from hf_ddpfix.integrations.vision.families import describe_unsupported, find_vision_adapter
@@ -129,7 +131,10 @@ def test_every_grid_family_gets_a_proven_dummy_or_says_why():
         proven[model_type] = (adapter.family.name, adapter.grid_layout, [n for n, _ in adapter.parts()])
     print(f"\nproven {len(proven)}: {proven}\nno dummy {len(refused)}: {refused}\nnot built {len(unbuilt)}: {unbuilt}"
           f"\n{time.time() - t0:.0f} s")
-    assert PROVEN_AT_LEAST <= set(proven), sorted(PROVEN_AT_LEAST - set(proven))
+    shipped = PROVEN_AT_LEAST & set(grid_families())  # the oldest stack's transformers 5.0 ships few of them
+    if Version(transformers.__version__) < Version("5.23"):  # older releases: a family whose own tiny config does not
+        shipped -= set(unbuilt)  # build there (5.0's Glm4vTextConfig has no pad_token_id) is listed above, not proven
+    assert shipped <= set(proven), sorted(shipped - set(proven))
 
 
 def test_glm4v_is_driven_under_ddp_fsdp2_and_zero_alike():
