@@ -30,6 +30,7 @@ import io
 
 import pytest
 import torch
+from fixtures import layer_family_config, skip_unless_shipped
 
 transformers = pytest.importorskip("transformers")
 
@@ -37,44 +38,9 @@ from hf_ddpfix.integrations.long_context.layer_kinds import kind_lines, layer_ki
 from hf_ddpfix.integrations.long_context.long_context import apply_long_context  # noqa: E402
 
 SEQ, VOCAB = 12, 96
-_SMALL = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_attention_heads=4, num_key_value_heads=2,
-              head_dim=16, pad_token_id=0, bos_token_id=1, eos_token_id=2)
-
-
-
-def _shipped(cls: str) -> None:
-    """Skip where the installed transformers does not ship the family at all (the oldest stack's 5.0 predates
-    Qwen3.5 and Gemma 4): nothing of hf_ddpfix is left untested there, the family does not exist."""
-    if not hasattr(transformers, cls):
-        pytest.skip(f"transformers {transformers.__version__} ships no {cls} (the family arrived in a later release)")
-
-def _config(name: str):
-    """Each family's tiny text config, from its own config class."""
-    if name == "qwen3_5":
-        _shipped("Qwen3_5TextConfig")
-        return transformers.Qwen3_5TextConfig(**_SMALL, num_hidden_layers=4, linear_num_value_heads=4,
-                                              linear_num_key_heads=2, linear_key_head_dim=16, linear_value_head_dim=16,
-                                              layer_types=["linear_attention"] * 3 + ["full_attention"])
-    if name == "qwen3_next":
-        _shipped("Qwen3NextConfig")
-        return transformers.Qwen3NextConfig(**_SMALL, num_hidden_layers=4, linear_num_value_heads=4,
-                                            linear_num_key_heads=2, linear_key_head_dim=16, linear_value_head_dim=16,
-                                            num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
-                                            shared_expert_intermediate_size=32,
-                                            layer_types=["linear_attention"] * 3 + ["full_attention"])
-    if name == "gemma4":
-        _shipped("Gemma4TextConfig")
-        return transformers.Gemma4TextConfig(**_SMALL, num_hidden_layers=4, global_head_dim=32, sliding_window=8,
-                                             hidden_size_per_layer_input=0,
-                                             layer_types=["sliding_attention"] * 3 + ["full_attention"])
-    if name == "gemma3":
-        return transformers.Gemma3TextConfig(**_SMALL, num_hidden_layers=4, sliding_window=64,
-                                             layer_types=["sliding_attention"] * 3 + ["full_attention"])
-    return transformers.LlamaConfig(**_SMALL, num_hidden_layers=2)
-
 
 def _model(name: str):
-    config = _config(name)
+    config = layer_family_config(name)
     config._attn_implementation = "sdpa"
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
@@ -160,7 +126,7 @@ def test_hybrid_and_shared_kv_families_plan_line_equals_what_runs_and_counters(n
 
 def test_cli_plan_names_each_layer_type_of_a_qwen3_5_27b_shaped_config():
     """``hf-ddpfix plan --set long_context=all`` on a Qwen3.5-27B shape (64 layers: 48 linear, 16 full attention)."""
-    _shipped("Qwen3_5TextConfig")
+    skip_unless_shipped("Qwen3_5TextConfig")
     from hf_ddpfix.cli import main
 
     argv = ["plan", "--model", "qwen3_5_text", "--config-kwargs",

@@ -26,36 +26,16 @@ import json
 
 import pytest
 import torch
+from fixtures import layer_family_config, skip_unless_shipped
 
 transformers = pytest.importorskip("transformers")
 
 from hf_ddpfix.cli import main  # noqa: E402
 
-_SMALL = dict(vocab_size=96, hidden_size=64, intermediate_size=96, num_attention_heads=4, num_key_value_heads=2,
-              head_dim=16, pad_token_id=0, bos_token_id=1, eos_token_id=2)
 QWEN3_5_27B = ('{"num_hidden_layers": 64, "hidden_size": 5120, "num_attention_heads": 24, "num_key_value_heads": 4, '
                '"intermediate_size": 17408, "head_dim": 256}')
 
 
-
-def _shipped(cls: str) -> None:
-    """Skip where the installed transformers does not ship the family at all (the oldest stack's 5.0 predates
-    Qwen3.5 and Gemma 4): nothing of hf_ddpfix is left untested there, the family does not exist."""
-    if not hasattr(transformers, cls):
-        pytest.skip(f"transformers {transformers.__version__} ships no {cls} (the family arrived in a later release)")
-
-def _config(name: str):
-    if name == "qwen3_5":
-        _shipped("Qwen3_5TextConfig")
-        return transformers.Qwen3_5TextConfig(**_SMALL, num_hidden_layers=4, linear_num_value_heads=4,
-                                              linear_num_key_heads=2, linear_key_head_dim=16, linear_value_head_dim=16,
-                                              layer_types=["linear_attention"] * 3 + ["full_attention"])
-    if name == "gemma4":
-        _shipped("Gemma4TextConfig")
-        return transformers.Gemma4TextConfig(**_SMALL, num_hidden_layers=4, global_head_dim=32, sliding_window=8,
-                                             hidden_size_per_layer_input=0,
-                                             layer_types=["sliding_attention"] * 3 + ["full_attention"])
-    return transformers.LlamaConfig(**_SMALL, num_hidden_layers=2)
 
 
 def _cli(argv: list[str]) -> tuple[int, str, str]:
@@ -82,7 +62,7 @@ def _run_plan(name: str, tmp_path, options: dict):
     from hf_ddpfix.facts import gather_facts
     from hf_ddpfix.plan.resolve import resolve_plan
 
-    config = _config(name)
+    config = layer_family_config(name)
     config._attn_implementation = "sdpa"
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]))
@@ -102,7 +82,7 @@ def test_offline_plan_prints_the_run_plan_with_sequence_parallel_and_long_contex
         plan, config = _run_plan(name, tmp_path, options)
         run, refusal = plan.report(), None
     except PlanError as err:
-        config, run, refusal = _config(name), None, str(err)
+        config, run, refusal = layer_family_config(name), None, str(err)
     folder = tmp_path / "config"
     config.save_pretrained(folder)
     code, out, err = _cli(["plan", "--model", str(folder), "--parallel", "ddp", "--world-size", "2", "--cpu",
@@ -119,7 +99,7 @@ def test_offline_plan_prints_the_run_plan_with_sequence_parallel_and_long_contex
 
 
 def test_offline_plan_of_a_qwen3_5_27b_shape_at_64k_with_sp_2_is_refused_with_the_reason():
-    _shipped("Qwen3_5TextConfig")
+    skip_unless_shipped("Qwen3_5TextConfig")
     code, _, err = _cli(["plan", "--model", "qwen3_5_text", "--config-kwargs", QWEN3_5_27B, "--parallel", "ddp",
                          "--world-size", "2", "--seq-len", "65536", "--set", "sequence_parallel=2"])
     assert code == 2 and "48 linear_attention layers (linear_attn (Qwen3_5GatedDeltaNet))" in err, err
