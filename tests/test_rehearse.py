@@ -331,6 +331,56 @@ def test_sandbox_redirects_every_write_outside_and_leaves_earlier_results_byte_i
     assert [e["asked"] for e in entries if e["kind"] == "refused"] == [str(out / "bypass.bin")]
 
 
+def test_the_sandbox_save_table_names_each_real_target_argument_and_one_patcher_wraps_every_entry(monkeypatch):
+    """`saves.ENTRIES` (layer 1 as data): each entry's argument sits at the position it claims in the installed
+    upstream signature (counted without ``self``); `saves.patch` on stand-in modules wraps every entry of the
+    table (and no other function) and rebinds ``torch.save`` / ``torch.load`` where ``torch`` still holds the
+    unwrapped ones. Shown failing once (2026-12-02): ``Accelerator.save_model``'s ``pos`` set to 0 (the model, not the
+    folder) -> "('accelerate.accelerator', 'Accelerator.save_model', 'save_directory', 0, 1)"; ``patch`` skipping
+    the readers -> "load not wrapped"."""
+    import importlib
+    import inspect
+    import types
+
+    from hf_ddpfix.rehearse import saves
+
+    for mod, entries in saves.ENTRIES.items():
+        real = importlib.import_module(mod)
+        for e in entries:
+            fn = inspect.getattr_static(getattr(real, e.owner) if e.owner else real, e.name)
+            fn = fn.__func__ if isinstance(fn, staticmethod | classmethod) else fn
+            params = list(inspect.signature(fn).parameters)[1 if e.owner else 0:]
+            found = params.index(e.arg) if e.arg in params else None
+            assert found == e.pos, (mod, f"{e.owner}.{e.name}".lstrip("."), e.arg, e.pos, found)
+
+    def stand_in(name: str, entries) -> types.ModuleType:
+        m = types.ModuleType(name)
+        m.untouched = lambda f=None: f
+        for e in entries:
+            fn = (lambda self, *a, **k: None) if e.owner else (lambda *a, **k: None)
+            owner = getattr(m, e.owner, None) or type(e.owner, (), {}) if e.owner else m
+            setattr(owner, e.name, fn)
+            if e.owner:
+                setattr(m, e.owner, owner)
+        return m
+
+    fake_torch = types.ModuleType("torch")
+    for mod, entries in saves.ENTRIES.items():
+        m = stand_in(mod, entries)
+        if mod == "torch.serialization":
+            fake_torch.save, fake_torch.load = m.save, m.load
+            monkeypatch.setitem(sys.modules, "torch", fake_torch)
+        saves.HOOKS[mod](m)
+        saves.HOOKS[mod](m)  # idempotent: wrapped once
+        for e in entries:
+            fn = getattr(getattr(m, e.owner) if e.owner else m, e.name)
+            assert getattr(fn, "_hf_ddpfix_sandbox", False), f"{e.name} not wrapped"
+            assert not getattr(getattr(fn, "__wrapped__", None), "_hf_ddpfix_sandbox", False), f"{e.name} twice"
+        assert not getattr(m.untouched, "_hf_ddpfix_sandbox", False)
+        if mod == "torch.serialization":
+            assert (fake_torch.save, fake_torch.load) == (m.save, m.load)
+
+
 def _outcome(records, status="failed", hangs=None, folder="/nonexistent", codes=(1, 1)):
     from hf_ddpfix.rehearse.run import Outcome
 

@@ -14,11 +14,12 @@ from __future__ import annotations
 
 import functools
 import sys
+from dataclasses import dataclass
 from typing import Any
 
 from .sandbox import _Api, _redirect, resolve
 
-__all__ = ["HOOKS", "wrap_reader", "wrap_target"]
+__all__ = ["ENTRIES", "HOOKS", "Entry", "patch", "wrap_reader", "wrap_target"]
 
 
 def wrap_target(owner: Any, name: str, arg: str, pos: int, label: str | None = None) -> None:
@@ -65,53 +66,67 @@ def wrap_reader(owner: Any, name: str, arg: str, pos: int) -> None:
     setattr(owner, name, wrapper)
 
 
-def patch_torch_serialization(module: Any) -> None:
-    """``torch.save`` / ``torch.load`` (bound into ``torch`` when ``torch/__init__`` runs, after this module)."""
-    before = module.save, module.load
-    wrap_target(module, "save", "f", 1, "torch.save")
-    wrap_reader(module, "load", "f", 0)
-    torch = sys.modules.get("torch")  # imported already: its own binding too
-    if torch is not None and getattr(torch, "save", None) is before[0]:
-        torch.save, torch.load = module.save, module.load
+@dataclass(frozen=True)
+class Entry:
+    """One wrapped entry point: ``<module>.<owner>.<name>`` (``owner`` empty: a module-level function).
+
+    Attributes:
+        owner: the class in the module that holds ``name`` ("" for the module itself).
+        name: the function or method wrapped.
+        arg: its target (or, ``reader``, source) argument's keyword name.
+        pos: that argument's position, counted without ``self``.
+        label: how the report names the call (saves only; ``None``: ``<owner>.<name>``).
+        reader: a load (its source reads the redirected copy) instead of a save.
+    """
+
+    owner: str
+    name: str
+    arg: str
+    pos: int
+    label: str | None = None
+    reader: bool = False
 
 
-def patch_safetensors(module: Any) -> None:
-    wrap_target(module, "save_file", "filename", 1, "safetensors save_file")
-    wrap_reader(module, "load_file", "filename", 0)
+#: module -> the entry points it defines: the sandbox's whole layer 1, as data (one patcher, ``patch``).
+ENTRIES: dict[str, tuple[Entry, ...]] = {
+    # torch.save / torch.load: bound into ``torch`` when ``torch/__init__`` runs, after torch.serialization
+    "torch.serialization": (Entry("", "save", "f", 1, "torch.save"), Entry("", "load", "f", 0, reader=True)),
+    "safetensors.torch": (Entry("", "save_file", "filename", 1, "safetensors save_file"),
+                          Entry("", "load_file", "filename", 0, reader=True)),
+    "transformers.trainer": (Entry("Trainer", "save_model", "output_dir", 0, "Trainer.save_model"),),
+    "transformers.modeling_utils": (
+        Entry("PreTrainedModel", "save_pretrained", "save_directory", 0, "save_pretrained"),),
+    "peft.peft_model": (Entry("PeftModel", "save_pretrained", "save_directory", 0, "PeftModel.save_pretrained"),),
+    "transformers.tokenization_utils_base": (
+        Entry("PreTrainedTokenizerBase", "save_pretrained", "save_directory", 0, "tokenizer.save_pretrained"),),
+    "transformers.processing_utils": (
+        Entry("ProcessorMixin", "save_pretrained", "save_directory", 0, "processor.save_pretrained"),),
+    "transformers.configuration_utils": (
+        Entry("PretrainedConfig", "save_pretrained", "save_directory", 0, "config.save_pretrained"),),
+    "accelerate.accelerator": (Entry("Accelerator", "save_state", "output_dir", 0, "Accelerator.save_state"),
+                               Entry("Accelerator", "save_model", "save_directory", 1, "Accelerator.save_model")),
+}
+
+#: a module whose functions are also bound, at import, into its package: (package, names), rebound after wrapping
+#: while the package still holds the unwrapped function
+REBOUND = {"torch.serialization": ("torch", ("save", "load"))}
 
 
-def patch_trainer(module: Any) -> None:
-    wrap_target(module.Trainer, "save_model", "output_dir", 0, "Trainer.save_model")
-
-
-def patch_modeling(module: Any) -> None:
-    wrap_target(module.PreTrainedModel, "save_pretrained", "save_directory", 0, "save_pretrained")
-
-
-def patch_peft(module: Any) -> None:
-    wrap_target(module.PeftModel, "save_pretrained", "save_directory", 0, "PeftModel.save_pretrained")
-
-
-def patch_tokenizer(module: Any) -> None:
-    wrap_target(module.PreTrainedTokenizerBase, "save_pretrained", "save_directory", 0, "tokenizer.save_pretrained")
-
-
-def patch_processor(module: Any) -> None:
-    wrap_target(module.ProcessorMixin, "save_pretrained", "save_directory", 0, "processor.save_pretrained")
-
-
-def patch_config(module: Any) -> None:
-    wrap_target(module.PretrainedConfig, "save_pretrained", "save_directory", 0, "config.save_pretrained")
-
-
-def patch_accelerator(module: Any) -> None:
-    wrap_target(module.Accelerator, "save_state", "output_dir", 0, "Accelerator.save_state")
-    wrap_target(module.Accelerator, "save_model", "save_directory", 1, "Accelerator.save_model")
+def patch(module: Any) -> None:
+    """Wrap every entry point ``ENTRIES`` lists for ``module`` (looked up by ``module.__name__``); idempotent."""
+    rebound = REBOUND.get(module.__name__)
+    before = {n: getattr(module, n, None) for n in rebound[1]} if rebound else {}
+    for e in ENTRIES.get(module.__name__, ()):
+        owner = getattr(module, e.owner) if e.owner else module
+        if e.reader:
+            wrap_reader(owner, e.name, e.arg, e.pos)
+        else:
+            wrap_target(owner, e.name, e.arg, e.pos, e.label)
+    package = sys.modules.get(rebound[0]) if rebound else None  # imported already: its own binding too
+    if package is not None and getattr(package, rebound[1][0], None) is before[rebound[1][0]]:
+        for n in before:
+            setattr(package, n, getattr(module, n))
 
 
 #: module -> patch, for inject's import hooks (a module already imported is patched at once).
-HOOKS = {"torch.serialization": patch_torch_serialization, "safetensors.torch": patch_safetensors,
-         "transformers.trainer": patch_trainer, "transformers.modeling_utils": patch_modeling,
-         "peft.peft_model": patch_peft, "transformers.tokenization_utils_base": patch_tokenizer,
-         "transformers.processing_utils": patch_processor, "transformers.configuration_utils": patch_config,
-         "accelerate.accelerator": patch_accelerator}
+HOOKS = {name: patch for name in ENTRIES}
