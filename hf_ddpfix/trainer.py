@@ -45,14 +45,13 @@ from .plan.fsdp import (
     decide_fsdp_shared,
     decide_fsdp_skippable,
     decide_fsdp_units,
-    fsdp_eval_sync,
     fsdp_unit_classes,
     fsdp_units_ours,
 )
 from .plan.resolve import resolve_plan
 from .plan.sequence_parallel import decide_sequence_parallel, sp_size_of
 from .plan.types import Decision, Plan, PlanError
-from .plan.vision import decide_eval_sync
+from .plan.vision import decide_eval_sync, fsdp_eval_sync
 from .runtime import attach_runtime
 
 logger = logging.getLogger("hf_ddpfix")

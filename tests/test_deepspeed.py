@@ -24,13 +24,13 @@ from hf_ddpfix.integrations.deepspeed import (
     read_deepspeed_config,
 )
 from hf_ddpfix.plan import PlanError, RunFacts, resolve_plan
+from hf_ddpfix.plan.checkpointing import checkpointing_decision
 from hf_ddpfix.plan.deepspeed import (
     adapter_dtype_note,
-    checkpointing_decision,
     deepspeed_advice,
     leaf_modules_decision,
-    vision_decision,
 )
+from hf_ddpfix.plan.vision import vision_decision
 
 DS_ENV = {"DS_ACCELERATOR": "cpu"}
 

@@ -209,8 +209,7 @@ def test_parameter_usage_off_drops_the_classes_the_model_lacks_from_accelerates_
     prepare): the classes that exist are handed to accelerate instead, said so; with tower blocks among them the
     evaluation sync is not called unnecessary. Fails when ``_accelerates_units`` keeps accelerate's default (by hand
     2026-12-02)."""
-    from hf_ddpfix.plan.fsdp import fsdp_eval_sync
-    from hf_ddpfix.plan.vision import decide_eval_sync
+    from hf_ddpfix.plan.vision import decide_eval_sync, fsdp_eval_sync
 
     model = {**ZOO, **MORE_VLMS}[name].model(0)
     facts = gather_fsdp_facts(_Trainer(_plugin()), model)

@@ -1,104 +1,17 @@
-"""The plan's DDP decisions: checkpointing variant, parameter usage, VLM stabiliser, `find_unused_parameters`,
-`static_graph` and the hang guard.
+"""The plan's decisions that exist only under DDP: `find_unused_parameters`, `static_graph` and the hang guard.
 
-Pure rules (facts + options -> `Decision` with its reason), called in this order by
-:func:`hf_ddpfix.plan.resolve.resolve_plan`; the failure table they avoid is in that module's docstring.
+Pure rules (facts + options -> `Decision` with its reason); :func:`decide_ddp` is what
+:func:`hf_ddpfix.plan.resolve.resolve_plan` calls (once); the failure table they avoid is in that module's
+docstring. The decisions every engine makes (checkpointing, parameter usage, the VLM stabiliser) have their own
+modules (docs/design.md "The plan").
 """
 
 from __future__ import annotations
 
 from ..config import DDPFixConfig
-from . import deepspeed as ds_rules
-from .fsdp import fsdp_usage_reason
 from .types import Correct, Decision, PlanError, RunFacts
 
-
-def decide_checkpointing(facts: RunFacts, c: DDPFixConfig, distributed: bool, correct: Correct) -> Decision:
-    asked = facts.checkpointing
-    if facts.parallel == "deepspeed" and facts.deepspeed is not None:
-        return ds_rules.checkpointing(facts, c, correct)
-    if asked == "off":
-        if c.assume_checkpointing:
-            return Decision(False, "not detected; assumed on (custom checkpointing) for the DDP decisions")
-        return Decision(False, "not requested")
-    if c.checkpointing == "reentrant":
-        return Decision("reentrant", f"forced ({c.source('checkpointing')})", changed=asked != "reentrant")
-    if c.checkpointing == "non_reentrant":
-        return Decision("non_reentrant", f"forced ({c.source('checkpointing')})", changed=asked != "non_reentrant")
-    if asked == "reentrant" and distributed:
-        if facts.user_reentrant and c.strict:
-            # strict: keep the explicit choice; the find_unused decision raises if it cannot work
-            return Decision("reentrant", "explicit use_reentrant=True kept (strict mode)")
-        fsdp = facts.parallel == "fsdp"
-        if facts.user_reentrant:
-            correct(
-                "use_reentrant=True -> False: reentrant checkpointing re-runs the forward inside backward, "
-                + ("under no_grad, where the per-unit FSDP2 ties cannot read what the layer used (verified with "
-                   "non-reentrant only)" if fsdp else "which DDP with find_unused_parameters=True sees as a second use ('ready only once')")
-            )
-        tool = (f"; replaces the model's own checkpoint function {facts.checkpoint_function} (its own "
-                "recompute / offloading is not used: HF_DDPFIX_OFFLOAD_ACTIVATIONS=1 offloads instead)"
-                if facts.checkpoint_function else "")
-        why = ("under FSDP2 the per-unit ties read each unit's autograd graph, which reentrant checkpointing hides "
-               "(it runs the layer under no_grad); the ties are verified with non-reentrant, which recomputes the same"
-               if fsdp else "reentrant breaks DDP with find_unused/unused params; non-reentrant works in every DDP mode")
-        return Decision("non_reentrant", why + tool, changed=True)
-    if facts.checkpoint_function:
-        return Decision(asked, f"as requested; the model's own checkpoint function is kept: {facts.checkpoint_function}")
-    return Decision(asked, "as requested")
-
-
-# The long form (how the usage is observed, what it costs, stock fu=True semantics) is docs/plan.md#parameter_usage:
-# a plan line fits a terminal (Plan.report).
-_USAGE_HOW = "unused trainable parameters tied into the loss with exact-zero gradients at run time"
-_USAGE_COST = "docs/plan.md#parameter_usage"
-
-
-def decide_parameter_usage(facts: RunFacts, c: DDPFixConfig, ckpt: str) -> Decision:
-    """The generic "every parameter used" mechanism (hf_ddpfix.integrations.usage) under DDP and FSDP2."""
-    if facts.parallel == "fsdp" and facts.fsdp_version == 2 and facts.fsdp is not None:
-        if c.parameter_usage is False:
-            return Decision(False, f"disabled ({c.source('parameter_usage')}): a rank that leaves a trainable "
-                            "parameter of a unit unused reduce-scatters a different set (fails as in stock)")
-        if facts.loss_unseen is not None:
-            return Decision(False, f"cannot observe the loss that is back-propagated ({facts.loss_unseen}): stock "
-                            "FSDP kept")
-        return Decision(True, fsdp_usage_reason(), changed=True)
-    if facts.parallel != "ddp":
-        return Decision(None, "")
-    if c.parameter_usage is False:
-        return Decision(False, f"disabled ({c.source('parameter_usage')}): stock find_unused_parameters kept")
-    explicit = facts.user_find_unused if c.find_unused_parameters is None else c.find_unused_parameters
-    if explicit is True and ckpt != "reentrant":  # reentrant: fu=True fails, the mechanism makes fu=False work
-        return Decision(False, "not needed: explicit find_unused_parameters=True lets DDP find unused parameters")
-    if facts.loss_unseen is not None:
-        return Decision(False, f"cannot observe the loss that is back-propagated ({facts.loss_unseen}): stock "
-                        "find_unused_parameters kept")
-    return Decision(True, f"{_USAGE_HOW} ({_USAGE_COST})", changed=True)
-
-
-def decide_stabilizer(facts: RunFacts, c: DDPFixConfig, distributed: bool, usage: bool = False) -> Decision:
-    if not facts.is_vlm:
-        return Decision(None, "")
-    if facts.parallel == "deepspeed":
-        return ds_rules.stabilizer(facts, c)
-    needs = distributed and (facts.trainable_vision_params or facts.parallel == "fsdp")
-    if not needs:
-        why = "no trainable vision parameters" if distributed else "single process"
-        return Decision(False, f"not needed: {why}")
-    if usage and facts.parallel == "ddp":
-        return Decision(False, "not needed under DDP: parameter_usage ties the unused vision parameters in "
-                        "(no dummy image forward)")
-    if c.vlm_stabilizer is False:
-        return Decision(False, f"disabled ({c.source('vlm_stabilizer')})")
-    if facts.vlm_adapter is None:
-        return Decision(False, "no adapter for this VLM family: safe fallback (non-reentrant + find_unused)")
-    return Decision(
-        True,
-        f"{facts.vlm_adapter}: text-only steps run a dummy image (exactly-zero contribution) so every rank "
-        "uses every vision parameter",
-        changed=True,
-    )
+__all__ = ["decide_ddp", "decide_find_unused", "decide_hang_guard", "decide_static_graph", "unused_reason"]
 
 
 def unused_reason(facts: RunFacts, stabilized: bool, usage: Decision | None = None) -> str | None:
@@ -224,3 +137,20 @@ def decide_hang_guard(
     if c.hang_guard is False:
         return Decision(False, f"disabled ({c.source('hang_guard')})")
     return Decision(True, "VLM without stabiliser under find_unused=False: ranks must agree on image use", True)
+
+
+def decide_ddp(facts: RunFacts, c: DDPFixConfig, mode: str, checkpointed: bool, stabilizer: Decision,
+               usage: Decision, correct: Correct) -> tuple[Decision, Decision, Decision]:
+    """``(find_unused_parameters, static_graph, hang_guard)``; each ``Decision(None)`` where the run is not DDP
+    (the hang guard aside: see :func:`decide_hang_guard`).
+
+    Raises:
+        PlanError: reentrant checkpointing with parameters that go unused (:func:`decide_find_unused`), or an
+            explicit setting known to fail, with ``strict`` (through ``correct``).
+    """
+    ddp = facts.parallel == "ddp"
+    unused = unused_reason(facts, bool(stabilizer.value), usage)
+    fu = decide_find_unused(facts, c, ddp, mode, unused, bool(stabilizer.value), correct, usage)
+    static = decide_static_graph(facts, c, ddp, checkpointed, unused, correct)
+    guard = decide_hang_guard(facts, c, ddp, bool(fu.value), bool(stabilizer.value), bool(usage.value))
+    return fu, static, guard

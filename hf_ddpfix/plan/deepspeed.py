@@ -1,7 +1,10 @@
-"""DeepSpeed decisions for the plan, and the doctor's advice: pure functions of :class:`DeepSpeedFacts`.
+"""The plan's decisions that exist only under DeepSpeed, and the doctor's advice: pure functions of
+:class:`DeepSpeedFacts`.
 
-``resolve_plan`` calls :func:`engine`, :func:`checkpointing`, :func:`stabilizer`, :func:`leaf_modules` and
-:func:`zero3_unverified` (each returns a plan ``Decision``); they wrap the rule functions below.
+``resolve_plan`` calls :func:`decide_deepspeed` once: the ``deepspeed`` line (:func:`engine`), the ZeRO-3 leaf
+modules (:func:`leaf_modules`) and ``zero_skip_unused`` (:func:`skip_unused`). What ZeRO changes in the decisions
+every engine makes sits with those decisions (docs/design.md "The plan"): checkpointing in ``plan/checkpointing.py``,
+the VLM stabiliser in ``plan/vision.py``, tiling under ZeRO-3 in ``plan/memory.py``.
 
 The facts, the measurements behind each rule and the appliers are in :mod:`hf_ddpfix.integrations.deepspeed`.
 Nothing here imports deepspeed or touches a process group.
@@ -12,66 +15,26 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from ..integrations.deepspeed import LEAF_MODULES_SINCE, NON_REENTRANT_FIXED_IN, DeepSpeedFacts, parse_version
-from .types import Correct, Decision, RunFacts
+from .types import Decision, RunFacts
 
 if TYPE_CHECKING:
     from ..config import DDPFixConfig
 
 __all__ = [
     "adapter_dtype_note",
-    "checkpointing",
+    "decide_deepspeed",
+    "deepspeed_advice",
     "engine",
     "leaf_modules",
+    "leaf_modules_decision",
     "skip_unused",
     "skip_unused_decision",
-    "stabilizer",
-    "zero3_unverified",
-    "checkpointing_decision",
-    "deepspeed_advice",
-    "leaf_modules_decision",
-    "vision_decision",
 ]
 
 
 # -------------------------------------------------------------------------------------------------
 
 
-def checkpointing_decision(
-    asked: str, *, ds: DeepSpeedFacts, is_peft: bool, user_reentrant: bool | None, forced: str | None = None
-) -> tuple[str, str, bool, str | None]:
-    """The checkpoint variant under DeepSpeed.
-
-    Args:
-        asked: what the run asked for ("off", "reentrant", "non_reentrant").
-        ds: the run's DeepSpeed facts (stage, version).
-        is_peft: the model is a peft ``PeftModel``.
-        user_reentrant: the explicit ``use_reentrant`` of the run, ``None`` if unset.
-        forced: ``HF_DDPFIX_CHECKPOINTING`` (honoured, with the known failure in the reason).
-
-    Returns:
-        ``(mode, reason, changed_from_stock, correction or None)``; a correction is set when an explicit
-        user setting is overridden.
-    """
-    if asked == "off":
-        return "off", "not requested", False, None
-    broken = ds.stage == 3 and is_peft and _older(ds.version_tuple, NON_REENTRANT_FIXED_IN)
-    known = (f"PEFT + ZeRO-3 + non-reentrant checkpointing fails on deepspeed {ds.version or '(unknown)'} "
-             "<= 0.19.2 ('CheckpointError ... recomputed metadata shape [0]'; fixed in 0.19.3, DeepSpeed "
-             "PR #8148)")
-    if forced in ("reentrant", "non_reentrant"):
-        note = f"; warning: {known}" if forced == "non_reentrant" and broken else ""
-        return forced, f"forced (HF_DDPFIX_CHECKPOINTING){note}", forced != asked, None
-    if asked == "reentrant":
-        return "reentrant", "as requested (reentrant works under DeepSpeed: no DDP reducer)", False, None
-    if broken:
-        correction = None
-        if user_reentrant is False:
-            correction = f"use_reentrant=False -> True: {known}"
-        return "reentrant", f"{known}: reentrant works there", True, correction
-    why = "as requested"
-    if ds.stage == 3 and is_peft:
-        why += f" (deepspeed {ds.version} >= 0.19.3 handles PEFT + ZeRO-3 non-reentrant)"
-    return "non_reentrant", why, False, None
 
 
 def _older(v: tuple[int, int, int] | None, than: tuple[int, int, int]) -> bool:
@@ -79,39 +42,6 @@ def _older(v: tuple[int, int, int] | None, than: tuple[int, int, int]) -> bool:
     return v is None or v < than
 
 
-def vision_decision(
-    *, ds: DeepSpeedFacts, is_vlm: bool, adapter: str | None, trainable_vision: bool, disabled: str | None
-) -> tuple[bool | None, str, bool]:
-    """Whether to run :class:`~hf_ddpfix.integrations.vision.zero.ZeroVisionStabilizer`.
-
-    Needed under ZeRO-2 when tower parameters are trainable (gradient all-reduce sizes) and under ZeRO-3
-    for any VLM (a frozen tower is sharded and all-gathered too). ZeRO-0/1 reduce the whole gradient
-    buffer (stage 1 zero-fills missing grads): not needed.
-
-    Returns:
-        ``(value or None when not a VLM, reason, changed_from_stock)``.
-    """
-    if not is_vlm:
-        return None, "", False
-    stage = ds.stage
-    if stage is None:
-        return False, "ZeRO stage unknown: stock behaviour kept", False
-    if stage < 2:
-        return False, f"not needed under ZeRO-{stage} (gradients reduced as one flat buffer)", False
-    if stage == 2 and not trainable_vision:
-        return False, "not needed: no trainable vision parameters (ZeRO-2 keeps parameters whole)", False
-    if disabled:
-        return False, f"disabled ({disabled}); mixed image/text batches fail in stock ZeRO-{stage}", False
-    if adapter is None:
-        return False, (f"no adapter for this VLM family: batches mixing images and text fail under ZeRO-{stage} "
-                       "as in stock (give every micro-batch an image, or use DDP)"), False
-    what = "all-gathers" if stage == 3 else "gradient all-reduces"
-    built = (" (no hand-written family: the dummy is built from vision_config and checked by a trial run "
-             "before training; a failed trial keeps stock behaviour and says so)") if adapter.endswith(
-        "(from config)") else ""
-    return True, (f"{adapter}: text-only micro-batches run a dummy image between the embedding and the "
-                  f"language model (exactly-zero contribution), so every rank issues the same ZeRO-{stage} "
-                  f"{what}{built}"), True
 
 
 def leaf_modules_decision(ds: DeepSpeedFacts, disabled: str | None = None) -> tuple[tuple[str, ...] | None, str, bool]:
@@ -241,27 +171,8 @@ def engine(facts: RunFacts) -> Decision:
                     + (f"; {note}" if note else ""))
 
 
-def checkpointing(facts: RunFacts, c: DDPFixConfig, correct: Correct) -> Decision:
-    """The plan's checkpointing decision under DeepSpeed (:func:`checkpointing_decision`)."""
-    assert facts.deepspeed is not None
-    forced = c.checkpointing if c.checkpointing in ("reentrant", "non_reentrant") else None
-    mode, reason, changed, correction = checkpointing_decision(
-        facts.checkpointing, ds=facts.deepspeed, is_peft=facts.is_peft, user_reentrant=facts.user_reentrant,
-        forced=forced)
-    if correction:
-        correct(correction)
-    if forced:
-        reason = reason.replace("HF_DDPFIX_CHECKPOINTING", c.source("checkpointing"))
-    return Decision(False if mode == "off" else mode, reason, changed=changed)
 
 
-def stabilizer(facts: RunFacts, c: DDPFixConfig) -> Decision:
-    """The plan's ``vlm_stabilizer`` decision under DeepSpeed (:func:`vision_decision`)."""
-    ds = facts.deepspeed or DeepSpeedFacts(stage=facts.zero_stage)
-    disabled = c.source("vlm_stabilizer") if c.vlm_stabilizer is False else None
-    value, reason, changed = vision_decision(ds=ds, is_vlm=facts.is_vlm, adapter=facts.vlm_adapter,
-                                             trainable_vision=facts.trainable_vision_params, disabled=disabled)
-    return Decision(value, reason, changed=changed)
 
 
 def leaf_modules(facts: RunFacts) -> Decision:
@@ -274,9 +185,6 @@ def leaf_modules(facts: RunFacts) -> Decision:
     return Decision(",".join(v.rsplit(".", 1)[-1] for v in value) or False, reason, changed=changed)
 
 
-def zero3_unverified(facts: RunFacts, decision: Decision) -> Decision:
-    """Tiling reads partitioned (empty) weights under ZeRO-3: not verified there, so stock is kept."""
-    if facts.parallel != "deepspeed" or facts.zero_stage != 3 or not decision.value:
-        return decision
-    return Decision(False, f"requested ({decision.value}) but not verified under ZeRO-3 (weights are partitioned "
-                    "outside their module's forward): stock computation kept")
+def decide_deepspeed(facts: RunFacts, c: DDPFixConfig) -> tuple[Decision, Decision, Decision]:
+    """``(deepspeed, zero3_leaf_modules, zero_skip_unused)``: the plan's ZeRO-only decisions."""
+    return engine(facts), leaf_modules(facts), skip_unused(facts, c)

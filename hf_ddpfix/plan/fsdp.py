@@ -48,7 +48,8 @@ if TYPE_CHECKING:
     from ..config import DDPFixConfig
     from ..integrations.fsdp import FsdpFacts
 
-__all__ = ["check_fsdp_loading", "decide_fsdp_shared", "decide_fsdp_skippable", "decide_fsdp_units", "skippable_facts", "fsdp_eval_sync", "fsdp_vision_decisions", "fsdp_unit_classes", "fsdp_units_ours", "fsdp_usage_reason"]
+__all__ = ["check_fsdp_loading", "decide_fsdp", "decide_fsdp_shared", "decide_fsdp_skippable", "decide_fsdp_units",
+           "fsdp_unit_classes", "fsdp_units_ours", "skippable_facts"]
 
 _STOCK_FAILS = ("ranks that skip them (a text-only step, LayerDrop) all-gather different units: mixed batches fail "
                 "(gloo size mismatch, NCCL hang) as in stock")
@@ -333,85 +334,16 @@ def fsdp_unit_classes(units: Decision) -> tuple[str, ...]:
     return () if units.value == "root" else tuple(str(units.value).split(","))
 
 
-def fsdp_usage_reason() -> str:
-    """The ``parameter_usage`` reason under FSDP2."""
-    return ("per FSDP unit: every trainable parameter of a unit that this rank's forward (and the loss given to "
-            "backward) does not reach is tied into the unit's output with an exact-zero gradient (moved into the "
-            "loss at backward when the loss is built from another output, e.g. TRL's fused LM head), so every rank "
-            "reduce-scatters the same gradients in the same order; grads no rank used in the step are reset to "
-            "None before clipping (stock DDP find_unused=True semantics); cost: one graph walk per forward and one "
-            "per loss, one all-reduce of 1 byte per trainable tensor per step")
+def decide_fsdp(facts: RunFacts, c: DDPFixConfig) -> tuple[Decision, Decision, Decision]:
+    """``(fsdp_units, fsdp_skippable, fsdp_shared)``: the plan's FSDP-only decisions; the units' reason carries
+    what the run does for persistent buffers under accelerate's ``cpu_ram_efficient_loading``.
 
-
-def _no_unit_in_skippable(facts: RunFacts, units: Decision) -> bool:
-    f = facts.fsdp
-    if f is None:
-        return False
-    if f.wrapped:
-        return not f.skipped_units
-    if fsdp_units_ours(units):  # the plan's classes (an explicit list less what it folded, or accelerate's less
-        return not set(fsdp_unit_classes(units)) & set(f.skippable)  # absent names: see _accelerates_units)
-    return (f.policy == "transformer_based_wrap" and f.user_classes is not None
-            and not any(n in f.skippable for n in f.user_classes))
-
-
-_EVAL_NOT_NEEDED = ("not needed under FSDP2: no unit inside the vision tower, so evaluation, prediction and "
-                    "generation forwards all-gather the same units in the same order on every rank, images or not")
-
-
-_DUMMY = ("{family}: units inside the tower (fsdp_skippable = shard): a rank without an image runs the dummy "
-          "image at the language model's start, where an image rank runs its tower, tied with an exact-zero "
-          "gradient; tower gradients reset to None in a step no rank saw an image (stock DDP find_unused=True)")
-_DUMMY_EVAL = ("{family}: evaluation, prediction and generation forwards agree on images across ranks (one "
-               "1-byte all-gather each); ranks without one run the dummy image (no grad) where the others run "
-               "their tower, so every rank all-gathers the tower's units in the same order")
-_DUMMY_CROSS = ("{family}: tower and cross-attention layers are units (fsdp_skippable = shard): a rank without an "
-                "image runs a zero image through the tower where an image rank runs it and every cross-attention "
-                "layer in its place on zero states (an exact-zero contribution); their gradients reset to None in "
-                "a step no rank saw an image (stock DDP find_unused=True)")
-_DUMMY_CROSS_EVAL = ("{family}: evaluation, prediction and generation forwards on a rank without an image run the "
-                     "tower and the cross-attention layers on zero states (outputs unchanged), so every rank "
-                     "all-gathers the same units in the same order")
-
-
-def _dummy_texts(f: FsdpFacts) -> tuple[str, str]:
-    """The (training, evaluation) reasons of the dummy that runs ``f``'s skippable units."""
-    if any("CrossAttention" in n for n in f.skippable):  # Mllama: integrations/fsdp/cross_attention.py
-        return _DUMMY_CROSS.format(family=f.dummy), _DUMMY_CROSS_EVAL.format(family=f.dummy)
-    return _DUMMY.format(family=f.dummy), _DUMMY_EVAL.format(family=f.dummy)
-
-
-def fsdp_vision_decisions(facts: RunFacts, units: Decision, usage: Decision,
-                          skippable: Decision | None = None) -> tuple[Decision, Decision] | None:
-    """``(vlm_stabilizer, vlm_eval_sync)`` for a VLM under FSDP2 whose units hold nothing a rank may skip and
-    whose unused parameters ``parameter_usage`` ties per unit, or whose tower units the dummy runs
-    (``skippable`` is ``"shard"``); ``None``: the general rules decide."""
-    if facts.parallel != "fsdp" or facts.fsdp_version != 2 or not facts.is_vlm:
-        return None
-    if skippable is not None and skippable.value == "shard" and facts.fsdp is not None:
-        train, evaluate = _dummy_texts(facts.fsdp)
-        return Decision(True, train, changed=True), Decision(True, evaluate, changed=True)
-    if not usage.value:
-        return None
-    if not _no_unit_in_skippable(facts, units):
-        return None
-    return (
-        Decision(False, "not needed under FSDP2: the vision tower and projector have no unit of their own "
-                 "(fsdp_units), so every rank all-gathers them with the enclosing unit whether or not it has an "
-                 "image; parameter_usage ties what a text-only rank leaves unused (no dummy image runs)"),
-        Decision(False, _EVAL_NOT_NEEDED),
-    )
-
-
-def fsdp_eval_sync(facts: RunFacts, units: Decision, eval_sync: Decision,
-                   skippable: Decision | None = None) -> Decision:
-    """``vlm_eval_sync`` for an evaluation outside ``train()``: not needed where no unit lies inside a subtree
-    a rank may skip (the units hf_ddpfix chooses), else ``eval_sync`` (the general rule)."""
-    if facts.parallel == "fsdp" and facts.fsdp_version == 2 and facts.is_vlm and facts.fsdp is not None:
-        f = facts.fsdp
-        if (f.wrapped and f.skipped_units and f.dummy) or (not f.wrapped and skippable is not None
-                                                          and skippable.value == "shard"):
-            return Decision(True, _dummy_texts(f)[1], changed=True)
-    if facts.parallel == "fsdp" and facts.fsdp_version == 2 and facts.is_vlm and _no_unit_in_skippable(facts, units):
-        return Decision(False, _EVAL_NOT_NEEDED)
-    return eval_sync
+    Raises:
+        PlanError: accelerate's ``cpu_ram_efficient_loading`` cannot prepare this model (:func:`check_fsdp_loading`).
+    """
+    loading = check_fsdp_loading(facts)
+    skippable = decide_fsdp_skippable(facts, c)
+    units = decide_fsdp_units(facts, c, skippable)
+    if loading and units.value is not None:  # what the run does for persistent buffers under that loading
+        units = dataclasses.replace(units, reason=f"{units.reason}; {loading}")
+    return units, skippable, decide_fsdp_shared(facts)

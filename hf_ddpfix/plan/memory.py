@@ -1,12 +1,16 @@
-"""The plan's memory decisions: activation offload, TiledMLP, long-context layers, tiled loss head.
+"""The plan's memory decisions, under every engine: activation offload, TiledMLP, long-context layers, tiled loss
+head, the offload's size limits.
 
-Pure rules (facts + options -> `Decision` with its reason), called by :func:`hf_ddpfix.plan.resolve.resolve_plan`.
+Pure rules (facts + options -> `Decision` with its reason); :func:`decide_memory` is what
+:func:`hf_ddpfix.plan.resolve.resolve_plan` calls (once). Under ZeRO-3 the opt-in tiling is kept off here too
+(:func:`_zero3_unverified`): one decision, one module (docs/design.md "The plan").
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import replace
+from typing import NamedTuple
 
 from ..config import DDPFixConfig, env_name
 from .memory_fit import MemoryFit, fit_memory
@@ -197,3 +201,45 @@ def decide_tiled_loss(facts: RunFacts, c: DDPFixConfig, fit: MemoryFit | None = 
             "head's weight and reduce-scatters its gradient" if facts.parallel == "fsdp" else "")
     return Decision(value, f"lm_head + cross-entropy in chunks, full logits never held, {chunk} "
                     f"({c.source('tiled_loss')}){fsdp}{memo}", changed=True)
+
+
+def _zero3_unverified(facts: RunFacts, decision: Decision) -> Decision:
+    """Tiling reads partitioned (empty) weights under ZeRO-3: not verified there, so stock is kept."""
+    if facts.parallel != "deepspeed" or facts.zero_stage != 3 or not decision.value:
+        return decision
+    return Decision(False, f"requested ({decision.value}) but not verified under ZeRO-3 (weights are partitioned "
+                    "outside their module's forward): stock computation kept")
+
+
+class MemoryDecisions(NamedTuple):
+    """What :func:`decide_memory` returns: the plan fields of the same names."""
+
+    offload_activations: Decision
+    tiled_mlp: Decision
+    tiled_loss: Decision
+    long_context: Decision
+    offload_min_layer_bytes: int
+    offload_max_pool_bytes: int | str | None
+
+
+def decide_memory(facts: RunFacts, c: DDPFixConfig, ckpt: str, sp_size: int = 1) -> MemoryDecisions:
+    """Every memory decision for a run whose checkpointing variant is ``ckpt`` ("off" when none) and whose
+    sequence-parallel group has ``sp_size`` ranks: the ``auto`` options fitted (:func:`decide_memory_fit`), then
+    the offload refitted by that plan where it is ``auto``.
+
+    Raises:
+        ValueError: an unreadable ``offload_max_pool`` setting (:func:`offload_max_pool_bytes`).
+    """
+    offload = decide_offload(facts, c, ckpt)
+    fit = decide_memory_fit(facts, c, ckpt, offload, sp_size)  # the `auto` memory options (plan/memory_fit.py)
+    if c.offload_activations == "auto":
+        offload = decide_offload(facts, c, ckpt, fit)
+    # opt-in tiling reads partitioned (empty) weights under ZeRO-3: not verified there, stock kept
+    return MemoryDecisions(
+        offload_activations=offload,
+        tiled_mlp=_zero3_unverified(facts, decide_tiled_mlp(facts, c, fit)),
+        tiled_loss=_zero3_unverified(facts, decide_tiled_loss(facts, c, fit)),
+        long_context=_zero3_unverified(facts, decide_long_context(facts, c, ckpt, fit)),
+        offload_min_layer_bytes=offload_min_layer_bytes(c),
+        offload_max_pool_bytes=offload_max_pool_bytes(facts, c),
+    )

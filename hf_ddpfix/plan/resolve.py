@@ -18,23 +18,19 @@ that is known to fail is corrected (listed in `Plan.corrections`) or, with `stri
 
 from __future__ import annotations
 
-from dataclasses import replace
-
 from ..config import DDPFixConfig
-from . import ddp as ddp_rules
-from . import deepspeed as ds_rules
-from . import memory, quantized, vision
 from .asked import mark_not_applied
+from .checkpointing import decide_checkpointing
+from .ddp import decide_ddp
+from .deepspeed import decide_deepspeed
 from .evaluation import decide_eval_outputs
-from .fsdp import (
-    check_fsdp_loading,
-    decide_fsdp_shared,
-    decide_fsdp_skippable,
-    decide_fsdp_units,
-    fsdp_vision_decisions,
-)
+from .fsdp import decide_fsdp
+from .memory import decide_memory
+from .quantized import decide_quantization
 from .sequence_parallel import decide_sequence_parallel, sp_size_of
 from .types import CheckpointMode, Plan, PlanError, RunFacts
+from .usage import decide_parameter_usage
+from .vision import decide_vision
 
 __all__ = ["resolve_plan"]
 
@@ -65,60 +61,45 @@ def resolve_plan(facts: RunFacts, config: DDPFixConfig | None = None) -> Plan:
         corrections.append(message)
 
     distributed = facts.parallel in ("ddp", "fsdp")
-    ddp = facts.parallel == "ddp"
-
+    # each rule module is visited once, in this order (a later decision reads the earlier ones)
     sequence_parallel = decide_sequence_parallel(facts, c)  # raises PlanError: cannot work (before training)
-    quantization = quantized.decide_quantization(facts)  # raises PlacementError / QuantStorageError: cannot work
-    ckpt = ddp_rules.decide_checkpointing(facts, c, distributed, correct)
+    sp_size = sp_size_of(sequence_parallel.value)  # ranks sharing one sequence (1: none)
+    quantization = decide_quantization(facts)  # raises PlacementError / QuantStorageError: cannot work
+    ckpt = decide_checkpointing(facts, c, distributed, correct)
     mode: CheckpointMode = ckpt.value or "off"  # the rules below read the variant as a mode string
     checkpointed = bool(ckpt.value) or bool(c.assume_checkpointing)
-    usage = ddp_rules.decide_parameter_usage(facts, c, mode)
-    loading = check_fsdp_loading(facts)  # raises PlanError: accelerate's cpu_ram_efficient_loading cannot prepare it
-    skippable = decide_fsdp_skippable(facts, c)
-    units = decide_fsdp_units(facts, c, skippable)
-    if loading and units.value is not None:  # what the run does for persistent buffers under that loading
-        units = replace(units, reason=f"{units.reason}; {loading}")
-    stabilizer = ddp_rules.decide_stabilizer(facts, c, distributed, bool(usage.value))
-    eval_sync = vision.decide_eval_sync(facts, c)
-    fsdp_vision = fsdp_vision_decisions(facts, units, usage, skippable)
-    if fsdp_vision is not None:
-        stabilizer, eval_sync = fsdp_vision
-    unused_reason = ddp_rules.unused_reason(facts, bool(stabilizer.value), usage)
-    fu = ddp_rules.decide_find_unused(facts, c, ddp, mode, unused_reason, bool(stabilizer.value), correct, usage)
-    static = ddp_rules.decide_static_graph(facts, c, ddp, checkpointed, unused_reason, correct)
-    offload = memory.decide_offload(facts, c, mode)
-    fit = memory.decide_memory_fit(  # the `auto` memory options (plan/memory_fit.py)
-        facts, c, mode, offload, sp_size_of(sequence_parallel.value))
-    if c.offload_activations == "auto":
-        offload = memory.decide_offload(facts, c, mode, fit)
-    guard = ddp_rules.decide_hang_guard(facts, c, ddp, bool(fu.value), bool(stabilizer.value), bool(usage.value))
+    usage = decide_parameter_usage(facts, c, mode)
+    units, skippable, shared = decide_fsdp(facts, c)  # raises PlanError: accelerate's cpu_ram_efficient_loading
+    stabilizer, eval_sync = decide_vision(facts, c, distributed, units, usage, skippable)
+    fu, static, guard = decide_ddp(facts, c, mode, checkpointed, stabilizer, usage, correct)
+    memory = decide_memory(facts, c, mode, sp_size)
+    deepspeed, leaf_modules, skip_unused = decide_deepspeed(facts, c)
     plan = Plan(
         parallel=facts.parallel,
         world_size=facts.world_size,
         checkpointing=ckpt,
         find_unused_parameters=fu,
         static_graph=static,
-        offload_activations=offload,
+        offload_activations=memory.offload_activations,
         vlm_stabilizer=stabilizer,
         vlm_eval_sync=eval_sync,
         eval_outputs=decide_eval_outputs(facts, c),
         fsdp_units=units,
         fsdp_skippable=skippable,
-        fsdp_shared=decide_fsdp_shared(facts),
+        fsdp_shared=shared,
         hang_guard=guard,
-        # opt-in tiling reads partitioned (empty) weights under ZeRO-3: not verified there, stock kept
-        tiled_mlp=ds_rules.zero3_unverified(facts, memory.decide_tiled_mlp(facts, c, fit)),
-        tiled_loss=ds_rules.zero3_unverified(facts, memory.decide_tiled_loss(facts, c, fit)),
+        tiled_mlp=memory.tiled_mlp,
+        tiled_loss=memory.tiled_loss,
         sequence_parallel=sequence_parallel,
-        long_context=ds_rules.zero3_unverified(facts, memory.decide_long_context(facts, c, mode, fit)),
+        long_context=memory.long_context,
         quantization=quantization,
         parameter_usage=usage,
-        deepspeed=ds_rules.engine(facts),
-        zero3_leaf_modules=ds_rules.leaf_modules(facts),
-        zero_skip_unused=ds_rules.skip_unused(facts, c),
+        deepspeed=deepspeed,
+        zero3_leaf_modules=leaf_modules,
+        zero_skip_unused=skip_unused,
         corrections=tuple(corrections),
         config_lines=tuple(c.describe()),
-        offload_min_layer_bytes=memory.offload_min_layer_bytes(c),
-        offload_max_pool_bytes=memory.offload_max_pool_bytes(facts, c),
+        offload_min_layer_bytes=memory.offload_min_layer_bytes,
+        offload_max_pool_bytes=memory.offload_max_pool_bytes,
     )
     return mark_not_applied(plan, facts, c)  # options asked on that do not run: said, never dropped
