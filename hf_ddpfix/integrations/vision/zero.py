@@ -68,7 +68,8 @@ from ...ops.zero_tie import ZeroTie
 from .adapter import VISUAL_INPUT_NAMES
 from .families import VisionAdapter, describe_unsupported, find_vision_adapter, get_submodule, output_tensors
 
-__all__ = ["FEATURE", "LANGUAGE_MODEL_PATHS", "ZeroVisionStabilizer", "any_rank", "language_model_of"]
+__all__ = ["FEATURE", "LANGUAGE_MODEL_PATHS", "ZeroVisionStabilizer", "any_rank", "forward_order_problem",
+           "language_model_of", "language_model_path"]
 
 #: ``hf_ddpfix.ops.feature_counts`` name: ``ran`` counts dummy images run; amounts ``train_dummies`` /
 #: ``eval_dummies`` split them (eval = evaluation, prediction and generation forwards).
@@ -94,13 +95,75 @@ logger = logging.getLogger("hf_ddpfix")
 LANGUAGE_MODEL_PATHS = ("model.language_model", "language_model", "model.text_model", "text_model")
 
 
-def language_model_of(adapter: VisionAdapter) -> nn.Module | None:
-    """The module the model calls with ``inputs_embeds`` after merging image features, or ``None``."""
+def language_model_path(adapter: VisionAdapter) -> str | None:
+    """The dotted name (in ``adapter.root``) of the module the model calls with ``inputs_embeds`` after merging
+    image features, or ``None``."""
     for path in LANGUAGE_MODEL_PATHS:
         mod = get_submodule(adapter.root, path)
         if isinstance(mod, nn.Module) and mod is not adapter.tower:
-            return mod
+            return path
     return None
+
+
+def language_model_of(adapter: VisionAdapter) -> nn.Module | None:
+    """The module the model calls with ``inputs_embeds`` after merging image features, or ``None``."""
+    path = language_model_path(adapter)
+    return None if path is None else get_submodule(adapter.root, path)
+
+
+# Calls that run the tower, as a VLM's forward spells them (transformers 5.23 / 5.24)
+TOWER_CALLS = ("get_image_features", "get_video_features", "get_vision_features", "visual", "vision_tower",
+               "vision_model", "vision_encoder", "vision")
+
+
+def first_calls(forward: Any, lm_attr: str, tower_attrs: set[str]) -> tuple[tuple[int, int] | None, ...]:
+    """``(line, column)`` in ``forward``'s source (line 1: its ``def``) of its first ``self.<lm_attr>(...)`` call
+    and of its first ``self.<one of tower_attrs>(...)`` call; ``None`` for a call not found or no source."""
+    import ast
+    import inspect
+    import textwrap
+
+    try:
+        tree = ast.parse(textwrap.dedent(inspect.getsource(forward)))
+    except (OSError, TypeError, SyntaxError):
+        return None, None
+    lm_at: tuple[int, int] | None = None
+    tower_at: tuple[int, int] | None = None
+    for node in ast.walk(tree):
+        if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)):
+            continue
+        if not (isinstance(node.func.value, ast.Name) and node.func.value.id == "self"):
+            continue
+        at = (node.lineno, node.col_offset)
+        if node.func.attr == lm_attr:
+            lm_at = min(lm_at or at, at)
+        elif node.func.attr in tower_attrs:
+            tower_at = min(tower_at or at, at)
+    return lm_at, tower_at
+
+
+def forward_order_problem(adapter: VisionAdapter, lm_path: str) -> str | None:
+    """Why the dummy's placement (the language model's forward pre-hook) is not where this model runs its tower,
+    or ``None``.
+
+    The dummy relies on one forward order: an image rank runs its tower after the input embedding and *before*
+    it calls the language model, so a text rank's dummy at the language model's pre-hook reaches the tower's
+    units (FSDP2) / parameters (ZeRO-3 prefetch) at the same point. Checked at attach time by reading the
+    forward of the module that owns the language model (its source, as Python reads it): where that forward
+    calls the language model before its first call of the tower (``get_image_features``, the tower's own
+    attribute, ...), the order is positively different and the dummy refuses. Where the forward does not show
+    both calls (the tower run one level up, a compiled forward, no source) nothing is concluded: the dummy
+    stays, as before this check.
+    """
+    owner_path, _, lm_attr = lm_path.rpartition(".")
+    owner = get_submodule(adapter.root, owner_path) if owner_path else adapter.root
+    tower_attrs = set(TOWER_CALLS) | {adapter.tower_name.rpartition(".")[2]}
+    lm_at, tower_at = first_calls(getattr(type(owner), "forward", None), lm_attr, tower_attrs)
+    if lm_at is None or tower_at is None or tower_at < lm_at:
+        return None
+    return (f"{type(owner).__name__}.forward calls self.{lm_attr} (line {lm_at[0]} of the forward) "
+            f"before it runs the tower (line {tower_at[0]}): the dummy image, placed where the language "
+            "model is entered, would reach the tower at another point of the order than an image rank does")
 
 
 class GenerateSync:
@@ -194,12 +257,16 @@ class ZeroVisionStabilizer:
         if adapter is None:
             raise ValueError(
                 f"hf_ddpfix: no vision stabiliser for this model: {describe_unsupported(model, zero=True)}")
-        lm = language_model_of(adapter)
-        if lm is None:
+        lm_path = language_model_path(adapter)
+        if lm_path is None:
             raise ValueError(
                 f"hf_ddpfix: {adapter.family.name}: no language model module at {LANGUAGE_MODEL_PATHS}; "
                 "the ZeRO dummy image needs it to run the tower where the real image runs"
             )
+        problem = forward_order_problem(adapter, lm_path)
+        if problem:
+            raise ValueError(f"hf_ddpfix: {adapter.family.name}: no dummy image: {problem}")
+        lm = get_submodule(adapter.root, lm_path)
         adapter.verify()  # a family discovered from the config: a trial run fixes and proves its dummy
         self.adapter = adapter
         self.language_model = lm
