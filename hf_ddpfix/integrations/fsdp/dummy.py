@@ -5,7 +5,9 @@ Where it runs: :class:`~hf_ddpfix.integrations.vision.zero.ZeroVisionStabilizer`
 on the language model (the module the VLM calls with ``inputs_embeds`` after merging image features). An image
 rank runs its tower after the input embedding and before the language model (transformers 5.23: every family the
 stabiliser knows or discovers embeds, then encodes images, then calls the language model), so a text rank's dummy
-sits at the same point of the unit order: [root, embedding, tower blocks..., decoder layers..., norm/head]. The
+sits at the same point of the unit order: [root, embedding, tower blocks..., decoder layers..., norm/head]. That order is
+checked at attach time (:func:`~hf_ddpfix.integrations.vision.zero.forward_order_problem`): a model whose forward
+enters the language model before its tower gets no dummy, with the reason. The
 dummy's features are tied into ``inputs_embeds`` with an exact-zero gradient, so the backward reaches the tower
 units in the same order too. Evaluation, prediction and ``generate()`` agree on images first (one 1-byte
 all-gather per forward; ``sync_eval``).
