@@ -38,7 +38,7 @@ from ..._compat import (
 from .cross_attention import cross_attention_parts
 from .wrap import layerdrop_stacks, skippable_subtrees
 
-__all__ = ["FsdpFacts", "fsdp_facts", "gather_fsdp_facts", "repeated_block_classes"]
+__all__ = ["FsdpFacts", "fsdp_facts", "gather_fsdp_facts", "repeated_block_classes", "unit_classes"]
 
 
 @dataclass(frozen=True)
@@ -125,6 +125,32 @@ def repeated_block_classes(model: nn.Module) -> list[str]:
 
 def _classes_inside(subtrees: Iterable[nn.Module]) -> set[str]:
     return {type(m).__name__ for s in subtrees for m in s.modules()}
+
+
+def unit_classes(f: FsdpFacts, shard: bool) -> tuple[tuple[str, ...], tuple[str, ...], bool]:
+    """THE choice of FSDP2 unit classes for a model under the transformer policy (no explicit class list): the one
+    the plan makes (:func:`hf_ddpfix.plan.fsdp.decide_fsdp_units`, whose units ``shard_layout`` then sizes) and
+    the one :func:`hf_ddpfix.integrations.fsdp.wrap.fsdp_wrap_plan` lists for plain ``fully_shard`` loops.
+
+    ``shard`` (``fsdp_skippable = shard``: a dummy runs the skippable subtrees): units inside them too, except the
+    classes no dummy runs (``f.fold_only``), plus the tower's own roots (``f.shard_roots``: the projector, so its
+    parameters leave the root); otherwise (fold) no class with an instance inside a subtree a rank may skip.
+
+    Returns:
+        ``(chosen, source, only_skippable)``: the classes to wrap (``()``: the root only), the candidates they came
+        from (``_no_split_modules`` that exist, else the repeated blocks' classes), and whether
+        ``_no_split_modules`` named only skippable blocks (the repeated blocks were used instead).
+    """
+    source = f.present or f.repeated
+    avoid = f.fold_only if shard else f.skippable  # shard: units inside the tower too (the dummy runs them)
+    chosen = tuple(n for n in source if n not in avoid)
+    only_skippable = bool(f.present) and not chosen  # e.g. transformers 5.0's PaliGemma: only its projector
+    if only_skippable:
+        source = f.repeated
+        chosen = tuple(n for n in source if n not in avoid)
+    if shard and chosen:  # the tower model and projector too: their own parameters leave the root
+        chosen += tuple(c for c in f.shard_roots if c not in chosen and c not in f.fold_only)
+    return chosen, source, only_skippable
 
 
 def gather_fsdp_facts(trainer: Any, model: nn.Module) -> FsdpFacts:
