@@ -503,7 +503,7 @@ def test_fsdp2_with_stabilizer_trains_mixed_batches_like_ddp() -> None:
 @pytest.mark.multiprocess
 def test_fsdp2_stock_evaluation_fails_with_mixed_image_text_ranks() -> None:
     """What the eval sync (checked in vlm_fsdp.py) fixes: without it, rank 0's image evaluation forward
-    all-gathers the tower's FSDP unit while text-only rank 1 gathers a decoder layer."""
+    all-gathers a vision block's FSDP unit while text-only rank 1 gathers a decoder layer."""
     rc, out, _ = run_two_ranks("vlm_fsdp.py", "--case", "stock_eval", timeout=120)
     assert rc != 0 and "STOCK_EVALUATED" not in out, out[-3000:]
     assert out.count("EVALUATING on rank") == 2, out[-3000:]
