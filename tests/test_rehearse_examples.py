@@ -88,12 +88,9 @@ def _pooled(tmp: Path, cells, parallel: int, timeout: float) -> dict[str, tuple[
 def test_every_example_under_every_config_it_documents_with_and_without_stock(tmp_path):
     """The verdicts of docs/rehearse.md's table, one cell per example x config x (stock, hf_ddpfix), and two user
     scripts written from scratch: TRL DPO (passes, its saves redirected) and a LLaVA script whose rank 0 raises at
-    step 2 (FAILED, exit 1, rank 0's frame; shown failing 2026-12-02 before rehearse/run.py's ``crashed`` check: the
-    report read "HANG", rank 1 waiting in the loss all_gather being taken for the cause). Shown failing:
-    with ``_CUDA`` in rehearse/report.py matching every first line (``re.compile(".")``) every passing cell still
-    passes but each stock failure reads "cannot" (exit 2) and the test fails at its verdict; with
-    ``sandbox.install`` a no-op the user folder's earlier results change (DPO's ``save_model``) and the last assert
-    fails."""
+    step 2 (FAILED, exit 1, rank 0's frame). Shown failing (2026-12-02, that cell run alone before rehearse/run.py's
+    ``crashed`` check): the report read "HANG" (rank 1, left waiting in the loss all_gather, taken for the cause).
+    The byte-identical check's own failure is shown by tests/test_rehearse.py's sandbox test."""
     out = tmp_path / "user-out"
     earlier = _earlier_results(out)  # a real run's results: no rehearsal may change a byte of them
     cells = _cells(out)

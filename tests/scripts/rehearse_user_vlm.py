@@ -11,8 +11,15 @@ import os
 
 import torch
 from peft import LoraConfig, get_peft_model
-from transformers import (CLIPVisionConfig, LlamaConfig, LlavaConfig, LlavaForConditionalGeneration, Trainer,
-                          TrainerCallback, TrainingArguments)
+from transformers import (
+    CLIPVisionConfig,
+    LlamaConfig,
+    LlavaConfig,
+    LlavaForConditionalGeneration,
+    Trainer,
+    TrainerCallback,
+    TrainingArguments,
+)
 
 IMAGE_TOKEN, TOKENS_PER_IMAGE = 3, 4  # 28 px / 14 px patches: 2 x 2 patches, the CLS token dropped ("default")
 
