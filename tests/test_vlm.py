@@ -20,7 +20,7 @@ from fixtures import BUILDERS, PATCH_DIM, add_lora, make_batch  # noqa: E402
 from launch import torchrun  # noqa: E402
 
 from hf_ddpfix._compat import unwrap_model  # noqa: E402
-from hf_ddpfix.integrations.fsdp.wrap import fsdp_wrap_plan  # noqa: E402
+from hf_ddpfix.integrations.fsdp.units import fsdp_wrap_plan  # noqa: E402
 from hf_ddpfix.integrations.usage.hang_guard import (  # noqa: E402
     HangGuard,
     UnusedParametersError,

@@ -31,7 +31,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 from fixtures import BUILDERS, PATCH_DIM, add_lora, assert_weights_equal, make_batch, teardown  # noqa: E402
 from vlm_ddp import train_ddp  # noqa: E402
 
-from hf_ddpfix.integrations.fsdp.wrap import fsdp_wrap_plan  # noqa: E402
+from hf_ddpfix.integrations.fsdp.units import fsdp_wrap_plan  # noqa: E402
 from hf_ddpfix.integrations.vision.families import vision_param_names  # noqa: E402
 from hf_ddpfix.integrations.vision.stabilizer import VisionStabilizer  # noqa: E402
 
