@@ -20,7 +20,7 @@ from fixtures import BUILDERS, PATCH_DIM, add_lora, make_batch  # noqa: E402
 from launch import torchrun  # noqa: E402
 
 from hf_ddpfix._compat import unwrap_model  # noqa: E402
-from hf_ddpfix.integrations.fsdp.wrap import fsdp_wrap_plan  # noqa: E402
+from hf_ddpfix.integrations.fsdp.units import fsdp_wrap_plan  # noqa: E402
 from hf_ddpfix.integrations.usage.hang_guard import (  # noqa: E402
     HangGuard,
     UnusedParametersError,
@@ -448,16 +448,30 @@ def test_hang_guard_watches_trainable_vision_groups_only() -> None:
 # --- FSDP2 wrap plan --------------------------------------------------------------------------------
 
 
-def test_fsdp_wrap_plan_orders_blocks_layers_tower_root() -> None:
+def test_fsdp_wrap_plan_is_the_plans_unit_choice_innermost_first_root_last() -> None:
+    """fsdp_wrap_plan is a view on the plan's unit classes (issue 46: one unit-layout model): for ``shard`` and
+    ``fold`` its modules are exactly the instances of what ``decide_fsdp_units`` hands accelerate for the same model,
+    bottom-up, the root last. Shown failing (2026-12-02): with wrap.py's old own layout (every ``_no_split_modules``
+    instance plus the vision tower as a unit) the tower ``model.visual`` is listed though the plan's shard units do
+    not include the tower model's class (the classes differ, the first assert fails)."""
+    from hf_ddpfix.config import DDPFixConfig
+    from hf_ddpfix.integrations.fsdp.units import fsdp_facts
+    from hf_ddpfix.plan.fsdp import decide_fsdp_units, fsdp_unit_classes
+    from hf_ddpfix.plan.types import RunFacts
+
     model = lora_model()
+    facts = RunFacts(parallel="fsdp", world_size=2, fsdp_version=2, is_peft=True, checkpointing="non_reentrant",
+                     fsdp=fsdp_facts(None, model))
+    for fold in (False, True):
+        plan = fsdp_wrap_plan(model, fold_skippable=fold)
+        units = decide_fsdp_units(facts, DDPFixConfig(fsdp_skippable="fold" if fold else "shard"))
+        assert {type(m).__name__ for _, m in plan[:-1]} == set(fsdp_unit_classes(units)), (fold, units)
+        assert plan[-1] == ("", model)
     names = [n for n, _ in fsdp_wrap_plan(model)]
-    assert names[-1] == "" and fsdp_wrap_plan(model)[-1][1] is model
-    assert names[:2] == ["base_model.model.model.visual.blocks.0", "base_model.model.model.visual.blocks.1"]
-    assert names[2:4] == [
-        "base_model.model.model.language_model.layers.0",
-        "base_model.model.model.language_model.layers.1",
-    ]
-    assert names[4] == "base_model.model.model.visual"
+    assert names[:4] == ["base_model.model.model.visual.blocks.0", "base_model.model.model.visual.blocks.1",
+                         "base_model.model.model.language_model.layers.0",
+                         "base_model.model.model.language_model.layers.1"], names
+    assert [n for n, _ in fsdp_wrap_plan(model, fold_skippable=True)][:2] == names[2:4]
 
 
 # --- 2 processes (gloo, CPU) ------------------------------------------------------------------------
@@ -489,7 +503,7 @@ def test_fsdp2_with_stabilizer_trains_mixed_batches_like_ddp() -> None:
 @pytest.mark.multiprocess
 def test_fsdp2_stock_evaluation_fails_with_mixed_image_text_ranks() -> None:
     """What the eval sync (checked in vlm_fsdp.py) fixes: without it, rank 0's image evaluation forward
-    all-gathers the tower's FSDP unit while text-only rank 1 gathers a decoder layer."""
+    all-gathers a vision block's FSDP unit while text-only rank 1 gathers a decoder layer."""
     rc, out, _ = run_two_ranks("vlm_fsdp.py", "--case", "stock_eval", timeout=120)
     assert rc != 0 and "STOCK_EVALUATED" not in out, out[-3000:]
     assert out.count("EVALUATING on rank") == 2, out[-3000:]

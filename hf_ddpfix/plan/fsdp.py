@@ -143,15 +143,9 @@ def decide_fsdp_units(facts: RunFacts, c: DDPFixConfig, skippable: Decision | No
         return _user_units(f, c, shard)
     if c.parameter_usage is False:
         return _accelerates_units(f, c)
-    source = f.present or f.repeated
-    avoid = f.fold_only if shard else f.skippable  # shard: units inside the tower too (the dummy runs them)
-    chosen = tuple(n for n in source if n not in avoid)
-    only_skippable = bool(f.present) and not chosen  # e.g. transformers 5.0's PaliGemma: only its projector
-    if only_skippable:
-        source = f.repeated
-        chosen = tuple(n for n in source if n not in avoid)
-    if shard and chosen:  # the tower model and projector too: their own parameters leave the root
-        chosen += tuple(c for c in f.shard_roots if c not in chosen and c not in f.fold_only)
+    from ..integrations.fsdp.units import unit_classes  # the facts came from there: loaded already
+
+    chosen, source, only_skippable = unit_classes(f, shard)
     if not chosen:  # "root": the plugin gets no class; accelerate's embedding / head units and the root remain
         blocks = tuple(dict.fromkeys(f.present + source)) if only_skippable else source
         what = "no block class of its own" if not blocks else f"only blocks a rank may skip ({_list(blocks)})"

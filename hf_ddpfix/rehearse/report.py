@@ -255,8 +255,12 @@ def _size(path: str) -> int:
 def format_report(r: dict[str, Any], verbose: bool = True) -> str:
     """The report in plain text, about forty lines, none over :data:`WIDTH` characters but a single long word."""
     status = r["status"].upper()
+    # --stock turns off what hf_ddpfix installs (patch_trainer, patches/); a script's own DDPFixTrainer still runs it
+    ran = r["stock"] and any(p.get("hf_ddpfix") for p in r.get("phases", []))
+    how = ("--stock asked, but the script's own DDPFixTrainer ran hf_ddpfix: not a stock run" if ran else
+           "stock, without hf_ddpfix" if r["stock"] else "with hf_ddpfix")
     out = [f"=== hf-ddpfix rehearse: {status} (exit {EXIT_CODES.get(r['status'], 1)}; "
-           f"{'stock, without hf_ddpfix' if r['stock'] else 'with hf_ddpfix'}{', skewed batches' if r['skew'] else ''})"
+           f"{how}{', skewed batches' if r['skew'] else ''})"
            " ===", f"launch:    {r['launch']}", f"rehearsed: {r['rehearsed']}; {r['world_note']}"]
     out += [f"note:      {n}" for n in r["launch_notes"]]
     if r.get("cannot"):
@@ -352,6 +356,6 @@ def format_report(r: dict[str, Any], verbose: bool = True) -> str:
         out.append(f"rehearsal folder removed ({r['workdir']}; --keep keeps records, logs and checkpoints)")
     if r["status"] != "passed" and not r["stock"]:
         out.append("compare with stock: the same command with --stock")
-    elif r["status"] == "passed" and r["stock"]:
+    elif r["status"] == "passed" and r["stock"] and not ran:
         out.append("stock passes this rehearsal")
     return "\n".join(line for raw in out for line in _fit(raw))

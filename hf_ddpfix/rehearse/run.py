@@ -169,9 +169,12 @@ def _launch(spec: LaunchSpec, args: argparse.Namespace, processes: int, folder: 
         if hangs:
             time.sleep(min(3.0, args.hang_timeout))  # the other ranks' own watchdogs may fire too
             records, hangs, _ = _records(folder)
+            # a rank that raised before anyone was signalled (a rank-0-only bug): the others waiting for it in a
+            # collective is the consequence, the verdict is its failure (issue 46: "a crash is a failure")
+            crashed = any((rec.get("error") or {}).get("message") for r, rec in records.items() if r not in hangs)
             _signal_ranks(records, getattr(signal, "SIGUSR1", signal.SIGTERM), skip=set(hangs))
             time.sleep(1.0)
-            status = "hang"
+            status = "failed" if crashed else "hang"
         elif time.monotonic() - start > args.timeout:
             _signal_ranks(records, getattr(signal, "SIGUSR1", signal.SIGTERM))
             time.sleep(1.0)

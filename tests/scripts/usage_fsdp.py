@@ -40,7 +40,7 @@ from fixtures import init_gloo, teardown, trainable_weights  # noqa: E402
 from usage_zoo import LR, enable_checkpointing  # noqa: E402
 from zoo import ZOO, seq_len  # noqa: E402
 
-from hf_ddpfix.integrations.fsdp.wrap import fsdp_wrap_plan  # noqa: E402
+from hf_ddpfix.integrations.fsdp.units import fsdp_wrap_plan  # noqa: E402
 from hf_ddpfix.integrations.usage import ParameterUsage  # noqa: E402
 
 PATTERN = [(True, False), (False, True), (False, False), (True, True)]  # step -> (rank 0, rank 1) has image

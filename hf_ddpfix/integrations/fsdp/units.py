@@ -38,7 +38,7 @@ from ..._compat import (
 from .cross_attention import cross_attention_parts
 from .wrap import layerdrop_stacks, skippable_subtrees
 
-__all__ = ["FsdpFacts", "fsdp_facts", "gather_fsdp_facts", "repeated_block_classes"]
+__all__ = ["FsdpFacts", "fsdp_facts", "fsdp_wrap_plan", "gather_fsdp_facts", "repeated_block_classes", "unit_classes"]
 
 
 @dataclass(frozen=True)
@@ -125,6 +125,74 @@ def repeated_block_classes(model: nn.Module) -> list[str]:
 
 def _classes_inside(subtrees: Iterable[nn.Module]) -> set[str]:
     return {type(m).__name__ for s in subtrees for m in s.modules()}
+
+
+def unit_classes(f: FsdpFacts, shard: bool) -> tuple[tuple[str, ...], tuple[str, ...], bool]:
+    """THE choice of FSDP2 unit classes for a model under the transformer policy (no explicit class list): the one
+    the plan makes (:func:`hf_ddpfix.plan.fsdp.decide_fsdp_units`, whose units ``shard_layout`` then sizes) and
+    the one :func:`fsdp_wrap_plan` lists for plain ``fully_shard`` loops.
+
+    ``shard`` (``fsdp_skippable = shard``: a dummy runs the skippable subtrees): units inside them too, except the
+    classes no dummy runs (``f.fold_only``), plus the tower's own roots (``f.shard_roots``: the projector, so its
+    parameters leave the root); otherwise (fold) no class with an instance inside a subtree a rank may skip.
+
+    Returns:
+        ``(chosen, source, only_skippable)``: the classes to wrap (``()``: the root only), the candidates they came
+        from (``_no_split_modules`` that exist, else the repeated blocks' classes), and whether
+        ``_no_split_modules`` named only skippable blocks (the repeated blocks were used instead).
+    """
+    source = f.present or f.repeated
+    avoid = f.fold_only if shard else f.skippable  # shard: units inside the tower too (the dummy runs them)
+    chosen = tuple(n for n in source if n not in avoid)
+    only_skippable = bool(f.present) and not chosen  # e.g. transformers 5.0's PaliGemma: only its projector
+    if only_skippable:
+        source = f.repeated
+        chosen = tuple(n for n in source if n not in avoid)
+    if shard and chosen:  # the tower model and projector too: their own parameters leave the root
+        chosen += tuple(c for c in f.shard_roots if c not in chosen and c not in f.fold_only)
+    return chosen, source, only_skippable
+
+
+def fsdp_wrap_plan(model: nn.Module, *, fold_skippable: bool = False) -> list[tuple[str, nn.Module]]:
+    """Modules to pass to ``torch.distributed.fsdp.fully_shard``, innermost first, root last: a view on the plan's
+    unit choice for plain ``fully_shard`` loops, not a layout of its own. The classes are
+    :func:`unit_classes` of the model's :func:`fsdp_facts` (what the
+    plan hands accelerate's transformer policy and ``shard_layout`` sizes: the one unit-layout model, issue 46);
+    this lists their instances bottom-up, then ``model`` (the root). Accelerate's own embedding and ``[norm, head]``
+    units are not made here: a plain loop keeps them in the root.
+
+    ``fold_skippable=False`` is the plan's ``fsdp_skippable = shard``: units inside the vision tower too (its
+    blocks and projector; the tower model's own parameters stay in the root), so :class:`VisionStabilizer` must be
+    attached: every rank then runs the tower before the language model in every training forward and all ranks
+    issue the same all-gathers / reduce-scatters in the same order (without it mixed image/text ranks hang).
+    Subtrees no dummy runs (LayerDrop stacks, a family without a dummy) are folded either way.
+
+    ``fold_skippable=True`` (any model, no dummy input needed) is the plan's ``fold``: no unit inside a subtree a
+    rank may skip — the vision tower and projector (text-only step), cross-attention decoder layers (Mllama without
+    an image), LayerDrop stacks: their parameters belong to the enclosing unit (the root for a tower), which every
+    rank all-gathers, and :class:`~hf_ddpfix.integrations.usage.ParameterUsage` built with ``units=`` ties the ones
+    a rank did not use, so every rank reduce-scatters the same set. Cost: a folded tower stays unsharded for the
+    root's whole forward/backward.
+
+    Guarantees: fully_shard over this plan + the stabiliser trains LoRA Qwen2.5-VL and Qwen3-VL with mixed
+    image/text ranks (and an imageless step) to the same weights as DDP (1e-5; tests/scripts/vlm_fsdp.py); with
+    ``fold_skippable`` + ParameterUsage every VLM of the zoo ends with stock DDP's (find_unused_parameters=True)
+    weights within 2e-7 (tests/scripts/usage_fsdp.py, results in tests/results/fsdp2_parity.json); the classes
+    are the plan's for the same model and mode (tests/test_vlm.py).
+    """
+    classes = set(unit_classes(fsdp_facts(None, model), not fold_skippable)[0])
+    ids = {id(m): n for n, m in model.named_modules()}
+    plan: list[tuple[str, nn.Module]] = []
+
+    def walk(mod: nn.Module) -> None:  # post-order: a unit's inner units are sharded before it
+        for child in mod.children():
+            walk(child)
+        if type(mod).__name__ in classes and mod is not model and any(True for _ in mod.parameters()):
+            plan.append((ids[id(mod)], mod))
+
+    walk(unwrap_model(model))
+    plan.append(("", model))
+    return plan
 
 
 def gather_fsdp_facts(trainer: Any, model: nn.Module) -> FsdpFacts:

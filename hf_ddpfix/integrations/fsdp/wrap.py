@@ -1,53 +1,13 @@
-"""Which modules to ``fully_shard`` (FSDP2) so that ranks with and without images issue the same collectives."""
+"""Which subtrees a rank may skip (a VLM's tower on a text-only step, cross-attention layers, LayerDrop stacks): what
+FSDP2 units must not split (the units themselves: :func:`hf_ddpfix.integrations.fsdp.units.fsdp_wrap_plan`)."""
 
 from __future__ import annotations
 
 from torch import nn
 
-from ..._compat import no_split_modules, unwrap_model
 from ..vision.families import vision_groups
 
-__all__ = ["fsdp_wrap_plan", "layerdrop_stacks", "skippable_subtrees"]
-
-
-
-
-def fsdp_wrap_plan(model: nn.Module, *, fold_skippable: bool = False) -> list[tuple[str, nn.Module]]:
-    """Modules to pass to ``torch.distributed.fsdp.fully_shard``, innermost first, root last.
-
-    The plan: every block named in the HF model's ``_no_split_modules`` (vision blocks and decoder
-    layers), then the vision tower itself (patch embedding, mergers), then ``model`` (the root: the
-    embeddings, LM head and any leftovers). With :class:`VisionStabilizer` attached every rank runs
-    the tower before the language model in every training forward, so all ranks issue the same
-    all-gathers / reduce-scatters in the same order. Without it, mixed image/text ranks hang.
-
-    With ``fold_skippable=True`` (any model, no dummy input needed) no unit is made inside a subtree a
-    rank may skip — the vision tower and projector (text-only step), cross-attention decoder layers
-    (Mllama without an image), LayerDrop stacks: their parameters belong to the enclosing unit (the root
-    for a tower), which every rank all-gathers, and :class:`~hf_ddpfix.integrations.usage.ParameterUsage`
-    built with ``units=`` ties the ones a rank did not use, so every rank reduce-scatters the same set.
-    Cost: a folded tower stays unsharded for the root's whole forward/backward.
-
-    Guarantees: fully_shard over this plan + the stabiliser trains LoRA Qwen2.5-VL and Qwen3-VL with
-    mixed image/text ranks (and an imageless step) to the same weights as DDP (1e-5; measured 7.6e-7
-    and 1.1e-6; tests/scripts/vlm_fsdp.py); with ``fold_skippable`` + ParameterUsage every VLM of the zoo ends with
-    stock DDP's (find_unused_parameters=True) weights within 2e-7 (measured 0 to 6e-8; tests/scripts/usage_fsdp.py,
-    results in tests/results/fsdp2_parity.json).
-    """
-    hf = unwrap_model(model)
-    no_split = set(no_split_modules(hf))
-    ids = {id(m): n for n, m in model.named_modules()}
-    skip = skippable_subtrees(hf) if fold_skippable else []
-    plan: list[tuple[str, nn.Module]] = []
-    for _, mod in hf.named_modules():
-        if type(mod).__name__ in no_split and not _inside(mod, skip):
-            plan.append((ids[id(mod)], mod))
-    for _, tower in ([] if fold_skippable else vision_groups(hf)):
-        if any(tower is m for _, m in plan) or not any(True for _ in tower.parameters()):
-            continue
-        plan.append((ids[id(tower)], tower))
-    plan.append(("", model))
-    return plan
+__all__ = ["layerdrop_stacks", "skippable_subtrees"]
 
 
 _LAYERDROP_KEYS = ("layerdrop", "encoder_layerdrop", "decoder_layerdrop")
