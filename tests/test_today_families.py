@@ -12,11 +12,12 @@ and ZeRO-3, stock vs ``long_context="all"`` and ``sequence_parallel=2`` (tests/s
   ZeRO-3": no layer counter moves) and refuses SP on the hybrids before step 1; Gemma 4 trains under Ulysses to
   the DDP launch's stock weights.
 
-Shown failing (2026-12-02): with the gate multiplication removed from the patched layer's tiled forward
-(``a * gate[0]`` in long_context.py) the Qwen hybrids' long-context weights differ from stock by ~1e-2 and the DDP
-test fails; with the ``sequence_scan`` rule off (plan/sequence_parallel.py) the hybrids train under SP and the
-refusal checks fail; with the plan's kinds given a wrong verdict (a stock type reported patched) the
-plan-vs-counters check fails.
+Shown failing (2026-12-02, one DDP launch of Qwen3.5 and Gemma 4 with three breaks, each check evaluated on its
+output): the gate multiplication removed from the patched layer's tiled forward (``a * gate[0]`` in
+long_context.py): Qwen3.5's long-context weights 1.5e-2 from stock (tolerance 1e-12); the ``sequence_scan`` rule off
+(plan/sequence_parallel.py): Qwen3.5 trains under SP (2 steps, no refusal) to weights 9.4e-3 from stock, silently
+wrong; ``kind_lines`` printing a stock type as patched: the plan-line-vs-kinds check and ``plan_matches_counters``
+(``patched calls [linear_attention]`` 0 where the plan says patched) fail.
 """
 
 from __future__ import annotations
