@@ -142,3 +142,43 @@ def test_today_families_under_zero3_sp_trains_or_is_refused_long_context_off(ddp
             assert r["stats"] == {} and "long_context" not in r["counts"], (rank, r)  # long context never ran
             c = r["counts"]["sequence_parallel"]
             assert c["fell_back"] == 0 and c["amounts"]["sharded_batches"] == 2 * STEPS, (rank, c)
+
+
+QWEN3_5_27B = ('{"num_hidden_layers": 64, "hidden_size": 5120, "num_attention_heads": 24, "num_key_value_heads": 4, '
+               '"intermediate_size": 17408, "head_dim": 256}')
+
+
+def _counts_out(text: str) -> str:
+    return re.sub(r"\b\d+ (linear_attention|full_attention)", r"N \1", text)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(300)
+def test_offline_plan_of_qwen3_5_27b_at_64k_says_what_the_tiny_run_did(ddp_out):
+    """``hf-ddpfix plan`` for a Qwen3.5-27B shape (48 linear-attention + 16 full-attention layers) at 64K tokens: its
+    long-context lines per layer type and its SP 2 refusal are the tiny Qwen3.5 run's, word for word but the layer
+    counts (the decisions that do not depend on size; the counts are the structure's: 3 + 1 there, 48 + 16 here).
+    Shown failing (2026-12-02): with the structural check returning "checked at first call" on meta weights
+    (layer_kinds._meta_attention_check), the CLI's full-attention line differs from the run's "patched"."""
+    import contextlib
+    import io
+
+    from hf_ddpfix.cli import main
+
+    def cli(*extra: str) -> tuple[int, str, str]:
+        out, err = io.StringIO(), io.StringIO()
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            code = main(["plan", "--model", "qwen3_5_text", "--config-kwargs", QWEN3_5_27B, "--parallel", "ddp",
+                         "--world-size", "2", "--seq-len", "65536", "--set", "long_context=all", *extra])
+        return code, out.getvalue(), err.getvalue()
+
+    lc = _load(ddp_out, "ddp-qwen3_5-lc")
+    code, out, err = cli()
+    assert code == 0, err
+    lines = [line.strip() for line in out.splitlines() if line.strip().startswith("layers: ")]
+    assert [_counts_out(x) for x in lines] == [_counts_out(x) for x in lc["lc_lines"]], (lines, lc["lc_lines"])
+    assert lines[0].startswith("layers: 48 linear_attention") and lines[1].startswith("layers: 16 full_attention")
+    sp = _load(ddp_out, "ddp-qwen3_5-sp")
+    code, _, err = cli("--set", "sequence_parallel=2")
+    assert code == 2 and "48 linear_attention layers" in err, err
+    assert _counts_out(sp["refused"]) in _counts_out(err), (sp["refused"], err)
