@@ -153,7 +153,7 @@ def _counts_out(text: str) -> str:
 
 
 @pytest.mark.multiprocess
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(480)  # the DDP launch (the module's fixture) counts when this test runs first
 def test_offline_plan_of_qwen3_5_27b_at_64k_says_what_the_tiny_run_did(ddp_out):
     """``hf-ddpfix plan`` for a Qwen3.5-27B shape (48 linear-attention + 16 full-attention layers) at 64K tokens: its
     long-context lines per layer type and its SP 2 refusal are the tiny Qwen3.5 run's, word for word but the layer
