@@ -171,3 +171,19 @@ def test_gated_full_attention_runs_patched_under_checkpointing_and_in_evaluation
     assert handle.stats["patched calls [full_attention]"] == 3, dict(handle.stats)
     torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
     handle.remove()
+
+
+@pytest.mark.parametrize("name", ["qwen3_5", "qwen3_next"])
+def test_gated_norm_of_the_linear_attention_layers_stays_stock_with_its_reason(name):
+    """The gated delta net's ``RMSNormGated`` (``norm(x, gate)``) is no one-tensor RMSNorm: the norm patch leaves it
+    stock and says why (before 2026-12-02 the reason was a caught TypeError read as "e.g. a weight already sharded
+    (DTensor)"); the decoder norms beside it are patched.
+    Shown failing (2026-12-02): with the signature check removed from ``rms_norm_form`` the reason is the TypeError's."""
+    from hf_ddpfix.integrations.long_context.layer_forms import rms_norm_form
+
+    model = _model(name)
+    gated = [m for n, m in model.named_modules() if n.endswith("linear_attn.norm")]
+    assert len(gated) == 3, [n for n, _ in model.named_modules() if "norm" in n]
+    form, why = rms_norm_form(gated[0])
+    assert form is None and "requires gate beside the hidden states (a gated norm): stock" in why, why
+    assert rms_norm_form(model.model.norm)[0] in ("weight", "unit_offset")

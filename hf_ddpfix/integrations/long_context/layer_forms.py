@@ -26,6 +26,7 @@ the registry is a refusal with its reason, never a patched layer.
 from __future__ import annotations
 
 import contextlib
+import inspect
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -278,8 +279,13 @@ def rms_norm_form(m: nn.Module, chunk_tokens: int = 4096, forward: Callable[...,
     gen = torch.Generator(device=w.device).manual_seed(0)
     with torch.no_grad():
         x = torch.randn((5, w.shape[0]), generator=gen, device=w.device, dtype=torch.float32).to(w.dtype) * 3
+        fn = forward or m.__dict__.get("forward") or type(m).forward.__get__(m)
+        needs = _required_beyond_first(fn)
+        if needs:  # Qwen3.5 / Qwen3-Next RMSNormGated: norm(x, gate), a gated norm the patch does not compute
+            return None, f"{type(m).__name__}: its forward requires {', '.join(needs)} beside the hidden states " \
+                         "(a gated norm): stock"
         try:
-            ref = (forward or m.__dict__.get("forward") or type(m).forward.__get__(m))(x)
+            ref = fn(x)
         except Exception as err:  # noqa: BLE001 - not a one-tensor norm: not ours
             return None, (f"{type(m).__name__}: the check against stock failed ({type(err).__name__}: "
                           f"{str(err)[:80]}), e.g. a weight already sharded (DTensor): stock")
@@ -363,3 +369,12 @@ def probe_layer(layer: nn.Module, stock: Callable[..., Any], hidden_states: torc
         for m, flag in flags:
             m.training = flag
     return None, f"{type(layer).__name__}: {why}", {}
+
+
+def _required_beyond_first(fn: Any) -> list[str]:
+    """The parameters of ``fn`` after its first that have no default (``[]`` where the signature is unreadable)."""
+    try:
+        params = list(inspect.signature(fn).parameters.values())[1:]
+    except (TypeError, ValueError):
+        return []
+    return [p.name for p in params if p.default is p.empty and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
