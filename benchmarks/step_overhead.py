@@ -15,7 +15,8 @@ builds DDP with `find_unused_parameters=False`, static graph at accumulation 1):
 - `vlm`: tiny Qwen2.5-VL with LoRA on the vision tower too, rank 0 always an image, rank 1 never (mixed ranks);
   under FSDP2 the tower in units of its own with the dummy image (``fsdp_skippable="shard"``); stock FSDP2 fails on
   mixed ranks, so its reference gives rank 1 images too (rank 1's figure: hf_ddpfix's text rank with the dummy vs
-  stock's image rank);
+  stock's image rank), and its weights are compared with stock DDP's on the same mixed ranks (the DDP run's
+  ``--save-reference`` folder given as ``--reference``; "not compared" without it);
 - `eval`: the `text` model's ``evaluate()`` (with ``compute_metrics``, so predictions are gathered) then
   ``predict()``, counted per evaluation step (between two ``on_prediction_step`` callbacks: one forward and the
   Trainer's gathers of its outputs).

@@ -19,10 +19,11 @@ Issue 48 (the other engines at the floor): FSDP2 added 3 host reads + 2 collecti
 read at once), ZeRO-2/3 1 all-gather + 2 host reads per micro-batch (the same check), ``evaluate()`` 8 host reads +
 1 ``all_gather_object`` per evaluation step (the output-field exchange). Now: FSDP2 text adds the usage agreement's
 all-reduce (stock FSDP2 has no used map to replace: the one collective it needs to reset what no rank used) and no
-read; ZeRO one two-byte all-reduce per optimizer step (the trainable-set flag, read late); evaluation no collective
-and fewer host reads than stock (hf_ddpfix's ``pad_across_processes`` reads each tensor's gathered sizes once,
-stock compares them element by element). Each engine's assertion below names what it measured on 2410770 (before
-this work), where it fails."""
+read, with tower units and the dummy the dummy's image flag in the same all-reduce (one byte more); ZeRO one
+two-byte all-reduce per optimizer step (the trainable-set flag, read late); evaluation no collective and no host
+read (hf_ddpfix's ``pad_across_processes`` reads each tensor's gathered sizes once from the host copy stock's
+``.cpu()`` made: a host-copy read, counted apart). Each engine's assertion below names what it measured on 2410770
+(before this work), where it fails."""
 
 from __future__ import annotations
 
@@ -159,8 +160,8 @@ def test_fsdp2_tower_units_with_the_dummy_add_one_all_reduce_and_no_read_on_the_
     rank did -> its tower gradients become ``None``, as stock DDP leaves them), in place of the dummy's ``item``.
     Stock FSDP2 fails on mixed ranks: the counts' reference has images on both ranks (rank 1's reads compare a text
     rank with an image rank), the weights' is stock DDP (``find_unused_parameters=True``) on the same mixed ranks.
-    Fails (shown 2026-12-02) with the fold undone in runtime.py: +2 ``allreduce_`` and rank 0 +1 ``item``, as
-    measured before it."""
+    Fails without the fold (shown 2026-12-02: the same benchmark on 0c9bdba, before it, gave +2 ``allreduce_`` (48
+    bytes) on both ranks and rank 0 +1 ``item``)."""
     per = counts["fsdp/vlm"]
     for rank, added in enumerate(per["added_by_rank"]):
         assert _collectives(added) == {"collective:allreduce_": 1}, (rank, added)
