@@ -15,7 +15,8 @@ builds DDP with `find_unused_parameters=False`, static graph at accumulation 1):
 - `vlm`: tiny Qwen2.5-VL with LoRA on the vision tower too, rank 0 always an image, rank 1 never (mixed ranks);
   under FSDP2 the tower in units of its own with the dummy image (``fsdp_skippable="shard"``); stock FSDP2 fails on
   mixed ranks, so its reference gives rank 1 images too (rank 1's figure: hf_ddpfix's text rank with the dummy vs
-  stock's image rank);
+  stock's image rank), and its weights are compared with stock DDP's on the same mixed ranks (the DDP run's
+  ``--save-reference`` folder given as ``--reference``; "not compared" without it);
 - `eval`: the `text` model's ``evaluate()`` (with ``compute_metrics``, so predictions are gathered) then
   ``predict()``, counted per evaluation step (between two ``on_prediction_step`` callbacks: one forward and the
   Trainer's gathers of its outputs).
@@ -23,7 +24,9 @@ builds DDP with `find_unused_parameters=False`, static graph at accumulation 1):
 Counting (one run each, separate from the timed runs): a `TorchDispatchMode` sees every c10d collective,
 Python's or DDP's reducer's (`c10d.allreduce_` ...; bytes = the input tensors'), and a `TorchFunctionMode`
 every host read of a tensor (`item`, `tolist`, `cpu`, `numpy`, `__bool__`, `__int__`, `__float__`,
-`__index__`: on a GPU each waits for the queued work). Each optimizer step is counted between the
+`__index__`: on a GPU each waits for the queued work). A read of a **host copy** (the result of a counted `.cpu()`,
+or a tensor computed from host copies alone: stock accelerate's `max(s[dim] for s in gather(size).cpu())`) waits
+for nothing, the `.cpu()` did: it is counted apart (`copyread:<kind>`), not as a host read. Each optimizer step is counted between the
 Trainer's `on_step_begin` and `on_step_end`; steps after the first `WARMUP_STEPS` are the steady state
 and must all be equal (the script fails otherwise). Log-time reads (every `logging_steps`) fall outside these windows,
 and so does the trainable-set flags' late read of host memory (hf_ddpfix's `on_step_end`, after this script's):
@@ -97,12 +100,44 @@ class Counts:
         class Reads(TorchFunctionMode):
             def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
                 name = getattr(func, "__name__", "")
-                if outer.on and name in HOST_READS:
-                    outer.now[f"read:{name}"] += 1
-                return func(*args, **(kwargs or {}))
+                if not outer.on:
+                    return func(*args, **(kwargs or {}))
+                copy = outer.host_copy(args, kwargs)
+                if name in HOST_READS:
+                    outer.now[f"{'copyread' if copy else 'read'}:{name}"] += 1
+                out = func(*args, **(kwargs or {}))
+                if name == "__iter__" and copy:  # the rows of a host copy (stock's `for s in sizes`)
+                    rows = list(out)
+                    outer.mark(rows)
+                    return iter(rows)
+                if name == "cpu" or copy:
+                    outer.mark(out)
+                return out
 
         self.modes = (Collectives(), Reads())
+        self._copies: dict[int, Any] = {}
         self.steps: list[dict[str, int]] = []
+
+    def mark(self, out: Any) -> None:
+        """Note every tensor of ``out`` as a host copy (a ``.cpu()`` result, or computed from such copies alone)."""
+        import weakref
+
+        import torch
+        from torch.utils._pytree import tree_leaves
+
+        for t in tree_leaves(out):
+            if isinstance(t, torch.Tensor):
+                self._copies[id(t)] = weakref.ref(t)
+
+    def host_copy(self, args: tuple, kwargs: dict | None) -> bool:
+        """Whether every tensor among ``args`` / ``kwargs`` (at least one) is a host copy: a read of one waits for
+        nothing on a GPU (the counted ``.cpu()`` that made it did)."""
+        import torch
+        from torch.utils._pytree import tree_leaves
+
+        tensors = [t for t in tree_leaves((args, kwargs or {})) if isinstance(t, torch.Tensor)]
+        return bool(tensors) and all(
+            (ref := self._copies.get(id(t))) is not None and ref() is t for t in tensors)
 
     def callback(self) -> Any:
         from transformers import TrainerCallback
@@ -287,6 +322,16 @@ def _local_weights(model: Any) -> dict[str, Any]:
     return out
 
 
+def _shards(full: dict[str, Any], rank: int, world: int) -> dict[str, Any]:
+    """This rank's FSDP2 shard of each whole tensor (dimension 0 in ``torch.chunk`` pieces, an empty one past the
+    last piece), to compare with what ``_local_weights`` reads of a sharded model."""
+    out = {}
+    for name, t in full.items():
+        pieces = t.chunk(world, 0)
+        out[name] = pieces[rank] if rank < len(pieces) else t[:0]
+    return out
+
+
 def _agreement_reads(trainer: Any) -> dict[str, int]:
     """The usage agreement's own counters over the run (patched): ``issued`` all-reduces, ``reads`` at the step
     (device->host on a GPU, counted above too), ``late_reads`` (a rank that did not read at the step reads the
@@ -365,9 +410,18 @@ def worker(a: argparse.Namespace) -> None:
         per["added_by_rank"] = [diff(p, s) for p, s in zip(per["patched"]["per_step_by_rank"],
                                                             per["stock"]["per_step_by_rank"], strict=True)]
         stock_w, fixed_w = weights["stock"], weights["patched"]
+        per["weights_vs"] = "stock"
+        if engine == "ddp" and case == "vlm" and a.save_reference and rank == 0:  # stock DDP, mixed ranks
+            Path(a.save_reference).mkdir(parents=True, exist_ok=True)
+            torch.save(stock_w, Path(a.save_reference) / "vlm.pt")
+        if engine == "fsdp" and case == "vlm":  # stock FSDP2 cannot train mixed ranks (its counts' reference above)
+            stock_w, per["weights_vs"] = {}, None
+            if a.reference:  # what stock trains on mixed ranks: DDP, find_unused_parameters=True (--save-reference)
+                stock_w = _shards(torch.load(Path(a.reference) / "vlm.pt"), rank, dist.get_world_size())
+                per["weights_vs"] = "stock DDP"
         mine = {"tensors": len(stock_w), "same_names": sorted(stock_w) == sorted(fixed_w),
                 "max_diff": max(((stock_w[n] - fixed_w[n]).abs().max().item() for n in stock_w if n in fixed_w),
-                                default=0.0)}
+                                default=0.0) if stock_w else None}
         per["weights_by_rank"] = [None, None]
         dist.all_gather_object(per["weights_by_rank"], mine)
         result["counts"][key] = per
@@ -419,6 +473,9 @@ def main() -> None:
     p.add_argument("--count-steps", type=int, default=6)
     p.add_argument("--steps", type=int, default=6)
     p.add_argument("--pairs", type=int, default=5)
+    p.add_argument("--save-reference", default="", help="a folder: the DDP run saves its stock VLM weights there")
+    p.add_argument("--reference", default="", help="a folder: the FSDP2 VLM run compares its weights with the stock "
+                   "DDP weights --save-reference wrote (stock FSDP2 cannot train mixed image/text ranks)")
     p.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "step_overhead.json"))
     a = p.parse_args()
     bad = [e for e in a.engine.split(",") if e not in ENGINES]

@@ -127,6 +127,9 @@ def attach_runtime(trainer: Any, model: nn.Module, plan: Plan, stack: ExitStack)
         rt.usage = _attach_usage(trainer, model, usage, stack, at_loss=plan.parallel != "fsdp")
         if plan.parallel == "fsdp":  # ties per FSDP2 unit, once accelerate has made them
             rescope_on_wrap(trainer, usage, stack, log=lambda line: _log_rank0(trainer, "%s", line))
+            dummy = rt.zero_vision
+            if hasattr(dummy, "fold_into") and usage.process_group is None and dummy.process_group is None:
+                dummy.fold_into(usage)  # the dummy's "some rank saw an image" rides in the agreement
     if plan.hang_guard.value:
         if is_vision_language_model(model):
             rt.hang_guard = HangGuard(model).attach()

@@ -72,6 +72,15 @@ def rows_of(results: dict[str, Any]) -> list[tuple[str, str, int, dict[str, int]
     return out
 
 
+def weights_cell(diff: float | None, vs: str | None = "stock") -> str:
+    """The last column: bit-equal, or the measured largest difference, and against what when not the same engine's
+    stock run."""
+    if diff is None or vs is None:
+        return "not compared"
+    cell = "bit-equal" if diff == 0.0 else f"max diff {diff:.2g}"
+    return cell if vs == "stock" else f"{cell} vs {vs}"
+
+
 def render(results: dict[str, Any]) -> str:
     """The Markdown block: one row per engine, case and rank."""
     lines = [
@@ -84,7 +93,7 @@ def render(results: dict[str, Any]) -> str:
         "|---|---|---:|---|---|---|---|",
     ]
     for engine, case, rank, added, diff in rows_of(results):
-        weights = "not compared" if diff is None else ("bit-equal" if diff == 0.0 else f"max diff {diff:.2g}")
+        weights = weights_cell(diff, results["cases"][f"{engine}/{case}"].get("weights_vs", "stock"))
         lines.append(f"| {ENGINES[engine]} | {CASES[case]} | {rank} | {_added(added, 'collective:')} | "
                      f"{_bytes(added)} | {_added(added, 'read:')} | {weights} |")
     missing = [f"{ENGINES[e]} {c}" for e in ENGINES for c in CASES

@@ -199,6 +199,75 @@ def test_cross_attention_dummy_is_exactly_zero(checkpointing):
     assert torch.equal(ids, ref)
 
 
+class _Peer:
+    """A second rank for one process: ``dist.all_reduce(MAX)`` folds its bytes into ours (no process group)."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch, module: object) -> None:
+        self.bytes: torch.Tensor | None = None
+        self.calls = 0
+
+        class Work:
+            def wait(self) -> None:
+                return None
+
+        def all_reduce(tensor: torch.Tensor, op: object = None, group: object = None, async_op: bool = False) -> Work:
+            self.calls += 1
+            assert self.bytes is not None and self.bytes.shape == tensor.shape, (self.bytes, tensor)
+            tensor.copy_(torch.maximum(tensor, self.bytes))
+            return Work()
+
+        monkeypatch.setattr(module, "dist_ready", lambda group=None: True)
+        monkeypatch.setattr(module, "collective_device", lambda group=None: torch.device("cpu"))
+        monkeypatch.setattr(torch.distributed, "all_reduce", all_reduce)
+
+
+def test_the_dummys_image_flag_rides_in_the_usage_agreement_and_only_a_text_rank_reads_it(monkeypatch):
+    """Issue 48: the FSDP2 dummy's "some rank saw an image" is one more byte of the usage agreement's all-reduce
+    (``StepImages.fold_into``), no collective of its own. A rank that passed an image knows the answer and does not
+    read; a text rank reads the agreement once and resets the tower's gradients to ``None`` exactly where the other
+    rank saw no image either; the trainable-set flag bytes keep their place (read late). Fails with the byte left
+    out of ``UsageAgreement.agree`` (a KeyError / shape mismatch) or the reset skipped (grads not None)."""
+    from hf_ddpfix.integrations.fsdp.grad_reset import StepImages
+    from hf_ddpfix.integrations.usage import agreement as agreement_module
+    from hf_ddpfix.integrations.usage.agreement import UsageAgreement
+
+    peer = _Peer(monkeypatch, agreement_module)
+    tower = torch.nn.Linear(2, 2)
+
+    class Dummy(StepImages):
+        process_group = None
+
+        def __init__(self) -> None:
+            self._step_images, self._step_forwards = False, 0
+
+        def _reset_modules(self) -> list[torch.nn.Module]:
+            return [tower]
+
+    class Usage:  # what fold_into needs of a ParameterUsage
+        agreement = UsageAgreement()
+        step_seen = None
+
+    dummy, usage = Dummy(), Usage()
+    dummy.fold_into(usage)
+    n = 3
+    # (this rank saw an image, the other rank did) -> (reads, tower grads kept)
+    for mine, other, reads, kept in ((True, False, 0, True), (False, True, 1, True), (False, False, 1, False)):
+        tower.weight.grad = torch.zeros(2, 2)
+        dummy._step_images, dummy._step_forwards = mine, 2
+        peer.bytes = torch.tensor([1] * n + [0, 1] + [int(other)], dtype=torch.uint8)  # used all; flag not set
+        before = usage.agreement.reads
+        unused, flags = usage.agreement.agree(set(), n, None, flag=False, seen=usage.step_seen())
+        assert unused == set() and flags == (False, False)
+        assert usage.agreement.reads - before == reads, (mine, other)
+        if not reads:  # the trainable-set flag bytes in place: read late, "no rank changed its set"
+            assert usage.agreement.late_flags() == (False, False)
+        assert dummy.finalize_step() is (mine or other)
+        assert (tower.weight.grad is not None) is kept, (mine, other)
+    assert peer.calls == 3  # the agreement's all-reduce only: the dummy issued none
+    dummy._step_forwards = 0
+    assert usage.step_seen() is None and dummy.finalize_step() is None  # no forward: nothing carried, no collective
+
+
 SCRIPT = ROOT / "tests" / "scripts" / "fsdp_trainer.py"
 OFFLINE = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
 # Qwen2.5-VL (accumulation 2), Gemma 3 (reentrant asked: the plan runs it non-reentrant), LLaVA, Aya Vision,

@@ -40,7 +40,7 @@ import torch
 from torch import nn
 
 from ..._compat import passed_cache, unwrap_model
-from .grad_reset import reset_grads_unless_any_rank_saw
+from .grad_reset import StepImages
 
 __all__ = ["CrossAttentionDummy", "cross_attention_parts", "kept_cross_attention_dummy", "nonzero_contribution"]
 
@@ -86,7 +86,7 @@ def dummy_tokens(vision: nn.Module) -> int:
     return int(patches) * tiles
 
 
-class CrossAttentionDummy:
+class CrossAttentionDummy(StepImages):
     """Runs the tower, the projector and every cross-attention layer on a rank without an image.
 
     Args:
@@ -181,14 +181,15 @@ class CrossAttentionDummy:
         new["full_text_row_masked_out_mask"] = rows
         return args, new
 
+    def _reset_modules(self) -> list[nn.Module]:
+        return self.parts()
+
     def finalize(self) -> bool | None:
         """Before clipping, once per optimizer step: where no rank passed an image in any micro-batch, every
         gradient of :meth:`parts` becomes ``None``. Returns whether some rank saw an image; ``None`` (no
-        collective) when no training forward ran since the last call."""
-        if not self._step_forwards:
-            return None
-        local, self._step_images, self._step_forwards = self._step_images, False, 0
-        return reset_grads_unless_any_rank_saw(local, self.parts(), self.process_group)
+        collective) when no training forward ran since the last call. The flag rides in the usage agreement where
+        :meth:`fold_into` was called (:class:`.grad_reset.StepImages`)."""
+        return self.finalize_step()
 
 
 def keep_cross_attention_dummy(model: nn.Module) -> CrossAttentionDummy | None:

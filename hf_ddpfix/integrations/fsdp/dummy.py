@@ -18,7 +18,8 @@ sharded model, whose tower units an image rank all-gathers, agrees across ranks 
 Optimizer semantics: a tower parameter a text rank ran only on the dummy gets a zero gradient, and the averaged
 gradient is stock DDP's (``find_unused_parameters=True``) where some rank saw an image. In a step where **no** rank
 saw an image stock leaves those gradients ``None`` (AdamW skips them); :meth:`FsdpDummy.finalize` (once per
-optimizer step, before clipping: one all-reduce of one int) resets them to ``None`` then.
+optimizer step, before clipping: one byte in the usage agreement's all-reduce, or one all-reduce of one int without
+it) resets them to ``None`` then.
 
 Guarantees (tests/test_fsdp_skippable.py, through the FSDP test device): with tower units (an explicit
 ``fsdp_transformer_layer_cls_to_wrap`` naming the vision blocks, or ``fsdp_skippable = shard``) mixed image/text
@@ -34,14 +35,14 @@ import torch
 from torch import nn
 
 from ..vision.zero import ZeroVisionStabilizer
-from .grad_reset import reset_grads_unless_any_rank_saw
+from .grad_reset import StepImages
 
 __all__ = ["FsdpDummy", "keep_eval_sync", "kept_eval_sync"]
 
 _KEPT = "_hf_ddpfix_fsdp_eval_sync"
 
 
-class FsdpDummy:
+class FsdpDummy(StepImages):
     """The training (and evaluation) dummy for tower units under FSDP2.
 
     Args:
@@ -85,14 +86,15 @@ class FsdpDummy:
             self._step_forwards += 1
             self._step_images = self._step_images or self.adapter.has_visual_input(args, kwargs)
 
+    def _reset_modules(self) -> list[nn.Module]:
+        return [mod for _, mod in self.adapter.parts()]
+
     def finalize(self) -> bool | None:
         """Before clipping, once per optimizer step: where no rank passed an image in any micro-batch of the step,
         every tower and projector gradient becomes ``None`` (stock DDP ``find_unused_parameters=True``). Returns
-        whether some rank saw an image; ``None`` (no collective) when no training forward ran since the last call."""
-        if not self._step_forwards:
-            return None
-        local, self._step_images, self._step_forwards = self._step_images, False, 0
-        return reset_grads_unless_any_rank_saw(local, [mod for _, mod in self.adapter.parts()], self.process_group)
+        whether some rank saw an image; ``None`` (no collective) when no training forward ran since the last call.
+        The flag rides in the usage agreement where :meth:`fold_into` was called (:class:`.grad_reset.StepImages`)."""
+        return self.finalize_step()
 
 
 def keep_eval_sync(model: nn.Module) -> Any:

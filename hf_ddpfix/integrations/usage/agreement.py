@@ -106,6 +106,7 @@ class UsageAgreement:
         self.issued = 0
         self.reads = 0
         self.late_reads = self.late_waits = 0  # late_flags: host-memory reads / event waits (GPU, host ran ahead)
+        self.seen_anywhere: bool | None = None  # the last agree()'s "some rank saw it" (``seen``), until take_seen
 
     def unused_everywhere(self, unused_here: set[int], n_slots: int, group: Any) -> set[int]:
         """The slot indices no rank used: ``unused_here`` minus those some other rank used. Call on every
@@ -113,39 +114,47 @@ class UsageAgreement:
         return self.agree(unused_here, n_slots, group)[0]
 
     def agree(self, unused_here: set[int], n_slots: int, group: Any, flag: bool | None = None,
-              ) -> tuple[set[int], tuple[bool, bool] | None]:
+              seen: bool | None = None) -> tuple[set[int], tuple[bool, bool] | None]:
         """:meth:`unused_everywhere`, with a per-rank ``flag`` carried in the same all-reduce (two more bytes:
-        "some rank set it", "some rank did not"; ``None``: no flag, every rank must agree on that).
+        "some rank set it", "some rank did not"; ``None``: no flag, every rank must agree on that), and a per-rank
+        ``seen`` (one more byte, MAX: "some rank saw it", e.g. the FSDP2 dummy's "this rank passed an image";
+        ``None``: none carried). The agreed ``seen`` is kept in :attr:`seen_anywhere` until :meth:`take_seen`.
 
         Returns:
             ``(unused, flags)``: ``flags`` is ``(some rank set it, every rank set it)`` on a rank that read the
-            agreement (one whose ``unused_here`` is non-empty or whose ``flag`` is set); ``(False, False)`` on a
-            rank that neither set it nor had anything to reset (it does not read: a rank that did set it reads
-            "some rank did not" and acts on it); ``None`` without a flag.
+            agreement (one whose ``unused_here`` is non-empty, whose ``flag`` is set or whose ``seen`` is false);
+            ``(False, False)`` on a rank that neither set it nor had anything to reset (it does not read: a rank
+            that did set it reads "some rank did not" and acts on it); ``None`` without a flag. A rank whose
+            ``seen`` is true knows "some rank saw it" without reading.
         """
-        extra = 0 if flag is None else 2
+        extra = (0 if flag is None else 2) + (0 if seen is None else 1)
+        at_seen = n_slots + extra - 1  # the "seen" byte, last
         if not dist_ready(group):
+            self.seen_anywhere = seen
             return set(unused_here), (None if flag is None else (bool(flag), bool(flag)))
         self.wait()
         self._late = None  # a previous step's unread flags: that step's on_step_end did not run (nothing to act on)
         device = collective_device(group)
-        read = bool(unused_here) or bool(flag)
+        read = bool(unused_here) or bool(flag) or seen is False
         if read:
             host = torch.ones(n_slots + extra, dtype=torch.uint8)
             if unused_here:
                 host[sorted(unused_here)] = 0
-            if extra:
+            if flag is not None:
                 host[n_slots], host[n_slots + 1] = int(bool(flag)), int(not flag)
+            if seen is not None:
+                host[at_seen] = int(seen)
             flags = host.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else host
         else:
             flags = torch.ones(n_slots + extra, dtype=torch.uint8, device=device)
-            if extra:  # this rank: flag not set ("some rank did not" = 1)
+            if flag is not None:  # this rank: flag not set ("some rank did not" = 1)
                 flags[n_slots] = 0
         work = dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=group, async_op=True)
         self.issued += 1
-        if not read:  # the OR of "used" is all ones whatever the others sent, and no flag of ours to check
+        if not read:  # the OR of "used" (and of "seen") is all ones whatever the others sent, no flag of ours to check
+            self.seen_anywhere = None if seen is None else True
             self._pending = (work, flags)
-            if extra:  # but another rank's flag: read late, once the result is in host memory (late_flags)
+            if flag is not None:  # but another rank's flag: read late, once the result is in host memory (late_flags)
                 if device.type == "cuda" and self._side is None:
                     self._side = torch.cuda.Stream(device=device)
                 self._late = _LateFlags(work, flags, n_slots, self._side)
@@ -154,7 +163,13 @@ class UsageAgreement:
         self.reads += 1
         row = flags.tolist()  # the one device->host read, on a rank that has something to reset or report
         agreed = None if flag is None else (bool(row[n_slots]), not row[n_slots + 1])
+        self.seen_anywhere = None if seen is None else bool(row[at_seen])
         return {i for i in unused_here if not row[i]}, agreed
+
+    def take_seen(self) -> bool | None:
+        """The last :meth:`agree`'s agreed ``seen`` ("some rank saw it"), once; ``None`` when none was carried."""
+        seen, self.seen_anywhere = self.seen_anywhere, None
+        return seen
 
     def late_flags(self) -> tuple[bool, bool] | None:
         """The flags of the last :meth:`agree` on a rank that did not read them (it set no flag and had nothing to

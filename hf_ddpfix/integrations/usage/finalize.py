@@ -37,6 +37,7 @@ class StepFinalize:
     agreement: UsageAgreement
     step_flag: Callable[[], bool] | None
     step_flags: tuple[bool, bool] | None
+    step_seen: Callable[[], bool | None] | None
     at_loss: bool
     resets: int
     _all: frozenset[int]
@@ -110,7 +111,8 @@ class StepFinalize:
         elif self.at_loss:
             self._route_set = True  # every forward of this step had its loss seen: predictions can stop
         flag = self.step_flag() if self.step_flag is not None else None
-        unused, self.step_flags = self.agreement.agree(unused_here, len(self.slots), group, flag)
+        seen = self.step_seen() if self.step_seen is not None else None
+        unused, self.step_flags = self.agreement.agree(unused_here, len(self.slots), group, flag, seen)
         return unused
 
     def take_step_flags(self) -> tuple[bool, bool] | None:

@@ -108,6 +108,9 @@ class ParameterUsage(StepFinalize):
         #: changed"); its agreed value is kept in ``step_flags`` until :meth:`take_step_flags`
         self.step_flag: Callable[[], bool] | None = None
         self.step_flags: tuple[bool, bool] | None = None
+        #: a per-rank "saw it this step" carried in the same all-reduce (the FSDP2 dummy's "passed an image"); the
+        #: agreed "some rank saw it" is ``agreement.take_seen()``
+        self.step_seen: Callable[[], bool | None] | None = None
         self._active, self._depth = False, 0
         self._forward_used: set[int] = set()
         self._step = StepRecord()
