@@ -221,11 +221,10 @@ def test_the_cells_file_covers_every_built_family_and_no_cell_failed():
     assert not bad, bad
 
 
-#: the batched CI launch: a grid family the plan drives by structure (GLM-4V, no registry entry), a LLaVA-style
-#: family (CLIP tower, image tokens in inputs_embeds), a family with pixel tiles and a perceiver (Idefics2), a
-#: cross-attention family (Mllama), one whose image run fails tiny (text only: Gemma 3); the first of each
-#: group the results file records as built
-CI_PICKS = (("glm4v", "glm46v"), ("llava", "video_llava"), ("idefics2", "lfm2_vl"), ("mllama",), ("gemma3", "aya_vision"))
+#: the batched CI launches: a grid family the plan drives by structure (GLM-4V: patch rows + ``image_grid_thw``, no
+#: registry entry), a family with pixel tiles and a perceiver (Idefics2), a cross-attention family (Mllama); the
+#: first of each group the results file records as built
+CI_PICKS = (("glm4v", "glm46v"), ("idefics2", "lfm2_vl"), ("mllama",))
 
 
 @pytest.mark.multiprocess
@@ -242,7 +241,7 @@ def test_families_train_like_stock_ddp_under_ddp_and_fsdp2_in_one_batch(tmp_path
     mod = _cells_script()
     built = {mt for mt, r in DATA["families"].items() if r.get("builds")}
     picks = [next(mt for mt in group if mt in built) for group in CI_PICKS if any(mt in built for mt in group)]
-    assert len(picks) >= 4, picks
+    assert len(picks) >= 3, picks
     names = ",".join(picks)
     ddp = torchrun("vlm_family_cells.py", "--launch", "ddp", "--families", names, "--out", str(tmp_path), timeout=600)
     assert ddp.stdout.count("VLM_FAMILY_CELLS_OK") == 2, ddp.stdout[-4000:]

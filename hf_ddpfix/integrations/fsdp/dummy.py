@@ -133,8 +133,34 @@ def attach_fsdp_dummy(model: Any, stack: Any, before_clip: Any) -> Any:
         stack.callback(cross.remove)
         stack.callback(before_clip(cross.finalize))
         return cross  # type: ignore[return-value]
-    dummy = FsdpDummy(model).attach()
+    try:
+        dummy = FsdpDummy(model).attach()
+    except ValueError as err:  # the dummy the plan counted on does not run: no tower units without one
+        raise _no_dummy_refusal(model, err) from err
     stack.callback(keep_eval_sync, model)  # runs after the removal below
     stack.callback(dummy.remove)
     stack.callback(before_clip(dummy.finalize))
     return dummy
+
+
+def _no_dummy_refusal(model: Any, err: ValueError) -> Exception:
+    """The :class:`~hf_ddpfix.plan.types.PlanError` for tower units whose dummy image does not run (a family found by
+    structure whose dummy is verified at attach: a native-size image through the tower, once, before step 1):
+    raised on every rank alike (the same weights, the same trial), before accelerate wraps the model, so no rank
+    reaches a collective the other skips. Names the tower's block classes and the fix."""
+    from ...plan.types import PlanError
+    from ..vision.families import find_vision_adapter
+
+    adapter = find_vision_adapter(model, zero=True)
+    blocks: list[str] = []
+    for _, part in adapter.parts() if adapter is not None else ():
+        for mod in part.modules():
+            if isinstance(mod, nn.ModuleList):
+                blocks += [type(m).__name__ for m in mod if type(m).__name__ not in blocks]
+    named = ", ".join(blocks) or "the vision tower's block classes"
+    return PlanError(
+        f"fsdp_skippable = shard: {named} (vision tower) would get FSDP2 units of their own (an explicit "
+        f"fsdp_transformer_layer_cls_to_wrap naming them, or fsdp_skippable='shard' forced), so a text-only rank must run "
+        f"a dummy image through them to all-gather the same units as an image rank, and no dummy runs for this "
+        f"model ({' '.join(str(err).split())[:300]}). Fix: leave {named} out of fsdp_transformer_layer_cls_to_wrap "
+        f"(or drop the list: the plan's units keep the tower in its enclosing unit).")
