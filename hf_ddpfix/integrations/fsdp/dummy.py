@@ -156,8 +156,8 @@ def _no_dummy_refusal(model: Any, err: ValueError) -> Exception:
     for _, part in adapter.parts() if adapter is not None else ():
         for mod in part.modules():
             if isinstance(mod, nn.ModuleList):
-                blocks += [type(m).__name__ for m in mod if type(m).__name__ not in blocks]
-    named = ", ".join(blocks) or "the vision tower's block classes"
+                blocks += [type(m).__name__ for m in mod]
+    named = ", ".join(dict.fromkeys(blocks)) or "the vision tower's block classes"
     return PlanError(
         f"fsdp_skippable = shard: {named} (vision tower) would get FSDP2 units of their own (an explicit "
         f"fsdp_transformer_layer_cls_to_wrap naming them, or fsdp_skippable='shard' forced), so a text-only rank must run "
