@@ -257,3 +257,29 @@ def test_families_train_like_stock_ddp_under_ddp_and_fsdp2_in_one_batch(tmp_path
             assert v["status"] in ("equal", "refused"), (mt, cell, v)
             if PINNED and mt in recorded:
                 assert v["status"] == recorded[mt]["cells"][cell]["status"], (mt, cell, v, recorded[mt]["cells"][cell])
+
+
+def test_tower_units_whose_dummy_does_not_run_are_refused_before_step_1():
+    """FSDP2 with the tower's blocks as units (an explicit ``<DecoderLayer>,<VisionBlock>`` list) on a family found
+    by structure whose dummy image does not run through its tower (Aya Vision's tiny default config: the SigLIP
+    tower rejects every dummy layout) is refused with a PlanError naming the tower's block class and the fix, before
+    accelerate wraps the model (the cells file's ``aya_vision`` / ``fsdp_list`` cell); a raw ValueError from the
+    dummy's verification escaped before. Shown failing (2026-12-02): without the ``except ValueError`` in
+    ``attach_fsdp_dummy`` this test gets the ValueError "no dummy built from vision_config runs through the tower"."""
+    from contextlib import ExitStack
+
+    from transformers import AutoConfig
+
+    from hf_ddpfix.integrations.fsdp.dummy import attach_fsdp_dummy
+    from hf_ddpfix.plan.types import PlanError
+    from hf_ddpfix.rehearse.shrink_check import shrink_checked
+
+    if "aya_vision" not in FAMILIES:
+        pytest.skip("this transformers ships no aya_vision")
+    warnings.filterwarnings("ignore")
+    checked = shrink_checked(AutoConfig.for_model("aya_vision"), getattr(transformers, FAMILIES["aya_vision"]),
+                             small_images=True)
+    with ExitStack() as stack, pytest.raises(PlanError) as err:
+        attach_fsdp_dummy(checked.model, stack, lambda fn: (lambda: None))
+    msg = str(err.value)
+    assert "SiglipEncoderLayer" in msg and "fsdp_transformer_layer_cls_to_wrap" in msg and "Fix:" in msg, msg
