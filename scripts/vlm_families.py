@@ -205,11 +205,11 @@ def launch_cells(kind: str, names: list[str], work: Path, timeout: float) -> tup
 
 
 def run_cells(names: list[str], work: Path, per_launch: int = 6, timeout: float = 1800,
-              resume: bool = False) -> dict:
+              resume: bool = False, out: Path = CELLS) -> dict:
     """The cells of ``names`` (every family the results file records as built when empty), batched
     ``per_launch`` families a launch; a launch that stops early (a broken process group, a timeout) is recorded
     on the family it stopped at (every missing cell ``failed`` with the launch's output) and the launch goes on
-    with the families after it. The DDP and the FSDP2 launch of a batch run side by side. ``resume``: the cells
+    with the families after it (``out``: :data:`CELLS`, or another file for a partial run beside it). The DDP and the FSDP2 launch of a batch run side by side. ``resume``: the cells
     ``work`` holds already are kept and not run again. Writes :data:`CELLS` after every batch; returns its content."""
     import accelerate
     import peft
@@ -221,7 +221,7 @@ def run_cells(names: list[str], work: Path, per_launch: int = 6, timeout: float 
     mod = _cells_module()
     built = sorted(mt for mt, r in load_results()["families"].items() if r.get("builds"))
     todo = [mt for mt in built if not names or mt in names]
-    data = json.loads(CELLS.read_text()) if CELLS.exists() else {"families": {}}
+    data = json.loads(out.read_text()) if out.exists() else {"families": {}}
     data.update(transformers=transformers.__version__, torch=torch.__version__, peft=peft.__version__,
                 accelerate=accelerate.__version__, date=datetime.date.today().isoformat(),
                 tolerance=mod.TOL, eval_tolerance=mod.EVAL_TOL, steps=mod.STEPS)
@@ -258,7 +258,7 @@ def run_cells(names: list[str], work: Path, per_launch: int = 6, timeout: float 
             print(mt, json.dumps({c: (v["status"], v.get("max_diff"), v.get("error", "")[:80])
                                   for c, v in data["families"][mt]["cells"].items()}), flush=True)
         _spread(data)
-        CELLS.write_text(json.dumps(data, indent=1, sort_keys=True) + "\n")
+        out.write_text(json.dumps(data, indent=1, sort_keys=True) + "\n")
     return data
 
 
@@ -286,10 +286,12 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--work", default="/tmp/vlm_family_cells", help="--cells: the runs' folder (kept between runs)")
     p.add_argument("--per-launch", type=int, default=6, help="--cells: families a launch")
     p.add_argument("--resume", action="store_true", help="--cells: keep the cells --work holds, run the others")
+    p.add_argument("--cells-out", default=str(CELLS), help="--cells: the results file (default: the committed one)")
     args = p.parse_args(argv)
     out = Path(args.out)
     if args.cells:
-        run_cells(args.families, Path(args.work), per_launch=args.per_launch, resume=args.resume)
+        run_cells(args.families, Path(args.work), per_launch=args.per_launch, resume=args.resume,
+                  out=Path(args.cells_out))
         if out == RESULTS:
             PAGE.write_text(replace_block(PAGE.read_text(), render_block(json.loads(out.read_text()))))
         return

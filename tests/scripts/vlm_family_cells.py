@@ -108,13 +108,15 @@ def datasets(base: torch.nn.Module, images: bool, world: int):  # noqa: ANN201
 
 
 def training_args(out: str, stock: bool):  # noqa: ANN201
+    """``label_names`` given: a model whose ``forward`` takes ``labels`` through ``**kwargs`` (Granite Docling)
+    would otherwise evaluate without a loss in both modes."""
     from transformers import TrainingArguments
 
     return TrainingArguments(
         output_dir=out, max_steps=STEPS, per_device_train_batch_size=1, per_device_eval_batch_size=1,
         learning_rate=1e-3, weight_decay=0.1, max_grad_norm=1.0, lr_scheduler_type="constant", logging_steps=1,
         save_strategy="no", report_to="none", train_sampling_strategy="sequential", remove_unused_columns=False,
-        use_cpu=True, seed=0, prediction_loss_only=True, disable_tqdm=True,
+        use_cpu=True, seed=0, prediction_loss_only=True, disable_tqdm=True, label_names=["labels"],
         ddp_find_unused_parameters=True if stock else None)
 
 
