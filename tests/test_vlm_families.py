@@ -259,13 +259,19 @@ def test_families_train_like_stock_ddp_under_ddp_and_fsdp2_in_one_batch(tmp_path
                 assert v["status"] == recorded[mt]["cells"][cell]["status"], (mt, cell, v, recorded[mt]["cells"][cell])
 
 
-def test_tower_units_whose_dummy_does_not_run_are_refused_before_step_1():
-    """FSDP2 with the tower's blocks as units (an explicit ``<DecoderLayer>,<VisionBlock>`` list) on a family found
-    by structure whose dummy image does not run through its tower (Aya Vision's tiny default config: the SigLIP
-    tower rejects every dummy layout) is refused with a PlanError naming the tower's block class and the fix, before
-    accelerate wraps the model (the cells file's ``aya_vision`` / ``fsdp_list`` cell); a raw ValueError from the
-    dummy's verification escaped before. Shown failing (2026-12-02): without the ``except ValueError`` in
-    ``attach_fsdp_dummy`` this test gets the ValueError "no dummy built from vision_config runs through the tower"."""
+@pytest.mark.parametrize(("model_type", "block"), [("aya_vision", "SiglipEncoderLayer"),
+                                                    ("gemma3", "SiglipEncoderLayer")])
+def test_tower_units_whose_dummy_does_not_run_are_refused_before_step_1(model_type, block):
+    """FSDP2 with the tower's blocks as units (an explicit ``<DecoderLayer>,<VisionBlock>`` list) where the dummy
+    image does not run through the tower is refused with a PlanError naming the tower's block class and the fix,
+    before accelerate wraps the model (the cells file's ``fsdp_list`` cells of these families): Aya Vision, a family
+    found by structure whose trial at attach rejects every layout (a raw ValueError escaped before); Gemma 3, a
+    registry family (no trial at attach) whose tiny default geometry its pooling rejects ("stride should not be
+    zero": before, in step 1's forward on the text-only rank only, a crash mid-run).
+
+    Shown failing (2026-12-02): without the ``except ValueError`` in ``attach_fsdp_dummy`` the aya_vision case gets
+    the ValueError "no dummy built from vision_config runs through the tower"; without ``_try_dummy`` the gemma3 case
+    raises nothing (no PlanError)."""
     from contextlib import ExitStack
 
     from transformers import AutoConfig
@@ -274,12 +280,12 @@ def test_tower_units_whose_dummy_does_not_run_are_refused_before_step_1():
     from hf_ddpfix.plan.types import PlanError
     from hf_ddpfix.rehearse.shrink_check import shrink_checked
 
-    if "aya_vision" not in FAMILIES:
-        pytest.skip("this transformers ships no aya_vision")
+    if model_type not in FAMILIES:
+        pytest.skip(f"this transformers ships no {model_type}")
     warnings.filterwarnings("ignore")
-    checked = shrink_checked(AutoConfig.for_model("aya_vision"), getattr(transformers, FAMILIES["aya_vision"]),
+    checked = shrink_checked(AutoConfig.for_model(model_type), getattr(transformers, FAMILIES[model_type]),
                              small_images=True)
     with ExitStack() as stack, pytest.raises(PlanError) as err:
         attach_fsdp_dummy(checked.model, stack, lambda fn: (lambda: None))
     msg = str(err.value)
-    assert "SiglipEncoderLayer" in msg and "fsdp_transformer_layer_cls_to_wrap" in msg and "Fix:" in msg, msg
+    assert block in msg and "fsdp_transformer_layer_cls_to_wrap" in msg and "Fix:" in msg, msg

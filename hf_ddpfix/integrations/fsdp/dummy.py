@@ -31,6 +31,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from ...ops.dist import gather_flags
 from ..vision.zero import ZeroVisionStabilizer
 from .grad_reset import reset_grads_unless_any_rank_saw
 
@@ -133,14 +134,42 @@ def attach_fsdp_dummy(model: Any, stack: Any, before_clip: Any) -> Any:
         stack.callback(cross.remove)
         stack.callback(before_clip(cross.finalize))
         return cross  # type: ignore[return-value]
+    error: ValueError | None = None
     try:
-        dummy = FsdpDummy(model).attach()
+        dummy = FsdpDummy(model)
+        _try_dummy(dummy.adapter)
     except ValueError as err:  # the dummy the plan counted on does not run: no tower units without one
-        raise _no_dummy_refusal(model, err) from err
+        error = err
+    if any(row[0] for row in gather_flags([error is not None])):  # every rank refuses alike
+        raise _no_dummy_refusal(model, error or ValueError("another rank's dummy image did not run")) from error
+    dummy.attach()
     stack.callback(keep_eval_sync, model)  # runs after the removal below
     stack.callback(dummy.remove)
     stack.callback(before_clip(dummy.finalize))
     return dummy
+
+
+def _try_dummy(adapter: Any) -> None:
+    """One no-grad forward of the dummy image through the tower (eval mode, the RNG stream kept), where its
+    parameters are whole on this rank: a registry family's dummy is not trialled at attach (a family found by
+    structure is, in ``verify``), and one whose default geometry the tower rejects (Gemma 3's tiny default: "stride
+    should not be zero" in its pooling) would otherwise fail in step 1's forward on the text-only rank only.
+
+    Raises:
+        ValueError: the dummy does not run; the message names the error.
+    """
+    from ..vision.adapter import materialized
+    from ..vision.proof import eval_mode
+
+    parts = [m for _, m in adapter.parts()]
+    if not materialized([p for m in parts for p in m.parameters()]):
+        return
+    try:
+        with torch.no_grad(), eval_mode(parts):
+            adapter.run_dummy()
+    except Exception as err:  # noqa: BLE001 - any failure: the dummy does not run here
+        raise ValueError(f"{adapter.family.name}: the dummy image does not run through the tower "
+                         f"({type(err).__name__}: {' '.join(str(err).split())[:200]})") from err
 
 
 def _no_dummy_refusal(model: Any, err: ValueError) -> Exception:
