@@ -82,6 +82,8 @@ def _two_process(verdict: dict | None, cell: str) -> str:
         return "refused: " + error.removeprefix("PlanError: ")[:90]
     if status == "not_run":
         return "not run: " + error[:80]
+    if status == "stock_fails":
+        return "stock fails too: " + (verdict.get("stock", {}).get("error") or error).replace("|", "/")[:80]
     if status == "differs":
         return f"differs ({v.get('max_diff')}, eval {v.get('eval_diff')})"
     return f"{status}: " + error[:90]

@@ -240,7 +240,9 @@ def main() -> None:
 
 def judge(out: str, model_type: str, tol: dict | None = None, eval_tol: dict | None = None) -> dict:
     """The family's verdict from ``OUT/<family>-<cell>.pt``: per compared cell ``{"status": "equal" | "differs" |
-    "refused" | "failed" | "not_run" | "missing", "max_diff", "eval_diff", "error", "at_step", "units"}``, and
+    "refused" | "failed" | "stock_fails" (failed, and so did stock DDP: ``stock`` holds its error) | "not_run" |
+    "no_reference" (trained, stock DDP did not) | "missing", "max_diff", "eval_diff", "error", "at_step", "units"}``,
+    and
     ``images`` (True: mixed image/text ranks; False: text only, the sweep's image run fails)."""
     tol, eval_tol = tol or TOL, eval_tol or EVAL_TOL
 
@@ -262,6 +264,8 @@ def judge(out: str, model_type: str, tol: dict | None = None, eval_tol: dict | N
             v["user_list"] = rec["user_list"]
         if rec["status"] != "trained":
             v.update(error=rec.get("error", "")[:400], at_step=rec.get("at_step", 0))
+            if rec["status"] == "failed" and stock is not None and stock["status"] == "failed":
+                v["status"] = "stock_fails"  # the stock Trainer fails this family too (its error is "stock")
             verdict["cells"][cell] = v
             continue
         v["units"] = len(rec.get("units") or [])
