@@ -249,7 +249,7 @@ def test_families_train_like_stock_ddp_under_ddp_and_fsdp2_in_one_batch(tmp_path
     Shown failing (2026-12-02): judged with ``TOL["fsdp_plan"] = 0`` glm4v's FSDP2 cell ``differs`` (7.0e-7); with
     parameter usage's finalize not resetting unused gradients to None (hf_ddpfix/integrations/usage/finalize.py:
     weight decay then moves the tower on the all-text step) glm4v's DDP cell ``differs``, max |hf_ddpfix - stock|
-    2.2e-3, eval loss 3.8e-4 apart. Replaces the DDP-only launch (tests/scripts/vlm_families_ddp.py, 5 families)."""
+    2.2e-3, eval loss 3.8e-4 apart. Replaces the former DDP-only launch of 5 families."""
     from launch import accelerate_launch, fsdp_device_env, torchrun
 
     mod = _cells_script()
@@ -277,7 +277,8 @@ def test_families_train_like_stock_ddp_under_ddp_and_fsdp2_in_one_batch(tmp_path
                                                     ("gemma3", "SiglipEncoderLayer")])
 def test_tower_units_whose_dummy_does_not_run_are_refused_before_step_1(model_type, block):
     """FSDP2 with the tower's blocks as units (an explicit ``<DecoderLayer>,<VisionBlock>`` list) where the dummy
-    image does not run through the tower is refused with a PlanError naming the tower's block class and the fix,
+    image does not run through the tower is refused (``TowerDummyRefusal``, which the runtime raises as a PlanError:
+    the cells file's ``refused`` cells show it) naming the tower's block class and the fix,
     before accelerate wraps the model (the cells file's ``fsdp_list`` cells of these families): Aya Vision, a family
     found by structure whose trial at attach rejects every layout (a raw ValueError escaped before); Gemma 3, a
     registry family (no trial at attach) whose tiny default geometry its pooling rejects ("stride should not be
@@ -285,13 +286,12 @@ def test_tower_units_whose_dummy_does_not_run_are_refused_before_step_1(model_ty
 
     Shown failing (2026-12-02): without the ``except ValueError`` in ``attach_fsdp_dummy`` the aya_vision case gets
     the ValueError "no dummy built from vision_config runs through the tower"; without ``_try_dummy`` the gemma3 case
-    raises nothing (no PlanError)."""
+    raises nothing."""
     from contextlib import ExitStack
 
     from transformers import AutoConfig
 
-    from hf_ddpfix.integrations.fsdp.dummy import attach_fsdp_dummy
-    from hf_ddpfix.plan.types import PlanError
+    from hf_ddpfix.integrations.fsdp.dummy import TowerDummyRefusal, attach_fsdp_dummy
     from hf_ddpfix.rehearse.shrink_check import shrink_checked
 
     if model_type not in FAMILIES:
@@ -299,7 +299,7 @@ def test_tower_units_whose_dummy_does_not_run_are_refused_before_step_1(model_ty
     warnings.filterwarnings("ignore")
     checked = shrink_checked(AutoConfig.for_model(model_type), getattr(transformers, FAMILIES[model_type]),
                              small_images=True)
-    with ExitStack() as stack, pytest.raises(PlanError) as err:
+    with ExitStack() as stack, pytest.raises(TowerDummyRefusal) as err:  # hf_ddpfix.runtime: a PlanError
         attach_fsdp_dummy(checked.model, stack, lambda fn: (lambda: None))
     msg = str(err.value)
     assert block in msg and "fsdp_transformer_layer_cls_to_wrap" in msg and "Fix:" in msg, msg

@@ -35,7 +35,12 @@ from ...ops.dist import gather_flags
 from ..vision.zero import ZeroVisionStabilizer
 from .grad_reset import reset_grads_unless_any_rank_saw
 
-__all__ = ["FsdpDummy", "keep_eval_sync", "kept_eval_sync"]
+__all__ = ["FsdpDummy", "TowerDummyRefusal", "keep_eval_sync", "kept_eval_sync"]
+
+
+class TowerDummyRefusal(ValueError):
+    """FSDP2 units inside the vision tower and no dummy image that runs there: raised by :func:`attach_fsdp_dummy`
+    on every rank alike, before accelerate wraps the model; ``hf_ddpfix.runtime`` raises it as a ``PlanError``."""
 
 _KEPT = "_hf_ddpfix_fsdp_eval_sync"
 
@@ -173,11 +178,10 @@ def _try_dummy(adapter: Any) -> None:
 
 
 def _no_dummy_refusal(model: Any, err: ValueError) -> Exception:
-    """The :class:`~hf_ddpfix.plan.types.PlanError` for tower units whose dummy image does not run (a family found by
+    """The refusal (:class:`TowerDummyRefusal`; the runtime raises it as a ``PlanError``) for tower units whose dummy image does not run (a family found by
     structure whose dummy is verified at attach: a native-size image through the tower, once, before step 1):
     raised on every rank alike (the same weights, the same trial), before accelerate wraps the model, so no rank
     reaches a collective the other skips. Names the tower's block classes and the fix."""
-    from ...plan.types import PlanError
     from ..vision.families import find_vision_adapter
 
     adapter = find_vision_adapter(model, zero=True)
@@ -187,7 +191,7 @@ def _no_dummy_refusal(model: Any, err: ValueError) -> Exception:
             if isinstance(mod, nn.ModuleList):
                 blocks += [type(m).__name__ for m in mod]
     named = ", ".join(dict.fromkeys(blocks)) or "the vision tower's block classes"
-    return PlanError(
+    return TowerDummyRefusal(
         f"fsdp_skippable = shard: {named} (vision tower) would get FSDP2 units of their own (an explicit "
         f"fsdp_transformer_layer_cls_to_wrap naming them, or fsdp_skippable='shard' forced), so a text-only rank must run "
         f"a dummy image through them to all-gather the same units as an image rank, and no dummy runs for this "
