@@ -176,7 +176,7 @@ def _cells_module():
 
 def launch_cells(kind: str, names: list[str], work: Path, timeout: float) -> tuple[int, str]:
     """One 2-process launch of ``kind`` (``ddp``: torchrun; ``fsdp``: accelerate launch with fsdp.yaml under the
-    FSDP test device) over ``names``; (exit status, output tail). Killed (with its process group) past ``timeout``."""
+    FSDP test device) over ``names``; (exit status, output). Killed (with its process group) past ``timeout``."""
     import os
     import signal
     import socket
@@ -202,8 +202,19 @@ def launch_cells(kind: str, names: list[str], work: Path, timeout: float) -> tup
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)
         out, _ = proc.communicate()
-        return 124, out[-3000:]
-    return proc.returncode, out[-3000:]
+        return 124, out
+    return proc.returncode, out
+
+
+def _first_errors(out: str, family: str) -> str:
+    """The first error lines of a launch's output after ``family``'s plan (a collective mismatch, a crash), not
+    the launcher's summary, which repeats whatever another rank raised last."""
+    import re
+
+    start = out.rfind("[cell]")
+    lines = [ln.strip() for ln in out[max(start, 0):].splitlines()]
+    hits = [ln for ln in lines if re.search(r"mismatch|what\(\)|^\w+(Error|Exception): ", ln)]
+    return " / ".join(dict.fromkeys(hits))[:400] or " ".join(out.split())[-400:]
 
 
 def run_cells(names: list[str], work: Path, per_launch: int = 6, timeout: float = 1800,
@@ -245,7 +256,7 @@ def run_cells(names: list[str], work: Path, per_launch: int = 6, timeout: float 
             for c in cells:  # the family it stopped at: its missing cells failed with the launch's output
                 if not (work / f"{stopped}-{c}.pt").exists():
                     torch.save({"status": "failed", "error": f"launch ended (exit {rc}) in this cell: "
-                                + " ".join(tail.split())[-400:]}, work / f"{stopped}-{c}.pt")
+                                + _first_errors(tail, stopped)}, work / f"{stopped}-{c}.pt")
             left = left[left.index(stopped) + 1:]
 
     from concurrent.futures import ThreadPoolExecutor
