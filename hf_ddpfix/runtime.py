@@ -44,7 +44,7 @@ from .integrations.checkpointing import (
 from .integrations.deepspeed import attach_deepspeed
 from .integrations.fsdp import apply_fsdp_units, join_tied_holders, rescope_on_wrap
 from .integrations.fsdp.buffers import keep_persistent_buffers_loadable
-from .integrations.fsdp.dummy import attach_fsdp_dummy
+from .integrations.fsdp.dummy import TowerDummyRefusal, attach_fsdp_dummy
 from .integrations.long_context.layer_kinds import kinds_summary
 from .integrations.long_context.long_context import LongContextHandle, apply_long_context
 from .integrations.long_context.loss_patch import TiledLossHandle, patch_model_loss
@@ -107,7 +107,12 @@ def attach_runtime(trainer: Any, model: nn.Module, plan: Plan, stack: ExitStack)
                                           log=lambda line: _log_rank0(trainer, "%s", line),
                                           sync_eval=bool(plan.vlm_eval_sync.value))
     elif plan.parallel == "fsdp" and plan.fsdp_skippable.value == "shard" and plan.vlm_stabilizer.value:
-        rt.zero_vision = attach_fsdp_dummy(model, stack, lambda fn: before_gradient_clipping(trainer, fn))
+        try:
+            rt.zero_vision = attach_fsdp_dummy(model, stack, lambda fn: before_gradient_clipping(trainer, fn))
+        except TowerDummyRefusal as err:  # tower units and no dummy that runs: refused before step 1
+            from .plan.types import PlanError
+
+            raise PlanError(str(err)) from err
     elif plan.vlm_stabilizer.value:
         rt.stabilizer = _attach_stabilizer(trainer, model, plan, stack)
     if plan.zero_skip_unused.value:  # observe from the first forward; the optimizer is hooked at train begin

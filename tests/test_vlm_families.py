@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import importlib.util
 import io
+import json
 import warnings
 from contextlib import redirect_stdout
 from pathlib import Path
@@ -153,37 +154,6 @@ def test_the_width_map_keeps_equal_widths_equal_on_a_real_shape():
     assert small.vision_config.embed_dim == 64 and small.vision_config.depth == 2
 
 
-#: the 2-process cells: current families first (Qwen3.5, Gemma 4, GLM-4V, Qwen2.5-VL, LLaVA-style, Idefics3 /
-#: SmolVLM-style, Mllama), those the sweep runs with an image on this stack, at most ``DDP_CELLS`` (one launch)
-DDP_PICKS = ("qwen3_5", "gemma4", "glm4v", "qwen2_5_vl", "llava", "smolvlm", "idefics3", "idefics2", "mllama",
-             "paligemma")
-DDP_CELLS = 5
-
-
-@pytest.mark.multiprocess
-def test_ddp_trains_like_stock_ddp_on_several_families_in_one_launch(tmp_path):
-    """One 2-process launch: for each picked family, LoRA on every linear layer (tower included), 4 steps with
-    mixed image/text ranks and an all-text step, hf_ddpfix's plan (prepare_accelerate_loop) vs stock
-    DDP(find_unused_parameters=True): weights bit-equal (measured 0.0 on glm4v, qwen2_5_vl, llava, idefics2,
-    mllama, 2026-12-02), replicas in sync.
-
-    Shown failing (2026-12-02): with parameter usage's finalize not resetting unused gradients to None
-    (hf_ddpfix/integrations/usage/finalize.py: weight decay then moves the tower on the all-text step) the launch
-    fails on glm4v, max |hf_ddpfix - stock| = 2.9e-2."""
-    from launch import torchrun
-
-    ran = [f for f in DDP_PICKS if DATA["families"].get(f, {}).get("image") == "ok"
-           and DATA["families"][f].get("text") == "ok"][:DDP_CELLS]
-    assert len(ran) >= 3, ran
-    report = tmp_path / "ddp.json"
-    done = torchrun("vlm_families_ddp.py", "--families", ",".join(ran), "--report", str(report), timeout=600)
-    assert done.stdout.count("VLM_FAMILIES_DDP_OK") == 2, done.stdout[-4000:]
-    import json
-
-    got = json.loads(report.read_text())
-    assert sorted(got) == sorted(ran) and all(r["max_diff"] == 0.0 for r in got.values()), got
-
-
 def test_per_layer_overrides_contract_and_the_cut_of_a_heterogeneous_config():
     """``_compat.per_layer_overrides`` reads transformers 5.23's heterogeneous-config spec (Gemma 4: ``head_dim``
     512 on its full-attention layers beside a global 256); the shrinker drops overrides past the cut stack and
@@ -206,3 +176,131 @@ def test_per_layer_overrides_contract_and_the_cut_of_a_heterogeneous_config():
     cut = per_layer_overrides(small)
     assert cut and all(layer < small.num_hidden_layers for layer in cut), cut
     assert {a["head_dim"] for a in cut.values()} == {32}, cut
+
+
+CELLS_FILE = ROOT / "tests" / "results" / "vlm_family_cells.json"
+CELL_NAMES = ("ddp", "fsdp_plan", "fsdp_list")
+
+
+def _cells_script():
+    spec = importlib.util.spec_from_file_location("vlm_family_cells", ROOT / "tests" / "scripts" / "vlm_family_cells.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_the_cells_file_covers_every_built_family_and_no_cell_failed():
+    """Fast tier: tests/results/vlm_family_cells.json (``scripts/vlm_families.py --cells``: every family the sweep
+    builds, 2 gloo processes, stock DDP vs hf_ddpfix's DDP, FSDP2 with the plan's units and FSDP2 with the family's
+    ``<DecoderLayer>,<VisionBlock>`` list) has a record for every family the results file records as built, and every
+    cell is equal to stock DDP within the file's tolerance, or refused before step 1 with a named reason, or not run
+    because the tiny model does not run text-only forward (the results file's ``text``, said so), or fails as the
+    stock ``Trainer`` under DDP fails on the same family (``stock_fails``, stock's error recorded): no ``failed``, no
+    ``differs``, no ``missing``. A family with an image runs mixed image/text ranks (``images``), the others text only.
+
+    Shown failing (2026-12-02): the file with one cell's ``status`` edited to ``failed`` fails here (the cell and its
+    error are named); so does the file with one built family's record removed."""
+    cells = json.loads(CELLS_FILE.read_text())
+    built = sorted(mt for mt, r in DATA["families"].items() if r.get("builds"))
+    assert sorted(cells["families"]) == built, sorted(set(built) ^ set(cells["families"]))
+    tol = _cells_script().TOL
+    assert cells["tolerance"] == tol, (cells["tolerance"], tol)
+    bad = {}
+    for mt, rec in sorted(cells["families"].items()):
+        runs_text = DATA["families"][mt].get("text") == "ok"
+        for cell in CELL_NAMES:
+            v = rec["cells"][cell]
+            if v["status"] == "equal":
+                assert v["max_diff"] <= tol[cell] and v["synced"], (mt, cell, v)
+                assert rec["images"] == (DATA["families"][mt].get("image") == "ok"), (mt, rec["images"])
+            elif v["status"] == "refused":
+                assert v["error"].startswith("PlanError: ") and v.get("at_step", 0) == 0, (mt, cell, v)
+            elif v["status"] == "not_run":
+                assert not runs_text and v["error"], (mt, cell, v)
+            elif v["status"] == "stock_fails":  # the stock Trainer fails it under DDP too: not hf_ddpfix's failure
+                assert rec["stock"]["status"] == "failed" and rec["stock"]["error"], (mt, rec)
+            else:
+                bad[f"{mt}/{cell}"] = f"{v['status']}: {v.get('error', '')[:200]}"
+    assert sorted(bad) == sorted(KNOWN_CELL_BUGS), (
+        f"cells that failed (not equal, refused or not run): {bad}; known bugs: {KNOWN_CELL_BUGS}")
+
+
+#: cells that fail today, each an open bug in hf_ddpfix (not an accepted outcome): the test above fails when one
+#: is fixed (remove it here) or a new one appears. video_llava (two CLIP towers, ``image_tower`` and
+#: ``video_tower``): the plan's FSDP2 units include CLIPEncoderLayer although it folds the towers ("no dummy"), so
+#: the image rank all-gathers tower units the text rank skips: gloo "43264 vs 38848" in step 1 (2026-12-02)
+#: (its fsdp_list cell runs after fsdp_plan in the same launch, which the mismatch ends: recorded failed, not run)
+KNOWN_CELL_BUGS = {"video_llava/fsdp_plan": "collective mismatch in step 1 (tower units without a dummy)",
+                   "video_llava/fsdp_list": "not reached: the launch ended in fsdp_plan"}
+
+
+#: the batched CI launches: a grid family the plan drives by structure (GLM-4V: patch rows + ``image_grid_thw``, no
+#: registry entry), a family with pixel tiles and a perceiver (Idefics2), a cross-attention family (Mllama); the
+#: first of each group the results file records as built
+CI_PICKS = (("glm4v", "glm46v"), ("idefics2", "lfm2_vl"), ("mllama",))
+
+
+@pytest.mark.multiprocess
+def test_families_train_like_stock_ddp_under_ddp_and_fsdp2_in_one_batch(tmp_path):
+    """Two 2-process launches (DDP: stock + hf_ddpfix; FSDP2 under the FSDP test device: the plan's units + the
+    ``<DecoderLayer>,<VisionBlock>`` list), several families each, judged as the full sweep judges them
+    (tests/scripts/vlm_family_cells.py ``judge``): every cell equal to stock DDP within ``TOL`` (DDP bit-equal),
+    or refused before step 1, and the same verdict as the committed cells file.
+
+    Shown failing (2026-12-02): judged with ``TOL["fsdp_plan"] = 0`` glm4v's FSDP2 cell ``differs`` (7.0e-7); with
+    parameter usage's finalize not resetting unused gradients to None (hf_ddpfix/integrations/usage/finalize.py:
+    weight decay then moves the tower on the all-text step) glm4v's DDP cell ``differs``, max |hf_ddpfix - stock|
+    2.2e-3, eval loss 3.8e-4 apart. Replaces the former DDP-only launch of 5 families."""
+    from launch import accelerate_launch, fsdp_device_env, torchrun
+
+    mod = _cells_script()
+    built = {mt for mt, r in DATA["families"].items() if r.get("builds")}
+    picks = [next(mt for mt in group if mt in built) for group in CI_PICKS if any(mt in built for mt in group)]
+    assert len(picks) >= 3, picks
+    names = ",".join(picks)
+    ddp = torchrun("vlm_family_cells.py", "--launch", "ddp", "--families", names, "--out", str(tmp_path), timeout=600)
+    assert ddp.stdout.count("VLM_FAMILY_CELLS_OK") == 2, ddp.stdout[-4000:]
+    fsdp = accelerate_launch("fsdp.yaml", ROOT / "tests" / "scripts" / "vlm_family_cells.py", "--launch", "fsdp",
+                             "--families", names, "--out", str(tmp_path), timeout=600, env=fsdp_device_env(),
+                             extra=("--mixed_precision", "no"))
+    assert fsdp.stdout.count("VLM_FAMILY_CELLS_OK") == 2, fsdp.stdout[-4000:]
+    recorded = json.loads(CELLS_FILE.read_text())["families"] if CELLS_FILE.exists() else {}
+    for mt in picks:
+        got = mod.judge(str(tmp_path), mt)
+        for cell in CELL_NAMES:
+            v = got["cells"][cell]
+            assert v["status"] in ("equal", "refused"), (mt, cell, v)
+            if PINNED and mt in recorded:
+                assert v["status"] == recorded[mt]["cells"][cell]["status"], (mt, cell, v, recorded[mt]["cells"][cell])
+
+
+@pytest.mark.parametrize(("model_type", "block"), [("aya_vision", "SiglipEncoderLayer"),
+                                                    ("gemma3", "SiglipEncoderLayer")])
+def test_tower_units_whose_dummy_does_not_run_are_refused_before_step_1(model_type, block):
+    """FSDP2 with the tower's blocks as units (an explicit ``<DecoderLayer>,<VisionBlock>`` list) where the dummy
+    image does not run through the tower is refused (``TowerDummyRefusal``, which the runtime raises as a PlanError:
+    the cells file's ``refused`` cells show it) naming the tower's block class and the fix,
+    before accelerate wraps the model (the cells file's ``fsdp_list`` cells of these families): Aya Vision, a family
+    found by structure whose trial at attach rejects every layout (a raw ValueError escaped before); Gemma 3, a
+    registry family (no trial at attach) whose tiny default geometry its pooling rejects ("stride should not be
+    zero": before, in step 1's forward on the text-only rank only, a crash mid-run).
+
+    Shown failing (2026-12-02): without the ``except ValueError`` in ``attach_fsdp_dummy`` the aya_vision case gets
+    the ValueError "no dummy built from vision_config runs through the tower"; without ``_try_dummy`` the gemma3 case
+    raises nothing."""
+    from contextlib import ExitStack
+
+    from transformers import AutoConfig
+
+    from hf_ddpfix.integrations.fsdp.dummy import TowerDummyRefusal, attach_fsdp_dummy
+    from hf_ddpfix.rehearse.shrink_check import shrink_checked
+
+    if model_type not in FAMILIES:
+        pytest.skip(f"this transformers ships no {model_type}")
+    warnings.filterwarnings("ignore")
+    checked = shrink_checked(AutoConfig.for_model(model_type), getattr(transformers, FAMILIES[model_type]),
+                             small_images=True)
+    with ExitStack() as stack, pytest.raises(TowerDummyRefusal) as err:  # hf_ddpfix.runtime: a PlanError
+        attach_fsdp_dummy(checked.model, stack, lambda fn: (lambda: None))
+    msg = str(err.value)
+    assert block in msg and "fsdp_transformer_layer_cls_to_wrap" in msg and "Fix:" in msg, msg

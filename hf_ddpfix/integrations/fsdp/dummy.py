@@ -34,10 +34,16 @@ from typing import Any
 import torch
 from torch import nn
 
+from ...ops.dist import gather_flags
 from ..vision.zero import ZeroVisionStabilizer
 from .grad_reset import StepImages
 
-__all__ = ["FsdpDummy", "keep_eval_sync", "kept_eval_sync"]
+__all__ = ["FsdpDummy", "TowerDummyRefusal", "keep_eval_sync", "kept_eval_sync"]
+
+
+class TowerDummyRefusal(ValueError):
+    """FSDP2 units inside the vision tower and no dummy image that runs there: raised by :func:`attach_fsdp_dummy`
+    on every rank alike, before accelerate wraps the model; ``hf_ddpfix.runtime`` raises it as a ``PlanError``."""
 
 _KEPT = "_hf_ddpfix_fsdp_eval_sync"
 
@@ -137,8 +143,61 @@ def attach_fsdp_dummy(model: Any, stack: Any, before_clip: Any) -> Any:
         stack.callback(cross.remove)
         stack.callback(before_clip(cross.finalize))
         return cross  # type: ignore[return-value]
-    dummy = FsdpDummy(model).attach()
+    error: ValueError | None = None
+    try:
+        dummy = FsdpDummy(model)
+        _try_dummy(dummy.adapter)
+    except ValueError as err:  # the dummy the plan counted on does not run: no tower units without one
+        error = err
+    if any(row[0] for row in gather_flags([error is not None])):  # every rank refuses alike
+        raise _no_dummy_refusal(model, error or ValueError("another rank's dummy image did not run")) from error
+    dummy.attach()
     stack.callback(keep_eval_sync, model)  # runs after the removal below
     stack.callback(dummy.remove)
     stack.callback(before_clip(dummy.finalize))
     return dummy
+
+
+def _try_dummy(adapter: Any) -> None:
+    """One no-grad forward of the dummy image through the tower (eval mode, the RNG stream kept), where its
+    parameters are whole on this rank: a registry family's dummy is not trialled at attach (a family found by
+    structure is, in ``verify``), and one whose default geometry the tower rejects (Gemma 3's tiny default: "stride
+    should not be zero" in its pooling) would otherwise fail in step 1's forward on the text-only rank only.
+
+    Raises:
+        ValueError: the dummy does not run; the message names the error.
+    """
+    from ..vision.adapter import materialized
+    from ..vision.proof import eval_mode
+
+    parts = [m for _, m in adapter.parts()]
+    if not materialized([p for m in parts for p in m.parameters()]):
+        return
+    try:
+        with torch.no_grad(), eval_mode(parts):
+            adapter.run_dummy()
+    except Exception as err:  # noqa: BLE001 - any failure: the dummy does not run here
+        raise ValueError(f"{adapter.family.name}: the dummy image does not run through the tower "
+                         f"({type(err).__name__}: {' '.join(str(err).split())[:200]})") from err
+
+
+def _no_dummy_refusal(model: Any, err: ValueError) -> Exception:
+    """The refusal (:class:`TowerDummyRefusal`; the runtime raises it as a ``PlanError``) for tower units whose dummy image does not run (a family found by
+    structure whose dummy is verified at attach: a native-size image through the tower, once, before step 1):
+    raised on every rank alike (the same weights, the same trial), before accelerate wraps the model, so no rank
+    reaches a collective the other skips. Names the tower's block classes and the fix."""
+    from ..vision.families import find_vision_adapter
+
+    adapter = find_vision_adapter(model, zero=True)
+    blocks: list[str] = []
+    for _, part in adapter.parts() if adapter is not None else ():
+        for mod in part.modules():
+            if isinstance(mod, nn.ModuleList):
+                blocks += [type(m).__name__ for m in mod]
+    named = ", ".join(dict.fromkeys(blocks)) or "the vision tower's block classes"
+    return TowerDummyRefusal(
+        f"fsdp_skippable = shard: {named} (vision tower) would get FSDP2 units of their own (an explicit "
+        f"fsdp_transformer_layer_cls_to_wrap naming them, or fsdp_skippable='shard' forced), so a text-only rank must run "
+        f"a dummy image through them to all-gather the same units as an image rank, and no dummy runs for this "
+        f"model ({' '.join(str(err).split())[:300]}). Fix: leave {named} out of fsdp_transformer_layer_cls_to_wrap "
+        f"(or drop the list: the plan's units keep the tower in its enclosing unit).")

@@ -1,0 +1,293 @@
+"""The 2-process cells of the VLM family sweep: each family through the Trainer under DDP and FSDP2, many families in
+one launch, against stock DDP (issue 45).
+
+Run (2 gloo processes on the CPU; the FSDP test device makes accelerate run FSDP2 there, docs/fsdp.md)::
+
+    OMP_NUM_THREADS=1 python -m torch.distributed.run --standalone --nproc_per_node=2 \\
+        tests/scripts/vlm_family_cells.py --launch ddp --families llava,glm4v --out OUT
+    PYTHONPATH=hf_ddpfix/rehearse/device:. accelerate launch --config_file accelerate_configs/fsdp.yaml \\
+        --mixed_precision no tests/scripts/vlm_family_cells.py --launch fsdp --families llava,glm4v --out OUT
+
+Cells (one Trainer run each, in this order per family):
+
+- ``--launch ddp``: ``stock`` (the stock ``Trainer``, ``ddp_find_unused_parameters=True``: the reference) and
+  ``ddp`` (``DDPFixTrainer``: hf_ddpfix's plan);
+- ``--launch fsdp``: ``fsdp_plan`` (``DDPFixTrainer``, the plan's FSDP2 units) and ``fsdp_list`` (``DDPFixTrainer``
+  with ``fsdp_transformer_layer_cls_to_wrap`` = the family's ``<DecoderLayer>,<VisionBlock>`` list, the sweep's
+  ``user_list``, set on the launch's plugin as the accelerate config would).
+
+Per family: the model is built tiny from its default config by the sweep's checked shrinker (the same seed on both
+ranks), LoRA on every linear layer (tower included, peft's default init, seeded), batches from the structural
+builder (:func:`hf_ddpfix.integrations.vision.sample.sample_batch`, variable lengths). :data:`STEPS` optimizer
+steps, rank ``r``'s step ``k`` with an image as :data:`PATTERN` says (rank 0 only, no rank: an all-text step, both,
+rank 1 only) where the sweep runs the family with an image; text only on every step where it does not. AdamW
+(weight decay 0.1), clipping at 1.0, fp32, no checkpointing. Then ``evaluate()`` on one image rank and one text
+rank (``prediction_loss_only``).
+
+Each cell is isolated: an exception is recorded (a :class:`~hf_ddpfix.plan.types.PlanError` raised before step 1 as
+``refused``, anything else as ``failed``) and the next cell runs. The process group is made with a short timeout
+(:data:`PG_TIMEOUT`), so a collective mismatch or a hang ends the cell instead of the launch; after a failed cell
+both ranks exchange their status, and when that exchange itself fails (the group is broken) the launch stops with
+``CELLS_BROKEN <family>``: the driver (``scripts/vlm_families.py --cells``) launches the remaining families again.
+
+Rank 0 writes ``OUT/<family>-<cell>.pt``: ``{"status": "trained" | "refused" | "failed", "error", "weights" (every
+trainable tensor, FSDP2 shards gathered), "eval_loss", "units", "synced" (the ranks' trained weights hash equal),
+"seconds", "images"}``. :func:`judge` compares them with ``stock``. Prints ``VLM_FAMILY_CELLS_OK`` at the end.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import hashlib
+import os
+import sys
+import time
+import traceback
+import warnings
+from datetime import timedelta
+
+import torch
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.dirname(HERE))
+sys.path.insert(0, os.path.dirname(os.path.dirname(HERE)))
+
+STEPS = 4
+#: step -> image on (rank 0, rank 1)
+PATTERN = ((True, False), (False, False), (True, True), (False, True))
+EVAL_PATTERN = ((True, False),)
+#: the launches and their cells, in order
+CELLS = {"ddp": ("stock", "ddp"), "fsdp": ("fsdp_plan", "fsdp_list")}
+#: gloo's timeout for every collective (its default is 30 min): a cell whose ranks disagree ends here
+PG_TIMEOUT = 240
+#: hf_ddpfix's DDP vs stock DDP: the same math (parameter usage adds exact zeros; two ranks' sums are exact in any
+#: order): bit-equal, measured 0.0 on every family of the full sweep. FSDP2 vs stock DDP: reduce-scatter vs
+#: all-reduce order, and AdamW's division of a near-zero moment turns that rounding into a visible step
+#: (tests/test_fsdp_trainer_zoo.py: 9.9e-7 on Qwen2-VL). Measured over every family of the full sweep (2026-12-02,
+#: tests/results/vlm_family_cells.json "max_spread"): 3.0e-6 (lfm3_vl, both wrap modes), 0 to 7e-7 for most;
+#: bound with a 3x margin
+TOL = {"ddp": 0.0, "fsdp_plan": 1e-5, "fsdp_list": 1e-5}
+#: the eval loss (a mean over two ranks' losses, ~10 for these random models), relative to max(1, stock's loss):
+#: measured 1.9e-6 absolute (lighton_ocr, FSDP2 with the list), 0 under DDP
+EVAL_TOL = {"ddp": 0.0, "fsdp_plan": 1e-6, "fsdp_list": 1e-6}
+
+
+def build(model_type: str):  # noqa: ANN201
+    """The family's tiny model (the sweep's checked shrinker, seed 0) and whether it runs with an image."""
+    import transformers
+    from transformers import AutoConfig
+
+    from hf_ddpfix.rehearse.family_sweep import families
+    from hf_ddpfix.rehearse.shrink_check import shrink_checked
+
+    cls = getattr(transformers, families()[model_type])
+    checked = shrink_checked(AutoConfig.for_model(model_type), cls, seed=0, small_images=True)
+    if checked.text != "ok":
+        raise RuntimeError(f"the tiny model does not run text only: {checked.text}")
+    return checked.model, checked.image == "ok"
+
+
+def lora(base: torch.nn.Module) -> torch.nn.Module:
+    from peft import LoraConfig, get_peft_model
+
+    torch.manual_seed(1)
+    model = get_peft_model(copy.deepcopy(base), LoraConfig(r=2, lora_alpha=4, target_modules="all-linear"))
+    if hasattr(model.config, "use_cache"):
+        model.config.use_cache = False
+    return model
+
+
+def datasets(base: torch.nn.Module, images: bool, world: int):  # noqa: ANN201
+    from fixtures import RankItems
+
+    from hf_ddpfix.integrations.vision.sample import sample_batch
+
+    def make(pattern, seed):  # noqa: ANN001, ANN202
+        return lambda k, r: sample_batch(base, image=images and pattern[k % len(pattern)][r % 2],
+                                         seq=6 + (3 * k + r) % 5, seed=seed + 100 * k + r)
+
+    return (RankItems(STEPS, world, make(PATTERN, 0)), RankItems(len(EVAL_PATTERN), world, make(EVAL_PATTERN, 5000)))
+
+
+def training_args(out: str, stock: bool):  # noqa: ANN201
+    """``label_names`` given: a model whose ``forward`` takes ``labels`` through ``**kwargs`` (Granite Docling)
+    would otherwise evaluate without a loss in both modes."""
+    from transformers import TrainingArguments
+
+    return TrainingArguments(
+        output_dir=out, max_steps=STEPS, per_device_train_batch_size=1, per_device_eval_batch_size=1,
+        learning_rate=1e-3, weight_decay=0.1, max_grad_norm=1.0, lr_scheduler_type="constant", logging_steps=1,
+        save_strategy="no", report_to="none", train_sampling_strategy="sequential", remove_unused_columns=False,
+        use_cpu=True, seed=0, prediction_loss_only=True, disable_tqdm=True, label_names=["labels"],
+        ddp_find_unused_parameters=True if stock else None)
+
+
+def _digest(weights: dict[str, torch.Tensor]) -> str:
+    h = hashlib.sha1()
+    for n in sorted(weights):
+        h.update(n.encode())
+        h.update(weights[n].float().contiguous().numpy().tobytes())
+    return h.hexdigest()
+
+
+def run_cell(model_type: str, cell: str, base: torch.nn.Module, images: bool, user_list: list[str],
+             out: str) -> dict:
+    """Train and evaluate one cell; the record rank 0 saves (without raising: the error is a field)."""
+    import torch.distributed as dist
+    from fixtures import single_collate, trainable_weights
+    from transformers import Trainer
+
+    from hf_ddpfix import DDPFixTrainer
+    from hf_ddpfix.plan.types import PlanError
+
+    world = dist.get_world_size()
+    t0 = time.perf_counter()
+    rec: dict = {"status": "trained", "images": images, "error": ""}
+    trainer = plugin = saved = None
+    try:
+        train, evaluate = datasets(base, images, world)
+        model = lora(base)
+        args = training_args(os.path.join(out, f"run-{model_type}-{cell}"), stock=cell == "stock")
+        cls = Trainer if cell == "stock" else DDPFixTrainer
+        trainer = cls(model=model, args=args, data_collator=single_collate, train_dataset=train,
+                      eval_dataset=evaluate)
+        plugin = trainer.accelerator.state.fsdp_plugin if trainer.is_fsdp_enabled else None
+        if cell.startswith("fsdp"):
+            assert plugin is not None, "an FSDP cell under a launch without FSDP"
+            saved = (plugin.transformer_cls_names_to_wrap, plugin.cpu_ram_efficient_loading)
+            plugin.cpu_ram_efficient_loading = False  # the tiny model is built on every rank, not loaded
+            if cell == "fsdp_list":
+                plugin.transformer_cls_names_to_wrap = list(user_list)
+                rec["user_list"] = list(user_list)
+        trainer.train()
+        rec["eval_loss"] = float(trainer.evaluate()["eval_loss"])
+        from torch.distributed.fsdp import FSDPModule
+
+        rec["units"] = [n for n, m in trainer.model.named_modules() if isinstance(m, FSDPModule)]
+        weights = trainable_weights(trainer.model)
+        rec["weights"] = weights
+        rec["digest"] = _digest(weights)
+    except PlanError as e:
+        rec.update(status="refused", error=f"PlanError: {' '.join(str(e).split())}",
+                   at_step=int(trainer.state.global_step) if trainer is not None else 0)
+    except Exception as e:  # noqa: BLE001 - a cell's failure is its record
+        rec.update(status="failed", error=f"{type(e).__name__}: {' '.join(str(e).split())[:600]}",
+                   at_step=int(trainer.state.global_step) if trainer is not None else 0)
+        if os.environ.get("CELLS_TRACEBACK"):
+            traceback.print_exc()
+    finally:
+        if saved is not None:
+            plugin.transformer_cls_names_to_wrap, plugin.cpu_ram_efficient_loading = saved
+    rec["seconds"] = round(time.perf_counter() - t0, 1)
+    return rec
+
+
+def main() -> None:
+    warnings.filterwarnings("ignore")
+    import torch.distributed as dist
+    import transformers
+
+    transformers.logging.set_verbosity_error()
+    torch.set_num_threads(1)
+    p = argparse.ArgumentParser()
+    p.add_argument("--launch", choices=sorted(CELLS), required=True)
+    p.add_argument("--families", required=True, help="model_type values, comma-separated")
+    p.add_argument("--out", required=True)
+    p.add_argument("--cells", default="", help="only these cells of the launch, comma-separated")
+    a = p.parse_args()
+    dist.init_process_group("gloo", timeout=timedelta(seconds=PG_TIMEOUT))
+    rank = dist.get_rank()
+    from hf_ddpfix.rehearse.family_sweep import load_results
+
+    recorded = load_results()["families"]
+    cells = [c for c in CELLS[a.launch] if not a.cells or c in a.cells.split(",")]
+    os.makedirs(a.out, exist_ok=True)
+    for model_type in a.families.split(","):
+        try:
+            base, images = build(model_type)
+        except Exception as e:  # noqa: BLE001 - the family is not run; same on both ranks (same build)
+            for cell in cells:
+                if rank == 0:
+                    torch.save({"status": "not_run", "error": f"{type(e).__name__}: {' '.join(str(e).split())[:400]}"},
+                               os.path.join(a.out, f"{model_type}-{cell}.pt"))
+            continue
+        user_list = recorded.get(model_type, {}).get("user_list") or []
+        for cell in cells:
+            rec = run_cell(model_type, cell, base, images, user_list, a.out)
+            try:  # both ranks' outcome: a cell failed on one rank only, or the group is broken
+                every = [None] * dist.get_world_size()
+                dist.all_gather_object(every, (rec["status"], rec.get("digest"), rec["error"][:300]))
+            except Exception as e:  # noqa: BLE001 - the group is gone: the driver relaunches the rest
+                if rank == 0:
+                    rec.setdefault("error", "")
+                    rec.update(status="failed", error=rec["error"] or f"process group broken: {e}")
+                    torch.save(rec, os.path.join(a.out, f"{model_type}-{cell}.pt"))
+                print(f"CELLS_BROKEN {model_type} {cell}", flush=True)
+                os._exit(3)
+            statuses = {s for s, _, _ in every}
+            if statuses != {rec["status"]}:  # one rank trained, the other did not: the cell failed
+                errors = [e for _, _, e in every if e]
+                rec.update(status="failed" if "failed" in statuses or "trained" in statuses else rec["status"],
+                           error=rec["error"] or f"another rank: {errors[0] if errors else statuses}")
+            rec["synced"] = len({d for _, d, _ in every}) == 1
+            if rank == 0:
+                torch.save(rec, os.path.join(a.out, f"{model_type}-{cell}.pt"))
+                print(f"[cell] {model_type} {cell}: {rec['status']} {rec['error'][:200]} "
+                      f"eval_loss={rec.get('eval_loss')} {rec['seconds']}s", flush=True)
+    print(f"[rank {rank}] VLM_FAMILY_CELLS_OK", flush=True)
+    from hf_ddpfix.ops.dist import destroy_default_group
+
+    destroy_default_group()
+
+
+def judge(out: str, model_type: str, tol: dict | None = None, eval_tol: dict | None = None) -> dict:
+    """The family's verdict from ``OUT/<family>-<cell>.pt``: per compared cell ``{"status": "equal" | "differs" |
+    "refused" | "failed" | "stock_fails" (failed, and so did stock DDP: ``stock`` holds its error) | "not_run" |
+    "no_reference" (trained, stock DDP did not) | "missing", "max_diff", "eval_diff", "error", "at_step", "units"}``,
+    and
+    ``images`` (True: mixed image/text ranks; False: text only, the sweep's image run fails)."""
+    tol, eval_tol = tol or TOL, eval_tol or EVAL_TOL
+
+    def load(cell):  # noqa: ANN001, ANN202
+        path = os.path.join(out, f"{model_type}-{cell}.pt")
+        return torch.load(path, weights_only=False) if os.path.exists(path) else None
+
+    stock = load("stock")
+    verdict: dict = {"images": None if stock is None else stock.get("images"), "cells": {}}
+    if stock is not None and stock["status"] != "trained":
+        verdict["stock"] = {"status": stock["status"], "error": stock.get("error", "")[:300]}
+    for cell in ("ddp", "fsdp_plan", "fsdp_list"):
+        rec = load(cell)
+        if rec is None:
+            verdict["cells"][cell] = {"status": "missing"}
+            continue
+        v: dict = {"status": rec["status"], "seconds": rec.get("seconds")}
+        if rec.get("user_list"):
+            v["user_list"] = rec["user_list"]
+        if rec["status"] != "trained":
+            v.update(error=rec.get("error", "")[:400], at_step=rec.get("at_step", 0))
+            if rec["status"] == "failed" and stock is not None and stock["status"] == "failed":
+                v["status"] = "stock_fails"  # the stock Trainer fails this family too (its error is "stock")
+            verdict["cells"][cell] = v
+            continue
+        v["units"] = len(rec.get("units") or [])
+        if stock is None or stock["status"] != "trained":
+            v.update(status="no_reference", error="stock DDP did not train")
+            verdict["cells"][cell] = v
+            continue
+        a, b = stock["weights"], rec["weights"]
+        same_keys = sorted(a) == sorted(b)
+        diff = max(((a[k].float() - b[k].float()).abs().max().item() for k in a), default=0.0) if same_keys else None
+        ediff = abs(rec["eval_loss"] - stock["eval_loss"])
+        equal = (same_keys and rec.get("synced", True) and diff <= tol[cell]
+                 and ediff <= eval_tol[cell] * max(1.0, abs(stock["eval_loss"])))
+        v.update(status="equal" if equal else "differs", max_diff=diff, eval_diff=ediff, synced=rec.get("synced"))
+        if not same_keys:
+            v["error"] = "trainable tensors differ from stock's"
+        verdict["cells"][cell] = v
+    return verdict
+
+
+if __name__ == "__main__":
+    main()
