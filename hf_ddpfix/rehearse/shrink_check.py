@@ -306,6 +306,7 @@ def shrink_checked(config: Any, model_cls: Any, *, seed: int = 0, backward: bool
     import torch
 
     plain: Checked | None = None  # the plain cut's result: what is returned when no candidate runs
+    first: Checked | None = None  # the first candidate that runs text only (no image layout)
     kept = _kept_vision(config)
     tries = ([((), True, False)] if small_images else []) + [((), False, False)] + \
         ([(kept, False, False)] if kept else []) + [((), small_images, True)]
@@ -313,33 +314,36 @@ def shrink_checked(config: Any, model_cls: Any, *, seed: int = 0, backward: bool
         if (keep or align) and (plain is None or plain.text != "ok"):  # these help an image path only
             break
         shrunk = shrink_config(config, keep_widths=keep)
-        if images and not shrink_images(shrunk.config, shrunk.lines):
+        cut = shrink_images(shrunk.config, shrunk.lines, cut=images)  # without a cut: relations only (none move
+        if images and not cut and not align:  # in a real config); a cut that changes nothing is the next try
             continue
-        if not images:
-            shrink_images(shrunk.config, shrunk.lines, cut=False)  # relations only (none move in a real config)
         if align and not align_outputs(shrunk.config, shrunk.lines):
             continue
         shrunk = repair_shrunk(shrunk, model_cls)
         if keep:
             try:
                 n = sum(p.numel() for p in _meta(model_cls, shrunk.config).parameters())
-            except Exception:  # noqa: BLE001 - no fallback then
-                break
+            except Exception:  # noqa: BLE001 - not this fallback then
+                continue
             if n > MAX_PARAMS:
-                break
+                continue
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(seed)
             model = model_cls(shrunk.config)
         text, image = run_checks(model, backward=backward)
         got = Checked(shrunk, model, text, image)
-        if got.runs:
+        if got.text == got.image == "ok":  # the first candidate that takes an image too
             if (keep or align) and plain is not None:
                 what = f"widths of {', '.join(keep)} kept" if keep else "tower outputs set to the text width"
-            got.shrunk.lines.append(f"{what} (the fully cut model failed: "
+                got.shrunk.lines.append(f"{what} (the fully cut model failed: "
                                         f"{plain.text if plain.text != 'ok' else plain.image})")
             return got
-        if not keep and not images:
+        if got.runs and first is None:  # text runs, no image layout: kept unless a later candidate does better
+            first = got
+        if not keep and not images and not align:
             plain = got
+    if first is not None:
+        return first
     assert plain is not None
     plain.shrunk.lines.append(f"check: the shrunk model does not run (text: {plain.text[:120]}; image: "
                               f"{plain.image[:120]})")
