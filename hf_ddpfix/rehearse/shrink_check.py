@@ -218,7 +218,8 @@ def shrink_images(config: Any, lines: list[str], *, cut: bool = True) -> bool:
         size, patch = getattr(node, "image_size", None), getattr(node, "patch_size", None)
         if isinstance(patch, list | tuple) and patch:
             patch = patch[0]
-        if isinstance(size, list | tuple) and len(size) == 2 and size[0] == size[1]:
+        as_pair = type(size) if isinstance(size, list | tuple) else None  # InternVL's (448, 448): kept a pair
+        if as_pair and len(size) == 2 and size[0] == size[1]:
             size = size[0]
         if not (isinstance(size, int) and isinstance(patch, int) and 0 < patch <= size):
             continue
@@ -238,8 +239,8 @@ def shrink_images(config: Any, lines: list[str], *, cut: bool = True) -> bool:
         why = f"sweep: {g}x fewer patches per side" if g else "the grid did not hold"
         rel = [f"pooling {pool}"] if pool > 1 else []
         rel += [f"{new_t} x {new_t} tokens"] if new_t else []
-        node.image_size = new_side * patch
-        lines.append(f"{p}image_size: {size} -> {node.image_size} ({why}; {new_side} patches per side"
+        node.image_size = as_pair((new_side * patch,) * 2) if as_pair else new_side * patch
+        lines.append(f"{p}image_size: {size} -> {new_side * patch} ({why}; {new_side} patches per side"
                      f"{', ' + ', '.join(rel) if rel else ''})")
         if tokens and new_t != t:
             tokens[0].mm_tokens_per_image = new_t * new_t
@@ -248,8 +249,8 @@ def shrink_images(config: Any, lines: list[str], *, cut: bool = True) -> bool:
             points = getattr(other, "image_grid_pinpoints", None)
             if isinstance(points, list) and points and all(isinstance(x, list | tuple) and all(
                     isinstance(v, int) and v % size == 0 for v in x) for x in points):
-                other.image_grid_pinpoints = [[v // size * node.image_size for v in x] for x in points]
-                lines.append(f"image_grid_pinpoints: tiles of {size} -> {node.image_size}")
+                other.image_grid_pinpoints = [[v // size * new_side * patch for v in x] for x in points]
+                lines.append(f"image_grid_pinpoints: tiles of {size} -> {new_side * patch}")
         factor, changed = max(factor, g), True
     if factor:
         for path, node in _subconfigs(config):
