@@ -192,6 +192,23 @@ def _token_side(config: Any) -> tuple[Any, int] | None:
     return None
 
 
+def _allowed_sides(config: Any) -> list[int]:
+    """Grid sides a projector accepts, read from a dict keyed by patch count (Aria's
+    ``projector_patch_to_query_dict`` ``{1225: 128, 4900: 256}``: 35 x 35 or 70 x 70 patches); ``[]`` when none."""
+    import math
+
+    for _, node in _subconfigs(config):
+        for key, v in vars(node).items():
+            if "patch" in key and isinstance(v, dict) and v:
+                try:
+                    counts = [int(k) for k in v]
+                except (TypeError, ValueError):
+                    continue
+                if all(c > 0 and math.isqrt(c) ** 2 == c for c in counts):
+                    return sorted(math.isqrt(c) for c in counts)
+    return []
+
+
 def shrink_images(config: Any, lines: list[str], *, cut: bool = True) -> bool:
     """Keep, in place, the geometry relations of every tower with an ``image_size`` and a ``patch_size``, and with
     ``cut`` make its patch grid ``g`` times smaller per side (``g`` in 8, 4, 2: the largest that divides the grid,
@@ -203,6 +220,7 @@ def shrink_images(config: Any, lines: list[str], *, cut: bool = True) -> bool:
       ``downsample_factor``, ``1 / pixel_shuffle_ratio`` ...: a pixel shuffle reshapes the grid by it);
     - a fixed square token count (``mm_tokens_per_image``) pools the grid evenly: its side divides the grid side
       (the count is cut by ``g**2`` with the grid where that still holds);
+    - a projector keyed by patch count (``projector_patch_to_query_dict``) gets one of its grids;
     - "anyres" resolutions (``image_grid_pinpoints``, multiples of the tile size) scale with the tile;
     - other image-token counts the grid fills (``image_seq_length``, ``num_image_tokens`` ...) are cut by
       ``g**2`` where it divides.
@@ -233,6 +251,9 @@ def shrink_images(config: Any, lines: list[str], *, cut: bool = True) -> bool:
         need = math.lcm(pool, new_t or 1)
         if new_side % need:
             new_side = -(-new_side // need) * need
+        sides = _allowed_sides(config)
+        if sides and new_side not in sides:  # a projector keyed by patch count: its smallest grid
+            new_side = next((x for x in sides if x % need == 0), sides[0])
         if new_side * patch == size and new_t == t:
             continue
         p = f"{path}." if path else ""
