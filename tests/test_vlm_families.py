@@ -304,3 +304,49 @@ def test_tower_units_whose_dummy_does_not_run_are_refused_before_step_1(model_ty
         attach_fsdp_dummy(checked.model, stack, lambda fn: (lambda: None))
     msg = str(err.value)
     assert block in msg and "fsdp_transformer_layer_cls_to_wrap" in msg and "Fix:" in msg, msg
+
+
+def test_the_shrinker_keeps_the_image_geometry_relations_of_default_configs():
+    """Config only (fast): the relations a tower's shapes depend on, kept by the sweep's image cut
+    (``shrink_images``) on transformers' own default configs, where they hold or where the default breaks them:
+
+    - Gemma 3: 224 px / 16 px = 14 patches cannot pool to 256 = 16 x 16 tokens; the cut keeps a grid whose side
+      the token side divides ("stride should not be zero" before);
+    - Idefics3: the grid side is a multiple of the pixel shuffle's ``scale_factor`` 2 (7 patches before);
+    - LLaVA-NeXT: the anyres pinpoints scale with the tile (33 tiles of 84 px before);
+    - Aria: the grid is one the projector's ``projector_patch_to_query_dict`` holds (35 x 35);
+    - VipLLaVA: the tower keeps the layers ``vision_feature_layer`` reads (-11: 10 layers);
+    - Qwen3-VL: the tower's ``out_hidden_size`` (3584 beside a text width of 4096 in the default) aligned to
+      the text width by ``align_outputs``.
+
+    Shown failing (2026-12-02): with ``need = 1`` in ``shrink_images`` (no pooling / token relation) the Gemma 3
+    and Idefics3 asserts fail; without the pinpoint scaling the LLaVA-NeXT one; without ``_allowed_sides`` the
+    Aria one; without ``_keep_feature_taps`` the VipLLaVA one."""
+    from transformers import AutoConfig
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
+
+    from hf_ddpfix.rehearse.shrink import shrink_config
+    from hf_ddpfix.rehearse.shrink_check import align_outputs, shrink_images
+
+    def cut(model_type):
+        small = shrink_config(AutoConfig.for_model(model_type))
+        shrink_images(small.config, small.lines)
+        return small.config
+
+    g = cut("gemma3")
+    side, tok = g.vision_config.image_size // g.vision_config.patch_size, int(g.mm_tokens_per_image ** 0.5)
+    assert side % tok == 0 and tok * tok == g.mm_tokens_per_image, (side, tok)
+    i = cut("idefics3")
+    assert (i.vision_config.image_size // i.vision_config.patch_size) % i.scale_factor == 0
+    n = cut("llava_next")
+    assert all(v % n.vision_config.image_size == 0 for p in n.image_grid_pinpoints for v in p)
+    assert min(min(p) for p in n.image_grid_pinpoints) == n.vision_config.image_size
+    if "aria" in CONFIG_MAPPING_NAMES:
+        a = cut("aria")
+        assert (a.vision_config.image_size // a.vision_config.patch_size) ** 2 in a.projector_patch_to_query_dict
+    v = shrink_config(AutoConfig.for_model("vipllava")).config
+    assert v.vision_config.num_hidden_layers >= 10, v.vision_config.num_hidden_layers
+    if "qwen3_vl" in CONFIG_MAPPING_NAMES:
+        q = shrink_config(AutoConfig.for_model("qwen3_vl"))
+        assert align_outputs(q.config, q.lines)
+        assert q.config.vision_config.out_hidden_size == q.config.text_config.hidden_size

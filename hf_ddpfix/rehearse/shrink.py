@@ -330,6 +330,7 @@ def shrink_config(config: Any, *, keep_widths: tuple[str, ...] = ()) -> Shrunk:
     order = [n for n in nodes if n[1] is text] + [n for n in reversed(nodes) if n[1] is not text]
     for path, node in order:
         _shrink_node(node, path, lines, hiddens, keep=bool(path) and path.split(".")[0] in keep_widths)
+    _keep_feature_taps(nodes, lines)
     for path, node in nodes:  # a width equal to another sub-config's hidden (projector outputs, text widths)
         p = f"{path}." if path else ""
         for key, value in list(vars(node).items()):
@@ -338,6 +339,27 @@ def shrink_config(config: Any, *, keep_widths: tuple[str, ...] = ()) -> Shrunk:
                     not _geometry_or_count(key) and value > 64:
                 _set(node, p, key, hiddens[value], lines)
     return Shrunk(cfg, lines)
+
+
+def _keep_feature_taps(nodes: list[tuple[str, Any]], lines: list[str]) -> None:
+    """A config that reads its tower's hidden states by index (``vision_feature_layer``: VipLLaVA's
+    ``(-2, -5, -8, -11, 6)``) needs that many layers in the tower: the cut stack grows back to the deepest tap
+    (``hidden_states`` holds the embeddings and one entry per layer, so index ``i >= 0`` needs ``i`` layers and
+    ``i < 0`` needs ``-i - 1``)."""
+    for path, node in nodes:
+        taps = vars(node).get("vision_feature_layer", vars(node).get("vision_feature_layers"))
+        taps = [taps] if isinstance(taps, int) and not isinstance(taps, bool) else taps
+        if not isinstance(taps, list | tuple) or not all(isinstance(t, int) and not isinstance(t, bool)
+                                                         for t in taps):
+            continue
+        need = max((t if t >= 0 else -t - 1) for t in taps) if taps else 0
+        tower = getattr(node, "vision_config", None)
+        lkey = _first(tower, _LAYERS) if tower is not None else None
+        if lkey is None or getattr(tower, lkey) >= need:
+            continue
+        p = f"{path}.vision_config." if path else "vision_config."
+        _set(tower, p, lkey, need, lines)
+        lines[-1] += f" (vision_feature_layer {list(taps)} read)"
 
 
 def _text_node(cfg: Any, nodes: list[tuple[str, Any]]) -> Any:

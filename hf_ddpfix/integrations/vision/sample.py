@@ -152,13 +152,17 @@ def _candidates(model: nn.Module, params: set[str]) -> list[tuple[str, dict[str,
             "spatial_shapes": torch.tensor([[h, w]], dtype=torch.long),
             "pixel_attention_mask": torch.ones(1, h * w, dtype=torch.bool)}))
     sizes = [hw]
-    if "image_sizes" in params and 8 * p < min(hw):  # a tower that takes any size (Pixtral): a small image only
-        sizes = [(8 * p, 8 * p)]
+    if "image_sizes" in params and 8 * p < min(hw):  # a tower that takes any size (Pixtral): a small image first,
+        sizes = [(8 * p, 8 * p), hw]  # then the native size (a fixed position table: LLaVA-OneVision's 27 x 27)
+    tiles = _anyres_tiles(cfg, hw) if "image_sizes" in params else None
     for size in sizes:
         extra: dict[str, Any] = {}
         if "image_sizes" in params:
             extra["image_sizes"] = torch.tensor([list(size)], dtype=torch.long)
-        for lead in ((1,), (1, 1), (1, 2)):
+        leads: tuple[tuple[int, ...], ...] = ((1,), (1, 1), (1, 2))
+        if tiles is not None and size == hw:  # LLaVA-NeXT anyres: the base tile + the grid the pinpoints pick
+            leads = ((1, tiles),) + leads
+        for lead in leads:
             kw: dict[str, Any] = {"pixel_values": _ramp((*lead, c, *size), dtype), **extra}
             if "pixel_attention_mask" in params and len(lead) == 2:
                 kw["pixel_attention_mask"] = torch.ones(*lead, *size, dtype=torch.bool)
@@ -171,7 +175,25 @@ def _candidates(model: nn.Module, params: set[str]) -> list[tuple[str, dict[str,
                 out.append((f"tiles 1x{tiles} at {size}", kw))
                 break
             out.append((f"pixels {tuple(kw['pixel_values'].shape)}", kw))
+            if "pixel_attention_mask" in params and len(lead) == 2:  # a mask of real tiles (Granite Docling)
+                out.append((f"pixels {tuple(kw['pixel_values'].shape)}, tile mask",
+                            {**kw, "pixel_attention_mask": torch.ones(*lead, dtype=torch.bool)}))
     return out
+
+
+def _anyres_tiles(cfg: Any, hw: tuple[int, int]) -> int | None:
+    """Tiles an "anyres" model (a config with ``image_grid_pinpoints``: LLaVA-NeXT, -OneVision, Granite Vision)
+    cuts an image of its tower's native size ``hw`` into: the base tile plus the tiles of the pinpoint its
+    processor picks (transformers' own ``select_best_resolution``); ``None`` without pinpoints."""
+    points = getattr(cfg, "image_grid_pinpoints", None)
+    if not (isinstance(points, list | tuple) and points and all(isinstance(x, list | tuple) for x in points)):
+        return None
+    try:
+        from transformers.image_processing_utils import select_best_resolution
+    except ImportError:  # pragma: no cover - every supported release has it
+        return None
+    h, w = select_best_resolution(tuple(hw), [list(x) for x in points])
+    return (h // hw[0]) * (w // hw[1]) + 1
 
 
 def _feature_rows(out: Any, width: int) -> int:
