@@ -365,13 +365,23 @@ def describe_unsupported(model: nn.Module, *, zero: bool = False) -> str:
     )
 
 
+def _is_vision_model(mod: nn.Module, vision_type: str | None) -> bool:
+    """A sub-model built from the vision config: its own ``config`` has the vision config's ``model_type`` (VideoLLaVA's
+    ``image_tower`` and ``video_tower``, two CLIP vision models under names no list holds)."""
+    cfg = getattr(mod, "config", None)
+    return vision_type is not None and getattr(cfg, "model_type", None) == vision_type
+
+
 def _generic_vision_modules(hf: nn.Module) -> list[tuple[str, nn.Module]]:
-    """Outermost submodules whose name marks them as vision parts (for models without an adapter)."""
+    """Outermost submodules that are vision parts (for models without an adapter): named as one
+    (:data:`_GENERIC_VISION_NAMES`), or a sub-model built from the model's vision config (by its ``model_type``)."""
+    vc = _vision_config(hf)
+    vision_type = getattr(vc, "model_type", None) or None
     out: list[tuple[str, nn.Module]] = []
     for name, mod in hf.named_modules():
         if not name or any(name.startswith(prefix + ".") for prefix, _ in out):
             continue
-        if name.rsplit(".", 1)[-1] in _GENERIC_VISION_NAMES:
+        if name.rsplit(".", 1)[-1] in _GENERIC_VISION_NAMES or _is_vision_model(mod, vision_type):
             out.append((name, mod))
     return out
 
