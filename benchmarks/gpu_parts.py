@@ -274,13 +274,14 @@ def fsdp_layout(a: argparse.Namespace) -> None:
     from stand_in_device import device
     from transformers import MllamaConfig
 
-    from hf_ddpfix import cli, offline_plan
+    from hf_ddpfix import cli
     from hf_ddpfix._compat import (
         fake_process_group,
         fsdp_groups,
         prepare_like_accelerate,
         set_fsdp_wrap_classes,
     )
+    from hf_ddpfix.facts import offline as offline_plan
     from hf_ddpfix.integrations.fsdp.dummy import attach_fsdp_dummy
     from hf_ddpfix.integrations.fsdp.scale import UNSHARDED
     from hf_ddpfix.plan.fsdp import fsdp_unit_classes, fsdp_units_ours

@@ -42,11 +42,11 @@ def main() -> None:
     from fixtures import lora_llama
     from transformers import TrainingArguments
 
-    from hf_ddpfix import runtime
     from hf_ddpfix.callbacks import MemoryThroughputCallback
     from hf_ddpfix.integrations.checkpointing import apply_checkpointing
     from hf_ddpfix.integrations.usage import ParameterUsage, UsageChanged
     from hf_ddpfix.plan.types import Decision
+    from hf_ddpfix.runtime import attach as runtime
 
     torch.set_num_threads(1)
     model = lora_llama(targets=tuple(a.targets.split(",")), checkpointing="non_reentrant", num_hidden_layers=a.layers,

@@ -47,8 +47,8 @@ from torch import nn
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from ._compat import around_backward, ddp_kwargs_handler, set_ddp_kwargs, unwrap_parallel
-from .config import DDPFixConfig, check_disable
-from .facts import has_conditional_params, is_peft_model
+from .config.options import DDPFixConfig, check_disable
+from .facts.gather import has_conditional_params, is_peft_model
 from .integrations.checkpointing import apply_checkpointing, detect_checkpointing
 from .integrations.usage import ParameterUsage, UsageChanged
 from .integrations.vision import families

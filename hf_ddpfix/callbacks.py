@@ -26,9 +26,9 @@ from torch import nn
 from transformers import DefaultFlowCallback, TrainerCallback
 
 from ._compat import trainer_callbacks
-from .config import DDPFixConfig
-from .errors import ReplicaDivergenceError
+from .config.options import DDPFixConfig
 from .plan.types import Plan
+from .runtime.errors import ReplicaDivergenceError
 
 logger = logging.getLogger("hf_ddpfix")
 
@@ -388,12 +388,12 @@ class FeatureCountsCallback(TrainerCallback):
 
     `Trainer.evaluate` logs its metrics (a copy goes into `state.log_history`) and then calls
     `on_evaluate` with the dict it returns: the counts are added there, so what the Trainer stores stays
-    stock. Counts are this rank's, since the start of the current `train()` (`hf_ddpfix.feature_report`).
+    stock. Counts are this rank's, since the start of the current `train()` (`hf_ddpfix.runtime.feature_report`).
     """
 
     def on_evaluate(self, args, state, control, metrics=None, **kwargs):
         if isinstance(metrics, dict):
-            from .feature_report import feature_metrics
+            from .runtime.feature_report import feature_metrics
 
             metrics.update(feature_metrics())
 

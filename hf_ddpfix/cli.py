@@ -35,7 +35,7 @@ from collections.abc import Mapping, Sequence
 from importlib import metadata
 from typing import Any
 
-from ._advice import GiB, qlora_advice, recommend_launch
+from .facts.advice import GiB, qlora_advice, recommend_launch
 
 _PACKAGES = ("torch", "transformers", "accelerate", "peft", "trl", "datasets", "bitsandbytes", "deepspeed",
              "hf-ddpfix")
@@ -61,7 +61,7 @@ def check_env(env: Mapping[str, str] | None = None) -> dict[str, Any]:
         {"settings": [{"var", "value", "option", "ok", "error"}], "unknown": [{"var", "did_you_mean"}],
          "config": [resolved option lines] or None, "config_error": str or None, "related": {var: value}}
     """
-    from .config import OPTIONS, DDPFixConfig, env_name
+    from .config.options import OPTIONS, DDPFixConfig, env_name
 
     env = os.environ if env is None else env
     settings, known = [], set(_EXTRA_VARS)
@@ -75,7 +75,7 @@ def check_env(env: Mapping[str, str] | None = None) -> dict[str, Any]:
                 if var == env_name(option):
                     opt.parse(var, env[var])
                 else:
-                    from .config import compat_value_of
+                    from .config.options import compat_value_of
 
                     compat_value_of(opt, var, env[var])
             except ValueError as e:
@@ -86,7 +86,7 @@ def check_env(env: Mapping[str, str] | None = None) -> dict[str, Any]:
             entry = {"var": var, "value": env[var], "option": None, "ok": True, "error": None, "doc": doc}
             try:
                 if env[var].strip():  # patches/sitecustomize.py reads "" as unset
-                    from .config import parse_bool
+                    from .config.options import parse_bool
 
                     parse_bool(var, env[var])  # the spellings patches/sitecustomize.py accepts
             except ValueError as e:
@@ -164,7 +164,7 @@ def _doctor(args: argparse.Namespace) -> int:
 
     report: dict[str, Any] = {"versions": _versions(), "devices": _devices(), "distributed": _backends(),
                               "env": check_env()}
-    from .offline_plan import model_info
+    from .facts.offline import model_info
 
     info, model_error = model_info(args)
     report["model"] = dataclasses.asdict(info) if info else None
@@ -258,7 +258,7 @@ def _print_doctor(r: dict[str, Any], torch: Any) -> None:
 
 
 def _plan(args: argparse.Namespace) -> int:
-    from .offline_plan import model_line, plan_offline
+    from .facts.offline import model_line, plan_offline
     from .plan.types import PlanError
 
     try:
@@ -301,7 +301,7 @@ def _default_config_note(source: str, config_kwargs: Any = None) -> str:
 
 
 def _parser() -> argparse.ArgumentParser:
-    from .offline_plan import add_model_arguments, add_plan_arguments
+    from .facts.offline import add_model_arguments, add_plan_arguments
 
     top = argparse.ArgumentParser(prog="hf-ddpfix", description=__doc__.split("\n\n")[0])
     sub = top.add_subparsers(dest="command", required=True)

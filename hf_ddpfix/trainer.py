@@ -4,7 +4,7 @@
 and the DDP kwargs are final, before `accelerator.prepare()` wraps the model in DDP/FSDP (the loop's start
 on transformers 5.3-5.23, right after its `_wrap_model` on 5.0-5.2: `_compat.when_ready_to_prepare`), it
 gathers facts, resolves the plan, sets the DDP kwargs the wrapper will be built with and attaches the
-per-run pieces (`hf_ddpfix.runtime`) and callbacks; everything is detached when the loop ends.
+per-run pieces (`hf_ddpfix.runtime.attach`) and callbacks; everything is detached when the loop ends.
 `resolve_resume` makes `train(resume_from_checkpoint=True)` pick the newest *complete* checkpoint.
 
 Guarantees: DDP kwargs are decided before the model is wrapped (no DDP internals touched mid-run);
@@ -26,17 +26,12 @@ from transformers import Trainer
 
 from ._compat import TRAINER_INNER_LOOP, set_ddp_kwargs, unwrap_parallel, when_ready_to_prepare
 from .callbacks import default_callbacks, install_callbacks
-from .checkpoints import last_complete_checkpoint
-from .config import DDPFixConfig
-from .errors import readable_ddp_errors
-from .eval_setup import attach_eval_sync, cpu_repack_off
-from .facts import gather_facts, launch_world_mismatch
-from .feature_report import FallbackWatch, attach_fallbacks, feature_metrics, never_ran_warning
+from .config.options import DDPFixConfig
+from .facts.gather import gather_facts, launch_world_mismatch
 from .integrations.eval_outputs import agreed_eval_outputs
 from .integrations.fsdp import apply_fsdp_units, join_tied_holders
 from .integrations.sequence_parallel.trainer import attach_sequence_parallel
 from .integrations.trainer_hooks import TrainerPatchLayer
-from .launcher_errors import is_known_error, report_to_launcher
 from .ops.dist import destroy_default_group_at_exit
 from .ops.feature_counts import reset as reset_feature_counts
 from .plan.asked import asked_options, not_applied_warning
@@ -52,7 +47,12 @@ from .plan.resolve import resolve_plan
 from .plan.sequence_parallel import decide_sequence_parallel, sp_size_of
 from .plan.types import Decision, Plan, PlanError
 from .plan.vision import decide_eval_sync, fsdp_eval_sync
-from .runtime import attach_runtime
+from .runtime.attach import attach_runtime
+from .runtime.checkpoints import last_complete_checkpoint
+from .runtime.errors import readable_ddp_errors
+from .runtime.evaluation import attach_eval_sync, cpu_repack_off
+from .runtime.feature_report import FallbackWatch, attach_fallbacks, feature_metrics, never_ran_warning
+from .runtime.launcher_errors import is_known_error, report_to_launcher
 
 logger = logging.getLogger("hf_ddpfix")
 

@@ -20,8 +20,8 @@ import re
 
 import pytest
 
-from hf_ddpfix.config import OPTIONS, DDPFixConfig, env_name
-from hf_ddpfix.integrations.deepspeed import DeepSpeedFacts
+from hf_ddpfix.config.options import OPTIONS, DDPFixConfig, env_name
+from hf_ddpfix.integrations.deepspeed.zero import DeepSpeedFacts
 from hf_ddpfix.integrations.fsdp import FsdpFacts
 from hf_ddpfix.plan.asked import asked_options, not_applied_warning
 from hf_ddpfix.plan.resolve import resolve_plan
@@ -225,8 +225,8 @@ def test_an_asked_feature_on_in_the_plan_that_never_ran_is_warned_at_the_end_of_
 
 
 def test_never_ran_names_only_asked_features_that_are_on_and_counted():
-    from hf_ddpfix.feature_report import never_ran_warning
     from hf_ddpfix.ops.feature_counts import FeatureCount
+    from hf_ddpfix.runtime.feature_report import never_ran_warning
 
     plan = resolve_plan(RunFacts(), DDPFixConfig.from_env({"HF_DDPFIX_TILED_LOSS": "1", "HF_DDPFIX_TILED_MLP": "4"}))
     ran = {"tiled_loss": FeatureCount(ran=3), "tiled_mlp": FeatureCount(fallbacks={"kwargs": 2})}
@@ -257,8 +257,8 @@ def test_an_option_asked_on_in_a_trainer_run_is_applied_exactly_when_its_counter
     from fixtures import lora, padded_collate, tiny_llama, variable_length_ids
     from transformers import TrainingArguments
 
-    from hf_ddpfix.feature_report import RAN_COUNTER
     from hf_ddpfix.ops import feature_counts
+    from hf_ddpfix.runtime.feature_report import RAN_COUNTER
     from hf_ddpfix.trainer import DDPFixTrainer
 
     ran_somewhere = []

@@ -15,7 +15,7 @@ import torch
 from launch import torchrun
 from torch import nn
 
-from hf_ddpfix.config import DDPFixConfig
+from hf_ddpfix.config.options import DDPFixConfig
 from hf_ddpfix.ops.buffer_order import (
     BufferLayoutError,
     align_buffer_order,
@@ -81,7 +81,7 @@ class _Rank0:
 
 
 def test_runtime_aligns_under_ddp_only_and_logs_once(caplog):
-    from hf_ddpfix.runtime import _align_buffer_order
+    from hf_ddpfix.runtime.attach import _align_buffer_order
 
     other = buffer_layout(Tables(reverse=True))
     ddp = resolve_plan(RunFacts(parallel="ddp", world_size=2), DDPFixConfig())

@@ -156,10 +156,10 @@ def _reinstall_setup(tmp_path: Any, usage_mode: str) -> tuple[Any, Any, Any]:
     from contextlib import ExitStack
     from types import SimpleNamespace
 
-    from hf_ddpfix import runtime
     from hf_ddpfix.integrations.checkpointing import apply_checkpointing
     from hf_ddpfix.integrations.usage import ParameterUsage
     from hf_ddpfix.plan.types import Decision
+    from hf_ddpfix.runtime import attach as runtime
 
     model = lora_llama(checkpointing=usage_mode)
     apply_checkpointing(model, use_reentrant=False)

@@ -13,8 +13,8 @@ from launch import ROOT
 from packaging.version import Version
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from hf_ddpfix._advice import GiB, recommend_launch
 from hf_ddpfix.cli import check_env, main
+from hf_ddpfix.facts.advice import GiB, recommend_launch
 
 TINY = {"vocab_size": 128, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
         "num_attention_heads": 4, "num_key_value_heads": 2}
@@ -256,7 +256,7 @@ def test_plan_under_fsdp_reads_the_model_and_the_launch_as_the_run_does(capsys, 
     against a real FSDP2 run's."""
     import math
 
-    from hf_ddpfix._advice import build_meta_model
+    from hf_ddpfix.facts.advice import build_meta_model
 
     folder = _tiny_qwen2_5_vl(tmp_path)
     rc, out = _run(capsys, "plan", "--model", str(folder), "--parallel", "fsdp", "--cpu", "--full",

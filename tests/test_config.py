@@ -2,7 +2,7 @@
 
 import pytest
 
-from hf_ddpfix.config import OPTIONS, DDPFixConfig, env_name, env_table
+from hf_ddpfix.config.options import OPTIONS, DDPFixConfig, env_name, env_table
 
 
 def test_unset_environment_leaves_every_option_unset():

@@ -17,7 +17,7 @@ import torch
 from fixtures import BUILDERS, add_lora, build_deepspeed_shm_op, make_batch
 from launch import torchrun
 
-from hf_ddpfix.integrations.deepspeed import (
+from hf_ddpfix.integrations.deepspeed.zero import (
     DeepSpeedFacts,
     moe_leaf_blocks,
     parse_version,
@@ -125,13 +125,13 @@ def test_resolve_plan_under_deepspeed_uses_the_zero_rules_and_reports_them():
     report = plan.report()
     assert "deepspeed 0.19.2" in report and "zero3_leaf_modules" in report
     with pytest.raises(PlanError, match="use_reentrant=False"):
-        from hf_ddpfix.config import DDPFixConfig
+        from hf_ddpfix.config.options import DDPFixConfig
 
         resolve_plan(facts, DDPFixConfig(strict=True))
 
 
 def test_tiling_requests_fall_back_to_stock_under_zero3_only():
-    from hf_ddpfix.config import DDPFixConfig
+    from hf_ddpfix.config.options import DDPFixConfig
 
     c = DDPFixConfig(tiled_mlp="auto", tiled_loss="on")
     z3 = resolve_plan(RunFacts(parallel="deepspeed", world_size=2, zero_stage=3, deepspeed=_ds(3)), c)
@@ -360,7 +360,7 @@ def test_skip_unused_is_off_unless_asked_and_says_what_differs_from_ddp(stage, a
 
 
 def test_skip_unused_is_an_option_of_patch_trainer_and_the_environment():
-    from hf_ddpfix.config import DDPFixConfig
+    from hf_ddpfix.config.options import DDPFixConfig
 
     facts = RunFacts(parallel="deepspeed", world_size=2, zero_stage=3, deepspeed=_ds(3))
     assert resolve_plan(facts).zero_skip_unused.value is False
@@ -473,7 +473,7 @@ def test_mllama_gets_no_zero_dummy_and_says_why():
 
 
 def test_eval_sync_is_planned_where_evaluation_forwards_gather_parameters():
-    from hf_ddpfix.config import DDPFixConfig
+    from hf_ddpfix.config.options import DDPFixConfig
     from hf_ddpfix.plan.vision import decide_eval_sync
 
     def facts(parallel, stage=None, adapter="qwen2_5_vl", world=2, vlm=True):

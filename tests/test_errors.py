@@ -6,7 +6,7 @@ import torch.distributed as dist
 from torch.utils.checkpoint import checkpoint
 
 from hf_ddpfix import DDPFixConfig, RunFacts, resolve_plan
-from hf_ddpfix.errors import DDPFixError, ReplicaDivergenceError, explain, readable_ddp_errors
+from hf_ddpfix.runtime.errors import DDPFixError, ReplicaDivergenceError, explain, readable_ddp_errors
 
 READY_TWICE = ("Expected to mark a variable ready only once. This error is caused by one of the following "
                "reasons: 1) Use of a module parameter outside the `forward` function.")

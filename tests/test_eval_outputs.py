@@ -8,7 +8,7 @@ import torch
 from transformers.modeling_outputs import BaseModelOutputWithPooling, CausalLMOutputWithPast
 from transformers.utils import ModelOutput
 
-from hf_ddpfix.config import DDPFixConfig
+from hf_ddpfix.config.options import DDPFixConfig
 from hf_ddpfix.ops.output_agreement import PAD, OutputAgreement, describe, pad_all_dims
 
 

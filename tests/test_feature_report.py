@@ -8,11 +8,16 @@ import logging
 
 import pytest
 
-from hf_ddpfix.config import DDPFixConfig
-from hf_ddpfix.feature_report import FallbackWatch, FeatureFallbackError, feature_metrics, requested_features
+from hf_ddpfix.config.options import DDPFixConfig
 from hf_ddpfix.ops import feature_counts
 from hf_ddpfix.plan.resolve import resolve_plan
 from hf_ddpfix.plan.types import RunFacts
+from hf_ddpfix.runtime.feature_report import (
+    FallbackWatch,
+    FeatureFallbackError,
+    feature_metrics,
+    requested_features,
+)
 
 
 def _plan(**options):
@@ -92,8 +97,8 @@ def test_a_fallback_at_attach_time_is_in_the_plan_the_report_prints():
     the plan logged before step 1, with its reason; the ZeRO stabiliser takes its evaluation sync with it."""
     from dataclasses import replace
 
-    from hf_ddpfix.feature_report import attach_fallbacks
     from hf_ddpfix.plan.types import Decision
+    from hf_ddpfix.runtime.feature_report import attach_fallbacks
 
     plan = replace(_plan(long_context="all"), vlm_stabilizer=Decision(True, "dummy image"),
                    vlm_eval_sync=Decision(True, "agree"))

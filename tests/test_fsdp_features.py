@@ -169,7 +169,7 @@ def test_zero_skip_unused_does_not_apply_under_fsdp_and_the_plan_says_why():
     """Under FSDP2 the plan's parameter usage already gives DDP's semantics (gradients no rank used reset to None,
     AdamW skips them: tests/test_fsdp_trainer.py's step without an image on any rank); asking for the ZeRO
     option says so instead of being ignored."""
-    from hf_ddpfix.config import DDPFixConfig
+    from hf_ddpfix.config.options import DDPFixConfig
     from hf_ddpfix.plan import RunFacts, resolve_plan
 
     plan = resolve_plan(RunFacts(parallel="fsdp", world_size=2, fsdp_version=2), DDPFixConfig(zero_skip_unused=True))

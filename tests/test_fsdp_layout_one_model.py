@@ -79,7 +79,7 @@ def _shrunk_record(family: str, root: str) -> dict[str, Any]:
     import torch
     from peft import LoraConfig, get_peft_model
 
-    from hf_ddpfix._advice import _meta_model
+    from hf_ddpfix.facts.advice import _meta_model
     from hf_ddpfix.rehearse.shrink import shrink_config
 
     _, config = _config(family, root)

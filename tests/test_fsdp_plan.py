@@ -9,7 +9,7 @@ import dataclasses
 import pytest
 from zoo import MORE_VLMS, ZERO_DISCOVERED, ZOO
 
-from hf_ddpfix.config import DDPFixConfig
+from hf_ddpfix.config.options import DDPFixConfig
 from hf_ddpfix.integrations.fsdp import FsdpFacts, gather_fsdp_facts, repeated_block_classes
 from hf_ddpfix.plan.fsdp import (
     check_fsdp_loading,

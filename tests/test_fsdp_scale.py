@@ -2,7 +2,7 @@
 
 Each family is a hand-written config dict with the numbers of the public ``config.json`` it mirrors (no network),
 saved with ``save_pretrained`` and read back the way ``hf-ddpfix plan --model DIR`` reads it. For each family and
-world size N (8, 64) the test goes through the CLI's own path (``hf_ddpfix.offline_plan``: the meta-device model in
+world size N (8, 64) the test goes through the CLI's own path (``hf_ddpfix.facts.offline``: the meta-device model in
 bf16, the plugin ``accelerate launch --config_file accelerate_configs/fsdp.yaml`` builds, the run's fact functions,
 ``resolve_plan`` with its fold/shard choice by cost, ``fsdp_skippable``), hands accelerate the plan's unit classes
 as the run's applier does, and shards the model with accelerate 1.15's own ``fsdp2_prepare_model`` inside torch's
@@ -116,7 +116,8 @@ def _saved(family: str, root: str) -> str:
 def _built(family: str, root: str) -> tuple[Any, Any, Any]:
     """``(args, info, meta model)`` as ``hf-ddpfix plan --model DIR --parallel fsdp --full --dtype bfloat16 --cpu``
     builds them (the model once per family)."""
-    from hf_ddpfix import cli, offline_plan
+    from hf_ddpfix import cli
+    from hf_ddpfix.facts import offline as offline_plan
 
     args = cli._parser().parse_args(["plan", "--model", _saved(family, root), "--parallel", "fsdp", "--full",
                                      "--dtype", "bfloat16", "--cpu", "--checkpointing", "non_reentrant"])
@@ -132,8 +133,8 @@ def measure(family: str, world: int, root: str, skippable: str | None = None) ->
     and rank 0's units as accelerate shards them with the plan's classes."""
     import copy
 
-    from hf_ddpfix import offline_plan
-    from hf_ddpfix.config import DDPFixConfig
+    from hf_ddpfix.config.options import DDPFixConfig
+    from hf_ddpfix.facts import offline as offline_plan
     from hf_ddpfix.plan.resolve import resolve_plan
 
     args, info, model = _built(family, root)

@@ -17,7 +17,7 @@ from fixtures import prediction_diff
 from launch import ROOT, accelerate_launch, fsdp_device_env
 from zoo import MORE_VLMS, ZERO_DISCOVERED, ZERO_LOADED, ZOO
 
-from hf_ddpfix.config import DDPFixConfig
+from hf_ddpfix.config.options import DDPFixConfig
 from hf_ddpfix.integrations.fsdp import gather_fsdp_facts
 from hf_ddpfix.plan.fsdp import decide_fsdp_skippable, decide_fsdp_units, fsdp_unit_classes
 from hf_ddpfix.plan.fsdp_skippable import (

@@ -12,9 +12,9 @@ import json
 import pytest
 from launch import torchrun, torchrun_nodes
 
-from hf_ddpfix.config import DDPFixConfig
-from hf_ddpfix.launcher_errors import is_known_error, report_to_launcher
+from hf_ddpfix.config.options import DDPFixConfig
 from hf_ddpfix.plan.types import PlanError
+from hf_ddpfix.runtime.launcher_errors import is_known_error, report_to_launcher
 
 SCRIPT = """
 from hf_ddpfix import patch_trainer

@@ -58,8 +58,8 @@ def _step(model, ids):
 
 
 def _plan_lines(model) -> tuple[str, ...]:
-    from hf_ddpfix.config import DDPFixConfig
-    from hf_ddpfix.facts import model_facts
+    from hf_ddpfix.config.options import DDPFixConfig
+    from hf_ddpfix.facts.gather import model_facts
     from hf_ddpfix.plan.resolve import resolve_plan
     from hf_ddpfix.plan.types import RunFacts
 

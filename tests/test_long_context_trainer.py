@@ -17,7 +17,7 @@ pytest.importorskip("peft")
 from fixtures import lora, tiny_llama, variable_length_ids  # noqa: E402
 from transformers import Trainer, TrainerCallback, TrainingArguments  # noqa: E402
 
-from hf_ddpfix.config import DDPFixConfig  # noqa: E402
+from hf_ddpfix.config.options import DDPFixConfig  # noqa: E402
 from hf_ddpfix.trainer import DDPFixTrainer  # noqa: E402
 
 

@@ -12,8 +12,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from hf_ddpfix.config import DDPFixConfig
-from hf_ddpfix.facts import gather_memory_facts, tokens_per_step
+from hf_ddpfix.config.options import DDPFixConfig
+from hf_ddpfix.facts.gather import gather_memory_facts, tokens_per_step
 from hf_ddpfix.plan.memory_fit import LADDER, fit_memory, project_bytes
 from hf_ddpfix.plan.resolve import resolve_plan
 from hf_ddpfix.plan.types import MemoryFacts, RunFacts

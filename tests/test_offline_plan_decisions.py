@@ -58,8 +58,8 @@ def _run_plan(name: str, tmp_path, options: dict):
     from peft import LoraConfig, get_peft_model
     from transformers import Trainer, TrainingArguments
 
-    from hf_ddpfix.config import DDPFixConfig
-    from hf_ddpfix.facts import gather_facts
+    from hf_ddpfix.config.options import DDPFixConfig
+    from hf_ddpfix.facts.gather import gather_facts
     from hf_ddpfix.plan.resolve import resolve_plan
 
     config = layer_family_config(name)

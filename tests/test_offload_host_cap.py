@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from hf_ddpfix.config import DDPFixConfig
+from hf_ddpfix.config.options import DDPFixConfig
 from hf_ddpfix.plan.memory import offload_max_pool_bytes
 from hf_ddpfix.plan.types import RunFacts
 
@@ -40,7 +40,7 @@ def test_a_cap_the_host_cannot_hold_is_refused_before_training():
 
 def test_the_runtime_hands_the_cap_to_the_offload(monkeypatch):
     """runtime.py builds ActivationOffload with the plan's cap (the pool refuses above it)."""
-    import hf_ddpfix.runtime as rt
+    import hf_ddpfix.runtime.attach as rt
 
     seen = {}
 

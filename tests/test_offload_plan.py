@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from hf_ddpfix.config import DDPFixConfig
+from hf_ddpfix.config.options import DDPFixConfig
 from hf_ddpfix.ops.offload import SaveOnCpuScope
 from hf_ddpfix.plan import RunFacts, resolve_plan
 from hf_ddpfix.plan.memory import DEFAULT_OFFLOAD_MIN_LAYER_MIB
@@ -53,7 +53,7 @@ def test_runtime_logs_when_the_policy_switches_between_keeping_and_copying(caplo
 
     from hf_ddpfix.integrations.checkpointing import CheckpointFunction
     from hf_ddpfix.ops.offload import ActivationOffload
-    from hf_ddpfix.runtime import _logged_offload_steps
+    from hf_ddpfix.runtime.attach import _logged_offload_steps
 
     class _Rank0:
         def is_world_process_zero(self) -> bool:
@@ -84,7 +84,7 @@ def test_trainer_runs_the_offload_each_step_in_simulate_mode_and_trains_as_stock
 
     from test_runtime import BATCH, HIDDEN, LAYERS, SEQ, build, trainable
 
-    import hf_ddpfix.runtime as runtime_mod
+    import hf_ddpfix.runtime.attach as runtime_mod
     import hf_ddpfix.trainer as trainer_mod
     from hf_ddpfix.ops import feature_counts
     from hf_ddpfix.ops.offload import ActivationOffload

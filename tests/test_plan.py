@@ -278,7 +278,7 @@ _OFF_WORDS = {"", "off", "none", "false", "no", "0", "disabled"}
 def _every_kind_of_run():
     import dataclasses
 
-    from hf_ddpfix.integrations.deepspeed import DeepSpeedFacts
+    from hf_ddpfix.integrations.deepspeed.zero import DeepSpeedFacts
     from hf_ddpfix.integrations.fsdp import FsdpFacts
     from hf_ddpfix.integrations.quantized import QuantFacts
 

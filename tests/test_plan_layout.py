@@ -15,8 +15,8 @@ from __future__ import annotations
 import itertools
 import sys
 
-from hf_ddpfix.config import DDPFixConfig
-from hf_ddpfix.integrations.deepspeed import DeepSpeedFacts
+from hf_ddpfix.config.options import DDPFixConfig
+from hf_ddpfix.integrations.deepspeed.zero import DeepSpeedFacts
 from hf_ddpfix.plan import RunFacts, resolve_plan
 
 PLAN = "hf_ddpfix.plan."

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 from test_asked_options import CONTEXTS, _asked_value
 
-from hf_ddpfix.config import OPTIONS, DDPFixConfig, env_name
+from hf_ddpfix.config.options import OPTIONS, DDPFixConfig, env_name
 from hf_ddpfix.plan.resolve import resolve_plan
 from hf_ddpfix.plan.types import REPORT_WIDTH, PlanError, RunFacts, fit_line
 

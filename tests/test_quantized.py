@@ -248,7 +248,7 @@ def test_quantized_facts_change_no_other_decision():
 
 
 def test_qlora_advice_names_the_fixes_the_plan_enforces():
-    from hf_ddpfix._advice import qlora_advice
+    from hf_ddpfix.facts.advice import qlora_advice
 
     assert qlora_advice(None)[0].startswith("bitsandbytes not installed")
     assert len(qlora_advice("0.50.2", 1)) == 2
@@ -262,8 +262,8 @@ def test_qlora_advice_without_an_accelerator_says_device_map_cpu_not_cuda_0(caps
     """`doctor --cpu` advised device_map={'': 0}, which fails on a CPU-only machine (issue 29)."""
     import json
 
-    from hf_ddpfix._advice import qlora_advice
     from hf_ddpfix.cli import main
+    from hf_ddpfix.facts.advice import qlora_advice
 
     for n in (1, 2):
         text = " ".join(qlora_advice("0.50.2", n, accelerator=False))
@@ -351,7 +351,7 @@ def test_train_turns_the_cpu_repack_off_under_fsdp2_and_restores_it_when_it_ends
     gives every Linear4bit its own switch back, and the switch-off is counted."""
     from contextlib import ExitStack
 
-    import hf_ddpfix.runtime as rt
+    import hf_ddpfix.runtime.attach as rt
     from hf_ddpfix.ops import feature_counts
     from hf_ddpfix.plan.types import Decision
 
@@ -376,7 +376,7 @@ def test_train_turns_the_cpu_repack_off_under_fsdp2_and_restores_it_when_it_ends
 def test_an_evaluation_outside_train_turns_the_cpu_repack_off_under_fsdp2_for_its_loop(monkeypatch):
     """evaluate() after train() (the model still FSDP2-wrapped): off during the loop, restored after."""
     import hf_ddpfix.trainer as tr
-    from hf_ddpfix.config import DDPFixConfig
+    from hf_ddpfix.config.options import DDPFixConfig
 
     model, layer = _repacking_model()
     quant = QuantFacts(method="bnb_4bit", num_modules=1, quant_bytes=32, storage_dtype="uint8")

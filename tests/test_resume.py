@@ -11,7 +11,7 @@ import torch
 from launch import torchrun
 from safetensors.torch import load_file
 
-from hf_ddpfix.checkpoints import last_complete_checkpoint, save_model_atomic
+from hf_ddpfix.runtime.checkpoints import last_complete_checkpoint, save_model_atomic
 
 
 def _checkpoint(root, step, *, state=True, ranks=(0, 1)):

@@ -212,7 +212,7 @@ def _facts(**kw):
 
 
 def test_plan_says_n_the_data_parallel_degree_and_heads_per_rank():
-    from hf_ddpfix.config import DDPFixConfig
+    from hf_ddpfix.config.options import DDPFixConfig
     from hf_ddpfix.plan.resolve import resolve_plan
 
     plan = resolve_plan(_facts(), DDPFixConfig.from_env({}, sequence_parallel=4))
@@ -224,7 +224,7 @@ def test_plan_says_n_the_data_parallel_degree_and_heads_per_rank():
 
 
 def test_plan_reads_the_env_variable_and_parallelism_config():
-    from hf_ddpfix.config import DDPFixConfig
+    from hf_ddpfix.config.options import DDPFixConfig
     from hf_ddpfix.plan.resolve import resolve_plan
 
     cfg = DDPFixConfig.from_env({"HF_DDPFIX_SEQUENCE_PARALLEL": "2"})
@@ -238,7 +238,7 @@ def test_plan_reads_the_env_variable_and_parallelism_config():
 
 def test_under_fsdp2_the_plan_shards_the_sequence_and_says_so():
     """The Trainer path under accelerate's FSDP2 (run in tests/test_fsdp_features.py)."""
-    from hf_ddpfix.config import DDPFixConfig
+    from hf_ddpfix.config.options import DDPFixConfig
     from hf_ddpfix.plan.resolve import resolve_plan
 
     d = resolve_plan(_facts(parallel="fsdp", fsdp_version=2), DDPFixConfig.from_env({}, sequence_parallel=2))
@@ -257,7 +257,7 @@ def test_under_fsdp2_the_plan_shards_the_sequence_and_says_so():
      r"sequence_parallel=2 \(argument\) contradicts ParallelismConfig\(sp_size=4\)"),
 ])
 def test_combinations_that_cannot_work_are_a_plan_error_naming_setting_and_fix(facts, n, match):
-    from hf_ddpfix.config import DDPFixConfig
+    from hf_ddpfix.config.options import DDPFixConfig
     from hf_ddpfix.plan.resolve import resolve_plan
     from hf_ddpfix.plan.types import PlanError
 
@@ -358,7 +358,7 @@ def _long_context_layers_ran_sharded_on_every_rank(records: list[dict], nproc: i
 
 
 def test_parallelism_config_means_hf_ddpfix_ulysses_under_ddp_and_deepspeed_and_names_deepspeed_gaps():
-    from hf_ddpfix.config import DDPFixConfig
+    from hf_ddpfix.config.options import DDPFixConfig
     from hf_ddpfix.plan.resolve import resolve_plan
 
     pc = dict(parallelism_sp_size=2, parallelism_sp_backend="deepspeed")
@@ -382,7 +382,7 @@ def test_parallelism_config_means_hf_ddpfix_ulysses_under_ddp_and_deepspeed_and_
 
 
 def test_sequence_parallel_one_is_off_with_a_reason():
-    from hf_ddpfix.config import DDPFixConfig
+    from hf_ddpfix.config.options import DDPFixConfig
     from hf_ddpfix.plan.resolve import resolve_plan
 
     d = resolve_plan(_facts(), DDPFixConfig.from_env({}, sequence_parallel=1)).sequence_parallel

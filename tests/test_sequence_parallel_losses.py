@@ -19,7 +19,7 @@ def _facts(**kw):
 
 
 def _plan(**kw):
-    from hf_ddpfix.config import DDPFixConfig
+    from hf_ddpfix.config.options import DDPFixConfig
     from hf_ddpfix.plan.resolve import resolve_plan
 
     return resolve_plan(_facts(**kw), DDPFixConfig.from_env({}, sequence_parallel=2)).sequence_parallel

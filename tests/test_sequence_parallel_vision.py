@@ -193,7 +193,7 @@ def _facts(parallel="ddp", **sp):
 
 
 def test_plan_refuses_a_vlm_it_cannot_shard_naming_the_reason_and_says_so_for_one_it_can():
-    from hf_ddpfix.config import DDPFixConfig
+    from hf_ddpfix.config.options import DDPFixConfig
     from hf_ddpfix.plan.resolve import resolve_plan
     from hf_ddpfix.plan.types import PlanError
 
@@ -343,7 +343,7 @@ def test_a_vlm_sp_cannot_handle_is_a_plan_error_from_the_model_itself():
     why, before any step; LLaVA from the same path is planned with its family named."""
     from zoo import ZOO
 
-    from hf_ddpfix.config import DDPFixConfig
+    from hf_ddpfix.config.options import DDPFixConfig
     from hf_ddpfix.integrations.sequence_parallel.facts import gather_sequence_parallel_facts
     from hf_ddpfix.plan.resolve import resolve_plan
     from hf_ddpfix.plan.types import PlanError, RunFacts

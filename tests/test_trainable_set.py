@@ -297,7 +297,7 @@ def test_a_tie_marks_its_zero_and_ties_a_parameter_frozen_after_wrapping():
 
 
 def test_the_watch_sees_a_freeze_once_and_costs_nothing_while_the_set_is_unchanged():
-    from hf_ddpfix.integrations.trainable_set import TrainableSetWatch
+    from hf_ddpfix.integrations.usage.trainable_set import TrainableSetWatch
 
     model = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Linear(2, 2))
     step = [1]
@@ -319,7 +319,7 @@ def test_fsdp_hold_keeps_the_agreed_set_for_a_micro_batch_and_costs_nothing_whil
     one frozen after an earlier micro-batch is not held, one unfrozen is held frozen; each micro-batch ends with the
     user's values back; after the agreement (one process: agreed with itself) the held parameter's gradient is None
     and nothing is held at the next step."""
-    from hf_ddpfix.integrations.trainable_set import TrainableSetWatch
+    from hf_ddpfix.integrations.usage.trainable_set import TrainableSetWatch
 
     model = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Linear(2, 2), torch.nn.Linear(2, 2))
     model[2].requires_grad_(False)
@@ -355,8 +355,8 @@ def test_deepspeed_agrees_at_the_step_start_and_holds_a_freeze_between_micro_bat
     per optimizer step, at its first micro-batch (one process: agreed with itself at once); a parameter frozen
     between micro-batches is held trainable with a hook handing the engine a zero gradient (the zero slice stock
     ZeRO steps) until the next step's start agrees on it; an unfrozen one is refused at that step's start."""
-    from hf_ddpfix.integrations.trainable_set import TrainableSetChangedError, TrainableSetWatch
     from hf_ddpfix.integrations.usage.agreement import UsageAgreement
+    from hf_ddpfix.integrations.usage.trainable_set import TrainableSetChangedError, TrainableSetWatch
 
     model = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Linear(2, 2))
     model[1].requires_grad_(False)

@@ -22,7 +22,7 @@ from launch import torchrun  # noqa: E402
 from zoo import ZOO  # noqa: E402
 
 from hf_ddpfix import DDPFixConfig, RunFacts, resolve_plan  # noqa: E402
-from hf_ddpfix.facts import has_conditional_params  # noqa: E402
+from hf_ddpfix.facts.gather import has_conditional_params  # noqa: E402
 from hf_ddpfix.integrations.checkpointing import apply_checkpointing  # noqa: E402
 from hf_ddpfix.integrations.usage import ParameterUsage, UnusedParametersError, reachable_leaf_ids  # noqa: E402
 

@@ -13,8 +13,8 @@ from fixtures import lora_llama
 from torch import nn
 from transformers import Trainer
 
-from hf_ddpfix.config import DDPFixConfig
-from hf_ddpfix.facts import loss_unseen_reason
+from hf_ddpfix.config.options import DDPFixConfig
+from hf_ddpfix.facts.gather import loss_unseen_reason
 from hf_ddpfix.integrations.usage import UNSEEN_LOSS, ParameterUsage
 from hf_ddpfix.ops import feature_counts
 from hf_ddpfix.ops.autograd_reach import reachable_leaf_ids_split

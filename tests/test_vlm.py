@@ -454,7 +454,7 @@ def test_fsdp_wrap_plan_is_the_plans_unit_choice_innermost_first_root_last() -> 
     bottom-up, the root last. Shown failing (2026-12-02): with wrap.py's old own layout (every ``_no_split_modules``
     instance plus the vision tower as a unit) the tower ``model.visual`` is listed though the plan's shard units do
     not include the tower model's class (the classes differ, the first assert fails)."""
-    from hf_ddpfix.config import DDPFixConfig
+    from hf_ddpfix.config.options import DDPFixConfig
     from hf_ddpfix.integrations.fsdp.units import fsdp_facts
     from hf_ddpfix.plan.fsdp import decide_fsdp_units, fsdp_unit_classes
     from hf_ddpfix.plan.types import RunFacts

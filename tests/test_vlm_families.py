@@ -300,7 +300,7 @@ def test_tower_units_whose_dummy_does_not_run_are_refused_before_step_1(model_ty
     warnings.filterwarnings("ignore")
     checked = shrink_checked(AutoConfig.for_model(model_type), getattr(transformers, FAMILIES[model_type]),
                              small_images=True)
-    with ExitStack() as stack, pytest.raises(TowerDummyRefusal) as err:  # hf_ddpfix.runtime: a PlanError
+    with ExitStack() as stack, pytest.raises(TowerDummyRefusal) as err:  # hf_ddpfix.runtime.attach: a PlanError
         attach_fsdp_dummy(checked.model, stack, lambda fn: (lambda: None))
     msg = str(err.value)
     assert block in msg and "fsdp_transformer_layer_cls_to_wrap" in msg and "Fix:" in msg, msg

@@ -5,7 +5,7 @@ Teardown inventory (what hf_ddpfix starts, and where it ends):
   the default group of the run (created by accelerate / torchrun / the user), so there is no subgroup to
   destroy.
 - forward/backward hooks, patched methods, offload pools: registered per `train()` on an `ExitStack`
-  (`hf_ddpfix.runtime`) and removed when the training loop ends, normally or by an exception.
+  (`hf_ddpfix.runtime.attach`) and removed when the training loop ends, normally or by an exception.
 - CUDA side streams (offload): taken from torch's stream pool; nothing to join.
 - threads: none (locks only).
 - the default process group at interpreter exit: `destroy_default_group_at_exit()` (below).

@@ -21,7 +21,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any
 
-from ..config import OPTIONS, DDPFixConfig, env_name
+from ..config.options import OPTIONS, DDPFixConfig, env_name
 from .types import Decision, Plan, RunFacts
 
 __all__ = ["ASKS", "asked_options", "mark_not_applied", "mark_not_run_by", "not_applied_warning"]

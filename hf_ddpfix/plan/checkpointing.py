@@ -7,8 +7,8 @@ Pure: facts and options in, a ``Decision`` out; called once by :func:`hf_ddpfix.
 
 from __future__ import annotations
 
-from ..config import DDPFixConfig
-from ..integrations.deepspeed import NON_REENTRANT_FIXED_IN, DeepSpeedFacts
+from ..config.options import DDPFixConfig
+from ..integrations.deepspeed.zero import NON_REENTRANT_FIXED_IN, DeepSpeedFacts
 from .deepspeed import _older
 from .types import Correct, Decision, RunFacts
 

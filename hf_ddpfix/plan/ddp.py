@@ -8,7 +8,7 @@ modules (docs/design.md "The plan").
 
 from __future__ import annotations
 
-from ..config import DDPFixConfig
+from ..config.options import DDPFixConfig
 from .types import Correct, Decision, PlanError, RunFacts
 
 __all__ = ["decide_ddp", "decide_find_unused", "decide_hang_guard", "decide_static_graph", "unused_reason"]

@@ -6,7 +6,7 @@ modules (:func:`leaf_modules`) and ``zero_skip_unused`` (:func:`skip_unused`). W
 every engine makes sits with those decisions (docs/design.md "The plan"): checkpointing in ``plan/checkpointing.py``,
 the VLM stabiliser in ``plan/vision.py``, tiling under ZeRO-3 in ``plan/memory.py``.
 
-The facts, the measurements behind each rule and the appliers are in :mod:`hf_ddpfix.integrations.deepspeed`.
+The facts, the measurements behind each rule and the appliers are in :mod:`hf_ddpfix.integrations.deepspeed.zero`.
 Nothing here imports deepspeed or touches a process group.
 """
 
@@ -14,11 +14,16 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from ..integrations.deepspeed import LEAF_MODULES_SINCE, NON_REENTRANT_FIXED_IN, DeepSpeedFacts, parse_version
+from ..integrations.deepspeed.zero import (
+    LEAF_MODULES_SINCE,
+    NON_REENTRANT_FIXED_IN,
+    DeepSpeedFacts,
+    parse_version,
+)
 from .types import Decision, RunFacts
 
 if TYPE_CHECKING:
-    from ..config import DDPFixConfig
+    from ..config.options import DDPFixConfig
 
 __all__ = [
     "adapter_dtype_note",

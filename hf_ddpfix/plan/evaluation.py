@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 from .types import Decision, RunFacts
 
 if TYPE_CHECKING:
-    from ..config import DDPFixConfig
+    from ..config.options import DDPFixConfig
 
 __all__ = ["EVAL_OUTPUTS_HOW", "decide_eval_outputs"]
 

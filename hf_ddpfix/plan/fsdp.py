@@ -45,7 +45,7 @@ from .fsdp_skippable import SkippableFacts, decide_skippable
 from .types import Decision, PlanError, RunFacts
 
 if TYPE_CHECKING:
-    from ..config import DDPFixConfig
+    from ..config.options import DDPFixConfig
     from ..integrations.fsdp import FsdpFacts
 
 __all__ = ["check_fsdp_loading", "decide_fsdp", "decide_fsdp_shared", "decide_fsdp_skippable", "decide_fsdp_units",

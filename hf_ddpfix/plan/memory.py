@@ -12,7 +12,7 @@ import math
 from dataclasses import replace
 from typing import NamedTuple
 
-from ..config import DDPFixConfig, env_name
+from ..config.options import DDPFixConfig, env_name
 from .memory_fit import MemoryFit, fit_memory
 from .types import Decision, RunFacts
 

@@ -18,7 +18,7 @@ that is known to fail is corrected (listed in `Plan.corrections`) or, with `stri
 
 from __future__ import annotations
 
-from ..config import DDPFixConfig
+from ..config.options import DDPFixConfig
 from .asked import mark_not_applied
 from .checkpointing import decide_checkpointing
 from .ddp import decide_ddp

@@ -51,7 +51,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from ..config import DDPFixConfig
+from ..config.options import DDPFixConfig
 from .types import Decision, PlanError, RunFacts
 
 if TYPE_CHECKING:

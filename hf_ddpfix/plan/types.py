@@ -13,7 +13,7 @@ from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, Literal
 
 if TYPE_CHECKING:  # the plan stays free of torch at run time; the facts type lives with its gatherer
-    from ..integrations.deepspeed import DeepSpeedFacts
+    from ..integrations.deepspeed.zero import DeepSpeedFacts
     from ..integrations.fsdp.units import FsdpFacts
     from ..integrations.long_context.layer_kinds import LayerKind
     from ..integrations.quantized import QuantFacts
@@ -76,7 +76,7 @@ class MemoryFacts:
 
 @dataclass(frozen=True)
 class RunFacts:
-    """What the plan needs to know about a run. Gathered by `hf_ddpfix.facts`, or built by hand in tests.
+    """What the plan needs to know about a run. Gathered by `hf_ddpfix.facts.gather`, or built by hand in tests.
 
     Attributes:
         parallel: how gradients are synchronised: single process, DDP, FSDP or DeepSpeed.
@@ -109,7 +109,7 @@ class RunFacts:
             ``backward`` itself), `None` when every loss passes through ``accelerator.backward``.
         fsdp: the wrap facts of an FSDP run (`hf_ddpfix.integrations.fsdp.FsdpFacts`), `None` otherwise.
         deepspeed: version, offload, MoE blocks, dtypes of a DeepSpeed run
-            (`hf_ddpfix.integrations.deepspeed.DeepSpeedFacts`), `None` without DeepSpeed.
+            (`hf_ddpfix.integrations.deepspeed.zero.DeepSpeedFacts`), `None` without DeepSpeed.
         memory: device memory, tokens per step and model sizes for the `auto` memory options
             (`MemoryFacts`), `None` when not gathered (no accelerator: today's `auto` rules apply).
         long_context_layers: the decoder layers by type with the long-context layer patch's verdict for each
@@ -216,7 +216,7 @@ class Decision:
 
 @dataclass(frozen=True)
 class Plan:
-    """What hf_ddpfix does for a run. Applied by `hf_ddpfix.runtime`; printed by `report()`.
+    """What hf_ddpfix does for a run. Applied by `hf_ddpfix.runtime.attach`; printed by `report()`.
 
     One spelling of "off". Every decision field holds a `Decision` whose `value` is
       - `None`: the decision does not arise for this run (DDP flags outside DDP, the VLM stabiliser for a

@@ -7,7 +7,7 @@ One decision, one module (docs/design.md "The plan"). Pure; called once by
 
 from __future__ import annotations
 
-from ..config import DDPFixConfig
+from ..config.options import DDPFixConfig
 from .types import Decision, RunFacts
 
 __all__ = ["decide_parameter_usage", "fsdp_usage_reason"]

@@ -16,12 +16,12 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from ..integrations.deepspeed import DeepSpeedFacts
+from ..integrations.deepspeed.zero import DeepSpeedFacts
 from .fsdp import fsdp_unit_classes, fsdp_units_ours
 from .types import Decision, RunFacts
 
 if TYPE_CHECKING:
-    from ..config import DDPFixConfig
+    from ..config.options import DDPFixConfig
     from ..integrations.fsdp import FsdpFacts
 
 __all__ = ["decide_eval_sync", "decide_stabilizer", "decide_vision", "fsdp_eval_sync", "fsdp_vision_decisions",

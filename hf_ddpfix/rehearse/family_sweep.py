@@ -59,8 +59,8 @@ def _plan_record(model: Any) -> dict[str, Any]:
     from accelerate.utils import FullyShardedDataParallelPlugin
     from peft import LoraConfig, get_peft_model
 
-    from ..config import DDPFixConfig
-    from ..facts import model_facts
+    from ..config.options import DDPFixConfig
+    from ..facts.gather import model_facts
     from ..integrations.fsdp import fsdp_facts
     from ..integrations.vision.families import describe_unsupported, find_vision_adapter
     from ..plan.resolve import resolve_plan

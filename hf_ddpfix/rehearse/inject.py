@@ -233,7 +233,7 @@ def _rehearsal_callback(trainer: Any) -> Any:
             note("predicted", sorted((metrics or {}).keys())[:12], append=True)
 
         def on_train_end(self, args, state, control, model=None, **kwargs):
-            from ..feature_report import feature_metrics
+            from ..runtime.feature_report import feature_metrics
 
             counters = {k: v for k, v in feature_metrics().items() if v}
             note("features", counters)
@@ -245,7 +245,7 @@ def _rehearsal_callback(trainer: Any) -> Any:
                 note("replicas", "sharded (FSDP / ZeRO-3 keep one copy of each parameter): nothing to compare")
             elif model is not None:
                 from ..callbacks import ReplicaSyncCallback
-                from ..errors import ReplicaDivergenceError
+                from ..runtime.errors import ReplicaDivergenceError
 
                 try:
                     ReplicaSyncCallback(every_n_steps=1).check(model, state.global_step)

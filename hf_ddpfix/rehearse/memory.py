@@ -5,7 +5,7 @@ or the rehearsal checks other collectives than the GPUs will run (issue 46: the 
 cross-attention layers into the root, 10 units, where the real 90 B model shards them, 146 units, dummy on). So:
 
 - in every rank, when the script loads a checkpoint (:func:`carry_over`, called by ``loading._from_pretrained``),
-  the real config is planned by ``hf-ddpfix plan``'s own computation (:func:`hf_ddpfix.offline_plan.plan_offline`:
+  the real config is planned by ``hf-ddpfix plan``'s own computation (:func:`hf_ddpfix.facts.offline.plan_offline`:
   the real-size meta model, the launch's accelerate config, the real world size) and its size-dependent choices
   (:data:`CARRIED`: ``fsdp_skippable``, fold or shard) are forced on the shrunk run through their ``HF_DDPFIX_*``
   variables (an option the user set keeps its value); the rank's record lists them;
@@ -142,8 +142,8 @@ def real_plan_argv(m: dict[str, Any], world: int, folder: str, accelerate_config
 
 
 def real_plan(argv: list[str], *, layout: bool) -> Any:
-    """:func:`hf_ddpfix.offline_plan.plan_offline` for ``argv`` (an ``hf-ddpfix plan`` command line)."""
-    from ..offline_plan import parse_plan_args, plan_offline
+    """:func:`hf_ddpfix.facts.offline.plan_offline` for ``argv`` (an ``hf-ddpfix plan`` command line)."""
+    from ..facts.offline import parse_plan_args, plan_offline
 
     return plan_offline(parse_plan_args(argv), layout=layout)
 
@@ -166,7 +166,7 @@ def carry_over(config: Any, model_cls: Any, dtype: str) -> None:
         return
     entry: dict[str, Any] = {"carried": {}, "kept": {}}
     try:
-        from ..config import env_name
+        from ..config.options import env_name
 
         folder = os.path.join(_env("DIR"), "models")
         os.makedirs(folder, exist_ok=True)

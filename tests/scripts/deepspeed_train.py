@@ -243,7 +243,7 @@ def run(name: str, model: nn.Module, rows: list[dict], collate, *, stage: int | 
         ckpt: str = "off", accum: int = ACCUM, steps: int = STEPS, options: dict | None = None) -> dict:
     """Train ``steps`` optimizer steps (hf_ddpfix ``options`` as DDPFixConfig fields); returns weights, plan
     report, timing and the ``zero_skip_unused`` feature counts."""
-    from hf_ddpfix.config import DDPFixConfig
+    from hf_ddpfix.config.options import DDPFixConfig
     from hf_ddpfix.ops import feature_counts
 
     t0 = time.time()

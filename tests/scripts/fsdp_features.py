@@ -209,7 +209,7 @@ def local_bytes(model, names: set[str]) -> int:
 @functools.cache
 def _test_device_offload() -> None:
     """Offload on a CPU run, as on a machine with an accelerator (see the module docstring)."""
-    import hf_ddpfix.runtime as runtime_mod
+    import hf_ddpfix.runtime.attach as runtime_mod
     import hf_ddpfix.trainer as trainer_mod
     from hf_ddpfix.ops.offload import ActivationOffload
 
@@ -219,7 +219,7 @@ def _test_device_offload() -> None:
 
 
 def _small_tiles() -> None:
-    import hf_ddpfix.runtime as runtime_mod
+    import hf_ddpfix.runtime.attach as runtime_mod
     from hf_ddpfix.integrations.long_context.long_context import apply_long_context
 
     runtime_mod.apply_long_context = functools.partial(apply_long_context, tokens_per_tile=TOKENS_PER_TILE)

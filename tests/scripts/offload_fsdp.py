@@ -113,7 +113,7 @@ def main() -> None:
             errors.append(f"{mode}: {len(differ)} tensors differ from stock, e.g. {differ[:3]}")
         errors += check_stats(mode, stats)
         result[f"{mode}_stats_last_step"] = stats[-1]
-    # module=model (what hf_ddpfix.runtime passes) with FSDP2 DTensor parameters: errors go to the JSON.
+    # module=model (what hf_ddpfix.runtime.attach passes) with FSDP2 DTensor parameters: errors go to the JSON.
     try:
         weights, stats = train("simulate", rank, with_module=True)
         differ = [k for k in stock if not torch.equal(stock[k], weights[k])]

@@ -19,7 +19,7 @@ from transformers import LlamaConfig, LlamaForCausalLM, Trainer, TrainerCallback
 
 from hf_ddpfix import patch_trainer
 from hf_ddpfix.callbacks import ReplicaSyncCallback
-from hf_ddpfix.checkpoints import last_complete_checkpoint, save_model_atomic
+from hf_ddpfix.runtime.checkpoints import last_complete_checkpoint, save_model_atomic
 
 p = argparse.ArgumentParser()
 p.add_argument("--run-dir", required=True)

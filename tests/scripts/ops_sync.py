@@ -16,7 +16,7 @@ from peft import LoraConfig, get_peft_model
 from transformers import LlamaConfig, LlamaForCausalLM, Trainer, TrainerCallback, TrainingArguments
 
 from hf_ddpfix.callbacks import MemoryThroughputCallback, ReplicaSyncCallback
-from hf_ddpfix.errors import ReplicaDivergenceError
+from hf_ddpfix.runtime.errors import ReplicaDivergenceError
 
 rank = int(os.environ.get("RANK", 0))
 out = os.environ.get("OPS_OUT", "/tmp/ops_sync")

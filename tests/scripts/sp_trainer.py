@@ -91,13 +91,13 @@ class _SmallTiles:
     def __enter__(self) -> None:
         import functools
 
-        import hf_ddpfix.runtime as runtime_mod
+        import hf_ddpfix.runtime.attach as runtime_mod
 
         self.saved = runtime_mod.apply_long_context
         runtime_mod.apply_long_context = functools.partial(self.saved, tokens_per_tile=3, norm_chunk_tokens=5)
 
     def __exit__(self, *exc: object) -> None:
-        import hf_ddpfix.runtime as runtime_mod
+        import hf_ddpfix.runtime.attach as runtime_mod
 
         runtime_mod.apply_long_context = self.saved
 
@@ -199,7 +199,7 @@ class _Offload:
         import dataclasses
         import functools
 
-        import hf_ddpfix.runtime as runtime_mod
+        import hf_ddpfix.runtime.attach as runtime_mod
         import hf_ddpfix.trainer as trainer_mod
         from hf_ddpfix.ops.offload import ActivationOffload
 
@@ -210,7 +210,7 @@ class _Offload:
         os.environ["HF_DDPFIX_OFFLOAD_MIN_LAYER_MIB"] = "0"  # copy always: these layers are tiny
 
     def __exit__(self, *exc: object) -> None:
-        import hf_ddpfix.runtime as runtime_mod
+        import hf_ddpfix.runtime.attach as runtime_mod
         import hf_ddpfix.trainer as trainer_mod
 
         trainer_mod.gather_facts, runtime_mod.ActivationOffload = self.saved

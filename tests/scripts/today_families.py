@@ -125,7 +125,7 @@ def args(out: str, engine: str, run: str):  # noqa: ANN201
 
 @functools.cache
 def small_tiles() -> None:
-    import hf_ddpfix.runtime as runtime_mod
+    import hf_ddpfix.runtime.attach as runtime_mod
     from hf_ddpfix.integrations.long_context.long_context import apply_long_context
 
     runtime_mod.apply_long_context = functools.partial(apply_long_context, tokens_per_tile=TOKENS_PER_TILE)

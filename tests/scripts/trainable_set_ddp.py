@@ -45,7 +45,7 @@ from _unfreeze import collate, rows  # noqa: E402
 from fixtures import _full, in_order, lora, teardown, tiny_llama, zero_config  # noqa: E402
 
 from hf_ddpfix import DDPFixTrainer  # noqa: E402
-from hf_ddpfix.integrations.trainable_set import TrainableSetChangedError  # noqa: E402
+from hf_ddpfix.integrations.usage.trainable_set import TrainableSetChangedError  # noqa: E402
 
 STEPS, AT = 5, 3
 LENGTHS = (9, 14, 7, 12, 10)

@@ -11,9 +11,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from hf_ddpfix.integrations.trainable_set import TrainableSetChangedError, TrainableSetWatch
 from hf_ddpfix.integrations.usage import ParameterUsage
-from hf_ddpfix.runtime import _watch_finalize, _WatchLate
+from hf_ddpfix.integrations.usage.trainable_set import TrainableSetChangedError, TrainableSetWatch
+from hf_ddpfix.runtime.attach import _watch_finalize, _WatchLate
 
 dist.init_process_group("gloo")
 rank = dist.get_rank()

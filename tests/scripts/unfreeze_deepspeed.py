@@ -26,7 +26,7 @@ from fixtures import in_order, teardown, trainable_weights, zero_config  # noqa:
 from transformers import Trainer, TrainingArguments  # noqa: E402
 
 from hf_ddpfix import DDPFixTrainer  # noqa: E402
-from hf_ddpfix.integrations.trainable_set import TrainableSetChangedError  # noqa: E402
+from hf_ddpfix.integrations.usage.trainable_set import TrainableSetChangedError  # noqa: E402
 
 STEPS, UNFREEZE_AT = 3, 2
 LENGTHS = (9, 14, 7)

@@ -43,7 +43,7 @@ __all__ = ["FsdpDummy", "TowerDummyRefusal", "keep_eval_sync", "kept_eval_sync"]
 
 class TowerDummyRefusal(ValueError):
     """FSDP2 units inside the vision tower and no dummy image that runs there: raised by :func:`attach_fsdp_dummy`
-    on every rank alike, before accelerate wraps the model; ``hf_ddpfix.runtime`` raises it as a ``PlanError``."""
+    on every rank alike, before accelerate wraps the model; ``hf_ddpfix.runtime.attach`` raises it as a ``PlanError``."""
 
 _KEPT = "_hf_ddpfix_fsdp_eval_sync"
 

@@ -1,5 +1,5 @@
 """THE model of FSDP2 units and per-rank bytes: the one place the plan, ``hf-ddpfix plan``, ``hf-ddpfix rehearse``
-and the GPU suite read them from (issue 46 item 2 / issue 49 item 1; ``hf_ddpfix.offline_plan.plan_offline`` is the
+and the GPU suite read them from (issue 46 item 2 / issue 49 item 1; ``hf_ddpfix.facts.offline.plan_offline`` is the
 entry point that resolves the plan's units and its fold/shard choice first, then calls :func:`shard_layout`).
 
 The model is built on the meta device (no memory), accelerate's own ``fsdp2_prepare_model`` shards it with the

@@ -36,7 +36,7 @@ zero-fills the gradient of every parameter that got none (``get_flat_partition``
 and epilogue paths in ZeRO-3), so AdamW steps are the stock DeepSpeed ones. (Stock DDP leaves such a
 gradient ``None`` and skips the parameter; DeepSpeed's flat fp32 partitions cannot, so there is no
 ``finalize`` here; ``HF_DDPFIX_ZERO_SKIP_UNUSED=1`` restores such parameters after the step instead:
-:mod:`hf_ddpfix.integrations.zero_unused`.)
+:mod:`hf_ddpfix.integrations.deepspeed.zero_unused`.)
 
 Evaluation, prediction and generation (``sync_eval=True``, used under ZeRO-3): every forward gathers
 parameters there too, so a text-only rank that skips the tower while another rank runs it hangs (NCCL)

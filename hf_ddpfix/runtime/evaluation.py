@@ -13,9 +13,9 @@ from typing import Any
 
 from torch import nn
 
-from ._compat import disable_cpu_repack
-from .integrations.vision.stabilizer import VisionStabilizer
-from .ops import feature_counts
+from .._compat import disable_cpu_repack
+from ..integrations.vision.stabilizer import VisionStabilizer
+from ..ops import feature_counts
 
 logger = logging.getLogger("hf_ddpfix")
 
@@ -40,7 +40,7 @@ def attach_eval_sync(model: nn.Module, decision: Any, parallel: str, stack: Exit
     if not decision.value:
         return None
     if parallel == "deepspeed":
-        from .integrations.vision.zero import ZeroVisionStabilizer
+        from ..integrations.vision.zero import ZeroVisionStabilizer
 
         try:
             sync: Any = ZeroVisionStabilizer(model, train=False, sync_eval=True).attach()
@@ -49,9 +49,9 @@ def attach_eval_sync(model: nn.Module, decision: Any, parallel: str, stack: Exit
             logger.warning("hf_ddpfix: vlm_eval_sync not applied (stock evaluation): %s", err)
             return None
     elif parallel == "fsdp":  # tower units: the dummy at the language model's start, where the tower runs
-        from .integrations.fsdp.cross_attention import CrossAttentionDummy, kept_cross_attention_dummy
-        from .integrations.fsdp.dummy import kept_eval_sync
-        from .integrations.vision.zero import ZeroVisionStabilizer
+        from ..integrations.fsdp.cross_attention import CrossAttentionDummy, kept_cross_attention_dummy
+        from ..integrations.fsdp.dummy import kept_eval_sync
+        from ..integrations.vision.zero import ZeroVisionStabilizer
 
         if kept_eval_sync(model) is not None or kept_cross_attention_dummy(model) is not None:
             return None  # train() left one attached: it serves this loop

@@ -86,8 +86,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..ops.dist import dist_ready, gather_flags
-from ..ops.feature_counts import record_amount, record_ran
+from ...ops.dist import dist_ready, gather_flags
+from ...ops.feature_counts import record_amount, record_ran
 
 __all__ = ["FEATURE", "TrainableSetChangedError", "TrainableSetWatch"]
 

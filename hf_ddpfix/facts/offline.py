@@ -18,7 +18,7 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
-from ._advice import ModelInfo, describe_model
+from .advice import ModelInfo, describe_model
 
 __all__ = ["DEFAULT_FSDP_CONFIG", "DEFAULT_FSDP_MIXED_PRECISION", "OfflinePlan", "add_model_arguments",
            "add_plan_arguments", "build_facts", "fsdp_layout", "json_kwargs", "launch_config", "meta_model",
@@ -135,8 +135,8 @@ def plan_offline(args: argparse.Namespace, *, layout: bool = True, env: Any = No
         ValueError: a bad command line, accelerate config or model (the message names it).
         PlanError: the plan refuses the run (as the run would before step 1).
     """
-    from .config import DDPFixConfig
-    from .plan.resolve import resolve_plan
+    from ..config.options import DDPFixConfig
+    from ..plan.resolve import resolve_plan
 
     launch_config(args)
     info, model, error = meta_model(args)
@@ -149,7 +149,7 @@ def plan_offline(args: argparse.Namespace, *, layout: bool = True, env: Any = No
     config = DDPFixConfig.from_env(env, **explicit)
     plugin = None
     if args.parallel == "fsdp":
-        from ._compat import fsdp_plugin_from_launch
+        from .._compat import fsdp_plugin_from_launch
 
         plugin = fsdp_plugin_from_launch(args.fsdp_config)
         args.fsdp_version = int(plugin.fsdp_version)
@@ -162,7 +162,7 @@ def plan_offline(args: argparse.Namespace, *, layout: bool = True, env: Any = No
 def _tri(value: str | None) -> bool | None:
     if value is None:
         return None
-    from .config import parse_bool
+    from ..config.options import parse_bool
 
     return parse_bool("flag", value, allow_auto=True)
 
@@ -174,7 +174,7 @@ def build_facts(args: argparse.Namespace, info: ModelInfo | None, model: Any = N
     the model's facts are read from it by the run's own functions (`facts.model_facts`; under FSDP,
     `integrations.fsdp.fsdp_facts` with ``plugin``, the plugin the launch would build); a LoRA run whose targets
     are not given keeps the flags (``--train-vision``, ``--train-experts``)."""
-    from .plan.types import RunFacts
+    from ..plan.types import RunFacts
 
     world = args.world_size
     parallel = _parallel(args)
@@ -182,10 +182,10 @@ def build_facts(args: argparse.Namespace, info: ModelInfo | None, model: Any = N
     is_vlm = bool(info and info.is_vlm)
     from_model: dict[str, Any] = {}
     if model is not None:
-        from .facts import model_facts
+        from .gather import model_facts
 
         from_model = model_facts(model, parallel)
-        from .integrations.sequence_parallel.facts import gather_sequence_parallel_facts
+        from ..integrations.sequence_parallel.facts import gather_sequence_parallel_facts
 
         # as the run reads them, for a stock Trainer with default arguments (no parallelism_config, stock loss)
         from_model["sequence_parallel"] = gather_sequence_parallel_facts(None, model)
@@ -194,7 +194,7 @@ def build_facts(args: argparse.Namespace, info: ModelInfo | None, model: Any = N
             from_model.update(is_peft=True, trainable_vision_params=from_model["is_vlm"] and args.train_vision,
                               conditional_params=bool(info and info.is_moe and args.train_experts))
         if parallel == "fsdp" and plugin is not None:
-            from .integrations.fsdp import fsdp_facts
+            from ..integrations.fsdp import fsdp_facts
 
             from_model["fsdp"] = fsdp_facts(plugin, model)
     else:
@@ -218,7 +218,7 @@ def _memory_facts(args: argparse.Namespace, model: Any, parallel: str) -> Any:
     seq, mem = getattr(args, "seq_len", None), getattr(args, "device_mem_gb", None)
     if args.cpu or (seq is None and mem is None):
         return None
-    from .facts import memory_facts
+    from .gather import memory_facts
 
     return memory_facts(model, parallel, seq, "--seq-len" if seq is not None else "no --seq-len given",
                         int(mem * (1 << 30)) if mem is not None else None, args.mixed_precision in ("bf16", "fp16"),
@@ -281,7 +281,7 @@ def launch_config(args: argparse.Namespace) -> None:
 def meta_model(args: argparse.Namespace) -> tuple[ModelInfo | None, Any, str | None]:
     """``(info, model, error)``: ``--model`` built on the meta device in ``--dtype``, with a LoRA adapter on
     ``--lora-targets`` (peft's ``get_peft_model``), or ``--params`` alone (no model)."""
-    from ._advice import build_meta_model, describe_built
+    from .advice import build_meta_model, describe_built
 
     if not args.model:
         info, error = model_info(args)
@@ -310,7 +310,7 @@ def meta_model(args: argparse.Namespace) -> tuple[ModelInfo | None, Any, str | N
 def _quant_facts(args: argparse.Namespace, info: ModelInfo | None, parallel: str) -> dict[str, Any]:
     """The QLoRA / placement part of `RunFacts` from `--quant`, `--quant-storage`, `--mixed-precision`,
     `--fsdp-version`, `--zero-stage` and `--placement` (4-bit bytes estimated as half the parameters)."""
-    from .integrations.quantized import QuantFacts, device_name, dtype_name
+    from ..integrations.quantized import QuantFacts, device_name, dtype_name
 
     out: dict[str, Any] = {"placement": tuple(sorted({device_name(d.strip()) for d in args.placement.split(",")}))
                            if args.placement else ()}
@@ -324,7 +324,7 @@ def _quant_facts(args: argparse.Namespace, info: ModelInfo | None, parallel: str
     if parallel == "fsdp":
         out.update(fsdp_version=args.fsdp_version, shard_cast_dtype=cast)
     elif parallel == "deepspeed":
-        from .integrations.deepspeed import DeepSpeedFacts, deepspeed_version
+        from ..integrations.deepspeed.zero import DeepSpeedFacts, deepspeed_version
 
         out.update(zero_stage=args.zero_stage, shard_cast_dtype=cast,
                    deepspeed=DeepSpeedFacts(stage=args.zero_stage, version=deepspeed_version(), source="command line",
@@ -350,9 +350,9 @@ def fsdp_layout(plan: Any, facts: Any, model: Any, plugin: Any, world: int, mixe
         return None
     import copy
 
-    from ._compat import set_fsdp_wrap_classes
-    from .integrations.fsdp.scale import shard_layout
-    from .plan.fsdp import fsdp_unit_classes, fsdp_units_ours
+    from .._compat import set_fsdp_wrap_classes
+    from ..integrations.fsdp.scale import shard_layout
+    from ..plan.fsdp import fsdp_unit_classes, fsdp_units_ours
 
     plugin = copy.copy(plugin)
     if fsdp_units_ours(plan.fsdp_units):  # what the run's applier hands accelerate (runtime.attach_runtime)

@@ -50,10 +50,10 @@ import torch
 from torch import nn
 from transformers import TrainerCallback
 
-from .._compat import around_backward, deepspeed_engine, zero_flat_slices
-from ..ops import feature_counts
-from ..ops.skip_unused import FlatSlice, SkipUnusedSteps
-from .usage import ParameterUsage
+from ..._compat import around_backward, deepspeed_engine, zero_flat_slices
+from ...ops import feature_counts
+from ...ops.skip_unused import FlatSlice, SkipUnusedSteps
+from ..usage import ParameterUsage
 
 __all__ = ["FEATURE", "ZeroSkipUnused", "attach_zero_skip_unused"]
 

@@ -43,7 +43,7 @@ from typing import Any
 
 from torch import nn
 
-from .._compat import deepspeed_default_leaf_classes, z3_leaf_marked
+from ..._compat import deepspeed_default_leaf_classes, z3_leaf_marked
 
 __all__ = [
     "LEAF_MODULES_SINCE",
@@ -318,12 +318,12 @@ def attach_deepspeed(model: nn.Module, *, stabilize: bool, leaf_classes: tuple[s
     """
     stab = None
     if stabilize:
-        from .vision.zero import ZeroVisionStabilizer
+        from ..vision.zero import ZeroVisionStabilizer
 
         try:
             stab = ZeroVisionStabilizer(model, sync_eval=sync_eval).attach()
         except ValueError as err:  # no language-model module / a failed trial run: stock behaviour, with the reason
-            from ..ops.feature_counts import record_fallback
+            from ...ops.feature_counts import record_fallback
 
             record_fallback("stabilizer", str(err))
             log(f"deepspeed: no ZeRO dummy image (stock behaviour): {err}")

@@ -12,20 +12,20 @@ from typing import Any
 import torch
 from torch import nn
 
-from ._compat import checkpointing_args, unwrap_parallel
-from .integrations import quantized
-from .integrations.checkpointing import (
+from .._compat import checkpointing_args, unwrap_parallel
+from ..integrations import quantized
+from ..integrations.checkpointing import (
     detect_checkpointing,
     requested_checkpointing,
     tool_checkpoint_functions,
 )
-from .integrations.deepspeed import gather_deepspeed_facts
-from .integrations.fsdp.units import gather_fsdp_facts
-from .integrations.long_context.layer_kinds import layer_kinds
-from .integrations.sequence_parallel.facts import gather_sequence_parallel_facts
-from .integrations.vision import families
-from .ops.offload.host_memory import DEFAULT_HOST_FRACTION, physical_bytes
-from .plan.types import MemoryFacts, ParallelMode, RunFacts
+from ..integrations.deepspeed.zero import gather_deepspeed_facts
+from ..integrations.fsdp.units import gather_fsdp_facts
+from ..integrations.long_context.layer_kinds import layer_kinds
+from ..integrations.sequence_parallel.facts import gather_sequence_parallel_facts
+from ..integrations.vision import families
+from ..ops.offload.host_memory import DEFAULT_HOST_FRACTION, physical_bytes
+from ..plan.types import MemoryFacts, ParallelMode, RunFacts
 
 MOE_CONFIG_KEYS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts")
 

@@ -339,13 +339,13 @@ def describe_built(spec: str, config: Any, model: Any) -> ModelInfo:
     is_vlm = getattr(config, "vision_config", None) is not None
     adapter = zero_adapter = None
     if is_vlm:
-        from .integrations.vision.families import find_vision_adapter
+        from ..integrations.vision.families import find_vision_adapter
 
         found = find_vision_adapter(model)
         adapter = found.family.name if found is not None else None
         found = find_vision_adapter(model, zero=True)
         zero_adapter = found.family.name if found is not None else None
-    from .facts import MOE_CONFIG_KEYS  # here, not at module level: `hf-ddpfix --help` imports no torch
+    from .gather import MOE_CONFIG_KEYS  # here, not at module level: `hf-ddpfix --help` imports no torch
 
     return ModelInfo(
         source=spec,

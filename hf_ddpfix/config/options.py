@@ -17,7 +17,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from .settings import _FALSE, _TRUE, parse_bool, parse_choice, parse_positive_int, parse_str  # noqa: F401 (re-exported)
+from .parsers import _FALSE, _TRUE, parse_bool, parse_choice, parse_positive_int, parse_str  # noqa: F401 (re-exported)
 
 CheckpointingMode = Literal["auto", "non_reentrant", "reentrant"]
 
@@ -62,7 +62,7 @@ def _int0(name: str, value: Any) -> int | None:
 def _tiled_mlp(name: str, value: Any) -> str | None:
     """A TiledMLP setting, normalised: off, on (forced: 1/true/yes/on), auto, arctic, target, target:GB or N
     (fixed shard count)."""
-    from .ops.tiled import parse_tiled_mlp_setting
+    from ..ops.tiled import parse_tiled_mlp_setting
 
     v = parse_str(name, value)
     if v is None:
@@ -106,7 +106,7 @@ def _tiled_loss(name: str, value: Any) -> str | None:
 
 def _long_context(name: str, value: Any) -> str | None:
     """Long-context layer features: off, all, or a comma list of rms_norm, attention, tiled_layer."""
-    from .integrations.long_context.long_context import parse_long_context_setting
+    from ..integrations.long_context.long_context import parse_long_context_setting
 
     v = parse_str(name, value)
     if v is None:

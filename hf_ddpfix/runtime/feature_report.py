@@ -25,9 +25,9 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
+from ..ops.feature_counts import add_fallback_listener, as_metrics
+from ..plan.types import Plan
 from .errors import DDPFixError
-from .ops.feature_counts import add_fallback_listener, as_metrics
-from .plan.types import Plan
 
 __all__ = ["ATTACH_FIELDS_OF", "RAN_COUNTER", "FallbackWatch", "attach_fallbacks", "FeatureFallbackError", "feature_metrics",
            "never_ran_warning", "requested_features"]
@@ -53,7 +53,7 @@ def attach_fallbacks() -> dict[str, str]:
     """Plan field -> reason, for every feature that recorded a fallback so far in this ``train()`` (called right
     after the runtime attached, before step 1: these are attach-time verdicts, e.g. a discovered VLM family
     whose dummy image failed its trial run). Feed to :meth:`~hf_ddpfix.plan.types.Plan.with_attach_fallbacks`."""
-    from .ops.feature_counts import snapshot
+    from ..ops.feature_counts import snapshot
 
     out: dict[str, str] = {}
     for feature, count in snapshot().items():
@@ -148,7 +148,7 @@ def never_ran_warning(plan: Plan, asked: list[str], counts: dict[str, Any] | Non
     Guarantees: names each such option with its counter's fallbacks and amounts; says nothing for an option the
     plan did not run (the plan log and its warning already say so) or that has no ``ran`` counter
     (tests/test_asked_options.py)."""
-    from .ops.feature_counts import snapshot
+    from ..ops.feature_counts import snapshot
 
     table = snapshot() if counts is None else counts
     decisions = plan.decisions()

@@ -18,8 +18,8 @@ from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
 
-from ._compat import checkpointing_arg_names
-from .plan.types import Plan, RunFacts
+from .._compat import checkpointing_arg_names
+from ..plan.types import Plan, RunFacts
 
 __all__ = ["DDPFixError", "ReplicaDivergenceError", "explain", "readable_ddp_errors"]
 

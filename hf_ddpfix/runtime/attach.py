@@ -23,7 +23,7 @@ import torch
 from torch import nn
 from transformers import TrainerCallback
 
-from ._compat import (
+from .._compat import (
     around_backward,
     before_gradient_clipping,
     checkpointable_layers,
@@ -32,8 +32,7 @@ from ._compat import (
     is_checkpointing,
     layer_checkpoint_func,
 )
-from .eval_setup import cpu_repack_off
-from .integrations.checkpointing import (
+from ..integrations.checkpointing import (
     apply_checkpointing,
     checkpoint_kwargs_without_mode,
     installed_checkpoint_functions,
@@ -41,26 +40,27 @@ from .integrations.checkpointing import (
     runs_own_function,
     tool_checkpoint_functions,
 )
-from .integrations.deepspeed import attach_deepspeed
-from .integrations.fsdp import apply_fsdp_units, join_tied_holders, rescope_on_wrap
-from .integrations.fsdp.buffers import keep_persistent_buffers_loadable
-from .integrations.fsdp.dummy import TowerDummyRefusal, attach_fsdp_dummy
-from .integrations.long_context.layer_kinds import kinds_summary
-from .integrations.long_context.long_context import LongContextHandle, apply_long_context
-from .integrations.long_context.loss_patch import TiledLossHandle, patch_model_loss
-from .integrations.long_context.tiled_mlp import TiledMLPHandle, apply_tiled_mlp
-from .integrations.sequence_parallel.trainer import SequenceParallelGroups, attach_sequence_parallel
-from .integrations.trainable_set import TrainableSetWatch
-from .integrations.usage import HangGuard, ParameterUsage, UsageChanged
-from .integrations.usage.agreement import UsageAgreement
-from .integrations.vision.families import is_vision_language_model
-from .integrations.vision.stabilizer import VisionStabilizer
-from .ops import feature_counts
-from .ops.buffer_order import BufferLayoutError, Layout, align_buffer_order
-from .ops.offload import ActivationOffload, SaveOnCpuScope
-from .plan.fsdp import fsdp_unit_classes, fsdp_units_ours
-from .plan.sequence_parallel import sp_size_of
-from .plan.types import Plan
+from ..integrations.deepspeed.zero import attach_deepspeed
+from ..integrations.fsdp import apply_fsdp_units, join_tied_holders, rescope_on_wrap
+from ..integrations.fsdp.buffers import keep_persistent_buffers_loadable
+from ..integrations.fsdp.dummy import TowerDummyRefusal, attach_fsdp_dummy
+from ..integrations.long_context.layer_kinds import kinds_summary
+from ..integrations.long_context.long_context import LongContextHandle, apply_long_context
+from ..integrations.long_context.loss_patch import TiledLossHandle, patch_model_loss
+from ..integrations.long_context.tiled_mlp import TiledMLPHandle, apply_tiled_mlp
+from ..integrations.sequence_parallel.trainer import SequenceParallelGroups, attach_sequence_parallel
+from ..integrations.usage import HangGuard, ParameterUsage, UsageChanged
+from ..integrations.usage.agreement import UsageAgreement
+from ..integrations.usage.trainable_set import TrainableSetWatch
+from ..integrations.vision.families import is_vision_language_model
+from ..integrations.vision.stabilizer import VisionStabilizer
+from ..ops import feature_counts
+from ..ops.buffer_order import BufferLayoutError, Layout, align_buffer_order
+from ..ops.offload import ActivationOffload, SaveOnCpuScope
+from ..plan.fsdp import fsdp_unit_classes, fsdp_units_ours
+from ..plan.sequence_parallel import sp_size_of
+from ..plan.types import Plan
+from .evaluation import cpu_repack_off
 
 logger = logging.getLogger("hf_ddpfix")
 
@@ -110,13 +110,13 @@ def attach_runtime(trainer: Any, model: nn.Module, plan: Plan, stack: ExitStack)
         try:
             rt.zero_vision = attach_fsdp_dummy(model, stack, lambda fn: before_gradient_clipping(trainer, fn))
         except TowerDummyRefusal as err:  # tower units and no dummy that runs: refused before step 1
-            from .plan.types import PlanError
+            from ..plan.types import PlanError
 
             raise PlanError(str(err)) from err
     elif plan.vlm_stabilizer.value:
         rt.stabilizer = _attach_stabilizer(trainer, model, plan, stack)
     if plan.zero_skip_unused.value:  # observe from the first forward; the optimizer is hooked at train begin
-        from .integrations.zero_unused import attach_zero_skip_unused
+        from ..integrations.deepspeed.zero_unused import attach_zero_skip_unused
 
         rt.zero_skip_unused = attach_zero_skip_unused(trainer, model, stack)
     if fsdp_units_ours(plan.fsdp_units):  # before accelerate wraps the model (inside the stock loop)

@@ -1,0 +1,1 @@
+"""What is known about a run before it is planned: gathered from a live Trainer (`gather`), built offline from a config and a command line (`offline`, `hf-ddpfix plan`'s run), and launch advice from a config alone (`advice`)."""

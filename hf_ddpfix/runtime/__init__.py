@@ -1,0 +1,1 @@
+"""What applies a plan to one run and reports on it: attaching the appliers (`attach`), evaluation outside `train()` (`evaluation`), the features' fallbacks and counts (`feature_report`), readable errors (`errors`, `launcher_errors`) and checkpoint safety (`checkpoints`)."""
