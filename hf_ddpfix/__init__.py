@@ -10,9 +10,10 @@ Public API:
         appliers, usable alone; plan_offload_budget / OffloadBudgetError: the pre-flight memory check.
     Callbacks, errors and checkpoint helpers for operating runs.
 
-Layout, bottom up: ``hf_ddpfix._compat`` (every private upstream access), ``hf_ddpfix.ops`` (pure torch),
-``hf_ddpfix.integrations`` (HF / accelerate plumbing), then ``config``, ``facts``, ``plan`` (the pure
-decisions), ``runtime`` (applies a plan), ``trainer`` (the entry points), ``cli``. Only the names in
+Layout, bottom up (docs/design.md, "Layout"): ``_compat`` (every private upstream access), ``ops`` (pure torch),
+``integrations`` (HF / accelerate plumbing, one folder or module per feature), ``config`` (the options), ``plan`` (the
+pure decisions), ``facts`` (what a run is, live or offline), ``runtime`` (applies a plan and reports on it), then the
+entry points at the top: ``callbacks``, ``trainer``, ``accelerate_loop``, ``rehearse`` and ``cli``. Only the names in
 ``__all__`` are public API; module paths below this package may change between releases.
 """
 
@@ -27,14 +28,14 @@ _LAZY = {  # public name -> the module that defines it, imported on first use (P
     "PlanReportCallback": ".callbacks",
     "ReplicaSyncCallback": ".callbacks",
     "default_callbacks": ".callbacks",
-    "last_complete_checkpoint": ".checkpoints",
-    "save_model_atomic": ".checkpoints",
-    "DDPFixConfig": ".config",
-    "DDPFixError": ".errors",
-    "ReplicaDivergenceError": ".errors",
-    "explain": ".errors",
-    "readable_ddp_errors": ".errors",
-    "FeatureFallbackError": ".feature_report",
+    "last_complete_checkpoint": ".runtime.checkpoints",
+    "save_model_atomic": ".runtime.checkpoints",
+    "DDPFixConfig": ".config.options",
+    "DDPFixError": ".runtime.errors",
+    "ReplicaDivergenceError": ".runtime.errors",
+    "explain": ".runtime.errors",
+    "readable_ddp_errors": ".runtime.errors",
+    "FeatureFallbackError": ".runtime.feature_report",
     "apply_long_context": ".integrations.long_context.long_context",
     "remove_long_context": ".integrations.long_context.long_context",
     "patch_model_loss": ".integrations.long_context.loss_patch",
@@ -55,7 +56,7 @@ _LAZY = {  # public name -> the module that defines it, imported on first use (P
     "Plan": ".plan.types",
     "PlanError": ".plan.types",
     "RunFacts": ".plan.types",
-    "report_to_launcher": ".launcher_errors",
+    "report_to_launcher": ".runtime.launcher_errors",
     "DDPFixTrainer": ".trainer",
     "patch_trainer": ".trainer",
     "plan_for_trainer": ".trainer",

@@ -134,7 +134,7 @@ def test_options_page_documents_every_variable():
 
 def test_options_page_table_is_rendered_from_the_config():
     """docs/options.md's table is what scripts/options_table.py renders from DDPFixConfig's fields: a doc or
-    alias changed in config.py without `python scripts/options_table.py --readme` fails here."""
+    alias changed in config/options.py without `python scripts/options_table.py --readme` fails here."""
     import importlib.util
     from pathlib import Path
 

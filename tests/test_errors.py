@@ -1,4 +1,4 @@
-"""errors.py: known DDP failures become DDPFixError with cause-in-this-run and fix; others pass through."""
+"""runtime/errors.py: known DDP failures become DDPFixError with cause-in-this-run and fix; others pass through."""
 
 import pytest
 import torch

@@ -1,4 +1,4 @@
-"""The package's import graph has no cycle (issue 49): every ``import`` and ``from ... import`` of an hf_ddpfix
+"""The package's import graph has no cycle and no arrow back up, and its top holds only the entry points (issue 49): every ``import`` and ``from ... import`` of an hf_ddpfix
 module, at module level or inside a function (a deferred import still ties two modules), resolved to the file it
 loads (a submodule where the name is one, else the module or package that defines it).
 
@@ -94,3 +94,53 @@ def test_the_package_import_graph_has_no_cycle():
 
 def test_a_cycle_is_found_where_there_is_one():
     assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+
+
+# The layout rule of docs/design.md ("Layout"), bottom up: a module imports only from its own folder and the folders
+# below it. The entry points sit at the package top.
+LAYERS = (
+    ("_compat",),
+    ("ops",),
+    ("integrations",),
+    ("config",),
+    ("plan",),
+    ("facts",),
+    ("runtime",),
+    ("callbacks",),
+    ("trainer", "accelerate_loop"),
+    ("rehearse",),
+    ("cli",),
+    ("__main__",),
+    ("",),  # the package's own __init__: the lazy public names
+)
+ENTRY_POINTS = {"__init__", "__main__", "trainer", "accelerate_loop", "callbacks", "cli"}
+
+
+def layer(module: str) -> int:
+    """The rank of ``module``'s top folder (or top-level module) in :data:`LAYERS`."""
+    top = module.split(".")[1] if "." in module else ""
+    for rank, names in enumerate(LAYERS):
+        if top in names:
+            return rank
+    raise AssertionError(f"{module}: its folder {top!r} has no place in LAYERS (docs/design.md, Layout)")
+
+
+def arrows_back_up(graph: dict[str, set[str]]) -> list[tuple[str, str]]:
+    """Every import from a module to one in a higher layer."""
+    return sorted((m, d) for m, deps in graph.items() for d in deps if layer(d) > layer(m))
+
+
+def test_no_arrow_points_back_up():
+    """Shown failing once (2026-12-02): ``from ..facts.offline import model_info`` added inside a function of
+    ``plan/fsdp.py`` -> ``[('hf_ddpfix.plan.fsdp', 'hf_ddpfix.facts.offline')]``."""
+    assert arrows_back_up(import_graph()) == []
+
+
+def test_an_arrow_back_up_is_found():
+    graph = {"hf_ddpfix.ops.a": {"hf_ddpfix.plan.b"}, "hf_ddpfix.plan.b": {"hf_ddpfix.ops.a"}}
+    assert arrows_back_up(graph) == [("hf_ddpfix.ops.a", "hf_ddpfix.plan.b")]
+
+
+def test_the_package_top_holds_only_the_entry_points():
+    """The rest sits in folders named for what they are (docs/design.md, Layout)."""
+    assert {p.stem for p in PKG.glob("*.py")} == ENTRY_POINTS

@@ -39,7 +39,7 @@ def test_a_cap_the_host_cannot_hold_is_refused_before_training():
 
 
 def test_the_runtime_hands_the_cap_to_the_offload(monkeypatch):
-    """runtime.py builds ActivationOffload with the plan's cap (the pool refuses above it)."""
+    """runtime/attach.py builds ActivationOffload with the plan's cap (the pool refuses above it)."""
     import hf_ddpfix.runtime.attach as rt
 
     seen = {}

@@ -9,7 +9,7 @@ ZeRO-3 together), several cases inside; the table in docs/fast-path.md is render
 DDP: no host read per micro-batch, at most one per optimizer step and only on a rank that left a parameter unused
 (none for text LoRA), and no collective beyond the one it replaces (stock's find_unused_parameters used-map
 all-reduce becomes the usage agreement, one byte per trainable tensor). The trainable-set watch (issue 28,
-``integrations/trainable_set.py``) adds nothing either: its "my trainable set changed" flag rides in the usage
+``integrations/usage/trainable_set.py``) adds nothing either: its "my trainable set changed" flag rides in the usage
 agreement's all-reduce (two more bytes) and is read at the step only by a rank that changed its set or has a
 parameter to reset; every other rank reads those two bytes from host memory at ``on_step_end`` (no device read;
 asserted from the agreement's own counters), so it too raises where another rank changed its set.

@@ -1,1 +1,5 @@
-"""The options: `DDPFixConfig` (every option once, with its environment variables; `options`) and the parsers of one setting's value (`parsers`)."""
+"""The options.
+
+- `options`: `DDPFixConfig`, every option once with the environment variables that set it.
+- `parsers`: the parsers of one setting's value; each error names the setting, the bad value and the allowed values.
+"""

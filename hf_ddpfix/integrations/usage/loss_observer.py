@@ -2,7 +2,7 @@
 to add what it really reaches (a head called in ``compute_loss`` outside the model's forward), and to move to the
 loss any unit's ties it does not reach (a loss built from another output than the one tied).
 
-Wired by ``runtime.py`` around ``accelerator.backward`` when the usage tracker runs without ``at_loss`` (FSDP2).
+Wired by ``runtime/attach.py`` around ``accelerator.backward`` when the usage tracker runs without ``at_loss`` (FSDP2).
 
 Why the move (TRL 1.16's ``SFTTrainer`` on a VLM with image and text-only ranks, docs/fsdp.md "Trainers"): TRL's
 fused LM head returns ``loss`` and ``log_probs`` and SFTTrainer back-propagates ``-log_probs``; the text-only rank
