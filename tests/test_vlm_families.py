@@ -282,7 +282,7 @@ def test_tower_units_whose_dummy_does_not_run_are_refused_before_step_1(model_ty
     the cells file's ``refused`` cells show it) naming the tower's block class and the fix,
     before accelerate wraps the model (the cells file's ``fsdp_list`` cells of these families): Aya Vision, a family
     found by structure whose trial at attach rejects every layout (a raw ValueError escaped before); Gemma 3, a
-    registry family (no trial at attach) whose tiny default geometry its pooling rejects ("stride should not be
+    registry family (no trial at attach) whose tiny default geometry its pooling rejected ("stride should not be
     zero": before, in step 1's forward on the text-only rank only, a crash mid-run).
 
     Shown failing (2026-12-02): without the ``except ValueError`` in ``attach_fsdp_dummy`` the aya_vision case gets
@@ -300,6 +300,14 @@ def test_tower_units_whose_dummy_does_not_run_are_refused_before_step_1(model_ty
     warnings.filterwarnings("ignore")
     checked = shrink_checked(AutoConfig.for_model(model_type), getattr(transformers, FAMILIES[model_type]),
                              small_images=True)
+    # the shrinker now repairs both default geometries (their tiny towers run), so the tower is made to fail as
+    # those defaults did: any forward through it raises
+    tower = next(m for n, m in checked.model.named_modules() if n.endswith("vision_tower"))
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("stride should not be zero")
+
+    tower.forward = broken
     with ExitStack() as stack, pytest.raises(TowerDummyRefusal) as err:  # hf_ddpfix.runtime.attach: a PlanError
         attach_fsdp_dummy(checked.model, stack, lambda fn: (lambda: None))
     msg = str(err.value)
