@@ -226,12 +226,10 @@ def test_the_cells_file_covers_every_built_family_and_no_cell_failed():
 
 
 #: cells that fail today, each an open bug in hf_ddpfix (not an accepted outcome): the test above fails when one
-#: is fixed (remove it here) or a new one appears. video_llava (two CLIP towers, ``image_tower`` and
-#: ``video_tower``): the plan's FSDP2 units include CLIPEncoderLayer although it folds the towers ("no dummy"), so
-#: the image rank all-gathers tower units the text rank skips: gloo "43264 vs 38848" in step 1 (2026-12-02)
-#: (its fsdp_list cell runs after fsdp_plan in the same launch, which the mismatch ends: recorded failed, not run)
-KNOWN_CELL_BUGS = {"video_llava/fsdp_plan": "collective mismatch in step 1 (tower units without a dummy)",
-                   "video_llava/fsdp_list": "not reached: the launch ended in fsdp_plan"}
+#: is fixed (remove it here) or a new one appears. None since 2026-12-02: video_llava (two CLIP towers named
+#: ``image_tower`` / ``video_tower``) crashed FSDP2 at step 1 until a vision sub-model was found by its config
+#: (``integrations/vision/families.py``, ``_is_vision_model``).
+KNOWN_CELL_BUGS: dict[str, str] = {}
 
 
 #: the batched CI launches: a grid family the plan drives by structure (GLM-4V: patch rows + ``image_grid_thw``, no
