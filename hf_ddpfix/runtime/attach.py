@@ -59,7 +59,7 @@ from ..ops.buffer_order import BufferLayoutError, Layout, align_buffer_order
 from ..ops.offload import ActivationOffload, SaveOnCpuScope
 from ..plan.fsdp import fsdp_unit_classes, fsdp_units_ours
 from ..plan.sequence_parallel import sp_size_of
-from ..plan.types import Plan
+from ..plan.types import Plan, PlanError
 from .evaluation import cpu_repack_off
 
 logger = logging.getLogger("hf_ddpfix")
@@ -110,8 +110,6 @@ def attach_runtime(trainer: Any, model: nn.Module, plan: Plan, stack: ExitStack)
         try:
             rt.zero_vision = attach_fsdp_dummy(model, stack, lambda fn: before_gradient_clipping(trainer, fn))
         except TowerDummyRefusal as err:  # tower units and no dummy that runs: refused before step 1
-            from ..plan.types import PlanError
-
             raise PlanError(str(err)) from err
     elif plan.vlm_stabilizer.value:
         rt.stabilizer = _attach_stabilizer(trainer, model, plan, stack)
