@@ -372,9 +372,12 @@ def probe_layer(layer: nn.Module, stock: Callable[..., Any], hidden_states: torc
 
 
 def _required_beyond_first(fn: Any) -> list[str]:
-    """The parameters of ``fn`` after its first that have no default (``[]`` where the signature is unreadable)."""
+    """The parameters of ``fn`` after its first that have no default, and a ``gate`` one even with a default
+    (transformers 5.0's ``Qwen3NextRMSNormGated.forward(hidden_states, gate=None)`` fails without it); ``[]`` where
+    the signature is unreadable."""
     try:
         params = list(inspect.signature(fn).parameters.values())[1:]
     except (TypeError, ValueError):
         return []
-    return [p.name for p in params if p.default is p.empty and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
+    return [p.name for p in params if (p.default is p.empty or p.name == "gate")
+            and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
