@@ -620,3 +620,18 @@ def layer_family_config(name: str):  # noqa: ANN201
         return transformers.Gemma3TextConfig(**_LAYER_SMALL, num_hidden_layers=4, sliding_window=64,
                                              layer_types=["sliding_attention"] * 3 + ["full_attention"])
     return transformers.LlamaConfig(**_LAYER_SMALL, num_hidden_layers=2)
+
+
+def layer_family_model(config: Any, attention: str = "sdpa", seed: int = 0) -> nn.Module:
+    """A causal LM built seeded from a tiny ``config`` (:func:`layer_family_config`), in float32 and training mode,
+    every weight moved off its init (Gemma's norms start at 0, its layer scalars at 1: a patch that ignored them
+    would otherwise pass)."""
+    import transformers
+
+    config._attn_implementation = attention
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.02)
+    return model.train()

@@ -30,7 +30,7 @@ import io
 
 import pytest
 import torch
-from fixtures import layer_family_config, skip_unless_shipped
+from fixtures import layer_family_config, layer_family_model, skip_unless_shipped
 
 transformers = pytest.importorskip("transformers")
 
@@ -40,14 +40,7 @@ from hf_ddpfix.integrations.long_context.long_context import apply_long_context 
 SEQ, VOCAB = 12, 96
 
 def _model(name: str):
-    config = layer_family_config(name)
-    config._attn_implementation = "sdpa"
-    torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    with torch.no_grad():  # weights and norms off their init (Gemma's norms start at 0, layer scalars at 1)
-        for p in model.parameters():
-            p.add_(torch.randn_like(p) * 0.02)
-    return model.train()
+    return layer_family_model(layer_family_config(name))
 
 
 def _step(model, ids):

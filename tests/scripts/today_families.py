@@ -46,6 +46,7 @@ from fixtures import (  # noqa: E402,I001
     RankItems,
     init_gloo,
     layer_family_config,
+    layer_family_model,
     masked_labels,
     single_collate,
     trainable_weights,
@@ -84,19 +85,13 @@ def config(family: str):  # noqa: ANN201
 
 
 def build(family: str, dtype: torch.dtype, attention: str = "sdpa"):  # noqa: ANN201
-    import transformers
     from peft import LoraConfig, get_peft_model
 
     cfg = config(family)
-    cfg._attn_implementation = attention
     cfg.use_cache = False
     if getattr(cfg, "num_experts", 0):  # torch's grouped_mm takes no float64: the experts' eager loop (the same math)
         cfg._experts_implementation = "eager"
-    torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
-    with torch.no_grad():  # weights and norms off their init (Gemma's norms start at 0, layer scalars at 1)
-        for p in model.parameters():
-            p.add_(torch.randn_like(p) * 0.02)
+    model = layer_family_model(cfg, attention)
     model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules="all-linear", init_lora_weights=False))
     return model.to(dtype).train()
 
