@@ -52,6 +52,7 @@ from .facts.gather import has_conditional_params, is_peft_model
 from .integrations.checkpointing import apply_checkpointing, detect_checkpointing
 from .integrations.usage import ParameterUsage, UsageChanged
 from .integrations.vision import families
+from .ops.dist import destroy_default_group_at_exit
 from .plan.asked import mark_not_run_by, not_applied_warning
 from .plan.resolve import resolve_plan
 from .plan.types import ParallelMode, Plan, RunFacts
@@ -150,6 +151,7 @@ def prepare_accelerate_loop(accelerator: Any, model: nn.Module, config: DDPFixCo
     if config is not None and options:
         raise ValueError("prepare_accelerate_loop: pass either config or **options, not both")
     check_disable()  # HF_DDPFIX_DISABLE is validated on every route, a given config too
+    destroy_default_group_at_exit()  # a gloo group left to interpreter shutdown can abort the finished loop
     cfg = DDPFixConfig.from_env(**options) if config is None else config
     plan = mark_not_run_by(resolve_plan(accelerate_loop_facts(accelerator, model), cfg), cfg, LOOP_RUNS,
                            "prepare_accelerate_loop")

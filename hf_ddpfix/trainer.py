@@ -181,6 +181,7 @@ def run_evaluation_with_plan(trainer: Trainer, eval_loop: Callable[..., Any], *a
     `hf_ddpfix.integrations.eval_outputs`) and, outside `train()`, `vlm_eval_sync` (`_evaluate_under_plan`)."""
     if getattr(trainer, "_hf_ddpfix_outputs_active", False):  # DDPFixTrainer under patch_trainer(): apply once
         return _evaluate_under_plan(trainer, eval_loop, *args, **kwargs)
+    destroy_default_group_at_exit()  # evaluate()/predict() without train(): the group still ends before shutdown
     trainer._hf_ddpfix_outputs_active = True
     try:
         with agreed_eval_outputs(trainer, _eval_outputs_decision(trainer), args, kwargs):
@@ -316,6 +317,7 @@ class DDPFixTrainer(Trainer):
 
     def __init__(self, *args: Any, ddpfix_config: DDPFixConfig | None = None, **kwargs: Any):
         self.ddpfix_config = ddpfix_config
+        destroy_default_group_at_exit()  # before any use: an evaluate-only script never reaches train()
         super().__init__(*args, **kwargs)
 
     def train(self, resume_from_checkpoint: str | bool | None = None, *args: Any, **kwargs: Any) -> Any:

@@ -98,3 +98,38 @@ def test_patch_trainer_asks_for_the_exit_teardown(monkeypatch):
     finally:
         unpatch_trainer()
     assert registered == [dist_ops._destroy_at_exit]
+
+
+def _unregistered(monkeypatch) -> list[int]:
+    """Forget this process's registration and record new ones instead of adding real atexit handlers."""
+    registered: list[int] = []
+    monkeypatch.setattr(dist_ops, "_exit_teardown_pid", None)
+    monkeypatch.setattr(dist_ops.atexit, "register", lambda fn: registered.append(1))
+    return registered
+
+
+def test_every_entry_point_registers_the_exit_teardown_before_it_is_used(monkeypatch, tmp_path):
+    """An evaluate-only script (DDPFixTrainer or a patched Trainer, no train()) and an accelerate loop end the
+    group too: CI caught `terminate called without an active exception` on an evaluate-only 2-process launch
+    (tests/scripts/eval_outputs.py, torch 2.15) when only train() and patch_trainer() registered it."""
+    from accelerate import Accelerator
+    from fixtures import tiny_llama
+    from transformers import Trainer, TrainingArguments
+
+    from hf_ddpfix import trainer as trainer_mod
+    from hf_ddpfix.accelerate_loop import prepare_accelerate_loop
+
+    args = TrainingArguments(str(tmp_path), use_cpu=True, report_to=[], save_strategy="no", disable_tqdm=True)
+    registered = _unregistered(monkeypatch)
+    trainer_mod.DDPFixTrainer(model=tiny_llama(), args=args)
+    assert registered == [1] and dist_ops._exit_teardown_pid == os.getpid()
+
+    registered = _unregistered(monkeypatch)
+    stock = Trainer(model=tiny_llama(), args=args)
+    monkeypatch.setattr(trainer_mod, "_evaluate_under_plan", lambda trainer, loop, *a, **k: loop(*a, **k))
+    assert trainer_mod.run_evaluation_with_plan(stock, lambda: "evaluated") == "evaluated"
+    assert registered == [1]
+
+    registered = _unregistered(monkeypatch)
+    prepare_accelerate_loop(Accelerator(cpu=True), tiny_llama()).close()
+    assert registered == [1]
