@@ -26,7 +26,10 @@ Python's or DDP's reducer's (`c10d.allreduce_` ...; bytes = the input tensors'),
 every host read of a tensor (`item`, `tolist`, `cpu`, `numpy`, `__bool__`, `__int__`, `__float__`,
 `__index__`: on a GPU each waits for the queued work). A read of a **host copy** (the result of a counted `.cpu()`,
 or a tensor computed from host copies alone: stock accelerate's `max(s[dim] for s in gather(size).cpu())`) waits
-for nothing, the `.cpu()` did: it is counted apart (`copyread:<kind>`), not as a host read. Each optimizer step is counted between the
+for nothing, the `.cpu()` did: it is counted apart (`copyread:<kind>`), not as a host read. DDP's C++ reducer reads
+on the host too, where no Python mode sees it: with `find_unused_parameters=True` a rank that left a parameter
+unused waits for the used map's all-reduce and copies it to the host once per step; that read is counted from
+torch's rule on the step's facts (`read:reducer_used_map`, `Counts.reducer_waits`). Each optimizer step is counted between the
 Trainer's `on_step_begin` and `on_step_end`; steps after the first `WARMUP_STEPS` are the steady state
 and must all be equal (the script fails otherwise). Log-time reads (every `logging_steps`) fall outside these windows,
 and so does the trainable-set flags' late read of host memory (hf_ddpfix's `on_step_end`, after this script's):
@@ -117,6 +120,35 @@ class Counts:
         self.modes = (Collectives(), Reads())
         self._copies: dict[int, Any] = {}
         self.steps: list[dict[str, int]] = []
+        self.wrapped_of: Any = None  # () -> the Trainer's wrapped model (run_once sets it): the reducer's rule
+        self._used: set[int] = set()
+        self._hooked: list[Any] = []
+
+    def watch_usage(self, model: Any) -> None:
+        """Note which trainable parameters receive a gradient in this process (a hook on each, once): the input of
+        :meth:`reducer_waits`."""
+        if self._hooked:
+            return
+        for i, p in enumerate(p for p in model.parameters() if p.requires_grad):
+            self._hooked.append(p)
+            p.register_hook(lambda g, i=i: self._used.add(i))
+
+    def reducer_waits(self) -> bool:
+        """Whether DDP's C++ reducer read the all-reduced used-parameter map on the host in this optimizer step.
+
+        torch's rule (``Reducer::finalize_bucket_dense``, torch/csrc/distributed/c10d/reducer.cpp, 2.13-2.15): with
+        ``find_unused_parameters=True``, when a parameter this rank left unused over the step's micro-batches comes
+        up, the reducer waits for the used map's all-reduce and copies it to the host ("Blocking copy, if
+        local_used_map_dev_ is cuda"), once per step; a rank that used every parameter never does. The counting
+        modes above see Python's reads only, so this one is derived from the rule, on the facts of the step (the
+        wrapped model's setting, the parameters whose gradient hook ran), and counted as ``read:reducer_used_map``.
+        """
+        from torch.nn.parallel import DistributedDataParallel
+
+        wrapped = self.wrapped_of() if self.wrapped_of else None
+        if not isinstance(wrapped, DistributedDataParallel) or not wrapped.find_unused_parameters:
+            return False
+        return len(self._used) < len(self._hooked)
 
     def mark(self, out: Any) -> None:
         """Note every tensor of ``out`` as a host copy (a ``.cpu()`` result, or computed from such copies alone)."""
@@ -145,12 +177,16 @@ class Counts:
         counts = self
 
         class PerStep(TrainerCallback):
-            def on_step_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+            def on_step_begin(self, args: Any, state: Any, control: Any, model: Any = None, **kwargs: Any) -> None:
+                counts.watch_usage(model)
+                counts._used = set()
                 counts.now = Counter()
                 counts.on = True
 
             def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
                 counts.on = False
+                if counts.reducer_waits():
+                    counts.now["read:reducer_used_map"] += 1
                 counts.steps.append(dict(counts.now))
 
         return PerStep()
@@ -283,6 +319,8 @@ def run_once(case: str, steps: int, rank: int, out: str, patched: bool, callback
 
         trainer = build(case, steps, rank, out, patched, [*callbacks, AtEnd()], engine)
         held.append(trainer)
+        if counts is not None:
+            counts.wrapped_of = lambda: held[0].model_wrapped if held else None
         if case == "eval":  # train a step first (the model wrapped as training wraps it), then count the loops
             trainer.args.max_steps = 1
             trainer.train()
