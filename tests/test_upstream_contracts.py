@@ -1215,6 +1215,83 @@ def test_fully_shard_of_a_tied_tensor_needs_one_group_and_join_shared_holders_ma
         dist.destroy_process_group()
 
 
+def test_join_shared_holders_lifts_an_enclosing_holder_and_skips_a_member_already_sharded():
+    """BLIP's text head (BERT-style): ``predictions`` holds a ``bias`` tied to its own ``decoder``'s, whose ``weight``
+    is the input embedding's, and the embedding sits in a unit of its own (``BlipTextEmbeddings``, a
+    ``_no_split_modules`` class). Stock accelerate 1.15 then fails either way (2 processes, 2026-12-02: the tail
+    ``[embedding, decoder]`` takes the already-sharded embedding for a tensor-parallel tensor, "Invariant
+    encountered"; without that unit, the bias is in the tail and in the root, "already managed by another FSDP
+    group"). ``join_shared_holders``: the member already sharded leaves the tail, and ``predictions`` (which holds
+    the bias and encloses ``decoder``) takes the decoder's place, so the bias and the weight each live in one group.
+
+    Shown failing (2026-12-02): with ``_co_holders`` as before (no lift, no skip) the wrapped sequence below raises
+    "fully_shard has already been applied" (the decoder joined the unit, then the tail shards it again)."""
+    import os
+
+    import torch.distributed as dist
+
+    class Embeddings(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.word = nn.Embedding(8, 4)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.word(x)
+
+    class Predictions(nn.Module):
+        def __init__(self, word: nn.Embedding) -> None:
+            super().__init__()
+            self.dense = nn.Linear(4, 4)
+            self.decoder = nn.Linear(4, 8)
+            self.bias = nn.Parameter(torch.zeros(8))
+            self.decoder.weight, self.decoder.bias = word.weight, self.bias
+
+        def forward(self, h: torch.Tensor) -> torch.Tensor:
+            return self.decoder(self.dense(h))
+
+    class Head(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            torch.manual_seed(0)
+            self.embeddings = Embeddings()
+            self.mid = nn.Linear(4, 4)
+            self.predictions = Predictions(self.embeddings.word)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return (self.predictions(self.mid(self.embeddings(x))) ** 2).sum()
+
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ["MASTER_PORT"] = str(free_port())
+    dist.init_process_group("gloo", rank=0, world_size=1)
+    try:
+        from torch.distributed.device_mesh import init_device_mesh
+
+        fsdp = __import__("torch.distributed.fsdp", fromlist=["fully_shard"])
+        mesh = init_device_mesh("cpu", (1,))
+        x = torch.tensor([[1, 2, 3]])
+
+        def prepare(model: Head) -> None:  # accelerate 1.15's order: the units, the tied tail, the root
+            fsdp.fully_shard(model.embeddings, mesh=mesh)
+            fsdp.fully_shard([model.embeddings.word, model.predictions.decoder], mesh=mesh)
+            fsdp.fully_shard(model, mesh=mesh)
+
+        with pytest.raises(TypeError, match="Invariant encountered"):
+            prepare(Head())
+        ref = Head()
+        expect = torch.autograd.grad(ref(x), [ref.embeddings.word.weight, ref.predictions.bias])
+        ours = Head()
+        with _compat.join_shared_holders(ours) as joined:
+            prepare(ours)
+        assert joined == [("predictions",)], joined  # with the unit; the tail's members were both sharded by it
+        ours(x).backward()
+        assert ours.predictions.decoder.weight is ours.embeddings.word.weight, _broken("the weight tie")
+        assert ours.predictions.decoder.bias is ours.predictions.bias, _broken("the bias tie")
+        got = [ours.embeddings.word.weight.grad.full_tensor(), ours.predictions.bias.grad.full_tensor()]
+        assert all(torch.equal(a, b) for a, b in zip(got, expect, strict=True)), _broken("the gradients")
+    finally:
+        dist.destroy_process_group()
+
+
 def test_the_offline_fsdp2_path_reads_what_a_launch_and_torch_do():
     """``_compat.fsdp_plugin_from_launch``, ``fake_process_group``, ``prepare_like_accelerate``, ``fsdp_groups``
     (``hf-ddpfix plan`` and tests/test_fsdp_scale.py): accelerate 1.15's launcher exports ``fsdp_config`` as the

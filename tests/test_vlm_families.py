@@ -30,6 +30,7 @@ import pytest
 import transformers
 
 from hf_ddpfix.rehearse.family_sweep import (
+    CELLS_RESULTS,
     RESULTS,
     families,
     load_results,
@@ -105,6 +106,10 @@ def test_plan_prints_where_the_family_stands():
 
     line = status_line("qwen2_5_vl")
     assert line.startswith("family 'qwen2_5_vl' in the VLM sweep") and DATA["transformers"] in line
+    # the shipped 2-process cells too (issue 45: "plan --model says where a family stands")
+    assert "on 2 processes vs stock DDP (mixed image/text ranks): DDP equal, FSDP2 with the plan's units equal" in line
+    refused = status_line("llava_next")  # the user's list refused before step 1, with the reason
+    assert "FSDP2 with your layer list refused before step 1 (" in refused, refused
     assert status_line("llama") == ""  # a text model: no line
     out = io.StringIO()
     with redirect_stdout(out):
@@ -178,7 +183,7 @@ def test_per_layer_overrides_contract_and_the_cut_of_a_heterogeneous_config():
     assert {a["head_dim"] for a in cut.values()} == {32}, cut
 
 
-CELLS_FILE = ROOT / "tests" / "results" / "vlm_family_cells.json"
+CELLS_FILE = CELLS_RESULTS
 CELL_NAMES = ("ddp", "fsdp_plan", "fsdp_list")
 
 
@@ -190,13 +195,15 @@ def _cells_script():
 
 
 def test_the_cells_file_covers_every_built_family_and_no_cell_failed():
-    """Fast tier: tests/results/vlm_family_cells.json (``scripts/vlm_families.py --cells``: every family the sweep
+    """Fast tier: hf_ddpfix/rehearse/vlm_family_cells.json (``scripts/vlm_families.py --cells``: every family the sweep
     builds, 2 gloo processes, stock DDP vs hf_ddpfix's DDP, FSDP2 with the plan's units and FSDP2 with the family's
     ``<DecoderLayer>,<VisionBlock>`` list) has a record for every family the results file records as built, and every
     cell is equal to stock DDP within the file's tolerance, or refused before step 1 with a named reason, or not run
-    because the tiny model does not run text-only forward (the results file's ``text``, said so), or fails as the
+    because the tiny model runs neither a text-only nor an image batch (the results file's ``text`` and ``image``,
+    said so), or fails as the
     stock ``Trainer`` under DDP fails on the same family (``stock_fails``, stock's error recorded): no ``failed``, no
-    ``differs``, no ``missing``. A family with an image runs mixed image/text ranks (``images``), the others text only.
+    ``differs``, no ``missing``. A family with an image runs mixed image/text ranks (``images``), one that takes no
+    text-only batch an image on every rank and step (BLIP, GIT), the others text only.
 
     Shown failing (2026-12-02): the file with one cell's ``status`` edited to ``failed`` fails here (the cell and its
     error are named); so does the file with one built family's record removed."""
@@ -208,15 +215,17 @@ def test_the_cells_file_covers_every_built_family_and_no_cell_failed():
     bad = {}
     for mt, rec in sorted(cells["families"].items()):
         runs_text = DATA["families"][mt].get("text") == "ok"
+        runs_image = DATA["families"][mt].get("image") == "ok"
         for cell in CELL_NAMES:
             v = rec["cells"][cell]
             if v["status"] == "equal":
                 assert v["max_diff"] <= tol[cell] and v["synced"], (mt, cell, v)
-                assert rec["images"] == (DATA["families"][mt].get("image") == "ok"), (mt, rec["images"])
+                images = runs_image if runs_text else _cells_script().EVERY_STEP
+                assert rec["images"] == images, (mt, rec["images"], images)
             elif v["status"] == "refused":
                 assert v["error"].startswith("PlanError: ") and v.get("at_step", 0) == 0, (mt, cell, v)
             elif v["status"] == "not_run":
-                assert not runs_text and v["error"], (mt, cell, v)
+                assert not runs_text and not runs_image and v["error"], (mt, cell, v)
             elif v["status"] == "stock_fails":  # the stock Trainer fails it under DDP too: not hf_ddpfix's failure
                 assert rec["stock"]["status"] == "failed" and rec["stock"]["error"], (mt, rec)
             else:
@@ -356,3 +365,31 @@ def test_the_shrinker_keeps_the_image_geometry_relations_of_default_configs():
         q = shrink_config(AutoConfig.for_model("qwen3_vl"))
         assert align_outputs(q.config, q.lines)
         assert q.config.vision_config.out_hidden_size == q.config.text_config.hidden_size
+
+
+def test_the_shrinker_keeps_latent_attention_head_relations():
+    """Config only (fast): DeepSeek-V3 attention (multi-latent: Kimi-K2.5's and Mistral-Large-4's text models, and
+    DeepSeek-V3 itself) derives widths from its parts: ``head_dim`` is the rotary width ``qk_rope_head_dim`` and
+    ``qk_head_dim`` = ``qk_nope_head_dim`` + ``qk_rope_head_dim`` (Mistral-Large-4's indexer ``index_head_dim`` the
+    same sum). The cut keeps both relations; before, ``head_dim`` 64 -> 16 beside ``qk_rope_head_dim`` 64 -> 8 and
+    ``qk_head_dim`` stayed 192, and the tiny model's rotary embedding failed ("size of tensor a (4) must match the
+    size of tensor b (8)": both families "not run" in the 2-process cells).
+
+    Shown failing (2026-12-02): without the ``_keep_head_relations`` call in ``_shrink_node`` every assert below
+    fails (``head_dim`` 16 vs 8)."""
+    from transformers import AutoConfig
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
+
+    from hf_ddpfix.rehearse.shrink import shrink_config
+
+    checked = 0
+    for model_type in ("deepseek_v3", "kimi_k25", "mistral_large4"):
+        if model_type not in CONFIG_MAPPING_NAMES:
+            continue
+        t = shrink_config(AutoConfig.for_model(model_type)).config.get_text_config()
+        assert t.head_dim == t.qk_rope_head_dim, (model_type, t.head_dim, t.qk_rope_head_dim)
+        assert t.qk_head_dim == t.qk_nope_head_dim + t.qk_rope_head_dim, (model_type, t.qk_head_dim)
+        if hasattr(t, "index_head_dim"):
+            assert t.index_head_dim == t.qk_nope_head_dim + t.qk_rope_head_dim, (model_type, t.index_head_dim)
+        checked += 1
+    assert checked >= 1

@@ -103,9 +103,19 @@ def shared_parameter_holders(model: nn.Module) -> list[tuple[str, ...]]:
 
 
 def _co_holders(root: nn.Module, modules: list[nn.Module]) -> list[nn.Module]:
-    """``modules`` plus every module of ``root``, not yet in an FSDP group, that holds a parameter the group
-    would manage (repeated until no more join). Ancestors of the group are never added (they enclose it)."""
+    """The group ``fully_shard(modules)`` must be so that no tied tensor is left in two groups:
+
+    - a member whose parameters an earlier group already shards (accelerate 1.15 puts the input embedding in its
+      tail group when only a unit around it was sharded, e.g. BLIP's ``BlipTextEmbeddings``: torch then takes
+      the sharded tensor for a tensor-parallel one and fails) leaves the group;
+    - every module of ``root``, not yet in an FSDP group, that holds a parameter the group would manage joins
+      it (repeated until no more join);
+    - such a holder that encloses a member (BLIP's ``cls.predictions`` holds the ``bias`` tied to its own
+      ``decoder``'s) takes that member's place: the group holds the enclosing module whole. The root never joins.
+
+    Returns the new group (empty when every member is already sharded)."""
     from torch.distributed.fsdp import FSDPModule
+    from torch.distributed.tensor import DTensor
 
     parent: dict[int, nn.Module] = {}
     holders: dict[int, list[nn.Module]] = {}
@@ -125,28 +135,34 @@ def _co_holders(root: nn.Module, modules: list[nn.Module]) -> list[nn.Module]:
                 todo.extend(c for c in mod.children() if not isinstance(c, FSDPModule))
         return out
 
-    def encloses(mod: nn.Module, group: list[nn.Module]) -> bool:
-        for g in group:
-            up = parent.get(id(g))
-            while up is not None:
-                if up is mod:
-                    return True
-                up = parent.get(id(up))
+    def encloses(mod: nn.Module, member: nn.Module) -> bool:
+        up = parent.get(id(member))
+        while up is not None:
+            if up is mod:
+                return True
+            up = parent.get(id(up))
         return False
 
-    group = list(modules)
-    while True:
+    def sharded(mod: nn.Module) -> bool:
+        params = list(mod.parameters())
+        return bool(params) and all(isinstance(p, DTensor) for p in params)
+
+    group = [m for m in modules if not sharded(m)]
+    while group:
         inside = managed(group)
         extra: list[nn.Module] = []
         for mod in inside.values():
             for p in mod.parameters(recurse=False):
                 for h in holders.get(id(p), ()):
-                    if (id(h) not in inside and not isinstance(h, FSDPModule) and all(h is not e for e in extra)
-                            and not encloses(h, group)):
-                        extra.append(h)
+                    if (id(h) in inside or isinstance(h, FSDPModule) or h is root
+                            or any(h is e for e in extra)):
+                        continue
+                    extra.append(h)
         if not extra:
             return group
-        group += extra
+        for h in extra:  # an enclosing holder replaces the members it encloses
+            group = [m for m in group if not encloses(h, m)] + [h]
+    return group
 
 
 class _JoinSharedHolders:
@@ -169,10 +185,14 @@ class _JoinSharedHolders:
             if any(m is root for m in group):
                 return original(module, *args, **kwargs)
             wider = _co_holders(root, group)
-            if len(wider) == len(group):
+            if len(wider) == len(group) and all(a is b for a, b in zip(wider, group, strict=True)):
                 return original(module, *args, **kwargs)
-            joined.append(tuple(names.get(id(m), type(m).__name__) for m in wider[len(group):]))
-            original(wider, *args, **kwargs)
+            old = {id(m) for m in group}
+            added = tuple(names.get(id(m), type(m).__name__) for m in wider if id(m) not in old)
+            if added:
+                joined.append(added)
+            if wider:  # empty: every member already sharded by an earlier group
+                original(wider, *args, **kwargs)
             return module  # sharded in place (FSDP2 swaps the classes); accelerate ignores what it returns
 
         self._original, self._ours = original, fully_shard
@@ -189,7 +209,8 @@ class _JoinSharedHolders:
 
 def join_shared_holders(root: nn.Module) -> _JoinSharedHolders:
     """A context: while open, ``torch.distributed.fsdp.fully_shard`` (as accelerate 1.15's ``fsdp2_prepare_model``
-    imports it) puts every module of ``root`` that holds one of a new group's parameters into that group. Entering
+    imports it) puts every module of ``root`` that holds one of a new group's parameters into that group (an
+    enclosing holder in place of the member it encloses; a member already sharded left out: ``_co_holders``). Entering
     gives the list it appends to: for each call it widened, the names of the modules that joined. A call on
     ``root`` itself, or one whose parameters no outside module holds, is passed through unchanged. Undone on exit."""
     return _JoinSharedHolders(root)

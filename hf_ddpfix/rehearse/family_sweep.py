@@ -9,8 +9,8 @@ asked what hf_ddpfix would do with it: the dummy image under DDP / FSDP and unde
 FSDP2 units and ``fsdp_skippable`` decision for LoRA on every linear layer, tower included, on 2 ranks (the
 run's own ``fsdp_facts`` and ``resolve_plan``). A family that cannot be built is kept with its reason.
 
-:func:`status_line` reads the results shipped with the package (``vlm_families.json``, written by
-``scripts/vlm_families.py``) for ``hf-ddpfix plan``.
+:func:`status_line` reads the results shipped with the package (``vlm_families.json``, and the 2-process cells'
+``vlm_family_cells.json``, both written by ``scripts/vlm_families.py``) for ``hf-ddpfix plan``.
 
 Guarantees: :func:`sweep_family` never raises for a family transformers lists (every failure is a field of the
 record); a record's ``verdict`` is the part tests/test_vlm_families.py compares with the shipped results.
@@ -23,10 +23,14 @@ import time
 from pathlib import Path
 from typing import Any
 
-__all__ = ["RESULTS", "families", "load_results", "size_family", "status_line", "sweep_family", "verdict"]
+__all__ = ["CELLS_RESULTS", "RESULTS", "families", "load_results", "size_family", "status_line", "sweep_family", "verdict"]
 
 #: the results shipped with the package (scripts/vlm_families.py writes it; docs/vlm-families.md renders it)
 RESULTS = Path(__file__).with_name("vlm_families.json")
+#: the 2-process cells of every built family (``scripts/vlm_families.py --cells``), shipped beside it
+CELLS_RESULTS = Path(__file__).with_name("vlm_family_cells.json")
+#: how a 2-process cell's verdict reads on one line (``status_line``)
+_CELL_NAMES = {"ddp": "DDP", "fsdp_plan": "FSDP2 with the plan's units", "fsdp_list": "FSDP2 with your layer list"}
 #: tiny models bigger than this (meta count) are not built for real: the sweep stays within its time budget
 MAX_PARAMS = 60_000_000
 
@@ -191,4 +195,32 @@ def status_line(model_type: str, path: Path | str | None = None) -> str:
     ok = lambda v: "runs" if v == "ok" else "fails"  # noqa: E731
     dummy = rec.get("ddp_dummy") or rec.get("zero_dummy") and f"{rec['zero_dummy']} (ZeRO only)" or "none"
     return (f"{head} text {ok(rec.get('text'))}, image {ok(rec.get('image'))}; dummy image {dummy}; "
-            f"FSDP2 fsdp_skippable={rec.get('fsdp_skippable')} (docs/vlm-families.md)")
+            f"FSDP2 fsdp_skippable={rec.get('fsdp_skippable')}{_cells_words(model_type, path)} "
+            "(docs/vlm-families.md)")
+
+
+def _cells_words(model_type: str, path: Path | str | None) -> str:
+    """``"; on 2 processes vs stock DDP: DDP equal, ..."``: the family's shipped 2-process cells (``""`` without
+    them, or when ``path`` names another results file)."""
+    if path is not None:
+        return ""
+    try:
+        rec = json.loads(CELLS_RESULTS.read_text()).get("families", {}).get(model_type)
+    except (OSError, ValueError):
+        return ""
+    if not rec:
+        return ""
+    words = []
+    for cell, name in _CELL_NAMES.items():
+        v = rec.get("cells", {}).get(cell, {})
+        status = v.get("status", "missing")
+        if status == "equal":
+            status = "equal"
+        elif status == "refused":
+            status = "refused before step 1 (" + v.get("error", "").removeprefix("PlanError: ")[:80] + ")"
+        else:
+            status = status.replace("_", " ")
+        words.append(f"{name} {status}")
+    images = rec.get("images")
+    how = "mixed image/text ranks" if images is True else "text only" if not images else f"images {images}"
+    return f"; on 2 processes vs stock DDP ({how}): " + ", ".join(words)

@@ -232,6 +232,7 @@ def _shrink_node(cfg: Any, path: str, lines: list[str], widths: dict[int, int],
                 if key in _HEAD_WIDTHS and isinstance(value, int) and not isinstance(value, bool):
                     _OLD_GLOBAL.setdefault(id(cfg), {})[key] = value
                     _set(cfg, p, key, _HEAD_WIDTHS[key], lines)
+            _keep_head_relations(cfg, p, lines)
             for key in _MLP:
                 if isinstance(_get(cfg, key), int) and not isinstance(_get(cfg, key), bool):
                     _set(cfg, p, key, 2 * new_h, lines)
@@ -279,6 +280,36 @@ def _shrink_node(cfg: Any, path: str, lines: list[str], widths: dict[int, int],
         if isinstance(v, int) and not isinstance(v, bool) and v > MIN_LAYERS:
             _set(cfg, p, key, MIN_LAYERS, lines)
     return old_h, new_h
+
+
+#: Multi-latent attention's parts: a per-head width equal to one of them (DeepSeek-V3's ``head_dim`` is its
+#: ``qk_rope_head_dim``: the rotary width) or the sum of two (``qk_head_dim`` = nope + rope) stays so when cut.
+_LATENT_PARTS = ("qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim", "kv_lora_rank", "q_lora_rank")
+
+
+def _keep_head_relations(cfg: Any, p: str, lines: list[str]) -> None:
+    """After the per-head widths are cut to their fixed values: every other per-head width the original config
+    derived from the latent-attention parts keeps that relation. A ``head_dim`` (or any width in
+    :data:`_HEAD_WIDTHS`) that equalled a part takes that part's new width; an integer ``*head_dim`` field that is
+    no cut width and equalled the sum of two parts (``qk_head_dim``, an indexer's ``index_head_dim``) takes the
+    sum of their new widths. Without it Kimi-K2.5 and Mistral-Large-4 (DeepSeek-V3 attention) cut ``head_dim``
+    64 -> 16 beside ``qk_rope_head_dim`` 64 -> 8 and their rotary embedding no longer fits (issue 45)."""
+    old = _OLD_GLOBAL.get(id(cfg), {})
+    parts = [k for k in _LATENT_PARTS if k in old]
+    if not parts:
+        return
+    for key in _HEAD_WIDTHS:
+        if key in old and key not in parts:
+            same = next((k for k in parts if old[k] == old[key]), None)
+            if same is not None:
+                _set(cfg, p, key, _get(cfg, same), lines)
+    for key, value in list(vars(cfg).items()):
+        if key in _HEAD_WIDTHS or not key.endswith("head_dim") or not isinstance(value, int) or \
+                isinstance(value, bool):
+            continue
+        pair = next(((a, b) for i, a in enumerate(parts) for b in parts[i + 1:] if old[a] + old[b] == value), None)
+        if pair is not None:
+            _set(cfg, p, key, _get(cfg, pair[0]) + _get(cfg, pair[1]), lines)
 
 
 def _cut_per_layer(cfg: Any, p: str, lines: list[str]) -> None:

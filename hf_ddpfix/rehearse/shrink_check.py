@@ -21,6 +21,8 @@ Guarantees: the returned config builds; ``Checked.text`` / ``Checked.image`` say
 
 from __future__ import annotations
 
+import copy
+
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -103,6 +105,39 @@ def _repair_once(config: Any, model: Any, lines: list[str]) -> bool:
                 lines.append(f"vocab_size: {old} -> {text.vocab_size} (image token id {tok} must be embedded)")
                 changed = True
     return changed
+
+
+#: the image-token fields a default config may leave unset (None) where every released checkpoint sets one
+_IMAGE_TOKEN_FIELDS = ("image_token_id", "image_token_index")
+
+
+def give_image_token(config: Any, model: Any, lines: list[str]) -> bool:
+    """Give a default config whose image-token field is ``None`` a token of its own, as every released checkpoint
+    has (BLIP-2 OPT: 50265, one past its text vocabulary): the id one past the embedding's rows (the repair then
+    grows the vocabulary to embed it). Used only where the shrunk model takes no image as it is and its code
+    compares ``input_ids`` with the field (BLIP-2, InstructBLIP: ``input_ids == None`` is ``False``, the image path
+    fails); MiniCPM-V, whose code reads the field but works without it, keeps it unset. Returns whether it did."""
+    import inspect
+    import sys
+
+    emb = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    rows = getattr(emb, "num_embeddings", None)
+    if not isinstance(rows, int):
+        return False
+    for key in _IMAGE_TOKEN_FIELDS:
+        if key not in vars(config) or getattr(config, key) is not None:
+            continue
+        try:
+            source = inspect.getsource(sys.modules[type(model).__module__])
+        except (OSError, TypeError, KeyError):
+            return False
+        if f"config.{key}" not in source:
+            continue
+        setattr(config, key, rows)
+        lines.append(f"{key}: None -> {rows} (the default config sets no image token; the model compares "
+                     "input_ids with it)")
+        return True
+    return False
 
 
 def repair_shrunk(shrunk: Shrunk, model_cls: Any) -> Shrunk:
@@ -353,6 +388,15 @@ def shrink_checked(config: Any, model_cls: Any, *, seed: int = 0, backward: bool
             torch.manual_seed(seed)
             model = model_cls(shrunk.config)
         text, image = run_checks(model, backward=backward)
+        tokened = copy.deepcopy(shrunk)
+        if image != "ok" and give_image_token(tokened.config, model, tokened.lines):
+            tokened = repair_shrunk(tokened, model_cls)  # the new id embedded
+            with torch.random.fork_rng(devices=[]):
+                torch.manual_seed(seed)
+                again = model_cls(tokened.config)
+            text2, image2 = run_checks(again, backward=backward)
+            if image2 == "ok":  # kept only where it gives the model its image path
+                shrunk, model, text, image = tokened, again, text2, image2
         got = Checked(shrunk, model, text, image)
         if got.text == got.image == "ok":  # the first candidate that takes an image too
             if (keep or align) and plain is not None:

@@ -20,7 +20,8 @@ Per family: the model is built tiny from its default config by the sweep's check
 ranks), LoRA on every linear layer (tower included, peft's default init, seeded), batches from the structural
 builder (:func:`hf_ddpfix.integrations.vision.sample.sample_batch`, variable lengths). :data:`STEPS` optimizer
 steps, rank ``r``'s step ``k`` with an image as :data:`PATTERN` says (rank 0 only, no rank: an all-text step, both,
-rank 1 only) where the sweep runs the family with an image; text only on every step where it does not. AdamW
+rank 1 only) where the sweep runs the family with an image; text only on every step where it does not; an image on
+every rank and step where the model takes no text-only batch (BLIP, GIT, :data:`EVERY_STEP`). AdamW
 (weight decay 0.1), clipping at 1.0, fp32, no checkpointing. Then ``evaluate()`` on one image rank and one text
 rank (``prediction_loss_only``).
 
@@ -65,7 +66,7 @@ PG_TIMEOUT = 240
 #: order): bit-equal, measured 0.0 on every family of the full sweep. FSDP2 vs stock DDP: reduce-scatter vs
 #: all-reduce order, and AdamW's division of a near-zero moment turns that rounding into a visible step
 #: (tests/test_fsdp_trainer_zoo.py: 9.9e-7 on Qwen2-VL). Measured over every family of the full sweep (2026-12-02,
-#: tests/results/vlm_family_cells.json "max_spread"): 3.0e-6 (lfm3_vl, both wrap modes), 0 to 7e-7 for most;
+#: hf_ddpfix/rehearse/vlm_family_cells.json "max_spread"): 3.0e-6 (lfm3_vl, both wrap modes), 0 to 7e-7 for most;
 #: bound with a 3x margin
 TOL = {"ddp": 0.0, "fsdp_plan": 1e-5, "fsdp_list": 1e-5}
 #: the eval loss (a mean over two ranks' losses, ~10 for these random models), relative to max(1, stock's loss):
@@ -73,8 +74,14 @@ TOL = {"ddp": 0.0, "fsdp_plan": 1e-5, "fsdp_list": 1e-5}
 EVAL_TOL = {"ddp": 0.0, "fsdp_plan": 1e-6, "fsdp_list": 1e-6}
 
 
+#: ``images`` of a family whose tiny model takes no text-only batch (BLIP, GIT: the image is a required input)
+EVERY_STEP = "every step"
+
+
 def build(model_type: str):  # noqa: ANN201
-    """The family's tiny model (the sweep's checked shrinker, seed 0) and whether it runs with an image."""
+    """The family's tiny model (the sweep's checked shrinker, seed 0) and its ``images``: True (mixed image / text
+    ranks), False (text only: no image layout runs) or :data:`EVERY_STEP` (an image on every rank and step: the
+    model runs no text-only batch, so no rank ever skips its tower; stock DDP is still the reference)."""
     import transformers
     from transformers import AutoConfig
 
@@ -83,8 +90,11 @@ def build(model_type: str):  # noqa: ANN201
 
     cls = getattr(transformers, families()[model_type])
     checked = shrink_checked(AutoConfig.for_model(model_type), cls, seed=0, small_images=True)
+    if checked.text != "ok" and checked.image != "ok":
+        raise RuntimeError(f"the tiny model runs neither text only ({checked.text}) nor with an image "
+                           f"({checked.image})")
     if checked.text != "ok":
-        raise RuntimeError(f"the tiny model does not run text only: {checked.text}")
+        return checked.model, EVERY_STEP
     return checked.model, checked.image == "ok"
 
 
@@ -98,14 +108,17 @@ def lora(base: torch.nn.Module) -> torch.nn.Module:
     return model
 
 
-def datasets(base: torch.nn.Module, images: bool, world: int):  # noqa: ANN201
+def datasets(base: torch.nn.Module, images: bool | str, world: int):  # noqa: ANN201
     from fixtures import RankItems
 
     from hf_ddpfix.integrations.vision.sample import sample_batch
 
     def make(pattern, seed):  # noqa: ANN001, ANN202
-        return lambda k, r: sample_batch(base, image=images and pattern[k % len(pattern)][r % 2],
-                                         seq=6 + (3 * k + r) % 5, seed=seed + 100 * k + r)
+        def item(k, r):  # noqa: ANN001, ANN202
+            image = images == EVERY_STEP or (images is True and pattern[k % len(pattern)][r % 2])
+            return sample_batch(base, image=image, seq=6 + (3 * k + r) % 5, seed=seed + 100 * k + r)
+
+        return item
 
     return (RankItems(STEPS, world, make(PATTERN, 0)), RankItems(len(EVAL_PATTERN), world, make(EVAL_PATTERN, 5000)))
 
@@ -131,7 +144,7 @@ def _digest(weights: dict[str, torch.Tensor]) -> str:
     return h.hexdigest()
 
 
-def run_cell(model_type: str, cell: str, base: torch.nn.Module, images: bool, user_list: list[str],
+def run_cell(model_type: str, cell: str, base: torch.nn.Module, images: bool | str, user_list: list[str],
              out: str) -> dict:
     """Train and evaluate one cell; the record rank 0 saves (without raising: the error is a field)."""
     import torch.distributed as dist
@@ -246,7 +259,8 @@ def judge(out: str, model_type: str, tol: dict | None = None, eval_tol: dict | N
     "refused" | "failed" | "stock_fails" (failed, and so did stock DDP: ``stock`` holds its error) | "not_run" |
     "no_reference" (trained, stock DDP did not) | "missing", "max_diff", "eval_diff", "error", "at_step", "units"}``,
     and
-    ``images`` (True: mixed image/text ranks; False: text only, the sweep's image run fails)."""
+    ``images`` (True: mixed image/text ranks; False: text only, the sweep's image run fails; :data:`EVERY_STEP`:
+    an image on every rank and step, the model runs no text-only batch)."""
     tol, eval_tol = tol or TOL, eval_tol or EVAL_TOL
 
     def load(cell):  # noqa: ANN001, ANN202

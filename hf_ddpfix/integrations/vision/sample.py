@@ -5,7 +5,8 @@ inputs the model's image path accepts plus as many image tokens as its features 
 in order (the first layout whose image features come out is kept, per model):
 
 - the keywords of ``get_image_features`` (on the model or its ``.model``): ``image_grid_thw`` / ``grid_thw``
-  (Qwen2-VL-style flattened patches: ``[t*h*w, C*T*P*P]`` for a ``[1, 2m, 2m]`` grid, ``m`` the merge size),
+  (Qwen2-VL-style flattened patches: ``[t*h*w, C*T*P*P]`` for a ``[1, 2m, 2m]`` grid, ``m`` the merge size;
+  then the same patches as ``[t*h*w, C*T, P, P]`` for a conv patch embedding, Kimi-K2.5's MoonViT),
   ``image_sizes`` (the native size), ``spatial_shapes`` + ``pixel_attention_mask`` (NaFlex patch rows),
   ``pixel_attention_mask`` (Idefics-style), ``aspect_ratio_ids`` / ``aspect_ratio_mask`` (Mllama tiles);
 - ``pixel_values`` as ``[1, C, H, W]``, ``[1, 1, C, H, W]`` or ``[1, 2, C, H, W]`` at ``vision_config.image_size``;
@@ -135,15 +136,25 @@ def _candidates(model: nn.Module, params: set[str]) -> list[tuple[str, dict[str,
     p = _int(_cfg_get(vc, ("patch_size", "spatial_patch_size")), 14)
     hw = image_size_hw(vc) or image_size_hw(cfg) or (224, 224)
     out: list[tuple[str, dict[str, Any]]] = []
-    grid_key = next((k for k in ("image_grid_thw", "grid_thw", "image_grid_hws", "grid_hws") if k in params), None)
+    grid_key = next((k for k in ("image_grid_thw", "grid_thw", "image_grid_hws", "grid_hws", "image_grid_hw",
+                                 "grid_hw") if k in params), None)
+    qformer: dict[str, Any] = {}
+    if "qformer_input_ids" in params:  # InstructBLIP: the image features depend on the Q-Former's instruction
+        qformer = {"qformer_input_ids": torch.tensor([[3, 4, 5, 6]], dtype=torch.long),
+                   "qformer_attention_mask": torch.ones(1, 4, dtype=torch.long)}
     if grid_key is not None:
         m = _int(_cfg_get(vc, ("spatial_merge_size", "merge_size", "spatial_merge")), 2)
         t = _int(_cfg_get(vc, ("temporal_patch_size",)), 1)
         for tt in ((t, 1) if t != 1 else (1,)):
-            g = [1, 2 * m, 2 * m] if "hws" not in grid_key else [2 * m, 2 * m]
+            g = [1, 2 * m, 2 * m] if "thw" in grid_key else [2 * m, 2 * m]
             n = 4 * m * m
             out.append((f"grid {g} x {c}*{tt}*{p}^2", {
                 "pixel_values": _ramp((n, c * tt * p * p), dtype),
+                grid_key: torch.tensor([g], dtype=torch.long)}))
+        for tt in ((t, 1) if t != 1 else (1,)):  # the same patches unflattened (a conv patch embedding: MoonViT)
+            g = [1, 2 * m, 2 * m] if "thw" in grid_key else [2 * m, 2 * m]
+            out.append((f"grid {g} x ({c * tt}, {p}, {p}) patches", {
+                "pixel_values": _ramp((4 * m * m, c * tt, p, p), dtype),
                 grid_key: torch.tensor([g], dtype=torch.long)}))
     if "spatial_shapes" in params:
         h, w = 4, 4
@@ -163,7 +174,7 @@ def _candidates(model: nn.Module, params: set[str]) -> list[tuple[str, dict[str,
         if tiles is not None and size == hw:  # LLaVA-NeXT anyres: the base tile + the grid the pinpoints pick
             leads = ((1, tiles),) + leads
         for lead in leads:
-            kw: dict[str, Any] = {"pixel_values": _ramp((*lead, c, *size), dtype), **extra}
+            kw: dict[str, Any] = {"pixel_values": _ramp((*lead, c, *size), dtype), **extra, **qformer}
             if "pixel_attention_mask" in params and len(lead) == 2:
                 kw["pixel_attention_mask"] = torch.ones(*lead, *size, dtype=torch.bool)
             if "aspect_ratio_ids" in params:
@@ -225,8 +236,14 @@ def image_layout(model: nn.Module) -> Layout:
     params = set(inspect.signature(fn).parameters) if fn is not None else set(inspect.signature(model.forward).parameters)
     errors: list[str] = []
     for name, kw in _candidates(model, params):
-        if fn is None or token is None:
+        if fn is None or token is None:  # the first layout the whole model takes beside plain text
             layout = Layout(kw, 0, None, [f"{name}; no get_image_features/image token: pixels beside the text"])
+            try:
+                with torch.no_grad(), torch.random.fork_rng(devices=[]):
+                    model(**_assemble(model, layout, seq=4, seed=0))
+            except Exception as e:  # noqa: BLE001 - a trial: any failure means "not this layout"
+                errors.append(f"{name}: {type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''}")
+                continue
             _LAYOUTS[model] = layout
             return layout
         try:
