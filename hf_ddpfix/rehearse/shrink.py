@@ -130,18 +130,30 @@ def _is_periodic(idx: list[int]) -> bool:
     return len(idx) >= 2 and len(steps) == 1
 
 
+def _kind_lists(cfg: Any, n: int) -> dict[str, list[Any]]:
+    """Per-layer kind lists: ``layer_types`` and every other ``*layer_types`` field with one entry per layer
+    (Step-3.7's ``mlp_layer_types``: 3 dense then sparse MLPs beside the attention kinds)."""
+    out = {}
+    for key, value in vars(cfg).items():
+        if key.endswith("layer_types") and isinstance(value, list | tuple) and len(value) == n and \
+                all(isinstance(v, str) for v in value):
+            out[key] = list(value)
+    return out
+
+
 def _layers_needed(cfg: Any, n: int, lists: dict[str, list[int]]) -> tuple[int, list[str]]:
     need, why = MIN_LAYERS, []
-    types = _get(cfg, "layer_types")
-    if isinstance(types, list | tuple) and len(types) == n and len(set(types)) > 1:
-        p = _period(list(types))
+    for key, types in _kind_lists(cfg, n).items():
+        if len(set(types)) <= 1:
+            continue
+        p = _period(types)
         if p < n:
             need = max(need, p)
-            why.append(f"layer_types period {p}")
+            why.append(f"{key} period {p}")
         else:
-            first = max(list(types).index(k) for k in set(types)) + 1
+            first = max(types.index(k) for k in set(types)) + 1
             need = max(need, first)
-            why.append(f"layer_types: every kind by layer {first}")
+            why.append(f"{key}: every kind by layer {first}")
     for key, idx in lists.items():
         if _is_periodic(idx) or len(idx) == 1:
             k = min(len(idx), 2)
@@ -262,9 +274,8 @@ def _shrink_node(cfg: Any, path: str, lines: list[str], widths: dict[int, int],
             _set(cfg, p, lkey, need, lines)
             if why:
                 lines[-1] += f" ({'; '.join(why)})"
-            types = getattr(cfg, "layer_types", None)
-            if isinstance(types, list | tuple) and len(types) == n:
-                cfg.layer_types = list(types)[:need]
+            for key, types in _kind_lists(cfg, n).items():
+                setattr(cfg, key, types[:need])
             for key, idx in lists.items():
                 if _is_periodic(idx) or len(idx) == 1:
                     new = [i for i in idx if i < need]
