@@ -189,3 +189,16 @@ def test_a_wrapper_is_read_through_and_a_text_model_has_no_parts():
         "model.visual", "model.language_model", "path", "inputs_embeds")
     text = vlm_parts(tiny_llama())
     assert (text.tower, text.projector, text.vision) == (None, None, ())
+
+
+def test_the_cross_attention_dummy_is_offered_only_for_a_tower_it_can_call():
+    """A cross-attention VLM whose tower does not take the dummy's inputs (Mllama's ``pixel_values`` /
+    ``aspect_ratio_ids`` / ``aspect_ratio_mask``) gets no cross-attention dummy (the FSDP2 plan then folds), where
+    the name-only rule would have driven it into a TypeError at the first text-only step. Shown failing
+    (2026-12-02): ``cross_attention_parts`` without its signature check returns the parts."""
+    if _built("mllama") is None:
+        pytest.skip("this transformers builds no tiny Mllama")
+    hf = meta_family("mllama", FAMILIES["mllama"])  # a copy of its own: the one above is shared
+    assert cross_attention_parts(hf) is not None
+    hf.model.vision_model = nn.Linear(2, 2, device="meta")
+    assert vlm_parts(hf).entry == "cross_attention" and cross_attention_parts(hf) is None
