@@ -172,7 +172,7 @@ def test_the_sweep_builds_the_families_this_compares():
     """The comparison above is not vacuous: most families build, Mllama is the cross-attention one, and the
     text-decoder layouts the old lookups disagreed on (``model.text_model``, ``get_decoder()`` only) are there."""
     built = {mt: hf for mt in FAMILIES if (hf := _built(mt)) is not None}
-    assert len(built) >= 60, len(built)
+    assert len(built) >= (60 if PINNED else 30), len(built)  # 83 on 5.23, 42 on 5.0 (the oldest stack)
     if PINNED:  # a family left out above is one the shipped sweep records unbuilt, with its reason
         assert sorted(built) == COMPARED
         assert all(DATA["families"][mt]["reason"] for mt in FAMILIES if mt not in built)
@@ -182,7 +182,7 @@ def test_the_sweep_builds_the_families_this_compares():
         assert parts["mllama"].language_model == "model.language_model"
     assert any(p.language_model == "model.text_model" for p in parts.values())  # Idefics2/3, SmolVLM
     assert any(p.language_model_by == "get_decoder" for p in parts.values())  # GIT, Idefics: no path, get_decoder()
-    assert sum(p.entry == "inputs_embeds" for p in parts.values()) >= 50
+    assert sum(p.entry == "inputs_embeds" for p in parts.values()) >= len(built) * 2 // 3
 
 
 def test_a_wrapper_is_read_through_and_a_text_model_has_no_parts():
