@@ -280,8 +280,11 @@ def test_the_decoder_is_called_once_with_the_merged_embeddings_and_only_keywords
     model = BUILDERS[family](0)
     if model is None:
         pytest.skip(f"this transformers has no {family}")
+    from hf_ddpfix.integrations.vision.parts import vlm_parts
+
     fam, _ = v.vision_sequence_parallel_support(model)
-    lm = model.get_submodule(fam.language_model_paths[0])
+    assert fam is not None and fam.name == family
+    lm = model.get_submodule(vlm_parts(model).language_model)
     calls = []
     handle = lm.register_forward_pre_hook(lambda m, a, k: calls.append((a, dict(k))), with_kwargs=True)
     try:

@@ -237,7 +237,7 @@ def test_the_cells_file_covers_every_built_family_and_no_cell_failed():
 #: cells that fail today, each an open bug in hf_ddpfix (not an accepted outcome): the test above fails when one
 #: is fixed (remove it here) or a new one appears. None since 2026-12-02: video_llava (two CLIP towers named
 #: ``image_tower`` / ``video_tower``) crashed FSDP2 at step 1 until a vision sub-model was found by its config
-#: (``integrations/vision/families.py``, ``_is_vision_model``).
+#: (``integrations/vision/parts.py``, ``vision_modules``).
 KNOWN_CELL_BUGS: dict[str, str] = {}
 
 

@@ -23,7 +23,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-__all__ = ["CELLS_RESULTS", "RESULTS", "families", "load_results", "size_family", "status_line", "sweep_family", "verdict"]
+__all__ = ["CELLS_RESULTS", "RESULTS", "families", "load_results", "meta_family", "size_family", "status_line",
+           "sweep_family", "verdict"]
 
 #: the results shipped with the package (scripts/vlm_families.py writes it; docs/vlm-families.md renders it)
 RESULTS = Path(__file__).with_name("vlm_families.json")
@@ -105,23 +106,29 @@ def _plan_record(model: Any) -> dict[str, Any]:
     return out
 
 
-def size_family(model_type: str, class_name: str | None = None) -> dict[str, Any]:
-    """The cheap part of :func:`sweep_family`: the default config shrunk and repaired, built on the meta device;
-    ``meta_params`` (its parameter count) or ``reason``. No weights, no forward (the fast tier runs it for every
-    family)."""
+def meta_family(model_type: str, class_name: str | None = None) -> Any:
+    """``model_type``'s default config shrunk and repaired, built on the meta device (no memory, no weights): the
+    module tree the sweep builds for real. Raises the build's error where it cannot be built."""
     import transformers
     from transformers import AutoConfig
 
     from .shrink import shrink_config
     from .shrink_check import _meta, repaired_meta
 
+    cls = getattr(transformers, class_name or families()[model_type])
+    sized = shrink_config(AutoConfig.for_model(model_type))
+    return repaired_meta(sized, cls) or _meta(cls, sized.config)  # the second names the build's error
+
+
+def size_family(model_type: str, class_name: str | None = None) -> dict[str, Any]:
+    """The cheap part of :func:`sweep_family`: the default config shrunk and repaired, built on the meta device;
+    ``meta_params`` (its parameter count) or ``reason``. No weights, no forward (the fast tier runs it for every
+    family)."""
     class_name = class_name or families()[model_type]
     rec: dict[str, Any] = {"model_type": model_type, "class": class_name, "builds": False, "reason": "",
                            "text": "", "image": ""}
     try:
-        cls = getattr(transformers, class_name)
-        sized = shrink_config(AutoConfig.for_model(model_type))
-        meta = repaired_meta(sized, cls) or _meta(cls, sized.config)  # the second names the build's error
+        meta = meta_family(model_type, class_name)
         rec["meta_params"] = sum(p.numel() for p in meta.parameters())
     except Exception as e:  # noqa: BLE001 - the family's outcome
         rec["reason"] = _reason(e)

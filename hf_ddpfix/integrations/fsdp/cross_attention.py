@@ -33,6 +33,7 @@ tower and cross-attention units trains, evaluates and predicts like stock DDP wi
 
 from __future__ import annotations
 
+import inspect
 import weakref
 from typing import Any
 
@@ -40,21 +41,35 @@ import torch
 from torch import nn
 
 from ..._compat import passed_cache, unwrap_model
+from ..vision.parts import get_submodule, vlm_parts
 from .grad_reset import StepImages
 
 __all__ = ["CrossAttentionDummy", "cross_attention_parts", "kept_cross_attention_dummy", "nonzero_contribution"]
 
 _KEPT = "_hf_ddpfix_cross_attention_dummy"
+#: the keywords the dummy calls the tower with (:meth:`CrossAttentionDummy._features`; Mllama, transformers 5.23)
+_TOWER_INPUTS = ("pixel_values", "aspect_ratio_ids", "aspect_ratio_mask")
 
 
 def cross_attention_parts(model: nn.Module) -> tuple[nn.Module, nn.Module, nn.Module, nn.Module] | None:
-    """``(root, vision_model, multi_modal_projector, language_model)`` of a cross-attention VLM (a module with
-    those three children whose language model lists ``cross_attention_layers``), or ``None``."""
-    for mod in unwrap_model(model).modules():
-        parts = [getattr(mod, n, None) for n in ("vision_model", "multi_modal_projector", "language_model")]
-        if all(isinstance(p, nn.Module) for p in parts) and getattr(parts[2], "cross_attention_layers", None):
-            return mod, parts[0], parts[1], parts[2]
-    return None
+    """``(root, tower, projector, language_model)`` of a cross-attention VLM, or ``None``: the parts
+    :func:`~hf_ddpfix.integrations.vision.parts.vlm_parts` finds when its features enter by cross-attention (the
+    language model lists ``cross_attention_layers``: Mllama's ``model.vision_model``, ``model.multi_modal_projector``,
+    ``model.language_model``) and it has a tower that takes the inputs the dummy passes (Mllama's
+    ``pixel_values`` / ``aspect_ratio_ids`` / ``aspect_ratio_mask``) and a projector; ``root`` is the module holding
+    the language model (Mllama's ``model``: its forward takes the pixels and runs the tower)."""
+    hf = unwrap_model(model)
+    parts = vlm_parts(hf)
+    if parts.entry != "cross_attention" or parts.tower is None or parts.projector is None:
+        return None
+    lm_path = str(parts.language_model)
+    owner = get_submodule(hf, lm_path.rpartition(".")[0]) if "." in lm_path else hf
+    tower, projector, lm = (get_submodule(hf, p) for p in (parts.tower, parts.projector, lm_path))
+    if owner is None or tower is None or projector is None or lm is None:
+        return None
+    if not set(_TOWER_INPUTS) <= set(inspect.signature(tower.forward).parameters):
+        return None
+    return owner, tower, projector, lm
 
 
 def nonzero_contribution(language_model: nn.Module) -> str:
@@ -99,8 +114,8 @@ class CrossAttentionDummy(StepImages):
     def __init__(self, model: nn.Module, *, process_group: Any = None) -> None:
         parts = cross_attention_parts(model)
         if parts is None:
-            raise ValueError(f"{type(unwrap_model(model)).__name__}: no vision_model / multi_modal_projector / "
-                             "language_model with cross_attention_layers")
+            raise ValueError(f"{type(unwrap_model(model)).__name__}: no vision tower / projector / language model "
+                             "with cross_attention_layers")
         self.root, self.vision, self.projector, self.language_model = parts
         self.process_group = process_group
         self.dummy_runs = 0

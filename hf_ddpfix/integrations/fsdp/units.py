@@ -281,12 +281,13 @@ def _dummy_facts(hf: nn.Module, skip: list[nn.Module]) -> tuple[str, str, int, i
     """(family, why not, tokens, tower parameters) of the dummy image that could run a skippable subtree."""
     from ..vision.adapter import grid_geometry, image_size_hw
     from ..vision.families import describe_unsupported, find_vision_adapter
+    from ..vision.parts import vlm_parts
     from ..vision.zero import language_model_of
 
     vision = [s for s in skip if not isinstance(s, nn.ModuleList)]
     if not vision:
         return "", "LayerDrop only", 0, 0
-    if any("CrossAttention" in type(m).__name__ for m in hf.modules()):
+    if vlm_parts(hf).cross_attention:
         from .cross_attention import dummy_tokens, nonzero_contribution
 
         parts = cross_attention_parts(hf)

@@ -54,7 +54,14 @@ from ...ops.feature_counts import record_amount
 from ...ops.sequence_parallel.inputs import IGNORE_INDEX, shard_batch
 from ...ops.sequence_parallel.loss import shard_loss_rows
 from ...ops.sequence_parallel.multimodal import shard_language_model_inputs
-from ..vision.families import TOWER_NAMES, find_vision_adapter, get_submodule, is_vision_language_model
+from ..vision.families import find_vision_adapter
+from ..vision.parts import (
+    LANGUAGE_MODEL_PATHS,
+    TOWER_NAMES,
+    get_submodule,
+    is_vision_language_model,
+    vlm_parts,
+)
 from .attention import FEATURE, activate_batch, keep_full_sequence
 
 __all__ = ["PER_ITEM_KEYS", "PER_TOKEN_KEYS", "SEQUENCE_PARALLEL_VISION_FAMILIES", "VisionSequenceParallelFamily",
@@ -63,11 +70,11 @@ __all__ = ["PER_ITEM_KEYS", "PER_TOKEN_KEYS", "SEQUENCE_PARALLEL_VISION_FAMILIES
 
 @dataclass(frozen=True)
 class VisionSequenceParallelFamily:
-    """How a VLM family's text decoder is found and called (data; the code is `VisionSequenceSharding`).
+    """How a VLM family's text decoder is called (data; the code is `VisionSequenceSharding`; where the decoder is:
+    `integrations/vision/parts.py`, `vlm_parts`).
 
     Args:
         name: the vision family's name (`integrations/vision/families.py`).
-        language_model_paths: where the text decoder lives inside the HF model, tried in order.
         text_positions_from_2d: the decoder reads 2-D `position_ids` as text positions (and finds packed
             documents in them when no mask is given): Qwen3-VL expands them to 4 rows, text first;
             Qwen2-VL / Qwen2.5-VL expand them to 3 rotary rows and read no documents (5.23 modeling).
@@ -76,7 +83,6 @@ class VisionSequenceParallelFamily:
     """
 
     name: str
-    language_model_paths: tuple[str, ...] = ("model.language_model", "language_model")
     text_positions_from_2d: bool = False
     cut_keywords: tuple[str, ...] = ()
     #: built from the model's structure (`structural_family`), not from the table
@@ -131,40 +137,35 @@ _DECODER_PARAMS = frozenset({"self", "input_ids", "attention_mask", "position_id
                              "kwargs", "args"})
 
 
-def _decoder(hf: nn.Module, paths: tuple[str, ...]) -> nn.Module | None:
-    lm = next((m for m in (get_submodule(hf, p) for p in paths) if m is not None), None)
-    if lm is None and callable(getattr(hf, "get_decoder", None)):
-        try:
-            lm = hf.get_decoder()
-        except (AttributeError, NotImplementedError, TypeError):
-            lm = None
-    return lm if isinstance(lm, nn.Module) and lm is not hf else None
+def _decoder(hf: nn.Module) -> nn.Module | None:
+    """The text decoder where sequence parallelism cuts: `vlm_parts`' language model (at one of its
+    `LANGUAGE_MODEL_PATHS`, else `get_decoder()`'s module)."""
+    path = vlm_parts(hf).language_model
+    return get_submodule(hf, path) if path else None
 
 
 def vision_tower(hf: nn.Module) -> nn.Module | None:
-    """The VLM's vision tower: its adapter's (`families.find_vision_adapter`, ZeRO view: every family it knows or
-    discovers), else the outermost module named like one (`vision_tower`, `vision_model`, `visual`, ...)."""
+    """The VLM's vision tower: `vlm_parts`' (the outermost module named one of `TOWER_NAMES`), else the tower a
+    registered family locates under another name (`families.find_vision_adapter`, ZeRO view)."""
+    path = vlm_parts(hf).tower
+    if path is not None:
+        return get_submodule(hf, path)
     adapter = find_vision_adapter(hf, zero=True)
-    if adapter is not None:
-        return adapter.tower
-    for path, module in hf.named_modules():
-        if path and path.rsplit(".", 1)[-1] in TOWER_NAMES:
-            return module
-    return None
+    return adapter.tower if adapter is not None else None
 
 
 def structural_family(hf: nn.Module) -> tuple[VisionSequenceParallelFamily | None, str]:
     """A VLM outside the table, judged by its structure: `(family, "")` when its image features are merged into the
-    text decoder's `inputs_embeds` (the decoder at `model.language_model` / `language_model` / `get_decoder()`
-    takes nothing but text-decoder inputs), it has a vision tower, and it computes no multimodal (M-RoPE) position
+    text decoder's `inputs_embeds` (the decoder `vlm_parts` finds, at one of `LANGUAGE_MODEL_PATHS` or
+    `get_decoder()`, takes nothing but text-decoder inputs), it has a vision tower, and it computes no multimodal (M-RoPE) position
     ids; else `(None, reason)`. Its image attention (Gemma 3's bidirectional image blocks, sliding windows) comes
     from the masks the model itself builds on the full sequence (`VisionSequenceSharding`)."""
     mt = getattr(hf.config, "model_type", None)
     head = f"{type(hf).__name__} (model_type {mt!r})"
-    paths = ("model.language_model", "language_model")
-    lm = _decoder(hf, paths)
+    lm = _decoder(hf)
     if lm is None:
-        return None, f"{head}: no text decoder at {' / '.join(paths)} or get_decoder() (where sequence parallelism cuts)"
+        return None, (f"{head}: no text decoder at {' / '.join(LANGUAGE_MODEL_PATHS)} or get_decoder() (where "
+                      "sequence parallelism cuts)")
     inner = get_submodule(hf, "model") or hf
     if any(callable(getattr(m, "get_rope_index", None)) for m in (hf, inner)):
         return None, (f"{head} computes multimodal (M-RoPE) position ids (get_rope_index) whose rule for a sharded "
@@ -199,9 +200,10 @@ def vision_sequence_parallel_support(model: nn.Module) -> tuple[VisionSequencePa
             return None, (f"{why}; a vision-language model is sharded when its image features enter the text "
                           "decoder's inputs_embeds")
         return found, ""
-    lm = next((m for m in (get_submodule(hf, p) for p in fam.language_model_paths) if m is not None), None)
+    parts = vlm_parts(hf)
+    lm = get_submodule(hf, parts.language_model) if parts.language_model_by == "path" else None
     if lm is None:
-        return None, (f"{type(hf).__name__}: no text decoder at {' / '.join(fam.language_model_paths)} (the "
+        return None, (f"{type(hf).__name__}: no text decoder at {' / '.join(LANGUAGE_MODEL_PATHS)} (the "
                       "layout sequence parallelism cuts at)")
     if reads_text_positions_from_rotary_rows(lm) is None:
         return None, f"{type(hf).__name__}: its text decoder's source cannot be read (how it separates documents)"
@@ -315,7 +317,7 @@ class VisionSequenceSharding:
 
     def __init__(self, model: nn.Module, family: VisionSequenceParallelFamily, group: Any = None) -> None:
         hf = unwrap_model(model)
-        lm = _decoder(hf, family.language_model_paths)
+        lm = _decoder(hf)
         tower = vision_tower(hf)
         if lm is None or tower is None:
             raise ValueError(f"{type(hf).__name__}: no text decoder / vision tower for family {family.name}")

@@ -1,5 +1,7 @@
 """Vision-language models under DDP, FSDP2 and DeepSpeed ZeRO: one folder per concept of the feature.
 
+- :mod:`.parts` — :func:`~.parts.vlm_parts`, where a VLM's tower, projector and language model are and how its image
+  features enter the language model: the one source every feature reads them from.
 - :mod:`.family` — :class:`VisionFamily`, what a VLM family is, as data.
 - :mod:`.adapter` — :class:`VisionAdapter`, a located tower and the smallest dummy image it accepts.
 - :mod:`.proof` — the attach-time proof that a dummy contributes exactly zero (families found by structure).

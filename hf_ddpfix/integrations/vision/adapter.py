@@ -33,6 +33,7 @@ from torch import nn
 
 from ..._compat import image_features, output_field, zero3_gathered, zero3_partitioned
 from .family import VisionFamily
+from .parts import get_submodule
 from .proof import eval_mode, prove_zero
 
 __all__ = ["EXTRA_INPUT_BUILDERS", "GRID_INPUT_NAMES", "VISUAL_INPUT_NAMES", "VisionAdapter", "get_submodule",
@@ -56,14 +57,6 @@ GRID_INPUT_NAMES = ("image_grid_thw", "grid_thw")
 #: ``flat`` ``[patches, C * tp * p * p]`` (Qwen2-VL, GLM-4V), ``patch5`` ``[patches, C, tp, p, p]``, ``patch4``
 #: ``[patches, C, p, p]`` (towers without a temporal patch).
 GRID_LAYOUTS = ("flat", "patch5", "patch4")
-
-
-def get_submodule(root: nn.Module, path: str) -> nn.Module | None:
-    """``root.get_submodule(path)``, or ``None`` when there is no such module."""
-    try:
-        return root.get_submodule(path)
-    except AttributeError:
-        return None
 
 
 def image_size_hw(vision_config: Any) -> tuple[int, int] | None:

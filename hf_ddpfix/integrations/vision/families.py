@@ -42,6 +42,10 @@ Supported families, two kinds:
 
 For other VLMs, :func:`vision_param_names` / :func:`vision_groups` find vision parts by module name
 (planning and the hang guard only) and :func:`describe_unsupported` says why there is no adapter.
+
+Where a model's tower, projector and language model are (by name, by path, ``get_decoder()``) is not decided
+here: :func:`~hf_ddpfix.integrations.vision.parts.vlm_parts` is the one source; this module adds the registry's
+hand-written tower paths and what the dummy image needs.
 """
 
 from __future__ import annotations
@@ -56,13 +60,21 @@ from .adapter import (
     BUILT_INPUTS,
     GRID_INPUT_NAMES,
     VisionAdapter,
-    get_submodule,
     grid_geometry,
     image_size_hw,
     materialized,
     output_tensors,
 )
 from .family import VisionFamily
+from .parts import (
+    DEEPSTACK_LAYER_PATHS,
+    TOWER_NAMES,
+    get_submodule,
+    is_vision_language_model,
+    vision_modules,
+    vlm_parts,
+)
+from .parts import vision_config as _vision_config
 
 __all__ = [
     "TOWER_NAMES",
@@ -80,31 +92,6 @@ __all__ = [
     "vision_param_names",
 ]
 
-# Module names that hold vision parameters in VLMs we have no adapter for (planning / guard only).
-_GENERIC_VISION_NAMES = frozenset(
-    {
-        "visual",
-        "vision_tower",
-        "vision_model",
-        "vision_encoder",
-        "image_encoder",
-        "vision_embed_tokens",
-        "multi_modal_projector",
-        "mm_projector",
-        "vision_projection",
-        "visual_projection",
-        "connector",
-    }
-)
-
-
-# Where a discovered family's tower and projector live (outermost module with one of these names).
-_TOWER_NAMES = ("vision_tower", "vision_model", "visual", "vision_encoder", "image_encoder")
-#: public name of the tower names (sequence parallelism finds a structural family's tower by them)
-TOWER_NAMES = _TOWER_NAMES
-_PROJECTOR_NAMES = ("multi_modal_projector", "connector", "mm_projector", "vision_projection", "visual_projection")
-
-
 # ---------------------------------------------------------------------------------------------------
 # Registry
 # ---------------------------------------------------------------------------------------------------
@@ -119,13 +106,12 @@ def _image_family(name: str, model_types: tuple[str, ...]) -> VisionFamily:
     )
 
 
-_QWEN3_LAYERS = ("model.language_model.layers", "language_model.layers")
 VISION_FAMILIES: list[VisionFamily] = [
     VisionFamily("qwen2_vl", ("qwen2_vl_vision", "qwen2_vl")),
     VisionFamily("qwen2_5_vl", ("qwen2_5_vl_vision", "qwen2_5_vl")),
-    VisionFamily("qwen3_vl", ("qwen3_vl_vision", "qwen3_vl"), deepstack_layer_paths=_QWEN3_LAYERS),
+    VisionFamily("qwen3_vl", ("qwen3_vl_vision", "qwen3_vl"), deepstack_layer_paths=DEEPSTACK_LAYER_PATHS),
     VisionFamily(
-        "qwen3_vl_moe", ("qwen3_vl_moe_vision", "qwen3_vl_moe"), deepstack_layer_paths=_QWEN3_LAYERS
+        "qwen3_vl_moe", ("qwen3_vl_moe_vision", "qwen3_vl_moe"), deepstack_layer_paths=DEEPSTACK_LAYER_PATHS
     ),
     _image_family("llava", ("llava",)),
     _image_family("gemma3", ("gemma3",)),
@@ -138,16 +124,6 @@ def register_vision_family(family: VisionFamily) -> None:
     Guarantees: a registered family is matched by :func:`find_vision_adapter` (test_vlm: registry test).
     """
     VISION_FAMILIES[:] = [f for f in VISION_FAMILIES if f.name != family.name] + [family]
-
-
-def _vision_config(hf: nn.Module) -> Any | None:
-    cfg = getattr(hf, "config", None)
-    return getattr(cfg, "vision_config", None) if cfg is not None else None
-
-
-def is_vision_language_model(model: nn.Module) -> bool:
-    """True when the (unwrapped) model's config has a ``vision_config``."""
-    return _vision_config(unwrap_model(model)) is not None
 
 
 def _structure_gaps(hf: nn.Module, fam: VisionFamily, tower: nn.Module, vc: Any) -> list[str]:
@@ -198,14 +174,6 @@ def _match_family(hf: nn.Module) -> tuple[VisionFamily | None, nn.Module | None,
     return None, None, "", reason
 
 
-def _outermost(hf: nn.Module, names: tuple[str, ...]) -> str | None:
-    """Dotted path of the first (outermost, in module order) submodule whose own name is in ``names``."""
-    for path, _ in hf.named_modules():
-        if path and path.rsplit(".", 1)[-1] in names:
-            return path
-    return None
-
-
 def _discover_family(hf: nn.Module) -> tuple[VisionFamily | None, str]:
     """A family built from ``hf``'s config and the signature of the call that runs its tower, or the reason why not.
 
@@ -236,24 +204,23 @@ def _discover_family(hf: nn.Module) -> tuple[VisionFamily | None, str]:
     unknown = [n for n in required if n not in BUILT_INPUTS]
     if unknown:
         return None, f"{head}: get_image_features needs {unknown}, which hf_ddpfix cannot build from the config"
-    cross = sorted({type(m).__name__ for m in hf.modules() if "CrossAttention" in type(m).__name__})
-    if cross:
-        return None, (f"{head}: image features enter through cross-attention layers ({', '.join(cross)}), which "
-                      "run only with an image: a dummy image cannot run them with an exactly-zero contribution")
-    tower = _outermost(hf, _TOWER_NAMES)
-    projector = _outermost(hf, _PROJECTOR_NAMES)
+    parts = vlm_parts(hf)
+    if parts.cross_attention:
+        return None, (f"{head}: image features enter through cross-attention layers ({', '.join(parts.cross_attention)}"
+                      "), which run only with an image: a dummy image cannot run them with an exactly-zero contribution")
+    tower, projector = parts.tower, parts.projector
     grids = tuple(n for n in GRID_INPUT_NAMES if n in params)
     if grids:
         missing = [] if grid_geometry(vc) is not None else ["vision_config.patch_size"]
         if tower is None:
-            missing.append(f"a vision tower named one of {list(_TOWER_NAMES)}")
+            missing.append(f"a vision tower named one of {list(TOWER_NAMES)}")
         if missing:
             return None, f"{head}: no grid dummy can be built from the config: it lacks {missing}"
         return VisionFamily(
             f"{root_type} (from config)", (), tower_paths=(str(tower),), required_config=("patch_size",),
             required_children=(), kind="grid", model_types=(root_type,),
             projector_paths=(projector,) if projector else (), extra_inputs=grids[:1], discovered=True,
-            deepstack_layer_paths=_QWEN3_LAYERS,
+            deepstack_layer_paths=DEEPSTACK_LAYER_PATHS,
         ), ""
     if [n for n in required if n in GRID_INPUT_NAMES]:
         return None, f"{head}: get_image_features needs {required}, which hf_ddpfix cannot build from the config"
@@ -261,7 +228,7 @@ def _discover_family(hf: nn.Module) -> tuple[VisionFamily | None, str]:
     if image_size_hw(vc) is None:
         missing.append("vision_config.image_size as an int or (height, width)")
     if tower is None:
-        missing.append(f"a vision tower named one of {list(_TOWER_NAMES)}")
+        missing.append(f"a vision tower named one of {list(TOWER_NAMES)}")
     if missing:
         return None, f"{head}: no dummy image can be built from the config: it lacks {missing}"
     return VisionFamily(
@@ -365,36 +332,16 @@ def describe_unsupported(model: nn.Module, *, zero: bool = False) -> str:
     )
 
 
-def _is_vision_model(mod: nn.Module, vision_type: str | None) -> bool:
-    """A sub-model built from the vision config: its own ``config`` has the vision config's ``model_type`` (VideoLLaVA's
-    ``image_tower`` and ``video_tower``, two CLIP vision models under names no list holds)."""
-    cfg = getattr(mod, "config", None)
-    return vision_type is not None and getattr(cfg, "model_type", None) == vision_type
-
-
-def _generic_vision_modules(hf: nn.Module) -> list[tuple[str, nn.Module]]:
-    """Outermost submodules that are vision parts (for models without an adapter): named as one
-    (:data:`_GENERIC_VISION_NAMES`), or a sub-model built from the model's vision config (by its ``model_type``)."""
-    vc = _vision_config(hf)
-    vision_type = getattr(vc, "model_type", None) or None
-    out: list[tuple[str, nn.Module]] = []
-    for name, mod in hf.named_modules():
-        if not name or any(name.startswith(prefix + ".") for prefix, _ in out):
-            continue
-        if name.rsplit(".", 1)[-1] in _GENERIC_VISION_NAMES or _is_vision_model(mod, vision_type):
-            out.append((name, mod))
-    return out
-
-
 def vision_groups(hf: nn.Module) -> list[tuple[str, nn.Module]]:
     """``(name, module)`` of the vision parts of ``hf``: the adapter's tower (and projector) when some
-    family matches (either view), else the outermost modules whose name marks them as vision parts."""
+    family matches (either view), else the outermost vision parts by name or vision config
+    (:func:`~hf_ddpfix.integrations.vision.parts.vision_modules`)."""
     adapter, _ = _adapter(hf, discover=False)
     if adapter is not None:
         return adapter.parts()
     if _vision_config(hf) is None:
         return []
-    return _generic_vision_modules(hf)
+    return vision_modules(hf)
 
 
 def _generic_vision_params(hf: nn.Module) -> list[tuple[str, nn.Parameter]]:

@@ -67,9 +67,10 @@ from ...ops.feature_counts import record_amount, record_fallback, record_ran
 from ...ops.zero_tie import ZeroTie
 from .adapter import VISUAL_INPUT_NAMES
 from .families import VisionAdapter, describe_unsupported, find_vision_adapter, get_submodule, output_tensors
+from .parts import LANGUAGE_MODEL_PATHS, TOWER_CALLS, vlm_parts
 
-__all__ = ["FEATURE", "LANGUAGE_MODEL_PATHS", "ZeroVisionStabilizer", "any_rank", "forward_order_problem",
-           "language_model_of", "language_model_path"]
+__all__ = ["FEATURE", "ZeroVisionStabilizer", "any_rank", "forward_order_problem", "language_model_of",
+           "language_model_path"]
 
 #: ``hf_ddpfix.ops.feature_counts`` name: ``ran`` counts dummy images run; amounts ``train_dummies`` /
 #: ``eval_dummies`` split them (eval = evaluation, prediction and generation forwards).
@@ -90,30 +91,20 @@ def count_dummy(kind: str) -> None:
 
 logger = logging.getLogger("hf_ddpfix")
 
-# Where the language model (the module called with ``inputs_embeds``) lives, relative to the HF model
-# whose forward takes ``pixel_values`` (transformers 5.23 Qwen2-VL / 2.5-VL / 3-VL (MoE)).
-LANGUAGE_MODEL_PATHS = ("model.language_model", "language_model", "model.text_model", "text_model")
-
-
 def language_model_path(adapter: VisionAdapter) -> str | None:
     """The dotted name (in ``adapter.root``) of the module the model calls with ``inputs_embeds`` after merging
-    image features, or ``None``."""
-    for path in LANGUAGE_MODEL_PATHS:
-        mod = get_submodule(adapter.root, path)
-        if isinstance(mod, nn.Module) and mod is not adapter.tower:
-            return path
-    return None
+    image features, or ``None``: :func:`~hf_ddpfix.integrations.vision.parts.vlm_parts`' language model, found at
+    one of its :data:`~hf_ddpfix.integrations.vision.parts.LANGUAGE_MODEL_PATHS` (never the adapter's tower). A
+    decoder found only through ``get_decoder()`` is not one: that module may also embed the tokens, so a dummy
+    placed before it would run before the embedding, not where an image rank runs its tower."""
+    parts = vlm_parts(adapter.root, tower=adapter.tower_name)
+    return parts.language_model if parts.language_model_by == "path" else None
 
 
 def language_model_of(adapter: VisionAdapter) -> nn.Module | None:
     """The module the model calls with ``inputs_embeds`` after merging image features, or ``None``."""
     path = language_model_path(adapter)
     return None if path is None else get_submodule(adapter.root, path)
-
-
-# Calls that run the tower, as a VLM's forward spells them (transformers 5.23 / 5.24)
-TOWER_CALLS = ("get_image_features", "get_video_features", "get_vision_features", "visual", "vision_tower",
-               "vision_model", "vision_encoder", "vision")
 
 
 def first_calls(forward: Any, lm_attr: str, tower_attrs: set[str]) -> tuple[tuple[int, int] | None, ...]:
