@@ -22,7 +22,6 @@ Guarantees: the returned config builds; ``Checked.text`` / ``Checked.image`` say
 from __future__ import annotations
 
 import copy
-
 from dataclasses import dataclass, field
 from typing import Any
 
