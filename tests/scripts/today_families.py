@@ -58,7 +58,7 @@ STEPS = 2
 TOKENS_PER_TILE = 5
 #: runs per engine (--runs): DDP trains each feature alone; ZeRO-3 one run with both asked (the plan keeps long
 #: context off there, "not verified under ZeRO-3", and runs Ulysses), compared with the DDP launch's stock run
-RUNS = {"ddp": "stock,lc,sp", "zero3": "lc_sp"}
+RUNS = {"ddp": "stock,lc,sp", "zero3": "lc_sp", "fsdp2": "stock,stock_units,stock_units_noload,lc,sp"}
 OPTIONS = {"lc": {"long_context": "all"}, "sp": {"sequence_parallel": 2},
            "lc_sp": {"long_context": "all", "sequence_parallel": 2}}
 
@@ -67,7 +67,7 @@ def dtype(family: str, engine: str) -> torch.dtype:
     """float64 for the Qwen hybrids under DDP (the tiled layer's other summation order stays at 1e-16); float32
     for Gemma 4 (its RMSNorm computes in float32 whatever the input: in float64 the norm patch's check against stock
     refuses every norm and the model keeps float32 islands) and under ZeRO-3 (compared with DDP's float32 stock)."""
-    return torch.float64 if engine == "ddp" and family != "gemma4" else torch.float32
+    return torch.float64 if engine in ("ddp", "fsdp2") and family != "gemma4" else torch.float32
 
 
 def config(family: str):  # noqa: ANN201
@@ -118,6 +118,33 @@ def args(out: str, engine: str, run: str):  # noqa: ANN201
         **checkpointing_training_args(True, {"use_reentrant": False}))
 
 
+#: stock FSDP2's failures in accelerate 1.15's ``prepare`` (the stock runs record them; both ranks raise at the same
+#: point: the wrap policy before any collective, the state-dict broadcast at the same entry): the shipped fsdp.yaml
+#: wraps ``_no_split_modules``, which names vision classes the text models lack; ``cpu_ram_efficient_loading``'s
+#: ``fsdp2_load_full_state_dict`` reads ``.device_mesh`` of every state-dict entry, a persistent buffer included
+STOCK_FAILS = ("Could not find the transformer layer class", "'Tensor' object has no attribute 'device_mesh'")
+
+
+def user_fixes(trainer, model, run: str) -> None:  # noqa: ANN001
+    """A stock FSDP2 run with what a user changes in fsdp.yaml after stock's failures (:data:`STOCK_FAILS`):
+    ``stock_units``: ``fsdp_transformer_layer_cls_to_wrap: <the decoder layer class>``; ``stock_units_noload``:
+    that and ``fsdp_cpu_ram_efficient_loading: false``. Set on the plugin this trainer's accelerator prepares with."""
+    if run not in ("stock_units", "stock_units_noload"):
+        return
+    plugin = trainer.accelerator.state.fsdp_plugin
+    assert plugin.transformer_cls_names_to_wrap is None and plugin.cpu_ram_efficient_loading, "fsdp.yaml as shipped"
+    plugin.transformer_cls_names_to_wrap = [type(model.base_model.model.model.layers[0]).__name__]
+    if run == "stock_units_noload":
+        plugin.cpu_ram_efficient_loading = False
+
+
+def fsdp_units(model) -> list[str]:  # noqa: ANN001
+    """The names of ``model``'s FSDP2 units (``fully_shard`` modules; none outside FSDP2)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    return [n for n, m in model.named_modules() if isinstance(m, FSDPModule)]
+
+
 @functools.cache
 def small_tiles() -> None:
     import hf_ddpfix.runtime.attach as runtime_mod
@@ -138,13 +165,18 @@ def one(family: str, run: str, engine: str, model, out: str, rank: int, world: i
     kw = dict(model=model, args=args(out, engine, run), data_collator=single_collate, train_dataset=items(world))
     if run.startswith("stock"):  # stock_eager (by hand): the stock spread, eager attention instead of sdpa
         trainer = Trainer(**kw)
+        user_fixes(trainer, model, run)
     else:
         trainer = DDPFixTrainer(**kw, ddpfix_config=DDPFixConfig(**OPTIONS[run]))
-    refused, t0 = None, time.time()
+    refused, failed, t0 = None, None, time.time()
     try:
         trainer.train()
     except PlanError as err:
         refused = str(err)
+    except (ValueError, AttributeError) as err:  # stock FSDP2's known failures in accelerate's prepare (STOCK_FAILS)
+        if not (run.startswith("stock") and any(s in str(err) for s in STOCK_FAILS)):
+            raise
+        failed = f"{type(err).__name__}: {err}"
     plan = getattr(trainer, "hf_ddpfix_plan", None)
     runtime = getattr(trainer, "hf_ddpfix_runtime", None)
     handle = getattr(runtime, "long_context", None)
@@ -154,12 +186,14 @@ def one(family: str, run: str, engine: str, model, out: str, rank: int, world: i
                os.path.join(out, f"{tag}-rank{rank}.pt"))
     weights = {k.removeprefix("module."): v for k, v in
                trainable_weights(trainer.model_wrapped if engine == "zero3" else model).items()}
+    units = fsdp_units(model)
     if rank == 0:
         kinds = [(k.label, k.count, k.patched) for k in handle.kinds] if handle is not None else []
         torch.save({"weights": weights, "plan": plan.report(width=None).splitlines() if plan is not None else [],
                     "lc_lines": list(plan.long_context.details) if plan is not None else [], "kinds": kinds,
-                    "refused": refused, "steps": trainer.state.global_step}, os.path.join(out, f"{tag}.pt"))
-        print(f"[{engine}] {family} {run}: {'refused' if refused else 'trained'} in {time.time() - t0:.1f}s",
+                    "refused": refused, "failed": failed, "steps": trainer.state.global_step, "wrapped": type(model).__name__,
+                    "units": units}, os.path.join(out, f"{tag}.pt"))
+        print(f"[{engine}] {family} {run}: {'refused' if refused else 'failed' if failed else 'trained'} in {time.time() - t0:.1f}s",
               flush=True)
     if world > 1:
         dist.barrier()
