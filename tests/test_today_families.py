@@ -26,7 +26,7 @@ import re
 
 import pytest
 import torch
-from launch import torchrun
+from launch import ROOT, accelerate_launch, fsdp_device_env, torchrun
 
 pytest.importorskip("transformers")
 
@@ -37,7 +37,13 @@ STEPS = 2  # tests/scripts/today_families.py: batch 1 per rank, no accumulation
 #: spread beside them: the same float32 Gemma 4 stock run with eager instead of sdpa attention differs by 1.15e-7
 TOL = {"ddp64": 1e-12,  # float64 Qwen hybrids, long context: measured 3.5e-18 - 1.4e-17 (6.5e-16 with AdamW)
        "ddp32": 4e-7,  # float32 Gemma 4: long context (its norms patched) 1.1e-7, SP 1.8e-7
-       "zero3": 4e-7}  # ZeRO-3 + SP (long context off) float32 vs the DDP launch's stock: 2.1e-7
+       "zero3": 4e-7,  # ZeRO-3 + SP (long context off) float32 vs the DDP launch's stock: 2.1e-7
+       # FSDP2 (vs the launch's own stock FSDP2 run): float64 Qwen hybrids, long context 3.5e-18 - 2.8e-17
+       "fsdp64": 1e-12,
+       "fsdp32": 4e-7,  # float32 Gemma 4: long context (norms patched) 1.1e-7, SP 1.8e-7 (bit-equal to DDP's SP)
+       # stock FSDP2 (reduce-scatter) vs the DDP launch's stock (all-reduce): float64 2.8e-17 - 5.6e-17, float32
+       # Gemma 4 1.5e-8 (tests/test_fsdp_features.py's 1.5e-7: 3x its measured 4.5e-8 FSDP-vs-DDP spread)
+       "fsdp_ddp64": 1e-12, "fsdp_ddp32": 1.5e-7}
 LINE = re.compile(r"layers: (\d+) (\S+) .*?(patched|stock|checked at first call): ")
 
 
@@ -142,6 +148,94 @@ def test_today_families_under_zero3_sp_trains_or_is_refused_long_context_off(ddp
             assert r["stats"] == {} and "long_context" not in r["counts"], (rank, r)  # long context never ran
             c = r["counts"]["sequence_parallel"]
             assert c["fell_back"] == 0 and c["amounts"]["sharded_batches"] == 2 * STEPS, (rank, c)
+
+
+FSDP_STOCK = ("stock", "stock_units", "stock_units_noload")  # fsdp.yaml as shipped, then with the user's fixes
+OFFLINE = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(600)
+def test_today_families_under_fsdp2_long_context_and_sp_equal_stock_or_refused(ddp_out, tmp_path):
+    """One ``accelerate launch --config_file fsdp.yaml --mixed_precision no`` (the FSDP test device) of every family:
+    stock FSDP2 as shipped (Qwen3.5, Qwen3.5-MoE, Gemma 4: accelerate raises "Could not find the transformer layer
+    class <a vision or audio class>", ``_no_split_modules`` naming classes the text model lacks; Qwen3-Next trains),
+    with the decoder layer as ``fsdp_transformer_layer_cls_to_wrap`` (the hybrids train; Gemma 4's persistent
+    ``layer_scalar`` buffers fail ``cpu_ram_efficient_loading``: "'Tensor' object has no attribute 'device_mesh'")
+    and with that loading off too (all train): every stock run that trained is bit-equal to the others and within
+    FSDP's spread of the DDP launch's stock. hf_ddpfix under the shipped yaml: its units (the decoder layer), Gemma
+    4's 4 buffers broadcast; long context trains to stock FSDP2's weights with the plan's per-layer-type lines (the
+    DDP launch's, word for word) equal to what each rank's counters show; SP refused before step 1 on the hybrids
+    (no FSDP wrapping, no step), trained by Ulysses on Gemma 4 to stock FSDP2's weights."""
+    out = tmp_path
+    done = accelerate_launch("fsdp.yaml", ROOT / "tests" / "scripts" / "today_families.py", "--engine", "fsdp2",
+                             "--out", str(out), timeout=540, env=fsdp_device_env(OFFLINE),
+                             extra=("--mixed_precision", "no"))
+    assert "[fsdp_device] accelerate FSDP2 on CPU/gloo" in done.stdout, done.stdout[-4000:]
+    assert "cpu_ram_efficient_loading=True" in done.stdout, done.stdout[-4000:]  # fsdp.yaml as shipped
+    assert "TODAY_FAMILIES_OK" in done.stdout, done.stdout[-4000:]
+    for family in FAMILIES:
+        runs = {run: _load(out, f"fsdp2-{family}-{run}") for run in (*FSDP_STOCK, "lc", "sp")}
+        ddp_stock = _load(ddp_out, f"ddp-{family}-stock")
+        # stock FSDP2: what fails, where, and what trains
+        shipped, units, noload = (runs[r] for r in FSDP_STOCK)
+        if family == "qwen3_next":
+            assert shipped["failed"] is None and shipped["steps"] == STEPS, shipped["failed"]
+        else:
+            assert shipped["steps"] == 0 and shipped["failed"].startswith(
+                "ValueError: Could not find the transformer layer class"), (family, shipped["failed"])
+            missing = shipped["failed"].split("class ")[1].split(" ")[0]
+            assert re.search(rf"not in the model: [^(]*\b{missing}\b", "\n".join(runs["lc"]["plan"])), missing
+        if family == "gemma4":
+            assert units["steps"] == 0 and "'Tensor' object has no attribute 'device_mesh'" in units["failed"], units
+        else:
+            assert units["failed"] is None and units["steps"] == STEPS, units["failed"]
+        assert noload["failed"] is None and noload["steps"] == STEPS, noload["failed"]
+        trained = [r for r in FSDP_STOCK if runs[r]["steps"]]
+        stock = runs[trained[0]]
+        wide = "32" if family == "gemma4" else "64"
+        for run in trained:  # the loading path and the explicit class list change no bit
+            assert runs[run]["wrapped"].startswith("FSDP") and len(runs[run]["units"]) == 7, (run, runs[run]["units"])
+            assert _diff(runs[run]["weights"], stock["weights"]) == 0, (family, run)
+        diff = _diff(stock["weights"], ddp_stock["weights"])
+        assert diff <= TOL[f"fsdp_ddp{wide}"], f"{family} stock FSDP2 vs DDP: {diff:.2e}"
+        # long context under the shipped yaml
+        lc = runs["lc"]
+        assert lc["refused"] is None and lc["steps"] == STEPS, (family, lc["refused"])
+        assert lc["wrapped"].startswith("FSDP") and lc["units"] == stock["units"], (lc["wrapped"], lc["units"])
+        plan = "\n".join(lc["plan"])
+        assert "(fsdp, world size 2)" in plan and "tile count all-reduced (MAX) so FSDP ranks gather alike" in plan
+        diff = _diff(lc["weights"], stock["weights"])
+        assert diff <= TOL[f"fsdp{wide}"], f"{family} FSDP2 long context: max |W - W_stock| = {diff:.2e}"
+        assert lc["lc_lines"] == _load(ddp_out, f"ddp-{family}-lc")["lc_lines"], lc["lc_lines"]  # as under DDP
+        for (label, count, patched), line in zip(lc["kinds"], lc["lc_lines"], strict=True):
+            assert line.startswith(f"layers: {count} {label} ") and (" patched: " in line) == bool(patched), line
+        for rank in (0, 1):
+            got = _load(out, f"fsdp2-{family}-lc-rank{rank}")
+            calls = plan_matches_counters(lc["lc_lines"], got["stats"], STEPS)
+            c, fsdp = got["counts"]["long_context"], got["counts"]["fsdp"]["amounts"]
+            assert c["fell_back"] == 0 and c["amounts"]["rms_norm_calls"] > 0, (family, rank, c)
+            assert fsdp["units"] == 7 and fsdp.get("persistent_buffers_broadcast", 0) == (
+                4 if family == "gemma4" else 0), (family, rank, fsdp)
+            if family in HYBRIDS:
+                assert calls == {"linear_attention": 0, "full_attention": 2 * STEPS} and c["ran"] == 2 * STEPS, calls
+            else:
+                assert calls == {"sliding_attention": 0, "full_attention": 0}, calls
+        # sequence parallelism under the shipped yaml
+        sp = runs["sp"]
+        if family in HYBRIDS:  # refused before step 1: before accelerate wrapped the model
+            assert sp["steps"] == 0 and "recurrent scan over the whole sequence" in (sp["refused"] or ""), sp
+            assert not sp["units"], sp["units"]
+            continue
+        assert sp["refused"] is None and sp["steps"] == STEPS and sp["wrapped"].startswith("FSDP"), sp["refused"]
+        assert any("sequence_parallel       = N=2 DP=1" in line for line in sp["plan"]), sp["plan"]
+        diff = _diff(sp["weights"], stock["weights"])
+        assert diff <= TOL["fsdp32"], f"{family} FSDP2 SP: max |W - W_stock| = {diff:.2e}"
+        for rank in (0, 1):
+            c = _load(out, f"fsdp2-{family}-sp-rank{rank}")["counts"]
+            assert c["sequence_parallel"]["fell_back"] == 0, (rank, c)
+            assert c["sequence_parallel"]["amounts"]["sharded_batches"] == 2 * STEPS, (rank, c)
+            assert c["fsdp"]["amounts"]["persistent_buffers_broadcast"] == 4, (rank, c["fsdp"])
 
 
 QWEN3_5_27B = ('{"num_hidden_layers": 64, "hidden_size": 5120, "num_attention_heads": 24, "num_key_value_heads": 4, '

@@ -4,13 +4,14 @@
 Run:  OMP_NUM_THREADS=1 python -m torch.distributed.run --standalone --nproc_per_node=2 \
           tests/scripts/today_families.py --engine ddp --out OUT
       DS_ACCELERATOR=cpu ... tests/scripts/today_families.py --engine zero3 --out OUT
+      PYTHONPATH=hf_ddpfix/rehearse/device:. accelerate launch --config_file accelerate_configs/fsdp.yaml \
+          --mixed_precision no tests/scripts/today_families.py --engine fsdp2 --out OUT
 
 Families (tiny, from their own config classes, tests/fixtures.py ``layer_family_config``): Qwen3.5 (3 gated-delta-net
 linear-attention layers + 1 gated full-attention layer), Qwen3.5-MoE (its text config: the same hybrid with routed
 experts), Gemma 4 (3 sliding + 1 full-attention layer, keys and values shared across layers) and Qwen3-Next (a
 hybrid no issue names). Every run: LoRA r=4 on every linear layer (random A and B), non-reentrant checkpointing,
-batch 1 per rank with lengths differing per rank and step (a third of the labels masked), AdamW (weight decay 0.1),
-clipping 1.0, 2 optimizer steps; SGD (lr 5e-2, weight decay 0.1, clipping 1.0: AdamW's first steps, ~lr * sign(g),
+batch 1 per rank with lengths differing per rank and step (a third of the labels masked), 2 optimizer steps; SGD (lr 5e-2, weight decay 0.1, clipping 1.0: AdamW's first steps, ~lr * sign(g),
 would turn rounding in near-zero gradients into lr-sized differences); :func:`dtype`.
 
 Per family (``--engine ddp``):
@@ -24,8 +25,17 @@ Per family (``--engine ddp``):
 ``--engine zero3`` (ZeRO-3 through the Trainer's ``deepspeed`` argument, every parameter sharded): one run per family,
 ``lc_sp`` (both asked), compared by the test with the DDP launch's ``stock`` run.
 
+``--engine fsdp2`` (accelerate's FSDP2 through the Trainer as users launch it: the shipped fsdp.yaml, the FSDP test
+device on ``PYTHONPATH``, ``--mixed_precision no`` so weights compare with float32/float64 stock): ``stock``,
+``lc`` and ``sp`` as under DDP (:func:`dtype`: float64 Qwen hybrids), plus two stock runs with what a user changes
+in fsdp.yaml after stock's failures (:data:`STOCK_FAILS`, :func:`user_fixes`): ``stock_units`` (the decoder layer
+class as ``fsdp_transformer_layer_cls_to_wrap``) and ``stock_units_noload`` (that and
+``fsdp_cpu_ram_efficient_loading: false``). A stock run that fails as :data:`STOCK_FAILS` says is recorded
+(``"failed"``), no step taken.
+
 Rank 0 writes ``OUT/<engine>-<family>-<run>.pt``: {"weights", "plan": the plan's lines (whole), "kinds": per layer
-type (label, count, patched), "refused": the refusal or None, "steps": optimizer steps taken}; every rank writes
+type (label, count, patched), "refused": the refusal or None, "failed": stock's failure or None, "steps": optimizer
+steps taken, "wrapped": the model's class after the run, "units": its FSDP2 units}; every rank writes
 ``...-rank<r>.pt``: {"stats": the long-context layer counters, "counts": hf_ddpfix's feature counters}.
 Prints ``TODAY_FAMILIES_OK`` at the end.
 """
@@ -64,7 +74,7 @@ OPTIONS = {"lc": {"long_context": "all"}, "sp": {"sequence_parallel": 2},
 
 
 def dtype(family: str, engine: str) -> torch.dtype:
-    """float64 for the Qwen hybrids under DDP (the tiled layer's other summation order stays at 1e-16); float32
+    """float64 for the Qwen hybrids under DDP and FSDP2 (the tiled layer's other summation order stays at 1e-16); float32
     for Gemma 4 (its RMSNorm computes in float32 whatever the input: in float64 the norm patch's check against stock
     refuses every norm and the model keeps float32 islands) and under ZeRO-3 (compared with DDP's float32 stock)."""
     return torch.float64 if engine in ("ddp", "fsdp2") and family != "gemma4" else torch.float32
