@@ -1,6 +1,6 @@
 """Today's families on 2 processes through the Trainer (issue 47, "Done when"): Qwen3.5, Qwen3.5-MoE, Gemma 4 and
-Qwen3-Next (a hybrid no issue names), tiny, from their own config classes, LoRA on every linear layer, under DDP
-and ZeRO-3, stock vs ``long_context="all"`` and ``sequence_parallel=2`` (tests/scripts/today_families.py).
+Qwen3-Next (a hybrid no issue names), tiny, from their own config classes, LoRA on every linear layer, under DDP,
+ZeRO-3 and FSDP2, stock vs ``long_context="all"`` and ``sequence_parallel=2`` (tests/scripts/today_families.py).
 
 - DDP (one launch, every family x {stock, long context, SP}): long context trains to the stock weights (float64
   Qwen hybrids: the tiled full-attention layer sums in another order; float32 Gemma 4: its layers stay stock, its
@@ -11,6 +11,20 @@ and ZeRO-3, stock vs ``long_context="all"`` and ``sequence_parallel=2`` (tests/s
 - ZeRO-3 (one launch, every family with both options asked): the plan keeps long context off ("not verified under
   ZeRO-3": no layer counter moves) and refuses SP on the hybrids before step 1; Gemma 4 trains under Ulysses to
   the DDP launch's stock weights.
+- FSDP2 (one ``accelerate launch --config_file fsdp.yaml --mixed_precision no`` through the FSDP test device, every
+  family x {stock as shipped, stock with the user's fixes, long context, SP}; ~27 s on an idle 2-core machine, 54 s
+  beside another launch): stock under the shipped fsdp.yaml fails on Qwen3.5, Qwen3.5-MoE and Gemma 4 in accelerate's
+  wrap policy ("Could not find the transformer layer class Qwen3_5VisionBlock": their text models'
+  ``_no_split_modules`` name vision/audio classes), trains on Qwen3-Next; with the decoder layer as
+  ``fsdp_transformer_layer_cls_to_wrap`` the hybrids train and Gemma 4 fails on its persistent ``layer_scalar``
+  buffers under ``cpu_ram_efficient_loading`` ("'Tensor' object has no attribute 'device_mesh'", issue 47 item 3);
+  with that loading off too it trains. Those stock runs are bit-equal to each other and within 2.8e-17 - 5.6e-17
+  (float64 hybrids) / 1.5e-8 (float32 Gemma 4) of the DDP launch's stock. hf_ddpfix under the shipped yaml (its
+  units: the decoder layer; Gemma 4's 4 buffers broadcast from rank 0; every run loaded as from a checkpoint, rank
+  0's values only): long context on (the tile count all-reduced) trains to stock FSDP2's weights (3.5e-18 - 2.8e-17
+  float64; Gemma 4 1.1e-7, its norms patched, as under DDP) with the DDP launch's per-layer-type lines, each
+  matching every rank's counters; SP refused on the hybrids before accelerate wraps the model, Gemma 4 trained by
+  Ulysses to 1.8e-7 of stock FSDP2 (bit-equal to DDP's SP run).
 
 Shown failing (2026-12-02, one DDP launch of Qwen3.5 and Gemma 4 with three breaks, each check evaluated on its
 output): the gate multiplication removed from the patched layer's tiled forward (``a * gate[0]`` in
@@ -18,6 +32,12 @@ long_context.py): Qwen3.5's long-context weights 1.5e-2 from stock (tolerance 1e
 (plan/sequence_parallel.py): Qwen3.5 trains under SP (2 steps, no refusal) to weights 9.4e-3 from stock, silently
 wrong; ``kind_lines`` printing a stock type as patched: the plan-line-vs-kinds check and ``plan_matches_counters``
 (``patched calls [linear_attention]`` 0 where the plan says patched) fail.
+Shown failing under FSDP2 (2026-12-02, one FSDP2 launch with four breaks, each check evaluated on its output): the
+gate multiplication removed: Qwen3.5's long-context weights 1.5e-2 from stock FSDP2 (tolerance 1e-12); the
+``sequence_scan`` rule off: Qwen3.5 trains under SP (2 steps) to 9.4e-3 from stock; ``kind_lines`` printing stock
+types as patched: the plan-line-vs-kinds check, the lines-as-DDP's check and ``plan_matches_counters`` fail (Qwen3.5
+and Gemma 4); the persistent-buffer broadcast skipped (``dist.broadcast`` in integrations/fsdp/buffers.py): Gemma 4's
+long-context and SP weights 1.3e-2 and 1.2e-2 from stock FSDP2 (rank 1 trains with its own ``layer_scalar``).
 """
 
 from __future__ import annotations
@@ -166,7 +186,10 @@ def test_today_families_under_fsdp2_long_context_and_sp_equal_stock_or_refused(d
     FSDP's spread of the DDP launch's stock. hf_ddpfix under the shipped yaml: its units (the decoder layer), Gemma
     4's 4 buffers broadcast; long context trains to stock FSDP2's weights with the plan's per-layer-type lines (the
     DDP launch's, word for word) equal to what each rank's counters show; SP refused before step 1 on the hybrids
-    (no FSDP wrapping, no step), trained by Ulysses on Gemma 4 to stock FSDP2's weights."""
+    (no FSDP wrapping, no step), trained by Ulysses on Gemma 4 to stock FSDP2's weights. Every run under the shipped
+    ``cpu_ram_efficient_loading`` starts from rank 0's values only (rank 1's off by +1, as a checkpoint loads there),
+    so a value not broadcast from rank 0 shows in the weights. Measured spreads and the checks shown failing: the
+    module docstring."""
     out = tmp_path
     done = accelerate_launch("fsdp.yaml", ROOT / "tests" / "scripts" / "today_families.py", "--engine", "fsdp2",
                              "--out", str(out), timeout=540, env=fsdp_device_env(OFFLINE),

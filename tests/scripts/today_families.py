@@ -31,7 +31,8 @@ device on ``PYTHONPATH``, ``--mixed_precision no`` so weights compare with float
 in fsdp.yaml after stock's failures (:data:`STOCK_FAILS`, :func:`user_fixes`): ``stock_units`` (the decoder layer
 class as ``fsdp_transformer_layer_cls_to_wrap``) and ``stock_units_noload`` (that and
 ``fsdp_cpu_ram_efficient_loading: false``). A stock run that fails as :data:`STOCK_FAILS` says is recorded
-(``"failed"``), no step taken.
+(``"failed"``), no step taken. Every run under that loading starts from rank 0's values only
+(:func:`loaded_on_rank0_only`: the other rank's off by +1), as a checkpoint loads under it.
 
 Rank 0 writes ``OUT/<engine>-<family>-<run>.pt``: {"weights", "plan": the plan's lines (whole), "kinds": per layer
 type (label, count, patched), "refused": the refusal or None, "failed": stock's failure or None, "steps": optimizer
@@ -148,6 +149,20 @@ def user_fixes(trainer, model, run: str) -> None:  # noqa: ANN001
         plugin.cpu_ram_efficient_loading = False
 
 
+def loaded_on_rank0_only(model, rank: int) -> None:  # noqa: ANN001
+    """As transformers loads a checkpoint under ``fsdp_cpu_ram_efficient_loading`` (the real values on rank 0 only,
+    the others' placeholders filled by accelerate's broadcast): on every other rank, each ``state_dict`` entry
+    (parameters and persistent buffers: Gemma 4's ``layer_scalar``) is moved off rank 0's value by +1, so a run that
+    trains with a value it did not receive from rank 0 ends far from stock. Non-persistent buffers (rotary
+    frequencies) are computed on every rank at build and not broadcast by accelerate: kept."""
+    if rank == 0:
+        return
+    with torch.no_grad():
+        for t in model.state_dict(keep_vars=True).values():
+            if t.is_floating_point():
+                t.add_(1.0)
+
+
 def fsdp_units(model) -> list[str]:  # noqa: ANN001
     """The names of ``model``'s FSDP2 units (``fully_shard`` modules; none outside FSDP2)."""
     from torch.distributed.fsdp import FSDPModule
@@ -172,6 +187,8 @@ def one(family: str, run: str, engine: str, model, out: str, rank: int, world: i
     from hf_ddpfix.plan.types import PlanError
 
     feature_counts.reset()
+    if engine == "fsdp2" and run != "stock_units_noload":  # the shipped fsdp.yaml's loading
+        loaded_on_rank0_only(model, rank)
     kw = dict(model=model, args=args(out, engine, run), data_collator=single_collate, train_dataset=items(world))
     if run.startswith("stock"):  # stock_eager (by hand): the stock spread, eager attention instead of sdpa
         trainer = Trainer(**kw)
