@@ -6,7 +6,8 @@
   text-only rank) and Qwen3-MoE (routing) train, evaluate and predict with image and text-only ranks mixed; the
   model is really FSDP2-wrapped (``FSDP<Class>``, several units), the plan chose the units (Gemma 3 / LLaVA /
   Aya Vision name classes they lack), and the final weights equal stock DDP's (``find_unused_parameters=True``,
-  same data; launched by tests/launch.py's forked ``torchrun``: the DDP ``ddp_cpu.yaml`` gives, ~13 s less start-up)
+  same data; launched by tests/launch.py's forked ``torchrun``: the DDP ``ddp_cpu.yaml`` gives, every output
+  bit-equal, the 4-process stock launch 16.8 s instead of 51.4 s under ``accelerate launch``, 2026-12-02)
   within ``TOL``, and ``predict()``'s gathered logits (not only its loss) within ``PRED_TOL`` (measured 0 to 3.6e-6
   at 2 processes, <= 1.5e-6 at 4, 2026-12-02; ``PRED_TOL = 1e-7`` fails on 14 of 18 families, so the comparison
   can fail);
