@@ -6,9 +6,11 @@
   text-only rank) and Qwen3-MoE (routing) train, evaluate and predict with image and text-only ranks mixed; the
   model is really FSDP2-wrapped (``FSDP<Class>``, several units), the plan chose the units (Gemma 3 / LLaVA /
   Aya Vision name classes they lack), and the final weights equal stock DDP's (``find_unused_parameters=True``,
-  same data, ddp_cpu.yaml) within ``TOL``, and ``predict()``'s gathered logits (not only its loss) within
-  ``PRED_TOL`` (measured 0 to 3.6e-6 at 2 processes, <= 1.5e-6 at 4, 2026-12-02; ``PRED_TOL = 1e-7`` fails on 14
-  of 18 families, so the comparison can fail);
+  same data; launched by tests/launch.py's forked ``torchrun``: the DDP ``ddp_cpu.yaml`` gives, every output
+  bit-equal, the 4-process stock launch 16.8 s instead of 51.4 s under ``accelerate launch``, 2026-12-02)
+  within ``TOL``, and ``predict()``'s gathered logits (not only its loss) within ``PRED_TOL`` (measured 0 to 3.6e-6
+  at 2 processes, <= 1.5e-6 at 4, 2026-12-02; ``PRED_TOL = 1e-7`` fails on 14 of 18 families, so the comparison
+  can fail);
 - Qwen2.5-VL and Gemma 3 are loaded as users load them (saved, then ``from_pretrained`` + ``PeftModel.from_pretrained``
   under fsdp.yaml's environment, ``cpu_ram_efficient_loading`` included), the others built from their configs;
 - ``generate()`` after training (Qwen2.5-VL, Gemma 3, LLaVA, Qwen3-MoE): an image prompt on rank 0, a text-only one
@@ -59,7 +61,7 @@ import sys
 import pytest
 import torch
 from fixtures import prediction_diff
-from launch import ROOT, accelerate_launch, fsdp_device_env
+from launch import ROOT, accelerate_launch, fsdp_device_env, torchrun
 
 SCRIPT = ROOT / "tests" / "scripts" / "fsdp_trainer.py"
 FAMILIES = ("qwen2_5_vl", "gemma3", "llava", "aya_vision", "idefics2", "mllama", "qwen3_moe")
@@ -134,8 +136,8 @@ def test_vlms_train_evaluate_predict_under_trainer_fsdp2_like_stock_ddp(tmp_path
                      r"\(model\.encoder\.embed_tokens, model\.decoder\.embed_tokens\)", log), log[-6000:]
     assert "joined: base_model.model.model.encoder.embed_tokens, base_model.model.model.decoder.embed_tokens" in log
     _check_cli_prints_the_run_plans(tmp_path, FAMILIES, world=2)
-    stock = accelerate_launch("ddp_cpu.yaml", SCRIPT, "--mode", "stock", "--out", str(tmp_path), "--from-saved",
-                              SAVED, "--generate", GENERATE, timeout=600, env=OFFLINE)
+    stock = torchrun(SCRIPT, "--mode", "stock", "--out", str(tmp_path), "--from-saved", SAVED, "--generate", GENERATE,
+                     timeout=600, env=OFFLINE)  # stock DDP: forked torchrun, as ddp_cpu.yaml (test_fsdp_features.py)
     assert "FSDP_TRAINER_OK" in stock.stdout, stock.stdout[-4000:]
 
     for name in FAMILIES:
@@ -192,8 +194,8 @@ def test_four_processes_text_and_vlm_under_trainer_fsdp2_like_stock_ddp(tmp_path
                               timeout=600, env=fsdp_device_env(OFFLINE), extra=FP32 + four)
     assert fixed.stdout.count("(fsdp, world size 4)") == len(families.split(",")), fixed.stdout[-4000:]
     _check_cli_prints_the_run_plans(tmp_path, tuple(families.split(",")), world=4)
-    stock = accelerate_launch("ddp_cpu.yaml", SCRIPT, "--mode", "stock", "--out", str(tmp_path), "--families",
-                              families, timeout=600, env=OFFLINE, extra=four)
+    stock = torchrun(SCRIPT, "--mode", "stock", "--out", str(tmp_path), "--families", families, timeout=600,
+                     env=OFFLINE, nproc=4)
     assert "FSDP_TRAINER_OK" in stock.stdout, stock.stdout[-4000:]
     for name in families.split(","):
         ours, ref = torch.load(tmp_path / f"fixed-{name}.pt"), torch.load(tmp_path / f"stock-{name}.pt")
