@@ -233,6 +233,14 @@ def test_never_ran_names_only_asked_features_that_are_on_and_counted():
     said = never_ran_warning(plan, ["tiled_loss", "tiled_mlp", "hang_guard"], ran)
     assert said is not None and "tiled_mlp = 4" in said and "kwargs (x2)" in said and "tiled_loss" not in said, said
     assert never_ran_warning(plan, [], {}) is None  # nothing asked: nothing said, whatever ran
+    # long context whose layers all stayed stock but whose norms ran the op (Gemma 4) ran, in part: nothing said;
+    # without a patched norm call it never ran (shown failing 2026-12-02 without ALSO_RAN: the first assert)
+    plan = resolve_plan(RunFacts(), DDPFixConfig.from_env({"HF_DDPFIX_LONG_CONTEXT": "all"}))
+    assert plan.long_context.value, plan.long_context
+    norms = {"long_context": FeatureCount(amounts={"rms_norm_calls": 98})}
+    assert never_ran_warning(plan, ["long_context"], norms) is None
+    none = {"long_context": FeatureCount(amounts={"stock_no_grad_calls": 4})}
+    assert "long_context" in (never_ran_warning(plan, ["long_context"], none) or "")
 
 
 def test_prepare_accelerate_loop_says_which_asked_options_it_does_not_run():
