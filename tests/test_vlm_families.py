@@ -393,3 +393,34 @@ def test_the_shrinker_keeps_latent_attention_head_relations():
             assert t.index_head_dim == t.qk_nope_head_dim + t.qk_rope_head_dim, (model_type, t.index_head_dim)
         checked += 1
     assert checked >= 1
+
+
+def test_a_token_id_the_default_config_lacks_is_given_where_the_model_reads_it():
+    """Config only (fast): ``give_missing_token`` reads the checks' ``'<Config>' object has no attribute
+    '<name>_token_id'`` and sets that id on the sub-config named: UDOP's ``decoder_start_token_id`` is its
+    ``pad_token_id`` (T5's convention), Qwen2.5-Omni's thinker's ``vision_start_token_id`` an id no other token of
+    the config uses (both default configs lack them; the Qwen-Omni thinkers then run text and image: the cells).
+    An error naming no token id, or an attribute the config has, sets nothing.
+
+    Shown failing (2026-12-02): with the ``key in vars(owner)`` guard removed the last assert fails (an id the
+    config has is overwritten)."""
+    from transformers import AutoConfig
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
+
+    from hf_ddpfix.rehearse.shrink_check import give_missing_token
+
+    lines: list[str] = []
+    udop = AutoConfig.for_model("udop")
+    assert give_missing_token(udop, "AttributeError: 'UdopConfig' object has no attribute "
+                                    "'decoder_start_token_id'", lines)
+    assert udop.decoder_start_token_id == udop.pad_token_id and "decoder_start_token_id" in lines[-1]
+    if "qwen2_5_omni_thinker" in CONFIG_MAPPING_NAMES:
+        omni = AutoConfig.for_model("qwen2_5_omni_thinker")
+        ids = {v for k, v in vars(omni).items() if k.endswith(("_token_id", "_token_index")) and isinstance(v, int)}
+        assert give_missing_token(omni, "'Qwen2_5OmniThinkerConfig' object has no attribute "
+                                        "'vision_start_token_id'", lines)
+        assert omni.vision_start_token_id not in ids and omni.vision_start_token_id == max(ids) + 1
+    assert not give_missing_token(udop, "ValueError: Bbox is required", lines)
+    before = udop.pad_token_id
+    assert not give_missing_token(udop, "'UdopConfig' object has no attribute 'pad_token_id'", lines)
+    assert udop.pad_token_id == before

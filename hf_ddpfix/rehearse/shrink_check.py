@@ -22,6 +22,7 @@ Guarantees: the returned config builds; ``Checked.text`` / ``Checked.image`` say
 from __future__ import annotations
 
 import copy
+import re
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -137,6 +138,34 @@ def give_image_token(config: Any, model: Any, lines: list[str]) -> bool:
                      "input_ids with it)")
         return True
     return False
+
+
+_MISSING_TOKEN = re.compile(r"'(\w+)' object has no attribute '(\w+_token_id)'")
+
+
+def give_missing_token(config: Any, errors: str, lines: list[str]) -> bool:
+    """Set a token id a default config lacks while its model reads it (``errors``: the checks' messages,
+    ``'<Config>' object has no attribute '<name>_token_id'``): UDOP's ``decoder_start_token_id`` is its
+    ``pad_token_id`` (the T5 convention its checkpoints follow), any other id (Qwen2.5-Omni's thinker:
+    ``vision_start_token_id``) one no other token of the config uses, past the highest (the repair then embeds
+    it). Returns whether it set one."""
+    m = _MISSING_TOKEN.search(errors)
+    if m is None:
+        return False
+    owner_cls, key = m.groups()
+    nodes = [config] + [n for _, n in _subconfigs(config)]
+    owner = next((n for n in nodes if type(n).__name__ == owner_cls), None)
+    if owner is None or key in vars(owner):
+        return False
+    if key == "decoder_start_token_id" and isinstance(getattr(owner, "pad_token_id", None), int):
+        value = owner.pad_token_id
+    else:
+        used = [v for n in nodes for k, v in vars(n).items()
+                if (k.endswith("_token_id") or k.endswith("_token_index")) and isinstance(v, int)]
+        value = max(used, default=-1) + 1
+    setattr(owner, key, value)
+    lines.append(f"{owner_cls}.{key}: missing -> {value} (the default config lacks it; the model reads it)")
+    return True
 
 
 def repair_shrunk(shrunk: Shrunk, model_cls: Any) -> Shrunk:
@@ -387,15 +416,19 @@ def shrink_checked(config: Any, model_cls: Any, *, seed: int = 0, backward: bool
             torch.manual_seed(seed)
             model = model_cls(shrunk.config)
         text, image = run_checks(model, backward=backward)
-        tokened = copy.deepcopy(shrunk)
-        if image != "ok" and give_image_token(tokened.config, model, tokened.lines):
-            tokened = repair_shrunk(tokened, model_cls)  # the new id embedded
+        for _ in range(3):  # token ids the default config lacks (each kept only where it helps)
+            trial = copy.deepcopy(shrunk)
+            missing = give_missing_token(trial.config, f"{text} {image}", trial.lines)
+            if not missing and not (image != "ok" and give_image_token(trial.config, model, trial.lines)):
+                break
+            trial = repair_shrunk(trial, model_cls)  # a new id embedded
             with torch.random.fork_rng(devices=[]):
                 torch.manual_seed(seed)
-                again = model_cls(tokened.config)
+                again = model_cls(trial.config)
             text2, image2 = run_checks(again, backward=backward)
-            if image2 == "ok":  # kept only where it gives the model its image path
-                shrunk, model, text, image = tokened, again, text2, image2
+            if not (missing or image2 == "ok"):  # the image token: only where it gives the model its image path
+                break
+            shrunk, model, text, image = trial, again, text2, image2
         got = Checked(shrunk, model, text, image)
         if got.text == got.image == "ok":  # the first candidate that takes an image too
             if (keep or align) and plain is not None:
