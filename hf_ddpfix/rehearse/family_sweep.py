@@ -221,9 +221,7 @@ def _cells_words(model_type: str, path: Path | str | None) -> str:
     for cell, name in _CELL_NAMES.items():
         v = rec.get("cells", {}).get(cell, {})
         status = v.get("status", "missing")
-        if status == "equal":
-            status = "equal"
-        elif status == "refused":
+        if status == "refused":
             status = "refused before step 1 (" + v.get("error", "").removeprefix("PlanError: ")[:80] + ")"
         else:
             status = status.replace("_", " ")

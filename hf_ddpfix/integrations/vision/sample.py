@@ -145,17 +145,14 @@ def _candidates(model: nn.Module, params: set[str]) -> list[tuple[str, dict[str,
     if grid_key is not None:
         m = _int(_cfg_get(vc, ("spatial_merge_size", "merge_size", "spatial_merge")), 2)
         t = _int(_cfg_get(vc, ("temporal_patch_size",)), 1)
-        for tt in ((t, 1) if t != 1 else (1,)):
-            g = [1, 2 * m, 2 * m] if "thw" in grid_key else [2 * m, 2 * m]
-            n = 4 * m * m
-            out.append((f"grid {g} x {c}*{tt}*{p}^2", {
-                "pixel_values": _ramp((n, c * tt * p * p), dtype),
-                grid_key: torch.tensor([g], dtype=torch.long)}))
-        for tt in ((t, 1) if t != 1 else (1,)):  # the same patches unflattened (a conv patch embedding: MoonViT)
-            g = [1, 2 * m, 2 * m] if "thw" in grid_key else [2 * m, 2 * m]
-            out.append((f"grid {g} x ({c * tt}, {p}, {p}) patches", {
-                "pixel_values": _ramp((4 * m * m, c * tt, p, p), dtype),
-                grid_key: torch.tensor([g], dtype=torch.long)}))
+        g = [1, 2 * m, 2 * m] if "thw" in grid_key else [2 * m, 2 * m]
+        n = 4 * m * m
+        # flattened patch rows first, then the same patches unflattened (a conv patch embedding: MoonViT)
+        for unflat in (False, True):
+            for tt in ((t, 1) if t != 1 else (1,)):
+                shape = (n, c * tt, p, p) if unflat else (n, c * tt * p * p)
+                name = f"grid {g} x ({c * tt}, {p}, {p}) patches" if unflat else f"grid {g} x {c}*{tt}*{p}^2"
+                out.append((name, {"pixel_values": _ramp(shape, dtype), grid_key: torch.tensor([g], dtype=torch.long)}))
     if "spatial_shapes" in params:
         h, w = 4, 4
         out.append((f"naflex {h}x{w} patches", {
