@@ -67,7 +67,8 @@ def _dummy(rec: dict) -> str:
 
 
 #: the 2-process columns: cell of tests/scripts/vlm_family_cells.py -> column title
-CELL_COLUMNS = {"ddp": "DDP (2 proc.)", "fsdp_plan": "FSDP2, plan's units", "fsdp_list": "FSDP2, your list"}
+CELL_COLUMNS = {"ddp": "DDP (2 proc.)", "fsdp_plan": "FSDP2, plan's units", "fsdp_list": "FSDP2, your list",
+                "zero3": "ZeRO-3 (2 proc.)"}
 
 
 def _two_process(verdict: dict | None, cell: str) -> str:
@@ -86,8 +87,11 @@ def _two_process(verdict: dict | None, cell: str) -> str:
         return "refused: " + error.removeprefix("PlanError: ")[:90]
     if status == "not_run":
         return "not run: " + error[:80]
+    if status == "stopped":
+        return f"stops: mixed ranks, no dummy (named error at step {v.get('at_step', 0) + 1})"
     if status == "stock_fails":
-        return "stock fails too: " + (verdict.get("stock", {}).get("error") or error).replace("|", "/")[:80]
+        stock_error = v.get("stock_error") or verdict.get("stock", {}).get("error") or error
+        return "stock fails too: " + stock_error.replace("|", "/")[:80]
     if status == "differs":
         return f"differs ({v.get('max_diff')}, eval {v.get('eval_diff')})"
     return f"{status}: " + error[:90]
@@ -113,13 +117,19 @@ def render_block(data: dict, cells: dict | None = None) -> str:
     if cells:
         ok = {c: sum(r["cells"].get(c, {}).get("status") in ("equal", "refused") for r in runs.values())
               for c in CELL_COLUMNS}
+        stopped = sum(r["cells"].get("zero3", {}).get("status") == "stopped" for r in runs.values())
         rows += [f"2-process cells {cells['date']} on transformers {cells['transformers']}, torch {cells['torch']}, "
                  f"accelerate {cells['accelerate']} (2 gloo processes, tests/scripts/vlm_family_cells.py: "
                  f"{cells['steps']} Trainer steps with mixed image/text ranks and an all-text step, then "
                  "`evaluate()`, against stock DDP; \"= stock (d)\": the largest weight difference d, within "
-                 f"{cells['tolerance']['ddp']:g} under DDP and {cells['tolerance']['fsdp_plan']:g} under FSDP2): "
+                 f"{cells['tolerance']['ddp']:g} under DDP, {cells['tolerance']['fsdp_plan']:g} under FSDP2 and "
+                 f"{cells['tolerance'].get('zero3', 0):g} under ZeRO-3): "
                  f"{len(runs)} families run; equal or refused before step 1: DDP {ok['ddp']}, FSDP2 with the plan's "
-                 f"units {ok['fsdp_plan']}, FSDP2 with the `<DecoderLayer>,<VisionBlock>` list {ok['fsdp_list']}.", ""]
+                 f"units {ok['fsdp_plan']}, FSDP2 with the `<DecoderLayer>,<VisionBlock>` list {ok['fsdp_list']}, "
+                 f"ZeRO-3 {ok['zero3']}, and {stopped} stopped at the first mixed image/text forward with the named "
+                 "error (no dummy image for the family: stock DeepSpeed aborts or hangs there) "
+                 f"(`accelerate_configs/zero3.yaml` as shipped, deepspeed {cells.get('deepspeed', '?')}, "
+                 "`zero_skip_unused` on: stock DDP's optimizer semantics, so the weights compare).", ""]
     rows += ["| model_type | class | builds | text only | with an image | dummy image | FSDP2 units (plan) | "
              "fsdp_skippable | " + " | ".join(CELL_COLUMNS.values()) + " |",
              "|---|---|---|---|---|---|---|---|" + "---|" * len(CELL_COLUMNS)]
@@ -178,9 +188,11 @@ def _cells_module():
     return mod
 
 
-def launch_cells(kind: str, names: list[str], work: Path, timeout: float) -> tuple[int, str]:
+def launch_cells(kind: str, names: list[str], work: Path, timeout: float,
+                 cells: tuple[str, ...] = ()) -> tuple[int, str]:
     """One 2-process launch of ``kind`` (``ddp``: torchrun; ``fsdp``: accelerate launch with fsdp.yaml under the
-    FSDP test device) over ``names``; (exit status, output). Killed (with its process group) past ``timeout``."""
+    FSDP test device; ``zero3``: accelerate launch with zero3.yaml) over ``names``, only ``cells`` of it when given;
+    (exit status, output). Killed (with its process group) past ``timeout``."""
     import os
     import signal
     import socket
@@ -191,14 +203,16 @@ def launch_cells(kind: str, names: list[str], work: Path, timeout: float) -> tup
         port = str(sock.getsockname()[1])
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false",
            "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
-    args = [str(CELLS_SCRIPT), "--launch", kind, "--families", ",".join(names), "--out", str(work)]
+    args = [str(CELLS_SCRIPT), "--launch", kind, "--families", ",".join(names), "--out", str(work),
+            *(["--cells", ",".join(cells)] if cells else [])]
     if kind == "ddp":
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", *args]
     else:
-        env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "hf_ddpfix" / "rehearse" / "device"), env["PYTHONPATH"]])
+        if kind == "fsdp":
+            env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "hf_ddpfix" / "rehearse" / "device"), env["PYTHONPATH"]])
         launcher = Path(sys.executable).with_name("accelerate")
         cmd = [str(launcher) if launcher.exists() else "accelerate", "launch", "--config_file",
-               "accelerate_configs/fsdp.yaml", "--main_process_port", port, "--mixed_precision", "no", *args]
+               f"accelerate_configs/{kind}.yaml", "--main_process_port", port, "--mixed_precision", "no", *args]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=str(ROOT),
                             start_new_session=True)
     try:
@@ -222,12 +236,14 @@ def _first_errors(out: str, family: str) -> str:
 
 
 def run_cells(names: list[str], work: Path, per_launch: int = 6, timeout: float = 1800,
-              resume: bool = False, out: Path = CELLS) -> dict:
+              resume: bool = False, out: Path = CELLS, only: tuple[str, ...] = ()) -> dict:
     """The cells of ``names`` (every family the results file records as built when empty), batched
     ``per_launch`` families a launch; a launch that stops early (a broken process group, a timeout) is recorded
     on the family it stopped at (every missing cell ``failed`` with the launch's output) and the launch goes on
     with the families after it (``out``: :data:`CELLS`, or another file for a partial run beside it). The DDP and the FSDP2 launch of a batch run side by side. ``resume``: the cells
-    ``work`` holds already are kept and not run again. Writes :data:`CELLS` after every batch; returns its content."""
+    ``work`` holds already are kept and not run again. ``only``: these cells (and the stock DDP cells they are
+    judged against), the others' verdicts kept from ``out``. Writes :data:`CELLS` after every batch; returns its
+    content."""
     import accelerate
     import peft
     import torch
@@ -242,16 +258,26 @@ def run_cells(names: list[str], work: Path, per_launch: int = 6, timeout: float 
     data.update(transformers=transformers.__version__, torch=torch.__version__, peft=peft.__version__,
                 accelerate=accelerate.__version__, date=datetime.date.today().isoformat(),
                 tolerance=mod.TOL, eval_tolerance=mod.EVAL_TOL, steps=mod.STEPS)
+    try:
+        import deepspeed
+
+        data["deepspeed"] = deepspeed.__version__
+    except ImportError:
+        pass
     work.mkdir(parents=True, exist_ok=True)
+    wanted = set(only) | {"stock"} if only else set()  # the cells asked for, and stock DDP they are judged against
+    launches = {kind: tuple(c for c in cells if not wanted or c in wanted) for kind, cells in mod.CELLS.items()}
+    launches = {kind: cells for kind, cells in launches.items() if cells}
     if not resume:
-        for mt in todo:  # a run of these families starts afresh
-            for old in work.glob(f"{mt}-*.pt"):
-                old.unlink()
+        for mt in todo:  # a run of these cells starts afresh
+            for cells in launches.values():
+                for c in cells:
+                    (work / f"{mt}-{c}.pt").unlink(missing_ok=True)
 
     def run_kind(kind: str, cells: tuple[str, ...], chunk: list[str]) -> None:
         left = [mt for mt in chunk if not all((work / f"{mt}-{c}.pt").exists() for c in cells)]
         while left:
-            rc, tail = launch_cells(kind, left, work, timeout)
+            rc, tail = launch_cells(kind, left, work, timeout, cells if cells != mod.CELLS[kind] else ())
             done = [mt for mt in left if all((work / f"{mt}-{c}.pt").exists() for c in cells)]
             stopped = next((mt for mt in left if mt not in done), None)
             if stopped is None:
@@ -267,11 +293,17 @@ def run_cells(names: list[str], work: Path, per_launch: int = 6, timeout: float 
 
     for i in range(0, len(todo), per_launch):
         chunk = todo[i:i + per_launch]
-        with ThreadPoolExecutor(len(mod.CELLS)) as pool:  # the DDP and the FSDP2 launch side by side
-            for f in [pool.submit(run_kind, kind, cells, chunk) for kind, cells in mod.CELLS.items()]:
+        with ThreadPoolExecutor(len(launches)) as pool:  # the launches side by side
+            for f in [pool.submit(run_kind, kind, cells, chunk) for kind, cells in launches.items()]:
                 f.result()
         for mt in chunk:
-            data["families"][mt] = mod.judge(str(work), mt)
+            verdict = mod.judge(str(work), mt)
+            if only and mt in data["families"]:  # the cells not run keep their recorded verdicts
+                kept = data["families"][mt]["cells"]
+                verdict["cells"] = {c: verdict["cells"][c] if c in only else kept.get(c, verdict["cells"][c])
+                                    for c in verdict["cells"]}
+                verdict = {**data["families"][mt], "cells": verdict["cells"]}
+            data["families"][mt] = verdict
             print(mt, json.dumps({c: (v["status"], v.get("max_diff"), v.get("error", "")[:80])
                                   for c, v in data["families"][mt]["cells"].items()}), flush=True)
         _spread(data)
@@ -304,11 +336,13 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--per-launch", type=int, default=6, help="--cells: families a launch")
     p.add_argument("--resume", action="store_true", help="--cells: keep the cells --work holds, run the others")
     p.add_argument("--cells-out", default=str(CELLS), help="--cells: the results file (default: the committed one)")
+    p.add_argument("--only", default="", help="--cells: only these cells, comma-separated (e.g. zero3); the others' "
+                   "verdicts are kept")
     args = p.parse_args(argv)
     out = Path(args.out)
     if args.cells:
         run_cells(args.families, Path(args.work), per_launch=args.per_launch, resume=args.resume,
-                  out=Path(args.cells_out))
+                  out=Path(args.cells_out), only=tuple(c for c in args.only.split(",") if c))
         if out == RESULTS:
             PAGE.write_text(replace_block(PAGE.read_text(), render_block(json.loads(out.read_text()))))
         return

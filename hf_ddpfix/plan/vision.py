@@ -65,6 +65,11 @@ def decide_eval_sync(facts: RunFacts, c: DDPFixConfig) -> Decision:
     return Decision(True, f"{facts.vlm_adapter}: " + _HOW.format(what=what), changed=True)
 
 
+#: how ``vlm_stabilizer``'s reason starts under ZeRO-2/3 when the family has no dummy image: the runtime then
+#: attaches :class:`~hf_ddpfix.integrations.vision.mixed_guard.MixedImageGuard`
+NO_ZERO_DUMMY = "no adapter for this VLM family"
+
+
 def vision_decision(
     *, ds: DeepSpeedFacts, is_vlm: bool, adapter: str | None, trainable_vision: bool, disabled: str | None
 ) -> tuple[bool | None, str, bool]:
@@ -89,8 +94,9 @@ def vision_decision(
     if disabled:
         return False, f"disabled ({disabled}); mixed image/text batches fail in stock ZeRO-{stage}", False
     if adapter is None:
-        return False, (f"no adapter for this VLM family: batches mixing images and text fail under ZeRO-{stage} "
-                       "as in stock (give every micro-batch an image, or use DDP)"), False
+        return False, (f"{NO_ZERO_DUMMY}: batches mixing images and text fail under ZeRO-{stage} as in stock; "
+                       "the first such forward stops with a named error, not a mismatch or a hang (1 byte "
+                       "all-gathered per forward; give every micro-batch an image, or use DDP / FSDP2)"), False
     what = "all-gathers" if stage == 3 else "gradient all-reduces"
     built = (" (no hand-written family: the dummy is built from vision_config and checked by a trial run "
              "before training; a failed trial keeps stock behaviour and says so)") if adapter.endswith(

@@ -31,7 +31,8 @@ RESULTS = Path(__file__).with_name("vlm_families.json")
 #: the 2-process cells of every built family (``scripts/vlm_families.py --cells``), shipped beside it
 CELLS_RESULTS = Path(__file__).with_name("vlm_family_cells.json")
 #: how a 2-process cell's verdict reads on one line (``status_line``)
-_CELL_NAMES = {"ddp": "DDP", "fsdp_plan": "FSDP2 with the plan's units", "fsdp_list": "FSDP2 with your layer list"}
+_CELL_NAMES = {"ddp": "DDP", "fsdp_plan": "FSDP2 with the plan's units", "fsdp_list": "FSDP2 with your layer list",
+               "zero3": "ZeRO-3"}
 #: tiny models bigger than this (meta count) are not built for real: the sweep stays within its time budget
 MAX_PARAMS = 60_000_000
 

@@ -60,6 +60,8 @@ from ..ops.offload import ActivationOffload, SaveOnCpuScope
 from ..plan.fsdp import fsdp_unit_classes, fsdp_units_ours
 from ..plan.sequence_parallel import sp_size_of
 from ..plan.types import Plan, PlanError
+from ..plan.vision import NO_ZERO_DUMMY
+from .errors import DDPFixError
 from .evaluation import cpu_repack_off
 
 logger = logging.getLogger("hf_ddpfix")
@@ -84,6 +86,19 @@ class Runtime:
     step_contexts: list[Callable[[], AbstractContextManager[Any]]] = field(default_factory=list)
 
 
+def _mixed_image_guard_stage(trainer: Any, plan: Plan) -> int | None:
+    """The ZeRO stage when this run's VLM gets the mixed-image guard (several ranks; ``vlm_stabilizer`` on, or off
+    only because the family has no dummy image: ``integrations/vision/mixed_guard.py``), else ``None``."""
+    decision = plan.vlm_stabilizer
+    if plan.world_size < 2 or decision.value is None:
+        return None
+    if not decision.value and not decision.reason.startswith(NO_ZERO_DUMMY):
+        return None  # not needed at this stage, or disabled by the user: stock
+    plugin = getattr(getattr(getattr(trainer, "accelerator", None), "state", None), "deepspeed_plugin", None)
+    stage = getattr(plugin, "zero_stage", None)
+    return int(stage) if stage is not None else None
+
+
 def attach_runtime(trainer: Any, model: nn.Module, plan: Plan, stack: ExitStack) -> Runtime:
     """Apply every per-run piece of `plan` to `trainer` / `model`; undo callbacks go on `stack`."""
     rt = Runtime(plan)
@@ -105,7 +120,8 @@ def attach_runtime(trainer: Any, model: nn.Module, plan: Plan, stack: ExitStack)
         rt.zero_vision = attach_deepspeed(model, stabilize=bool(plan.vlm_stabilizer.value), stack=stack,
                                           leaf_classes=tuple(leaf.split(",")) if leaf else (),
                                           log=lambda line: _log_rank0(trainer, "%s", line),
-                                          sync_eval=bool(plan.vlm_eval_sync.value))
+                                          sync_eval=bool(plan.vlm_eval_sync.value),
+                                          guard_stage=_mixed_image_guard_stage(trainer, plan), error=DDPFixError)
     elif plan.parallel == "fsdp" and plan.fsdp_skippable.value == "shard" and plan.vlm_stabilizer.value:
         try:
             rt.zero_vision = attach_fsdp_dummy(model, stack, lambda fn: before_gradient_clipping(trainer, fn))

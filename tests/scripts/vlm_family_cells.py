@@ -7,6 +7,8 @@ Run (2 gloo processes on the CPU; the FSDP test device makes accelerate run FSDP
         tests/scripts/vlm_family_cells.py --launch ddp --families llava,glm4v --out OUT
     PYTHONPATH=hf_ddpfix/rehearse/device:. accelerate launch --config_file accelerate_configs/fsdp.yaml \\
         --mixed_precision no tests/scripts/vlm_family_cells.py --launch fsdp --families llava,glm4v --out OUT
+    PYTHONPATH=. accelerate launch --config_file accelerate_configs/zero3.yaml --mixed_precision no \\
+        tests/scripts/vlm_family_cells.py --launch zero3 --families llava,glm4v --out OUT
 
 Cells (one Trainer run each, in this order per family):
 
@@ -14,7 +16,10 @@ Cells (one Trainer run each, in this order per family):
   ``ddp`` (``DDPFixTrainer``: hf_ddpfix's plan);
 - ``--launch fsdp``: ``fsdp_plan`` (``DDPFixTrainer``, the plan's FSDP2 units) and ``fsdp_list`` (``DDPFixTrainer``
   with ``fsdp_transformer_layer_cls_to_wrap`` = the family's ``<DecoderLayer>,<VisionBlock>`` list, the sweep's
-  ``user_list``, set on the launch's plugin as the accelerate config would).
+  ``user_list``, set on the launch's plugin as the accelerate config would);
+- ``--launch zero3`` (``accelerate launch --config_file accelerate_configs/zero3.yaml``, the file users launch, its
+  ``ds_zero3.json`` as shipped): ``zero3`` (``DDPFixTrainer`` under DeepSpeed ZeRO-3 with :data:`ZERO3_ENV`; the
+  family built whole, then partitioned when the engine starts).
 
 Per family: the model is built tiny from its default config by the sweep's checked shrinker (the same seed on both
 ranks), LoRA on every linear layer (tower included, peft's default init, seeded), batches from the structural
@@ -58,8 +63,19 @@ STEPS = 4
 #: step -> image on (rank 0, rank 1)
 PATTERN = ((True, False), (False, False), (True, True), (False, True))
 EVAL_PATTERN = ((True, False),)
+#: the ZeRO-3 cell's options: DeepSpeed steps every parameter each step (a zero gradient where no rank used it:
+#: AdamW's moments and weight decay move it, stock DeepSpeed's semantics), where DDP leaves such a parameter alone
+#: (the tower on the all-text step, an expert no rank routed to). ``zero_skip_unused`` gives the run DDP's
+#: optimizer semantics (hf_ddpfix/integrations/deepspeed/zero_unused.py), so the cell compares with stock DDP; it
+#: issues the same ZeRO-3 collectives either way (its one agreement all-reduce aside)
+ZERO3_ENV = {"HF_DDPFIX_ZERO_SKIP_UNUSED": "1"}
 #: the launches and their cells, in order
-CELLS = {"ddp": ("stock", "ddp"), "fsdp": ("fsdp_plan", "fsdp_list")}
+CELLS = {"ddp": ("stock", "ddp"), "fsdp": ("fsdp_plan", "fsdp_list"), "zero3": ("zero3",)}
+#: the words of the mixed-image guard's error (hf_ddpfix/integrations/vision/mixed_guard.py): a ZeRO cell of a family
+#: with no dummy image that stopped there is ``stopped``, not ``failed``
+MIXED_STOP = "pass text only. Under ZeRO-"
+#: the cells judged against stock DDP (``stock``)
+COMPARED = ("ddp", "fsdp_plan", "fsdp_list", "zero3")
 #: gloo's timeout for every collective (its default is 30 min): a cell whose ranks disagree ends here
 PG_TIMEOUT = 240
 #: hf_ddpfix's DDP vs stock DDP: the same math (parameter usage adds exact zeros; two ranks' sums are exact in any
@@ -67,11 +83,13 @@ PG_TIMEOUT = 240
 #: all-reduce order, and AdamW's division of a near-zero moment turns that rounding into a visible step
 #: (tests/test_fsdp_trainer_zoo.py: 9.9e-7 on Qwen2-VL). Measured over every family of the full sweep (2026-12-02,
 #: hf_ddpfix/rehearse/vlm_family_cells.json "max_spread"): 4.6e-6 (blip, both wrap modes: an image every step),
-#: 3.0e-6 (lfm3_vl), 0 to 7e-7 for most; bound with a 2x margin
-TOL = {"ddp": 0.0, "fsdp_plan": 1e-5, "fsdp_list": 1e-5}
+#: 3.0e-6 (lfm3_vl), 0 to 7e-7 for most; bound with a 2x margin. ZeRO-3 (its own reduction order and clipping, the
+#: same AdamW amplification of near-zero moments): 5.8e-5 (gemma4_unified, text only: a few LoRA tensors; its eval
+#: loss equal), 3.9e-6 (exaone4_5) and below for the other 48 equal families; bound with a 2x margin
+TOL = {"ddp": 0.0, "fsdp_plan": 1e-5, "fsdp_list": 1e-5, "zero3": 1.2e-4}
 #: the eval loss (a mean over two ranks' losses, ~10 for these random models), relative to max(1, stock's loss):
 #: measured 1.9e-6 absolute (lighton_ocr, FSDP2 with the list), 0 under DDP
-EVAL_TOL = {"ddp": 0.0, "fsdp_plan": 1e-6, "fsdp_list": 1e-6}
+EVAL_TOL = {"ddp": 0.0, "fsdp_plan": 1e-6, "fsdp_list": 1e-6, "zero3": 1e-6}
 
 
 #: ``images`` of a family whose tiny model takes no text-only batch (BLIP, GIT: the image is a required input)
@@ -162,7 +180,7 @@ def run_cell(model_type: str, cell: str, base: torch.nn.Module, images: bool | s
         train, evaluate = datasets(base, images, world)
         model = lora(base)
         args = training_args(os.path.join(out, f"run-{model_type}-{cell}"), stock=cell == "stock")
-        cls = Trainer if cell == "stock" else DDPFixTrainer
+        cls = Trainer if cell.startswith("stock") else DDPFixTrainer
         trainer = cls(model=model, args=args, data_collator=single_collate, train_dataset=train,
                       eval_dataset=evaluate)
         plugin = trainer.accelerator.state.fsdp_plugin if trainer.is_fsdp_enabled else None
@@ -173,6 +191,9 @@ def run_cell(model_type: str, cell: str, base: torch.nn.Module, images: bool | s
             if cell == "fsdp_list":
                 plugin.transformer_cls_names_to_wrap = list(user_list)
                 rec["user_list"] = list(user_list)
+        if cell == "zero3":
+            assert trainer.is_deepspeed_enabled and trainer.accelerator.state.deepspeed_plugin.zero_stage == 3, \
+                "the zero3 cell under a launch without DeepSpeed ZeRO-3"
         trainer.train()
         rec["eval_loss"] = float(trainer.evaluate()["eval_loss"])
         from torch.distributed.fsdp import FSDPModule
@@ -209,6 +230,8 @@ def main() -> None:
     p.add_argument("--out", required=True)
     p.add_argument("--cells", default="", help="only these cells of the launch, comma-separated")
     a = p.parse_args()
+    if a.launch == "zero3":
+        os.environ.update(ZERO3_ENV)
     dist.init_process_group("gloo", timeout=timedelta(seconds=PG_TIMEOUT))
     rank = dist.get_rank()
     from hf_ddpfix.rehearse.family_sweep import load_results
@@ -217,6 +240,11 @@ def main() -> None:
     cells = [c for c in CELLS[a.launch] if not a.cells or c in a.cells.split(",")]
     os.makedirs(a.out, exist_ok=True)
     for model_type in a.families.split(","):
+        if a.launch == "zero3":  # the last cell's TrainingArguments switched zero.Init on: build this family whole,
+            # as the sweep built it (DeepSpeed partitions it when the Trainer initialises the engine)
+            from transformers.integrations.deepspeed import unset_hf_deepspeed_config
+
+            unset_hf_deepspeed_config()
         try:
             base, images = build(model_type)
         except Exception as e:  # noqa: BLE001 - the family is not run; same on both ranks (same build)
@@ -248,6 +276,11 @@ def main() -> None:
                 torch.save(rec, os.path.join(a.out, f"{model_type}-{cell}.pt"))
                 print(f"[cell] {model_type} {cell}: {rec['status']} {rec['error'][:200]} "
                       f"eval_loss={rec.get('eval_loss')} {rec['seconds']}s", flush=True)
+            if cell == "zero3" and statuses == {"failed"} and MIXED_STOP not in rec["error"]:
+                # hf_ddpfix's ZeRO-3 run failed on every rank, not at the guard: does the stock Trainer fail too?
+                stock = run_cell(model_type, "stock_zero3", base, images, user_list, a.out)
+                if rank == 0:
+                    torch.save(stock, os.path.join(a.out, f"{model_type}-stock_zero3.pt"))
     print(f"[rank {rank}] VLM_FAMILY_CELLS_OK", flush=True)
     from hf_ddpfix.ops.dist import destroy_default_group
 
@@ -256,9 +289,11 @@ def main() -> None:
 
 def judge(out: str, model_type: str, tol: dict | None = None, eval_tol: dict | None = None) -> dict:
     """The family's verdict from ``OUT/<family>-<cell>.pt``: per compared cell ``{"status": "equal" | "differs" |
-    "refused" | "failed" | "stock_fails" (failed, and so did stock DDP: ``stock`` holds its error) | "not_run" |
-    "no_reference" (trained, stock DDP did not) | "missing", "max_diff", "eval_diff", "error", "at_step", "units"}``,
-    and
+    "refused" | "failed" | "stock_fails" (failed, and so did stock DDP: ``stock`` holds its error; or, for
+    ``zero3``, the stock Trainer under ZeRO-3 run after it: ``stock_error``) | "stopped" (ZeRO,
+    no dummy image: the mixed-image guard stopped the first mixed forward with its named error) | "not_run" |
+    "no_reference" (trained, stock DDP did not) | "missing", "max_diff", "eval_diff", "error", "at_step",
+    "units"}``, and
     ``images`` (True: mixed image/text ranks; False: text only, the sweep's image run fails; :data:`EVERY_STEP`:
     an image on every rank and step, the model runs no text-only batch)."""
     tol, eval_tol = tol or TOL, eval_tol or EVAL_TOL
@@ -271,7 +306,7 @@ def judge(out: str, model_type: str, tol: dict | None = None, eval_tol: dict | N
     verdict: dict = {"images": None if stock is None else stock.get("images"), "cells": {}}
     if stock is not None and stock["status"] != "trained":
         verdict["stock"] = {"status": stock["status"], "error": stock.get("error", "")[:300]}
-    for cell in ("ddp", "fsdp_plan", "fsdp_list"):
+    for cell in COMPARED:
         rec = load(cell)
         if rec is None:
             verdict["cells"][cell] = {"status": "missing"}
@@ -281,8 +316,13 @@ def judge(out: str, model_type: str, tol: dict | None = None, eval_tol: dict | N
             v["user_list"] = rec["user_list"]
         if rec["status"] != "trained":
             v.update(error=rec.get("error", "")[:400], at_step=rec.get("at_step", 0))
+            stock_zero3 = load("stock_zero3") if cell == "zero3" else None
             if rec["status"] == "failed" and stock is not None and stock["status"] == "failed":
                 v["status"] = "stock_fails"  # the stock Trainer fails this family too (its error is "stock")
+            elif rec["status"] == "failed" and stock_zero3 is not None and stock_zero3["status"] == "failed":
+                v.update(status="stock_fails", stock_error=stock_zero3.get("error", "")[:300])  # stock ZeRO-3 too
+            elif rec["status"] == "failed" and MIXED_STOP in rec.get("error", ""):
+                v["status"] = "stopped"  # ZeRO, no dummy image: the mixed-image guard's named stop, on every rank
             verdict["cells"][cell] = v
             continue
         v["units"] = len(rec.get("units") or [])

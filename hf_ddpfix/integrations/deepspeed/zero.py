@@ -301,7 +301,8 @@ def apply_z3_leaf_modules(model: nn.Module, class_names: tuple[str, ...] | list[
 
 
 def attach_deepspeed(model: nn.Module, *, stabilize: bool, leaf_classes: tuple[str, ...] | None,
-                     stack: ExitStack, log: Callable[[str], None] = lambda _: None, sync_eval: bool = False) -> Any:
+                     stack: ExitStack, log: Callable[[str], None] = lambda _: None, sync_eval: bool = False,
+                     guard_stage: int | None = None, error: type[Exception] = RuntimeError) -> Any:
     """Apply the DeepSpeed part of a plan before the Trainer initialises the DeepSpeed engine.
 
     Args:
@@ -311,12 +312,15 @@ def attach_deepspeed(model: nn.Module, *, stabilize: bool, leaf_classes: tuple[s
             ranks too (ZeRO-3).
         leaf_classes: MoE block classes to mark as ZeRO-3 leaf modules (``None`` / empty: none).
         stack: undo callbacks go here (the stabiliser's hooks are removed; leaf flags are reset).
+        guard_stage: the ZeRO stage when a VLM with no dummy image (the plan's ``vlm_stabilizer`` off for that
+            reason, or the stabiliser's trial failed here) gets
+            :class:`~hf_ddpfix.integrations.vision.mixed_guard.MixedImageGuard`, which raises ``error``.
         log: receives one line per applied piece.
 
     Returns:
         The attached ``ZeroVisionStabilizer``, or ``None``.
     """
-    stab = None
+    stab, why = None, ""
     if stabilize:
         from ..vision.zero import ZeroVisionStabilizer
 
@@ -327,9 +331,19 @@ def attach_deepspeed(model: nn.Module, *, stabilize: bool, leaf_classes: tuple[s
 
             record_fallback("stabilizer", str(err))
             log(f"deepspeed: no ZeRO dummy image (stock behaviour): {err}")
+            why = str(err)
         else:
             stack.callback(stab.remove)
             log(f"deepspeed: dummy image before {type(stab.language_model).__name__} on text-only micro-batches")
+    if stab is None and guard_stage is not None and (why or not stabilize):
+        from ..vision.families import describe_unsupported
+        from ..vision.mixed_guard import MixedImageGuard
+
+        guard = MixedImageGuard(model, why=why or describe_unsupported(model, zero=True), stage=guard_stage,
+                                error=error).attach()
+        stack.callback(guard.remove)
+        log(f"deepspeed: no dummy image for this VLM: a forward where ranks mix images and text stops with a named "
+            f"error (ZeRO-{guard_stage} would mismatch or hang there)")
     if leaf_classes:
         marked = apply_z3_leaf_modules(model, leaf_classes)
         if marked:

@@ -1,0 +1,84 @@
+"""The mixed-image guard under ZeRO-2/3 for a VLM with no dummy image (hf_ddpfix/integrations/vision/mixed_guard.py).
+
+Fast tier: the rule that reads a forward's visual inputs, the guard's verdict from every rank's flags (the gather
+replaced by the flags a run would gather), and the plan -> runtime wiring. The 2-process ZeRO-3 run (a family with
+no dummy stops at its first mixed step with the named error on both ranks, the launch goes on):
+tests/test_vlm_families.py's batched cells."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from hf_ddpfix.integrations.vision import mixed_guard
+from hf_ddpfix.integrations.vision.mixed_guard import MixedImageGuard, has_visual_input
+from hf_ddpfix.plan.types import Decision
+from hf_ddpfix.plan.vision import NO_ZERO_DUMMY, vision_decision
+from hf_ddpfix.runtime.errors import DDPFixError
+
+
+def test_visual_inputs_are_read_by_name_and_emptiness():
+    ids = torch.ones(1, 4, dtype=torch.long)
+    assert not has_visual_input({"input_ids": ids, "pixel_values": None, "image_sizes": torch.ones(1, 2)})
+    assert has_visual_input({"input_ids": ids, "pixel_values": torch.zeros(1, 3, 4, 4)})
+    assert has_visual_input({"pixel_values_videos": torch.zeros(2, 8)})
+    assert has_visual_input({"flattened_patches": torch.zeros(1, 4, 6)})
+    assert has_visual_input({"images": [torch.zeros(3, 4, 4)]})
+    assert not has_visual_input({"pixel_values": torch.zeros(0, 3, 4, 4)})  # an empty batch of images
+    assert not has_visual_input({"images": []})
+
+
+class _Toy(nn.Module):
+    def forward(self, input_ids=None, pixel_values=None):  # noqa: ANN001, ANN201
+        return input_ids
+
+
+def _guard(monkeypatch, rows):  # noqa: ANN001, ANN202
+    monkeypatch.setattr(mixed_guard, "dist_ready", lambda group=None: True)
+    monkeypatch.setattr(mixed_guard, "gather_flags", lambda flags, group=None: rows)
+    model = _Toy()
+    return model, MixedImageGuard(model, why="no dummy (toy)", stage=3, error=DDPFixError).attach()
+
+
+@pytest.mark.parametrize("rows", [[[True], [True]], [[False], [False]]])
+def test_ranks_that_agree_run_untouched(monkeypatch, rows):
+    model, guard = _guard(monkeypatch, rows)
+    ids = torch.ones(1, 3, dtype=torch.long)
+    assert model(input_ids=ids) is ids and guard.forwards == 1
+
+
+def test_ranks_that_mix_images_and_text_stop_with_the_named_error_and_remove_restores(monkeypatch):
+    """Shown failing (2026-12-02): with ``_check`` returning early on mixed rows the run goes on (here: no raise;
+    on 2 ranks under ZeRO-3: gloo's "Received data size doesn't match" abort, the cells' zero3 crash)."""
+    model, guard = _guard(monkeypatch, [[True], [False]])
+    with pytest.raises(DDPFixError, match=r"rank\(s\) \[0\] pass an image and rank\(s\) \[1\] pass text only") as e:
+        model(input_ids=torch.ones(1, 3, dtype=torch.long), pixel_values=torch.zeros(1, 3, 2, 2))
+    assert "ZeRO-3" in str(e.value) and "no dummy (toy)" in str(e.value) and "DDP or FSDP2" in str(e.value)
+    guard.remove()
+    guard.remove()  # idempotent
+    assert not model._forward_pre_hooks
+
+
+def test_the_plan_names_the_guard_and_the_runtime_attaches_it_only_for_a_family_without_a_dummy():
+    from types import SimpleNamespace
+
+    from hf_ddpfix.integrations.deepspeed.zero import DeepSpeedFacts
+    from hf_ddpfix.runtime.attach import _mixed_image_guard_stage
+
+    value, reason, _ = vision_decision(ds=DeepSpeedFacts(stage=3), is_vlm=True, adapter=None, trainable_vision=True,
+                                       disabled=None)
+    assert value is False and reason.startswith(NO_ZERO_DUMMY) and "named error" in reason
+    trainer = SimpleNamespace(accelerator=SimpleNamespace(state=SimpleNamespace(
+        deepspeed_plugin=SimpleNamespace(zero_stage=3))))
+
+    def plan(decision, world=2):  # noqa: ANN001, ANN202
+        return SimpleNamespace(vlm_stabilizer=decision, world_size=world)
+
+    assert _mixed_image_guard_stage(trainer, plan(Decision(False, reason))) == 3
+    assert _mixed_image_guard_stage(trainer, plan(Decision(False, reason), world=1)) is None
+    assert _mixed_image_guard_stage(trainer, plan(Decision(True, "llava: dummy"))) == 3  # used if its trial fails
+    disabled = vision_decision(ds=DeepSpeedFacts(stage=3), is_vlm=True, adapter=None, trainable_vision=True,
+                               disabled="HF_DDPFIX_VLM_STABILIZER=0")
+    assert _mixed_image_guard_stage(trainer, plan(Decision(False, disabled[1]))) is None  # the user asked for stock
+    assert _mixed_image_guard_stage(trainer, plan(Decision(None, ""))) is None  # not a VLM
