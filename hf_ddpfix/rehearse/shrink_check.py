@@ -28,7 +28,7 @@ from typing import Any
 
 from .shrink import Shrunk, _rescale_sections, _subconfigs, shrink_config
 
-__all__ = ["Checked", "align_outputs", "repair_shrunk", "repaired_meta", "run_checks", "shrink_checked"]
+__all__ = ["Checked", "align_outputs", "give_unset_field", "repair_shrunk", "repaired_meta", "run_checks", "shrink_checked"]
 
 #: above this many parameters (meta count) a fallback candidate is not built: a rehearsal model stays small
 MAX_PARAMS = 150_000_000
@@ -166,6 +166,38 @@ def give_missing_token(config: Any, errors: str, lines: list[str]) -> bool:
     setattr(owner, key, value)
     lines.append(f"{owner_cls}.{key}: missing -> {value} (the default config lacks it; the model reads it)")
     return True
+
+
+_UNSET_FIELD = re.compile(r"Could not find a `(\w+)` argument in the config, or it is not set")
+#: the window a repaired ``sliding_window`` gets (capped at the config's ``max_position_embeddings``): wide
+#: enough that a sample batch sits inside one window, so the repair changes no attention the batch sees
+SLIDING_WINDOW = 4096
+
+
+def give_unset_field(config: Any, errors: str, lines: list[str]) -> bool:
+    """Set ``sliding_window`` where a default config leaves it ``None`` while its model needs one: its
+    ``layer_types`` names a ``sliding_attention`` layer, or the checks' ``errors`` carry transformers' masking
+    error (``Could not find a `sliding_window` argument in the config, or it is not set``: Step3p7 builds a
+    sliding mask for every forward). The value is :data:`SLIDING_WINDOW` capped at the node's
+    ``max_position_embeddings``. Every config node that has the field unset is set; returns whether any was."""
+    m = _UNSET_FIELD.search(errors)
+    asked = m.group(1) if m else None
+    if asked is not None and asked != "sliding_window":
+        return False
+    changed = False
+    for path, node in _subconfigs(config):
+        if "sliding_window" not in vars(node) or node.sliding_window is not None:
+            continue
+        types = getattr(node, "layer_types", None) or ()
+        if asked is None and "sliding_attention" not in types:
+            continue
+        cap = getattr(node, "max_position_embeddings", None)
+        value = min(SLIDING_WINDOW, cap) if isinstance(cap, int) and cap > 0 else SLIDING_WINDOW
+        node.sliding_window = value
+        why = "its layer_types name sliding_attention" if asked is None else "the model builds a sliding mask"
+        lines.append(f"{path + '.' if path else ''}sliding_window: None -> {value} (the default config sets none; {why})")
+        changed = True
+    return changed
 
 
 def repair_shrunk(shrunk: Shrunk, model_cls: Any) -> Shrunk:
@@ -418,7 +450,9 @@ def shrink_checked(config: Any, model_cls: Any, *, seed: int = 0, backward: bool
         text, image = run_checks(model, backward=backward)
         for _ in range(3):  # token ids the default config lacks (each kept only where it helps)
             trial = copy.deepcopy(shrunk)
-            missing = give_missing_token(trial.config, f"{text} {image}", trial.lines)
+            errs = f"{text} {image}"
+            missing = give_missing_token(trial.config, errs, trial.lines) or \
+                give_unset_field(trial.config, errs, trial.lines)
             if not missing and not (image != "ok" and give_image_token(trial.config, model, trial.lines)):
                 break
             trial = repair_shrunk(trial, model_cls)  # a new id embedded
