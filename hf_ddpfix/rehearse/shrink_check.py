@@ -108,7 +108,7 @@ def _repair_once(config: Any, model: Any, lines: list[str]) -> bool:
 
 
 #: the image-token fields a default config may leave unset (None) where every released checkpoint sets one
-_IMAGE_TOKEN_FIELDS = ("image_token_id", "image_token_index")
+_IMAGE_TOKEN_FIELDS = ("image_token_id", "image_token_index", "video_token_index", "video_token_id")
 
 
 def give_image_token(config: Any, model: Any, lines: list[str]) -> bool:
@@ -116,7 +116,8 @@ def give_image_token(config: Any, model: Any, lines: list[str]) -> bool:
     has (BLIP-2 OPT: 50265, one past its text vocabulary): the id one past the embedding's rows (the repair then
     grows the vocabulary to embed it). Used only where the shrunk model takes no image as it is and its code
     compares ``input_ids`` with the field (BLIP-2, InstructBLIP: ``input_ids == None`` is ``False``, the image path
-    fails); MiniCPM-V, whose code reads the field but works without it, keeps it unset. Returns whether it did."""
+    fails; InstructBLIP-Video's ``video_token_index``, read as ``config.video_token_id``, its ``attribute_map``
+    alias); MiniCPM-V, whose code reads the field but works without it, keeps it unset. Returns whether it did."""
     import inspect
     import sys
 
@@ -131,7 +132,8 @@ def give_image_token(config: Any, model: Any, lines: list[str]) -> bool:
             source = inspect.getsource(sys.modules[type(model).__module__])
         except (OSError, TypeError, KeyError):
             return False
-        if f"config.{key}" not in source:
+        aliases = [k for k, v in (getattr(config, "attribute_map", None) or {}).items() if v == key]
+        if not any(f"config.{k}" in source for k in [key, *aliases]):  # read by its name or an alias of it
             continue
         setattr(config, key, rows)
         lines.append(f"{key}: None -> {rows} (the default config sets no image token; the model compares "
