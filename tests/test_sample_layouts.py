@@ -10,7 +10,7 @@ model must run forward on it with a finite loss.
 - an image position mask with its placeholder tokens: Kosmos-2's ``image_embeds_position_mask``;
 - a per-image cross-attention mask: Idefics' ``image_attention_mask``;
 - flattened patch rows with their ids and patch mask: Pix2Struct's ``flattened_patches``;
-- config-sized vectors: PI0's robot ``state`` and ``actions``;
+- config-sized vectors: PI0's robot ``state`` and ``actions`` (and its nested VLM config's image tokens);
 - video frames through ``get_video_features`` with the video token: InstructBLIP-Video.
 
 Shown failing (2026-12-02): with ``hf_ddpfix/integrations/vision/sample.py``, ``shrink.py`` and
@@ -113,6 +113,8 @@ def test_config_sized_state_and_action_vectors():
     assert batch["state"].shape == (1, cfg.max_state_dim)
     assert batch["actions"].shape == batch["noise"].shape == (1, cfg.chunk_size, cfg.max_action_dim)
     assert torch.equal(sample_batch(checked.model, image=True, seed=3)["timestep"], batch["timestep"])
+    vlm = cfg.vlm_config  # the nested VLM's image tokens, as many as it names: the tower's features are used
+    assert int((batch["input_ids"] == vlm.image_token_id).sum()) == vlm.text_config.num_image_tokens
     _runs(checked.model, batch)
 
 

@@ -29,6 +29,8 @@ Companion inputs, built beside the text from ``forward``'s keywords and the conf
   ``max_<stem>_dim`` / ``<stem>_dim`` (``<stem>`` the name without a plural ``s``): ``[1, dim]``, or
   ``[1, chunk_size, dim]`` for a plural name with a ``chunk_size`` in the config; beside ``actions``, a fixed
   ``noise`` of the same shape and ``timestep`` 0.5 where ``forward`` takes them (no random draw in the model);
+- a nested vision-language config (PI0's ``vlm_config``, no get_image_features on the model): its image token,
+  as many as the count it names (``num_image_tokens``);
 - video: a model with ``get_video_features`` and no ``get_image_features`` (InstructBLIP-Video) is probed with
   it, its ``video_token_id`` / ``video_token_index`` standing in for the image token where the config names none.
 
@@ -127,7 +129,8 @@ def special_ids(cfg: Any) -> set[int]:
 
 def image_token_id(cfg: Any) -> int | None:
     """The id written where image features go (``image_token_id`` / ``image_token_index`` ..., top config first;
-    a ``video_token_id`` only where no config names an image token)."""
+    a ``video_token_id`` only where no config names an image token; last, the token of a nested
+    vision-language config, :func:`_nested_vlms`)."""
     for keys in (_TOKEN_KEYS, _VIDEO_TOKEN_KEYS):
         for c in (cfg, _text_config(cfg), _vision_config(cfg)):
             if c is None:
@@ -135,7 +138,31 @@ def image_token_id(cfg: Any) -> int | None:
             v = _cfg_get(c, keys)
             if isinstance(v, int) and not isinstance(v, bool):
                 return v
+    for vlm in _nested_vlms(cfg):
+        v = image_token_id(vlm)
+        if v is not None:
+            return v
     return None
+
+
+def _nested_vlms(cfg: Any) -> list[Any]:
+    """Sub-configs that are whole vision-language configs (they hold a ``vision_config``), in a config that has
+    none of its own: PI0's ``vlm_config`` (a PaliGemma) beside its action expert's ``dit_config``."""
+    if _vision_config(cfg) is not None:
+        return []
+    return [v for v in vars(cfg).values()
+            if hasattr(v, "to_dict") and hasattr(v, "model_type") and _vision_config(v) is not None]
+
+
+def _nested_count(cfg: Any) -> int:
+    """The image-token count a nested vision-language config names (its own or its text config's
+    ``num_image_tokens`` ...), 0 where none does."""
+    for vlm in _nested_vlms(cfg):
+        for c in (vlm, _text_config(vlm)):
+            n = _int(_cfg_get(c, _COUNT_KEYS), 0)
+            if n:
+                return n
+    return 0
 
 
 def _image_fn(model: nn.Module) -> Any:
@@ -269,8 +296,11 @@ def image_layout(model: nn.Module) -> Layout:
     for name, kw in _candidates(model, params):
         if fn is None or token is None:  # the first layout the whole model takes beside plain text
             n = _placeholders(model, cfg)
-            layout = Layout(kw, n, None, [f"{name}; no get_image_features/image token: pixels beside the text"
-                                          + (f", {n} placeholder tokens in its position mask" if n else "")])
+            nested = _nested_count(cfg) if token is not None and not n else 0  # PI0: its VLM's image tokens
+            layout = Layout(kw, n or nested, token if nested else None,
+                            [f"{name}; no get_image_features/image token: pixels beside the text"
+                             + (f", {n} placeholder tokens in its position mask" if n else "")
+                             + (f", {nested} image tokens its nested VLM config names" if nested else "")])
             try:
                 with torch.no_grad(), torch.random.fork_rng(devices=[]):
                     model(**_assemble(model, layout, seq=4, seed=0))
