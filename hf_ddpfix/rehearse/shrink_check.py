@@ -11,6 +11,11 @@ What a built model shows that the config alone does not (both read on the meta d
   default config may name ``image_token_index`` = ``vocab_size``: LLaVA's 32000); the vocabulary grows to hold it
   (also far past it: Idefics3 / SmolVLM name 128257 beside a vocabulary of 32000).
 
+- **unset fields** the model needs (:func:`give_unset_field`): a ``sliding_window`` left ``None`` beside
+  ``sliding_attention`` layers or a model that builds a sliding mask (Step3p7) gets :data:`SLIDING_WINDOW`;
+  an unset image / video token id the model compares ``input_ids`` with (:func:`give_image_token`), a token id
+  the config lacks (:func:`give_missing_token`).
+
 :func:`shrink_checked` then builds the model (seeded) and runs it on :func:`~hf_ddpfix.integrations.vision.sample.
 sample_batch` without and with an image; where the fully cut model fails and a copy with the vision sub-configs'
 widths kept (layers still cut) runs, that copy is used and the lines say why.
