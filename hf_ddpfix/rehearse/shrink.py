@@ -51,7 +51,8 @@ _MLP = ("intermediate_size", "ffn_dim", "encoder_ffn_dim", "decoder_ffn_dim", "n
 _HEAD_WIDTHS = {"head_dim": HEAD_DIM, "qk_rope_head_dim": HEAD_DIM // 2, "qk_nope_head_dim": HEAD_DIM // 2,
                 "v_head_dim": HEAD_DIM, "kv_lora_rank": 2 * HEAD_DIM, "q_lora_rank": 2 * HEAD_DIM,
                 "global_head_dim": HEAD_DIM, "attention_head_dim": HEAD_DIM,
-                "hidden_size_per_layer_input": HEAD_DIM}  # Gemma 3n / 4: a per-layer embedding width
+                "hidden_size_per_layer_input": HEAD_DIM,  # Gemma 3n / 4: a per-layer embedding width
+                "d_kv": HEAD_DIM}  # T5-style (Pix2Struct, UDOP): heads x d_kv is the attention's inner width
 #: "Every k layers" settings: the cut stack keeps at least k (+1) layers so the kind still alternates.
 _EVERY = ("decoder_sparse_step", "moe_layer_freq", "interleave_moe_layer_step", "global_attn_every_n_layers",
           "full_attention_interval", "sliding_window_pattern", "first_k_dense_replace", "cross_attention_frequency")

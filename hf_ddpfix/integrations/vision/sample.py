@@ -14,6 +14,26 @@ in order (the first layout whose image features come out is kept, per model):
   width), written as that many ``image_token_id`` tokens into ``input_ids``. A model with no image token (BLIP,
   GIT, an encoder-decoder) gets ``pixel_values`` beside plain text.
 
+Companion inputs, built beside the text from ``forward``'s keywords and the config (by naming convention):
+
+- ``flattened_patches`` (Pix2Struct): ``[1, 16, 2 + D]`` patch rows of a 4 x 4 grid, the first two columns the
+  1-based row / column ids, ``D`` the config's ``patch_embed_hidden_size`` (else ``C*P*P``), with the patches'
+  ``attention_mask``; a forward with no ``input_ids`` but ``decoder_input_ids`` then takes the text as
+  ``labels`` only (its ``attention_mask`` is the patches');
+- ``*image*position_mask`` (Kosmos-2's ``image_embeds_position_mask``): a model with no ``get_image_features``
+  and no image token gets as many placeholder text tokens as the config's image-token count
+  (``latent_query_num``, ``num_query_tokens``, ...) and the ``[1, seq]`` mask marking them;
+- ``image_attention_mask`` (Idefics): ``[1, seq, num_images]`` ones, every token attending every image;
+- ``bbox`` (UDOP): one ``[x0, y0, x1, y1]`` box in ``[0, 1]`` per token, ``[1, seq, 4]`` floats;
+- a robot-state / action vector (PI0): a keyword ``<name>`` (``state``, ``actions``) the config sizes by
+  ``max_<stem>_dim`` / ``<stem>_dim`` (``<stem>`` the name without a plural ``s``): ``[1, dim]``, or
+  ``[1, chunk_size, dim]`` for a plural name with a ``chunk_size`` in the config; beside ``actions``, a fixed
+  ``noise`` of the same shape and ``timestep`` 0.5 where ``forward`` takes them (no random draw in the model);
+- a nested vision-language config (PI0's ``vlm_config``, no get_image_features on the model): its image token,
+  as many as the count it names (``num_image_tokens``);
+- video: a model with ``get_video_features`` and no ``get_image_features`` (InstructBLIP-Video) is probed with
+  it, its ``video_token_id`` / ``video_token_index`` standing in for the image token where the config names none.
+
 Guarantees: deterministic for a given ``seed``; never mutates the model (the trial runs under ``no_grad`` with the
 RNG forked); raises :class:`SampleError` naming every layout tried when none runs.
 """
@@ -35,6 +55,12 @@ __all__ = ["SampleError", "sample_batch", "image_layout"]
 
 _TOKEN_KEYS = ("image_token_id", "image_token_index", "image_token", "img_token_id", "image_pad_token_id",
                "media_placeholder_token_id", "image_context_token_id")
+#: read only where no config names an image token (a video-only model: InstructBLIP-Video)
+_VIDEO_TOKEN_KEYS = ("video_token_id", "video_token_index")
+#: how many image embeddings a model with no get_image_features places (the placeholders of a position mask)
+_COUNT_KEYS = ("latent_query_num", "num_query_tokens", "image_seq_length", "mm_tokens_per_image", "num_image_tokens")
+#: a sequence length for a plural vector keyword (``actions``: a chunk of action steps)
+_CHUNK_KEYS = ("chunk_size", "action_chunk_size", "n_action_steps")
 
 
 class SampleError(ValueError):
@@ -102,21 +128,49 @@ def special_ids(cfg: Any) -> set[int]:
 
 
 def image_token_id(cfg: Any) -> int | None:
-    """The id written where image features go (``image_token_id`` / ``image_token_index`` ..., top config first)."""
-    for c in (cfg, _text_config(cfg), _vision_config(cfg)):
-        if c is None:
-            continue
-        v = _cfg_get(c, _TOKEN_KEYS)
-        if isinstance(v, int) and not isinstance(v, bool):
+    """The id written where image features go (``image_token_id`` / ``image_token_index`` ..., top config first;
+    a ``video_token_id`` only where no config names an image token; last, the token of a nested
+    vision-language config, :func:`_nested_vlms`)."""
+    for keys in (_TOKEN_KEYS, _VIDEO_TOKEN_KEYS):
+        for c in (cfg, _text_config(cfg), _vision_config(cfg)):
+            if c is None:
+                continue
+            v = _cfg_get(c, keys)
+            if isinstance(v, int) and not isinstance(v, bool):
+                return v
+    for vlm in _nested_vlms(cfg):
+        v = image_token_id(vlm)
+        if v is not None:
             return v
     return None
 
 
+def _nested_vlms(cfg: Any) -> list[Any]:
+    """Sub-configs that are whole vision-language configs (they hold a ``vision_config``), in a config that has
+    none of its own: PI0's ``vlm_config`` (a PaliGemma) beside its action expert's ``dit_config``."""
+    if _vision_config(cfg) is not None:
+        return []
+    return [v for v in vars(cfg).values()
+            if hasattr(v, "to_dict") and hasattr(v, "model_type") and _vision_config(v) is not None]
+
+
+def _nested_count(cfg: Any) -> int:
+    """The image-token count a nested vision-language config names (its own or its text config's
+    ``num_image_tokens`` ...), 0 where none does."""
+    for vlm in _nested_vlms(cfg):
+        for c in (vlm, _text_config(vlm)):
+            n = _int(_cfg_get(c, _COUNT_KEYS), 0)
+            if n:
+                return n
+    return 0
+
+
 def _image_fn(model: nn.Module) -> Any:
-    for m in (model, getattr(model, "model", None)):
-        fn = getattr(m, "get_image_features", None) if m is not None else None
-        if callable(fn):
-            return fn
+    for name in ("get_image_features", "get_video_features"):  # a video-only model: its video features
+        for m in (model, getattr(model, "model", None)):
+            fn = getattr(m, name, None) if m is not None else None
+            if callable(fn):
+                return fn
     return None
 
 
@@ -153,6 +207,13 @@ def _candidates(model: nn.Module, params: set[str]) -> list[tuple[str, dict[str,
                 shape = (n, c * tt, p, p) if unflat else (n, c * tt * p * p)
                 name = f"grid {g} x ({c * tt}, {p}, {p}) patches" if unflat else f"grid {g} x {c}*{tt}*{p}^2"
                 out.append((name, {"pixel_values": _ramp(shape, dtype), grid_key: torch.tensor([g], dtype=torch.long)}))
+    if "flattened_patches" in params:  # Pix2Struct: patch rows led by their 1-based row / column ids
+        h, w = 4, 4
+        d = _int(_cfg_get(vc, ("patch_embed_hidden_size",)), c * p * p)
+        ids = torch.stack(torch.meshgrid(torch.arange(1, h + 1), torch.arange(1, w + 1), indexing="ij"), -1)
+        rows = torch.cat([ids.reshape(h * w, 2).to(dtype), _ramp((h * w, d), dtype)], -1)
+        out.append((f"flattened {h}x{w} patches of {d}", {
+            "flattened_patches": rows[None], "attention_mask": torch.ones(1, h * w, dtype=torch.long)}))
     if "spatial_shapes" in params:
         h, w = 4, 4
         out.append((f"naflex {h}x{w} patches", {
@@ -234,7 +295,12 @@ def image_layout(model: nn.Module) -> Layout:
     errors: list[str] = []
     for name, kw in _candidates(model, params):
         if fn is None or token is None:  # the first layout the whole model takes beside plain text
-            layout = Layout(kw, 0, None, [f"{name}; no get_image_features/image token: pixels beside the text"])
+            n = _placeholders(model, cfg)
+            nested = _nested_count(cfg) if token is not None and not n else 0  # PI0: its VLM's image tokens
+            layout = Layout(kw, n or nested, token if nested else None,
+                            [f"{name}; no get_image_features/image token: pixels beside the text"
+                             + (f", {n} placeholder tokens in its position mask" if n else "")
+                             + (f", {nested} image tokens its nested VLM config names" if nested else "")])
             try:
                 with torch.no_grad(), torch.random.fork_rng(devices=[]):
                     model(**_assemble(model, layout, seq=4, seed=0))
@@ -255,6 +321,18 @@ def image_layout(model: nn.Module) -> Layout:
         return layout
     raise SampleError(f"{type(model).__name__}: no image layout built from the config runs "
                       f"({'; '.join(errors) or 'no candidate'})")
+
+
+def _position_mask_key(names: set[str]) -> str | None:
+    """The ``forward`` keyword marking where image embeddings go (``image_embeds_position_mask``), if any."""
+    return next((k for k in sorted(names) if "image" in k and k.endswith("position_mask")), None)
+
+
+def _placeholders(model: nn.Module, cfg: Any) -> int:
+    """Image placeholders a model with a position mask and no image token takes: the config's count, else 0."""
+    if _position_mask_key(set(inspect.signature(model.forward).parameters)) is None:
+        return 0
+    return _int(_cfg_get(cfg, _COUNT_KEYS), 0)
 
 
 _LAYOUTS: weakref.WeakKeyDictionary[nn.Module, Layout] = weakref.WeakKeyDictionary()
@@ -279,13 +357,21 @@ def _assemble(model: nn.Module, layout: Layout | None, *, seq: int, seed: int) -
     pool = [i for i in range(3, min(vocab, 400)) if i not in avoid] or [1]
     ids = [pool[int(j)] for j in torch.randint(0, len(pool), (seq,), generator=g)]
     batch: dict[str, Any] = {}
+    placed = 0  # placeholder tokens of a position mask (no image token id)
     if layout is not None:
         if layout.token_id is not None and layout.n_tokens:
             ids = ids[:2] + [layout.token_id] * layout.n_tokens + ids[2:]
+        elif layout.n_tokens:
+            placed = layout.n_tokens
+            ids = ids[:2] + [pool[0]] * placed + ids[2:]
         batch.update({k: v.clone() for k, v in layout.pixels.items()})
     input_ids = torch.tensor([ids], dtype=torch.long)
-    batch.update(input_ids=input_ids, attention_mask=torch.ones_like(input_ids), labels=input_ids.clone())
     names = set(inspect.signature(model.forward).parameters)
+    if "input_ids" not in names and "decoder_input_ids" in names:  # an image encoder, a text decoder (Pix2Struct):
+        batch["labels"] = input_ids.clone()  # the text is the decoder's; attention_mask is the patches'
+    else:
+        batch.update(input_ids=input_ids, attention_mask=torch.ones_like(input_ids), labels=input_ids.clone())
+    _companions(model, batch, names, input_ids, placed, layout is not None)
     token = image_token_id(cfg)
     if "mm_token_type_ids" in names:  # M-RoPE families: 1 where an image token sits (the processor's output)
         batch["mm_token_type_ids"] = (input_ids == token).long() if token is not None else torch.zeros_like(input_ids)
@@ -293,3 +379,53 @@ def _assemble(model: nn.Module, layout: Layout | None, *, seq: int, seed: int) -
         q = torch.tensor([pool[:4]], dtype=torch.long)
         batch.update(qformer_input_ids=q, qformer_attention_mask=torch.ones_like(q))
     return batch
+
+
+def _float_dtype(model: nn.Module) -> torch.dtype:
+    return next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
+
+
+#: words of keywords that are no config-sized vector (ids, masks, embeddings, pixels, caches, outputs)
+_NOT_VECTORS = ("ids", "mask", "embeds", "values", "labels", "cache", "key", "output", "return", "use_")
+
+
+def _vector_shape(cfg: Any, name: str) -> tuple[int, ...] | None:
+    """``[1, dim]`` / ``[1, chunk, dim]`` for a vector keyword the config sizes (module docstring), else None."""
+    stem = name[:-1] if name.endswith("s") else name
+    dim = _int(_cfg_get(cfg, (f"max_{stem}_dim", f"{stem}_dim")), 0)
+    if not dim:
+        return None
+    chunk = _int(_cfg_get(cfg, _CHUNK_KEYS), 0) if name.endswith("s") else 0
+    return (1, chunk, dim) if chunk else (1, dim)
+
+
+def _companions(model: nn.Module, batch: dict[str, Any], names: set[str], input_ids: torch.Tensor, placed: int,
+                image: bool) -> None:
+    """Add, in place, the companion inputs ``forward`` takes beside the text and pixels (module docstring)."""
+    cfg = model.config
+    dtype = _float_dtype(model)
+    seq = input_ids.shape[1]
+    if placed and (key := _position_mask_key(names)) is not None:  # where the image embeddings go (Kosmos-2)
+        mask = torch.zeros_like(input_ids, dtype=torch.bool)
+        mask[:, 2:2 + placed] = True
+        batch[key] = mask
+    if image and "image_attention_mask" in names:  # per-image cross-attention (Idefics): every token, every image
+        pv = batch.get("pixel_values")
+        n_images = pv.shape[1] if isinstance(pv, torch.Tensor) and pv.dim() == 5 else 1
+        batch["image_attention_mask"] = torch.ones(1, seq, n_images, dtype=torch.long)
+    if "bbox" in names:  # a box per token (UDOP): a row of boxes left to right in [0, 1]
+        x0 = torch.arange(seq, dtype=torch.float32) / seq
+        boxes = torch.stack([x0, torch.zeros(seq), x0 + 1.0 / seq, torch.full((seq,), 0.1)], -1)
+        batch["bbox"] = boxes[None].to(dtype)
+    for name in sorted(names):  # robot state / actions sized by the config (PI0)
+        if name in batch or name in ("noise", "timestep") or any(w in name for w in _NOT_VECTORS):
+            continue
+        shape = _vector_shape(cfg, name)
+        if shape is None:
+            continue
+        batch[name] = _ramp(shape, dtype)
+        if name == "actions":  # the flow-matching draws, fixed: a deterministic loss
+            if "noise" in names:
+                batch["noise"] = _ramp(shape, dtype).flip(-1)
+            if "timestep" in names:
+                batch["timestep"] = torch.full((shape[0],), 0.5, dtype=torch.float32)

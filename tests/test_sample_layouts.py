@@ -1,0 +1,129 @@
+"""Companion inputs of the structural batch builder and the config gaps of the shrinker (issue 45).
+
+One fixed family per class of failure, built tiny from its default config by the rehearsal's checked shrinker:
+``sample_batch`` must give the companion input the family's ``forward`` needs beside the text / pixels, and the
+model must run forward on it with a finite loss.
+
+- config gap: Step3p7's default config sets no ``sliding_window`` while its model builds a sliding mask
+  (:func:`~hf_ddpfix.rehearse.shrink_check.give_unset_field`);
+- a box per token: UDOP's ``bbox``;
+- an image position mask with its placeholder tokens: Kosmos-2's ``image_embeds_position_mask``;
+- a per-image cross-attention mask: Idefics' ``image_attention_mask``;
+- flattened patch rows with their ids and patch mask: Pix2Struct's ``flattened_patches``;
+- config-sized vectors: PI0's robot ``state`` and ``actions`` (and its nested VLM config's image tokens);
+- video frames through ``get_video_features`` with the video token: InstructBLIP-Video.
+
+Shown failing (2026-12-02): with ``hf_ddpfix/integrations/vision/sample.py``, ``shrink.py`` and
+``shrink_check.py`` reverted to 507f765 (before the companion inputs and the config repairs) all 8 tests fail:
+Step3p7 "Could not find a `sliding_window` argument in the config, or it is not set" (and no
+``give_unset_field``), UDOP ``KeyError: 'bbox'``, Kosmos-2 / Idefics / Pix2Struct / PI0 "no image layout built
+from the config runs" (PI0: "missing 1 required positional argument: 'state'"), InstructBLIP-Video's
+``video_token_id`` still ``None``.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+import transformers
+from transformers import AutoConfig
+
+from hf_ddpfix.integrations.vision.sample import sample_batch
+from hf_ddpfix.rehearse.family_sweep import size_family
+from hf_ddpfix.rehearse.shrink_check import shrink_checked
+
+
+def _tiny(model_type: str):  # noqa: ANN202
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        cls = getattr(transformers, size_family(model_type)["class"])
+        return shrink_checked(AutoConfig.for_model(model_type), cls, small_images=True)
+
+
+def _runs(model: torch.nn.Module, batch: dict) -> None:
+    with torch.no_grad():
+        loss = model(**batch).loss
+    assert loss is not None and loss.isfinite()
+
+
+def test_an_unset_sliding_window_the_model_needs_is_given():
+    checked = _tiny("step3p7")
+    assert (checked.text, checked.image) == ("ok", "ok")
+    assert any("sliding_window: None -> " in line for line in checked.shrunk.lines)
+    assert checked.model.config.get_text_config(decoder=True).sliding_window > 0
+
+
+def test_give_unset_field_reads_layer_types_and_the_masking_error():
+    from transformers import Gemma3TextConfig
+
+    from hf_ddpfix.rehearse.shrink_check import give_unset_field
+
+    cfg = Gemma3TextConfig(num_hidden_layers=2, layer_types=["sliding_attention", "full_attention"],
+                           max_position_embeddings=1024)
+    cfg.sliding_window = None
+    lines: list[str] = []
+    assert give_unset_field(cfg, "", lines) and cfg.sliding_window == 1024 and len(lines) == 1
+    assert not give_unset_field(cfg, "", lines)  # set now: nothing to do
+    other = Gemma3TextConfig(num_hidden_layers=2, layer_types=["full_attention"] * 2)
+    other.sliding_window = None
+    assert not give_unset_field(other, "", [])  # no sliding layer, no error: left unset
+    assert give_unset_field(other, "ValueError: Could not find a `sliding_window` argument in the config, or it "
+                            "is not set", []) and other.sliding_window > 0
+
+
+def test_a_box_per_token():
+    checked = _tiny("udop")
+    for image in (False, True):
+        batch = sample_batch(checked.model, image=image)
+        assert batch["bbox"].shape == (*batch["input_ids"].shape, 4) and batch["bbox"].is_floating_point()
+        _runs(checked.model, batch)
+
+
+def test_an_image_position_mask_marks_its_placeholders():
+    checked = _tiny("kosmos-2")
+    batch = sample_batch(checked.model, image=True)
+    mask = batch["image_embeds_position_mask"]
+    assert mask.shape == batch["input_ids"].shape and int(mask.sum()) == checked.model.config.latent_query_num
+    _runs(checked.model, batch)
+
+
+def test_a_per_image_cross_attention_mask():
+    checked = _tiny("idefics")
+    batch = sample_batch(checked.model, image=True)
+    n_images = batch["pixel_values"].shape[1]
+    assert batch["image_attention_mask"].shape == (*batch["input_ids"].shape, n_images)
+    _runs(checked.model, batch)
+
+
+def test_flattened_patches_with_their_ids_and_mask():
+    checked = _tiny("pix2struct")
+    batch = sample_batch(checked.model, image=True)
+    patches = batch["flattened_patches"]
+    assert "input_ids" not in batch and batch["attention_mask"].shape == patches.shape[:2]
+    assert patches[0, :, :2].min() >= 1  # 1-based row / column ids (0 marks padding)
+    _runs(checked.model, batch)
+
+
+def test_config_sized_state_and_action_vectors():
+    checked = _tiny("pi0")
+    cfg = checked.model.config
+    batch = sample_batch(checked.model, image=True)
+    assert batch["state"].shape == (1, cfg.max_state_dim)
+    assert batch["actions"].shape == batch["noise"].shape == (1, cfg.chunk_size, cfg.max_action_dim)
+    assert torch.equal(sample_batch(checked.model, image=True, seed=3)["timestep"], batch["timestep"])
+    vlm = cfg.vlm_config  # the nested VLM's image tokens, as many as it names: the tower's features are used
+    assert int((batch["input_ids"] == vlm.image_token_id).sum()) == vlm.text_config.num_image_tokens
+    _runs(checked.model, batch)
+
+
+@pytest.mark.parametrize("model_type", ["instructblipvideo"])
+def test_video_frames_through_the_video_features(model_type: str):
+    checked = _tiny(model_type)
+    cfg = checked.model.config
+    assert cfg.video_token_id is not None  # the default config's unset video token given
+    batch = sample_batch(checked.model, image=True)
+    assert batch["pixel_values"].dim() == 5
+    assert int((batch["input_ids"] == cfg.video_token_id).sum()) == cfg.num_query_tokens * batch["pixel_values"].shape[1]
+    _runs(checked.model, batch)
