@@ -82,3 +82,32 @@ def test_the_plan_names_the_guard_and_the_runtime_attaches_it_only_for_a_family_
                                disabled="HF_DDPFIX_VLM_STABILIZER=0")
     assert _mixed_image_guard_stage(trainer, plan(Decision(False, disabled[1]))) is None  # the user asked for stock
     assert _mixed_image_guard_stage(trainer, plan(Decision(None, ""))) is None  # not a VLM
+
+
+def test_a_model_that_takes_pixels_without_a_vision_config_is_guarded_under_zero3_only(monkeypatch):
+    """UDOP: no ``vision_config`` (``vlm_stabilizer`` does not arise), yet its ``forward`` takes ``pixel_values``;
+    under ZeRO-3 mixed ranks aborted in gloo at step 1 (the family cells, 2026-12-02). ZeRO-2 trains mixed ranks
+    with a frozen tower, so no check there; a text model gets none; ``HF_DDPFIX_VLM_STABILIZER=0`` keeps stock.
+    Shown failing (2026-12-02) with the ``decision.value is None`` branch returning ``None``."""
+    from types import SimpleNamespace
+
+    from hf_ddpfix.integrations.vision.mixed_guard import takes_visual_input
+    from hf_ddpfix.runtime.attach import _mixed_image_guard_stage
+
+    class Text(nn.Module):
+        def forward(self, input_ids=None, labels=None):  # noqa: ANN001, ANN201
+            return input_ids
+
+    assert takes_visual_input(_Toy()) and not takes_visual_input(Text())
+
+    def trainer(model, stage):  # noqa: ANN001, ANN202
+        return SimpleNamespace(model=model, accelerator=SimpleNamespace(state=SimpleNamespace(
+            deepspeed_plugin=SimpleNamespace(zero_stage=stage))))
+
+    plan = SimpleNamespace(vlm_stabilizer=Decision(None, ""), world_size=2)
+    monkeypatch.delenv("HF_DDPFIX_VLM_STABILIZER", raising=False)
+    assert _mixed_image_guard_stage(trainer(_Toy(), 3), plan) == 3
+    assert _mixed_image_guard_stage(trainer(_Toy(), 2), plan) is None
+    assert _mixed_image_guard_stage(trainer(Text(), 3), plan) is None
+    monkeypatch.setenv("HF_DDPFIX_VLM_STABILIZER", "0")
+    assert _mixed_image_guard_stage(trainer(_Toy(), 3), plan) is None

@@ -58,7 +58,7 @@ def test_an_unset_sliding_window_the_model_needs_is_given():
 def test_give_unset_field_reads_layer_types_and_the_masking_error():
     from transformers import Gemma3TextConfig
 
-    from hf_ddpfix.rehearse.shrink_check import give_unset_field
+    from hf_ddpfix.rehearse.config_gaps import give_unset_field
 
     cfg = Gemma3TextConfig(num_hidden_layers=2, layer_types=["sliding_attention", "full_attention"],
                            max_position_embeddings=1024)

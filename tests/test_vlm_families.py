@@ -241,10 +241,16 @@ def test_the_cells_file_covers_every_built_family_and_no_cell_failed():
 
 
 #: cells that fail today, each an open bug in hf_ddpfix (not an accepted outcome): the test above fails when one
-#: is fixed (remove it here) or a new one appears. None since 2026-12-02: video_llava (two CLIP towers named
+#: is fixed (remove it here) or a new one appears. Until 2026-12-02: video_llava (two CLIP towers named
 #: ``image_tower`` / ``video_tower``) crashed FSDP2 at step 1 until a vision sub-model was found by its config
 #: (``integrations/vision/parts.py``, ``vision_modules``).
-KNOWN_CELL_BUGS: dict[str, str] = {}
+KNOWN_CELL_BUGS: dict[str, str] = {
+    # the ZeRO dummy found by structure feeds get_image_features one image; Step3p7's real image batch also runs its
+    # crops through the tower (717 modules on the image rank vs 635 on the rank running the dummy in step 0, DeepSpeed's
+    # DETAIL trace, 2026-12-02), so ZeRO-3's all-gathers still differ: a collective timeout (stock ZeRO-3: the same
+    # mismatch). Open: the dummy must run every visual input the model's image path takes, or the family be refused.
+    "step3p7/zero3": "collective timeout at step 1: the dummy image runs fewer modules than a real image (crops)",
+}
 
 
 #: the batched CI launches: a grid family the plan drives by structure (GLM-4V: patch rows + ``image_grid_thw``, no
@@ -427,7 +433,7 @@ def test_a_token_id_the_default_config_lacks_is_given_where_the_model_reads_it()
     from transformers import AutoConfig
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
 
-    from hf_ddpfix.rehearse.shrink_check import give_missing_token
+    from hf_ddpfix.rehearse.config_gaps import give_missing_token
 
     lines: list[str] = []
     udop = AutoConfig.for_model("udop")

@@ -32,6 +32,7 @@ from .._compat import (
     is_checkpointing,
     layer_checkpoint_func,
 )
+from ..config.options import DDPFixConfig
 from ..integrations.checkpointing import (
     apply_checkpointing,
     checkpoint_kwargs_without_mode,
@@ -53,6 +54,7 @@ from ..integrations.usage import HangGuard, ParameterUsage, UsageChanged
 from ..integrations.usage.agreement import UsageAgreement
 from ..integrations.usage.trainable_set import TrainableSetWatch
 from ..integrations.vision.families import is_vision_language_model
+from ..integrations.vision.mixed_guard import takes_visual_input
 from ..integrations.vision.stabilizer import VisionStabilizer
 from ..ops import feature_counts
 from ..ops.buffer_order import BufferLayoutError, Layout, align_buffer_order
@@ -87,16 +89,17 @@ class Runtime:
 
 
 def _mixed_image_guard_stage(trainer: Any, plan: Plan) -> int | None:
-    """The ZeRO stage when this run's VLM gets the mixed-image guard (several ranks; ``vlm_stabilizer`` on, or off
-    only because the family has no dummy image: ``integrations/vision/mixed_guard.py``), else ``None``."""
-    decision = plan.vlm_stabilizer
-    if plan.world_size < 2 or decision.value is None:
+    """The ZeRO stage when the run gets the mixed-image guard (``integrations/vision/mixed_guard.py``), else None:
+    several ranks and a VLM whose stabiliser is on (used if its trial fails) or off only for want of a dummy; under
+    ZeRO-3 also a model not a VLM by its config whose forward takes pixels (UDOP; ZeRO-2 trains it: stock kept)."""
+    d, state = plan.vlm_stabilizer, getattr(getattr(trainer, "accelerator", None), "state", None)
+    stage = getattr(getattr(state, "deepspeed_plugin", None), "zero_stage", None)
+    if plan.world_size < 2 or stage is None:
         return None
-    if not decision.value and not decision.reason.startswith(NO_ZERO_DUMMY):
-        return None  # not needed at this stage, or disabled by the user: stock
-    plugin = getattr(getattr(getattr(trainer, "accelerator", None), "state", None), "deepspeed_plugin", None)
-    stage = getattr(plugin, "zero_stage", None)
-    return int(stage) if stage is not None else None
+    if d.value is None:  # HF_DDPFIX_VLM_STABILIZER=0 keeps stock here too
+        pixels = stage == 3 and takes_visual_input(getattr(trainer, "model", None) or nn.Module())
+        return 3 if pixels and DDPFixConfig.from_env().vlm_stabilizer is not False else None
+    return int(stage) if d.value or d.reason.startswith(NO_ZERO_DUMMY) else None  # else not needed, or disabled
 
 
 def attach_runtime(trainer: Any, model: nn.Module, plan: Plan, stack: ExitStack) -> Runtime:

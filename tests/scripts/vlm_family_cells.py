@@ -74,6 +74,9 @@ CELLS = {"ddp": ("stock", "ddp"), "fsdp": ("fsdp_plan", "fsdp_list"), "zero3": (
 #: the words of the mixed-image guard's error (hf_ddpfix/integrations/vision/mixed_guard.py): a ZeRO cell of a family
 #: with no dummy image that stopped there is ``stopped``, not ``failed``
 MIXED_STOP = "pass text only. Under ZeRO-"
+#: the launch each cell runs in (a failed FSDP2 / ZeRO-3 cell is followed by ``stock_<launch>``: the stock Trainer
+#: under the same engine, once per family)
+LAUNCH_OF = {cell: launch for launch, cells in CELLS.items() for cell in cells}
 #: the cells judged against stock DDP (``stock``)
 COMPARED = ("ddp", "fsdp_plan", "fsdp_list", "zero3")
 #: gloo's timeout for every collective (its default is 30 min): a cell whose ranks disagree ends here
@@ -82,8 +85,8 @@ PG_TIMEOUT = 240
 #: order): bit-equal, measured 0.0 on every family of the full sweep. FSDP2 vs stock DDP: reduce-scatter vs
 #: all-reduce order, and AdamW's division of a near-zero moment turns that rounding into a visible step
 #: (tests/test_fsdp_trainer_zoo.py: 9.9e-7 on Qwen2-VL). Measured over every family of the full sweep (2026-12-02,
-#: hf_ddpfix/rehearse/vlm_family_cells.json "max_spread"): 4.6e-6 (blip, both wrap modes: an image every step),
-#: 3.0e-6 (lfm3_vl), 0 to 7e-7 for most; bound with a 2x margin. ZeRO-3 (its own reduction order and clipping, the
+#: hf_ddpfix/rehearse/vlm_family_cells.json "max_spread"): 5.4e-6 (udop), 4.6e-6 (blip, both wrap modes: an image
+#: every step), 3.0e-6 (lfm3_vl), 0 to 7e-7 for most; bound with a 2x margin. ZeRO-3 (its own reduction order and clipping, the
 #: same AdamW amplification of near-zero moments): 5.8e-5 (gemma4_unified, text only: a few LoRA tensors; its eval
 #: loss equal), 3.9e-6 (exaone4_5) and below for the other 48 equal families; bound with a 2x margin
 TOL = {"ddp": 0.0, "fsdp_plan": 1e-5, "fsdp_list": 1e-5, "zero3": 1.2e-4}
@@ -184,7 +187,7 @@ def run_cell(model_type: str, cell: str, base: torch.nn.Module, images: bool | s
         trainer = cls(model=model, args=args, data_collator=single_collate, train_dataset=train,
                       eval_dataset=evaluate)
         plugin = trainer.accelerator.state.fsdp_plugin if trainer.is_fsdp_enabled else None
-        if cell.startswith("fsdp"):
+        if cell.startswith("fsdp") or cell == "stock_fsdp":  # stock_fsdp: the launch's own plugin, as stock
             assert plugin is not None, "an FSDP cell under a launch without FSDP"
             saved = (plugin.transformer_cls_names_to_wrap, plugin.cpu_ram_efficient_loading)
             plugin.cpu_ram_efficient_loading = False  # the tiny model is built on every rank, not loaded
@@ -276,11 +279,14 @@ def main() -> None:
                 torch.save(rec, os.path.join(a.out, f"{model_type}-{cell}.pt"))
                 print(f"[cell] {model_type} {cell}: {rec['status']} {rec['error'][:200]} "
                       f"eval_loss={rec.get('eval_loss')} {rec['seconds']}s", flush=True)
-            if cell == "zero3" and statuses == {"failed"} and MIXED_STOP not in rec["error"]:
-                # hf_ddpfix's ZeRO-3 run failed on every rank, not at the guard: does the stock Trainer fail too?
-                stock = run_cell(model_type, "stock_zero3", base, images, user_list, a.out)
+            reference = f"stock_{a.launch}"
+            if (a.launch != "ddp" and statuses == {"failed"} and MIXED_STOP not in rec["error"]
+                    and not os.path.exists(os.path.join(a.out, f"{model_type}-{reference}.pt"))):
+                # hf_ddpfix's run failed on every rank under this engine (not at the guard): does the stock Trainer
+                # fail too, in the same launch (the engine the user's config asks for)?
+                stock = run_cell(model_type, reference, base, images, user_list, a.out)
                 if rank == 0:
-                    torch.save(stock, os.path.join(a.out, f"{model_type}-stock_zero3.pt"))
+                    torch.save(stock, os.path.join(a.out, f"{model_type}-{reference}.pt"))
     print(f"[rank {rank}] VLM_FAMILY_CELLS_OK", flush=True)
     from hf_ddpfix.ops.dist import destroy_default_group
 
@@ -289,8 +295,8 @@ def main() -> None:
 
 def judge(out: str, model_type: str, tol: dict | None = None, eval_tol: dict | None = None) -> dict:
     """The family's verdict from ``OUT/<family>-<cell>.pt``: per compared cell ``{"status": "equal" | "differs" |
-    "refused" | "failed" | "stock_fails" (failed, and so did stock DDP: ``stock`` holds its error; or, for
-    ``zero3``, the stock Trainer under ZeRO-3 run after it: ``stock_error``) | "stopped" (ZeRO,
+    "refused" | "failed" | "stock_fails" (failed, and so did stock DDP: ``stock`` holds its error; or the stock
+    Trainer run after it under the same engine, FSDP2 or ZeRO-3: ``stock_error``) | "stopped" (ZeRO,
     no dummy image: the mixed-image guard stopped the first mixed forward with its named error) | "not_run" |
     "no_reference" (trained, stock DDP did not) | "missing", "max_diff", "eval_diff", "error", "at_step",
     "units"}``, and
@@ -316,11 +322,12 @@ def judge(out: str, model_type: str, tol: dict | None = None, eval_tol: dict | N
             v["user_list"] = rec["user_list"]
         if rec["status"] != "trained":
             v.update(error=rec.get("error", "")[:400], at_step=rec.get("at_step", 0))
-            stock_zero3 = load("stock_zero3") if cell == "zero3" else None
+            same_engine = load(f"stock_{LAUNCH_OF[cell]}") if cell != "ddp" else None
             if rec["status"] == "failed" and stock is not None and stock["status"] == "failed":
                 v["status"] = "stock_fails"  # the stock Trainer fails this family too (its error is "stock")
-            elif rec["status"] == "failed" and stock_zero3 is not None and stock_zero3["status"] == "failed":
-                v.update(status="stock_fails", stock_error=stock_zero3.get("error", "")[:300])  # stock ZeRO-3 too
+            elif rec["status"] == "failed" and same_engine is not None and same_engine["status"] == "failed":
+                # the stock Trainer fails it under the same engine too (stock FSDP2 / stock ZeRO-3)
+                v.update(status="stock_fails", stock_error=same_engine.get("error", "")[:300])
             elif rec["status"] == "failed" and MIXED_STOP in rec.get("error", ""):
                 v["status"] = "stopped"  # ZeRO, no dummy image: the mixed-image guard's named stop, on every rank
             verdict["cells"][cell] = v

@@ -16,7 +16,9 @@ gather_flags`); when some do and some do not, every rank raises the same error (
 every rank has an image, or none has, run untouched (stock's math: nothing is tied or changed).
 
 Cost: one 1-byte all-gather and its host read per forward, only in this case (ZeRO-2 with a trainable tower, or
-ZeRO-3, a VLM, no dummy image); ``HF_DDPFIX_VLM_STABILIZER=0`` keeps stock (no check).
+ZeRO-3, a VLM, no dummy image; under ZeRO-3 also a model whose ``forward`` takes pixels though its config names no
+``vision_config``: UDOP, measured aborting in gloo at step 1 on the sweep's mixed ranks); ``HF_DDPFIX_VLM_STABILIZER=0``
+keeps stock (no check).
 
 Guarantees: raises on every rank at the same forward (the same gathered flags), so no rank is left waiting; never
 raises where ranks agree; :meth:`remove` leaves the model as it was.
@@ -32,12 +34,24 @@ from torch import nn
 from ..._compat.models import unwrap_model
 from ...ops.dist import dist_ready, gather_flags
 
-__all__ = ["MixedImageGuard", "has_visual_input"]
+__all__ = ["MixedImageGuard", "has_visual_input", "takes_visual_input"]
 
 #: keyword inputs that carry an image or a video, beside any whose name contains ``pixel_values``
 #: (``pixel_values``, ``pixel_values_videos``, ``pixel_values_images``): Pix2Struct's patches, Fuyu's, Molmo's
 #: ``images``, precomputed ``image_embeds``
 VISUAL_NAMES = frozenset({"flattened_patches", "image_patches", "images", "image_embeds"})
+
+
+def takes_visual_input(model: nn.Module) -> bool:
+    """True when the (unwrapped) model's ``forward`` has a keyword :func:`has_visual_input` reads: a model that
+    takes pixels though its config names no ``vision_config`` (UDOP) is a vision-language model to the guard."""
+    import inspect
+
+    try:
+        names = inspect.signature(unwrap_model(model).forward).parameters
+    except (TypeError, ValueError):
+        return False
+    return any("pixel_values" in n or n in VISUAL_NAMES for n in names)
 
 
 def has_visual_input(kwargs: dict[str, Any]) -> bool:
