@@ -12,6 +12,25 @@ import ci_record  # noqa: E402
 
 def pytest_configure(config):
     ci_record.register(config)  # seconds per file, counts, versions: only under CI (DDPFIX_CI_DIR)
+    if hasattr(config.option, "loadscopereorder"):  # xdist's loadfile: keep the order below, not "most tests first"
+        config.option.loadscopereorder = False
+
+
+# ---- the order: the slowest files first --------------------------------------------------------------------------
+# Under `-n 2 --dist loadfile` a worker takes the next file when it is free. xdist's default queue puts the files
+# with the most tests first, so the few-test, many-minute launch files (test_vlm_families, test_fsdp_skippable, ...)
+# came last and one worker ran them alone at the end. The queue now starts with the slowest files, by the seconds
+# the last kept CI run measured per file (tests/results/stacks/pinned.json, `python scripts/ci_report.py keep`);
+# files it does not name follow in collection order.
+def _file_seconds() -> dict[str, float]:
+    import json
+
+    kept = Path(__file__).resolve().parent / "results" / "stacks" / "pinned.json"
+    try:
+        return {str(k): float(v) for k, v in json.loads(kept.read_text()).get("files", {}).items()}
+    except (OSError, ValueError, AttributeError):
+        return {}
+
 
 
 # ---- the fast tier: `python -m pytest -m "not slow" tests` (docs/testing.md) ----------------------------------
@@ -52,3 +71,5 @@ def pytest_collection_modifyitems(config, items):
             continue
         if item.get_closest_marker("multiprocess") is not None or node.startswith(SLOW):
             item.add_marker(pytest.mark.slow)
+    seconds = _file_seconds()  # the slowest files first (above); stable: ties keep the collection order
+    items.sort(key=lambda item: -seconds.get(_node_id(item).split("::", 1)[0], 0.0))

@@ -270,13 +270,14 @@ def test_the_dummys_image_flag_rides_in_the_usage_agreement_and_only_a_text_rank
 
 SCRIPT = ROOT / "tests" / "scripts" / "fsdp_trainer.py"
 OFFLINE = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
-# Qwen2.5-VL (accumulation 2), Gemma 3 (reentrant asked: the plan runs it non-reentrant), LLaVA, Aya Vision,
-# LLaVA-OneVision (any-resolution base + tile), PaliGemma (prefix attention), SmolVLM (its 5-D pixel layout
+# Qwen2.5-VL (accumulation 2), Gemma 3 (reentrant asked: the plan runs it non-reentrant), LLaVA,
+# LLaVA-OneVision (any-resolution base + tile), SmolVLM (its 5-D pixel layout
 # discovered from the config); Mllama (cross-attention layers and its tower as units: the cross-attention dummy,
 # hf_ddpfix/integrations/fsdp/cross_attention.py); GLM-4V: its dummy found by structure (no registry entry; issue 45
-# item 1). VipLLaVA and Command A Vision (LLaVA's and Aya Vision's dummy paths) left this launch for CI time
-# (2026-12-02); their plan-level shard test stays in the fast tier and their FSDP2 cells in the family sweep.
-SHARDED = "qwen2_5_vl,gemma3,llava,aya_vision,llava_onevision,paligemma,smolvlm,mllama,glm4v"
+# item 1). VipLLaVA, Command A Vision, Aya Vision and PaliGemma (LLaVA's dummy path: get_image_features on one
+# native-size image) left this launch for CI time (2026-12-02); their plan-level shard test stays in the fast tier
+# and their FSDP2 cells (the plan's units and the explicit list, equal to stock DDP) in the family sweep's cells file.
+SHARDED = "qwen2_5_vl,gemma3,llava,llava_onevision,smolvlm,mllama,glm4v"
 # issue 45 item 2: a family without a dummy (Janus) with the ``<DecoderLayer>,<VisionBlock>`` list its users write:
 # the plan folds the vision block out of the list (it crashed at the first mixed step, as stock); and GLM-4V under
 # DDP with the stabiliser's dummy (parameter_usage off), in the stock launch

@@ -111,3 +111,57 @@ def test_a_model_that_takes_pixels_without_a_vision_config_is_guarded_under_zero
     assert _mixed_image_guard_stage(trainer(Text(), 3), plan) is None
     monkeypatch.setenv("HF_DDPFIX_VLM_STABILIZER", "0")
     assert _mixed_image_guard_stage(trainer(_Toy(), 3), plan) is None
+
+
+class _Crops(nn.Module):
+    """A VLM whose image call runs the tower again on optional local crops (Step3p7, DeepSeek-OCR-2)."""
+
+    def get_image_features(self, pixel_values, pixel_values_local=None, num_local_patches=None):  # noqa: ANN001, ANN201
+        return pixel_values
+
+    def forward(self, input_ids=None, pixel_values=None, pixel_values_local=None):  # noqa: ANN001, ANN201
+        return input_ids
+
+
+def test_an_image_call_with_optional_crops_has_no_dummy_and_the_guard_stops_ranks_that_disagree_on_them(monkeypatch):
+    """Step3p7 under ZeRO-3 (the family cells, 2026-12-02): its discovered dummy ran one image through
+    ``get_image_features``, a real image also its local crops (717 vs 635 modules in step 0): a collective timeout.
+    Such a family now gets no dummy (the guard stops mixed ranks by name); image ranks that disagree on the crops
+    (stock: the same mismatch) stop by name too. Shown failing (2026-12-02): with ``watched`` empty the crop
+    disagreement ran on (no raise here; on 2 ranks a timeout)."""
+    from hf_ddpfix.integrations.vision.families import optional_pixel_inputs
+
+    assert optional_pixel_inputs(_Crops().get_image_features) == ["pixel_values_local"]
+    assert optional_pixel_inputs(_Toy().forward) == []  # pixel_values itself is the image, not an extra pass
+    monkeypatch.setattr(mixed_guard, "dist_ready", lambda group=None: True)
+    ids, pv = torch.ones(1, 3, dtype=torch.long), torch.zeros(1, 3, 2, 2)
+    for rows, raises in (([[True, True], [True, True]], False), ([[True, False], [True, False]], False),
+                         ([[True, True], [True, False]], True)):
+        monkeypatch.setattr(mixed_guard, "gather_flags", lambda flags, group=None, rows=rows: (
+            rows if len(flags) == 2 else pytest.fail(f"flags {flags}")))
+        model = _Crops()
+        guard = MixedImageGuard(model, why="crops", stage=3, error=DDPFixError).attach()
+        assert guard.watched == ["pixel_values_local"]
+        if raises:
+            with pytest.raises(DDPFixError, match=r"rank\(s\) \[0\] pass `pixel_values_local` and rank\(s\) \[1\]"):
+                model(input_ids=ids, pixel_values=pv, pixel_values_local=pv)
+        else:
+            assert model(input_ids=ids, pixel_values=pv) is ids
+        guard.remove()
+
+
+def test_a_discovered_image_family_with_optional_crops_is_refused_with_the_reason():
+    """The ZeRO view of a family found by structure whose image call takes optional crops: no adapter, the reason
+    names the input (so the plan's ``vlm_stabilizer`` reason starts with NO_ZERO_DUMMY and the guard attaches)."""
+    from transformers import AutoConfig, AutoModelForImageTextToText
+
+    from hf_ddpfix.integrations.vision.families import describe_unsupported, find_vision_adapter
+
+    try:
+        config = AutoConfig.for_model("step3p7")
+    except (KeyError, ValueError):
+        pytest.skip("transformers ships no step3p7 here")
+    with torch.device("meta"):  # the default (full-size) config: structure only, no bytes
+        model = AutoModelForImageTextToText.from_config(config)
+    assert find_vision_adapter(model, zero=True) is None
+    assert "pixel_values_local" in describe_unsupported(model, zero=True)

@@ -136,3 +136,21 @@ def test_video_frames_through_the_video_features(model_type: str):
     assert batch["pixel_values"].dim() == 5
     assert int((batch["input_ids"] == cfg.video_token_id).sum()) == cfg.num_query_tokens * batch["pixel_values"].shape[1]
     _runs(checked.model, batch)
+
+
+def test_the_zero_dummy_takes_the_anyres_tiles_the_pinpoints_give():
+    """The ZeRO dummy found by structure (``VisionAdapter.verify``), LoRA on every linear as the cells run it:
+    LLaVA-NeXT's native-size image is cut into the base tile plus the tiles its ``image_grid_pinpoints`` pick
+    (``anyres_tiles``). Shown failing (2026-12-02, before that layout): "no dummy built from vision_config runs
+    through the tower" ("split_with_sizes expects split_sizes to sum exactly to 2 ... got [3]"), so its ZeRO-3 cell
+    stopped mixed ranks and its explicit-list FSDP2 cell was refused (both now equal to stock DDP: the cells file)."""
+    from peft import LoraConfig, get_peft_model
+
+    from hf_ddpfix.integrations.vision.families import find_vision_adapter
+
+    model = _tiny("llava_next").model
+    model = get_peft_model(model, LoraConfig(r=2, lora_alpha=4, target_modules="all-linear")).base_model.model
+    adapter = find_vision_adapter(model, zero=True)
+    assert adapter is not None
+    adapter.verify()
+    assert (adapter.pixel_ndim, adapter.pixel_tiles) == (5, 3)

@@ -108,7 +108,7 @@ def test_plan_prints_where_the_family_stands():
     assert line.startswith("family 'qwen2_5_vl' in the VLM sweep") and DATA["transformers"] in line
     # the shipped 2-process cells too (issue 45: "plan --model says where a family stands")
     assert "on 2 processes vs stock DDP (mixed image/text ranks): DDP equal, FSDP2 with the plan's units equal" in line
-    refused = status_line("llava_next")  # the user's list refused before step 1, with the reason
+    refused = status_line("granite_docling")  # the user's list refused before step 1, with the reason
     assert "FSDP2 with your layer list refused before step 1 (" in refused, refused
     assert status_line("llama") == ""  # a text model: no line
     out = io.StringIO()
@@ -243,14 +243,10 @@ def test_the_cells_file_covers_every_built_family_and_no_cell_failed():
 #: cells that fail today, each an open bug in hf_ddpfix (not an accepted outcome): the test above fails when one
 #: is fixed (remove it here) or a new one appears. Until 2026-12-02: video_llava (two CLIP towers named
 #: ``image_tower`` / ``video_tower``) crashed FSDP2 at step 1 until a vision sub-model was found by its config
-#: (``integrations/vision/parts.py``, ``vision_modules``).
-KNOWN_CELL_BUGS: dict[str, str] = {
-    # the ZeRO dummy found by structure feeds get_image_features one image; Step3p7's real image batch also runs its
-    # crops through the tower (717 modules on the image rank vs 635 on the rank running the dummy in step 0, DeepSpeed's
-    # DETAIL trace, 2026-12-02), so ZeRO-3's all-gathers still differ: a collective timeout (stock ZeRO-3: the same
-    # mismatch). Open: the dummy must run every visual input the model's image path takes, or the family be refused.
-    "step3p7/zero3": "collective timeout at step 1: the dummy image runs fewer modules than a real image (crops)",
-}
+#: (``integrations/vision/parts.py``, ``vision_modules``); Step3p7's ZeRO-3 cell timed out in a collective with the
+#: dummy found by structure, until a family whose image call takes optional pixel inputs that run the tower again
+#: (local crops) got no dummy (``families.optional_pixel_inputs``): the mixed-image guard now stops it by name.
+KNOWN_CELL_BUGS: dict[str, str] = {}
 
 
 #: the batched CI launches: a grid family the plan drives by structure (GLM-4V: patch rows + ``image_grid_thw``, no

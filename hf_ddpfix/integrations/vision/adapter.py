@@ -36,7 +36,7 @@ from .family import VisionFamily
 from .parts import get_submodule
 from .proof import eval_mode, prove_zero
 
-__all__ = ["EXTRA_INPUT_BUILDERS", "GRID_INPUT_NAMES", "VISUAL_INPUT_NAMES", "VisionAdapter", "get_submodule",
+__all__ = ["EXTRA_INPUT_BUILDERS", "GRID_INPUT_NAMES", "VISUAL_INPUT_NAMES", "VisionAdapter", "anyres_tiles", "get_submodule",
            "BUILT_INPUTS", "grid_geometry", "image_size_hw", "materialized", "output_tensors"]
 
 # Input names that make a VLM run its vision tower (modeling_qwen2_5_vl.py / modeling_llava.py /
@@ -77,6 +77,21 @@ def _first_int(value: Any) -> int | None:
     if isinstance(value, (list, tuple)) and value and all(isinstance(v, int) and v > 0 for v in value):
         return int(value[0])
     return None
+
+
+def anyres_tiles(cfg: Any, hw: tuple[int, int]) -> int | None:
+    """Tiles an "anyres" model (a config with ``image_grid_pinpoints``: LLaVA-NeXT, -OneVision, Granite Vision)
+    cuts an image of its tower's native size ``hw`` into: the base tile plus the tiles of the pinpoint its
+    processor picks (transformers' own ``select_best_resolution``); ``None`` without pinpoints."""
+    points = getattr(cfg, "image_grid_pinpoints", None)
+    if not (isinstance(points, list | tuple) and points and all(isinstance(x, list | tuple) for x in points)):
+        return None
+    try:
+        from transformers.image_processing_utils import select_best_resolution
+    except ImportError:  # pragma: no cover - every supported release has it
+        return None
+    h, w = select_best_resolution(tuple(hw), [list(x) for x in points])
+    return (h // hw[0]) * (w // hw[1]) + 1
 
 
 def grid_geometry(vision_config: Any) -> tuple[int, int, int, int] | None:
@@ -255,7 +270,9 @@ class VisionAdapter:
 
         1. **The layout**: runs the dummy once under ``no_grad``: ``"image"`` kind as ``[1, C, H, W]``, else
            ``[1, 1, C, H, W]`` (Idefics3 / SmolVLM take a list of images per sample), else ``[1, 2, C, H, W]``
-           (LLaVA-OneVision's any-resolution base image and one tile for ``image_sizes`` = the tower's size);
+           (LLaVA-OneVision's any-resolution base image and one tile for ``image_sizes`` = the tower's size), else
+           ``[1, 1 + k, C, H, W]`` (LLaVA-NeXT: the base tile and the ``k`` tiles its ``image_grid_pinpoints`` give an
+           image of the tower's size, :func:`anyres_tiles`);
            ``"grid"`` kind (found by structure: ``get_image_features(pixel_values, image_grid_thw)``, GLM-4V) in the
            layouts of :data:`GRID_LAYOUTS`; keeps the first whose ``pooler_output`` gives image features to tie where
            real ones enter.
@@ -322,6 +339,10 @@ class VisionAdapter:
         """The first layout whose no-grad dummy gives image features (see :meth:`verify`), else ``None``."""
         layouts: tuple[tuple[Any, ...], ...] = ((4, 1), (5, 1), (5, 2)) if self.kind == "image" else tuple(
             (g,) for g in GRID_LAYOUTS)
+        hw = image_size_hw(self.vision_config)
+        tiles = anyres_tiles(getattr(self.root, "config", None), hw) if self.kind == "image" and hw else None
+        if tiles is not None and tiles > 2:  # LLaVA-NeXT: the base tile + the tiles its pinpoints give a native image
+            layouts = (*layouts, (5, tiles))
         with zero3_gathered(params), eval_mode([m for _, m in self.parts()]):
             for layout in layouts:
                 self._set_layout(layout)

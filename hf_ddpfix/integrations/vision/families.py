@@ -37,8 +37,9 @@ Supported families, two kinds:
   the dummy runs (Idefics3 / SmolVLM, PaliGemma, Mistral 3, InternVL on transformers 5.23). Not
   discovered, with the reason: models without ``get_image_features`` or whose image features do not
   enter through ``inputs_embeds`` (Mllama's cross-attention layers run only with an image, so a dummy
-  image cannot make them run with an exactly-zero contribution), and required inputs hf_ddpfix cannot
-  build from the config.
+  image cannot make them run with an exactly-zero contribution), required inputs hf_ddpfix cannot
+  build from the config, and optional pixel inputs that run the tower again when a batch has them
+  (:func:`optional_pixel_inputs`: Step3p7's local crops).
 
 For other VLMs, :func:`vision_param_names` / :func:`vision_groups` find vision parts by module name
 (planning and the hang guard only) and :func:`describe_unsupported` says why there is no adapter.
@@ -86,6 +87,7 @@ __all__ = [
     "get_submodule",
     "has_trainable_vision_params",
     "is_vision_language_model",
+    "optional_pixel_inputs",
     "output_tensors",
     "register_vision_family",
     "vision_groups",
@@ -187,7 +189,6 @@ def _discover_family(hf: nn.Module) -> tuple[VisionFamily | None, str]:
     - ``"image"`` kind (ZeRO view only): ``get_image_features(pixel_values=...)`` on one native-size image
       (``vision_config.image_size`` / ``num_channels``; extra inputs such as Pixtral's ``image_sizes``).
     """
-    import inspect as _inspect
 
     vc = _vision_config(hf)
     root_type = str(getattr(getattr(hf, "config", None), "model_type", ""))
@@ -195,15 +196,20 @@ def _discover_family(hf: nn.Module) -> tuple[VisionFamily | None, str]:
     get_features = getattr(hf, "get_image_features", None)
     if not callable(get_features):
         return None, f"{head} has no get_image_features(pixel_values=...) to run a dummy image through"
-    params = _inspect.signature(get_features).parameters
+    params = inspect.signature(get_features).parameters
     if "pixel_values" not in params:
         return None, f"{head}: get_image_features takes no pixel_values"
-    variadic = (_inspect.Parameter.VAR_KEYWORD, _inspect.Parameter.VAR_POSITIONAL)
+    variadic = (inspect.Parameter.VAR_KEYWORD, inspect.Parameter.VAR_POSITIONAL)
     required = [n for n, p in params.items()
-                if n != "pixel_values" and p.default is _inspect.Parameter.empty and p.kind not in variadic]
+                if n != "pixel_values" and p.default is inspect.Parameter.empty and p.kind not in variadic]
     unknown = [n for n in required if n not in BUILT_INPUTS]
     if unknown:
         return None, f"{head}: get_image_features needs {unknown}, which hf_ddpfix cannot build from the config"
+    optional = optional_pixel_inputs(get_features)
+    if optional:
+        return None, (f"{head}: get_image_features runs the tower again on {optional} when a batch carries them "
+                      "(local crops): a dummy image cannot know whether another rank's image does, so the ranks "
+                      "would run different modules")
     parts = vlm_parts(hf)
     if parts.cross_attention:
         return None, (f"{head}: image features enter through cross-attention layers ({', '.join(parts.cross_attention)}"
@@ -237,6 +243,19 @@ def _discover_family(hf: nn.Module) -> tuple[VisionFamily | None, str]:
         projector_paths=(projector,) if projector else (), zero_only=True, extra_inputs=tuple(required),
         discovered=True,
     ), ""
+
+
+def optional_pixel_inputs(call: Any) -> list[str]:
+    """The optional pixel inputs of ``call`` (a model's ``get_image_features``) beside ``pixel_values``: names that
+    contain ``pixel_values`` and default to a value (Step3p7's and DeepSeek-OCR-2's ``pixel_values_local``: local
+    crops run through the tower in a second call, only when a batch has them). Which modules an image runs then
+    depends on the data, so no fixed dummy image matches every image rank."""
+    try:
+        params = inspect.signature(call).parameters
+    except (TypeError, ValueError):
+        return []
+    return [n for n, p in params.items()
+            if n != "pixel_values" and "pixel_values" in n and p.default is not inspect.Parameter.empty]
 
 
 def _refusal(adapter: VisionAdapter, ddp: bool) -> str:

@@ -15,7 +15,12 @@ gather_flags`); when some do and some do not, every rank raises the same error (
 :class:`~hf_ddpfix.runtime.errors.DDPFixError`) naming the ranks, the family's reason and the fixes, before any rank enters the tower. Forwards where
 every rank has an image, or none has, run untouched (stock's math: nothing is tied or changed).
 
-Cost: one 1-byte all-gather and its host read per forward, only in this case (ZeRO-2 with a trainable tower, or
+A family whose image call runs the tower again on optional local crops (:func:`~hf_ddpfix.integrations.vision.
+families.optional_pixel_inputs`: Step3p7's ``pixel_values_local``) has no dummy for that reason; the same all-gather
+carries one more byte per such input, and a forward where every rank has an image but they disagree on the crops stops
+by name too (stock: the same mismatch).
+
+Cost: one all-gather of a byte (a byte per watched crop input) and its host read per forward, only in this case (ZeRO-2 with a trainable tower, or
 ZeRO-3, a VLM, no dummy image; under ZeRO-3 also a model whose ``forward`` takes pixels though its config names no
 ``vision_config``: UDOP, measured aborting in gloo at step 1 on the sweep's mixed ranks); ``HF_DDPFIX_VLM_STABILIZER=0``
 keeps stock (no check).
@@ -33,6 +38,7 @@ from torch import nn
 
 from ..._compat.models import unwrap_model
 from ...ops.dist import dist_ready, gather_flags
+from .families import optional_pixel_inputs
 
 __all__ = ["MixedImageGuard", "has_visual_input", "takes_visual_input"]
 
@@ -54,21 +60,22 @@ def takes_visual_input(model: nn.Module) -> bool:
     return any("pixel_values" in n or n in VISUAL_NAMES for n in names)
 
 
+def _carries(value: Any) -> bool:
+    """True for a non-empty tensor, a list holding one, or any other value but ``None``."""
+    if value is None:
+        return False
+    if isinstance(value, torch.Tensor):
+        return bool(value.numel())
+    if isinstance(value, list | tuple):
+        return any(isinstance(v, torch.Tensor) and v.numel() for v in value)
+    return True
+
+
 def has_visual_input(kwargs: dict[str, Any]) -> bool:
     """True when a forward's keyword inputs carry an image or a video (a non-empty tensor, or a non-empty list of
     them, under a :data:`VISUAL_NAMES` name or one containing ``pixel_values``)."""
-    for name, value in kwargs.items():
-        if value is None or not ("pixel_values" in name or name in VISUAL_NAMES):
-            continue
-        if isinstance(value, torch.Tensor):
-            if value.numel():
-                return True
-        elif isinstance(value, list | tuple):
-            if any(isinstance(v, torch.Tensor) and v.numel() for v in value):
-                return True
-        else:
-            return True
-    return False
+    return any(_carries(value) for name, value in kwargs.items()
+               if "pixel_values" in name or name in VISUAL_NAMES)
 
 
 class MixedImageGuard:
@@ -86,6 +93,9 @@ class MixedImageGuard:
                  error: type[Exception] = RuntimeError) -> None:
         self.root = unwrap_model(model)
         self.why, self.stage, self.process_group, self.error = why, stage, process_group, error
+        features = getattr(self.root, "get_image_features", None)
+        #: optional pixel inputs that run the tower again when present (local crops): the image ranks must agree
+        self.watched = optional_pixel_inputs(features) if callable(features) else []
         self.forwards = 0
         self._handle: Any = None
 
@@ -105,9 +115,13 @@ class MixedImageGuard:
         if not dist_ready(self.process_group):
             return
         self.forwards += 1
-        rows = gather_flags([has_visual_input(kwargs)], self.process_group)
+        flags = [has_visual_input(kwargs), *(_carries(kwargs.get(n)) for n in self.watched)]
+        rows = gather_flags(flags, self.process_group)
         with_image = [r for r, row in enumerate(rows) if row[0]]
-        if not with_image or len(with_image) == len(rows):
+        if not with_image:
+            return
+        if len(with_image) == len(rows):
+            self._check_watched(rows)
             return
         without = [r for r, row in enumerate(rows) if not row[0]]
         what = "all-gather the vision tower's parameters" if self.stage == 3 else "reduce the tower's gradients"
@@ -118,3 +132,18 @@ class MixedImageGuard:
             f"family ({self.why}). Fix: give every micro-batch an image on every rank (or none on any), or train "
             "under DDP or FSDP2, which handle mixed ranks for this family (docs/vlm-families.md). Stopped before any "
             "rank entered the tower; HF_DDPFIX_VLM_STABILIZER=0 removes this check.")
+
+    def _check_watched(self, rows: list[list[bool]]) -> None:
+        """Every rank passes an image: raise when they disagree on an optional pixel input (:attr:`watched`), with
+        which the image runs modules of its own (stock DeepSpeed: the same mismatch)."""
+        for i, name in enumerate(self.watched, start=1):
+            have = [r for r, row in enumerate(rows) if row[i]]
+            if have and len(have) < len(rows):
+                lack = [r for r, row in enumerate(rows) if not row[i]]
+                raise self.error(
+                    f"hf_ddpfix (deepspeed ZeRO-{self.stage}): in this forward rank(s) {have} pass `{name}` and "
+                    f"rank(s) {lack} do not. This model runs its vision tower again on `{name}` (local crops), so "
+                    f"under ZeRO-{self.stage} the ranks would run different modules: a collective mismatch (NCCL: "
+                    "a hang), as in stock DeepSpeed. Fix: give every rank's micro-batch the same kind of image "
+                    "(with or without local crops on every rank), or train under DDP or FSDP2. Stopped before any "
+                    "rank entered the tower; HF_DDPFIX_VLM_STABILIZER=0 removes this check.")

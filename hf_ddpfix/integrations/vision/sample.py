@@ -49,7 +49,7 @@ import torch
 from torch import nn
 
 from ..._compat import image_features, unwrap_model
-from .adapter import image_size_hw, output_tensors
+from .adapter import anyres_tiles, image_size_hw, output_tensors
 
 __all__ = ["SampleError", "sample_batch", "image_layout"]
 
@@ -223,7 +223,7 @@ def _candidates(model: nn.Module, params: set[str]) -> list[tuple[str, dict[str,
     sizes = [hw]
     if "image_sizes" in params and 8 * p < min(hw):  # a tower that takes any size (Pixtral): a small image first,
         sizes = [(8 * p, 8 * p), hw]  # then the native size (a fixed position table: LLaVA-OneVision's 27 x 27)
-    tiles = _anyres_tiles(cfg, hw) if "image_sizes" in params else None
+    tiles = anyres_tiles(cfg, hw) if "image_sizes" in params else None
     for size in sizes:
         extra: dict[str, Any] = {}
         if "image_sizes" in params:
@@ -248,21 +248,6 @@ def _candidates(model: nn.Module, params: set[str]) -> list[tuple[str, dict[str,
                 out.append((f"pixels {tuple(kw['pixel_values'].shape)}, tile mask",
                             {**kw, "pixel_attention_mask": torch.ones(*lead, dtype=torch.bool)}))
     return out
-
-
-def _anyres_tiles(cfg: Any, hw: tuple[int, int]) -> int | None:
-    """Tiles an "anyres" model (a config with ``image_grid_pinpoints``: LLaVA-NeXT, -OneVision, Granite Vision)
-    cuts an image of its tower's native size ``hw`` into: the base tile plus the tiles of the pinpoint its
-    processor picks (transformers' own ``select_best_resolution``); ``None`` without pinpoints."""
-    points = getattr(cfg, "image_grid_pinpoints", None)
-    if not (isinstance(points, list | tuple) and points and all(isinstance(x, list | tuple) for x in points)):
-        return None
-    try:
-        from transformers.image_processing_utils import select_best_resolution
-    except ImportError:  # pragma: no cover - every supported release has it
-        return None
-    h, w = select_best_resolution(tuple(hw), [list(x) for x in points])
-    return (h // hw[0]) * (w // hw[1]) + 1
 
 
 def _feature_rows(out: Any, width: int) -> int:
