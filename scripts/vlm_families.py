@@ -32,7 +32,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 PAGE = ROOT / "docs" / "vlm-families.md"
-from hf_ddpfix.rehearse.family_sweep import CELLS_RESULTS  # noqa: E402
+from hf_ddpfix.rehearse.family_sweep import CELL_LABELS, CELLS_RESULTS  # noqa: E402
 
 CELLS = CELLS_RESULTS  # shipped with the package: `hf-ddpfix plan --model` says a family's cells
 CELLS_SCRIPT = ROOT / "tests" / "scripts" / "vlm_family_cells.py"
@@ -67,8 +67,7 @@ def _dummy(rec: dict) -> str:
 
 
 #: the 2-process columns: cell of tests/scripts/vlm_family_cells.py -> column title
-CELL_COLUMNS = {"ddp": "DDP (2 proc.)", "fsdp_plan": "FSDP2, plan's units", "fsdp_list": "FSDP2, your list",
-                "zero3": "ZeRO-3 (2 proc.)"}
+CELL_COLUMNS = {cell: column for cell, (_, column) in CELL_LABELS.items()}
 
 
 def _two_process(verdict: dict | None, cell: str) -> str:

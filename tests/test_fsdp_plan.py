@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
+from torch import nn
 from zoo import MORE_VLMS, ZERO_DISCOVERED, ZOO
 
 from hf_ddpfix.config.options import DDPFixConfig
@@ -295,3 +296,67 @@ def test_cpu_ram_efficient_loading_that_accelerate_cannot_prepare_is_refused_bef
     check_fsdp_loading(RunFacts(parallel="ddp", world_size=2, fsdp=on))
     llama = gather_fsdp_facts(_Trainer(_plugin()), ZOO["llama"].model(0))
     check_fsdp_loading(_facts(dataclasses.replace(llama, ram_efficient=True)))
+
+
+class _Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.proj = nn.Linear(4, 4)
+
+    def forward(self, x):  # noqa: ANN001, ANN201
+        return self.proj(x)
+
+
+class _Prefix(nn.Module):
+    """A sub-model returning a cache, as a decoder does with ``use_cache=True``."""
+
+    def __init__(self):
+        super().__init__()
+        self.layers = nn.ModuleList([_Block(), _Block()])
+
+    def forward(self, x, use_cache=False):  # noqa: ANN001, ANN201
+        from types import SimpleNamespace
+
+        return SimpleNamespace(past_key_values=[layer(x) for layer in self.layers])
+
+
+class _CacheReader(nn.Module):
+    """PI0's shape, no PI0: the prefix's KV cache feeds another stack in the training forward."""
+
+    def __init__(self):
+        super().__init__()
+        self.prefix, self.expert = _Prefix(), nn.ModuleList([_Block()])
+
+    def forward(self, x):  # noqa: ANN001, ANN201
+        cache = self.prefix(x, use_cache=True).past_key_values
+        return self.expert[0](x + sum(cache))
+
+
+def test_units_inside_a_sub_model_whose_kv_cache_another_part_reads_are_refused_before_step_1():
+    """PI0 (its VLM run with ``use_cache=True``, the action expert reading that cache): under FSDP2 with the plan's
+    units it failed in backward ("setStorage ... storage of size 0", the family cells 2026-12-02): the cache carries
+    gradients into the VLM's decoder layers around their outputs, so their units never all-gather for backward. Now a
+    ``PlanError`` before step 1 names the sub-model, for the plan's units and a user's list alike; a toy of the same
+    shape (no PI0 anywhere) is found by structure; units outside the sub-model, or no cache read, pass.
+    Shown failing (2026-12-02) without ``check_fsdp_cache_units`` in ``decide_fsdp``: no raise."""
+    import torch
+    import transformers
+    from transformers import AutoConfig
+
+    from hf_ddpfix.integrations.fsdp.units import cache_fed_submodels
+
+    toy = _CacheReader()
+    assert cache_fed_submodels(toy) == ["prefix"] and cache_fed_submodels(_Prefix()) == []
+    facts = gather_fsdp_facts(_Trainer(_plugin()), toy)
+    with pytest.raises(PlanError, match=r"prefix runs with use_cache=True .* units of _Block"):
+        resolve_plan(_facts(dataclasses.replace(facts, user_classes=("_Block",))))
+    resolve_plan(_facts(dataclasses.replace(facts, cache_fed_classes=())))  # no unit inside: nothing to refuse
+    if not hasattr(transformers, "PI0ForConditionalGeneration"):
+        return  # transformers 5.0 ships no PI0
+    with torch.device("meta"):
+        pi0 = transformers.PI0ForConditionalGeneration(AutoConfig.for_model("pi0"))
+    facts = gather_fsdp_facts(_Trainer(_plugin()), pi0)
+    assert facts.cache_fed == ("model.vlm",)
+    for f in (facts, dataclasses.replace(facts, user_classes=("GemmaDecoderLayer", "SiglipEncoderLayer"))):
+        with pytest.raises(PlanError, match=r"model\.vlm runs with use_cache=True .*GemmaDecoderLayer"):
+            resolve_plan(_facts(f))

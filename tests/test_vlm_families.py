@@ -30,6 +30,7 @@ import pytest
 import transformers
 
 from hf_ddpfix.rehearse.family_sweep import (
+    CELL_LABELS,
     CELLS_RESULTS,
     RESULTS,
     families,
@@ -184,7 +185,7 @@ def test_per_layer_overrides_contract_and_the_cut_of_a_heterogeneous_config():
 
 
 CELLS_FILE = CELLS_RESULTS
-CELL_NAMES = ("ddp", "fsdp_plan", "fsdp_list", "zero3")
+CELL_NAMES = tuple(CELL_LABELS)  # the cells, in order (hf_ddpfix/rehearse/family_sweep.py)
 
 
 def _cells_script():
@@ -446,3 +447,32 @@ def test_a_token_id_the_default_config_lacks_is_given_where_the_model_reads_it()
     before = udop.pad_token_id
     assert not give_missing_token(udop, "'UdopConfig' object has no attribute 'pad_token_id'", lines)
     assert udop.pad_token_id == before
+
+
+def test_lora_on_every_linear_where_peft_all_linear_breaks_the_model():
+    """``family_sweep.with_lora``: peft's ``"all-linear"`` matches by the last name part and wraps Linear subclasses
+    with a forward of their own; the sweep then planned nothing for Qwen3-Omni ("LoRA: Target module ... is not
+    supported") and its cells and Llama 4's measured only the harness failing ("stock fails too"). Shown failing
+    (2026-12-02) with ``"all-linear"`` alone: the router (a Linear returning a tuple) gets an adapter too."""
+    from torch import nn
+
+    from hf_ddpfix.rehearse.family_sweep import with_lora
+
+    class Router(nn.Linear):
+        def forward(self, x):  # noqa: ANN001, ANN201
+            return super().forward(x), x
+
+    class Toy(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.config = type("C", (), {"to_dict": lambda self: {}, "use_return_dict": True})()
+            self.layers = nn.ModuleList([nn.LayerNorm(4)])  # a module named "0" that is no Linear
+            self.merger = nn.Sequential(nn.Linear(4, 4))  # a Linear named "0"
+            self.router, self.proj = Router(4, 2), nn.Linear(4, 4)
+
+    toy = Toy()
+    out = with_lora(toy)
+    lora = {n.removesuffix(".lora_A.default") for n, _ in out.named_modules() if n.endswith("lora_A.default")}
+    assert {n.removeprefix("base_model.model.") for n in lora} == {"merger.0", "proj"}, lora
+    assert not any("lora" in n for n, _ in toy.named_modules())  # the model given is untouched
+    assert isinstance(out.base_model.model.router, Router)

@@ -318,6 +318,25 @@ def check_fsdp_loading(facts: RunFacts) -> str | None:
     return None
 
 
+def check_fsdp_cache_units(facts: RunFacts, units: Decision) -> None:
+    """Raise :class:`PlanError` before step 1 where an FSDP2 unit would sit inside a sub-model whose KV cache the
+    model reads in training (:func:`~hf_ddpfix.integrations.fsdp.units.cache_fed_submodels`: PI0's VLM): the cache
+    carries gradients into that unit around its outputs, so backward reads its freed shard. The unit classes are
+    the plan's, else the user's ``fsdp_transformer_layer_cls_to_wrap``, else accelerate's ``_no_split_modules``."""
+    f = facts.fsdp
+    if units.value is None or f is None or not f.cache_fed:
+        return
+    classes = fsdp_unit_classes(units) if fsdp_units_ours(units) else (f.user_classes or f.present)
+    inside = [n for n in classes if n in f.cache_fed_classes]
+    if inside:
+        raise PlanError(
+            f"FSDP2 cannot shard this model as planned: {_list(tuple(f.cache_fed))} runs with use_cache=True in the "
+            "training forward and another part of the model reads its KV cache, so gradients reach its layers "
+            f"through the cache, not through their outputs, and FSDP2 units of {_list(tuple(inside))} there would "
+            "run backward on freed shards ('setStorage ... storage of size 0'). Train this model under DDP "
+            "(accelerate_configs/ddp_cpu.yaml, or a multi-GPU launch without FSDP)")
+
+
 def fsdp_units_ours(units: Decision) -> bool:
     """True when the plan chose the unit classes (a string value): no unit inside a skippable subtree."""
     return isinstance(units.value, str)
@@ -333,11 +352,13 @@ def decide_fsdp(facts: RunFacts, c: DDPFixConfig) -> tuple[Decision, Decision, D
     what the run does for persistent buffers under accelerate's ``cpu_ram_efficient_loading``.
 
     Raises:
-        PlanError: accelerate's ``cpu_ram_efficient_loading`` cannot prepare this model (:func:`check_fsdp_loading`).
+        PlanError: accelerate's ``cpu_ram_efficient_loading`` cannot prepare this model (:func:`check_fsdp_loading`),
+            or a unit would sit inside a sub-model whose KV cache the model reads (:func:`check_fsdp_cache_units`).
     """
     loading = check_fsdp_loading(facts)
     skippable = decide_fsdp_skippable(facts, c)
     units = decide_fsdp_units(facts, c, skippable)
+    check_fsdp_cache_units(facts, units)
     if loading and units.value is not None:  # what the run does for persistent buffers under that loading
         units = dataclasses.replace(units, reason=f"{units.reason}; {loading}")
     return units, skippable, decide_fsdp_shared(facts)

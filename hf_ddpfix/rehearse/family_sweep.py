@@ -23,16 +23,17 @@ import time
 from pathlib import Path
 from typing import Any
 
-__all__ = ["CELLS_RESULTS", "RESULTS", "families", "load_results", "meta_family", "size_family", "status_line",
-           "sweep_family", "verdict"]
+__all__ = ["CELLS_RESULTS", "CELL_LABELS", "RESULTS", "families", "load_results", "meta_family", "size_family", "status_line",
+           "sweep_family", "verdict", "with_lora"]
 
 #: the results shipped with the package (scripts/vlm_families.py writes it; docs/vlm-families.md renders it)
 RESULTS = Path(__file__).with_name("vlm_families.json")
 #: the 2-process cells of every built family (``scripts/vlm_families.py --cells``), shipped beside it
 CELLS_RESULTS = Path(__file__).with_name("vlm_family_cells.json")
-#: how a 2-process cell's verdict reads on one line (``status_line``)
-_CELL_NAMES = {"ddp": "DDP", "fsdp_plan": "FSDP2 with the plan's units", "fsdp_list": "FSDP2 with your layer list",
-               "zero3": "ZeRO-3"}
+#: the 2-process cells (tests/scripts/vlm_family_cells.py), in order: cell -> (how its verdict reads on one line,
+#: ``status_line``; its column title in docs/vlm-families.md, ``scripts/vlm_families.py``)
+CELL_LABELS = {"ddp": ("DDP", "DDP (2 proc.)"), "fsdp_plan": ("FSDP2 with the plan's units", "FSDP2, plan's units"),
+               "fsdp_list": ("FSDP2 with your layer list", "FSDP2, your list"), "zero3": ("ZeRO-3", "ZeRO-3 (2 proc.)")}
 #: tiny models bigger than this (meta count) are not built for real: the sweep stays within its time budget
 MAX_PARAMS = 60_000_000
 
@@ -60,10 +61,36 @@ def _short(text: str, n: int = 200) -> str:
     return text if len(text) <= n else text[: n - 3] + "..."
 
 
+def with_lora(model: Any) -> Any:
+    """A copy of ``model`` with LoRA (r=2, alpha 4) on every linear layer but the output embedding, as a peft model: peft's
+    ``"all-linear"``, or the same layers named in full where ``"all-linear"`` breaks the model. It matches by the last
+    name part, so a Linear named ``0`` (Qwen3-Omni's merger list) can make a module named ``0`` a target, an audio
+    encoder layer ("Target module ... is not supported"); and it wraps a Linear subclass with a forward of its own
+    (Llama 4's router returns a tuple: "'tuple' object has no attribute 'dtype'" in stock and hf_ddpfix alike): plain
+    ``nn.Linear`` layers then. The sweep and the 2-process cells (tests/scripts/vlm_family_cells.py) build here."""
+    import copy
+
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from torch import nn
+
+    def plain(m: Any) -> bool:
+        return isinstance(m, nn.Linear) and type(m).forward is nn.Linear.forward
+
+    if all(plain(m) for m in model.modules() if isinstance(m, nn.Linear)):
+        rng = torch.random.get_rng_state()
+        try:  # a failed injection leaves ``model`` as it was; the RNG is restored for the second try
+            return get_peft_model(copy.deepcopy(model), LoraConfig(r=2, lora_alpha=4, target_modules="all-linear"))
+        except ValueError:
+            torch.random.set_rng_state(rng)
+    out = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    names = [n for n, m in model.named_modules() if plain(m) and m is not out]
+    return get_peft_model(copy.deepcopy(model), LoraConfig(r=2, lora_alpha=4, target_modules=names))
+
+
 def _plan_record(model: Any) -> dict[str, Any]:
     """The plan's answers for LoRA on every linear layer (tower included), 2 ranks, under DDP and FSDP2."""
     from accelerate.utils import FullyShardedDataParallelPlugin
-    from peft import LoraConfig, get_peft_model
 
     from ..config.options import DDPFixConfig
     from ..facts.gather import model_facts
@@ -80,7 +107,7 @@ def _plan_record(model: Any) -> dict[str, Any]:
     out["zero_dummy"] = zero.family.name if zero is not None else ""
     out["zero_no_dummy"] = "" if zero is not None else _short(describe_unsupported(model, zero=True), 240)
     try:
-        peft = get_peft_model(model, LoraConfig(r=2, lora_alpha=4, target_modules="all-linear"))
+        peft = with_lora(model)
     except Exception as e:  # noqa: BLE001 - reported
         out["plan_error"] = f"LoRA: {_reason(e)}"
         return out
@@ -219,7 +246,7 @@ def _cells_words(model_type: str, path: Path | str | None) -> str:
     if not rec:
         return ""
     words = []
-    for cell, name in _CELL_NAMES.items():
+    for cell, (name, _) in CELL_LABELS.items():
         v = rec.get("cells", {}).get(cell, {})
         status = v.get("status", "missing")
         if status == "refused":

@@ -44,7 +44,6 @@ trainable tensor, FSDP2 shards gathered), "eval_loss", "units", "synced" (the ra
 from __future__ import annotations
 
 import argparse
-import copy
 import hashlib
 import os
 import sys
@@ -120,10 +119,12 @@ def build(model_type: str):  # noqa: ANN201
 
 
 def lora(base: torch.nn.Module) -> torch.nn.Module:
-    from peft import LoraConfig, get_peft_model
+    """A copy of ``base`` with LoRA (r=2) on every linear layer but the output embedding (``family_sweep.with_lora``:
+    ``"all-linear"``, or the same layers named in full where it breaks the model: Qwen3-Omni, Llama 4)."""
+    from hf_ddpfix.rehearse.family_sweep import with_lora
 
     torch.manual_seed(1)
-    model = get_peft_model(copy.deepcopy(base), LoraConfig(r=2, lora_alpha=4, target_modules="all-linear"))
+    model = with_lora(base)  # a copy: base is never touched
     if hasattr(model.config, "use_cache"):
         model.config.use_cache = False
     return model

@@ -76,6 +76,9 @@ class FsdpFacts:
             ``no_dummy`` says why.
         dummy_tokens: patches of that dummy image (an estimate from ``vision_config``).
         tower_params: parameters the dummy's forward reads (tower and projector).
+        cache_fed: sub-models whose KV cache another part of the model reads in a training forward (PI0: its
+            ``vlm`` run with ``use_cache=True``, its ``past_key_values`` fed to the action expert;
+            :func:`cache_fed_submodels`); ``cache_fed_classes``: the classes inside them.
         shard_roots: classes of the skippable subtrees a dummy runs that are no model of their own (the projector),
             no ``torch.nn`` built-in and have no instance elsewhere: under ``shard`` they become units too, so the
             projector's parameters leave the root; with the cross-attention dummy also the tower model's own
@@ -106,6 +109,8 @@ class FsdpFacts:
     dummy_tokens: int = 0
     tower_params: int = 0
     shard_roots: tuple[str, ...] = ()
+    cache_fed: tuple[str, ...] = ()
+    cache_fed_classes: tuple[str, ...] = ()
 
 
 def repeated_block_classes(model: nn.Module) -> list[str]:
@@ -220,6 +225,7 @@ def fsdp_facts(plugin: Any, model: nn.Module) -> FsdpFacts:
     dummy = _dummy_facts(hf, skip)
     runnable = [s for s in skip if not any(s is d for d in drop)] if dummy[0] else []
     no_dummy_inside = _classes_inside([s for s in skip if not any(s is r for r in runnable)])
+    fed = cache_fed_submodels(hf)
     return FsdpFacts(
         policy=fsdp_wrap_policy(plugin) if plugin is not None else "transformer_based_wrap",
         user_classes=user,
@@ -245,7 +251,59 @@ def fsdp_facts(plugin: Any, model: nn.Module) -> FsdpFacts:
         dummy_tokens=dummy[2],
         tower_params=dummy[3],
         shard_roots=_shard_roots(hf, runnable, deep=bool(dummy[0]) and cross_attention_parts(hf) is not None),
+        cache_fed=tuple(fed),
+        cache_fed_classes=tuple(sorted({type(m).__name__ for n in fed if (sub := _get(hf, n)) is not None
+                                        for m in sub.modules()})),
     )
+
+
+def _get(root: nn.Module, path: str) -> nn.Module | None:
+    try:
+        return root.get_submodule(path)
+    except AttributeError:
+        return None
+
+
+_CACHE_CALLS: dict[type, tuple[str, ...]] = {}
+
+
+def _reads_cache_of(cls: type) -> tuple[str, ...]:
+    """Attributes ``a`` for which ``cls.forward`` does ``self.a(..., use_cache=True, ...).past_key_values`` (kept per
+    class; ``()`` without source)."""
+    if cls not in _CACHE_CALLS:
+        import ast
+        import inspect
+        import textwrap
+
+        found: list[str] = []
+        try:
+            tree = ast.parse(textwrap.dedent(inspect.getsource(cls.forward)))
+        except (OSError, TypeError, SyntaxError):
+            tree = None
+        for node in ast.walk(tree) if tree is not None else ():
+            call = node.value if isinstance(node, ast.Attribute) and node.attr == "past_key_values" else None
+            if not (isinstance(call, ast.Call) and isinstance(call.func, ast.Attribute)
+                    and isinstance(call.func.value, ast.Name) and call.func.value.id == "self"):
+                continue
+            if any(k.arg == "use_cache" and isinstance(k.value, ast.Constant) and k.value.value is True
+                   for k in call.keywords):
+                found.append(call.func.attr)
+        _CACHE_CALLS[cls] = tuple(found)
+    return _CACHE_CALLS[cls]
+
+
+def cache_fed_submodels(hf: nn.Module) -> list[str]:
+    """Dotted names of the sub-models whose KV cache the model reads in its own forward: a module whose ``forward``
+    runs ``self.<sub>(..., use_cache=True).past_key_values`` (PI0: the VLM's cache is the action expert's prefix).
+    Gradients reach such a sub-model's layers through the cache tensors, not through the layers' outputs, so an FSDP2
+    unit there never sees its pre-backward all-gather: backward reads a freed shard ("setStorage ... storage of size
+    0", measured on PI0, 2 gloo ranks, 2026-12-02)."""
+    out: list[str] = []
+    for name, mod in hf.named_modules():
+        for attr in _reads_cache_of(type(mod)):
+            if isinstance(getattr(mod, attr, None), nn.Module):
+                out.append(f"{name}.{attr}" if name else attr)
+    return out
 
 
 def _shard_roots(hf: nn.Module, runnable: list[nn.Module], deep: bool = False) -> tuple[str, ...]:

@@ -346,6 +346,8 @@ def describe_unsupported(model: nn.Module, *, zero: bool = False) -> str:
         reason = (f"{type(hf).__name__}: family {adapter.family.name}'s dummy image is used under DeepSpeed "
                   "ZeRO-2/3 only (under DDP / FSDP hf_ddpfix uses parameter_usage instead)")
     n = sum(p.numel() for _, p in _generic_vision_params(hf) if p.requires_grad)
+    if zero:  # DeepSpeed has no find_unused_parameters: the mixed-image guard stops mixed ranks by name instead
+        return f"{reason}; the dummy-image stabiliser is off for it"
     return f"{reason}; the dummy-image stabiliser is off for it" + (
         f" and its {n} trainable vision parameters need ddp_find_unused_parameters=True" if n else ""
     )

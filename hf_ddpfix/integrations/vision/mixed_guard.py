@@ -17,8 +17,8 @@ every rank has an image, or none has, run untouched (stock's math: nothing is ti
 
 A family whose image call runs the tower again on optional local crops (:func:`~hf_ddpfix.integrations.vision.
 families.optional_pixel_inputs`: Step3p7's ``pixel_values_local``) has no dummy for that reason; the same all-gather
-carries one more byte per such input, and a forward where every rank has an image but they disagree on the crops stops
-by name too (stock: the same mismatch).
+carries one more byte per such input under ZeRO-3, and a forward where every rank has an image but they disagree on the
+crops stops by name too (stock: the same mismatch; ZeRO-2 reduces the same gradients either way: not checked).
 
 Cost: one all-gather of a byte (a byte per watched crop input) and its host read per forward, only in this case (ZeRO-2 with a trainable tower, or
 ZeRO-3, a VLM, no dummy image; under ZeRO-3 also a model whose ``forward`` takes pixels though its config names no
@@ -94,8 +94,9 @@ class MixedImageGuard:
         self.root = unwrap_model(model)
         self.why, self.stage, self.process_group, self.error = why, stage, process_group, error
         features = getattr(self.root, "get_image_features", None)
-        #: optional pixel inputs that run the tower again when present (local crops): the image ranks must agree
-        self.watched = optional_pixel_inputs(features) if callable(features) else []
+        #: optional pixel inputs that run the tower again when present (local crops): under ZeRO-3 the image ranks
+        #: must agree (the second pass gathers the tower again); ZeRO-2 reduces the same gradients either way
+        self.watched = optional_pixel_inputs(features) if callable(features) and stage == 3 else []
         self.forwards = 0
         self._handle: Any = None
 
