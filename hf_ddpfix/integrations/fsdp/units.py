@@ -35,6 +35,7 @@ from ..._compat import (
     shared_parameter_holders,
     unwrap_model,
 )
+from ..vision.parts import get_submodule
 from .cross_attention import cross_attention_parts
 from .wrap import layerdrop_stacks, skippable_subtrees
 
@@ -252,16 +253,9 @@ def fsdp_facts(plugin: Any, model: nn.Module) -> FsdpFacts:
         tower_params=dummy[3],
         shard_roots=_shard_roots(hf, runnable, deep=bool(dummy[0]) and cross_attention_parts(hf) is not None),
         cache_fed=tuple(fed),
-        cache_fed_classes=tuple(sorted({type(m).__name__ for n in fed if (sub := _get(hf, n)) is not None
+        cache_fed_classes=tuple(sorted({type(m).__name__ for n in fed if (sub := get_submodule(hf, n)) is not None
                                         for m in sub.modules()})),
     )
-
-
-def _get(root: nn.Module, path: str) -> nn.Module | None:
-    try:
-        return root.get_submodule(path)
-    except AttributeError:
-        return None
 
 
 _CACHE_CALLS: dict[type, tuple[str, ...]] = {}
