@@ -259,11 +259,13 @@ def fsdp_facts(plugin: Any, model: nn.Module) -> FsdpFacts:
 
 
 _CACHE_CALLS: dict[type, tuple[str, ...]] = {}
+#: the output field holding the KV cache: ``past_key_values`` (transformers 5.23), ``cache`` (5.24)
+_CACHE_FIELDS = ("past_key_values", "cache")
 
 
 def _reads_cache_of(cls: type) -> tuple[str, ...]:
-    """Attributes ``a`` for which ``cls.forward`` does ``self.a(..., use_cache=True, ...).past_key_values`` (kept per
-    class; ``()`` without source)."""
+    """Attributes ``a`` for which ``cls.forward`` does ``self.a(..., use_cache=True, ...).past_key_values`` (``.cache``
+    on transformers 5.24; kept per class; ``()`` without source)."""
     if cls not in _CACHE_CALLS:
         import ast
         import inspect
@@ -275,7 +277,7 @@ def _reads_cache_of(cls: type) -> tuple[str, ...]:
         except (OSError, TypeError, SyntaxError):
             tree = None
         for node in ast.walk(tree) if tree is not None else ():
-            call = node.value if isinstance(node, ast.Attribute) and node.attr == "past_key_values" else None
+            call = node.value if isinstance(node, ast.Attribute) and node.attr in _CACHE_FIELDS else None
             if not (isinstance(call, ast.Call) and isinstance(call.func, ast.Attribute)
                     and isinstance(call.func.value, ast.Name) and call.func.value.id == "self"):
                 continue
@@ -288,7 +290,8 @@ def _reads_cache_of(cls: type) -> tuple[str, ...]:
 
 def cache_fed_submodels(hf: nn.Module) -> list[str]:
     """Dotted names of the sub-models whose KV cache the model reads in its own forward: a module whose ``forward``
-    runs ``self.<sub>(..., use_cache=True).past_key_values`` (PI0: the VLM's cache is the action expert's prefix).
+    runs ``self.<sub>(..., use_cache=True).past_key_values`` (or ``.cache``; PI0: the VLM's cache is the action expert's
+    prefix).
     Gradients reach such a sub-model's layers through the cache tensors, not through the layers' outputs, so an FSDP2
     unit there never sees its pre-backward all-gather: backward reads a freed shard ("setStorage ... storage of size
     0", measured on PI0, 2 gloo ranks, 2026-12-02)."""
