@@ -18,8 +18,8 @@ def pytest_configure(config):
 
 # ---- the order: the slowest files first --------------------------------------------------------------------------
 # Under `-n 2 --dist loadfile` a worker takes the next file when it is free. xdist's default queue puts the files
-# with the most tests first, so the few-test, many-minute launch files (test_vlm_families, test_fsdp_skippable, ...)
-# came last and one worker ran them alone at the end. The queue now starts with the slowest files, by the seconds
+# with the most tests first, so the few-test, many-minute launch files (test_rehearse_examples, test_fsdp_skippable,
+# ...) could come last, with one worker running them alone at the end. The queue now starts with the slowest files, by the seconds
 # the last kept CI run measured per file (tests/results/stacks/pinned.json, `python scripts/ci_report.py keep`);
 # files it does not name follow in collection order.
 def _file_seconds() -> dict[str, float]:
@@ -30,7 +30,6 @@ def _file_seconds() -> dict[str, float]:
         return {str(k): float(v) for k, v in json.loads(kept.read_text()).get("files", {}).items()}
     except (OSError, ValueError, AttributeError):
         return {}
-
 
 
 # ---- the fast tier: `python -m pytest -m "not slow" tests` (docs/testing.md) ----------------------------------

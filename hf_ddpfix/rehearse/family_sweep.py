@@ -77,15 +77,17 @@ def with_lora(model: Any) -> Any:
     def plain(m: Any) -> bool:
         return isinstance(m, nn.Linear) and type(m).forward is nn.Linear.forward
 
+    def adapted(targets: str | list[str]) -> Any:  # on a copy: a failed injection leaves ``model`` as it was
+        return get_peft_model(copy.deepcopy(model), LoraConfig(r=2, lora_alpha=4, target_modules=targets))
+
     if all(plain(m) for m in model.modules() if isinstance(m, nn.Linear)):
         rng = torch.random.get_rng_state()
-        try:  # a failed injection leaves ``model`` as it was; the RNG is restored for the second try
-            return get_peft_model(copy.deepcopy(model), LoraConfig(r=2, lora_alpha=4, target_modules="all-linear"))
+        try:
+            return adapted("all-linear")
         except ValueError:
-            torch.random.set_rng_state(rng)
+            torch.random.set_rng_state(rng)  # the second try draws the same adapter weights
     out = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
-    names = [n for n, m in model.named_modules() if plain(m) and m is not out]
-    return get_peft_model(copy.deepcopy(model), LoraConfig(r=2, lora_alpha=4, target_modules=names))
+    return adapted([n for n, m in model.named_modules() if plain(m) and m is not out])
 
 
 def _plan_record(model: Any) -> dict[str, Any]:
