@@ -154,3 +154,102 @@ def test_the_zero_dummy_takes_the_anyres_tiles_the_pinpoints_give():
     assert adapter is not None
     adapter.verify()
     assert (adapter.pixel_ndim, adapter.pixel_tiles) == (5, 3)
+
+
+#: family -> what its image layout must carry (a keyword the rule found, or the layout's name): one per rule of
+#: ``integrations/vision/layouts.py`` no earlier rule covered (each family took no image before, 2026-12-02)
+_LAYOUT_RULES = {
+    "fuyu": "patch rows (1,",  # bare patch rows [1, N, C*P*P] for a linear patch embedding
+    "video_llama_3": "image_merge_sizes",  # a keyword only the inner model's get_image_features requires
+    "gemma4": "image_position_ids",  # patch rows with their (x, y) grid positions, pooled k x k
+    "t5gemma2": "pixels (1, 3, ",  # the tower's config nested in the encoder's: its image size, not 224 px
+    "deepseek_vl_hybrid": "high_res_pixel_values",  # a second tower's pixels at its own config's size
+    "molmo2": "image_token_pooling",  # one crop's patch rows and the patch indices each token pools
+}
+
+
+@pytest.mark.parametrize("model_type", [pytest.param(m, marks=pytest.mark.slow) if m in ("deepseek_vl_hybrid", "molmo2")
+                                        else m for m in _LAYOUT_RULES])
+def test_an_image_layout_found_by_keyword_and_config(model_type: str):
+    """The layout rule the family needs, and the model trains on it (forward + backward with an image, and without).
+    Shown failing (2026-12-02): on the package at 12d7679 (before layouts.py) all six fail: "no image layout built
+    from the config runs" (Gemma 4: "its config has no vision_config", before ``give_vision_config``)."""
+    from hf_ddpfix.integrations.vision.sample import image_layout
+
+    checked = _tiny(model_type)
+    layout = image_layout(checked.model)
+    assert _LAYOUT_RULES[model_type] in " ".join(layout.notes) + " ".join(layout.pixels), (layout.notes, layout.pixels)
+    for image in (True, False):
+        loss = checked.model(**sample_batch(checked.model, image=image)).loss
+        assert loss.isfinite()
+        loss.backward()
+
+
+def test_a_text_only_default_config_gets_its_declared_vision_config():
+    """``give_vision_config`` (the sweep only): Gemma 4's default config leaves ``vision_config`` ``None`` while its
+    class declares one (its image checkpoints carry a tower); it is built from the declared defaults. Another
+    optional tower stays as it is (Nemotron-H Omni's ``audio_config``, which does not build from its defaults), and
+    a config that sets its tower is not touched. Shown failing (2026-12-02): with ``_VISION_CONFIG_KEYS`` holding
+    ``audio_config`` too, Gemma 4 gets an audio tower built first (its line assert fails)."""
+    from transformers import AutoConfig
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
+
+    from hf_ddpfix.rehearse.config_gaps import give_vision_config
+
+    if "gemma4" not in CONFIG_MAPPING_NAMES:
+        pytest.skip(f"transformers {transformers.__version__} ships no Gemma 4")
+    cfg, lines = AutoConfig.for_model("gemma4"), []
+    assert cfg.vision_config is None and give_vision_config(cfg, lines)
+    assert cfg.vision_config.patch_size > 0 and "vision_config: None ->" in lines[0]
+    assert not give_vision_config(cfg, lines) and len(lines) == 1  # set now
+    if "nemotron_h_omni" in CONFIG_MAPPING_NAMES:
+        omni = AutoConfig.for_model("nemotron_h_omni")
+        audio = getattr(omni, "audio_config", None)
+        give_vision_config(omni, [])
+        assert getattr(omni, "audio_config", None) is audio
+
+
+def test_a_linear_width_the_image_path_shows_wrong_is_set():
+    """``give_linear_width``: Llama 4's default config breaks two relations its checkpoints hold (the vision MLP
+    width = the pixel-shuffled width, ``vision_output_dim`` = the projector's input). From torch's error the tower's
+    width field equal to the linear's input width takes the width that reaches it; the text config is never
+    changed, and an error naming no linear changes nothing. The shrunk family then takes an image (the sweep).
+    Shown failing (2026-12-02): with the ``node is text`` guard removed the text config's ``hidden_size`` and
+    ``intermediate_size_mlp`` (both 128) are widened too."""
+    from transformers import AutoConfig
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
+
+    from hf_ddpfix.rehearse.config_gaps import give_linear_width
+    from hf_ddpfix.rehearse.shrink import shrink_config
+
+    if "llama4" not in CONFIG_MAPPING_NAMES:
+        pytest.skip(f"transformers {transformers.__version__} ships no Llama 4")
+    cfg = shrink_config(AutoConfig.for_model("llama4")).config
+    cfg.text_config.hidden_size = 128  # a text width equal to the wrong one: must stay
+    lines: list[str] = []
+    assert not give_linear_width(cfg, "ValueError: Image features and image tokens do not match", lines)
+    assert give_linear_width(cfg, "RuntimeError: mat1 and mat2 shapes cannot be multiplied (4x256 and 128x4096)", lines)
+    assert cfg.vision_config.intermediate_size == 256 and cfg.text_config.hidden_size == 128, lines
+    assert all(line.startswith("vision_config.") for line in lines), lines
+
+
+def test_widths_derived_from_the_text_width_follow_its_cut():
+    """Config only (fast): MiniMax-M3-VL derives ``merged_hidden_size`` = text hidden x ``spatial_merge_size**2``
+    (24576 in the default) on its top config, which has no hidden of its own; Molmo2's adapter names the text width
+    ``text_hidden_size`` (3584 in the default, beside a text width of 4096) and reads the tower's layers by index
+    from the adapter's config (``vision_feature_layer`` [24, 18] beside, not inside, the tower's). Shown failing
+    (2026-12-02): without ``_keep_text_widths`` the first two asserts fail; with ``_keep_feature_taps`` reading only
+    a node's own ``vision_config`` the third (2 layers)."""
+    from transformers import AutoConfig
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
+
+    from hf_ddpfix.rehearse.shrink import shrink_config
+
+    if "minimax_m3_vl" in CONFIG_MAPPING_NAMES:
+        m = shrink_config(AutoConfig.for_model("minimax_m3_vl")).config
+        merge = m.vision_config.spatial_merge_size
+        assert m.merged_hidden_size == m.text_config.hidden_size * merge ** 2, m.merged_hidden_size
+    if "molmo2" in CONFIG_MAPPING_NAMES:
+        mo = shrink_config(AutoConfig.for_model("molmo2")).config
+        assert mo.adapter_config.text_hidden_size == mo.text_config.hidden_size
+        assert mo.vision_config.num_hidden_layers > max(mo.adapter_config.vision_feature_layer)

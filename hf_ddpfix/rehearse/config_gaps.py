@@ -9,10 +9,17 @@ whether it changed anything:
 - :func:`give_missing_token`: a ``*_token_id`` the model reads and the config lacks (the Qwen-Omni thinkers'
   ``vision_start_token_id``; UDOP's ``decoder_start_token_id``), from the error the model raised;
 - :func:`give_unset_field`: a ``sliding_window`` left ``None`` beside sliding-attention layers or a model that builds a
-  sliding mask (Step3p7): :data:`SLIDING_WINDOW`, capped at ``max_position_embeddings``.
+  sliding mask (Step3p7): :data:`SLIDING_WINDOW`, capped at ``max_position_embeddings``;
+- :func:`give_vision_config`: a vision sub-config the config class declares and a text-only default config leaves
+  ``None`` (Gemma 4, Gemma 4 Unified), built from its declared defaults (the sweep only);
+- :func:`give_linear_width`: a tower width the built model's image path shows wrong (a linear whose input width is
+  a config field the tensor reaching it does not have: Llama 4's pixel-shuffle MLP and projector, whose default
+  config breaks both relations its checkpoints hold), set to the width that reaches it.
 
-Guarantees: a repair never changes a value the config sets; :func:`~hf_ddpfix.rehearse.shrink_check.shrink_checked`
-keeps a repair only where the model then runs (tests/test_vlm_families.py, tests/test_sample_layouts.py).
+Guarantees: a repair never changes a value the config sets, except :func:`give_linear_width` (a width no model of
+the class can run with, changed in the tower's config only and said on its line);
+:func:`~hf_ddpfix.rehearse.shrink_check.shrink_checked` keeps a repair only where the model then runs
+(tests/test_vlm_families.py, tests/test_sample_layouts.py).
 """
 
 from __future__ import annotations
@@ -22,7 +29,8 @@ from typing import Any
 
 from .shrink import _subconfigs
 
-__all__ = ["SLIDING_WINDOW", "give_image_token", "give_missing_token", "give_unset_field"]
+__all__ = ["SLIDING_WINDOW", "give_image_token", "give_linear_width", "give_missing_token", "give_unset_field",
+           "give_vision_config"]
 
 _IMAGE_TOKEN_FIELDS = ("image_token_id", "image_token_index", "video_token_index", "video_token_id")
 
@@ -115,4 +123,63 @@ def give_unset_field(config: Any, errors: str, lines: list[str]) -> bool:
         why = "its layer_types name sliding_attention" if asked is None else "the model builds a sliding mask"
         lines.append(f"{path + '.' if path else ''}sliding_window: None -> {value} (the default config sets none; {why})")
         changed = True
+    return changed
+
+
+#: the sub-config keys a vision tower's config sits under (what ``integrations.vision.layouts`` reads)
+_VISION_CONFIG_KEYS = ("vision_config", "vision_encoder_config", "visual_config")
+
+
+def give_vision_config(config: Any, lines: list[str]) -> bool:
+    """Build, in place, each vision sub-config the config class declares (``sub_configs_defaults``) and the default
+    config leaves ``None`` (Gemma 4 / Gemma 4 Unified: a text-only default, while their image checkpoints carry a
+    tower), from the declared spec's defaults. Only the vision keys: another optional tower (an audio encoder) takes
+    no part in an image-text batch, and Nemotron-H Omni's ``audio_config`` does not build from its defaults. For the
+    family sweep only (a rehearsal keeps a real checkpoint's towers as they are). Returns whether it built one."""
+    changed = False
+    for path, node in _subconfigs(config):
+        specs = getattr(type(node), "sub_configs_defaults", None) or {}
+        for key in _VISION_CONFIG_KEYS:
+            spec = specs.get(key)
+            if spec is None or key not in vars(node) or vars(node)[key] is not None:
+                continue
+            sub, _ = spec.create_subconfig(key, None)
+            setattr(node, key, sub)
+            lines.append(f"{path + '.' if path else ''}{key}: None -> {type(sub).__name__}() defaults (the default "
+                         "config is text-only; its class declares the sub-config)")
+            changed = True
+    return changed
+
+
+_MATMUL = re.compile(r"mat1 and mat2 shapes cannot be multiplied \((\d+)x(\d+) and (\d+)x(\d+)\)")
+#: words of the config fields that are widths
+_WIDTH_WORDS = ("size", "dim", "hidden", "width")
+
+
+def give_linear_width(config: Any, errors: str, lines: list[str]) -> bool:
+    """Where the image path failed on a linear whose input width ``B`` is not the width ``A`` of the tensor reaching
+    it (``errors``: torch's ``mat1 and mat2 shapes cannot be multiplied (NxA and BxC)``), set every width field
+    (an int named ``*size*`` / ``*dim*`` / ``*hidden*`` / ``*width*``) equal to ``B`` in the configs apart from the
+    text model's (a tower's, a projector's) to ``A``. Llama 4: its vision MLP width must be the pixel-shuffled width
+    (``hidden_size / pixel_shuffle_ratio ** 2``) and ``vision_output_dim`` the projector's input; its default config
+    holds neither. The caller keeps it only where the image error then changes (one relation at a time). Returns
+    whether it changed a field."""
+    m = _MATMUL.search(errors)
+    if m is None or int(m.group(2)) == int(m.group(3)):
+        return False
+    got, want = int(m.group(2)), int(m.group(3))
+    try:
+        text = config.get_text_config(decoder=True)
+    except (AttributeError, TypeError, ValueError):
+        text = None
+    changed = False
+    for path, node in _subconfigs(config):
+        if node is text or node is config:
+            continue
+        for key, v in list(vars(node).items()):
+            if isinstance(v, int) and not isinstance(v, bool) and v == want and any(w in key for w in _WIDTH_WORDS):
+                setattr(node, key, got)
+                lines.append(f"{path}.{key}: {want} -> {got} (the width of the tensor its linear is fed: the image "
+                             "path failed)")
+                changed = True
     return changed

@@ -142,11 +142,14 @@ def meta_family(model_type: str, class_name: str | None = None) -> Any:
     import transformers
     from transformers import AutoConfig
 
+    from .config_gaps import give_vision_config
     from .shrink import shrink_config
     from .shrink_check import _meta, repaired_meta
 
     cls = getattr(transformers, class_name or families()[model_type])
-    sized = shrink_config(AutoConfig.for_model(model_type))
+    config = AutoConfig.for_model(model_type)
+    give_vision_config(config, [])  # as the sweep's build does (shrink_checked with small_images)
+    sized = shrink_config(config)
     return repaired_meta(sized, cls) or _meta(cls, sized.config)  # the second names the build's error
 
 

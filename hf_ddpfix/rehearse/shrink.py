@@ -369,11 +369,13 @@ def shrink_config(config: Any, *, keep_widths: tuple[str, ...] = ()) -> Shrunk:
     hiddens: dict[int, int] = {}
     nodes = _subconfigs(cfg)
     text = _text_node(cfg, nodes)
+    old_text_h = _get(text, _first(text, _HIDDEN) or "hidden_size")
     # the language model first: every other width equal to its hidden (a tower's output, a projector) follows it
     order = [n for n in nodes if n[1] is text] + [n for n in reversed(nodes) if n[1] is not text]
     for path, node in order:
         _shrink_node(node, path, lines, hiddens, keep=bool(path) and path.split(".")[0] in keep_widths)
     _keep_feature_taps(nodes, lines)
+    _keep_text_widths(nodes, text, old_text_h, lines)
     for path, node in nodes:  # a width equal to another sub-config's hidden (projector outputs, text widths)
         p = f"{path}." if path else ""
         for key, value in list(vars(node).items()):
@@ -387,22 +389,57 @@ def shrink_config(config: Any, *, keep_widths: tuple[str, ...] = ()) -> Shrunk:
 def _keep_feature_taps(nodes: list[tuple[str, Any]], lines: list[str]) -> None:
     """A config that reads its tower's hidden states by index (``vision_feature_layer``: VipLLaVA's
     ``(-2, -5, -8, -11, 6)``) needs that many layers in the tower: the cut stack grows back to the deepest tap
-    (``hidden_states`` holds the embeddings and one entry per layer, so index ``i >= 0`` needs ``i`` layers and
-    ``i < 0`` needs ``-i - 1``)."""
+    (``hidden_states`` holds the embeddings and one entry per layer: index ``i >= 0`` needs ``i`` layers, ``i + 1``
+    where the model reads ``layers[i]``'s output, Molmo2, so ``i + 1`` is kept; ``i < 0`` needs ``-i - 1``). Taps on
+    a sibling of the tower's config (Molmo2's ``adapter_config``) grow the top config's ``vision_config``."""
     for path, node in nodes:
         taps = vars(node).get("vision_feature_layer", vars(node).get("vision_feature_layers"))
         taps = [taps] if isinstance(taps, int) and not isinstance(taps, bool) else taps
         if not isinstance(taps, list | tuple) or not all(isinstance(t, int) and not isinstance(t, bool)
                                                          for t in taps):
             continue
-        need = max((t if t >= 0 else -t - 1) for t in taps) if taps else 0
+        need = max((t + 1 if t >= 0 else -t - 1) for t in taps) if taps else 0
         tower = getattr(node, "vision_config", None)
+        if tower is None and path:  # taps on a sibling of the tower (Molmo2's adapter_config)
+            tower = getattr(nodes[0][1], "vision_config", None)
+            path = ""
         lkey = _first(tower, _LAYERS) if tower is not None else None
         if lkey is None or getattr(tower, lkey) >= need:
             continue
         p = f"{path}.vision_config." if path else "vision_config."
         _set(tower, p, lkey, need, lines)
         lines[-1] += f" (vision_feature_layer {list(taps)} read)"
+
+
+_MERGE_KEYS = ("spatial_merge_size", "merge_size")
+
+
+def _keep_text_widths(nodes: list[tuple[str, Any]], text: Any, old_h: Any, lines: list[str]) -> None:
+    """Widths other configs derive from the text hidden follow its cut: a ``text_hidden_size`` (the text hidden by
+    name: HunYuan-VL and Inkling sync it, Molmo2's default 3584 beside a text width of 4096 does not), and, on a
+    node with no hidden of its own, a width equal to the old text hidden x ``m**2`` (``m`` a tower's
+    ``spatial_merge_size``: ``m x m`` patches concatenated, MiniMax-M3-VL's ``merged_hidden_size``)."""
+    hkey = _first(text, _HIDDEN)
+    new_h = getattr(text, hkey) if hkey is not None else None
+    if not isinstance(new_h, int) or not isinstance(old_h, int):
+        return
+    merges = {v for _, n in nodes for k in _MERGE_KEYS if isinstance(v := _get(n, k), int) and not isinstance(v, bool)
+              and v > 1}
+    for path, node in nodes:
+        p = f"{path}." if path else ""
+        v = vars(node).get("text_hidden_size")
+        if node is not text and isinstance(v, int) and not isinstance(v, bool):
+            _set(node, p, "text_hidden_size", new_h, lines)
+        if _first(node, _HIDDEN) is not None or old_h == new_h:
+            continue
+        for key, value in list(vars(node).items()):
+            if not isinstance(value, int) or isinstance(value, bool) or _geometry_or_count(key) or \
+                    not any(w in key for w in ("size", "dim", "hidden")):
+                continue
+            m = next((m for m in sorted(merges) if value == old_h * m * m), None)
+            if m is not None:
+                _set(node, p, key, new_h * m * m, lines)
+                lines[-1] += f" (text hidden x {m}^2 merged patches)"
 
 
 def _text_node(cfg: Any, nodes: list[tuple[str, Any]]) -> Any:

@@ -13,7 +13,8 @@ What a built model shows that the config alone does not (both read on the meta d
 
 - **unset fields** the model needs (:mod:`~hf_ddpfix.rehearse.config_gaps`): a ``sliding_window`` left ``None``
   beside sliding-attention layers, an unset image / video token id the model compares ``input_ids`` with, a token
-  id the config lacks.
+  id the config lacks, a tower width its image path shows wrong; for the sweep (``small_images``), a vision
+  sub-config a text-only default config leaves ``None``.
 
 :func:`shrink_checked` then builds the model (seeded) and runs it on :func:`~hf_ddpfix.integrations.vision.sample.
 sample_batch` without and with an image; where the fully cut model fails and a copy with the vision sub-configs'
@@ -29,7 +30,13 @@ import copy
 from dataclasses import dataclass, field
 from typing import Any
 
-from .config_gaps import give_image_token, give_missing_token, give_unset_field
+from .config_gaps import (
+    give_image_token,
+    give_linear_width,
+    give_missing_token,
+    give_unset_field,
+    give_vision_config,
+)
 from .shrink import Shrunk, _rescale_sections, _subconfigs, shrink_config
 
 __all__ = ["Checked", "align_outputs", "give_unset_field", "repair_shrunk", "repaired_meta", "run_checks", "shrink_checked"]
@@ -111,7 +118,6 @@ def _repair_once(config: Any, model: Any, lines: list[str]) -> bool:
     return changed
 
 
-#: the image-token fields a default config may leave unset (None) where every released checkpoint sets one
 def repair_shrunk(shrunk: Shrunk, model_cls: Any) -> Shrunk:
     """Repair, in place, the relations of :attr:`shrunk.config` only the built model shows (module docstring);
     returns ``shrunk``. A config the class cannot build on the meta device is returned as is (the caller's real
@@ -336,6 +342,10 @@ def shrink_checked(config: Any, model_cls: Any, *, seed: int = 0, backward: bool
 
     plain: Checked | None = None  # the plain cut's result: what is returned when no candidate runs
     first: Checked | None = None  # the first candidate that runs text only (no image layout)
+    filled: list[str] = []
+    if small_images:  # the sweep: a text-only default config stands for the checkpoints that carry a tower
+        config = copy.deepcopy(config)
+        give_vision_config(config, filled)
     kept = _kept_vision(config)
     tries = ([((), True, False)] if small_images else []) + [((), False, False)] + \
         ([(kept, False, False)] if kept else []) + [((), small_images, True)]
@@ -343,6 +353,7 @@ def shrink_checked(config: Any, model_cls: Any, *, seed: int = 0, backward: bool
         if (keep or align) and (plain is None or plain.text != "ok"):  # these help an image path only
             break
         shrunk = shrink_config(config, keep_widths=keep)
+        shrunk.lines[:0] = filled
         cut = shrink_images(shrunk.config, shrunk.lines, cut=images)  # without a cut: relations only (none move
         if images and not cut and not align:  # in a real config); a cut that changes nothing is the next try
             continue
@@ -365,14 +376,16 @@ def shrink_checked(config: Any, model_cls: Any, *, seed: int = 0, backward: bool
             errs = f"{text} {image}"
             missing = give_missing_token(trial.config, errs, trial.lines) or \
                 give_unset_field(trial.config, errs, trial.lines)
-            if not missing and not (image != "ok" and give_image_token(trial.config, model, trial.lines)):
+            widened = not missing and image != "ok" and give_linear_width(trial.config, image, trial.lines)
+            if not (missing or widened) and not (image != "ok" and give_image_token(trial.config, model, trial.lines)):
                 break
             trial = repair_shrunk(trial, model_cls)  # a new id embedded
             with torch.random.fork_rng(devices=[]):
                 torch.manual_seed(seed)
                 again = model_cls(trial.config)
             text2, image2 = run_checks(again, backward=backward)
-            if not (missing or image2 == "ok"):  # the image token: only where it gives the model its image path
+            # the image token: only where it gives the model its image path; a width: where the image error moves on
+            if not (missing or image2 == "ok" or (widened and image2 != image and text2 == text)):
                 break
             shrunk, model, text, image = trial, again, text2, image2
         got = Checked(shrunk, model, text, image)

@@ -4,12 +4,9 @@
 inputs the model's image path accepts plus as many image tokens as its features fill. How the image part is found,
 in order (the first layout whose image features come out is kept, per model):
 
-- the keywords of ``get_image_features`` (on the model or its ``.model``): ``image_grid_thw`` / ``grid_thw``
-  (Qwen2-VL-style flattened patches: ``[t*h*w, C*T*P*P]`` for a ``[1, 2m, 2m]`` grid, ``m`` the merge size;
-  then the same patches as ``[t*h*w, C*T, P, P]`` for a conv patch embedding, Kimi-K2.5's MoonViT),
-  ``image_sizes`` (the native size), ``spatial_shapes`` + ``pixel_attention_mask`` (NaFlex patch rows),
-  ``pixel_attention_mask`` (Idefics-style), ``aspect_ratio_ids`` / ``aspect_ratio_mask`` (Mllama tiles);
-- ``pixel_values`` as ``[1, C, H, W]``, ``[1, 1, C, H, W]`` or ``[1, 2, C, H, W]`` at ``vision_config.image_size``;
+- the pixel keyword sets :func:`.layouts.candidates` builds from the config and the keywords of
+  ``get_image_features`` (on the model or its ``.model``; grids, NaFlex rows, patch positions, native sizes and
+  anyres tiles, tiles, a second tower's pixels, bare patch rows), tried in that order;
 - the image-token count: the rows of the features ``get_image_features`` returns (total elements / the text
   width), written as that many ``image_token_id`` tokens into ``input_ids``. A model with no image token (BLIP,
   GIT, an encoder-decoder) gets ``pixel_values`` beside plain text.
@@ -49,7 +46,8 @@ import torch
 from torch import nn
 
 from ..._compat import image_features, unwrap_model
-from .adapter import anyres_tiles, image_size_hw, output_tensors
+from .adapter import output_tensors
+from .layouts import as_int, candidates, cfg_get, image_params, ramp, text_config, vision_config
 
 __all__ = ["SampleError", "sample_batch", "image_layout"]
 
@@ -75,35 +73,6 @@ class Layout:
     n_tokens: int
     token_id: int | None
     notes: list[str] = field(default_factory=list)
-
-
-def _cfg_get(cfg: Any, names: tuple[str, ...]) -> Any:
-    for n in names:
-        v = getattr(cfg, n, None)
-        if v is not None:
-            return v
-    return None
-
-
-def _vision_config(cfg: Any) -> Any:
-    for n in ("vision_config", "vision_encoder_config", "visual_config", "encoder"):
-        v = getattr(cfg, n, None)
-        if v is not None and not isinstance(v, (dict, int, str)):
-            return v
-    return None
-
-
-def _text_config(cfg: Any) -> Any:
-    try:
-        return cfg.get_text_config(decoder=True)
-    except (AttributeError, TypeError, ValueError):
-        return cfg
-
-
-def _int(v: Any, default: int) -> int:
-    if isinstance(v, (list, tuple)) and v:
-        v = v[0]
-    return int(v) if isinstance(v, int) and not isinstance(v, bool) and v > 0 else default
 
 
 def special_ids(cfg: Any) -> set[int]:
@@ -132,10 +101,10 @@ def image_token_id(cfg: Any) -> int | None:
     a ``video_token_id`` only where no config names an image token; last, the token of a nested
     vision-language config, :func:`_nested_vlms`)."""
     for keys in (_TOKEN_KEYS, _VIDEO_TOKEN_KEYS):
-        for c in (cfg, _text_config(cfg), _vision_config(cfg)):
+        for c in (cfg, text_config(cfg), vision_config(cfg)):
             if c is None:
                 continue
-            v = _cfg_get(c, keys)
+            v = cfg_get(c, keys)
             if isinstance(v, int) and not isinstance(v, bool):
                 return v
     for vlm in _nested_vlms(cfg):
@@ -148,18 +117,18 @@ def image_token_id(cfg: Any) -> int | None:
 def _nested_vlms(cfg: Any) -> list[Any]:
     """Sub-configs that are whole vision-language configs (they hold a ``vision_config``), in a config that has
     none of its own: PI0's ``vlm_config`` (a PaliGemma) beside its action expert's ``dit_config``."""
-    if _vision_config(cfg) is not None:
+    if vision_config(cfg) is not None:
         return []
     return [v for v in vars(cfg).values()
-            if hasattr(v, "to_dict") and hasattr(v, "model_type") and _vision_config(v) is not None]
+            if hasattr(v, "to_dict") and hasattr(v, "model_type") and vision_config(v) is not None]
 
 
 def _nested_count(cfg: Any) -> int:
     """The image-token count a nested vision-language config names (its own or its text config's
     ``num_image_tokens`` ...), 0 where none does."""
     for vlm in _nested_vlms(cfg):
-        for c in (vlm, _text_config(vlm)):
-            n = _int(_cfg_get(c, _COUNT_KEYS), 0)
+        for c in (vlm, text_config(vlm)):
+            n = as_int(cfg_get(c, _COUNT_KEYS), 0)
             if n:
                 return n
     return 0
@@ -174,87 +143,16 @@ def _image_fn(model: nn.Module) -> Any:
     return None
 
 
-def _ramp(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-    n = 1
-    for s in shape:
-        n *= s
-    return torch.linspace(-1.0, 1.0, n, dtype=torch.float32).reshape(shape).to(dtype)
-
-
-def _candidates(model: nn.Module, params: set[str]) -> list[tuple[str, dict[str, Any]]]:
-    """Pixel keyword sets to try, most specific first."""
-    cfg = model.config
-    vc = _vision_config(cfg) or cfg
-    dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
-    c = _int(_cfg_get(vc, ("in_channels", "num_channels", "in_chans", "channels")), 3)
-    p = _int(_cfg_get(vc, ("patch_size", "spatial_patch_size")), 14)
-    hw = image_size_hw(vc) or image_size_hw(cfg) or (224, 224)
-    out: list[tuple[str, dict[str, Any]]] = []
-    grid_key = next((k for k in ("image_grid_thw", "grid_thw", "image_grid_hws", "grid_hws", "image_grid_hw",
-                                 "grid_hw") if k in params), None)
-    qformer: dict[str, Any] = {}
-    if "qformer_input_ids" in params:  # InstructBLIP: the image features depend on the Q-Former's instruction
-        qformer = {"qformer_input_ids": torch.tensor([[3, 4, 5, 6]], dtype=torch.long),
-                   "qformer_attention_mask": torch.ones(1, 4, dtype=torch.long)}
-    if grid_key is not None:
-        m = _int(_cfg_get(vc, ("spatial_merge_size", "merge_size", "spatial_merge")), 2)
-        t = _int(_cfg_get(vc, ("temporal_patch_size",)), 1)
-        g = [1, 2 * m, 2 * m] if "thw" in grid_key else [2 * m, 2 * m]
-        n = 4 * m * m
-        # flattened patch rows first, then the same patches unflattened (a conv patch embedding: MoonViT)
-        for unflat in (False, True):
-            for tt in ((t, 1) if t != 1 else (1,)):
-                shape = (n, c * tt, p, p) if unflat else (n, c * tt * p * p)
-                name = f"grid {g} x ({c * tt}, {p}, {p}) patches" if unflat else f"grid {g} x {c}*{tt}*{p}^2"
-                out.append((name, {"pixel_values": _ramp(shape, dtype), grid_key: torch.tensor([g], dtype=torch.long)}))
-    if "flattened_patches" in params:  # Pix2Struct: patch rows led by their 1-based row / column ids
-        h, w = 4, 4
-        d = _int(_cfg_get(vc, ("patch_embed_hidden_size",)), c * p * p)
-        ids = torch.stack(torch.meshgrid(torch.arange(1, h + 1), torch.arange(1, w + 1), indexing="ij"), -1)
-        rows = torch.cat([ids.reshape(h * w, 2).to(dtype), _ramp((h * w, d), dtype)], -1)
-        out.append((f"flattened {h}x{w} patches of {d}", {
-            "flattened_patches": rows[None], "attention_mask": torch.ones(1, h * w, dtype=torch.long)}))
-    if "spatial_shapes" in params:
-        h, w = 4, 4
-        out.append((f"naflex {h}x{w} patches", {
-            "pixel_values": _ramp((1, h * w, c * p * p), dtype),
-            "spatial_shapes": torch.tensor([[h, w]], dtype=torch.long),
-            "pixel_attention_mask": torch.ones(1, h * w, dtype=torch.bool)}))
-    sizes = [hw]
-    if "image_sizes" in params and 8 * p < min(hw):  # a tower that takes any size (Pixtral): a small image first,
-        sizes = [(8 * p, 8 * p), hw]  # then the native size (a fixed position table: LLaVA-OneVision's 27 x 27)
-    tiles = anyres_tiles(cfg, hw) if "image_sizes" in params else None
-    for size in sizes:
-        extra: dict[str, Any] = {}
-        if "image_sizes" in params:
-            extra["image_sizes"] = torch.tensor([list(size)], dtype=torch.long)
-        leads: tuple[tuple[int, ...], ...] = ((1,), (1, 1), (1, 2))
-        if tiles is not None and size == hw:  # LLaVA-NeXT anyres: the base tile + the grid the pinpoints pick
-            leads = ((1, tiles),) + leads
-        for lead in leads:
-            kw: dict[str, Any] = {"pixel_values": _ramp((*lead, c, *size), dtype), **extra, **qformer}
-            if "pixel_attention_mask" in params and len(lead) == 2:
-                kw["pixel_attention_mask"] = torch.ones(*lead, *size, dtype=torch.bool)
-            if "aspect_ratio_ids" in params:
-                tiles = _int(_cfg_get(vc, ("max_num_tiles",)), 1)
-                kw["pixel_values"] = _ramp((1, 1, tiles, c, *size), dtype)
-                kw["aspect_ratio_ids"] = torch.ones(1, 1, dtype=torch.long)
-                kw["aspect_ratio_mask"] = torch.zeros(1, 1, tiles, dtype=torch.long)
-                kw["aspect_ratio_mask"][..., 0] = 1
-                out.append((f"tiles 1x{tiles} at {size}", kw))
-                break
-            out.append((f"pixels {tuple(kw['pixel_values'].shape)}", kw))
-            if "pixel_attention_mask" in params and len(lead) == 2:  # a mask of real tiles (Granite Docling)
-                out.append((f"pixels {tuple(kw['pixel_values'].shape)}, tile mask",
-                            {**kw, "pixel_attention_mask": torch.ones(*lead, dtype=torch.bool)}))
-    return out
-
-
 def _feature_rows(out: Any, width: int) -> int:
+    """The image-token count ``get_image_features``' output fills: its features' elements / the text ``width``;
+    where no output tensor has that width (a tower whose projector runs in ``forward``: Llama 4), the rows of its
+    first tensor."""
     feats = image_features(out)
     tensors = output_tensors(feats) if feats is not None else []
     if not tensors:
         tensors = [t for t in output_tensors(out) if t.shape[-1] == width][:1]
+    if not tensors and (first := output_tensors(out)[:1]) and first[0].numel():
+        return first[0].numel() // first[0].shape[-1]
     total = sum(t.numel() for t in tensors)
     if not tensors or total == 0 or total % width:
         raise SampleError(f"image features of {[tuple(t.shape) for t in tensors]} do not fill rows of width {width}")
@@ -273,12 +171,12 @@ def image_layout(model: nn.Module) -> Layout:
     cfg = model.config
     token = image_token_id(cfg)
     fn = _image_fn(model)
-    width = _int(getattr(_text_config(cfg), "hidden_size", None), 0)
-    if fn is not None and _vision_config(cfg) is None and getattr(cfg, "vision_config", 0) is None:
+    width = as_int(getattr(text_config(cfg), "hidden_size", None), 0)
+    if fn is not None and vision_config(cfg) is None and getattr(cfg, "vision_config", 0) is None:
         raise SampleError(f"{type(model).__name__}: its config has no vision_config (a text-only default config)")
-    params = set(inspect.signature(fn).parameters) if fn is not None else set(inspect.signature(model.forward).parameters)
+    params = image_params(model, fn) if fn is not None else set(inspect.signature(model.forward).parameters)
     errors: list[str] = []
-    for name, kw in _candidates(model, params):
+    for name, kw in candidates(model, params):
         if fn is None or token is None:  # the first layout the whole model takes beside plain text
             n = _placeholders(model, cfg)
             nested = _nested_count(cfg) if token is not None and not n else 0  # PI0: its VLM's image tokens
@@ -317,7 +215,7 @@ def _placeholders(model: nn.Module, cfg: Any) -> int:
     """Image placeholders a model with a position mask and no image token takes: the config's count, else 0."""
     if _position_mask_key(set(inspect.signature(model.forward).parameters)) is None:
         return 0
-    return _int(_cfg_get(cfg, _COUNT_KEYS), 0)
+    return as_int(cfg_get(cfg, _COUNT_KEYS), 0)
 
 
 _LAYOUTS: weakref.WeakKeyDictionary[nn.Module, Layout] = weakref.WeakKeyDictionary()
@@ -336,7 +234,7 @@ def sample_batch(model: nn.Module, *, image: bool, seq: int = 12, seed: int = 0)
 
 def _assemble(model: nn.Module, layout: Layout | None, *, seq: int, seed: int) -> dict[str, Any]:
     cfg = model.config
-    vocab = _int(getattr(_text_config(cfg), "vocab_size", None), 0) or _int(getattr(cfg, "vocab_size", None), 1000)
+    vocab = as_int(getattr(text_config(cfg), "vocab_size", None), 0) or as_int(getattr(cfg, "vocab_size", None), 1000)
     avoid = special_ids(cfg)
     g = torch.Generator().manual_seed(seed)
     pool = [i for i in range(3, min(vocab, 400)) if i not in avoid] or [1]
@@ -355,7 +253,12 @@ def _assemble(model: nn.Module, layout: Layout | None, *, seq: int, seed: int) -
     if "input_ids" not in names and "decoder_input_ids" in names:  # an image encoder, a text decoder (Pix2Struct):
         batch["labels"] = input_ids.clone()  # the text is the decoder's; attention_mask is the patches'
     else:
-        batch.update(input_ids=input_ids, attention_mask=torch.ones_like(input_ids), labels=input_ids.clone())
+        labels = input_ids.clone()
+        head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+        rows = getattr(head, "out_features", None) or getattr(head, "num_embeddings", None)
+        if isinstance(rows, int) and rows > 0:  # an id the head cannot predict is no target (Molmo2's image token,
+            labels[labels >= rows] = -100  # in an embedding table apart from the vocabulary its head predicts)
+        batch.update(input_ids=input_ids, attention_mask=torch.ones_like(input_ids), labels=labels)
     _companions(model, batch, names, input_ids, placed, layout is not None)
     token = image_token_id(cfg)
     if "mm_token_type_ids" in names:  # M-RoPE families: 1 where an image token sits (the processor's output)
@@ -377,10 +280,10 @@ _NOT_VECTORS = ("ids", "mask", "embeds", "values", "labels", "cache", "key", "ou
 def _vector_shape(cfg: Any, name: str) -> tuple[int, ...] | None:
     """``[1, dim]`` / ``[1, chunk, dim]`` for a vector keyword the config sizes (module docstring), else None."""
     stem = name[:-1] if name.endswith("s") else name
-    dim = _int(_cfg_get(cfg, (f"max_{stem}_dim", f"{stem}_dim")), 0)
+    dim = as_int(cfg_get(cfg, (f"max_{stem}_dim", f"{stem}_dim")), 0)
     if not dim:
         return None
-    chunk = _int(_cfg_get(cfg, _CHUNK_KEYS), 0) if name.endswith("s") else 0
+    chunk = as_int(cfg_get(cfg, _CHUNK_KEYS), 0) if name.endswith("s") else 0
     return (1, chunk, dim) if chunk else (1, dim)
 
 
@@ -408,9 +311,9 @@ def _companions(model: nn.Module, batch: dict[str, Any], names: set[str], input_
         shape = _vector_shape(cfg, name)
         if shape is None:
             continue
-        batch[name] = _ramp(shape, dtype)
+        batch[name] = ramp(shape, dtype)
         if name == "actions":  # the flow-matching draws, fixed: a deterministic loss
             if "noise" in names:
-                batch["noise"] = _ramp(shape, dtype).flip(-1)
+                batch["noise"] = ramp(shape, dtype).flip(-1)
             if "timestep" in names:
                 batch["timestep"] = torch.full((shape[0],), 0.5, dtype=torch.float32)
