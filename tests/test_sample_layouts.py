@@ -189,7 +189,7 @@ def test_a_text_only_default_config_gets_its_declared_vision_config():
     """``give_vision_config`` (the sweep only): Gemma 4's default config leaves ``vision_config`` ``None`` while its
     class declares one (its image checkpoints carry a tower); it is built from the declared defaults. Another
     optional tower stays as it is (Nemotron-H Omni's ``audio_config``, which does not build from its defaults), and
-    a config that sets its tower is not touched. Shown failing (2026-12-02): with ``_VISION_CONFIG_KEYS`` holding
+    a config that sets its tower is not touched. Shown failing (2026-12-02): with ``TOWER_CONFIG_KEYS`` holding
     ``audio_config`` too, Gemma 4 gets an audio tower built first (its line assert fails)."""
     from transformers import AutoConfig
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
@@ -253,3 +253,26 @@ def test_widths_derived_from_the_text_width_follow_its_cut():
         mo = shrink_config(AutoConfig.for_model("molmo2")).config
         assert mo.adapter_config.text_hidden_size == mo.text_config.hidden_size
         assert mo.vision_config.num_hidden_layers > max(mo.adapter_config.vision_feature_layer)
+
+
+def test_the_tower_config_is_found_where_an_encoder_holds_it():
+    """``parts.tower_config``, the one lookup the plan, the dummy and the batch builder share: a model config's own
+    ``vision_config``; the one an ``encoder`` config holds (T5Gemma 2: before, the plan called it "not a
+    vision-language model", gave its SigLIP layers FSDP2 units of their own, and its 2-process FSDP2 cells crashed
+    mid-run in gloo with mixed image / text ranks, both wrap modes; now the tower folds and both cells equal stock
+    DDP); an image encoder's own config (VisionEncoderDecoder's ViT); never a text encoder's (a BERT-to-BERT
+    EncoderDecoder). Shown failing (2026-12-02) with ``tower_config`` reading ``vision_config`` only: the T5Gemma 2
+    and VisionEncoderDecoder asserts fail."""
+    from transformers import AutoConfig, BertConfig, EncoderDecoderConfig, ViTConfig, VisionEncoderDecoderConfig
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
+
+    from hf_ddpfix.integrations.vision.parts import tower_config
+
+    assert tower_config(AutoConfig.for_model("llava")).model_type == "clip_vision_model"
+    if "t5gemma2" in CONFIG_MAPPING_NAMES:
+        t5 = AutoConfig.for_model("t5gemma2")
+        assert tower_config(t5) is t5.encoder.vision_config
+    ved = VisionEncoderDecoderConfig.from_encoder_decoder_configs(ViTConfig(), BertConfig())
+    assert tower_config(ved) is ved.encoder
+    assert tower_config(EncoderDecoderConfig.from_encoder_decoder_configs(BertConfig(), BertConfig())) is None
+    assert tower_config(BertConfig()) is None

@@ -297,11 +297,13 @@ def _meta_model(config: Any, dtype: Any = None) -> Any:
     import transformers
     from transformers import AutoModel, AutoModelForCausalLM
 
+    from ..integrations.vision.parts import tower_config
+
     classes: list[Any] = [AutoModelForCausalLM]
     try:
         from transformers import AutoModelForImageTextToText
 
-        classes.insert(0 if getattr(config, "vision_config", None) is not None else 1, AutoModelForImageTextToText)
+        classes.insert(0 if tower_config(config) is not None else 1, AutoModelForImageTextToText)
     except ImportError:  # pragma: no cover - older transformers
         pass
     if getattr(config, "is_encoder_decoder", False):
@@ -336,11 +338,12 @@ def describe_model(spec: str, config_kwargs: Mapping[str, Any] | None = None) ->
 def describe_built(spec: str, config: Any, model: Any) -> ModelInfo:
     """:class:`ModelInfo` of a model built from ``config`` (:func:`build_meta_model`)."""
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
-    is_vlm = getattr(config, "vision_config", None) is not None
+    from ..integrations.vision.families import find_vision_adapter
+    from ..integrations.vision.parts import tower_config
+
+    is_vlm = tower_config(config) is not None
     adapter = zero_adapter = None
     if is_vlm:
-        from ..integrations.vision.families import find_vision_adapter
-
         found = find_vision_adapter(model)
         adapter = found.family.name if found is not None else None
         found = find_vision_adapter(model, zero=True)

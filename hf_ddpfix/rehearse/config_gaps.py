@@ -27,6 +27,7 @@ from __future__ import annotations
 import re
 from typing import Any
 
+from ..integrations.vision.parts import TOWER_CONFIG_KEYS
 from .shrink import _subconfigs
 
 __all__ = ["SLIDING_WINDOW", "give_image_token", "give_linear_width", "give_missing_token", "give_unset_field",
@@ -126,10 +127,6 @@ def give_unset_field(config: Any, errors: str, lines: list[str]) -> bool:
     return changed
 
 
-#: the sub-config keys a vision tower's config sits under (what ``integrations.vision.layouts`` reads)
-_VISION_CONFIG_KEYS = ("vision_config", "vision_encoder_config", "visual_config")
-
-
 def give_vision_config(config: Any, lines: list[str]) -> bool:
     """Build, in place, each vision sub-config the config class declares (``sub_configs_defaults``) and the default
     config leaves ``None`` (Gemma 4 / Gemma 4 Unified: a text-only default, while their image checkpoints carry a
@@ -139,7 +136,7 @@ def give_vision_config(config: Any, lines: list[str]) -> bool:
     changed = False
     for path, node in _subconfigs(config):
         specs = getattr(type(node), "sub_configs_defaults", None) or {}
-        for key in _VISION_CONFIG_KEYS:
+        for key in TOWER_CONFIG_KEYS:
             spec = specs.get(key)
             if spec is None or key not in vars(node) or vars(node)[key] is not None:
                 continue

@@ -33,6 +33,7 @@ import torch
 from torch import nn
 
 from .adapter import anyres_tiles, image_size_hw
+from .parts import tower_config as vision_config
 
 __all__ = ["as_int", "candidates", "cfg_get", "image_params", "ramp", "text_config", "vision_config"]
 
@@ -48,17 +49,6 @@ def cfg_get(cfg: Any, names: tuple[str, ...]) -> Any:
         v = getattr(cfg, n, None)
         if v is not None:
             return v
-    return None
-
-
-def vision_config(cfg: Any) -> Any:
-    """The config of the image tower: ``vision_config`` / ``vision_encoder_config`` / ``visual_config`` /
-    ``encoder``, and inside it its own ``vision_config`` where it holds one (T5Gemma 2's encoder wraps a SigLIP)."""
-    for n in ("vision_config", "vision_encoder_config", "visual_config", "encoder"):
-        v = getattr(cfg, n, None)
-        if v is not None and not isinstance(v, (dict, int, str)):
-            inner = getattr(v, "vision_config", None)
-            return inner if inner is not None and not isinstance(inner, (dict, int, str)) else v
     return None
 
 

@@ -40,9 +40,10 @@ from torch import nn
 
 from ..._compat import unwrap_model
 
-__all__ = ["DEEPSTACK_LAYER_PATHS", "ENTRIES", "LANGUAGE_MODEL_PATHS", "PROJECTOR_NAMES", "TOWER_CALLS", "TOWER_NAMES",
+__all__ = ["DEEPSTACK_LAYER_PATHS", "ENTRIES", "LANGUAGE_MODEL_PATHS", "PROJECTOR_NAMES", "TOWER_CALLS", "TOWER_CONFIG_KEYS",
+           "TOWER_NAMES",
            "VISION_PART_NAMES", "VlmParts", "cross_attention_modules", "get_submodule", "is_vision_language_model",
-           "outermost", "vision_config", "vision_modules", "vlm_parts"]
+           "outermost", "tower_config", "vision_config", "vision_modules", "vlm_parts"]
 
 #: Module names of a vision tower, outermost first found (transformers 5.23 / 5.24 VLMs).
 TOWER_NAMES = ("vision_tower", "vision_model", "visual", "vision_encoder", "image_encoder")
@@ -94,14 +95,38 @@ def get_submodule(root: nn.Module, path: str) -> nn.Module | None:
         return None
 
 
+#: the keys of a model config a vision tower's config sits under (transformers 5.23 / 5.24)
+TOWER_CONFIG_KEYS = ("vision_config", "vision_encoder_config", "visual_config")
+
+
+def _is_config(v: Any) -> bool:
+    return v is not None and not isinstance(v, (dict, int, str, bool, float, list, tuple))
+
+
+def tower_config(cfg: Any) -> Any | None:
+    """The image tower's config inside the model config ``cfg``, or ``None``: its ``vision_config`` /
+    ``vision_encoder_config`` / ``visual_config``; else, in an ``encoder`` config, the tower config that encoder
+    holds (T5Gemma 2: ``encoder.vision_config``) or the encoder's own config where it is an image encoder's (it
+    names an ``image_size``: VisionEncoderDecoder's ViT). A text encoder's config (a text encoder-decoder) is none."""
+    for key in TOWER_CONFIG_KEYS:
+        v = getattr(cfg, key, None)
+        if _is_config(v):
+            return v
+    enc = getattr(cfg, "encoder", None)
+    if not _is_config(enc):
+        return None
+    inner = next((v for key in TOWER_CONFIG_KEYS if _is_config(v := getattr(enc, key, None))), None)
+    return inner if inner is not None else enc if getattr(enc, "image_size", None) is not None else None
+
+
 def vision_config(hf: nn.Module) -> Any | None:
-    """``hf.config.vision_config``, or ``None``."""
+    """The tower config of ``hf.config`` (:func:`tower_config`), or ``None``."""
     cfg = getattr(hf, "config", None)
-    return getattr(cfg, "vision_config", None) if cfg is not None else None
+    return tower_config(cfg) if cfg is not None else None
 
 
 def is_vision_language_model(model: nn.Module) -> bool:
-    """True when the (unwrapped) model's config has a ``vision_config``."""
+    """True when the (unwrapped) model's config holds a vision tower's config (:func:`tower_config`)."""
     return vision_config(unwrap_model(model)) is not None
 
 
