@@ -165,6 +165,7 @@ _LAYOUT_RULES = {
     "t5gemma2": "pixels (1, 3, ",  # the tower's config nested in the encoder's: its image size, not 224 px
     "deepseek_vl_hybrid": "high_res_pixel_values",  # a second tower's pixels at its own config's size
     "molmo2": "image_token_pooling",  # one crop's patch rows and the patch indices each token pools
+    "inkling2_loop": "tokens x",  # a channels-last crop per image token, the grid in tokens (transformers 5.24)
 }
 
 
@@ -173,7 +174,8 @@ _LAYOUT_RULES = {
 def test_an_image_layout_found_by_keyword_and_config(model_type: str):
     """The layout rule the family needs, and the model trains on it (forward + backward with an image, and without).
     Shown failing (2026-12-02): on the package at 12d7679 (before layouts.py) all six fail: "no image layout built
-    from the config runs" (Gemma 4: "its config has no vision_config", before ``give_vision_config``)."""
+    from the config runs" (Gemma 4: "its config has no vision_config", before ``give_vision_config``); Inkling-2
+    Loop (transformers 5.24 only) fails the same way without the token-crop candidate."""
     from hf_ddpfix.integrations.vision.sample import image_layout
 
     checked = _tiny(model_type)

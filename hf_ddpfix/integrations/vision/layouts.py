@@ -5,8 +5,9 @@ that runs its tower (no processor, offline); :mod:`.sample` keeps the first whos
 
 - a grid keyword (``image_grid_thw`` / ``grid_thw`` / ``image_grid_hw`` ...): Qwen2-VL-style flattened patches
   ``[t*h*w, C*T*P*P]`` for a ``[1, 2m, 2m]`` grid (``m`` the merge size), then the same patches as
-  ``[t*h*w, C*T, P, P]`` for a conv patch embedding (Kimi-K2.5's MoonViT); a ``*merge_sizes`` keyword gets ``[m]``
-  per grid (VideoLLaMA3);
+  ``[t*h*w, C*T, P, P]`` for a conv patch embedding (Kimi-K2.5's MoonViT), then one channels-last crop
+  ``[tokens, P*m, P*m, C]`` per image token with the grid counted in tokens (Inkling 2); a ``*merge_sizes``
+  keyword gets ``[m]`` per grid (VideoLLaMA3);
 - ``flattened_patches`` (Pix2Struct): ``[1, 16, 2 + D]`` patch rows led by their 1-based row / column ids;
 - a ``*_token_pooling`` keyword: one crop's patch rows with the patch indices each image token pools (Molmo2);
 - ``spatial_shapes`` + ``pixel_attention_mask``: NaFlex patch rows;
@@ -163,6 +164,10 @@ def candidates(model: nn.Module, params: set[str]) -> list[tuple[str, dict[str, 
                     kw[merge_key] = torch.tensor([m], dtype=torch.long)
                     name += f", {merge_key} [{m}]"
                 out.append((name, kw))
+        # one channels-last crop of m x m patches per image token, the grid counted in tokens (Inkling 2's tower)
+        gt = [1, 2, 2] if "thw" in grid_key else [2, 2]
+        out.append((f"grid {gt} tokens x ({p * m}, {p * m}, {c}) crops", {
+            "pixel_values": ramp((4, p * m, p * m, c), dtype), grid_key: torch.tensor([gt], dtype=torch.long)}))
     if "flattened_patches" in params:  # Pix2Struct: patch rows led by their 1-based row / column ids
         h, w = 4, 4
         d = as_int(cfg_get(vc, ("patch_embed_hidden_size",)), c * p * p)
