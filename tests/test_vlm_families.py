@@ -109,7 +109,7 @@ def test_plan_prints_where_the_family_stands():
     assert line.startswith("family 'qwen2_5_vl' in the VLM sweep") and DATA["transformers"] in line
     # the shipped 2-process cells too (issue 45: "plan --model says where a family stands")
     assert "on 2 processes vs stock DDP (mixed image/text ranks): DDP equal, FSDP2 with the plan's units equal" in line
-    refused = status_line("granite_docling")  # the user's list refused before step 1, with the reason
+    refused = status_line("pi0")  # the user's list refused before step 1, with the reason
     assert "FSDP2 with your layer list refused before step 1 (" in refused, refused
     assert status_line("llama") == ""  # a text model: no line
     out = io.StringIO()

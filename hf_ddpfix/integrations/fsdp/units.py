@@ -334,7 +334,7 @@ def _bytes(subtrees: Iterable[nn.Module]) -> int:
 
 def _dummy_facts(hf: nn.Module, skip: list[nn.Module]) -> tuple[str, str, int, int]:
     """(family, why not, tokens, tower parameters) of the dummy image that could run a skippable subtree."""
-    from ..vision.adapter import grid_geometry, image_size_hw
+    from ..vision.adapter import grid_geometry, image_size_hw, materialized
     from ..vision.families import describe_unsupported, find_vision_adapter
     from ..vision.parts import vlm_parts
     from ..vision.zero import language_model_of
@@ -360,6 +360,11 @@ def _dummy_facts(hf: nn.Module, skip: list[nn.Module]) -> tuple[str, str, int, i
         return "", describe_unsupported(hf, zero=True)[:60], 0, 0
     if language_model_of(adapter) is None:
         return "", "no language model module to run it before", 0, 0
+    if adapter.family.discovered and materialized([p for _, m in adapter.parts() for p in m.parameters()]):
+        try:  # whole weights, before wrapping: the run-time trial now (its verdict is kept for attach), so a
+            adapter.verify()  # dummy that does not run folds the tower instead of refusing the plan's own units
+        except ValueError as err:
+            return "", f"its dummy does not run ({' '.join(str(err).split())[:160]})", 0, 0
     vc = adapter.vision_config
     grid = grid_geometry(vc) if adapter.kind == "grid" else None
     if grid is not None:  # one merged token: merge x merge patches (VisionAdapter.dummy_inputs)
