@@ -265,7 +265,13 @@ def test_the_tower_config_is_found_where_an_encoder_holds_it():
     DDP); an image encoder's own config (VisionEncoderDecoder's ViT); never a text encoder's (a BERT-to-BERT
     EncoderDecoder). Shown failing (2026-12-02) with ``tower_config`` reading ``vision_config`` only: the T5Gemma 2
     and VisionEncoderDecoder asserts fail."""
-    from transformers import AutoConfig, BertConfig, EncoderDecoderConfig, ViTConfig, VisionEncoderDecoderConfig
+    from transformers import (
+        AutoConfig,
+        BertConfig,
+        EncoderDecoderConfig,
+        VisionEncoderDecoderConfig,
+        ViTConfig,
+    )
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
 
     from hf_ddpfix.integrations.vision.parts import tower_config

@@ -40,9 +40,8 @@ from torch import nn
 
 from ..._compat import unwrap_model
 
-__all__ = ["DEEPSTACK_LAYER_PATHS", "ENTRIES", "LANGUAGE_MODEL_PATHS", "PROJECTOR_NAMES", "TOWER_CALLS", "TOWER_CONFIG_KEYS",
-           "TOWER_NAMES",
-           "VISION_PART_NAMES", "VlmParts", "cross_attention_modules", "get_submodule", "is_vision_language_model",
+__all__ = ["DEEPSTACK_LAYER_PATHS", "ENTRIES", "LANGUAGE_MODEL_PATHS", "PROJECTOR_NAMES", "TOWER_CALLS",
+           "TOWER_CONFIG_KEYS", "TOWER_NAMES", "VISION_PART_NAMES", "VlmParts", "cross_attention_modules", "get_submodule", "is_vision_language_model",
            "outermost", "tower_config", "vision_config", "vision_modules", "vlm_parts"]
 
 #: Module names of a vision tower, outermost first found (transformers 5.23 / 5.24 VLMs).

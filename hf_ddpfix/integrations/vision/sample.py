@@ -254,7 +254,10 @@ def _assemble(model: nn.Module, layout: Layout | None, *, seq: int, seed: int) -
         batch["labels"] = input_ids.clone()  # the text is the decoder's; attention_mask is the patches'
     else:
         labels = input_ids.clone()
-        head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+        try:
+            head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+        except (AttributeError, NotImplementedError):  # a model without one raises in transformers 5
+            head = None
         rows = getattr(head, "out_features", None) or getattr(head, "num_embeddings", None)
         if isinstance(rows, int) and rows > 0:  # an id the head cannot predict is no target (Molmo2's image token,
             labels[labels >= rows] = -100  # in an embedding table apart from the vocabulary its head predicts)
