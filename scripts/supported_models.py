@@ -10,9 +10,10 @@ data) for the VLMs, and tests/test_deepspeed.py for the DeepSpeed column (which 
 image is read from the family registry: ``find_vision_adapter(model, zero=True)``; what is tested is listed
 in ZERO_TESTS). The FSDP2 column is rendered from the committed results file
 tests/results/fsdp2_parity.json (``usage_fsdp.py --report`` writes it; per family: set-up, max |dW| vs
-stock, tolerance, pass): tests/test_usage.py rewrites it when a run's numbers changed (on the pinned stack),
-fails when a fresh run's verdicts differ from what it held, and fails when the README block differs from what
-this script renders from THIS run's results. The "left unused" column is observed
+stock, tolerance, pass): tests/test_usage.py rewrites it when a run's verdicts changed (on the pinned stack;
+:func:`fsdp2_reproduces`: the differences' last bits move with the CPU), fails when a fresh run's verdicts differ
+from what it held, and fails when the README block differs from what this script renders from the results that
+stand after that run. The "left unused" column is observed
 now: one text-only training forward per model (single process, tiny random weights, ~10 s in all),
 counting the trainable tensors that get no gradient. ``--report`` adds the measured max weight difference
 from a ``usage_zoo.py --report`` JSON.
@@ -87,6 +88,16 @@ def fsdp2_cell(name: str, vlm: bool, results: dict) -> str:
     diff = "bit-equal" if row["max_dw"] == 0 else f"max diff {row['max_dw']:.1e}"
     verdict = "weights equal stock DDP" if row["pass"] else "FAILS: weights differ from stock DDP"
     return f"{verdict}: {diff} (tol {row['tol']:.0e})"
+
+
+def fsdp2_reproduces(results: dict) -> dict:
+    """What a rerun of usage_fsdp.py must reproduce for the stored results to stand: the stack and, per family, the
+    set-up, the tolerance and the verdict. Not the difference itself: FSDP2 (reduce-scatter, sharded clipping
+    norm) and DDP sum in another order, and its last bits move with the CPU (2026-12-03, another CPU: Qwen2-VL 3.0e-8
+    became 0, Qwen3-VL 0 became 3.0e-8)."""
+    stack = {k: v for k, v in results.get("measured_on", {}).items() if k != "date"}
+    return {"measured_on": stack, "families": {name: (row["setup"], row["tol"], row["pass"])
+                                               for name, row in results.get("families", {}).items()}}
 
 
 def load_fsdp2_results(path: str = FSDP2_RESULTS) -> dict:

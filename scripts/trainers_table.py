@@ -4,9 +4,10 @@ Run:  python scripts/trainers_table.py [--results tests/results/trainer_zoo.json
 
 The results file is what ``tests/scripts/trainer_zoo.py --out`` writes (one record per comparison: case, column,
 entry point, max |hf_ddpfix - stock| over both ranks, ...). ``tests/test_trainer_zoo.py`` runs the zoo and
-writes its records to the results file whenever they changed (on the pinned stack; ``readme_blocks.refresh_results``),
-checks that every cell of the fresh run falls in the same class as the file held before (:func:`cell_classes`)
-and that the README block equals :func:`render` of what this run measured; after a change, commit the
+writes its records to the results file whenever a cell's class changed (on the pinned stack;
+``readme_blocks.refresh_results`` with :func:`what_reproduces`), checks that every cell of the fresh run falls in
+the same class as the file held before (:func:`cell_classes`) and that the README block equals :func:`render` of
+the results that stand after this run; after a change, commit the
 rewritten results file and run ``python scripts/trainers_table.py --readme``. A cell with no record says
 "not tested". ``--file`` points the block at another Markdown file (a page under docs/).
 """
@@ -93,6 +94,14 @@ def cell_class(case: str, column: str, results: dict[str, Any]) -> str:
 def cell_classes(results: dict[str, Any]) -> dict[str, str]:
     """``"case / column" -> class`` for every cell of the table."""
     return {f"{case} / {col}": cell_class(case, col, results) for case in ROWS for col in COLUMNS}
+
+
+def what_reproduces(results: dict[str, Any]) -> dict[str, Any]:
+    """What a rerun must reproduce for the stored results (and the table rendered from them) to stand: the stack,
+    the step count and every cell's class. The differences themselves are not: against stock DDP, DeepSpeed and
+    AdamW's normalised step sum in another order, and the last bits move with the CPU the run lands on (measured
+    2026-12-03: a ZeRO-3 AdamW cell 1.96e-5 on one machine, 7.98e-6 on another; same classes)."""
+    return {"versions": results["versions"], "steps": results["steps"], "cells": cell_classes(results)}
 
 
 def _cell(case: str, column: str, results: dict[str, Any]) -> str:

@@ -63,9 +63,10 @@ TOL_LC_GRAD = 1e-6
 
 
 def TOL_GRAD(n: int) -> float:  # noqa: N802 - read as the constant it is, per N
-    """Text model / FSDP2 gradients: N = 2 measured <= 6e-8 (5x); N = 4 <= 6e-8 except 6.0e-7 for the length
-    not divisible by 4 (13 tokens padded to 16; 2x)."""
-    return 3e-7 if n <= 2 else 1.2e-6
+    """Text model / FSDP2 gradients: N = 2 measured <= 6e-8 (5x); N = 4 <= 6e-8 except for the length not
+    divisible by 4 (13 tokens padded to 16): 6.0e-7 on one CPU, 1.6e-6 on another (2026-12-03: the same sums in
+    another order round differently with the CPU's vector width), so 2.5x the larger."""
+    return 3e-7 if n <= 2 else 4e-6
 
 
 TOL_VLM_GRAD = 3e-6  # VLM gradients (vision LoRA included): measured <= 2.8e-7, 1.4e-6 Qwen3-VL mixed batch
