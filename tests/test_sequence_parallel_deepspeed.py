@@ -23,6 +23,9 @@ from launch import torchrun
 DS_ENV = {"DS_ACCELERATOR": "cpu"}
 # measured 2026-11-27 (world 4, GA 3): weights <= 9.9e-8, losses <= 9.5e-7; stock vs its formula 8.7e-8 / 4.8e-7
 TOL_WEIGHT, TOL_LOSS = 2e-7, 2e-6
+# AdamW cases: 3.7e-7 on another CPU (2026-12-03), 1% of their lr (tests/scripts/sp_deepspeed.py's TOL_WEIGHT_ADAMW);
+# the SGD cases stay the tight check
+TOL_WEIGHT_ADAMW = 2e-6
 ZEROS = ("zero2", "zero3_rs", "zero3_no_rs")
 
 
@@ -39,7 +42,8 @@ def records(tmp_path_factory) -> dict[str, dict]:
 @pytest.mark.multiprocess
 def test_dp2_sp2_zero2_zero3_both_reduce_scatter_settings_equal_one_process(records):
     """Micro-batches with different valid-token counts, 2 optimizer steps: weights and logged losses within 2e-7 / 2e-6
-    of one process on the whole batch, under SGD without clipping and AdamW with clipping, on ZeRO-2 and ZeRO-3
+    of one process on the whole batch under SGD without clipping (weights within 2e-6 under AdamW with clipping,
+    whose normalised step amplifies rounding), on ZeRO-2 and ZeRO-3
     (reduce_scatter true and false). DeepSpeed sees plain data parallelism (its engine's sequence_parallel_size
     is 1); the sharded attention really ran. After training, `evaluate()` sharded over the SP group equals
     stock's unsharded evaluation on the same engine."""
@@ -47,7 +51,8 @@ def test_dp2_sp2_zero2_zero3_both_reduce_scatter_settings_equal_one_process(reco
     assert ours <= set(records)
     for name in ours:
         r = records[name]
-        assert r["ok"] and r["weight_diff"] <= TOL_WEIGHT and r["loss_diff"] <= TOL_LOSS, r
+        tol_weight = TOL_WEIGHT_ADAMW if name.endswith("/adamw_clip") else TOL_WEIGHT
+        assert r["ok"] and r["weight_diff"] <= tol_weight and r["loss_diff"] <= TOL_LOSS, r
         assert r["plan"].startswith("N=2 DP=2") and r["engine_sp"] == 1
         assert r["attention_calls"] > 0 and r["sharded_batches"] == 2 * 2 * 3 and not r["fallbacks"]
         if name.endswith("/sgd"):  # evaluate() on the trained engine: sharded (hf_ddpfix) = unsharded (stock)

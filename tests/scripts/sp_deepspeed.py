@@ -49,6 +49,11 @@ from hf_ddpfix.ops import feature_counts  # noqa: E402
 # vs one process, weights <= 9.9e-8 (SGD 3e-8), logged losses <= 9.5e-7 (2 float32 ulps near 5.5), eval 0; stock
 # DeepSpeed SP vs its own formula (the stock spread beside ours): weights <= 8.7e-8, losses 4.8e-7.
 TOL_WEIGHT, TOL_LOSS = 2e-7, 2e-6
+# AdamW (lr 2e-4): its lr * m / (sqrt(v) + eps) turns the reduction-order rounding of a near-zero gradient element
+# into a visible step, and the rounding moves with the CPU (2026-12-03, another CPU: 3.7e-7 where 9.9e-8 was
+# measured). Held to 1% of lr: a missing or zero gradient moves a weight by ~lr per step, 100x above; the SGD cases
+# (an update linear in the gradient) stay the tight check at TOL_WEIGHT.
+TOL_WEIGHT_ADAMW = 2e-6
 GAP = 1e-3  # stock's distance to the token mean must be real (measured >= 2.1e-3), far above any tolerance
 SP = 2
 STEPS = 2
@@ -299,7 +304,8 @@ def main() -> None:
             if r == 0:
                 rec.update(weight_diff=wdiff(got["weights"], ref["weights"]), ref_losses=ref["losses"],
                            loss_diff=max(abs(x - y) for x, y in zip(got["losses"], ref["losses"], strict=True)))
-                rec["ok"] = (counters_ok and rec["weight_diff"] <= TOL_WEIGHT and rec["loss_diff"] <= TOL_LOSS
+                tol_weight = TOL_WEIGHT_ADAMW if optim == "adamw_clip" else TOL_WEIGHT
+                rec["ok"] = (counters_ok and rec["weight_diff"] <= tol_weight and rec["loss_diff"] <= TOL_LOSS
                              and (not ev or rec["eval_diff"] <= TOL_LOSS))
             v.add(rec)
             log(f"hf_ddpfix {zero} {optim}: {got['seconds']:.1f}s")
