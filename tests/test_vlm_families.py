@@ -418,6 +418,26 @@ def test_the_shrinker_keeps_latent_attention_head_relations():
     assert checked >= 1
 
 
+def test_a_list_of_channel_widths_follows_the_width_it_ends_in():
+    """Config only (fast): Unlimited-OCR's SAM encoder narrows its features through ``downsample_channels`` (512,
+    1024) into the CLIP encoder, whose hidden is 1024: the list scales with that cut (32, 64 beside 64). Before,
+    the list stayed, the image check failed ("Expected size 64 but got size 1024"), the checked shrinker kept the
+    tower's widths and the tiny model had 97M parameters (51 s of the sweep's 178 s; now 19.6M, its vocabulary).
+
+    Shown failing (2026-12-03): without the ``channels`` branch of ``shrink_config``'s last loop the list stays
+    (512, 1024)."""
+    from transformers import AutoConfig
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
+
+    from hf_ddpfix.rehearse.shrink import shrink_config
+
+    if "unlimited_ocr" not in CONFIG_MAPPING_NAMES:
+        pytest.skip("this transformers does not ship Unlimited-OCR")
+    vision = shrink_config(AutoConfig.for_model("unlimited_ocr")).config.vision_config
+    assert vision.encoder_config.hidden_size == 64, vision.encoder_config.hidden_size
+    assert list(vision.sam_config.downsample_channels) == [32, 64], vision.sam_config.downsample_channels
+
+
 def test_a_token_id_the_default_config_lacks_is_given_where_the_model_reads_it():
     """Config only (fast): ``give_missing_token`` reads the checks' ``'<Config>' object has no attribute
     '<name>_token_id'`` and sets that id on the sub-config named: UDOP's ``decoder_start_token_id`` is its

@@ -17,14 +17,13 @@ Rule, for the config and every sub-config in it (``text_config``, ``vision_confi
   above (at least :data:`MIN_LAYERS`), M-RoPE sections rescaled to the new head width;
 - **relations**: one width map for the whole config, the language model's hidden cut first: a width equal to one
   already cut (a tower's output ``hidden_size`` / ``out_hidden_size`` equal to the text width, a projector's
-  dims) gets the same new value, and a hidden of at most ``MAX_HEADS x HEAD_DIM`` is kept with its heads (a
-  small model is not reshaped: a Qwen2-VL tower of output width 64 beside a text width of 64 stays 64, issue 45).
-  What only the built model shows (default M-RoPE sections, token ids past the embedding) is repaired, and the
-  result built and run, by :mod:`hf_ddpfix.rehearse.shrink_check`.
+  dims; a list of channel widths ending in one) gets the same new value, and a hidden of at most ``MAX_HEADS x
+  HEAD_DIM`` is kept with its heads (a Qwen2-VL tower of output width 64 beside a text width of 64 stays 64). What
+  only the built model shows (default M-RoPE sections, token ids past the embedding) is repaired, and the result
+  built and run, by :mod:`hf_ddpfix.rehearse.shrink_check`.
 
 Guarantees: :func:`shrink_config` never mutates its argument; every kept field above is equal in the result
-(tests/test_rehearse.py checks a Qwen2.5-VL-7B, a Llama-3.2-11B-Vision, a Gemma-3 and a Qwen3-MoE shape); the
-report lines say every field it changed, old -> new.
+(tests/test_rehearse.py checks four real shapes); the report lines say every field it changed, old -> new.
 """
 
 from __future__ import annotations
@@ -360,9 +359,7 @@ def shrink_config(config: Any, *, keep_widths: tuple[str, ...] = ()) -> Shrunk:
         keep_widths: top-level sub-config names (``"vision_config"``) whose widths stay (only their layers are
             cut); :func:`hf_ddpfix.rehearse.shrink_check.shrink_checked` uses it where the full cut fails.
 
-    Returns:
-        :class:`Shrunk` with the new config and one line per changed field.
-    """
+    Returns :class:`Shrunk` with the new config and one line per changed field."""
     cfg = copy.deepcopy(config)
     _OLD_GLOBAL.clear()
     lines: list[str] = []
@@ -376,13 +373,16 @@ def shrink_config(config: Any, *, keep_widths: tuple[str, ...] = ()) -> Shrunk:
         _shrink_node(node, path, lines, hiddens, keep=bool(path) and path.split(".")[0] in keep_widths)
     _keep_feature_taps(nodes, lines)
     _keep_text_widths(nodes, text, old_text_h, lines)
-    for path, node in nodes:  # a width equal to another sub-config's hidden (projector outputs, text widths)
-        p = f"{path}." if path else ""
+    for path, node in nodes:  # a width equal to another sub-config's hidden (projector outputs, text widths); a
+        p = f"{path}." if path else ""  # list of channel widths ending in one scales with it (Unlimited-OCR's SAM)
         for key, value in list(vars(node).items()):
             if isinstance(value, int) and not isinstance(value, bool) and value in hiddens and \
                     value != hiddens[value] and any(w in key for w in ("size", "dim", "hidden")) and \
                     not _geometry_or_count(key) and value > 64:
                 _set(node, p, key, hiddens[value], lines)
+            elif key.endswith("channels") and isinstance(value, list | tuple) and value and \
+                    all(isinstance(v, int) for v in value) and hiddens.get(top := max(value), top) != top:
+                _set(node, p, key, [max(1, v * hiddens[top] // top) for v in value], lines)
     return Shrunk(cfg, lines)
 
 
