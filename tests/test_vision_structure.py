@@ -47,13 +47,19 @@ def grid_families() -> dict[str, type]:
     return out
 
 
-def _tiny(model_type: str, cls: type) -> torch.nn.Module:
+def _tiny(model_type: str, cls: type, give_vision: bool = False) -> torch.nn.Module:
+    """``model_type``'s default config through the rehearsal's shrinker; ``give_vision``: a vision config given first
+    where the default has none (Gemma 4's default is text-only: the sweep's build, ``config_gaps``)."""
     from transformers import AutoConfig
 
+    from hf_ddpfix.rehearse.config_gaps import give_vision_config
     from hf_ddpfix.rehearse.shrink import shrink_config
 
     torch.manual_seed(0)
-    return cls(shrink_config(AutoConfig.for_model(model_type)).config)
+    config = AutoConfig.for_model(model_type)
+    if give_vision:
+        give_vision_config(config, [])
+    return cls(shrink_config(config).config)
 
 
 def _text_step(model: torch.nn.Module, ids: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
@@ -174,3 +180,46 @@ def test_registered_families_keep_their_registry_entry(name):
     zero = find_vision_adapter(model, zero=True)
     assert zero is not None and not zero.family.discovered and zero.family.name == name
     assert (find_vision_adapter(model) is None) == (name == "llava")
+
+
+#: families whose tower takes inputs no fixed dummy image gives (issue 45: the class, not the example): patch rows with
+#: ``image_position_ids`` (Gemma 4), NaFlex rows + ``spatial_shapes`` / ``pixel_attention_mask`` with a pooling head
+#: the model drops (LFM2-VL), a grid tower fed unflattened patches (Kimi-K2.5, whose grid dummy does not run)
+BY_LAYOUT = ("gemma4", "lfm2_vl", "kimi_k25")
+
+
+@pytest.mark.parametrize("model_type", BY_LAYOUT)
+def test_a_tower_no_fixed_dummy_fits_is_driven_under_zero_by_the_sample_layout(model_type):
+    """The ZeRO view's adapter is the ``"layout"`` kind: the sample builder's first pixel keyword set that runs
+    through ``get_image_features``, verified (the zero proof) on the materialized model; the ZeRO stabiliser then gives
+    stock's text-only loss and gradients bit for bit, exact zeros to every tower tensor the dummy reaches, and the
+    ones it does not reach are the adapter's ``unreached`` (ZeRO zero-fills those on every rank alike). The DDP / FSDP
+    view keeps the generic mechanism (no adapter). Fails (by hand, 2026-12-03) without the layout kind
+    (``_discover_family`` refusing as before: no adapter) and with the grid family's refusal kept in the ZeRO view
+    (Kimi-K2.5: no adapter)."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES as NAMES
+
+    if model_type not in NAMES:
+        pytest.skip(f"transformers {transformers.__version__} ships no {model_type}")
+    model = _tiny(model_type, getattr(transformers, NAMES[model_type]), give_vision=True).train()
+    for p in model.parameters():
+        p.requires_grad_(True)
+    zero = find_vision_adapter(model, zero=True)
+    assert zero is not None, describe_unsupported(model, zero=True)
+    assert zero.kind == "layout" and zero.verified and zero.family.discovered and zero.pixel_layout, zero
+    assert find_vision_adapter(model) is None and "dummy" in describe_unsupported(model)
+    ids = _ids(model.config.get_text_config().vocab_size)
+    loss, grads = _text_step(model, ids)
+    stabilizer = ZeroVisionStabilizer(model, zero)
+    stabilizer.attach()
+    try:
+        loss2, grads2 = _text_step(model, ids)
+    finally:
+        stabilizer.remove()
+    assert stabilizer.dummy_runs == 1 and torch.equal(loss, loss2)
+    assert all(torch.equal(grads[n], grads2[n]) for n in grads)
+    extra = set(grads2) - set(grads)
+    assert extra and all(not grads2[n].any() for n in extra), sorted(n for n in extra if grads2[n].any())[:3]
+    parts = {id(p) for _, m in zero.parts() for p in m.parameters()}
+    tower = {n for n, p in model.named_parameters() if id(p) in parts}
+    assert extra <= tower and tower - extra == set(zero.unreached), sorted((tower - extra) ^ set(zero.unreached))[:4]

@@ -17,6 +17,9 @@ Two kinds of tower are driven:
   Gemma 3's SigLIP-So400m at 896 px (4096 tokens, 0.4B parameters) — estimates from parameter and token
   counts, not measured on a GPU here.
 
+- ``"layout"`` (discovered, ZeRO view): ``root.get_image_features(**keywords)`` with the sample builder's first
+  layout that runs (:meth:`VisionAdapter.layout_inputs`).
+
 The dummy is a fixed ramp in [-1, 1] (not zeros: a norm of an all-zero patch could divide by zero and
 turn the zero gradients into NaN), built once per (dtype, device) and run under a forked RNG.
 """
@@ -25,7 +28,7 @@ from __future__ import annotations
 
 import inspect
 import weakref
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -44,7 +47,7 @@ __all__ = ["EXTRA_INPUT_BUILDERS", "GRID_INPUT_NAMES", "VISUAL_INPUT_NAMES", "Vi
 VISUAL_INPUT_NAMES = ("pixel_values", "pixel_values_videos")
 
 
-#: A discovered family's verdict per model: ``root -> (family name, layout, error, unreached)``; ``layout`` is
+#: A discovered family's verdict per model: ``root -> (family name/kind, layout, error, unreached)``; ``layout`` is
 #: ``(pixel ndim, tiles)`` ("image" kind) or ``(grid layout,)`` ("grid" kind); ``error`` is ``""`` when the trial and
 #: the zero proof passed, else why not; ``unreached`` as :attr:`VisionAdapter.unreached`, then the names of
 #: :attr:`VisionAdapter.reached` (kept either way: one trial per model; no reference to a model in the values).
@@ -178,13 +181,15 @@ class VisionAdapter:
     vision_config: Any
     projector: nn.Module | None = None
     projector_name: str = ""
-    _dummy_cache: dict[tuple[Any, ...], tuple[torch.Tensor, torch.Tensor | None]] = field(
-        default_factory=dict, repr=False
-    )
+    _dummy_cache: dict[tuple[Any, ...], Any] = field(default_factory=dict, repr=False)
     _forward_params: tuple[str, ...] = field(default=(), repr=False)
     pixel_ndim: int = 4  # "image" kind: 4 ([1, C, H, W]) or 5 ([1, 1, C, H, W]: Idefics3 / SmolVLM); see verify
     pixel_tiles: int = 1  # 5-D only: images per sample (2: an any-resolution base image + one tile, LLaVA-OneVision)
     grid_layout: str = "flat"  # "grid" kind: the dummy's pixel layout (GRID_LAYOUTS; fixed by verify when discovered)
+    #: ``"layout"`` kind: ``() -> [(name, get_image_features keywords)]``, the sample builder's layouts for this model
+    #: (:func:`~hf_ddpfix.integrations.vision.layouts.candidates`), and the name of the one verify kept
+    layout_trials: Any = field(default=None, repr=False)
+    pixel_layout: str = ""
     verified: bool = False
     unreached: tuple[str, ...] = ()  # trainable parameters of parts() the dummy's features do not reach (verify)
     reached: list[tuple[str, nn.Module]] = field(default_factory=list, repr=False)  # modules beyond tower and
@@ -195,7 +200,8 @@ class VisionAdapter:
 
     @property
     def kind(self) -> str:
-        """``"grid"`` (Qwen towers) or ``"image"`` (``get_image_features`` on a square image)."""
+        """``"grid"`` (Qwen towers), ``"image"`` (``get_image_features`` on a square image) or ``"layout"`` (the
+        keywords of the sample builder's first layout that runs, through ``get_image_features``)."""
         return self.family.kind
 
     def parts(self) -> list[tuple[str, nn.Module]]:
@@ -247,6 +253,18 @@ class VisionAdapter:
                 self._dummy_cache[key] = (_ramp(shape, dtype, device), grid)
         return self._dummy_cache[key]
 
+    def layout_inputs(self) -> dict[str, Any]:
+        """``"layout"`` kind: the keywords of the layout :meth:`verify` kept (NaFlex rows + ``spatial_shapes``, patch
+        rows + positions, pooled crops, ...: a few patches each, :mod:`.layouts`), floats in the tower's dtype, all on
+        its device."""
+        dtype, device = self._tower_dtype_device()
+        key = ("layout", self.pixel_layout, dtype, device)
+        if key not in self._dummy_cache:
+            kw = dict(self.layout_trials())[self.pixel_layout]
+            self._dummy_cache[key] = {k: v.to(device, dtype if v.is_floating_point() else v.dtype)
+                                      if isinstance(v, torch.Tensor) else v for k, v in kw.items()}
+        return self._dummy_cache[key]
+
     def run_tower(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor | None = None) -> Any:
         """Run the vision path as the model does; returns its raw output.
 
@@ -274,8 +292,9 @@ class VisionAdapter:
            ``[1, 1 + k, C, H, W]`` (LLaVA-NeXT: the base tile and the ``k`` tiles its ``image_grid_pinpoints`` give an
            image of the tower's size, :func:`anyres_tiles`);
            ``"grid"`` kind (found by structure: ``get_image_features(pixel_values, image_grid_thw)``, GLM-4V) in the
-           layouts of :data:`GRID_LAYOUTS`; keeps the first whose ``pooler_output`` gives image features to tie where
-           real ones enter.
+           layouts of :data:`GRID_LAYOUTS`; then, with :attr:`layout_trials` (the ``"layout"`` kind; a grid family in
+           the ZeRO view, which becomes that kind), the sample builder's; keeps the first whose ``pooler_output`` gives
+           image features to tie where real ones enter.
         2. **The zero proof** (where the parameters are materialized: not on the meta device, not ZeRO-3
            partitioned): runs the dummy with grad, ties its features into a probe with
            :class:`~hf_ddpfix.ops.zero_tie.ZeroTie` exactly as the stabilisers do, and back-propagates: the probe is
@@ -300,8 +319,9 @@ class VisionAdapter:
         """
         if not self.family.discovered or self.verified:
             return
+        key = f"{self.family.name}/{self.kind}{'+layouts' if self.layout_trials is not None else ''}"
         known = _VERDICTS.get(self.root)
-        if known is not None and known[0] == self.family.name:
+        if known is not None and known[0] == key:
             self._set_layout(known[1])
             self.unreached, self.reached = known[3], [(n, m) for n in known[4] if (m := get_submodule(self.root, n))]
             if known[2]:
@@ -320,16 +340,20 @@ class VisionAdapter:
             self._dummy_cache.clear()
             self._set_layout((4, 1) if self.kind == "image" else ("flat",))
             why = f"{self.family.name}: no dummy built from vision_config runs through the tower ({'; '.join(errors)})"
-            _VERDICTS[self.root] = (self.family.name, (), why, (), ())
+            _VERDICTS[self.root] = (key, (), why, (), ())
             raise ValueError(why)
         why = self._prove_zero() if materialized(params) else ""
-        _VERDICTS[self.root] = (self.family.name, layout, why, self.unreached, tuple(n for n, _ in self.reached))
+        _VERDICTS[self.root] = (key, layout, why, self.unreached, tuple(n for n, _ in self.reached))
         if why:
             raise ValueError(why)
         self.verified = True
 
     def _set_layout(self, layout: tuple[Any, ...]) -> None:
-        if self.kind == "image" and len(layout) == 2:
+        if layout[:1] == ("layout",):  # a sample-builder layout: a grid family's too, in the ZeRO view (layout_trials)
+            if self.kind != "layout":
+                self.family = replace(self.family, kind="layout", zero_only=True, extra_inputs=())
+            self.pixel_layout = layout[1]
+        elif self.kind == "image" and len(layout) == 2:
             self.pixel_ndim, self.pixel_tiles = layout
         elif self.kind == "grid" and len(layout) == 1:
             self.grid_layout = layout[0]
@@ -338,15 +362,17 @@ class VisionAdapter:
     def _trial(self, params: list[nn.Parameter], errors: list[str]) -> tuple[Any, ...] | None:
         """The first layout whose no-grad dummy gives image features (see :meth:`verify`), else ``None``."""
         layouts: tuple[tuple[Any, ...], ...] = ((4, 1), (5, 1), (5, 2)) if self.kind == "image" else tuple(
-            (g,) for g in GRID_LAYOUTS)
+            (g,) for g in GRID_LAYOUTS) if self.kind == "grid" else ()
         hw = image_size_hw(self.vision_config)
         tiles = anyres_tiles(getattr(self.root, "config", None), hw) if self.kind == "image" and hw else None
         if tiles is not None and tiles > 2:  # LLaVA-NeXT: the base tile + the tiles its pinpoints give a native image
             layouts = (*layouts, (5, tiles))
+        if self.layout_trials is not None:  # then the sample builder's layouts (the "layout" kind's only ones)
+            layouts += tuple(("layout", n) for n, _ in self.layout_trials())
         with zero3_gathered(params), eval_mode([m for _, m in self.parts()]):
             for layout in layouts:
                 self._set_layout(layout)
-                name = "x".join(str(x) for x in layout)
+                name = layout[1] if layout[0] == "layout" else "x".join(str(x) for x in layout)
                 try:
                     with torch.no_grad():
                         out = self.run_dummy()
@@ -367,11 +393,12 @@ class VisionAdapter:
     def run_dummy(self) -> Any:
         """Run the dummy image without disturbing the RNG stream (LoRA dropout in the tower draws from a
         forked generator, so later random draws match a stock run)."""
-        pv, grid = self.dummy_inputs()
-        devices = [pv.device.index] if pv.device.type != "cpu" and pv.device.index is not None else []
-        dev_type = pv.device.type if pv.device.type != "cpu" else "cuda"
-        with torch.random.fork_rng(devices=devices, device_type=dev_type):
-            return self.run_tower(pv, grid)
+        _, device = self._tower_dtype_device()
+        devices = [device.index] if device.type != "cpu" and device.index is not None else []
+        with torch.random.fork_rng(devices=devices, device_type=device.type if device.type != "cpu" else "cuda"):
+            if self.kind == "layout":
+                return self.root.get_image_features(**self.layout_inputs(), return_dict=True)
+            return self.run_tower(*self.dummy_inputs())
 
     def tie_points(self, out: Any) -> list[tuple[nn.Module | None, list[torch.Tensor]]]:
         """Where each dummy output enters the language model on a real image batch.

@@ -7,7 +7,7 @@ checks the structure, so a renamed or restructured tower is reported unsupported
 blindly. The :class:`~hf_ddpfix.integrations.vision.adapter.VisionAdapter` it returns builds the smallest
 image the tower accepts, runs it, and says where the outputs enter the language model.
 
-Supported families, two kinds:
+Supported families:
 
 - ``"grid"`` — Qwen2-VL, Qwen2.5-VL, Qwen3-VL, Qwen3-VL-MoE (``tower(pixel_values, grid_thw=...)``):
   driven under DDP / FSDP2 (:class:`~hf_ddpfix.integrations.vision.stabilizer.VisionStabilizer`) and DeepSpeed
@@ -40,6 +40,13 @@ Supported families, two kinds:
   image cannot make them run with an exactly-zero contribution), required inputs hf_ddpfix cannot
   build from the config, and optional pixel inputs that run the tower again when a batch has them
   (:func:`optional_pixel_inputs`: Step3p7's local crops).
+- discovered by layout (ZeRO view only) — a VLM whose ``get_image_features`` needs inputs no fixed dummy image
+  gives (NaFlex ``spatial_shapes`` + ``pixel_attention_mask``: LFM2-VL; patch rows with ``image_position_ids``:
+  Gemma 4; pooled crops: Molmo2), whose config lacks a native image size, or whose grid dummy did not run
+  (Kimi-K2.5's unflattened patches, VideoLLaMA3's merge sizes): the dummy is the first of the sample builder's pixel
+  keyword sets (:func:`~hf_ddpfix.integrations.vision.layouts.candidates`, a few patches each) that runs through
+  ``get_image_features``, its gradients proven exactly zero like the others' (``"layout"`` kind). Under DDP /
+  FSDP2 these keep the generic mechanism (``parameter_usage``, FSDP2 folding), which trains them like stock.
 
 For other VLMs, :func:`vision_param_names` / :func:`vision_groups` find vision parts by module name
 (planning and the hang guard only) and :func:`describe_unsupported` says why there is no adapter.
@@ -67,6 +74,7 @@ from .adapter import (
     output_tensors,
 )
 from .family import VisionFamily
+from .layouts import candidates, image_params
 from .parts import (
     DEEPSTACK_LAYER_PATHS,
     TOWER_NAMES,
@@ -188,6 +196,9 @@ def _discover_family(hf: nn.Module) -> tuple[VisionFamily | None, str]:
       gradients).
     - ``"image"`` kind (ZeRO view only): ``get_image_features(pixel_values=...)`` on one native-size image
       (``vision_config.image_size`` / ``num_channels``; extra inputs such as Pixtral's ``image_sizes``).
+    - ``"layout"`` kind (ZeRO view only) where neither can be built from the config (required inputs no fixed image
+      gives, no patch size or native image size): the sample builder's layouts, tried by ``verify``; the second
+      value then says why the fixed dummies did not fit.
     """
 
     vc = _vision_config(hf)
@@ -197,14 +208,15 @@ def _discover_family(hf: nn.Module) -> tuple[VisionFamily | None, str]:
     if not callable(get_features):
         return None, f"{head} has no get_image_features(pixel_values=...) to run a dummy image through"
     params = inspect.signature(get_features).parameters
+    inner = getattr(getattr(hf, "model", None), "get_image_features", None)
+    if "pixel_values" not in params and callable(inner) and any(p.kind is p.VAR_KEYWORD for p in params.values()):
+        get_features, params = inner, inspect.signature(inner).parameters  # passed on whole (MiniCPM-V 4.6)
     if "pixel_values" not in params:
         return None, f"{head}: get_image_features takes no pixel_values"
     variadic = (inspect.Parameter.VAR_KEYWORD, inspect.Parameter.VAR_POSITIONAL)
     required = [n for n, p in params.items()
                 if n != "pixel_values" and p.default is inspect.Parameter.empty and p.kind not in variadic]
     unknown = [n for n in required if n not in BUILT_INPUTS]
-    if unknown:
-        return None, f"{head}: get_image_features needs {unknown}, which hf_ddpfix cannot build from the config"
     optional = optional_pixel_inputs(get_features)
     if optional:
         return None, (f"{head}: get_image_features runs the tower again on {optional} when a batch carries them "
@@ -215,13 +227,21 @@ def _discover_family(hf: nn.Module) -> tuple[VisionFamily | None, str]:
         return None, (f"{head}: image features enter through cross-attention layers ({', '.join(parts.cross_attention)}"
                       "), which run only with an image: a dummy image cannot run them with an exactly-zero contribution")
     tower, projector = parts.tower, parts.projector
+    if tower is None:
+        return None, f"{head}: no dummy image can be built: it has no vision tower named one of {list(TOWER_NAMES)}"
+
+    def by_layout(why: str) -> tuple[VisionFamily, str]:  # the sample builder's layouts, verified (ZeRO view)
+        return VisionFamily(
+            f"{root_type} (from config)", (), tower_paths=(str(tower),), required_config=(), required_children=(),
+            kind="layout", model_types=(root_type,), projector_paths=(projector,) if projector else (),
+            zero_only=True, discovered=True), why
+
+    if unknown:
+        return by_layout(f"{head}: get_image_features needs {unknown}, which no fixed dummy image gives")
     grids = tuple(n for n in GRID_INPUT_NAMES if n in params)
     if grids:
-        missing = [] if grid_geometry(vc) is not None else ["vision_config.patch_size"]
-        if tower is None:
-            missing.append(f"a vision tower named one of {list(TOWER_NAMES)}")
-        if missing:
-            return None, f"{head}: no grid dummy can be built from the config: it lacks {missing}"
+        if grid_geometry(vc) is None:
+            return by_layout(f"{head}: no grid dummy can be built from the config: it lacks vision_config.patch_size")
         return VisionFamily(
             f"{root_type} (from config)", (), tower_paths=(str(tower),), required_config=("patch_size",),
             required_children=(), kind="grid", model_types=(root_type,),
@@ -229,14 +249,12 @@ def _discover_family(hf: nn.Module) -> tuple[VisionFamily | None, str]:
             deepstack_layer_paths=DEEPSTACK_LAYER_PATHS,
         ), ""
     if [n for n in required if n in GRID_INPUT_NAMES]:
-        return None, f"{head}: get_image_features needs {required}, which hf_ddpfix cannot build from the config"
+        return by_layout(f"{head}: get_image_features needs {required}, which no fixed dummy image gives")
     missing = [f"vision_config.{a}" for a in ("num_channels",) if not hasattr(vc, a)]
     if image_size_hw(vc) is None:
         missing.append("vision_config.image_size as an int or (height, width)")
-    if tower is None:
-        missing.append(f"a vision tower named one of {list(TOWER_NAMES)}")
     if missing:
-        return None, f"{head}: no dummy image can be built from the config: it lacks {missing}"
+        return by_layout(f"{head}: no native-size dummy image can be built from the config: it lacks {missing}")
     return VisionFamily(
         f"{root_type} (from config)", (), tower_paths=(str(tower),), required_config=("image_size", "num_channels"),
         required_children=(), kind="image", model_types=(root_type,),
@@ -265,7 +283,7 @@ def _refusal(adapter: VisionAdapter, ddp: bool) -> str:
     stabiliser attaches. An ``"image"`` family (a native-size image: costly before training) is verified at attach
     only. The DDP view also needs every trainable tower / projector parameter reached by the dummy (the DDP
     stabiliser's "every vision parameter is used every step")."""
-    if adapter.kind != "grid":
+    if adapter.kind == "image":
         return ""
     params = [p for _, m in adapter.parts() for p in m.parameters()]
     if not materialized(params):
@@ -303,6 +321,9 @@ def _adapter(hf: nn.Module, discover: bool = True, ddp: bool = False) -> tuple[V
             projector_name = path
             break
     adapter = VisionAdapter(fam, hf, tower, name, _vision_config(hf), projector, projector_name)
+    if fam.kind == "layout" or (fam.discovered and fam.kind == "grid" and not ddp):  # the sample builder's pixel
+        # keyword sets, tried by verify (after a grid family's own layouts in the ZeRO view: Kimi-K2.5's patches)
+        adapter.layout_trials = lambda: candidates(hf, image_params(hf, hf.get_image_features))
     if fam.discovered:  # one trial per model and family (the verdict is kept per model: VisionAdapter.verify)
         refused = _refusal(adapter, ddp and not fam.zero_only)
         if refused:

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 __all__ = ["KINDS", "VisionFamily"]
 
-KINDS = ("grid", "image")
+KINDS = ("grid", "image", "layout")
 
 
 @dataclass(frozen=True)
@@ -26,8 +26,10 @@ class VisionFamily:
             restructured tower is reported unsupported rather than driven blindly).
         deepstack_layer_paths: where the decoder layers live when the tower also returns
             ``deepstack_features`` (Qwen3-VL adds feature ``i`` to the output of decoder layer ``i``).
-        kind: ``"grid"`` (``tower(pixel_values, grid_thw=...)``) or ``"image"``
-            (``root.get_image_features(pixel_values=...)`` on a ``[1, num_channels, *image_size]`` image).
+        kind: ``"grid"`` (``tower(pixel_values, grid_thw=...)``), ``"image"``
+            (``root.get_image_features(pixel_values=...)`` on a ``[1, num_channels, *image_size]`` image) or
+            ``"layout"`` (discovered only: ``root.get_image_features(**keywords)`` with the keywords of the sample
+            builder's first layout that runs, :mod:`hf_ddpfix.integrations.vision.layouts`).
         model_types: ``config.model_type`` values of this family (for towers shared by several VLMs,
             e.g. SigLIP in Gemma 3 and PaliGemma, whose ``vision_model_types`` cannot tell them apart).
         projector_paths: where the module ``get_image_features`` runs after the tower lives (``"image"``
