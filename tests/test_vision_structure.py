@@ -76,7 +76,8 @@ def _ids(vocab: int) -> torch.Tensor:
 def _zero_at_the_loss(model: torch.nn.Module, stabilizer: object, vocab: int, stock: tuple | None = None) -> int:
     """A text-only training forward and backward, stock (or ``stock``, that step's result) then with ``stabilizer``
     attached: the loss and every gradient stock had are bitwise equal, the extra gradients (the tower's, the dummy's)
-    are all exactly zero and cover every trainable tower tensor. Returns the number of extra gradients."""
+    are all exactly zero and cover every trainable tower tensor but the adapter's ``unreached`` (none for a grid family:
+    ``tower == extra``). Returns the number of extra gradients."""
     ids = _ids(vocab)
     loss, grads = stock if stock is not None else _text_step(model, ids)
     stabilizer.attach()
@@ -90,7 +91,8 @@ def _zero_at_the_loss(model: torch.nn.Module, stabilizer: object, vocab: int, st
     assert extra and all(not grads2[n].any() for n in extra), sorted(n for n in extra if grads2[n].any())[:3]
     parts = {id(p) for _, m in stabilizer.adapter.parts() for p in m.parameters()}
     tower = {n for n, p in model.named_parameters() if p.requires_grad and id(p) in parts}
-    assert tower == extra, sorted(tower ^ extra)[:4]
+    unreached = set(stabilizer.adapter.unreached)
+    assert extra <= tower and tower - extra == unreached, sorted((tower - extra) ^ unreached)[:4]
     return len(extra)
 
 
@@ -208,18 +210,4 @@ def test_a_tower_no_fixed_dummy_fits_is_driven_under_zero_by_the_sample_layout(m
     assert zero is not None, describe_unsupported(model, zero=True)
     assert zero.kind == "layout" and zero.verified and zero.family.discovered and zero.pixel_layout, zero
     assert find_vision_adapter(model) is None and "dummy" in describe_unsupported(model)
-    ids = _ids(model.config.get_text_config().vocab_size)
-    loss, grads = _text_step(model, ids)
-    stabilizer = ZeroVisionStabilizer(model, zero)
-    stabilizer.attach()
-    try:
-        loss2, grads2 = _text_step(model, ids)
-    finally:
-        stabilizer.remove()
-    assert stabilizer.dummy_runs == 1 and torch.equal(loss, loss2)
-    assert all(torch.equal(grads[n], grads2[n]) for n in grads)
-    extra = set(grads2) - set(grads)
-    assert extra and all(not grads2[n].any() for n in extra), sorted(n for n in extra if grads2[n].any())[:3]
-    parts = {id(p) for _, m in zero.parts() for p in m.parameters()}
-    tower = {n for n, p in model.named_parameters() if id(p) in parts}
-    assert extra <= tower and tower - extra == set(zero.unreached), sorted((tower - extra) ^ set(zero.unreached))[:4]
+    assert _zero_at_the_loss(model, ZeroVisionStabilizer(model, zero), model.config.get_text_config().vocab_size) > 0
