@@ -1,4 +1,5 @@
-"""Every example under every config it documents, rehearsed with and without ``--stock`` (issue 46 item 6), plus
+"""Every example under every config it documents, rehearsed (issue 46 item 6; with ``--stock`` too where stock's
+verdict or handling is not the hf_ddpfix cell's: :data:`STOCK_TWINS`), plus
 user scripts no issue names, written from scratch: TRL DPO (tests/scripts/rehearse_user_dpo.py) and a LLaVA script
 whose rank 0 raises at step 2 (tests/scripts/rehearse_user_vlm.py).
 
@@ -27,6 +28,15 @@ EXIT = {"passed": 0, "failed": 1, "cannot": 2}
 VL = ["examples/qwen_vl_lora.py", "--eval-size", "8", "--train-size", "64"]
 
 
+# The cells rehearsed with ``--stock`` too: the README example's base launch (``--stock`` turns hf_ddpfix off and the
+# verdict is stock's), the TRL script that stock fails (reentrant checkpointing + a PeftModel under stock DDP) and the
+# long-context example, whose own DDPFixTrainer ``--stock`` cannot turn off (said). The README example's other configs
+# (``zero2.yaml``, ``zero3.yaml``, ``--qlora``) without ``--skew`` pass under stock as under hf_ddpfix (measured
+# 2026-12-02): their stock twins rehearsed DeepSpeed and bitsandbytes, not hf_ddpfix (3 launches, ~140 CPU-s of CI), and
+# are not run (``--stock --skew`` where stock fails: tests/test_rehearse.py's FSDP rehearsal, docs/rehearse.md's table).
+STOCK_TWINS = ("vl-ddp", "longctx", "sft")
+
+
 def _cells(out: Path) -> dict[str, tuple[list[str], list[str], dict[str, str] | None]]:
     """name -> (rehearse options, launch line, extra environment)."""
     acc = ["accelerate", "launch", "--config_file"]
@@ -50,7 +60,7 @@ def _cells(out: Path) -> dict[str, tuple[list[str], list[str], dict[str, str] | 
     cells = {}
     for name, (opts, line, env) in base.items():
         cells[name] = (["--steps", "1", "--no-resume", "--timeout", "400", *opts], line, env)
-        if name not in ("dpo", "vlm-crash"):  # the examples with and without --stock; user scripts: hf_ddpfix only
+        if name in STOCK_TWINS:
             cells[name + "-stock"] = (["--stock", "--steps", "1", "--no-resume", "--timeout", "400", *opts], line,
                                       env)
     return cells
@@ -84,9 +94,9 @@ def _pooled(tmp: Path, cells, parallel: int, timeout: float) -> dict[str, tuple[
 
 
 @pytest.mark.multiprocess
-@pytest.mark.timeout(1800)  # 13 rehearsals, 3 at a time: ~200 s on an idle 2-core box, 10+ min at load 10
+@pytest.mark.timeout(1800)  # 11 rehearsals, 3 at a time: ~270 s on an idle 2-core box, 10+ min at load 10
 def test_every_example_under_every_config_it_documents_with_and_without_stock(tmp_path):
-    """The verdicts of docs/rehearse.md's table, one cell per example x config x (stock, hf_ddpfix), and two user
+    """The verdicts of docs/rehearse.md's table, one cell per example x config (and its stock twin), and two user
     scripts written from scratch: TRL DPO (passes, its saves redirected) and a LLaVA script whose rank 0 raises at
     step 2 (FAILED, exit 1, rank 0's frame). Shown failing (2026-12-02, that cell run alone before rehearse/run.py's
     ``crashed`` check): the report read "HANG" (rank 1, left waiting in the loss all_gather, taken for the cause).
@@ -122,7 +132,7 @@ def test_every_example_under_every_config_it_documents_with_and_without_stock(tm
     assert trainers["dpo"] == "DPOTrainer" and trainers["longctx"] == "DDPFixTrainer", trainers
     for n in ("vl-zero2", "vl-zero3"):
         if n in done:
-            assert done[n][1]["mode"] == n[3:] and done[n + "-stock"][1]["mode"] == n[3:], (n, done[n][1]["mode"])
+            assert done[n][1]["mode"] == n[3:], (n, done[n][1]["mode"])
     crash = {f["rank"]: f for f in done["vlm-crash"][1]["phases"][0]["failures"]}[0]  # rank 0's bug, not rank 1's wait
     assert "my logging bug at step 2" in crash["error"] and crash["steps"] >= 1, crash
     assert any("rehearse_user_vlm.py" in fr and "on_step_end" in fr for fr in crash["frames"]), crash
