@@ -211,3 +211,46 @@ def test_a_tower_no_fixed_dummy_fits_is_driven_under_zero_by_the_sample_layout(m
     assert zero.kind == "layout" and zero.verified and zero.family.discovered and zero.pixel_layout, zero
     assert find_vision_adapter(model) is None and "dummy" in describe_unsupported(model)
     assert _zero_at_the_loss(model, ZeroVisionStabilizer(model, zero), model.config.get_text_config().vocab_size) > 0
+
+
+def test_video_llava_image_tower_gets_a_zero_dummy_and_an_image_rank_runs_none():
+    """Video-LLaVA names its towers ``image_tower`` / ``video_tower`` and takes images as ``pixel_values`` or
+    ``pixel_values_images``.
+    The ZeRO view finds the image tower by name and proves its dummy zero (a text-only step: stock's loss and gradients
+    bit for bit, exact zeros to the tower); a forward that passes ``pixel_values_images`` is an image forward, so the
+    stabiliser runs no dummy there under either name (a second tower pass on the image rank is an all-gather the text ranks lack: a
+    mismatch under ZeRO-3 at any size whose tower is not persistent). Fails (by hand, 2026-12-03) without
+    ``image_tower`` in ``TOWER_NAMES`` (no adapter) and with ``has_visual_input`` reading ``pixel_values`` /
+    ``pixel_values_videos`` only (one dummy run on the image forward)."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES as NAMES
+
+    from hf_ddpfix.integrations.vision.sample import sample_batch
+
+    if "video_llava" not in NAMES:
+        pytest.skip(f"transformers {transformers.__version__} ships no video_llava")
+    from transformers import AutoConfig
+
+    from hf_ddpfix.rehearse.shrink_check import shrink_checked
+
+    torch.manual_seed(0)  # the sweep's build (its shrinker, repaired so that an image runs)
+    model = shrink_checked(AutoConfig.for_model("video_llava"), transformers.VideoLlavaForConditionalGeneration,
+                           small_images=True).model.train()
+    for p in model.parameters():
+        p.requires_grad_(True)
+    zero = find_vision_adapter(model, zero=True)
+    if "pixel_values" not in inspect.signature(model.model.get_image_features).parameters:  # transformers 5.0
+        assert zero is None and "takes no pixel_values" in describe_unsupported(model, zero=True)
+        return  # no dummy: the mixed-image guard stops a mixed forward with a named error (its own tests)
+    assert zero is not None and zero.kind == "image", describe_unsupported(model, zero=True)
+    assert zero.tower is model.model.image_tower, zero.tower
+    stabilizer = ZeroVisionStabilizer(model, zero)
+    assert _zero_at_the_loss(model, stabilizer, model.config.get_text_config().vocab_size) > 0
+    batch = sample_batch(model, image=True)
+    alias = {("pixel_values_images" if k == "pixel_values" else k): v for k, v in batch.items()}  # its other name
+    stabilizer.attach()
+    try:
+        for images in (batch, alias):
+            model(**images).loss.backward()
+    finally:
+        stabilizer.remove()
+    assert stabilizer.dummy_runs == 1, stabilizer.dummy_runs  # the text-only step's, none for the image forwards
