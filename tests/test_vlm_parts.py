@@ -60,9 +60,6 @@ def _model(model_type: str) -> nn.Module:
 # ------------------------------------------------------------------ the replaced lookups, as they were (a347ffa)
 
 _OLD_TOWER_NAMES = ("vision_tower", "vision_model", "visual", "vision_encoder", "image_encoder")
-#: families whose tower the old names did not find and ``TOWER_NAMES`` now does, deliberately: Video-LLaVA's
-#: ``image_tower`` (2026-12-03: its ZeRO dummy, equal to stock DDP under ZeRO-3; docs/vlm-families.md)
-TOWER_NAMED_SINCE = {"video_llava": "model.image_tower"}
 _OLD_PROJECTOR_NAMES = ("multi_modal_projector", "connector", "mm_projector", "vision_projection", "visual_projection")
 
 
@@ -152,13 +149,9 @@ def test_the_tower_projector_and_vision_parts_are_the_old_ones(model_type):
     parts, and the cross-attention marker the discovery and the FSDP2 dummy facts refuse on."""
     hf = _model(model_type)
     parts = vlm_parts(hf)
-    if model_type in TOWER_NAMED_SINCE and _old_outermost(hf, _OLD_TOWER_NAMES) is None:  # missed by the old names
-        assert parts.tower == TOWER_NAMED_SINCE[model_type], parts  # (transformers 5.0's Video-LLaVA: found by both)
-        assert sp.vision_tower(hf) is get_submodule(hf, parts.tower)
-    else:
-        assert parts.tower == _old_outermost(hf, _OLD_TOWER_NAMES)
-        assert sp.vision_tower(hf) is _old_sp_tower(hf)
+    assert parts.tower == _old_outermost(hf, _OLD_TOWER_NAMES)
     assert parts.projector == _old_outermost(hf, _OLD_PROJECTOR_NAMES)
+    assert sp.vision_tower(hf) is _old_sp_tower(hf)
     assert [n for n, _ in vision_modules(hf)] == [n for n, _ in _old_vision_modules(hf)] == list(parts.vision)
     old_cross = tuple(sorted({type(m).__name__ for m in hf.modules() if "CrossAttention" in type(m).__name__}))
     assert parts.cross_attention == old_cross

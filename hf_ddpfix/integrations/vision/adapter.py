@@ -437,10 +437,8 @@ class VisionAdapter:
         return ties
 
     def has_visual_input(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
-        """True when ``root(*args, **kwargs)`` passes pixels under any name containing ``pixel_values`` (Video-LLaVA's
-        ``pixel_values_images`` too): such a rank runs no dummy (a second tower pass the text ranks lack)."""
-        names = [n for n in (*VISUAL_INPUT_NAMES, *kwargs, *self._forward_params) if "pixel_values" in n]
-        for name in dict.fromkeys(names):
+        """True when a call ``root(*args, **kwargs)`` passes ``pixel_values`` or ``pixel_values_videos``."""
+        for name in VISUAL_INPUT_NAMES:
             if kwargs.get(name) is not None:
                 return True
             if name in self._forward_params:

@@ -44,8 +44,8 @@ __all__ = ["DEEPSTACK_LAYER_PATHS", "ENTRIES", "LANGUAGE_MODEL_PATHS", "PROJECTO
            "TOWER_CONFIG_KEYS", "TOWER_NAMES", "VISION_PART_NAMES", "VlmParts", "cross_attention_modules", "get_submodule", "is_vision_language_model",
            "outermost", "tower_config", "vision_config", "vision_modules", "vlm_parts"]
 
-#: Module names of a vision tower, outermost first found (transformers 5.23 / 5.24 VLMs; Video-LLaVA's ``image_tower``).
-TOWER_NAMES = ("vision_tower", "vision_model", "visual", "vision_encoder", "image_encoder", "image_tower")
+#: Module names of a vision tower, outermost first found (transformers 5.23 / 5.24 VLMs).
+TOWER_NAMES = ("vision_tower", "vision_model", "visual", "vision_encoder", "image_encoder")
 #: Module names of the projector ``get_image_features`` runs after the tower.
 PROJECTOR_NAMES = ("multi_modal_projector", "connector", "mm_projector", "vision_projection", "visual_projection")
 #: Module names that hold vision parameters (towers, projectors, Fuyu-style patch embeddings).
