@@ -32,8 +32,8 @@ VL = ["examples/qwen_vl_lora.py", "--eval-size", "8", "--train-size", "64"]
 # verdict is stock's), the TRL script that stock fails (reentrant checkpointing + a PeftModel under stock DDP) and the
 # long-context example, whose own DDPFixTrainer ``--stock`` cannot turn off (said). The README example's other configs
 # (``zero2.yaml``, ``zero3.yaml``, ``--qlora``) without ``--skew`` pass under stock as under hf_ddpfix (measured
-# 2026-12-02): their stock twins rehearsed DeepSpeed and bitsandbytes, not hf_ddpfix (3 launches, ~140 CPU-s of CI), and
-# are not run (``--stock --skew`` where stock fails: tests/test_rehearse.py's FSDP rehearsal, docs/rehearse.md's table).
+# 2026-12-02): their stock twins rehearsed DeepSpeed and bitsandbytes, not hf_ddpfix (3 launches: the file went from
+# 661 to 547 idle CPU-s), and are not run (``--stock --skew`` where stock fails: tests/test_rehearse.py's FSDP rehearsal, docs/rehearse.md's table).
 STOCK_TWINS = ("vl-ddp", "longctx", "sft")
 
 
