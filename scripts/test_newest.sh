@@ -74,7 +74,12 @@ accelerate.__version__, 'peft', peft.__version__, 'trl', trl.__version__, 'deeps
 export OMP_NUM_THREADS=1 DDPFIX_CI_STACK=newest
 py=("$venv/bin/python" -m pytest -q -p no:cacheprovider)
 failed=0
-run_tests unit "${py[@]}" tests -m "not multiprocess" || failed=1
+# patches/'s start-up probes (five fresh interpreters: lazy hook, HF_DDPFIX_DISABLE, bad values, chaining) test
+# hf_ddpfix's own hook logic, on the pinned stack; here patches/ runs on this stack's Trainer in the TRL launch below
+# (stock failing, patched training: "hf_ddpfix=on" on both ranks). ~80 CPU-s idle, ~300 s in CI beside the suite.
+probes=("tests/test_patches.py")
+echo "newest stack: NOT RUN (patches/ start-up probes: the pinned stack; the TRL launch below runs patches/ here): ${probes[*]}"
+run_tests unit "${py[@]}" tests -m "not multiprocess" "${probes[@]/#/--deselect=}" || failed=1
 # 2-process cells (gloo): long context under DDP vs a single-process stock reference, TiledMLP + tiled loss
 # under DDP (patched calls counted: MLPs x steps x passes, no fallback), the reentrant-checkpointing fix
 # through the Trainer, and a VLM matrix cell with gradient accumulation; then the cells that matter most on new

@@ -52,6 +52,9 @@ echo "oldest stack: NOT RUN (a sweep of the pinned and newest releases' families
 # the one-layout-model comparison of that shape runs on the pinned and newest stacks, the other three shapes here
 sweep+=("tests/test_fsdp_layout_one_model.py::test_rehearsal_projection_equals_the_plan[qwen3_vl_moe_30b]")
 echo "oldest stack: NOT RUN (plan refuses the shape on transformers 5.0, untraced): ${sweep[-1]}"
+# patches/'s start-up probes: the pinned stack (as in scripts/test_newest.sh); the TRL launch below runs patches/ here
+sweep+=("tests/test_patches.py")
+echo "oldest stack: NOT RUN (patches/ start-up probes: the pinned stack; the TRL launch below runs patches/ here): ${sweep[-1]}"
 run_tests unit "${py[@]}" tests -m "not multiprocess" "${upstream[@]/#/--deselect=}" "${sweep[@]/#/--deselect=}" \
   || failed=1
 # 2-process cells (gloo): the reentrant-checkpointing fix vs a single-process reference (exact), stock's

@@ -20,8 +20,12 @@ What differs (so tests/launch.py sends such launches to the real torchrun): the 
 interpreter start (PYTHONPATH, PYTHON*, TORCH_*, TRANSFORMERS_*, threads, ...: `STARTUP_ENV`), and C++ static
 destructors at exit (the rank leaves with `os._exit` after Python's own shutdown steps).
 
+``accelerate launch`` (tests/launch.py's ``accelerate_launch``) is served the same way: accelerate's own command
+line code runs in the forked launcher and its single-node ranks are forked (:func:`_accelerate_launch`).
+
 Protocol (one request at a time, JSON lines): the client writes {"script", "args", "nproc", "env", "cwd", "out",
-"port"} on the server's stdin; the server answers {"pid": launcher pid} (its own session: killpg stops the whole
+"port"} (or {"accelerate": its arguments after ``launch``, "fsdp_device": the FSDP device folder or null, "env",
+"cwd", "out"}) on the server's stdin; the server answers {"pid": launcher pid} (its own session: killpg stops the whole
 launch) and, when the launch ends, {"rc": exit code}. The server ends at end of input.
 """
 
@@ -102,7 +106,8 @@ def _rank_main(req: dict, rank: int) -> None:
 
 
 def _launcher_main(req: dict) -> None:
-    """Fork the ranks, wait for them, stop the rest when one fails; exit 0 or 1. Never returns."""
+    """The launch's own process (its session, its output file): fork the ranks, or run ``accelerate launch``
+    whose ranks are forked; exit 0 or 1. Never returns."""
     os.setsid()
     out = os.open(req["out"], os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
     os.dup2(out, 1)
@@ -111,6 +116,17 @@ def _launcher_main(req: dict) -> None:
     null = os.open(os.devnull, os.O_RDONLY)
     os.dup2(null, 0)
     os.close(null)
+    code = _accelerate_launch(req) if req.get("accelerate") is not None else _run_ranks(req)
+    for stream in (sys.stdout, sys.stderr):
+        stream.flush()
+    os._exit(code)
+
+
+def _run_ranks(req: dict) -> int:
+    """Fork ``req["nproc"]`` ranks, wait for them, stop the rest when one fails (SIGTERM, SIGKILL 30 s later);
+    0 when every rank exited 0, else 1."""
+    sys.stdout.flush()
+    sys.stderr.flush()
     ranks = {}
     for rank in range(req["nproc"]):
         pid = os.fork()
@@ -137,7 +153,59 @@ def _launcher_main(req: dict) -> None:
             for p in ranks:
                 os.kill(p, signal.SIGTERM)
             kill_at = time.monotonic() + 30
-    os._exit(1 if failed else 0)
+    return 1 if failed else 0
+
+
+class _RanksFailed(Exception):
+    """A forked rank of an ``accelerate launch`` exited non-zero (torchrun raises ChildFailedError there)."""
+
+
+def _accelerate_launch(req: dict) -> int:
+    """``accelerate launch <req["accelerate"]>`` as its command line runs it (accelerate's own parser, config
+    validation, launcher choice and rank environment), with one difference: where accelerate hands a single-node
+    launch to ``torch.distributed.run.run``, the ranks are forked from here (:func:`_run_ranks`) with the
+    environment accelerate set. Any other path (one process, several nodes, ``-m`` scripts) runs accelerate's own
+    way. With ``req["fsdp_device"]`` (the FSDP device folder first on the launch's ``PYTHONPATH``), its
+    ``sitecustomize`` runs here first, as it would at the start of every interpreter of a real launch (it patches
+    ``accelerate.state`` whether or not that is imported yet; the server created no accelerate state)."""
+    import importlib.util
+
+    os.environ.clear()
+    os.environ.update(req["env"])
+    os.chdir(req["cwd"])
+    device = req.get("fsdp_device")
+    if device:
+        sys.path.insert(1, device)
+        if "sitecustomize" in sys.modules:  # the server ran the one its path had: the device's chaining ran it
+            sys._hf_ddpfix_fsdp_device_chained = True  # type: ignore[attr-defined]
+        spec = importlib.util.spec_from_file_location("sitecustomize", os.path.join(device, "sitecustomize.py"))
+        module = importlib.util.module_from_spec(spec)
+        sys.modules["sitecustomize"] = module
+        spec.loader.exec_module(module)
+    import torch.distributed.run as distrib_run
+    from accelerate.commands.launch import launch_command, launch_command_parser
+
+    real_run = distrib_run.run
+
+    def forked_run(targs) -> None:
+        if str(targs.nnodes) not in ("1", "1:1") or targs.module or targs.no_python:
+            return real_run(targs)
+        rc = _run_ranks(dict(req, script=targs.training_script, args=list(targs.training_script_args),
+                             nproc=int(targs.nproc_per_node), port=int(targs.master_port), env=dict(os.environ)))
+        if rc:
+            raise _RanksFailed
+
+    distrib_run.run = forked_run
+    try:
+        launch_command(launch_command_parser().parse_args(req["accelerate"]))
+    except _RanksFailed:
+        return 1
+    except SystemExit as exc:
+        return exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+    except BaseException:  # noqa: BLE001 - as `accelerate launch` does: the traceback, exit 1
+        sys.excepthook(*sys.exc_info())
+        return 1
+    return 0
 
 
 def serve() -> None:

@@ -31,7 +31,7 @@ def free_port() -> int:
 
 def _record_launch(cmd: list[str], seconds: float) -> None:
     """With ``DDPFIX_LAUNCH_LOG`` set (``.ci/run`` sets it): one JSON line per launch (the stack, the test, the
-    command, its wall seconds), so the CI report can say how many launches each file makes and what they cost
+    launcher: ``forklaunch``/``forklaunch-accelerate`` for forked ranks, the command, its wall seconds), so the CI report can say how many launches each file makes and what they cost
     (``scripts/ci_report.py summary``: every launch starts interpreters that import torch and transformers)."""
     path = os.environ.get("DDPFIX_LAUNCH_LOG")
     if path:
@@ -39,7 +39,7 @@ def _record_launch(cmd: list[str], seconds: float) -> None:
 
         line = {"stack": os.environ.get("DDPFIX_CI_STACK", "pinned"),
                 "test": os.environ.get("PYTEST_CURRENT_TEST", "").rsplit(" ", 1)[0], "s": round(seconds, 1),
-                "cmd": " ".join(str(c) for c in cmd)[-300:]}
+                "launcher": Path(str(cmd[0])).name, "cmd": " ".join(str(c) for c in cmd)[-300:]}
         with open(path, "a") as f:
             f.write(json.dumps(line) + "\n")
 
@@ -81,15 +81,28 @@ def _run(cmd: list[str], label: str, timeout: float, env: dict[str, str] | None,
 
 def accelerate_launch(config: str, script: str | Path, *args: str, timeout: float = 300,
                       env: dict[str, str] | None = None, check: bool = True,
-                      extra: tuple[str, ...] = ()) -> subprocess.CompletedProcess:
+                      extra: tuple[str, ...] = (), launcher: str = "auto") -> subprocess.CompletedProcess:
     """Run `accelerate launch --config_file accelerate_configs/<config> <script> <args>` from the repository
     root, as the README tells a user to, with a hard timeout (same contract as :func:`torchrun`). Only a free
     `--main_process_port` is added, so that two test runs on one machine do not collide, and `extra`
-    launcher flags (e.g. `--mixed_precision no`) before the script."""
-    launcher = Path(sys.executable).with_name("accelerate")
-    cmd = [str(launcher) if launcher.exists() else "accelerate", "launch", "--config_file",
-           f"accelerate_configs/{config}", "--main_process_port", str(free_port()), *extra, str(script), *args]
-    return _run(cmd, f"accelerate launch {config} {script} {' '.join(args)}", timeout, env, check)
+    launcher flags (e.g. `--mixed_precision no`) before the script.
+
+    `launcher="auto"` runs accelerate's own launch code in a process forked from the server that has imported
+    torch and transformers, and forks its ranks (tests/forklaunch.py; the FSDP device's sitecustomize is run
+    there), whenever that is equivalent; `launcher="accelerate"` always runs the real `accelerate launch` (what the
+    examples' tests launch: a clean exit of fresh interpreters is part of what they prove)."""
+    if launcher not in ("auto", "accelerate"):
+        raise ValueError(f"launcher={launcher!r}: allowed 'auto' or 'accelerate'")
+    argv = ["--config_file", f"accelerate_configs/{config}", "--main_process_port", str(free_port()), *extra,
+            str(script), *map(str, args)]
+    label = f"accelerate launch {config} {script} {' '.join(map(str, args))}"
+    if launcher == "auto":
+        done = _FORK.run_accelerate(argv, label, timeout, _launch_env(env), check)
+        if done is not None:
+            return done
+    exe = Path(sys.executable).with_name("accelerate")
+    cmd = [str(exe) if exe.exists() else "accelerate", "launch", *argv]
+    return _run(cmd, label, timeout, env, check)
 
 
 def torchrun(script: str | Path, *args: str, nproc: int = 2, timeout: float = 180,
@@ -187,37 +200,69 @@ class _ForkServer:
                 self.proc.kill()
         self.proc = None
 
-    def run(self, script: str, args: list[str], nproc: int, timeout: float, env: dict[str, str],
-            check: bool) -> subprocess.CompletedProcess | None:
-        import json
-        import tempfile
-
-        import pytest
-
+    def _usable(self, env: dict[str, str]) -> bool:
+        """Whether a launch with ``env`` can be forked: never with ``HF_DDPFIX_TEST_LAUNCHER=torchrun``, a
+        ``PYTHON*`` variable that differs from a plain launch's, or one that configures torchrun; a server with the
+        launch's start-up environment is (re)started when needed."""
         if self.broken or os.environ.get("HF_DDPFIX_TEST_LAUNCHER", "auto") == "torchrun":
-            return None
+            return False
         from forklaunch import startup_env
 
         asked, default = startup_env(env), startup_env(_launch_env(None))
         if any(k.startswith(("PYTHON", "PET_", "TORCHELASTIC_")) and asked.get(k) != default.get(k)
                for k in {*asked, *default}):
-            return None  # sitecustomize (patches/, the FSDP device) runs only in a fresh interpreter; PET_* and
+            return False  # sitecustomize (patches/, the FSDP device) runs only in a fresh interpreter; PET_* and
             # TORCHELASTIC_* configure torchrun itself (restarts: tests/test_resume.py). Never a server for them.
         differing = self._differing(env) if self.proc is not None else set()
         if differing:
             self.close()  # another start-up environment: a server that starts with it
-        if self.proc is None and not self._start(env):
+        return self.proc is not None or self._start(env)
+
+    def run(self, script: str, args: list[str], nproc: int, timeout: float, env: dict[str, str],
+            check: bool) -> subprocess.CompletedProcess | None:
+        """``script`` as ``nproc`` forked ranks (torchrun --standalone's); None: use the real torchrun."""
+        if not self._usable(env):
             return None
+        return self._submit(dict(script=script, args=args, nproc=nproc, env=env, port=free_port()),
+                            ["forklaunch", f"--nproc_per_node={nproc}", script, *args],
+                            f"{script} {' '.join(args)}", timeout, check)
+
+    def run_accelerate(self, argv: list[str], label: str, timeout: float, env: dict[str, str],
+                       check: bool) -> subprocess.CompletedProcess | None:
+        """``accelerate launch <argv>`` with forked ranks; None: use the real ``accelerate launch``. A launch
+        whose ``PYTHONPATH`` is a plain launch's with the FSDP device first (:func:`fsdp_device_env`) is forked
+        too: the device's sitecustomize runs in the forked launcher (forklaunch._accelerate_launch). patches/ and
+        any other start-up hook on the path: the real launcher."""
+        device = None
+        path = env.get("PYTHONPATH", "")
+        if path.startswith(str(FSDP_DEVICE) + os.pathsep):
+            device, plain = str(FSDP_DEVICE), path[len(str(FSDP_DEVICE)) + 1:]
+            if plain != _launch_env(None)["PYTHONPATH"]:
+                return None
+            env = {**env, "PYTHONPATH": plain}
+        if not self._usable(env):
+            return None
+        env = {**env, **({"PYTHONPATH": f"{device}{os.pathsep}{env['PYTHONPATH']}"} if device else {})}
+        return self._submit(dict(accelerate=argv, fsdp_device=device, env=env),
+                            ["forklaunch-accelerate", "launch", *argv], label, timeout, check)
+
+    def _submit(self, req: dict, cmd: list[str], label: str, timeout: float,
+                check: bool) -> subprocess.CompletedProcess:
+        import json
+        import tempfile
+
+        import pytest
+
+        assert self.proc is not None
         t0 = time.monotonic()
         with tempfile.NamedTemporaryFile("r", prefix="forklaunch-out-", suffix=".txt") as out:
-            req = dict(script=script, args=args, nproc=nproc, env=env, cwd=str(ROOT), out=out.name, port=free_port())
-            self.proc.stdin.write(json.dumps(req) + "\n")
+            self.proc.stdin.write(json.dumps({**req, "cwd": str(ROOT), "out": out.name}) + "\n")
             self.proc.stdin.flush()
             deadline = t0 + timeout
             started = self._read(deadline)
             if started is None:
                 self.close()
-                pytest.fail(f"{script}: the fork server did not start the launch")
+                pytest.fail(f"{label}: the fork server did not start the launch")
             pid = json.loads(started)["pid"]
             ended = self._read(deadline)
             if ended is None:
@@ -226,14 +271,13 @@ class _ForkServer:
                 except ProcessLookupError:  # the launch ended as the deadline passed, or the server is gone
                     pass
                 self._read(time.monotonic() + 30)
-                pytest.fail(f"{script} {' '.join(args)}: no result after {timeout:.0f}s (hang?)\n{out.read()[-6000:]}")
+                pytest.fail(f"{label}: no result after {timeout:.0f}s (hang?)\n{out.read()[-6000:]}")
             rc = json.loads(ended)["rc"]
             text = out.read()
-        cmd = ["forklaunch", f"--nproc_per_node={nproc}", script, *args]
         done = subprocess.CompletedProcess(cmd, rc, text, "")
         _record_launch(cmd, time.monotonic() - t0)
         if check and rc != 0:
-            pytest.fail(f"{script} {' '.join(args)} exited {rc}\n{text[-8000:]}")
+            pytest.fail(f"{label} exited {rc}\n{text[-8000:]}")
         return done
 
 

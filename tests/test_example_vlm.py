@@ -153,7 +153,7 @@ def test_example_trains_evaluates_and_resumes_under_fsdp_yaml_through_the_test_d
 @pytest.mark.skipif(torch.accelerator.is_available(), reason="the CPU-only refusal; with an accelerator FSDP runs")
 def test_example_under_fsdp_yaml_on_cpu_says_fsdp_cannot_run(tmp_path):
     done = accelerate_launch("fsdp.yaml", EXAMPLE, "--output-dir", str(tmp_path), *SHORT, timeout=180,
-                             env=OFFLINE, check=False)
+                             env=OFFLINE, check=False, launcher="accelerate")  # its summary is read below
     assert done.returncode != 0, done.stdout[-4000:]  # stock accelerate: trains plain DDP, saying nothing
     assert "RESULT " not in done.stdout
     assert "FSDP needs an accelerator" in done.stdout, done.stdout[-4000:]

@@ -62,7 +62,7 @@ def _launch_vlm(case: str, out) -> tuple[dict, str]:
     env = fsdp_device_env(OFFLINE) if case == "fsdp_device" else OFFLINE
     # the first DeepSpeed run on a machine compiles its shared-memory op (45-210 s, cached afterwards)
     done = accelerate_launch(config, VLM, "--output-dir", str(out), *extra, *TINY,
-                             timeout=480 if needs == "deepspeed" else 300, env=env)
+                             timeout=480 if needs == "deepspeed" else 300, env=env, launcher="accelerate")
     return one_result(done, f"{config} {' '.join(extra)}"), done.stdout
 
 

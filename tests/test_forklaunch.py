@@ -1,11 +1,13 @@
 """tests/forklaunch.py (the suite's torchrun stand-in) starts ranks as torchrun does: the same rank environment,
 arguments, `sys.path[0]`, `__name__` and working directory; fresh seeds per rank (Python's, torch's);
-a failing rank's traceback with torch's "[rankN]:" prefix and a non-zero exit. One launch each way."""
+a failing rank's traceback with torch's "[rankN]:" prefix and a non-zero exit. One launch each way; the same for
+`accelerate launch` under fsdp.yaml through the FSDP device (accelerate's rank environment, the engine the Accelerator
+picks, the device's sitecustomize in every rank)."""
 
 import json
 
 import pytest
-from launch import ROOT, torchrun
+from launch import ROOT, accelerate_launch, fsdp_device_env, torchrun
 
 PROBE = ROOT / "tests" / "scripts" / "launch_probe.py"
 
@@ -32,6 +34,31 @@ def test_forked_ranks_start_as_torchrun_ranks_do(tmp_path):
 
     failed = torchrun(PROBE, "--fail", env={"PROBE_OUT": str(tmp_path)}, timeout=120, check=False)
     assert failed.args[0] == "forklaunch" and failed.returncode == 1, failed.stdout[-3000:]
+    assert "[rank1]: RuntimeError: probe failure on rank 1" in failed.stdout, failed.stdout[-3000:]
+
+
+@pytest.mark.multiprocess
+def test_forked_accelerate_ranks_start_as_accelerate_launch_ranks_do(tmp_path):
+    """Shown failing: with the device's sitecustomize not run in the forked launcher, the forked ranks' Accelerator
+    is MULTI_CPU where the real launch's is FSDP (and the hook and path entries differ)."""
+    runs = {}
+    for how in ("accelerate", "auto"):
+        (tmp_path / how).mkdir()
+        runs[how] = accelerate_launch("fsdp.yaml", PROBE, "a", "--accelerate", launcher=how, timeout=180,
+                                      extra=("--mixed_precision", "no"),
+                                      env=fsdp_device_env({"PROBE_ENV": "yes", "PROBE_OUT": str(tmp_path / how)}))
+    assert runs["auto"].args[0] == "forklaunch-accelerate", runs["auto"].args  # forked, not a fallback
+    assert runs["accelerate"].args[1] == "launch", runs["accelerate"].args
+    r, f = _probes(tmp_path / "accelerate"), _probes(tmp_path / "auto")
+    for a, b in zip(r, f, strict=True):
+        for key in ("env", "argv", "path0", "name", "cwd", "sum", "accelerate"):
+            assert a[key] == b[key], (key, a[key], b[key])
+    assert r[0]["accelerate"]["type"] == "DistributedType.FSDP" and r[0]["accelerate"]["fsdp_version"] == 2, r[0]
+    assert r[0]["accelerate"]["env"]["ACCELERATE_USE_FSDP"] == "true", r[0]["accelerate"]["env"]
+
+    failed = accelerate_launch("ddp_cpu.yaml", PROBE, "--fail", env={"PROBE_OUT": str(tmp_path)}, timeout=120,
+                               check=False)
+    assert failed.args[0] == "forklaunch-accelerate" and failed.returncode == 1, failed.stdout[-3000:]
     assert "[rank1]: RuntimeError: probe failure on rank 1" in failed.stdout, failed.stdout[-3000:]
 
 
