@@ -118,9 +118,9 @@ def torchrun(script: str | Path, *args: str, nproc: int = 2, timeout: float = 18
 
     A forked rank leaves by ``os._exit`` after Python's own shutdown steps, so C++ static destructors never run
     there: gloo's intermittent abort at exit ("terminate called ...") cannot show in a forked launch. The launches
-    that prove a clean exit run under the real launchers: the examples (tests/test_examples_launched.py,
-    tests/test_example_vlm.py: ``accelerate launch``) and the two-node runs of the text and VLM training scripts
-    (tests/test_multinode.py: one ``torch.distributed.run`` per node).
+    that prove a clean exit run under the real launchers: the examples under every config
+    (tests/test_examples_launched.py: ``accelerate launch``, on all three stacks) and the two-node runs of the text
+    and VLM training scripts (tests/test_multinode.py: one ``torch.distributed.run`` per node).
     """
     path = str(SCRIPTS / script if not Path(script).is_absolute() else script)
     if launcher not in ("auto", "torchrun"):
