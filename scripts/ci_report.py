@@ -90,21 +90,25 @@ def seconds_table(results: dict[str, dict], top: int = 25) -> str:
 
 def launch_table(log: Path, top: int = 15) -> str:
     """Launches per test file, most launch seconds first (stack, file, launches, their wall seconds), from the
-    ``DDPFIX_LAUNCH_LOG`` lines tests/launch.py writes (one per launch it runs); ``""`` when there is no log."""
+    ``DDPFIX_LAUNCH_LOG`` lines tests/launch.py writes (one per launch it runs), and how many were forked;
+    ``""`` when there is no log."""
     if not log.exists():
         return ""
     per: dict[tuple[str, str], list[float]] = {}
+    forked = 0  # ranks forked from a pre-imported server (tests/forklaunch.py), not fresh interpreters
     for raw in log.read_text().splitlines():
         try:
             rec = json.loads(raw)
         except json.JSONDecodeError:  # a line cut by a killed run
             continue
         per.setdefault((rec.get("stack", "pinned"), rec["test"].split("::", 1)[0]), []).append(float(rec["s"]))
+        forked += str(rec.get("launcher", "")).startswith("forklaunch")
     rows = sorted(((sum(v), len(v), stack, name) for (stack, name), v in per.items()), reverse=True)
     lines = [f"{'launches':>8}  {'seconds':>8}  {'stack':<7} file", f"{'-' * 8}  {'-' * 8}  {'-' * 7} {'-' * 40}"]
     lines += [f"{n:8d}  {s:8.1f}  {stack:<7} {name}" for s, n, stack, name in rows[:top]]
     total = sum(n for _, n, _, _ in rows)
-    lines.append(f"({total} launches in all, {sum(s for s, _, _, _ in rows):.0f} s of their wall time)")
+    lines.append(f"({total} launches in all, {sum(s for s, _, _, _ in rows):.0f} s of their wall time; {forked} forked "
+                 f"from a pre-imported server, {total - forked} started fresh interpreters)")
     return "\n".join(lines)
 
 

@@ -103,7 +103,8 @@ def test_ci_runner_treats_no_test_run_as_a_failure(tmp_path):
 
 def test_launch_table_counts_each_files_launches_and_their_seconds(tmp_path, monkeypatch):
     """tests/launch.py writes one line per launch under ``DDPFIX_LAUNCH_LOG``; the report groups them per stack and
-    file, most launch seconds first, and says the total; a cut last line is skipped; no log, no table."""
+    file, most launch seconds first, and says the total and how many were forked; a cut last line is skipped; no log,
+    no table."""
     import launch
 
     report = _report()
@@ -114,14 +115,16 @@ def test_launch_table_counts_each_files_launches_and_their_seconds(tmp_path, mon
                                  ("newest", "suite/alpha.py::t1", 1.5), ("pinned", "suite/beta.py::t", 9.0)):
         monkeypatch.setenv("DDPFIX_CI_STACK", stack)
         monkeypatch.setenv("PYTEST_CURRENT_TEST", f"{test} (call)")
-        launch._record_launch(["python", "-m", "torch.distributed.run", "x.py"], seconds)
+        first = "forklaunch" if test.endswith("t2") else "python"
+        launch._record_launch([first, "-m", "torch.distributed.run", "x.py"], seconds)
     with open(log, "a") as f:
         f.write('{"stack": "pinned", "te')  # a run killed mid-line
     rows = report.launch_table(log).splitlines()
     assert [r.split() for r in rows[2:5]] == [["1", "9.0", "pinned", "suite/beta.py"],
                                                ["2", "7.0", "pinned", "suite/alpha.py"],
                                                ["1", "1.5", "newest", "suite/alpha.py"]], rows
-    assert rows[-1] == "(4 launches in all, 18 s of their wall time)", rows
+    assert rows[-1] == ("(4 launches in all, 18 s of their wall time; 1 forked from a pre-imported server, 3 started "
+                        "fresh interpreters)"), rows
 
 
 def test_the_installed_stack_is_inside_the_declared_bounds():
