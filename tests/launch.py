@@ -31,8 +31,9 @@ def free_port() -> int:
 
 def _record_launch(cmd: list[str], seconds: float) -> None:
     """With ``DDPFIX_LAUNCH_LOG`` set (``.ci/run`` sets it): one JSON line per launch (the stack, the test, the
-    launcher: ``forklaunch``/``forklaunch-accelerate`` for forked ranks, the command, its wall seconds), so the CI report can say how many launches each file makes and what they cost
-    (``scripts/ci_report.py summary``: every launch starts interpreters that import torch and transformers)."""
+    launcher: ``forklaunch``/``forklaunch-accelerate`` for forked ranks, the command, its wall seconds), so the CI
+    report can say how many launches each file makes, what they cost and how many started fresh interpreters
+    (``scripts/ci_report.py summary``)."""
     path = os.environ.get("DDPFIX_LAUNCH_LOG")
     if path:
         import json
@@ -136,12 +137,12 @@ def torchrun(script: str | Path, *args: str, nproc: int = 2, timeout: float = 18
 class _ForkServer:
     """The client of tests/forklaunch.py: one server per test process, started at the first launch it can take.
 
-    ``run`` answers None when the launch must go to the real torchrun: ``HF_DDPFIX_TEST_LAUNCHER=torchrun`` (every
-    launch), a launch whose ``PYTHON*`` environment differs from a plain launch's (a sitecustomize runs only at
-    interpreter start: patches/, the FSDP device) or that configures torchrun (``PET_*``, ``TORCHELASTIC_*``:
-    restarts), or a server that did not start (said once on stderr). A launch
-    whose other start-up environment (forklaunch.STARTUP_ENV_PREFIXES: TORCH_*, ...) differs gets a new server
-    started with it."""
+    ``run`` (torchrun's stand-in) and ``run_accelerate`` answer None when the launch must go to the real launcher:
+    ``HF_DDPFIX_TEST_LAUNCHER=torchrun`` (every launch), a launch whose ``PYTHON*`` environment differs from a plain
+    launch's (a sitecustomize runs only at interpreter start: patches/; the FSDP device is the one exception, run in
+    the forked launcher of an ``accelerate launch``) or that configures torchrun (``PET_*``, ``TORCHELASTIC_*``:
+    restarts), or a server that did not start (said once on stderr). A launch whose other start-up environment
+    (forklaunch.STARTUP_ENV_PREFIXES: TORCH_*, ...) differs gets a new server started with it."""
 
     def __init__(self) -> None:
         self.proc: subprocess.Popen | None = None

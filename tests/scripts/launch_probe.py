@@ -24,13 +24,13 @@ probe = {
 if "--accelerate" in sys.argv:
     from accelerate import Accelerator
 
-    acc = Accelerator(cpu=True)  # as TrainingArguments(use_cpu=True) asks: MULTI_CPU, which the FSDP device turns to FSDP
+    acc = Accelerator(cpu=True)  # as TrainingArguments(use_cpu=True): MULTI_CPU, which the FSDP device makes FSDP
     hook = sys.modules.get("sitecustomize")
     probe["accelerate"] = {
         "env": {k: v for k, v in os.environ.items() if k.startswith(("ACCELERATE_", "FSDP_"))},
         "type": str(acc.distributed_type), "mixed_precision": acc.mixed_precision,
         "fsdp_version": getattr(getattr(acc.state, "fsdp_plugin", None), "fsdp_version", None),
-        "sitecustomize": os.path.relpath(hook.__file__) if hook is not None and getattr(hook, "__file__", None) else None,
+        "sitecustomize": os.path.relpath(hook.__file__) if getattr(hook, "__file__", None) else None,
         "path": [os.path.relpath(p) for p in sys.path[1:4] if p]}
 probe = json.dumps(probe)
 with open(os.path.join(os.environ["PROBE_OUT"], f"rank{dist.get_rank()}.json"), "w") as f:
