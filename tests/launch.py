@@ -234,16 +234,14 @@ class _ForkServer:
         whose ``PYTHONPATH`` is a plain launch's with the FSDP device first (:func:`fsdp_device_env`) is forked
         too: the device's sitecustomize runs in the forked launcher (forklaunch._accelerate_launch). patches/ and
         any other start-up hook on the path: the real launcher."""
-        device = None
-        path = env.get("PYTHONPATH", "")
-        if path.startswith(str(FSDP_DEVICE) + os.pathsep):
-            device, plain = str(FSDP_DEVICE), path[len(str(FSDP_DEVICE)) + 1:]
-            if plain != _launch_env(None)["PYTHONPATH"]:
+        device, server_env = None, env  # the server starts with a plain launch's PYTHONPATH
+        prefix = str(FSDP_DEVICE) + os.pathsep
+        if env.get("PYTHONPATH", "").startswith(prefix):
+            device, server_env = str(FSDP_DEVICE), {**env, "PYTHONPATH": env["PYTHONPATH"][len(prefix):]}
+            if server_env["PYTHONPATH"] != _launch_env(None)["PYTHONPATH"]:
                 return None
-            env = {**env, "PYTHONPATH": plain}
-        if not self._usable(env):
+        if not self._usable(server_env):
             return None
-        env = {**env, **({"PYTHONPATH": f"{device}{os.pathsep}{env['PYTHONPATH']}"} if device else {})}
         return self._submit(dict(accelerate=argv, fsdp_device=device, env=env),
                             ["forklaunch-accelerate", "launch", *argv], label, timeout, check)
 

@@ -39,8 +39,8 @@ def test_forked_ranks_start_as_torchrun_ranks_do(tmp_path):
 
 @pytest.mark.multiprocess
 def test_forked_accelerate_ranks_start_as_accelerate_launch_ranks_do(tmp_path):
-    """Shown failing: with the device's sitecustomize not run in the forked launcher, the forked ranks' Accelerator
-    is MULTI_CPU where the real launch's is FSDP (and the hook and path entries differ)."""
+    """Shown failing (2026-12-03): with the device's sitecustomize not run in the forked launcher, the comparison
+    failed on the probe's ``accelerate`` entry (engine, start-up hook and path entries are in it)."""
     runs = {}
     for how in ("accelerate", "auto"):
         (tmp_path / how).mkdir()
