@@ -120,7 +120,8 @@ def torchrun(script: str | Path, *args: str, nproc: int = 2, timeout: float = 18
     A forked rank leaves by ``os._exit`` after Python's own shutdown steps, so C++ static destructors never run
     there: gloo's intermittent abort at exit ("terminate called ...") cannot show in a forked launch. The launches
     that prove a clean exit run under the real launchers: the examples under every config
-    (tests/test_examples_launched.py: ``accelerate launch``, on all three stacks) and the two-node runs of the text
+    (tests/test_examples_launched.py on the oldest and newest stacks; on the pinned stack the rehearsals of
+    tests/test_rehearse_examples.py and tests/test_rehearse.py) and the two-node runs of the text
     and VLM training scripts (tests/test_multinode.py: one ``torch.distributed.run`` per node).
     """
     path = str(SCRIPTS / script if not Path(script).is_absolute() else script)
