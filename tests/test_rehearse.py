@@ -445,6 +445,61 @@ def test_verdicts_and_exit_codes_one_per_verdict_as_docs_rehearse_md_says():
     assert {k: int(v) for k, v in table.items()} == EXIT_CODES, table
 
 
+# torch.distributed.elastic's summary as accelerate launch printed it for the README example under zero3.yaml, whose
+# rank 1 aborted at interpreter exit after its RESULT (2026-12-03, 1 rehearsal in ~110 on this machine)
+_ABORT_AT_EXIT_LOG = """terminate called without an active exception
+Fatal Python error: Aborted
+torch.distributed.elastic.multiprocessing.errors.ChildFailedError:
+=======================================================
+examples/qwen_vl_lora.py FAILED
+-------------------------------------------------------
+Failures:
+[1]:
+  time      : 2026-12-03_18:20:31
+  host      : localhost
+  rank      : 0 (local_rank: 0)
+  exitcode  : -15 (pid: 14776)
+  error_file: <N/A>
+  traceback : Signal 15 (SIGTERM) received by PID 14776
+-------------------------------------------------------
+Root Cause (first observed failure):
+[0]:
+  time      : 2026-12-03_18:20:31
+  host      : localhost
+  rank      : 1 (local_rank: 1)
+  exitcode  : -6 (pid: 14777)
+  error_file: <N/A>
+  traceback : Signal 6 (SIGABRT) received by PID 14777
+======================================================="""
+
+
+def test_a_rank_that_dies_at_interpreter_exit_after_its_script_ended_is_named_with_its_signal():
+    """Every rank trained, evaluated and returned; rank 1 then aborted in the interpreter's shutdown. The report names
+    that rank, its signal and that the work was done (it said "no rank recorded an exception (rank 0's last output
+    below)", pointing at the rank that was only stopped). Rank 0, stopped by the launcher (SIGTERM), is not the
+    cause. Shown failing (2026-12-03): with the launcher's summary not read (``launcher_rank_exits`` returning {}),
+    the old headline came back."""
+    from hf_ddpfix.rehearse.report import launcher_rank_exits
+    from hf_ddpfix.rehearse.run import Outcome
+
+    assert launcher_rank_exits([_ABORT_AT_EXIT_LOG]) == {0: -15, 1: -6}
+    train = {"mode": "DEEPSPEED", "world": 2, "trainer": "Trainer", "model": "M", "trainable_params": 10}
+    done = {"steps": 1, "train_done": 1, "evaluated": True, "exited": 2.0}
+    out = Outcome("train", "failed", 12.0, [1], {0: {**done, "train": train}, 1: done}, {}, {},
+                  [_ABORT_AT_EXIT_LOG], [], "/nonexistent")
+    r, text = _report([out])
+    assert r["status"] == "failed", text
+    assert ("FAILED:    rank 1 ran its script to the end (1 steps), then died at interpreter exit (exit code -6, "
+            "SIGABRT)") in text, text
+    assert '"terminate called without an active exception": a C++ thread still running' in text, text
+    kinds = {f["rank"]: f["kind"] for f in r["phases"][0]["failures"]}
+    assert kinds == {0: "ended", 1: "died at interpreter exit, after its script ended"}, kinds
+    # the control: a rank that did not reach its exit handlers is not said to have finished
+    out.records = {0: {**done, "train": train}, 1: {"steps": 1, "train_done": 1}}
+    r, text = _report([out])
+    assert "no rank recorded an exception" in text and "interpreter exit" not in text, text
+
+
 def test_the_report_reads_in_a_minute(tmp_path):
     """Plan lines: only what differs from stock; every line at most 160 characters with each doc link whole; the
     model line short, a tiny model "not shrunk (already small"; the redirected saves; rank 0's last output lines.

@@ -25,6 +25,11 @@ _CUDA = re.compile(r"Torch not compiled with CUDA|No CUDA GPUs are available|Fou
                    r"NCCL is not available|CUDA is not available|no CUDA-capable device", re.IGNORECASE)
 #: The verdicts and their exit status (docs/rehearse.md "Exit status").
 EXIT_CODES = {"passed": 0, "failed": 1, "hang": 1, "timeout": 1, "not distributed": 1, "cannot": 2}
+# torch.distributed.elastic's failure summary (torchrun / accelerate launch): each failed rank's block names its rank
+# and exit code ("rank      : 1 (local_rank: 1)" then "exitcode  : -6 (pid: 14777)")
+_ELASTIC_RANK = re.compile(r"^\s*rank\s*:\s*(\d+)\s*\(local_rank[^\n]*\n\s*exitcode\s*:\s*(-?\d+)", re.M)
+# libstdc++'s message when a joinable std::thread is destroyed: a C++ thread still running at interpreter shutdown
+_TERMINATE = "terminate called without an active exception"
 WIDTH = 160  # the longest report line (a single word longer than that, e.g. a path, is kept whole)
 _FIELDS = re.compile(r"(SequenceNumber|OpType|TensorShape|TensorDtypes)=(\[[^\]]*\]|[^,]*)")
 
@@ -65,7 +70,30 @@ def _stack_head(text: str, n: int = 4) -> list[str]:
     return []
 
 
-def _rank_failure(rank: int, rec: dict[str, Any], hang: dict[str, Any] | None, stacks: str | None) -> dict[str, Any]:
+def launcher_rank_exits(logs: list[str]) -> dict[int, int]:
+    """``{rank: exit code}`` of the ranks the launcher's failure summary lists (torch.distributed.elastic's, which
+    ``torchrun`` and ``accelerate launch`` print); a negative code is the signal that ended the rank. ``{}`` when
+    no summary was printed. A rank listed twice (the "Root Cause" block repeats the first failure) keeps its code."""
+    out: dict[int, int] = {}
+    for text in logs:
+        for rank, code in _ELASTIC_RANK.findall(text):
+            out.setdefault(int(rank), int(code))
+    return out
+
+
+def _exit_words(code: int) -> str:
+    import signal
+
+    if code >= 0:
+        return f"exit code {code}"
+    try:
+        return f"exit code {code}, {signal.Signals(-code).name}"
+    except ValueError:
+        return f"exit code {code}"
+
+
+def _rank_failure(rank: int, rec: dict[str, Any], hang: dict[str, Any] | None, stacks: str | None,
+                  exit_code: int | None = None) -> dict[str, Any]:
     out: dict[str, Any] = {"rank": rank, "steps": rec.get("steps", 0)}
     if hang:
         out.update(kind="hang", collective=hang.get("collective"), waited_s=hang.get("waited_s"),
@@ -95,6 +123,10 @@ def _rank_failure(rank: int, rec: dict[str, Any], hang: dict[str, Any] | None, s
                              "collectives and wrapping are rehearsed without it)")
     elif stacks:
         out.update(kind="not in a collective when the others hung; its frame then", frames=_stack_head(stacks))
+    elif rec.get("exited") is not None and exit_code not in (None, 0) and exit_code != -15:
+        # its script returned and Python's exit handlers ran (inject.py's "exited"), then the process died: in the
+        # interpreter's shutdown (SIGTERM, -15, is the launcher stopping a rank after another one failed)
+        out.update(kind="died at interpreter exit, after its script ended", exit_code=exit_code)
     else:
         out.update(kind="ended" if rec.get("train_done") is not None else "no record of the failure")
     return out
@@ -161,8 +193,11 @@ def _phase(o: Any, processes: int) -> dict[str, Any]:
     if starts and errors:  # the launch's start-up (imports, model load) excluded
         phase["seconds_to_failure"] = round(max(0.0, min(errors) - min(starts)), 1)
     if o.status != "passed":
-        phase["failures"] = [_rank_failure(r, recs.get(r, {}), o.hangs.get(r), o.stacks.get(r))
+        exits = launcher_rank_exits(o.logs)
+        phase["failures"] = [_rank_failure(r, recs.get(r, {}), o.hangs.get(r), o.stacks.get(r), exits.get(r))
                              for r in sorted(set(ranks) | set(o.hangs))]
+        if any(_TERMINATE in text for text in o.logs):
+            phase["terminate"] = True
         if not any(f.get("kind") in ("error", "hang") for f in phase["failures"]):
             phase["log_tail"] = [line for text in o.logs for line in text.strip().splitlines()[-25:]]
     return phase
@@ -277,8 +312,18 @@ def format_report(r: dict[str, Any], verbose: bool = True) -> str:
             out.append(f"FAILED:    rank {f['rank']} at step {f['steps'] + 1} ({f['steps']} finished): {what[:200]}")
             out.append(f"           at {where}")
         elif p["status"] == "failed" and not r.get("cannot"):
-            out.append(f"FAILED:    the launch exited with codes {p['returncodes']} and no rank recorded an exception"
-                       + (" (rank 0's last output below)" if p.get("output_tail") else ""))
+            at_exit = [f for f in p.get("failures", []) if "exit_code" in f]
+            if at_exit:
+                f = at_exit[0]
+                out.append(f"FAILED:    rank {f['rank']} ran its script to the end ({f['steps']} steps), then died at "
+                           f"interpreter exit ({_exit_words(f['exit_code'])}): the work was done, but the launch "
+                           "fails, as it would on the cluster")
+                if p.get("terminate"):
+                    out.append(f"           \"{_TERMINATE}\": a C++ thread still running when Python shut down "
+                               "(e.g. a process group a library keeps after destroy_process_group; docs/rehearse.md)")
+            else:
+                out.append(f"FAILED:    the launch exited with codes {p['returncodes']} and no rank recorded an "
+                           "exception" + (" (rank 0's last output below)" if p.get("output_tail") else ""))
         if p.get("not_distributed"):
             out.append(f"NOT DISTRIBUTED: {p['not_distributed']}")
         if p.get("mode"):
