@@ -2,9 +2,9 @@
 tiny sizes, a hard timeout each. A one-process run is not a check of a multi-GPU library.
 
 Each case trains, evaluates on batches that mix images and text-only samples (where the example has images),
-and every rank exits 0 (without an abort at interpreter exit where the launch is real: "Which launcher" below). CI runs this file on all three stacks (the pinned
-suite, scripts/test_oldest.sh, scripts/test_newest.sh), so a release that breaks an example on one launch path
-fails there, not in a user's first run:
+and every rank exits 0 (without an abort at interpreter exit where the launch is real: "Which launcher" below).
+CI runs this file on all three stacks (the pinned suite, scripts/test_oldest.sh, scripts/test_newest.sh), so a
+release that breaks an example on one launch path fails there, not in a user's first run:
 
 - examples/qwen_vl_lora.py (README command 1) under ``ddp_cpu.yaml``, ``fsdp.yaml`` (through the FSDP test
   device: accelerate's own FSDP2 path on the CPU), ``zero2.yaml``, ``zero3.yaml``, and ``--qlora`` (4-bit NF4

@@ -479,7 +479,7 @@ def test_a_rank_that_dies_at_interpreter_exit_after_its_script_ended_is_named_wi
     below)", pointing at the rank that was only stopped). Rank 0, stopped by the launcher (SIGTERM), is not the
     cause. Shown failing (2026-12-03): with the launcher's summary not read (``launcher_rank_exits`` returning {}),
     the old headline came back."""
-    from hf_ddpfix.rehearse.report import launcher_rank_exits
+    from hf_ddpfix.rehearse.report import WIDTH, launcher_rank_exits
     from hf_ddpfix.rehearse.run import Outcome
 
     assert launcher_rank_exits([_ABORT_AT_EXIT_LOG]) == {0: -15, 1: -6}
@@ -491,7 +491,8 @@ def test_a_rank_that_dies_at_interpreter_exit_after_its_script_ended_is_named_wi
     assert r["status"] == "failed", text
     assert ("FAILED:    rank 1 ran its script to the end (1 steps), then died at interpreter exit (exit code -6, "
             "SIGABRT)") in text, text
-    assert '"terminate called without an active exception": a C++ thread still running' in text, text
+    assert '"terminate called without an active exception": a C++ thread was still running' in text, text
+    assert max(len(line) for line in text.splitlines()) <= WIDTH, text
     kinds = {f["rank"]: f["kind"] for f in r["phases"][0]["failures"]}
     assert kinds == {0: "ended", 1: "died at interpreter exit, after its script ended"}, kinds
     # the control: a rank that did not reach its exit handlers is not said to have finished

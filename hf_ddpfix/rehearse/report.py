@@ -316,11 +316,12 @@ def format_report(r: dict[str, Any], verbose: bool = True) -> str:
             if at_exit:
                 f = at_exit[0]
                 out.append(f"FAILED:    rank {f['rank']} ran its script to the end ({f['steps']} steps), then died at "
-                           f"interpreter exit ({_exit_words(f['exit_code'])}): the work was done, but the launch "
-                           "fails, as it would on the cluster")
+                           f"interpreter exit ({_exit_words(f['exit_code'])})")
+                out.append("           its work was done, but the launch fails, as it would on the cluster")
                 if p.get("terminate"):
-                    out.append(f"           \"{_TERMINATE}\": a C++ thread still running when Python shut down "
-                               "(e.g. a process group a library keeps after destroy_process_group; docs/rehearse.md)")
+                    out.append(f"           \"{_TERMINATE}\": a C++ thread was still running when Python shut down")
+                    out.append("           (e.g. a process group a library keeps after destroy_process_group; "
+                               "docs/rehearse.md)")
             else:
                 out.append(f"FAILED:    the launch exited with codes {p['returncodes']} and no rank recorded an "
                            "exception" + (" (rank 0's last output below)" if p.get("output_tail") else ""))
