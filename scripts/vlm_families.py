@@ -188,7 +188,7 @@ def _cells_module():
 
 
 def launch_cells(kind: str, names: list[str], work: Path, timeout: float,
-                 cells: tuple[str, ...] = ()) -> tuple[int, str]:
+                 cells: tuple[str, ...] = (), results: Path | None = None) -> tuple[int, str]:
     """One 2-process launch of ``kind`` (``ddp``: torchrun; ``fsdp``: accelerate launch with fsdp.yaml under the
     FSDP test device; ``zero3``: accelerate launch with zero3.yaml) over ``names``, only ``cells`` of it when given;
     (exit status, output). Killed (with its process group) past ``timeout``."""
@@ -203,7 +203,7 @@ def launch_cells(kind: str, names: list[str], work: Path, timeout: float,
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false",
            "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
     args = [str(CELLS_SCRIPT), "--launch", kind, "--families", ",".join(names), "--out", str(work),
-            *(["--cells", ",".join(cells)] if cells else [])]
+            *(["--cells", ",".join(cells)] if cells else []), *(["--results", str(results)] if results else [])]
     if kind == "ddp":
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", *args]
     else:
@@ -235,14 +235,17 @@ def _first_errors(out: str, family: str) -> str:
 
 
 def run_cells(names: list[str], work: Path, per_launch: int = 6, timeout: float = 1800,
-              resume: bool = False, out: Path = CELLS, only: tuple[str, ...] = ()) -> dict:
+              resume: bool = False, out: Path = CELLS, only: tuple[str, ...] = (),
+              results: Path | None = None) -> dict:
     """The cells of ``names`` (every family the results file records as built when empty), batched
     ``per_launch`` families a launch; a launch that stops early (a broken process group, a timeout) is recorded
     on the family it stopped at (every missing cell ``failed`` with the launch's output) and the launch goes on
     with the families after it (``out``: :data:`CELLS`, or another file for a partial run beside it). The DDP and the FSDP2 launch of a batch run side by side. ``resume``: the cells
     ``work`` holds already are kept and not run again. ``only``: these cells (and the stock DDP cells they are
     judged against), the others' verdicts kept from ``out``. Writes :data:`CELLS` after every batch; returns its
-    content."""
+    content. ``results``: the sweep's results file whose built families (and their ``<DecoderLayer>,<VisionBlock>``
+    lists) are run (default: the shipped one; another for a sweep written with ``--out``, e.g. on a newer
+    transformers)."""
     import accelerate
     import peft
     import torch
@@ -251,7 +254,7 @@ def run_cells(names: list[str], work: Path, per_launch: int = 6, timeout: float 
     from hf_ddpfix.rehearse.family_sweep import load_results
 
     mod = _cells_module()
-    built = sorted(mt for mt, r in load_results()["families"].items() if r.get("builds"))
+    built = sorted(mt for mt, r in load_results(results)["families"].items() if r.get("builds"))
     todo = [mt for mt in built if not names or mt in names]
     data = json.loads(out.read_text()) if out.exists() else {"families": {}}
     data.update(transformers=transformers.__version__, torch=torch.__version__, peft=peft.__version__,
@@ -276,7 +279,7 @@ def run_cells(names: list[str], work: Path, per_launch: int = 6, timeout: float 
     def run_kind(kind: str, cells: tuple[str, ...], chunk: list[str]) -> None:
         left = [mt for mt in chunk if not all((work / f"{mt}-{c}.pt").exists() for c in cells)]
         while left:
-            rc, tail = launch_cells(kind, left, work, timeout, cells if cells != mod.CELLS[kind] else ())
+            rc, tail = launch_cells(kind, left, work, timeout, cells if cells != mod.CELLS[kind] else (), results)
             done = [mt for mt in left if all((work / f"{mt}-{c}.pt").exists() for c in cells)]
             stopped = next((mt for mt in left if mt not in done), None)
             if stopped is None:
@@ -334,6 +337,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--work", default="/tmp/vlm_family_cells", help="--cells: the runs' folder (kept between runs)")
     p.add_argument("--per-launch", type=int, default=6, help="--cells: families a launch")
     p.add_argument("--resume", action="store_true", help="--cells: keep the cells --work holds, run the others")
+    p.add_argument("--results", default="", help="--cells: the sweep results file whose built families run "
+                   "(default: the one the package ships; e.g. a newer transformers' sweep written with --out)")
     p.add_argument("--cells-out", default=str(CELLS), help="--cells: the results file (default: the committed one)")
     p.add_argument("--only", default="", help="--cells: only these cells, comma-separated (e.g. zero3); the others' "
                    "verdicts are kept")
@@ -341,7 +346,8 @@ def main(argv: list[str] | None = None) -> None:
     out = Path(args.out)
     if args.cells:
         run_cells(args.families, Path(args.work), per_launch=args.per_launch, resume=args.resume,
-                  out=Path(args.cells_out), only=tuple(c for c in args.only.split(",") if c))
+                  out=Path(args.cells_out), only=tuple(c for c in args.only.split(",") if c),
+                  results=Path(args.results) if args.results else None)
         if out == RESULTS:
             PAGE.write_text(replace_block(PAGE.read_text(), render_block(json.loads(out.read_text()))))
         return

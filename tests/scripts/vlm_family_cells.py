@@ -233,6 +233,7 @@ def main() -> None:
     p.add_argument("--families", required=True, help="model_type values, comma-separated")
     p.add_argument("--out", required=True)
     p.add_argument("--cells", default="", help="only these cells of the launch, comma-separated")
+    p.add_argument("--results", default=None, help="the sweep's results file (default: the shipped one)")
     a = p.parse_args()
     if a.launch == "zero3":
         os.environ.update(ZERO3_ENV)
@@ -240,7 +241,7 @@ def main() -> None:
     rank = dist.get_rank()
     from hf_ddpfix.rehearse.family_sweep import load_results
 
-    recorded = load_results()["families"]
+    recorded = load_results(a.results)["families"]
     cells = [c for c in CELLS[a.launch] if not a.cells or c in a.cells.split(",")]
     os.makedirs(a.out, exist_ok=True)
     for model_type in a.families.split(","):
