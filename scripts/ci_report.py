@@ -11,7 +11,7 @@ table from them (``tests/test_ci_report.py`` checks the page matches the kept fi
     python scripts/ci_report.py versions [--check]            # regenerate (or check) docs/versions.md's table
 
 Guarantees (tests/test_ci_report.py):
-- ``merge`` sums counts and per-file seconds over a stack's runs, keeps each run's selection, counts and exit
+- ``merge`` sums counts, per-file seconds and per-file CPU-seconds over a stack's runs, keeps each run's selection, counts and exit
   status, and refuses records of one stack that ran on different versions (a stack is one set of versions);
 - ``render_table`` is a pure function of the kept results: the page's table, its date and its counts come from
   them and nowhere else.
@@ -51,14 +51,17 @@ def merge(records: list[dict]) -> dict:
             raise ValueError(f"stack {r['stack']!r} ran on different versions: {versions} vs {r['versions']}")
     counts = {k: sum(r["counts"].get(k, 0) for r in records) for k in COUNTS}
     files: dict[str, float] = {}
+    cpu: dict[str, float] = {}
     for r in records:
         for name, seconds in r["files"].items():
             files[name] = round(files.get(name, 0.0) + seconds, 2)
+        for name, seconds in r.get("cpu", {}).items():  # records before 2026-12-03 have none
+            cpu[name] = round(cpu.get(name, 0.0) + seconds, 2)
     return {"stack": records[0]["stack"], "date": max(r["date"] for r in records), "versions": versions,
             "counts": counts, "exitstatus": max(r["exitstatus"] for r in records),
             "runs": [{"label": r["label"], "args": r["args"], "counts": r["counts"], "exitstatus": r["exitstatus"],
                       "wall_s": r["wall_s"]} for r in sorted(records, key=lambda r: r["label"])],
-            "files": dict(sorted(files.items()))}
+            "files": dict(sorted(files.items())), "cpu": dict(sorted(cpu.items()))}
 
 
 def read_records(ci_dir: Path) -> dict[str, dict]:
@@ -72,19 +75,24 @@ def read_records(ci_dir: Path) -> dict[str, dict]:
 
 
 def seconds_table(results: dict[str, dict], top: int = 25) -> str:
-    """Seconds per test file, slowest first (stack, file, seconds, share of that stack's test seconds)."""
+    """Seconds per test file, slowest first (seconds, CPU-seconds with children, share of that stack's test
+    seconds, stack, file). CPU-seconds are what the file costs the machine: its seconds grow when other work shares
+    the cores, its CPU-seconds do not ("-": a record without them)."""
     rows = [(seconds, stack, name) for stack, r in results.items() for name, seconds in r["files"].items()]
     totals = {stack: sum(r["files"].values()) for stack, r in results.items()}
-    lines = [f"{'seconds':>8}  {'share':>5}  {'stack':<7} file", f"{'-' * 8}  {'-' * 5}  {'-' * 7} {'-' * 40}"]
+    lines = [f"{'seconds':>8}  {'CPU-s':>8}  {'share':>5}  {'stack':<7} file",
+             f"{'-' * 8}  {'-' * 8}  {'-' * 5}  {'-' * 7} {'-' * 40}"]
     for seconds, stack, name in sorted(rows, reverse=True)[:top]:
         share = seconds / totals[stack] if totals[stack] else 0.0
-        lines.append(f"{seconds:8.1f}  {share:5.1%}  {stack:<7} {name}")
+        cpu = results[stack].get("cpu", {}).get(name)
+        lines.append(f"{seconds:8.1f}  {'-' if cpu is None else f'{cpu:.1f}':>8}  {share:5.1%}  {stack:<7} {name}")
     lines.append(f"({len(rows) - min(top, len(rows))} faster files not shown)")
     for stack, r in results.items():
         c = r["counts"]
         walls = ", ".join(f"{run['label']} {run['wall_s']:.0f}s" for run in r["runs"])
-        lines.append(f"{stack}: {totals[stack]:.0f} s of tests ({walls}); {c['passed']} passed, {c['failed']} "
-                     f"failed, {c['skipped']} skipped; pytest exit {r['exitstatus']}")
+        cpu = sum(r.get("cpu", {}).values())
+        lines.append(f"{stack}: {totals[stack]:.0f} s of tests, {cpu:.0f} CPU-s ({walls}); {c['passed']} passed, "
+                     f"{c['failed']} failed, {c['skipped']} skipped; pytest exit {r['exitstatus']}")
     return "\n".join(lines)
 
 

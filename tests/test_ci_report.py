@@ -79,18 +79,49 @@ def test_a_run_records_each_test_once_by_outcome_and_seconds_per_file(pytester, 
             yield
             raise RuntimeError("teardown")
         def test_teardown_error(broken): pass
-    """, test_b="def test_b(): pass\n")
+    """, test_b="def test_b(): pass\n", test_c="""
+        import subprocess, sys, time
+        BURN = "import time\\nt = time.process_time()\\nwhile time.process_time() - t < 0.4: pass"
+        SERVER = []  # a child that lives across tests, as the suite's fork server does
+
+        def _burn(seconds):
+            t = time.process_time()
+            while time.process_time() - t < seconds:
+                pass
+
+        def test_own_cpu(): _burn(0.3)
+        def test_sleep_is_not_cpu(): time.sleep(0.5)
+        def test_an_ended_child(): subprocess.run([sys.executable, "-c", BURN], check=True)
+        def test_a_live_child_starts():
+            SERVER.append(subprocess.Popen([sys.executable, "-c", BURN + "\\nsys.stdin.read()"],
+                                           stdin=subprocess.PIPE))
+            time.sleep(3)  # it burns its 0.4 s (plus its start) and then waits, alive
+    """, test_d="""
+        def test_the_live_child_ends_in_another_file():
+            import test_c
+            test_c.SERVER[0].stdin.close()
+            test_c.SERVER[0].wait()
+    """)
     monkeypatch.setenv("DDPFIX_CI_DIR", str(tmp_path))
     monkeypatch.setenv("DDPFIX_CI_STACK", "oldest")
     monkeypatch.setenv("DDPFIX_CI_LABEL", "unit")
     pytester.runpytest_subprocess("-p", "no:cacheprovider")
     [record_file] = (tmp_path / "oldest").glob("unit-*.json")
     record = json.loads(record_file.read_text())
-    assert record["counts"] == {"passed": 2, "failed": 2, "skipped": 1, "xfailed": 1, "xpassed": 0}, record
+    assert record["counts"] == {"passed": 2 + 4 + 1, "failed": 2, "skipped": 1, "xfailed": 1, "xpassed": 0}, record
     assert record["exitstatus"] == 1 and record["versions"]["torch"]
-    assert set(record["files"]) == {"test_a.py", "test_b.py"} and record["files"]["test_a.py"] >= 0.2
+    assert set(record["files"]) == {"test_a.py", "test_b.py", "test_c.py", "test_d.py"} and record["files"]["test_a.py"] >= 0.2
+    # CPU-seconds per file, children included, each counted once: test_c burns 0.3 s itself and 0.4 s in each of two
+    # children (one ended within its test, one still alive when the file ends: counted where it ran, not in test_d
+    # where it is waited for); its 3.5 s asleep are not
+    assert 1.1 <= record["cpu"]["test_c.py"] < 3.0, record["cpu"]
+    assert record["cpu"]["test_b.py"] < 0.2 and record["cpu"]["test_d.py"] < 0.2, record["cpu"]
+    assert record["files"]["test_c.py"] > 3.5, record
     merged = _report().merge([record, {**record, "label": "cells"}])
-    assert merged["counts"]["passed"] == 4 and merged["files"]["test_a.py"] == round(2 * record["files"]["test_a.py"], 2)
+    assert merged["counts"]["passed"] == 2 * (2 + 4 + 1) and merged["files"]["test_a.py"] == round(2 * record["files"]["test_a.py"], 2)
+    assert merged["cpu"]["test_c.py"] == round(2 * record["cpu"]["test_c.py"], 2)
+    assert "CPU-s" in _report().seconds_table({"oldest": merged}) and "test_c.py" in _report().seconds_table(
+        {"oldest": merged})
     with pytest.raises(ValueError, match="different versions"):
         _report().merge([record, {**record, "versions": {**record["versions"], "torch": "0.0"}}])
 
