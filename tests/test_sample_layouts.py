@@ -166,6 +166,7 @@ _LAYOUT_RULES = {
     "deepseek_vl_hybrid": "high_res_pixel_values",  # a second tower's pixels at its own config's size
     "molmo2": "image_token_pooling",  # one crop's patch rows and the patch indices each token pools
     "inkling2_loop": "tokens x",  # a channels-last crop per image token, the grid in tokens (transformers 5.24)
+    "ovis2_5": "between boundary tokens",  # one image-start and one image-end token around them (transformers 5.25)
 }
 
 
@@ -185,6 +186,40 @@ def test_an_image_layout_found_by_keyword_and_config(model_type: str):
         loss = checked.model(**sample_batch(checked.model, image=image)).loss
         assert loss.isfinite()
         loss.backward()
+
+
+def test_image_tokens_go_between_the_boundary_tokens_a_model_counts():
+    """A model that counts the begin / end tokens around each image (Ovis2.5 on transformers 5.25, "Expected 1
+    visual boundary tokens"; here a LLaVA taught to count them, on every stack) gets its image tokens between the
+    pair its config names; a model that takes the image without them keeps the layout without them (the control).
+    Shown failing (2026-12-03, sample.py without boundary tokens): "no image layout built from the config runs"."""
+    import functools
+
+    from hf_ddpfix.integrations.vision.sample import image_bounds, image_layout
+
+    tiny = _tiny("llava").model  # its layout is kept per model already (the shrinker's check ran it): fresh ones
+    tiny.config.image_start_token_id, tiny.config.image_end_token_id = 40, 41
+    plain, model = type(tiny)(tiny.config), type(tiny)(tiny.config)
+    assert image_bounds(plain.config) == (40, 41) and image_layout(plain).bounds is None  # not needed: not written
+    inner = model.forward
+
+    @functools.wraps(inner)
+    def counting(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+        if kwargs.get("pixel_values") is not None:
+            for token in (40, 41):
+                if int((kwargs["input_ids"] == token).sum()) != 1:
+                    raise ValueError(f"Expected 1 visual boundary tokens with id {token}")
+        return inner(*args, **kwargs)
+
+    model.forward = counting
+    batch = sample_batch(model, image=True)
+    ids = batch["input_ids"][0].tolist()
+    begin, end = ids.index(40), ids.index(41)
+    inside = ids[begin + 1:end]
+    assert inside and set(inside) == {model.config.image_token_id}, ids
+    assert ids.count(model.config.image_token_id) == len(inside)  # every image token between the pair
+    _runs(model, batch)
+    assert 40 not in sample_batch(model, image=False)["input_ids"]  # a text-only batch: no pair
 
 
 def test_a_text_only_default_config_gets_its_declared_vision_config():

@@ -337,7 +337,7 @@ def _dummy_facts(hf: nn.Module, skip: list[nn.Module]) -> tuple[str, str, int, i
     from ..vision.adapter import grid_geometry, image_size_hw, materialized
     from ..vision.families import describe_unsupported, find_vision_adapter
     from ..vision.parts import vlm_parts
-    from ..vision.zero import language_model_of
+    from ..vision.zero import forward_order_problem, language_model_path
 
     vision = [s for s in skip if not isinstance(s, nn.ModuleList)]
     if not vision:
@@ -358,8 +358,12 @@ def _dummy_facts(hf: nn.Module, skip: list[nn.Module]) -> tuple[str, str, int, i
     adapter = find_vision_adapter(hf, zero=True)
     if adapter is None:
         return "", describe_unsupported(hf, zero=True)[:60], 0, 0
-    if language_model_of(adapter) is None:
+    lm_path = language_model_path(adapter)
+    if lm_path is None:
         return "", "no language model module to run it before", 0, 0
+    order = forward_order_problem(adapter, lm_path)  # as the dummy's own check at attach: the plan folds instead
+    if order:
+        return "", f"the forward order: {order}", 0, 0
     if adapter.family.discovered and materialized([p for _, m in adapter.parts() for p in m.parameters()]):
         try:  # whole weights, before wrapping: the run-time trial now (its verdict is kept for attach), so a
             adapter.verify()  # dummy that does not run folds the tower instead of refusing the plan's own units

@@ -9,7 +9,11 @@ in order (the first layout whose image features come out is kept, per model):
   anyres tiles, tiles, a second tower's pixels, bare patch rows), tried in that order;
 - the image-token count: the rows of the features ``get_image_features`` returns (total elements / the text
   width), written as that many ``image_token_id`` tokens into ``input_ids``. A model with no image token (BLIP,
-  GIT, an encoder-decoder) gets ``pixel_values`` beside plain text.
+  GIT, an encoder-decoder) gets ``pixel_values`` beside plain text;
+- boundary tokens: a layout the whole model refuses is tried once more with the image tokens between the begin
+  and end tokens the config names (:func:`image_bounds`: ``image_start_token_id`` / ``image_end_token_id``,
+  ``boi_token_id`` / ``eoi_token_id``, ...), as a processor writes them; a model that wants them counts them
+  (Ovis2.5: "Expected 1 visual boundary tokens"). Only then: a layout that runs without them is kept as it is.
 
 Companion inputs, built beside the text from ``forward``'s keywords and the config (by naming convention):
 
@@ -49,7 +53,7 @@ from ..._compat import image_features, unwrap_model
 from .adapter import output_tensors
 from .layouts import as_int, candidates, cfg_get, image_params, ramp, text_config, vision_config
 
-__all__ = ["SampleError", "sample_batch", "image_layout"]
+__all__ = ["SampleError", "sample_batch", "image_bounds", "image_layout"]
 
 _TOKEN_KEYS = ("image_token_id", "image_token_index", "image_token", "img_token_id", "image_pad_token_id",
                "media_placeholder_token_id", "image_context_token_id")
@@ -73,6 +77,7 @@ class Layout:
     n_tokens: int
     token_id: int | None
     notes: list[str] = field(default_factory=list)
+    bounds: tuple[int, int] | None = None  # begin / end token ids written around the image tokens
 
 
 def special_ids(cfg: Any) -> set[int]:
@@ -111,6 +116,24 @@ def image_token_id(cfg: Any) -> int | None:
         v = image_token_id(vlm)
         if v is not None:
             return v
+    return None
+
+
+_BOUND_KEYS = (("image_start_token_id", "image_end_token_id"), ("image_begin_token_id", "image_end_token_id"),
+               ("boi_token_id", "eoi_token_id"), ("boi_token_index", "eoi_token_index"),
+               ("image_start_token", "image_end_token"), ("img_start_token_id", "img_end_token_id"))
+
+
+def image_bounds(cfg: Any) -> tuple[int, int] | None:
+    """The begin / end token ids a processor writes around an image's tokens, where the config (or its text config)
+    names both (:data:`_BOUND_KEYS`, first pair found), else None."""
+    for c in (cfg, text_config(cfg)):
+        if c is None:
+            continue
+        for start_key, end_key in _BOUND_KEYS:
+            start, end = getattr(c, start_key, None), getattr(c, end_key, None)
+            if all(isinstance(v, int) and not isinstance(v, bool) for v in (start, end)):
+                return start, end
     return None
 
 
@@ -195,13 +218,21 @@ def image_layout(model: nn.Module) -> Layout:
         try:
             with torch.no_grad(), torch.random.fork_rng(devices=[]):
                 n = _feature_rows(fn(**kw), width)
-                layout = Layout(kw, n, token, [name])
-                model(**_assemble(model, layout, seq=4, seed=0))  # the whole model takes it too
         except Exception as e:  # noqa: BLE001 - a trial: any failure means "not this layout"
             errors.append(f"{name}: {type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''}")
             continue
-        _LAYOUTS[model] = layout
-        return layout
+        bounds = image_bounds(cfg)
+        for layout in (Layout(kw, n, token, [name]),
+                       *([Layout(kw, n, token, [f"{name}; between boundary tokens {bounds}"], bounds)] if bounds else [])):
+            try:
+                with torch.no_grad(), torch.random.fork_rng(devices=[]):
+                    model(**_assemble(model, layout, seq=4, seed=0))  # the whole model takes it too
+            except Exception as e:  # noqa: BLE001 - a trial: any failure means "not this layout"
+                errors.append(f"{layout.notes[0]}: {type(e).__name__}: "
+                              f"{str(e).splitlines()[0][:160] if str(e) else ''}")
+                continue
+            _LAYOUTS[model] = layout
+            return layout
     raise SampleError(f"{type(model).__name__}: no image layout built from the config runs "
                       f"({'; '.join(errors) or 'no candidate'})")
 
@@ -243,7 +274,8 @@ def _assemble(model: nn.Module, layout: Layout | None, *, seq: int, seed: int) -
     placed = 0  # placeholder tokens of a position mask (no image token id)
     if layout is not None:
         if layout.token_id is not None and layout.n_tokens:
-            ids = ids[:2] + [layout.token_id] * layout.n_tokens + ids[2:]
+            begin, end = ([layout.bounds[0]], [layout.bounds[1]]) if layout.bounds else ([], [])
+            ids = ids[:2] + begin + [layout.token_id] * layout.n_tokens + end + ids[2:]
         elif layout.n_tokens:
             placed = layout.n_tokens
             ids = ids[:2] + [pool[0]] * placed + ids[2:]

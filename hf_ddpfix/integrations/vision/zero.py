@@ -69,8 +69,8 @@ from .adapter import VISUAL_INPUT_NAMES
 from .families import VisionAdapter, describe_unsupported, find_vision_adapter, get_submodule, output_tensors
 from .parts import LANGUAGE_MODEL_PATHS, TOWER_CALLS, vlm_parts
 
-__all__ = ["FEATURE", "ZeroVisionStabilizer", "any_rank", "forward_order_problem", "language_model_of",
-           "language_model_path"]
+__all__ = ["EMBEDDING_CALLS", "FEATURE", "ZeroVisionStabilizer", "any_rank", "first_embedding_call",
+           "forward_order_problem", "language_model_of", "language_model_path"]
 
 #: ``hf_ddpfix.ops.feature_counts`` name: ``ran`` counts dummy images run; amounts ``train_dummies`` /
 #: ``eval_dummies`` split them (eval = evaluation, prediction and generation forwards).
@@ -133,6 +133,35 @@ def first_calls(forward: Any, lm_attr: str, tower_attrs: set[str]) -> tuple[tupl
     return lm_at, tower_at
 
 
+#: the calls that embed the tokens, as ``self.<name>(...)`` or ``self.<...>.<name>(...)`` in a VLM's forward
+EMBEDDING_CALLS = ("get_input_embeddings", "embed_tokens")
+
+
+def first_embedding_call(forward: Any) -> tuple[int, int] | None:
+    """``(line, column)`` in ``forward``'s source (line 1: its ``def``) of its first call that embeds the tokens
+    (:data:`EMBEDDING_CALLS` on ``self`` or an attribute chain from it); ``None`` where there is none or no source."""
+    import ast
+    import inspect
+    import textwrap
+
+    try:
+        tree = ast.parse(textwrap.dedent(inspect.getsource(forward)))
+    except (OSError, TypeError, SyntaxError):
+        return None
+    found: tuple[int, int] | None = None
+    for node in ast.walk(tree):
+        if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+                and node.func.attr in EMBEDDING_CALLS):
+            continue
+        base = node.func.value
+        while isinstance(base, ast.Attribute):
+            base = base.value
+        if isinstance(base, ast.Name) and base.id == "self":
+            at = (node.lineno, node.col_offset)
+            found = min(found or at, at)
+    return found
+
+
 def forward_order_problem(adapter: VisionAdapter, lm_path: str) -> str | None:
     """Why the dummy's placement (the language model's forward pre-hook) is not where this model runs its tower,
     or ``None``.
@@ -142,19 +171,28 @@ def forward_order_problem(adapter: VisionAdapter, lm_path: str) -> str | None:
     units (FSDP2) / parameters (ZeRO-3 prefetch) at the same point. Checked at attach time by reading the
     forward of the module that owns the language model (its source, as Python reads it): where that forward
     calls the language model before its first call of the tower (``get_image_features``, the tower's own
-    attribute, ...), the order is positively different and the dummy refuses. Where the forward does not show
-    both calls (the tower run one level up, a compiled forward, no source) nothing is concluded: the dummy
-    stays, as before this check.
+    attribute, ...), or runs the tower before its first call that embeds the tokens (:data:`EMBEDDING_CALLS`:
+    Ovis2.5 and BLIP-2 on transformers 5.25 encode the image first), the order is positively different and the
+    dummy refuses. Where the forward does not show the calls (the tower run one level up, a compiled forward, no
+    source) nothing is concluded: the dummy stays, as before this check.
     """
     owner_path, _, lm_attr = lm_path.rpartition(".")
     owner = get_submodule(adapter.root, owner_path) if owner_path else adapter.root
     tower_attrs = set(TOWER_CALLS) | {adapter.tower_name.rpartition(".")[2]}
-    lm_at, tower_at = first_calls(getattr(type(owner), "forward", None), lm_attr, tower_attrs)
-    if lm_at is None or tower_at is None or tower_at < lm_at:
+    forward = getattr(type(owner), "forward", None)
+    lm_at, tower_at = first_calls(forward, lm_attr, tower_attrs)
+    if lm_at is None or tower_at is None:
         return None
-    return (f"{type(owner).__name__}.forward calls self.{lm_attr} (line {lm_at[0]} of the forward) "
-            f"before it runs the tower (line {tower_at[0]}): the dummy image, placed where the language "
-            "model is entered, would reach the tower at another point of the order than an image rank does")
+    if lm_at < tower_at:
+        return (f"{type(owner).__name__}.forward calls self.{lm_attr} (line {lm_at[0]} of the forward) "
+                f"before it runs the tower (line {tower_at[0]}): the dummy image, placed where the language "
+                "model is entered, would reach the tower at another point of the order than an image rank does")
+    embed_at = first_embedding_call(forward)
+    if embed_at is not None and tower_at < embed_at:
+        return (f"{type(owner).__name__}.forward runs the tower (line {tower_at[0]} of the forward) before it "
+                f"embeds the tokens (line {embed_at[0]}): the dummy image, placed where the language model is "
+                "entered, would reach the tower after the embedding, an image rank before it")
+    return None
 
 
 class GenerateSync:
