@@ -16,6 +16,17 @@ def pytest_configure(config):
         config.option.loadscopereorder = False
 
 
+def pytest_collection_finish(session):
+    """Freeze what the collection imported (torch, transformers, every test module) for the garbage collector: the
+    suite's one-process Trainer runs each make an explicit full collection (accelerate's ``clear_device_cache``),
+    which otherwise walks that heap every time (the fast tier: 34 of them, 20.3 CPU-s; frozen 7.5 CPU-s, 2026-12-03).
+    What a test creates is collected as before; only objects older than the first test are never collected."""
+    import gc
+
+    gc.collect()
+    gc.freeze()
+
+
 # ---- the order: the slowest files first --------------------------------------------------------------------------
 # Under `-n 2 --dist loadfile` a worker takes the next file when it is free. xdist's default queue puts the files
 # with the most tests first, so the few-test, many-minute launch files (test_rehearse_examples, test_fsdp_skippable,
