@@ -17,11 +17,13 @@ The deeper checks of the headline example on the pinned stack (accuracy bar, res
 plan log in docs/plan.md) are tests/test_example_vlm.py's.
 
 Which launcher: the real ``accelerate launch`` (fresh interpreters, so an abort at interpreter exit shows) on the
-oldest and newest stacks, where nothing else launches the example. On the pinned stack the same example under the
-same five configs is launched for real by tests/test_rehearse_examples.py and tests/test_rehearse.py (their
-rehearsals fail on a rank's abort at exit, as one did on 2026-12-03), so here its launches are forked from the test
-process's imported server (tests/forklaunch.py: accelerate's own launch code, the ranks forked): ~27 CPU-s less
-each, the training and evaluation checks unchanged.
+oldest and newest stacks for ``ddp_cpu`` and ``zero3`` (:data:`REAL_ON_OTHER_STACKS`: plain gloo DDP, and DeepSpeed,
+whose process groups outlive ``destroy_process_group()`` and aborted a finished rank once, 2026-12-03); their other
+cases are forked from the test process's imported server (tests/forklaunch.py: accelerate's own launch code and
+config reading, the FSDP device's start-up hook, the ranks forked): ~27 CPU-s less each, the training and
+evaluation checks unchanged. On the pinned stack the same example under all five configs is launched for real by
+tests/test_rehearse_examples.py and tests/test_rehearse.py (their rehearsals fail on a rank's abort at exit), so
+every case here is forked.
 """
 
 from __future__ import annotations
@@ -64,8 +66,13 @@ def one_result(done, what: str) -> dict:
     return json.loads(lines[0][len("RESULT "):])
 
 
-#: the pinned stack's real launches of the example are the rehearsals' (module docstring, "Which launcher")
-_LAUNCHER = "auto" if on_pinned_stack() else "accelerate"
+#: the cases launched for real on the oldest and newest stacks; the pinned stack's real launches of the example are
+#: the rehearsals' (module docstring, "Which launcher")
+REAL_ON_OTHER_STACKS = ("ddp_cpu", "zero3")
+
+
+def _launcher(case: str) -> str:
+    return "accelerate" if case in REAL_ON_OTHER_STACKS and not on_pinned_stack() else "auto"
 
 
 def _launch_vlm(case: str, out) -> tuple[dict, str]:
@@ -74,7 +81,7 @@ def _launch_vlm(case: str, out) -> tuple[dict, str]:
     env = fsdp_device_env(OFFLINE) if case == "fsdp_device" else OFFLINE
     # the first DeepSpeed run on a machine compiles its shared-memory op (45-210 s, cached afterwards)
     done = accelerate_launch(config, VLM, "--output-dir", str(out), *extra, *TINY,
-                             timeout=480 if needs == "deepspeed" else 300, env=env, launcher=_LAUNCHER)
+                             timeout=480 if needs == "deepspeed" else 300, env=env, launcher=_launcher(case))
     return one_result(done, f"{config} {' '.join(extra)}"), done.stdout
 
 

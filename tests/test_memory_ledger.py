@@ -64,3 +64,24 @@ def test_fake_tensors_give_the_real_tensor_ledger(features):
 
     assert real.peak_bytes == fake.peak_bytes > 0
     assert allocs(real) == allocs(fake)
+
+
+def test_the_allocator_peak_of_a_region_does_not_depend_on_when_python_collects_garbage():
+    """A tensor held by a reference cycle counts until the region's end, whether or not an automatic collection
+    happens to run inside it. Shown failing (2026-12-03, collection left on in the region): ``peak`` 1 MiB, the
+    cycle's tensor freed by the collection the object churn set off and its bytes reused; in CI the gemma3_text
+    ledger test read its allocator 20 % low in a process whose collections ran at other times."""
+    from hf_ddpfix.ops.memory_ledger import AllocatorPeak
+
+    class Holder:
+        pass
+
+    mib = 1 << 18  # float32 elements
+    with AllocatorPeak() as real:
+        held = Holder()
+        held.cycle, held.tensor = held, torch.ones(mib)
+        del held  # now garbage, reachable only through its own cycle
+        churn = [Holder() for _ in range(20_000)]  # enough new objects to set off automatic collections
+        del churn
+        after = torch.ones(mib)
+    assert real.peak == 2 * after.numel() * after.element_size(), real.peak
