@@ -29,6 +29,7 @@ views share it; the same program on ``meta`` tensors gives the same numbers (tes
 
 from __future__ import annotations
 
+import gc
 from collections import defaultdict
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -262,8 +263,6 @@ class AllocatorPeak:
         self._gc_was_on = False
 
     def __enter__(self) -> AllocatorPeak:
-        import gc
-
         from torch.profiler import ProfilerActivity, profile
 
         self._gc_was_on = gc.isenabled()
@@ -273,8 +272,6 @@ class AllocatorPeak:
         return self
 
     def __exit__(self, *exc: Any) -> None:
-        import gc
-
         try:
             self._prof.__exit__(*exc)
         finally:

@@ -199,6 +199,7 @@ def image_layout(model: nn.Module) -> Layout:
         raise SampleError(f"{type(model).__name__}: its config has no vision_config (a text-only default config)")
     params = image_params(model, fn) if fn is not None else set(inspect.signature(model.forward).parameters)
     errors: list[str] = []
+    bounds = image_bounds(cfg)  # tried only where a layout without them is refused
     for name, kw in candidates(model, params):
         if fn is None or token is None:  # the first layout the whole model takes beside plain text
             n = _placeholders(model, cfg)
@@ -221,7 +222,6 @@ def image_layout(model: nn.Module) -> Layout:
         except Exception as e:  # noqa: BLE001 - a trial: any failure means "not this layout"
             errors.append(f"{name}: {type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''}")
             continue
-        bounds = image_bounds(cfg)
         for layout in (Layout(kw, n, token, [name]),
                        *([Layout(kw, n, token, [f"{name}; between boundary tokens {bounds}"], bounds)] if bounds else [])):
             try:

@@ -107,9 +107,9 @@ def language_model_of(adapter: VisionAdapter) -> nn.Module | None:
     return None if path is None else get_submodule(adapter.root, path)
 
 
-def first_calls(forward: Any, lm_attr: str, tower_attrs: set[str]) -> tuple[tuple[int, int] | None, ...]:
-    """``(line, column)`` in ``forward``'s source (line 1: its ``def``) of its first ``self.<lm_attr>(...)`` call
-    and of its first ``self.<one of tower_attrs>(...)`` call; ``None`` for a call not found or no source."""
+def _self_calls(forward: Any) -> list[tuple[str, tuple[int, int], bool]] | None:
+    """Every ``self.<...>.<name>(...)`` call in ``forward``'s source: ``(name, (line, column), on self itself)``,
+    line 1 being its ``def``; ``None`` where there is no source."""
     import ast
     import inspect
     import textwrap
@@ -117,20 +117,33 @@ def first_calls(forward: Any, lm_attr: str, tower_attrs: set[str]) -> tuple[tupl
     try:
         tree = ast.parse(textwrap.dedent(inspect.getsource(forward)))
     except (OSError, TypeError, SyntaxError):
-        return None, None
-    lm_at: tuple[int, int] | None = None
-    tower_at: tuple[int, int] | None = None
+        return None
+    calls = []
     for node in ast.walk(tree):
         if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)):
             continue
-        if not (isinstance(node.func.value, ast.Name) and node.func.value.id == "self"):
-            continue
-        at = (node.lineno, node.col_offset)
-        if node.func.attr == lm_attr:
-            lm_at = min(lm_at or at, at)
-        elif node.func.attr in tower_attrs:
-            tower_at = min(tower_at or at, at)
-    return lm_at, tower_at
+        base = node.func.value
+        while isinstance(base, ast.Attribute):
+            base = base.value
+        if isinstance(base, ast.Name) and base.id == "self":
+            direct = isinstance(node.func.value, ast.Name)
+            calls.append((node.func.attr, (node.lineno, node.col_offset), direct))
+    return calls
+
+
+def _first(calls: list[tuple[str, tuple[int, int], bool]], names: set[str] | tuple[str, ...],
+           direct: bool) -> tuple[int, int] | None:
+    found = [at for name, at, on_self in calls if name in names and (on_self or not direct)]
+    return min(found) if found else None
+
+
+def first_calls(forward: Any, lm_attr: str, tower_attrs: set[str]) -> tuple[tuple[int, int] | None, ...]:
+    """``(line, column)`` in ``forward``'s source (line 1: its ``def``) of its first ``self.<lm_attr>(...)`` call
+    and of its first ``self.<one of tower_attrs>(...)`` call; ``None`` for a call not found or no source."""
+    calls = _self_calls(forward)
+    if calls is None:
+        return None, None
+    return _first(calls, {lm_attr}, direct=True), _first(calls, tower_attrs - {lm_attr}, direct=True)
 
 
 #: the calls that embed the tokens, as ``self.<name>(...)`` or ``self.<...>.<name>(...)`` in a VLM's forward
@@ -140,26 +153,8 @@ EMBEDDING_CALLS = ("get_input_embeddings", "embed_tokens")
 def first_embedding_call(forward: Any) -> tuple[int, int] | None:
     """``(line, column)`` in ``forward``'s source (line 1: its ``def``) of its first call that embeds the tokens
     (:data:`EMBEDDING_CALLS` on ``self`` or an attribute chain from it); ``None`` where there is none or no source."""
-    import ast
-    import inspect
-    import textwrap
-
-    try:
-        tree = ast.parse(textwrap.dedent(inspect.getsource(forward)))
-    except (OSError, TypeError, SyntaxError):
-        return None
-    found: tuple[int, int] | None = None
-    for node in ast.walk(tree):
-        if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
-                and node.func.attr in EMBEDDING_CALLS):
-            continue
-        base = node.func.value
-        while isinstance(base, ast.Attribute):
-            base = base.value
-        if isinstance(base, ast.Name) and base.id == "self":
-            at = (node.lineno, node.col_offset)
-            found = min(found or at, at)
-    return found
+    calls = _self_calls(forward)
+    return None if calls is None else _first(calls, EMBEDDING_CALLS, direct=False)
 
 
 def forward_order_problem(adapter: VisionAdapter, lm_path: str) -> str | None:
@@ -172,22 +167,24 @@ def forward_order_problem(adapter: VisionAdapter, lm_path: str) -> str | None:
     forward of the module that owns the language model (its source, as Python reads it): where that forward
     calls the language model before its first call of the tower (``get_image_features``, the tower's own
     attribute, ...), or runs the tower before its first call that embeds the tokens (:data:`EMBEDDING_CALLS`:
-    Ovis2.5 and BLIP-2 on transformers 5.25 encode the image first), the order is positively different and the
-    dummy refuses. Where the forward does not show the calls (the tower run one level up, a compiled forward, no
+    Ovis2.5 on transformers 5.25, BLIP-2 and InstructBLIP encode the image first), the order is positively
+    different and the dummy refuses. Where the forward does not show the calls (the tower run one level up, a compiled forward, no
     source) nothing is concluded: the dummy stays, as before this check.
     """
     owner_path, _, lm_attr = lm_path.rpartition(".")
     owner = get_submodule(adapter.root, owner_path) if owner_path else adapter.root
     tower_attrs = set(TOWER_CALLS) | {adapter.tower_name.rpartition(".")[2]}
-    forward = getattr(type(owner), "forward", None)
-    lm_at, tower_at = first_calls(forward, lm_attr, tower_attrs)
+    calls = _self_calls(getattr(type(owner), "forward", None))  # the source, read once
+    if calls is None:
+        return None
+    lm_at, tower_at = _first(calls, {lm_attr}, direct=True), _first(calls, tower_attrs - {lm_attr}, direct=True)
     if lm_at is None or tower_at is None:
         return None
     if lm_at < tower_at:
         return (f"{type(owner).__name__}.forward calls self.{lm_attr} (line {lm_at[0]} of the forward) "
                 f"before it runs the tower (line {tower_at[0]}): the dummy image, placed where the language "
                 "model is entered, would reach the tower at another point of the order than an image rank does")
-    embed_at = first_embedding_call(forward)
+    embed_at = _first(calls, EMBEDDING_CALLS, direct=False)
     if embed_at is not None and tower_at < embed_at:
         return (f"{type(owner).__name__}.forward runs the tower (line {tower_at[0]} of the forward) before it "
                 f"embeds the tokens (line {embed_at[0]}): the dummy image, placed where the language model is "
